@@ -1,0 +1,119 @@
+/* SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause) */
+/*
+ * Structs shared between meshwarp's BPF programs and user space.
+ *
+ * Every struct here has a #[repr(C)] mirror in crates/bpf/src/shared.rs with a
+ * layout test; change both together and bump MW_SCHEMA_VERSION when a pinned map's
+ * key or value changes, so an agent never adopts maps of another layout.
+ *
+ * Addresses are 16 bytes for both families, in network byte order exactly as the
+ * kernel hands them to sockops (IPv4 in ip[0], ip[1..3] zero). Ports are host order.
+ */
+#ifndef MESHWARP_SHARED_H
+#define MESHWARP_SHARED_H
+
+#define MW_SCHEMA_VERSION 1
+
+#define MW_AF_INET 2
+#define MW_AF_INET6 10
+
+/* How a socket's SOCKHASH key was built (mw_sock_key.kind). */
+enum mw_key_kind {
+	/* Mirror pairing: own (local, remote); the peer is (remote, local). */
+	MW_KEY_TUPLE = 1,
+	/* Capture pairing: the socket that opened the connection, keyed by its
+	 * own endpoint (client_ip:port). */
+	MW_KEY_ORIGIN = 2,
+	/* Capture pairing: the socket the capture listener accepted, keyed by the
+	 * remote (client) endpoint, which equals the origin's local endpoint. */
+	MW_KEY_CAPTURED = 3,
+};
+
+/* SOCKHASH key. For MW_KEY_TUPLE netns is the netns cookie when both ends are
+ * loopback (such tuples repeat across namespaces), else 0. For the capture
+ * kinds only local_* is used; netns is set when the client address is loopback. */
+struct mw_sock_key {
+	__u32 local_ip[4];
+	__u32 remote_ip[4];
+	__u32 local_port;
+	__u32 remote_port;
+	__u64 netns;
+	__u32 family;
+	__u32 kind;
+};
+
+/* Mirror-pairing rule: connections from client_ip (any port) to
+ * server_ip:server_port are covered, both ends. */
+struct mw_pair_key {
+	__u32 client_ip[4];
+	__u32 server_ip[4];
+	__u32 server_port;
+	__u32 family;
+};
+
+/* Capture-pairing rule: connections from client_ip (all-zero: any client of
+ * this family) to the original destination dst_ip:dst_port, which iptables
+ * captures to a proxy listening on the rule's listener. */
+struct mw_capture_key {
+	__u32 client_ip[4];
+	__u32 dst_ip[4];
+	__u32 dst_port;
+	__u32 family;
+};
+
+/* Value of both rule maps. */
+struct mw_rule {
+	/* Index into mw_stats; allocated by user space, < max rules. */
+	__u32 id;
+	/* Capture rules only: where the captured connection is accepted. */
+	__u32 listener_port;
+	__u32 listener_ip[4];
+};
+
+/* An origin socket of a capture rule, waiting for (or paired with) the socket
+ * its listener accepted. Keyed by the origin's endpoint. */
+struct mw_endpoint_key {
+	__u32 ip[4];
+	__u32 port;
+	__u32 family;
+	__u64 netns;
+};
+
+struct mw_origin {
+	__u32 rule_id;
+	__u32 listener_port;
+	__u32 listener_ip[4];
+	/* Socket cookie of the origin, so a closing socket only removes its own
+	 * entry after the 4-tuple was reused. */
+	__u64 cookie;
+};
+
+/* Per-socket state set by sockops (socket local storage), read by sk_msg. */
+struct mw_sock_state {
+	struct mw_sock_key peer;
+	__u32 rule_id;
+	__u32 flags;
+};
+
+/* mw_sock_state.flags */
+#define MW_SOCK_NEEDS_SYNC 1u /* redirect only if the TCP path carried no payload */
+
+/* Per-rule counters, one slot per rule id in a per-CPU array. */
+struct mw_rule_stats {
+	__u64 sockets;          /* sockets inserted into the SOCKHASH */
+	__u64 msgs;             /* messages redirected */
+	__u64 bytes;            /* bytes redirected */
+	__u64 fb_no_peer;       /* messages sent on the TCP path: peer absent */
+	__u64 fb_tcp_path;      /* messages sent on the TCP path: this direction already used it */
+	__u64 fb_map_full;      /* covered sockets not inserted: SOCKHASH full */
+	__u64 fb_insert_err;    /* covered sockets not inserted: other error (ULP, ...) */
+};
+
+/* Node-wide counters (one slot). */
+struct mw_global_stats {
+	__u64 established;      /* ESTABLISHED callbacks seen */
+	__u64 not_covered;      /* connections no rule covers: left alone */
+	__u64 no_state;         /* sk_msg without socket state: passed */
+};
+
+#endif /* MESHWARP_SHARED_H */

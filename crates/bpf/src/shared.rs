@@ -1,0 +1,250 @@
+//! `#[repr(C)]` mirrors of `include/meshwarp/shared.h`: the keys and values of
+//! the maps that user space and the BPF programs both read and write.
+//!
+//! Addresses are 16 bytes in network byte order (IPv4 in the first word), ports
+//! in host order, exactly as the sockops program builds them.
+
+use std::net::IpAddr;
+
+/// `MW_SCHEMA_VERSION`: bumped whenever a pinned map's key or value changes.
+pub const SCHEMA_VERSION: u32 = 1;
+
+pub const AF_INET: u32 = 2;
+pub const AF_INET6: u32 = 10;
+
+/// `enum mw_key_kind`.
+pub const KEY_TUPLE: u32 = 1;
+pub const KEY_ORIGIN: u32 = 2;
+pub const KEY_CAPTURED: u32 = 3;
+
+/// An address as the BPF programs store it: four words in network byte order.
+pub type RawAddr = [u32; 4];
+
+/// Converts an address into its map form and address family.
+pub fn raw_addr(ip: IpAddr) -> (RawAddr, u32) {
+    let mut out = [0u32; 4];
+    match ip {
+        IpAddr::V4(v4) => {
+            out[0] = u32::from_ne_bytes(v4.octets());
+            (out, AF_INET)
+        }
+        IpAddr::V6(v6) => {
+            let o = v6.octets();
+            for (i, w) in out.iter_mut().enumerate() {
+                *w = u32::from_ne_bytes([o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3]]);
+            }
+            (out, AF_INET6)
+        }
+    }
+}
+
+/// Inverse of [`raw_addr`]; `None` for an unknown family.
+pub fn ip_from_raw(raw: RawAddr, family: u32) -> Option<IpAddr> {
+    match family {
+        AF_INET => Some(IpAddr::from(raw[0].to_ne_bytes())),
+        AF_INET6 => {
+            let mut o = [0u8; 16];
+            for (i, w) in raw.iter().enumerate() {
+                o[4 * i..4 * i + 4].copy_from_slice(&w.to_ne_bytes());
+            }
+            Some(IpAddr::from(o))
+        }
+        _ => None,
+    }
+}
+
+/// Plain-old-data structs that are copied to and from map memory byte for byte.
+///
+/// # Safety
+/// Implementors are `#[repr(C)]`, have no padding and accept every bit pattern.
+pub unsafe trait Pod: Copy + Default + 'static {
+    /// The struct's bytes.
+    fn as_bytes(&self) -> &[u8] {
+        // SAFETY: Pod types are repr(C) without padding.
+        unsafe { std::slice::from_raw_parts((self as *const Self).cast::<u8>(), size_of::<Self>()) }
+    }
+
+    /// Reads a value from map bytes; `None` if the length differs.
+    fn from_bytes(bytes: &[u8]) -> Option<Self> {
+        if bytes.len() != size_of::<Self>() {
+            return None;
+        }
+        // SAFETY: length checked; every bit pattern is valid for Pod types.
+        Some(unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast::<Self>()) })
+    }
+}
+
+/// `struct mw_sock_key`: a SOCKHASH key.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct SockKey {
+    pub local_ip: RawAddr,
+    pub remote_ip: RawAddr,
+    pub local_port: u32,
+    pub remote_port: u32,
+    pub netns: u64,
+    pub family: u32,
+    pub kind: u32,
+}
+
+/// `struct mw_pair_key`: a mirror-pairing rule.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct PairKey {
+    pub client_ip: RawAddr,
+    pub server_ip: RawAddr,
+    pub server_port: u32,
+    pub family: u32,
+}
+
+/// `struct mw_capture_key`: a capture-pairing rule (client all-zero: any).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct CaptureKey {
+    pub client_ip: RawAddr,
+    pub dst_ip: RawAddr,
+    pub dst_port: u32,
+    pub family: u32,
+}
+
+/// `struct mw_rule`: value of both rule maps.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Rule {
+    pub id: u32,
+    pub listener_port: u32,
+    pub listener_ip: RawAddr,
+}
+
+/// `struct mw_endpoint_key`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct EndpointKey {
+    pub ip: RawAddr,
+    pub port: u32,
+    pub family: u32,
+    pub netns: u64,
+}
+
+/// `struct mw_origin`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Origin {
+    pub rule_id: u32,
+    pub listener_port: u32,
+    pub listener_ip: RawAddr,
+    pub cookie: u64,
+}
+
+/// `struct mw_sock_state`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SockState {
+    pub peer: SockKey,
+    pub rule_id: u32,
+    pub flags: u32,
+}
+
+/// `struct mw_rule_stats`: per-rule counters (one per CPU).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RuleStats {
+    pub sockets: u64,
+    pub msgs: u64,
+    pub bytes: u64,
+    pub fb_no_peer: u64,
+    pub fb_tcp_path: u64,
+    pub fb_map_full: u64,
+    pub fb_insert_err: u64,
+}
+
+/// `struct mw_global_stats`: node-wide counters (one per CPU).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GlobalStats {
+    pub established: u64,
+    pub not_covered: u64,
+    pub no_state: u64,
+}
+
+// SAFETY: all are repr(C), made of u32/u64 fields laid out without padding
+// (checked by the layout tests below), valid for any bit pattern.
+unsafe impl Pod for SockKey {}
+unsafe impl Pod for PairKey {}
+unsafe impl Pod for CaptureKey {}
+unsafe impl Pod for Rule {}
+unsafe impl Pod for EndpointKey {}
+unsafe impl Pod for Origin {}
+unsafe impl Pod for SockState {}
+unsafe impl Pod for RuleStats {}
+unsafe impl Pod for GlobalStats {}
+unsafe impl Pod for u32 {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sockredir::types;
+    use std::mem::{align_of, offset_of, size_of};
+
+    /// Checks size, alignment and every field offset against the skeleton's
+    /// types, which libbpf-cargo generates from the BPF object's BTF.
+    macro_rules! same_layout {
+        ($ours:ty, $theirs:ty, [$($f:ident),*]) => {{
+            assert_eq!(size_of::<$ours>(), size_of::<$theirs>(), "size of {}", stringify!($ours));
+            assert_eq!(align_of::<$ours>(), align_of::<$theirs>(), "align of {}", stringify!($ours));
+            $( assert_eq!(offset_of!($ours, $f), offset_of!($theirs, $f),
+                "offset of {}.{}", stringify!($ours), stringify!($f)); )*
+        }};
+    }
+
+    #[test]
+    fn mirrors_match_btf_layout() {
+        same_layout!(SockKey, types::mw_sock_key,
+            [local_ip, remote_ip, local_port, remote_port, netns, family, kind]);
+        same_layout!(PairKey, types::mw_pair_key, [client_ip, server_ip, server_port, family]);
+        same_layout!(CaptureKey, types::mw_capture_key, [client_ip, dst_ip, dst_port, family]);
+        same_layout!(Rule, types::mw_rule, [id, listener_port, listener_ip]);
+        same_layout!(EndpointKey, types::mw_endpoint_key, [ip, port, family, netns]);
+        same_layout!(Origin, types::mw_origin, [rule_id, listener_port, listener_ip, cookie]);
+        same_layout!(SockState, types::mw_sock_state, [peer, rule_id, flags]);
+        same_layout!(RuleStats, types::mw_rule_stats,
+            [sockets, msgs, bytes, fb_no_peer, fb_tcp_path, fb_map_full, fb_insert_err]);
+        same_layout!(GlobalStats, types::mw_global_stats, [established, not_covered, no_state]);
+    }
+
+    #[test]
+    fn no_padding() {
+        assert_eq!(size_of::<SockKey>(), 16 + 16 + 4 + 4 + 8 + 4 + 4);
+        assert_eq!(size_of::<PairKey>(), 16 + 16 + 4 + 4);
+        assert_eq!(size_of::<CaptureKey>(), 16 + 16 + 4 + 4);
+        assert_eq!(size_of::<Rule>(), 4 + 4 + 16);
+        assert_eq!(size_of::<EndpointKey>(), 16 + 4 + 4 + 8);
+        assert_eq!(size_of::<Origin>(), 4 + 4 + 16 + 8);
+        assert_eq!(size_of::<SockState>(), size_of::<SockKey>() + 8);
+        assert_eq!(size_of::<RuleStats>(), 7 * 8);
+        assert_eq!(size_of::<GlobalStats>(), 3 * 8);
+    }
+
+    #[test]
+    fn raw_addr_is_network_order() {
+        let (v4, fam) = raw_addr("127.0.0.1".parse().unwrap());
+        assert_eq!(fam, AF_INET);
+        assert_eq!(v4[0].to_ne_bytes(), [127, 0, 0, 1]);
+        assert_eq!(&v4[1..], &[0, 0, 0]);
+        let (v6, fam) = raw_addr("::1".parse().unwrap());
+        assert_eq!(fam, AF_INET6);
+        assert_eq!(v6[3].to_ne_bytes(), [0, 0, 0, 1]);
+        for ip in ["198.18.0.1", "2001:db8::7", "::ffff:1.2.3.4"] {
+            let ip: IpAddr = ip.parse().unwrap();
+            let (raw, fam) = raw_addr(ip);
+            assert_eq!(ip_from_raw(raw, fam), Some(ip));
+        }
+    }
+
+    #[test]
+    fn pod_round_trip() {
+        let k = SockKey { local_port: 80, remote_port: 40000, netns: 7, family: AF_INET, kind: KEY_TUPLE, ..Default::default() };
+        assert_eq!(SockKey::from_bytes(k.as_bytes()), Some(k));
+        assert_eq!(SockKey::from_bytes(&[0u8; 3]), None);
+    }
+}

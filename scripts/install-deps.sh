@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Installs every system package meshwarp needs to build, test and run its demo on a
+# fresh Debian machine. Idempotent: packages already present are left alone.
+set -euo pipefail
+
+PKGS=(clang llvm libelf-dev zlib1g-dev pkg-config make iproute2 iptables bpftool procps)
+
+missing=()
+for p in "${PKGS[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+
+if [ "${#missing[@]}" -gt 0 ]; then
+  echo "install-deps: installing ${missing[*]}"
+  SUDO=""
+  [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+if ! command -v cargo >/dev/null 2>&1; then
+  echo "install-deps: cargo not found; install Rust (rustup) first" >&2
+  exit 1
+fi
+# rustfmt and clippy are part of `make test`.
+rustup component add rustfmt clippy >/dev/null 2>&1 || true
