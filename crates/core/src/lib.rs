@@ -1,0 +1,28 @@
+//! meshwarp-core: the typed library over meshwarp's eBPF data path.
+//!
+//! A [`Dataplane`] loads (or adopts an already pinned) socket-redirection data
+//! path, attaches it to a cgroup v2 and lets a controller register which
+//! connections to accelerate: [`EndpointPair`]s (mirror pairing) and
+//! [`CaptureRule`]s (connections captured by iptables REDIRECT to a proxy).
+//!
+//! ```no_run
+//! use meshwarp_core::{Dataplane, DataplaneConfig, EndpointPair, Endpoint};
+//! let dp = Dataplane::open(&DataplaneConfig::default())?;
+//! let pair = EndpointPair::new("198.18.0.2".parse()?, Endpoint::new("198.18.0.3".parse()?, 8080))?;
+//! dp.insert_pair(&pair)?;
+//! println!("{:?}", dp.pair_stats(&pair)?);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+pub mod dataplane;
+pub mod endpoint;
+pub mod maps;
+pub mod registry;
+pub mod stats;
+pub mod sys;
+pub mod testbed;
+
+pub use dataplane::{Dataplane, DataplaneConfig, DataplaneError, Origin as DataplaneOrigin};
+pub use endpoint::{CaptureRule, Endpoint, EndpointPair, ValidationError};
+pub use registry::RegistryError;
+pub use stats::{GlobalCounters, RuleCounters};

@@ -1,0 +1,266 @@
+//! The thin layer between the registry's logic and the kernel's maps.
+//!
+//! [`RuleMaps`] is what the registry needs from the data path; [`KernelMaps`]
+//! implements it over pinned BPF maps, [`MemoryMaps`] over plain collections so
+//! that validation and reconciliation are unit-tested without root. The kernel
+//! path itself is covered by the integration tests.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use libbpf_rs::{ErrorKind, MapCore, MapFlags, MapHandle};
+use meshwarp_bpf::names;
+use meshwarp_bpf::shared::{CaptureKey, GlobalStats, PairKey, Pod, Rule, RuleStats};
+
+/// A failed map operation.
+#[derive(Debug, thiserror::Error)]
+pub enum MapError {
+    /// The map holds max_entries already; nothing was changed.
+    #[error("map {map} is full ({capacity} entries)")]
+    Full { map: &'static str, capacity: u32 },
+    #[error("{op} on map {map}: {source}")]
+    Kernel {
+        op: &'static str,
+        map: &'static str,
+        #[source]
+        source: libbpf_rs::Error,
+    },
+    #[error("map {map}: entry of {got} bytes, expected {want}")]
+    BadValue { map: &'static str, got: usize, want: usize },
+}
+
+/// How [`RuleMaps`] writes an entry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Put {
+    /// Create; fails if present.
+    Create,
+    /// Create or replace.
+    Upsert,
+}
+
+/// What the registry reads and writes in the data path.
+pub trait RuleMaps {
+    /// How many rules (pairs + capture rules) the stats array has slots for.
+    fn rule_capacity(&self) -> u32;
+    fn pairs(&self) -> Result<Vec<(PairKey, Rule)>, MapError>;
+    fn captures(&self) -> Result<Vec<(CaptureKey, Rule)>, MapError>;
+    fn put_pair(&mut self, key: &PairKey, rule: &Rule) -> Result<(), MapError>;
+    fn delete_pair(&mut self, key: &PairKey) -> Result<(), MapError>;
+    fn put_capture(&mut self, key: &CaptureKey, rule: &Rule) -> Result<(), MapError>;
+    fn delete_capture(&mut self, key: &CaptureKey) -> Result<(), MapError>;
+    /// Counters of one rule slot, summed over CPUs.
+    fn rule_stats(&self, id: u32) -> Result<RuleStats, MapError>;
+    /// Zeroes a slot before it is given to a new rule.
+    fn reset_rule_stats(&mut self, id: u32) -> Result<(), MapError>;
+    fn global_stats(&self) -> Result<GlobalStats, MapError>;
+}
+
+/// The pinned maps of a loaded data path.
+#[derive(Debug)]
+pub struct KernelMaps {
+    pairs: MapHandle,
+    capture: MapHandle,
+    stats: MapHandle,
+    global: MapHandle,
+    ncpus: usize,
+}
+
+fn kernel(op: &'static str, map: &'static str) -> impl FnOnce(libbpf_rs::Error) -> MapError {
+    move |source| MapError::Kernel { op, map, source }
+}
+
+fn decode<T: Pod>(map: &'static str, bytes: &[u8]) -> Result<T, MapError> {
+    T::from_bytes(bytes).ok_or(MapError::BadValue { map, got: bytes.len(), want: size_of::<T>() })
+}
+
+fn entries<K: Pod, V: Pod>(map: &MapHandle, name: &'static str) -> Result<Vec<(K, V)>, MapError> {
+    let mut out = Vec::new();
+    for key in map.keys() {
+        // An entry deleted between keys() and lookup() is simply gone.
+        if let Some(val) = map.lookup(&key, MapFlags::ANY).map_err(kernel("lookup", name))? {
+            out.push((decode::<K>(name, &key)?, decode::<V>(name, &val)?));
+        }
+    }
+    Ok(out)
+}
+
+fn put(map: &MapHandle, name: &'static str, key: &[u8], val: &[u8]) -> Result<(), MapError> {
+    map.update(key, val, MapFlags::ANY).map_err(|e| {
+        if e.kind() == ErrorKind::TooBig {
+            MapError::Full { map: name, capacity: map.max_entries() }
+        } else {
+            MapError::Kernel { op: "update", map: name, source: e }
+        }
+    })
+}
+
+fn delete(map: &MapHandle, name: &'static str, key: &[u8]) -> Result<(), MapError> {
+    match map.delete(key) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(MapError::Kernel { op: "delete", map: name, source: e }),
+    }
+}
+
+impl KernelMaps {
+    /// Opens the maps pinned in `maps_dir`.
+    pub fn open(maps_dir: &Path) -> Result<Self, MapError> {
+        let open = |name: &'static str| {
+            MapHandle::from_pinned_path(maps_dir.join(name)).map_err(kernel("open pinned", name))
+        };
+        Ok(Self {
+            pairs: open(names::MAP_PAIRS)?,
+            capture: open(names::MAP_CAPTURE)?,
+            stats: open(names::MAP_STATS)?,
+            global: open(names::MAP_GLOBAL)?,
+            ncpus: libbpf_rs::num_possible_cpus().map_err(kernel("count cpus", names::MAP_STATS))?,
+        })
+    }
+
+    fn sum_percpu<T: Pod>(
+        &self,
+        map: &MapHandle,
+        name: &'static str,
+        idx: u32,
+        add: impl Fn(&mut T, &T),
+    ) -> Result<T, MapError> {
+        let mut total = T::default();
+        let per_cpu = map.lookup_percpu(&idx.to_ne_bytes(), MapFlags::ANY).map_err(kernel("lookup", name))?;
+        for v in per_cpu.unwrap_or_default() {
+            add(&mut total, &decode::<T>(name, &v)?);
+        }
+        Ok(total)
+    }
+}
+
+/// Adds `b` into `a` field by field.
+pub fn add_rule_stats(a: &mut RuleStats, b: &RuleStats) {
+    a.sockets += b.sockets;
+    a.msgs += b.msgs;
+    a.bytes += b.bytes;
+    a.fb_no_peer += b.fb_no_peer;
+    a.fb_tcp_path += b.fb_tcp_path;
+    a.fb_map_full += b.fb_map_full;
+    a.fb_insert_err += b.fb_insert_err;
+}
+
+fn add_global_stats(a: &mut GlobalStats, b: &GlobalStats) {
+    a.established += b.established;
+    a.not_covered += b.not_covered;
+    a.no_state += b.no_state;
+}
+
+impl RuleMaps for KernelMaps {
+    fn rule_capacity(&self) -> u32 {
+        self.stats.max_entries()
+    }
+
+    fn pairs(&self) -> Result<Vec<(PairKey, Rule)>, MapError> {
+        entries(&self.pairs, names::MAP_PAIRS)
+    }
+
+    fn captures(&self) -> Result<Vec<(CaptureKey, Rule)>, MapError> {
+        entries(&self.capture, names::MAP_CAPTURE)
+    }
+
+    fn put_pair(&mut self, key: &PairKey, rule: &Rule) -> Result<(), MapError> {
+        put(&self.pairs, names::MAP_PAIRS, key.as_bytes(), rule.as_bytes())
+    }
+
+    fn delete_pair(&mut self, key: &PairKey) -> Result<(), MapError> {
+        delete(&self.pairs, names::MAP_PAIRS, key.as_bytes())
+    }
+
+    fn put_capture(&mut self, key: &CaptureKey, rule: &Rule) -> Result<(), MapError> {
+        put(&self.capture, names::MAP_CAPTURE, key.as_bytes(), rule.as_bytes())
+    }
+
+    fn delete_capture(&mut self, key: &CaptureKey) -> Result<(), MapError> {
+        delete(&self.capture, names::MAP_CAPTURE, key.as_bytes())
+    }
+
+    fn rule_stats(&self, id: u32) -> Result<RuleStats, MapError> {
+        self.sum_percpu(&self.stats, names::MAP_STATS, id, add_rule_stats)
+    }
+
+    fn reset_rule_stats(&mut self, id: u32) -> Result<(), MapError> {
+        let zeros = vec![RuleStats::default().as_bytes().to_vec(); self.ncpus];
+        self.stats
+            .update_percpu(&id.to_ne_bytes(), &zeros, MapFlags::ANY)
+            .map_err(kernel("update", names::MAP_STATS))
+    }
+
+    fn global_stats(&self) -> Result<GlobalStats, MapError> {
+        self.sum_percpu(&self.global, names::MAP_GLOBAL, 0, add_global_stats)
+    }
+}
+
+/// An in-memory stand-in with the kernel maps' capacity semantics, for unit
+/// tests of the registry logic.
+#[derive(Debug, Default)]
+pub struct MemoryMaps {
+    pub capacity: u32,
+    pub pairs: HashMap<PairKey, Rule>,
+    pub captures: HashMap<CaptureKey, Rule>,
+    pub stats: HashMap<u32, RuleStats>,
+    pub global: GlobalStats,
+}
+
+impl MemoryMaps {
+    pub fn with_capacity(capacity: u32) -> Self {
+        Self { capacity, ..Self::default() }
+    }
+}
+
+impl RuleMaps for MemoryMaps {
+    fn rule_capacity(&self) -> u32 {
+        self.capacity
+    }
+
+    fn pairs(&self) -> Result<Vec<(PairKey, Rule)>, MapError> {
+        Ok(self.pairs.iter().map(|(k, v)| (*k, *v)).collect())
+    }
+
+    fn captures(&self) -> Result<Vec<(CaptureKey, Rule)>, MapError> {
+        Ok(self.captures.iter().map(|(k, v)| (*k, *v)).collect())
+    }
+
+    fn put_pair(&mut self, key: &PairKey, rule: &Rule) -> Result<(), MapError> {
+        if !self.pairs.contains_key(key) && self.pairs.len() as u32 >= self.capacity {
+            return Err(MapError::Full { map: names::MAP_PAIRS, capacity: self.capacity });
+        }
+        self.pairs.insert(*key, *rule);
+        Ok(())
+    }
+
+    fn delete_pair(&mut self, key: &PairKey) -> Result<(), MapError> {
+        self.pairs.remove(key);
+        Ok(())
+    }
+
+    fn put_capture(&mut self, key: &CaptureKey, rule: &Rule) -> Result<(), MapError> {
+        if !self.captures.contains_key(key) && self.captures.len() as u32 >= self.capacity {
+            return Err(MapError::Full { map: names::MAP_CAPTURE, capacity: self.capacity });
+        }
+        self.captures.insert(*key, *rule);
+        Ok(())
+    }
+
+    fn delete_capture(&mut self, key: &CaptureKey) -> Result<(), MapError> {
+        self.captures.remove(key);
+        Ok(())
+    }
+
+    fn rule_stats(&self, id: u32) -> Result<RuleStats, MapError> {
+        Ok(self.stats.get(&id).copied().unwrap_or_default())
+    }
+
+    fn reset_rule_stats(&mut self, id: u32) -> Result<(), MapError> {
+        self.stats.remove(&id);
+        Ok(())
+    }
+
+    fn global_stats(&self) -> Result<GlobalStats, MapError> {
+        Ok(self.global)
+    }
+}

@@ -1,0 +1,133 @@
+//! What the data path needs from the host: a bpffs to pin into and a cgroup v2
+//! hierarchy to attach sockops to, mounted when absent; netns cookies.
+
+use std::fs;
+use std::io;
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+
+use nix::mount::{mount, MsFlags};
+use nix::sys::statfs::{statfs, BPF_FS_MAGIC, CGROUP2_SUPER_MAGIC};
+
+/// Where a cgroup2 hierarchy is mounted when the host has none.
+pub const FALLBACK_CGROUP2: &str = "/run/meshwarp/cgroup2";
+/// Where bpffs is mounted when absent.
+pub const DEFAULT_BPFFS: &str = "/sys/fs/bpf";
+
+#[derive(Debug, thiserror::Error)]
+pub enum SysError {
+    #[error("mounting {fstype} at {path}: {source}")]
+    Mount { fstype: &'static str, path: PathBuf, source: nix::Error },
+    #[error("{path}: {source}")]
+    Io { path: PathBuf, source: io::Error },
+    #[error("{path} is not on a bpffs (pins must live on one)")]
+    NotBpffs { path: PathBuf },
+    #[error("{path} is not a cgroup v2 directory")]
+    NotCgroup2 { path: PathBuf },
+    #[error("reading the netns cookie: {0}")]
+    NetnsCookie(io::Error),
+}
+
+fn io_err(path: &Path) -> impl FnOnce(io::Error) -> SysError + '_ {
+    move |source| SysError::Io { path: path.to_path_buf(), source }
+}
+
+/// Mount points of `fstype`, from /proc/self/mountinfo.
+pub fn mounts_of(fstype: &str) -> Vec<PathBuf> {
+    let Ok(info) = fs::read_to_string("/proc/self/mountinfo") else { return Vec::new() };
+    info.lines()
+        .filter_map(|l| {
+            let (pre, post) = l.split_once(" - ")?;
+            let mount_point = pre.split(' ').nth(4)?;
+            (post.split(' ').next()? == fstype).then(|| PathBuf::from(mount_point.replace("\\040", " ")))
+        })
+        .collect()
+}
+
+fn is_fs(path: &Path, magic: nix::sys::statfs::FsType) -> bool {
+    statfs(path).map(|s| s.filesystem_type() == magic).unwrap_or(false)
+}
+
+/// Makes sure `pin_root`'s nearest existing ancestor is on a bpffs, mounting
+/// bpffs at /sys/fs/bpf when that is where the pins go and nothing is mounted.
+pub fn ensure_bpffs(pin_root: &Path) -> Result<(), SysError> {
+    let mut probe = pin_root.to_path_buf();
+    while !probe.exists() {
+        if !probe.pop() {
+            break;
+        }
+    }
+    if is_fs(&probe, BPF_FS_MAGIC) {
+        return Ok(());
+    }
+    let default = Path::new(DEFAULT_BPFFS);
+    if pin_root.starts_with(default) && !is_fs(default, BPF_FS_MAGIC) {
+        fs::create_dir_all(default).map_err(io_err(default))?;
+        mount(Some("bpf"), default, Some("bpf"), MsFlags::empty(), None::<&str>).map_err(|source| {
+            SysError::Mount { fstype: "bpf", path: default.to_path_buf(), source }
+        })?;
+        tracing::info!(path = %default.display(), "mounted bpffs");
+        return Ok(());
+    }
+    Err(SysError::NotBpffs { path: pin_root.to_path_buf() })
+}
+
+/// The root of a cgroup v2 hierarchy: the first mounted one, else one mounted
+/// at [`FALLBACK_CGROUP2`].
+pub fn cgroup2_root() -> Result<PathBuf, SysError> {
+    if let Some(p) = mounts_of("cgroup2").into_iter().next() {
+        return Ok(p);
+    }
+    let p = PathBuf::from(FALLBACK_CGROUP2);
+    if is_fs(&p, CGROUP2_SUPER_MAGIC) {
+        return Ok(p);
+    }
+    fs::create_dir_all(&p).map_err(io_err(&p))?;
+    mount(Some("none"), &p, Some("cgroup2"), MsFlags::empty(), None::<&str>)
+        .map_err(|source| SysError::Mount { fstype: "cgroup2", path: p.clone(), source })?;
+    tracing::info!(path = %p.display(), "mounted cgroup2");
+    Ok(p)
+}
+
+/// Checks that `path` is a cgroup v2 directory.
+pub fn check_cgroup2(path: &Path) -> Result<(), SysError> {
+    if is_fs(path, CGROUP2_SUPER_MAGIC) {
+        Ok(())
+    } else {
+        Err(SysError::NotCgroup2 { path: path.to_path_buf() })
+    }
+}
+
+const SO_NETNS_COOKIE: libc::c_int = 71;
+
+/// The netns cookie of the namespace `sock` lives in (what
+/// `bpf_get_netns_cookie` returns for it).
+pub fn netns_cookie_of(sock: &impl AsRawFd) -> Result<u64, SysError> {
+    let mut cookie: u64 = 0;
+    let mut len = size_of::<u64>() as libc::socklen_t;
+    // SAFETY: valid fd, out pointer and length of a u64.
+    let rc = unsafe {
+        libc::getsockopt(
+            sock.as_raw_fd(),
+            libc::SOL_SOCKET,
+            SO_NETNS_COOKIE,
+            (&mut cookie as *mut u64).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(SysError::NetnsCookie(io::Error::last_os_error()));
+    }
+    Ok(cookie)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn proc_mounts_lists_proc() {
+        assert!(mounts_of("proc").iter().any(|p| p == Path::new("/proc")));
+        assert!(mounts_of("no-such-fs").is_empty());
+    }
+}

@@ -1,0 +1,345 @@
+//! Socket redirection on a real kernel: pods in namespaces on a bridge, the
+//! real sockops/sk_msg programs attached to a per-test cgroup.
+//!
+//! Each test fails (never skips) when CI=true and BPF is refused.
+
+use std::net::{IpAddr, SocketAddr, TcpStream};
+use std::thread;
+use std::time::Duration;
+
+use anyhow::{ensure, Context, Result};
+use meshwarp_core::registry::{capture_sock_key, tuple_sock_key};
+use meshwarp_core::sys::netns_cookie_of;
+use meshwarp_core::testbed::{
+    accept_timeout, exchange, redirect_output, CaptureProxy, KernelTest, NodeWithPods, SERVICE_V4, SERVICE_V6,
+};
+use meshwarp_core::{CaptureRule, DataplaneConfig, DataplaneOrigin, Endpoint, EndpointPair, RegistryError};
+
+const T: Duration = Duration::from_secs(60);
+const SERVER_PORT: u16 = 8080;
+
+macro_rules! kernel_test {
+    ($max_sockets:expr) => {
+        match KernelTest::start($max_sockets) {
+            Some(k) => k,
+            None => return Ok(()),
+        }
+    };
+}
+
+fn pair_for(net: &NodeWithPods, v6: bool) -> EndpointPair {
+    EndpointPair::new(net.pods[0].addr(v6), Endpoint::new(net.pods[1].addr(v6), SERVER_PORT)).unwrap()
+}
+
+/// Connects pod0 -> pod1:SERVER_PORT; returns (client, accepted server side).
+fn connect_pods(net: &NodeWithPods, listener: &std::net::TcpListener, v6: bool) -> Result<(TcpStream, TcpStream)> {
+    let addr = SocketAddr::new(net.pods[1].addr(v6), SERVER_PORT);
+    let c = net.pods[0].ns.connect(addr)?;
+    let s = accept_timeout(listener, T)?;
+    Ok((c, s))
+}
+
+fn mirror_pairing(v6: bool) -> Result<()> {
+    let k = kernel_test!(1024);
+    let net = NodeWithPods::new(2)?;
+    let listener = net.pods[1].ns.listen(SocketAddr::new(net.pods[1].addr(v6), SERVER_PORT))?;
+    let pair = pair_for(&net, v6);
+    k.dp().insert_pair(&pair)?;
+
+    let (c, s) = connect_pods(&net, &listener, v6)?;
+    // The user-space key of each socket is the one sockops stored (port byte order, netns).
+    let ck = tuple_sock_key(c.local_addr()?, c.peer_addr()?, netns_cookie_of(&c)?);
+    let sk = tuple_sock_key(s.local_addr()?, s.peer_addr()?, netns_cookie_of(&s)?);
+    ensure!(k.dp().sockhash_lookup(&ck)?.is_some(), "client socket not in SOCKHASH under {ck:?}");
+    ensure!(k.dp().sockhash_lookup(&sk)?.is_some(), "server socket not in SOCKHASH under {sk:?}");
+
+    let before = net.veth_bytes(0)? + net.veth_bytes(1)?;
+    let len = 4 << 20;
+    exchange(c, s, 1, len, T)?;
+    let crossed = net.veth_bytes(0)? + net.veth_bytes(1)? - before;
+    let st = k.dp().pair_stats(&pair)?;
+    ensure!(st.sockets == 2, "both ends inserted: {st:?}");
+    ensure!(st.redirected_bytes == 2 * len as u64, "every byte redirected: {st:?}");
+    // Only FINs/ACKs cross the veths, not the 8 MiB of payload.
+    ensure!(crossed < 64 * 1024, "{crossed} bytes crossed the veths with the pair registered");
+    Ok(())
+}
+
+#[test]
+fn mirror_pairing_redirects_pod_to_pod_v4() -> Result<()> {
+    mirror_pairing(false)
+}
+
+#[test]
+fn mirror_pairing_redirects_pod_to_pod_v6() -> Result<()> {
+    mirror_pairing(true)
+}
+
+#[test]
+fn unregistered_connection_takes_the_normal_path() -> Result<()> {
+    let k = kernel_test!(1024);
+    let net = NodeWithPods::new(2)?;
+    let listener = net.pods[1].ns.listen(SocketAddr::new(net.pods[1].addr(false), SERVER_PORT))?;
+    // A pair for another port covers nothing here.
+    let other = EndpointPair::new(net.pods[0].addr(false), Endpoint::new(net.pods[1].addr(false), 9999))?;
+    k.dp().insert_pair(&other)?;
+    let g0 = k.dp().global_stats()?;
+    let before = net.veth_bytes(0)?;
+    let (c, s) = connect_pods(&net, &listener, false)?;
+    let len = 1 << 20;
+    exchange(c, s, 2, len, T)?;
+    ensure!(net.veth_bytes(0)? - before >= 2 * len as u64, "payload must cross the veth");
+    let g1 = k.dp().global_stats()?;
+    ensure!(g1.not_covered >= g0.not_covered + 2, "both ends seen and left alone: {g0:?} -> {g1:?}");
+    ensure!(k.dp().pair_stats(&other)? == Default::default(), "nothing counted on an unrelated pair");
+    Ok(())
+}
+
+fn capture_pairing(v6: bool) -> Result<()> {
+    let k = kernel_test!(1024);
+    let net = NodeWithPods::new(2)?;
+    let app = &net.pods[0];
+    let (service, loopback): (IpAddr, IpAddr) =
+        if v6 { (SERVICE_V6.into(), "::1".parse()?) } else { (SERVICE_V4.into(), "127.0.0.1".parse()?) };
+    let upstream = SocketAddr::new(net.pods[1].addr(v6), SERVER_PORT);
+    let server = net.pods[1].ns.listen(upstream)?;
+    // The sidecar: iptables captures app -> service:80 to the proxy on 15001.
+    redirect_output(&app.ns, service, 80, 15001)?;
+    let proxy = CaptureProxy::start(&app.ns, SocketAddr::new(loopback, 15001), upstream)?;
+    let rule = CaptureRule::new(Some(app.addr(v6)), Endpoint::new(service, 80), Endpoint::new(loopback, 15001))?;
+    k.dp().insert_capture(&rule)?;
+
+    let c = app.ns.connect(SocketAddr::new(service, 80))?;
+    let s = accept_timeout(&server, T)?;
+    let origin_key = capture_sock_key(c.local_addr()?, netns_cookie_of(&c)?, true);
+    ensure!(k.dp().sockhash_lookup(&origin_key)?.is_some(), "origin socket not in SOCKHASH");
+    let len = 2 << 20;
+    exchange(c, s, 3, len, T)?;
+    ensure!(
+        proxy.original_dsts.lock().unwrap().contains(&SocketAddr::new(service, 80)),
+        "iptables did not capture the connection"
+    );
+    let st = k.dp().capture_stats(&rule)?;
+    ensure!(st.sockets == 2, "app socket and the socket the proxy accepted: {st:?}");
+    // app -> proxy and proxy -> app are both redirected.
+    ensure!(st.redirected_bytes == 2 * len as u64, "{st:?}");
+    Ok(())
+}
+
+#[test]
+fn capture_pairing_app_to_sidecar_v4() -> Result<()> {
+    capture_pairing(false)
+}
+
+#[test]
+fn capture_pairing_app_to_sidecar_v6() -> Result<()> {
+    capture_pairing(true)
+}
+
+#[test]
+fn integrity_across_sizes_both_directions() -> Result<()> {
+    let k = kernel_test!(1024);
+    let net = NodeWithPods::new(2)?;
+    let listener = net.pods[1].ns.listen(SocketAddr::new(net.pods[1].addr(false), SERVER_PORT))?;
+    let pair = pair_for(&net, false);
+    k.dp().insert_pair(&pair)?;
+    let sizes = [1usize, 2, 7, 100, 1448, 4096, 65_535, 65_536 + 7, 1 << 20, 3_000_001, 8 << 20];
+    let mut total = 0u64;
+    for (i, len) in sizes.into_iter().enumerate() {
+        let (c, s) = connect_pods(&net, &listener, false)?;
+        exchange(c, s, 100 + i as u64 * 2, len, T).with_context(|| format!("size {len}"))?;
+        total += 2 * len as u64;
+    }
+    let st = k.dp().pair_stats(&pair)?;
+    // Every byte went one way or the other, and nearly all were redirected.
+    ensure!(st.redirected_bytes <= total, "{st:?}");
+    ensure!(st.redirected_bytes >= total * 9 / 10, "redirected {} of {total}: {st:?}", st.redirected_bytes);
+    Ok(())
+}
+
+#[test]
+fn slow_reader_with_large_writes() -> Result<()> {
+    use std::io::{Read, Write};
+    let k = kernel_test!(1024);
+    let net = NodeWithPods::new(2)?;
+    let listener = net.pods[1].ns.listen(SocketAddr::new(net.pods[1].addr(false), SERVER_PORT))?;
+    k.dp().insert_pair(&pair_for(&net, false))?;
+    let (mut c, mut s) = connect_pods(&net, &listener, false)?;
+    s.set_read_timeout(Some(T))?;
+    c.set_write_timeout(Some(T))?;
+    let len = 6 << 20;
+    let writer = thread::spawn(move || -> std::io::Result<()> {
+        let data: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+        c.write_all(&data)?;
+        c.shutdown(std::net::Shutdown::Write)
+    });
+    let mut got = Vec::with_capacity(len);
+    let mut buf = [0u8; 4096];
+    loop {
+        let n = s.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        got.extend_from_slice(&buf[..n]);
+        if got.len() < 256 * 1024 {
+            thread::sleep(Duration::from_millis(2)); // the slow phase
+        }
+    }
+    writer.join().unwrap()?;
+    ensure!(got.len() == len, "{} of {len} bytes", got.len());
+    ensure!(got.iter().enumerate().all(|(i, b)| *b == (i % 251) as u8), "bytes corrupted");
+    Ok(())
+}
+
+#[test]
+fn two_hundred_concurrent_connections() -> Result<()> {
+    let k = kernel_test!(4096);
+    let net = NodeWithPods::new(2)?;
+    let listener = net.pods[1].ns.listen(SocketAddr::new(net.pods[1].addr(false), SERVER_PORT))?;
+    let pair = pair_for(&net, false);
+    k.dp().insert_pair(&pair)?;
+    let mut conns = Vec::new();
+    for _ in 0..200 {
+        conns.push(connect_pods(&net, &listener, false)?);
+    }
+    let len = 64 * 1024;
+    thread::scope(|scope| {
+        let handles: Vec<_> = conns
+            .into_iter()
+            .enumerate()
+            .map(|(i, (c, s))| scope.spawn(move || exchange(c, s, 1000 + 2 * i as u64, len, T)))
+            .collect();
+        for h in handles {
+            h.join().unwrap()?;
+        }
+        Ok::<_, anyhow::Error>(())
+    })?;
+    let st = k.dp().pair_stats(&pair)?;
+    ensure!(st.sockets == 400, "{st:?}");
+    ensure!(st.redirected_bytes >= 200 * 2 * len as u64 * 9 / 10, "{st:?}");
+    Ok(())
+}
+
+#[test]
+fn removing_a_pair_returns_new_connections_to_tcp() -> Result<()> {
+    let k = kernel_test!(1024);
+    let net = NodeWithPods::new(2)?;
+    let listener = net.pods[1].ns.listen(SocketAddr::new(net.pods[1].addr(false), SERVER_PORT))?;
+    let pair = pair_for(&net, false);
+    k.dp().insert_pair(&pair)?;
+    let (c1, s1) = connect_pods(&net, &listener, false)?;
+    k.dp().remove_pair(&pair)?;
+    ensure!(matches!(k.dp().pair_stats(&pair), Err(RegistryError::NotFound(_))));
+    // A connection accelerated before the removal keeps working.
+    exchange(c1, s1, 7, 1 << 20, T)?;
+    // New connections take the normal path.
+    let before = net.veth_bytes(0)?;
+    let (c2, s2) = connect_pods(&net, &listener, false)?;
+    exchange(c2, s2, 9, 1 << 20, T)?;
+    ensure!(net.veth_bytes(0)? - before >= 2 << 20, "new connection must cross the veth");
+    // Registering again accelerates new connections again, with fresh counters.
+    k.dp().insert_pair(&pair)?;
+    let (c3, s3) = connect_pods(&net, &listener, false)?;
+    exchange(c3, s3, 11, 1 << 20, T)?;
+    let st = k.dp().pair_stats(&pair)?;
+    ensure!(st.sockets == 2 && st.redirected_bytes == 2 << 20, "{st:?}");
+    Ok(())
+}
+
+#[test]
+fn full_sockhash_falls_back_and_is_reported() -> Result<()> {
+    let k = kernel_test!(2);
+    let net = NodeWithPods::new(2)?;
+    let listener = net.pods[1].ns.listen(SocketAddr::new(net.pods[1].addr(false), SERVER_PORT))?;
+    let pair = pair_for(&net, false);
+    k.dp().insert_pair(&pair)?;
+    let (c1, s1) = connect_pods(&net, &listener, false)?; // fills both slots
+    let (c2, s2) = connect_pods(&net, &listener, false)?; // finds the map full
+    let st = k.dp().pair_stats(&pair)?;
+    ensure!(st.sockets == 2, "{st:?}");
+    ensure!(st.fallback_map_full == 2, "both ends of the second connection reported: {st:?}");
+    exchange(c2, s2, 21, 1 << 20, T)?;
+    exchange(c1, s1, 23, 1 << 20, T)?;
+    Ok(())
+}
+
+#[test]
+fn connections_before_registration_keep_working_unaccelerated() -> Result<()> {
+    let k = kernel_test!(1024);
+    let net = NodeWithPods::new(2)?;
+    let listener = net.pods[1].ns.listen(SocketAddr::new(net.pods[1].addr(false), SERVER_PORT))?;
+    let (c, s) = connect_pods(&net, &listener, false)?;
+    let pair = pair_for(&net, false);
+    k.dp().insert_pair(&pair)?;
+    exchange(c, s, 31, 1 << 20, T)?;
+    let st = k.dp().pair_stats(&pair)?;
+    ensure!(st.sockets == 0 && st.redirected_msgs == 0, "{st:?}");
+    Ok(())
+}
+
+#[test]
+fn loopback_tuples_in_two_namespaces_do_not_collide() -> Result<()> {
+    let k = kernel_test!(1024);
+    let net = NodeWithPods::new(2)?;
+    let lo: SocketAddr = "127.0.0.1:9000".parse()?;
+    let pair = EndpointPair::new(lo.ip(), Endpoint::new(lo.ip(), lo.port()))?;
+    k.dp().insert_pair(&pair)?;
+    // Same port numbers on both sides in both pods: only the netns tells them apart.
+    let mut conns = Vec::new();
+    for pod in &net.pods {
+        let l = pod.ns.listen(lo)?;
+        let c = pod.ns.enter(|| {
+            let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
+            sock.bind(&"127.0.0.1:40123".parse::<SocketAddr>().unwrap().into())?;
+            sock.connect(&lo.into())?;
+            Ok::<_, std::io::Error>(TcpStream::from(sock))
+        })??;
+        let s = accept_timeout(&l, T)?;
+        conns.push((c, s));
+    }
+    thread::scope(|scope| {
+        let hs: Vec<_> = conns
+            .into_iter()
+            .enumerate()
+            .map(|(i, (c, s))| scope.spawn(move || exchange(c, s, 41 + 10 * i as u64, 2 << 20, T)))
+            .collect();
+        for h in hs {
+            h.join().unwrap()?;
+        }
+        Ok::<_, anyhow::Error>(())
+    })?;
+    let st = k.dp().pair_stats(&pair)?;
+    ensure!(st.sockets == 4 && st.redirected_bytes == 4 * (2 << 20), "{st:?}");
+    Ok(())
+}
+
+#[test]
+fn adopting_a_pinned_instance_loads_nothing_twice() -> Result<()> {
+    let k = kernel_test!(1024);
+    let pair = EndpointPair::new("198.18.0.2".parse()?, Endpoint::new("198.18.0.3".parse()?, 80))?;
+    k.dp().insert_pair(&pair)?;
+    let id = k.dp().sockops_prog_id()?;
+    let count = || {
+        libbpf_rs::query::ProgInfoIter::default().filter(|p| p.name == "mw_sockops").count()
+    };
+    let before = count();
+    let cfg = DataplaneConfig { ..k.cfg.clone() };
+    let again = meshwarp_core::Dataplane::open(&cfg)?;
+    ensure!(again.origin() == DataplaneOrigin::Adopted);
+    ensure!(again.sockops_prog_id()? == id, "same program");
+    ensure!(count() == before, "no second copy loaded");
+    ensure!(again.pairs() == vec![pair], "registry reconciled from the maps");
+    ensure!(k.dp().origin() == DataplaneOrigin::Loaded);
+    Ok(())
+}
+
+#[test]
+fn teardown_removes_every_pin() -> Result<()> {
+    let mut k = kernel_test!(16);
+    let dir = k.dp().pin_dir().to_path_buf();
+    ensure!(dir.join("links/mw_sockops").exists());
+    k.dp.take().unwrap().teardown()?;
+    ensure!(!dir.exists(), "{} still exists", dir.display());
+    ensure!(!k.cfg.pin_root.exists(), "pin root removed when empty");
+    Ok(())
+}
