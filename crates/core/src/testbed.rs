@@ -291,6 +291,39 @@ fn chunk_len(rng: &mut Pattern, max: usize) -> usize {
     .max(1)
 }
 
+/// `read` that rides over spurious EAGAIN on a blocking socket.
+///
+/// A socket in a SOCKHASH is read through the kernel's tcp_bpf_recvmsg, which
+/// returns -EAGAIN from a *blocking* read when it is woken without redirected
+/// data (for instance by write-space wakeups of a concurrent writer on the same
+/// socket). Real timeouts still end the read: the socket's read timeout is
+/// honoured as a deadline.
+pub fn read_blocking(s: &mut impl Read, buf: &mut [u8], timeout: Option<Duration>) -> io::Result<usize> {
+    let start = Instant::now();
+    loop {
+        match s.read(buf) {
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::Interrupted => {
+                if timeout.is_some_and(|t| start.elapsed() >= t) {
+                    return Err(io::Error::new(io::ErrorKind::TimedOut, "read timed out"));
+                }
+            }
+            other => return other,
+        }
+    }
+}
+
+/// `read_exact` over [`read_blocking`].
+pub fn read_exact_blocking(s: &mut impl Read, mut buf: &mut [u8], timeout: Option<Duration>) -> io::Result<()> {
+    while !buf.is_empty() {
+        let n = read_blocking(s, buf, timeout)?;
+        if n == 0 {
+            return Err(io::ErrorKind::UnexpectedEof.into());
+        }
+        buf = &mut buf[n..];
+    }
+    Ok(())
+}
+
 /// Writes `len` bytes of stream `seed` in varied chunk sizes, then half-closes.
 pub fn send_pattern(mut s: &TcpStream, seed: u64, len: usize) -> io::Result<u64> {
     // Bytes are generated in 8-byte words; keep chunk boundaries word-aligned
@@ -330,9 +363,11 @@ pub fn recv_pattern(mut s: &TcpStream, seed: u64, len: usize) -> std::result::Re
     let mut buf = vec![0u8; 256 * 1024];
     let mut got = 0usize;
     let mut hash = Fnv::default();
+    let timeout = s.read_timeout().map_err(io_err("read timeout"))?;
     loop {
         let want = chunk_len(&mut sizes, buf.len());
-        let n = s.read(&mut buf[..want]).map_err(io_err(format!("reading stream {seed} at byte {got}")))?;
+        let n = read_blocking(&mut s, &mut buf[..want], timeout)
+            .map_err(io_err(format!("reading stream {seed} at byte {got}")))?;
         if n == 0 {
             break;
         }
@@ -431,7 +466,7 @@ pub fn spawn_echo(stream: TcpStream, msg_len: usize) -> thread::JoinHandle<io::R
         let mut s = stream;
         let mut buf = vec![0u8; msg_len];
         loop {
-            match s.read_exact(&mut buf) {
+            match read_exact_blocking(&mut s, &mut buf, None) {
                 Ok(()) => s.write_all(&buf)?,
                 Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(()),
                 Err(e) => return Err(e),
@@ -443,7 +478,7 @@ pub fn spawn_echo(stream: TcpStream, msg_len: usize) -> thread::JoinHandle<io::R
 /// One round trip: write `msg`, read the echo back into `buf`.
 pub fn round_trip<S: Read + Write>(s: &mut S, msg: &[u8], buf: &mut [u8]) -> io::Result<()> {
     s.write_all(msg)?;
-    s.read_exact(buf)
+    read_exact_blocking(s, buf, None)
 }
 
 /// A proxy like a sidecar's capture listener: accepts connections, records
@@ -516,7 +551,7 @@ fn pump_both(a: TcpStream, b: TcpStream) {
 fn pump(mut from: TcpStream, mut to: TcpStream) {
     let mut buf = vec![0u8; 64 * 1024];
     loop {
-        match from.read(&mut buf) {
+        match read_blocking(&mut from, &mut buf, None) {
             Ok(0) | Err(_) => break,
             Ok(n) => {
                 if to.write_all(&buf[..n]).is_err() {

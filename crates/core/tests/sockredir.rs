@@ -176,7 +176,7 @@ fn slow_reader_with_large_writes() -> Result<()> {
     let mut got = Vec::with_capacity(len);
     let mut buf = [0u8; 4096];
     loop {
-        let n = s.read(&mut buf)?;
+        let n = meshwarp_core::testbed::read_blocking(&mut s, &mut buf, Some(T))?;
         if n == 0 {
             break;
         }
@@ -213,7 +213,8 @@ fn two_hundred_concurrent_connections() -> Result<()> {
             h.join().unwrap()?;
         }
         Ok::<_, anyhow::Error>(())
-    })?;
+    })
+    .with_context(|| format!("pair counters: {:?}", k.dp().pair_stats(&pair)))?;
     let st = k.dp().pair_stats(&pair)?;
     ensure!(st.sockets == 400, "{st:?}");
     ensure!(st.redirected_bytes >= 200 * 2 * len as u64 * 9 / 10, "{st:?}");
