@@ -9,7 +9,7 @@ pub mod shared;
 /// Skeleton of the socket-redirection family (`sockredir.bpf.c`): the sockops and
 /// sk_msg programs and their maps.
 pub mod sockredir {
-    #![allow(missing_debug_implementations, clippy::all)]
+    #![allow(missing_debug_implementations, clippy::all, clippy::unwrap_used)]
     include!(concat!(env!("OUT_DIR"), "/sockredir.skel.rs"));
 }
 

@@ -199,17 +199,59 @@ mod tests {
 
     #[test]
     fn mirrors_match_btf_layout() {
-        same_layout!(SockKey, types::mw_sock_key,
-            [local_ip, remote_ip, local_port, remote_port, netns, family, kind]);
-        same_layout!(PairKey, types::mw_pair_key, [client_ip, server_ip, server_port, family]);
-        same_layout!(CaptureKey, types::mw_capture_key, [client_ip, dst_ip, dst_port, family]);
+        same_layout!(
+            SockKey,
+            types::mw_sock_key,
+            [
+                local_ip,
+                remote_ip,
+                local_port,
+                remote_port,
+                netns,
+                family,
+                kind
+            ]
+        );
+        same_layout!(
+            PairKey,
+            types::mw_pair_key,
+            [client_ip, server_ip, server_port, family]
+        );
+        same_layout!(
+            CaptureKey,
+            types::mw_capture_key,
+            [client_ip, dst_ip, dst_port, family]
+        );
         same_layout!(Rule, types::mw_rule, [id, listener_port, listener_ip]);
-        same_layout!(EndpointKey, types::mw_endpoint_key, [ip, port, family, netns]);
-        same_layout!(Origin, types::mw_origin, [rule_id, listener_port, listener_ip, cookie]);
+        same_layout!(
+            EndpointKey,
+            types::mw_endpoint_key,
+            [ip, port, family, netns]
+        );
+        same_layout!(
+            Origin,
+            types::mw_origin,
+            [rule_id, listener_port, listener_ip, cookie]
+        );
         same_layout!(SockState, types::mw_sock_state, [peer, rule_id, flags]);
-        same_layout!(RuleStats, types::mw_rule_stats,
-            [sockets, msgs, bytes, fb_no_peer, fb_tcp_path, fb_map_full, fb_insert_err]);
-        same_layout!(GlobalStats, types::mw_global_stats, [established, not_covered, no_state]);
+        same_layout!(
+            RuleStats,
+            types::mw_rule_stats,
+            [
+                sockets,
+                msgs,
+                bytes,
+                fb_no_peer,
+                fb_tcp_path,
+                fb_map_full,
+                fb_insert_err
+            ]
+        );
+        same_layout!(
+            GlobalStats,
+            types::mw_global_stats,
+            [established, not_covered, no_state]
+        );
     }
 
     #[test]
@@ -243,7 +285,14 @@ mod tests {
 
     #[test]
     fn pod_round_trip() {
-        let k = SockKey { local_port: 80, remote_port: 40000, netns: 7, family: AF_INET, kind: KEY_TUPLE, ..Default::default() };
+        let k = SockKey {
+            local_port: 80,
+            remote_port: 40000,
+            netns: 7,
+            family: AF_INET,
+            kind: KEY_TUPLE,
+            ..Default::default()
+        };
         assert_eq!(SockKey::from_bytes(k.as_bytes()), Some(k));
         assert_eq!(SockKey::from_bytes(&[0u8; 3]), None);
     }

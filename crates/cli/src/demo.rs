@@ -10,7 +10,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use meshwarp_core::testbed::{accept_timeout, round_trip, spawn_echo, unique_name, NodeWithPods, TestCgroup};
+use meshwarp_core::testbed::{
+    accept_timeout, round_trip, spawn_echo, unique_name, NodeWithPods, TestCgroup,
+};
 use meshwarp_core::{Dataplane, DataplaneConfig, Endpoint, EndpointPair, RuleCounters};
 
 #[derive(Debug, clap::Args)]
@@ -42,7 +44,8 @@ pub fn run(args: &DemoArgs) -> Result<()> {
     }
     let stop = Arc::new(AtomicBool::new(false));
     let s2 = Arc::clone(&stop);
-    ctrlc::set_handler(move || s2.store(true, Ordering::Relaxed)).context("installing the Ctrl-C handler")?;
+    ctrlc::set_handler(move || s2.store(true, Ordering::Relaxed))
+        .context("installing the Ctrl-C handler")?;
 
     eprintln!("[1/4] building a node with two pods (netns + veth + bridge)...");
     let net = NodeWithPods::new(2)?;
@@ -52,7 +55,10 @@ pub fn run(args: &DemoArgs) -> Result<()> {
         cgroup: Some(cgroup.path.clone()),
         ..DataplaneConfig::default()
     };
-    eprintln!("[2/4] loading the sockops + sk_msg data path into cgroup {}...", cgroup.path.display());
+    eprintln!(
+        "[2/4] loading the sockops + sk_msg data path into cgroup {}...",
+        cgroup.path.display()
+    );
     let dp = Dataplane::open(&cfg)?;
     let result = phases(&net, &dp, args, &stop);
     eprintln!("[4/4] cleaning up (pins, cgroup, namespaces)...");
@@ -64,16 +70,27 @@ pub fn run(args: &DemoArgs) -> Result<()> {
     Ok(())
 }
 
-fn phases(net: &NodeWithPods, dp: &Dataplane, args: &DemoArgs, stop: &AtomicBool) -> Result<Vec<Phase>> {
+fn phases(
+    net: &NodeWithPods,
+    dp: &Dataplane,
+    args: &DemoArgs,
+    stop: &AtomicBool,
+) -> Result<Vec<Phase>> {
     let server = SocketAddr::new(net.pods[1].v4.into(), 8080);
     let listener = net.pods[1].ns.listen(server)?;
     let pair = EndpointPair::new(net.pods[0].v4.into(), Endpoint::from(server))?;
     let mut out = Vec::new();
-    for (name, register) in [("plain TCP (veth + bridge)", false), ("meshwarp sk_msg redirect", true)] {
+    for (name, register) in [
+        ("plain TCP (veth + bridge)", false),
+        ("meshwarp sk_msg redirect", true),
+    ] {
         if register {
             dp.insert_pair(&pair)?;
         }
-        eprintln!("[3/4] {name}: {} round trips of {} B...", args.iterations, args.size);
+        eprintln!(
+            "[3/4] {name}: {} round trips of {} B...",
+            args.iterations, args.size
+        );
         let mut c: TcpStream = net.pods[0].ns.connect(server)?;
         c.set_nodelay(true)?;
         let s = accept_timeout(&listener, Duration::from_secs(5))?;
@@ -97,19 +114,36 @@ fn phases(net: &NodeWithPods, dp: &Dataplane, args: &DemoArgs, stop: &AtomicBool
         }
         let wall = start.elapsed();
         c.shutdown(std::net::Shutdown::Both)?;
-        echo.join().map_err(|_| anyhow::anyhow!("echo thread panicked"))??;
+        echo.join()
+            .map_err(|_| anyhow::anyhow!("echo thread panicked"))??;
         let veth_bytes = net.veth_bytes(0)? - before;
         lat.sort();
-        let counters = if register { Some(dp.pair_stats(&pair)?) } else { None };
-        out.push(Phase { name, lat, wall, veth_bytes, counters });
+        let counters = if register {
+            Some(dp.pair_stats(&pair)?)
+        } else {
+            None
+        };
+        out.push(Phase {
+            name,
+            lat,
+            wall,
+            veth_bytes,
+            counters,
+        });
     }
     Ok(out)
 }
 
 fn print_table(phases: &[Phase], args: &DemoArgs) {
     println!();
-    println!("{} round trips of {} B, pod0 -> pod1 on one node (echo verified)", args.iterations, args.size);
-    println!("{:<28} {:>10} {:>10} {:>12} {:>14}", "path", "p50 (us)", "p99 (us)", "round trips/s", "veth bytes");
+    println!(
+        "{} round trips of {} B, pod0 -> pod1 on one node (echo verified)",
+        args.iterations, args.size
+    );
+    println!(
+        "{:<28} {:>10} {:>10} {:>12} {:>14}",
+        "path", "p50 (us)", "p99 (us)", "round trips/s", "veth bytes"
+    );
     for p in phases {
         println!(
             "{:<28} {:>10.1} {:>10.1} {:>12.0} {:>14}",

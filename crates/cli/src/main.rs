@@ -9,10 +9,16 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use meshwarp_core::dataplane::{remove_pinned, DEFAULT_PIN_ROOT};
-use meshwarp_core::{CaptureRule, Dataplane, DataplaneConfig, Endpoint, EndpointPair, RuleCounters};
+use meshwarp_core::{
+    CaptureRule, Dataplane, DataplaneConfig, Endpoint, EndpointPair, RuleCounters,
+};
 
 #[derive(Debug, Parser)]
-#[command(name = "meshwarp", version, about = "Shorten service-mesh traffic paths in the kernel with eBPF")]
+#[command(
+    name = "meshwarp",
+    version,
+    about = "Shorten service-mesh traffic paths in the kernel with eBPF"
+)]
 struct Cli {
     /// bpffs directory holding meshwarp's pins.
     #[arg(long, global = true, env = "MESHWARP_PIN_ROOT", default_value = DEFAULT_PIN_ROOT)]
@@ -84,14 +90,28 @@ enum CaptureCmd {
 fn main() -> Result<()> {
     let cli = Cli::parse();
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_new(&cli.log).unwrap_or_else(|_| "info".into()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_new(&cli.log).unwrap_or_else(|_| "info".into()),
+        )
         .with_writer(std::io::stderr)
         .init();
-    let cfg = DataplaneConfig { pin_root: cli.pin_root.clone(), ..DataplaneConfig::default() };
+    let cfg = DataplaneConfig {
+        pin_root: cli.pin_root.clone(),
+        ..DataplaneConfig::default()
+    };
     let open = || Dataplane::open(&cfg).context("opening the data path (are you root?)");
     match cli.cmd {
-        Cmd::Load { cgroup, max_rules, max_sockets } => {
-            let dp = Dataplane::open(&DataplaneConfig { cgroup, max_rules, max_sockets, ..cfg.clone() })?;
+        Cmd::Load {
+            cgroup,
+            max_rules,
+            max_sockets,
+        } => {
+            let dp = Dataplane::open(&DataplaneConfig {
+                cgroup,
+                max_rules,
+                max_sockets,
+                ..cfg.clone()
+            })?;
             println!("{:?} data path at {}", dp.origin(), dp.pin_dir().display());
         }
         Cmd::Pair(PairCmd::Add { client, server }) => {
@@ -102,27 +122,52 @@ fn main() -> Result<()> {
         }
         Cmd::Pair(PairCmd::Ls) => {
             let dp = open()?;
-            println!("{:<44} {:>8} {:>12} {:>14} {:>10}", "PAIR", "SOCKETS", "MSGS", "BYTES", "FALLBACKS");
+            println!(
+                "{:<44} {:>8} {:>12} {:>14} {:>10}",
+                "PAIR", "SOCKETS", "MSGS", "BYTES", "FALLBACKS"
+            );
             for p in dp.pairs() {
                 print_row(&p.to_string(), &dp.pair_stats(&p)?);
             }
         }
-        Cmd::Capture(CaptureCmd::Add { dst, listener, client }) => {
-            open()?.insert_capture(&CaptureRule::new(client, dst.into(), Endpoint::from(listener))?)?;
+        Cmd::Capture(CaptureCmd::Add {
+            dst,
+            listener,
+            client,
+        }) => {
+            open()?.insert_capture(&CaptureRule::new(
+                client,
+                dst.into(),
+                Endpoint::from(listener),
+            )?)?;
         }
-        Cmd::Capture(CaptureCmd::Rm { dst, client, listener }) => {
-            open()?.remove_capture(&CaptureRule::new(client, dst.into(), Endpoint::from(listener))?)?;
+        Cmd::Capture(CaptureCmd::Rm {
+            dst,
+            client,
+            listener,
+        }) => {
+            open()?.remove_capture(&CaptureRule::new(
+                client,
+                dst.into(),
+                Endpoint::from(listener),
+            )?)?;
         }
         Cmd::Capture(CaptureCmd::Ls) => {
             let dp = open()?;
-            println!("{:<44} {:>8} {:>12} {:>14} {:>10}", "CAPTURE RULE", "SOCKETS", "MSGS", "BYTES", "FALLBACKS");
+            println!(
+                "{:<44} {:>8} {:>12} {:>14} {:>10}",
+                "CAPTURE RULE", "SOCKETS", "MSGS", "BYTES", "FALLBACKS"
+            );
             for r in dp.captures() {
                 print_row(&r.to_string(), &dp.capture_stats(&r)?);
             }
         }
         Cmd::Stats => {
             let g = open()?.global_stats()?;
-            println!("established {}\nnot_covered {}\nno_state {}", g.established, g.not_covered, g.no_state);
+            println!(
+                "established {}\nnot_covered {}\nno_state {}",
+                g.established, g.not_covered, g.no_state
+            );
         }
         Cmd::Uninstall => {
             remove_pinned(&cli.pin_root)?;
@@ -134,7 +179,8 @@ fn main() -> Result<()> {
 }
 
 fn print_row(name: &str, c: &RuleCounters) {
-    let fallbacks = c.fallback_no_peer + c.fallback_tcp_path + c.fallback_map_full + c.fallback_insert_error;
+    let fallbacks =
+        c.fallback_no_peer + c.fallback_tcp_path + c.fallback_map_full + c.fallback_insert_error;
     println!(
         "{name:<44} {:>8} {:>12} {:>14} {:>10}",
         c.sockets, c.redirected_msgs, c.redirected_bytes, fallbacks

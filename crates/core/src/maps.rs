@@ -26,7 +26,11 @@ pub enum MapError {
         source: libbpf_rs::Error,
     },
     #[error("map {map}: entry of {got} bytes, expected {want}")]
-    BadValue { map: &'static str, got: usize, want: usize },
+    BadValue {
+        map: &'static str,
+        got: usize,
+        want: usize,
+    },
 }
 
 /// How [`RuleMaps`] writes an entry.
@@ -70,14 +74,21 @@ fn kernel(op: &'static str, map: &'static str) -> impl FnOnce(libbpf_rs::Error) 
 }
 
 fn decode<T: Pod>(map: &'static str, bytes: &[u8]) -> Result<T, MapError> {
-    T::from_bytes(bytes).ok_or(MapError::BadValue { map, got: bytes.len(), want: size_of::<T>() })
+    T::from_bytes(bytes).ok_or(MapError::BadValue {
+        map,
+        got: bytes.len(),
+        want: size_of::<T>(),
+    })
 }
 
 fn entries<K: Pod, V: Pod>(map: &MapHandle, name: &'static str) -> Result<Vec<(K, V)>, MapError> {
     let mut out = Vec::new();
     for key in map.keys() {
         // An entry deleted between keys() and lookup() is simply gone.
-        if let Some(val) = map.lookup(&key, MapFlags::ANY).map_err(kernel("lookup", name))? {
+        if let Some(val) = map
+            .lookup(&key, MapFlags::ANY)
+            .map_err(kernel("lookup", name))?
+        {
             out.push((decode::<K>(name, &key)?, decode::<V>(name, &val)?));
         }
     }
@@ -87,9 +98,16 @@ fn entries<K: Pod, V: Pod>(map: &MapHandle, name: &'static str) -> Result<Vec<(K
 fn put(map: &MapHandle, name: &'static str, key: &[u8], val: &[u8]) -> Result<(), MapError> {
     map.update(key, val, MapFlags::ANY).map_err(|e| {
         if e.kind() == ErrorKind::TooBig {
-            MapError::Full { map: name, capacity: map.max_entries() }
+            MapError::Full {
+                map: name,
+                capacity: map.max_entries(),
+            }
         } else {
-            MapError::Kernel { op: "update", map: name, source: e }
+            MapError::Kernel {
+                op: "update",
+                map: name,
+                source: e,
+            }
         }
     })
 }
@@ -98,7 +116,11 @@ fn delete(map: &MapHandle, name: &'static str, key: &[u8]) -> Result<(), MapErro
     match map.delete(key) {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(MapError::Kernel { op: "delete", map: name, source: e }),
+        Err(e) => Err(MapError::Kernel {
+            op: "delete",
+            map: name,
+            source: e,
+        }),
     }
 }
 
@@ -113,7 +135,8 @@ impl KernelMaps {
             capture: open(names::MAP_CAPTURE)?,
             stats: open(names::MAP_STATS)?,
             global: open(names::MAP_GLOBAL)?,
-            ncpus: libbpf_rs::num_possible_cpus().map_err(kernel("count cpus", names::MAP_STATS))?,
+            ncpus: libbpf_rs::num_possible_cpus()
+                .map_err(kernel("count cpus", names::MAP_STATS))?,
         })
     }
 
@@ -125,7 +148,9 @@ impl KernelMaps {
         add: impl Fn(&mut T, &T),
     ) -> Result<T, MapError> {
         let mut total = T::default();
-        let per_cpu = map.lookup_percpu(&idx.to_ne_bytes(), MapFlags::ANY).map_err(kernel("lookup", name))?;
+        let per_cpu = map
+            .lookup_percpu(&idx.to_ne_bytes(), MapFlags::ANY)
+            .map_err(kernel("lookup", name))?;
         for v in per_cpu.unwrap_or_default() {
             add(&mut total, &decode::<T>(name, &v)?);
         }
@@ -164,7 +189,12 @@ impl RuleMaps for KernelMaps {
     }
 
     fn put_pair(&mut self, key: &PairKey, rule: &Rule) -> Result<(), MapError> {
-        put(&self.pairs, names::MAP_PAIRS, key.as_bytes(), rule.as_bytes())
+        put(
+            &self.pairs,
+            names::MAP_PAIRS,
+            key.as_bytes(),
+            rule.as_bytes(),
+        )
     }
 
     fn delete_pair(&mut self, key: &PairKey) -> Result<(), MapError> {
@@ -172,7 +202,12 @@ impl RuleMaps for KernelMaps {
     }
 
     fn put_capture(&mut self, key: &CaptureKey, rule: &Rule) -> Result<(), MapError> {
-        put(&self.capture, names::MAP_CAPTURE, key.as_bytes(), rule.as_bytes())
+        put(
+            &self.capture,
+            names::MAP_CAPTURE,
+            key.as_bytes(),
+            rule.as_bytes(),
+        )
     }
 
     fn delete_capture(&mut self, key: &CaptureKey) -> Result<(), MapError> {
@@ -208,7 +243,10 @@ pub struct MemoryMaps {
 
 impl MemoryMaps {
     pub fn with_capacity(capacity: u32) -> Self {
-        Self { capacity, ..Self::default() }
+        Self {
+            capacity,
+            ..Self::default()
+        }
     }
 }
 
@@ -227,7 +265,10 @@ impl RuleMaps for MemoryMaps {
 
     fn put_pair(&mut self, key: &PairKey, rule: &Rule) -> Result<(), MapError> {
         if !self.pairs.contains_key(key) && self.pairs.len() as u32 >= self.capacity {
-            return Err(MapError::Full { map: names::MAP_PAIRS, capacity: self.capacity });
+            return Err(MapError::Full {
+                map: names::MAP_PAIRS,
+                capacity: self.capacity,
+            });
         }
         self.pairs.insert(*key, *rule);
         Ok(())
@@ -240,7 +281,10 @@ impl RuleMaps for MemoryMaps {
 
     fn put_capture(&mut self, key: &CaptureKey, rule: &Rule) -> Result<(), MapError> {
         if !self.captures.contains_key(key) && self.captures.len() as u32 >= self.capacity {
-            return Err(MapError::Full { map: names::MAP_CAPTURE, capacity: self.capacity });
+            return Err(MapError::Full {
+                map: names::MAP_CAPTURE,
+                capacity: self.capacity,
+            });
         }
         self.captures.insert(*key, *rule);
         Ok(())

@@ -8,8 +8,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, SocketAddr};
 
 use meshwarp_bpf::shared::{
-    ip_from_raw, raw_addr, CaptureKey, PairKey, Rule, SockKey, AF_INET, KEY_CAPTURED, KEY_ORIGIN,
-    KEY_TUPLE,
+    ip_from_raw, raw_addr, CaptureKey, PairKey, Rule, SockKey, KEY_CAPTURED, KEY_ORIGIN, KEY_TUPLE,
 };
 
 use crate::endpoint::{CaptureRule, Endpoint, EndpointPair, ValidationError};
@@ -47,19 +46,33 @@ impl From<MapError> for RegistryError {
 pub fn pair_key(pair: &EndpointPair) -> PairKey {
     let (client_ip, family) = raw_addr(pair.client());
     let (server_ip, _) = raw_addr(pair.server().addr);
-    PairKey { client_ip, server_ip, server_port: u32::from(pair.server().port), family }
+    PairKey {
+        client_ip,
+        server_ip,
+        server_port: u32::from(pair.server().port),
+        family,
+    }
 }
 
 /// The map key of a capture rule (all-zero client: any client).
 pub fn capture_key(rule: &CaptureRule) -> CaptureKey {
     let (dst_ip, family) = raw_addr(rule.original_dst().addr);
     let client_ip = rule.client().map(|c| raw_addr(c).0).unwrap_or_default();
-    CaptureKey { client_ip, dst_ip, dst_port: u32::from(rule.original_dst().port), family }
+    CaptureKey {
+        client_ip,
+        dst_ip,
+        dst_port: u32::from(rule.original_dst().port),
+        family,
+    }
 }
 
 fn capture_value(rule: &CaptureRule, id: u32) -> Rule {
     let (listener_ip, _) = raw_addr(rule.listener().addr);
-    Rule { id, listener_port: u32::from(rule.listener().port), listener_ip }
+    Rule {
+        id,
+        listener_port: u32::from(rule.listener().port),
+        listener_ip,
+    }
 }
 
 fn port(raw: u32, what: &str) -> Result<u16, RegistryError> {
@@ -67,21 +80,37 @@ fn port(raw: u32, what: &str) -> Result<u16, RegistryError> {
 }
 
 fn ip(raw: [u32; 4], family: u32, what: &str) -> Result<IpAddr, RegistryError> {
-    ip_from_raw(raw, family).ok_or_else(|| RegistryError::Inconsistent(format!("{what} family {family}")))
+    ip_from_raw(raw, family)
+        .ok_or_else(|| RegistryError::Inconsistent(format!("{what} family {family}")))
 }
 
 /// Reads a mirror pair back from its map key.
 pub fn pair_from_key(k: &PairKey) -> Result<EndpointPair, RegistryError> {
-    let server = Endpoint::new(ip(k.server_ip, k.family, "pair server")?, port(k.server_port, "pair server")?);
-    Ok(EndpointPair::new(ip(k.client_ip, k.family, "pair client")?, server)?)
+    let server = Endpoint::new(
+        ip(k.server_ip, k.family, "pair server")?,
+        port(k.server_port, "pair server")?,
+    );
+    Ok(EndpointPair::new(
+        ip(k.client_ip, k.family, "pair client")?,
+        server,
+    )?)
 }
 
 /// Reads a capture rule back from its map entry.
 pub fn capture_from_entry(k: &CaptureKey, v: &Rule) -> Result<CaptureRule, RegistryError> {
-    let client = if k.client_ip == [0; 4] { None } else { Some(ip(k.client_ip, k.family, "capture client")?) };
-    let dst = Endpoint::new(ip(k.dst_ip, k.family, "capture dst")?, port(k.dst_port, "capture dst")?);
-    let listener =
-        Endpoint::new(ip(v.listener_ip, k.family, "capture listener")?, port(v.listener_port, "listener")?);
+    let client = if k.client_ip == [0; 4] {
+        None
+    } else {
+        Some(ip(k.client_ip, k.family, "capture client")?)
+    };
+    let dst = Endpoint::new(
+        ip(k.dst_ip, k.family, "capture dst")?,
+        port(k.dst_port, "capture dst")?,
+    );
+    let listener = Endpoint::new(
+        ip(v.listener_ip, k.family, "capture listener")?,
+        port(v.listener_port, "listener")?,
+    );
     Ok(CaptureRule::new(client, dst, listener)?)
 }
 
@@ -127,8 +156,14 @@ pub fn peer_sock_key(own: &SockKey) -> SockKey {
             remote_port: own.local_port,
             ..*own
         },
-        KEY_ORIGIN => SockKey { kind: KEY_CAPTURED, ..*own },
-        _ => SockKey { kind: KEY_ORIGIN, ..*own },
+        KEY_ORIGIN => SockKey {
+            kind: KEY_CAPTURED,
+            ..*own
+        },
+        _ => SockKey {
+            kind: KEY_ORIGIN,
+            ..*own
+        },
     }
 }
 
@@ -144,11 +179,18 @@ pub struct Registry<M> {
 impl<M: RuleMaps> Registry<M> {
     /// Builds the registry from what the maps hold (adoption after a restart).
     pub fn reconcile(maps: M) -> Result<Self, RegistryError> {
-        let mut reg = Self { maps, pairs: BTreeMap::new(), captures: BTreeMap::new(), used_ids: BTreeSet::new() };
+        let mut reg = Self {
+            maps,
+            pairs: BTreeMap::new(),
+            captures: BTreeMap::new(),
+            used_ids: BTreeSet::new(),
+        };
         let capacity = reg.maps.rule_capacity();
         let mut claim = |id: u32, what: &dyn std::fmt::Display| {
             if id >= capacity || !reg.used_ids.insert(id) {
-                return Err(RegistryError::Inconsistent(format!("{what} holds counter slot {id} twice or out of range")));
+                return Err(RegistryError::Inconsistent(format!(
+                    "{what} holds counter slot {id} twice or out of range"
+                )));
             }
             Ok(())
         };
@@ -165,7 +207,8 @@ impl<M: RuleMaps> Registry<M> {
             captures.push((rule, v.id));
         }
         reg.pairs.extend(pairs);
-        reg.captures.extend(captures.into_iter().map(|(r, id)| (r.key(), (r, id))));
+        reg.captures
+            .extend(captures.into_iter().map(|(r, id)| (r.key(), (r, id))));
         Ok(reg)
     }
 
@@ -190,7 +233,13 @@ impl<M: RuleMaps> Registry<M> {
             return Err(RegistryError::AlreadyExists(format!("pair {pair}")));
         }
         let id = self.allocate_id()?;
-        if let Err(e) = self.maps.put_pair(&pair_key(pair), &Rule { id, ..Rule::default() }) {
+        if let Err(e) = self.maps.put_pair(
+            &pair_key(pair),
+            &Rule {
+                id,
+                ..Rule::default()
+            },
+        ) {
             self.used_ids.remove(&id);
             return Err(e.into());
         }
@@ -211,7 +260,10 @@ impl<M: RuleMaps> Registry<M> {
     /// already accelerates stay accelerated until they close, because removing
     /// a socket from the SOCKHASH would drop bytes queued for its reader.
     pub fn remove_pair(&mut self, pair: &EndpointPair) -> Result<(), RegistryError> {
-        let id = *self.pairs.get(pair).ok_or_else(|| RegistryError::NotFound(format!("pair {pair}")))?;
+        let id = *self
+            .pairs
+            .get(pair)
+            .ok_or_else(|| RegistryError::NotFound(format!("pair {pair}")))?;
         self.maps.delete_pair(&pair_key(pair))?;
         self.pairs.remove(pair);
         self.used_ids.remove(&id);
@@ -223,7 +275,10 @@ impl<M: RuleMaps> Registry<M> {
     }
 
     pub fn pair_stats(&self, pair: &EndpointPair) -> Result<RuleCounters, RegistryError> {
-        let id = *self.pairs.get(pair).ok_or_else(|| RegistryError::NotFound(format!("pair {pair}")))?;
+        let id = *self
+            .pairs
+            .get(pair)
+            .ok_or_else(|| RegistryError::NotFound(format!("pair {pair}")))?;
         Ok(self.maps.rule_stats(id)?.into())
     }
 
@@ -231,10 +286,15 @@ impl<M: RuleMaps> Registry<M> {
     /// covers the same client and original destination.
     pub fn insert_capture(&mut self, rule: &CaptureRule) -> Result<(), RegistryError> {
         if let Some((existing, _)) = self.captures.get(&rule.key()) {
-            return Err(RegistryError::AlreadyExists(format!("capture rule {existing}")));
+            return Err(RegistryError::AlreadyExists(format!(
+                "capture rule {existing}"
+            )));
         }
         let id = self.allocate_id()?;
-        if let Err(e) = self.maps.put_capture(&capture_key(rule), &capture_value(rule, id)) {
+        if let Err(e) = self
+            .maps
+            .put_capture(&capture_key(rule), &capture_value(rule, id))
+        {
             self.used_ids.remove(&id);
             return Err(e.into());
         }
@@ -249,7 +309,8 @@ impl<M: RuleMaps> Registry<M> {
             self.insert_capture(rule)?;
             return Ok(true);
         };
-        self.maps.put_capture(&capture_key(rule), &capture_value(rule, id))?;
+        self.maps
+            .put_capture(&capture_key(rule), &capture_value(rule, id))?;
         self.captures.insert(rule.key(), (*rule, id));
         Ok(false)
     }
@@ -283,11 +344,6 @@ impl<M: RuleMaps> Registry<M> {
     }
 }
 
-/// True if `family` is IPv4 in the data path's encoding.
-pub fn is_v4(family: u32) -> bool {
-    family == AF_INET
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -305,7 +361,12 @@ mod tests {
     }
 
     fn capture(c: Option<&str>, d: &str, l: &str, lp: u16) -> CaptureRule {
-        CaptureRule::new(c.map(ip), Endpoint::new(ip(d), 80), Endpoint::new(ip(l), lp)).unwrap()
+        CaptureRule::new(
+            c.map(ip),
+            Endpoint::new(ip(d), 80),
+            Endpoint::new(ip(l), lp),
+        )
+        .unwrap()
     }
 
     #[test]
@@ -315,11 +376,17 @@ mod tests {
         let b = pair("2001:db8::2", "2001:db8::3", 80);
         reg.insert_pair(&a).unwrap();
         reg.insert_pair(&b).unwrap();
-        assert!(matches!(reg.insert_pair(&a), Err(RegistryError::AlreadyExists(_))));
+        assert!(matches!(
+            reg.insert_pair(&a),
+            Err(RegistryError::AlreadyExists(_))
+        ));
         assert!(!reg.upsert_pair(&a).unwrap());
         assert_eq!(reg.pairs().len(), 2);
         reg.remove_pair(&a).unwrap();
-        assert!(matches!(reg.remove_pair(&a), Err(RegistryError::NotFound(_))));
+        assert!(matches!(
+            reg.remove_pair(&a),
+            Err(RegistryError::NotFound(_))
+        ));
         assert_eq!(reg.pairs(), vec![b]);
         assert_eq!(reg.maps().pairs.len(), 1);
     }
@@ -332,7 +399,10 @@ mod tests {
         let c = pair("198.18.0.2", "198.18.0.3", 82);
         reg.insert_pair(&a).unwrap();
         reg.insert_pair(&b).unwrap();
-        assert!(matches!(reg.insert_pair(&c), Err(RegistryError::Full { capacity: 2 })));
+        assert!(matches!(
+            reg.insert_pair(&c),
+            Err(RegistryError::Full { capacity: 2 })
+        ));
         assert_eq!(reg.pairs(), vec![a, b]);
         assert_eq!(reg.maps().pairs.len(), 2);
         // Freed slots are reused, with zeroed counters.
@@ -345,10 +415,18 @@ mod tests {
     fn map_full_from_the_map_is_typed_too() {
         // The hash map is smaller than the id space: its own E2BIG must surface as Full.
         let mut maps = MemoryMaps::with_capacity(4);
-        maps.pairs.insert(pair_key(&pair("198.18.0.9", "198.18.0.3", 1)), Rule { id: 0, ..Rule::default() });
+        maps.pairs.insert(
+            pair_key(&pair("198.18.0.9", "198.18.0.3", 1)),
+            Rule {
+                id: 0,
+                ..Rule::default()
+            },
+        );
         maps.capacity = 1;
         let mut reg = Registry::reconcile(maps).unwrap();
-        let err = reg.insert_pair(&pair("198.18.0.2", "198.18.0.3", 80)).unwrap_err();
+        let err = reg
+            .insert_pair(&pair("198.18.0.2", "198.18.0.3", 80))
+            .unwrap_err();
         assert!(matches!(err, RegistryError::Full { .. }), "{err}");
         assert_eq!(reg.pairs().len(), 1);
     }
@@ -363,7 +441,13 @@ mod tests {
         reg.insert_capture(&r).unwrap();
         reg.insert_capture(&any).unwrap();
         let mut maps = reg.maps;
-        maps.stats.insert(maps.pairs[&pair_key(&a)].id, RuleStats { msgs: 5, ..Default::default() });
+        maps.stats.insert(
+            maps.pairs[&pair_key(&a)].id,
+            RuleStats {
+                msgs: 5,
+                ..Default::default()
+            },
+        );
         let reg = Registry::reconcile(maps).unwrap();
         assert_eq!(reg.pairs(), vec![a]);
         let mut caps = reg.captures();
@@ -377,9 +461,24 @@ mod tests {
     #[test]
     fn reconcile_refuses_duplicate_slots() {
         let mut maps = MemoryMaps::with_capacity(8);
-        maps.pairs.insert(pair_key(&pair("198.18.0.2", "198.18.0.3", 80)), Rule { id: 1, ..Rule::default() });
-        maps.pairs.insert(pair_key(&pair("198.18.0.2", "198.18.0.3", 81)), Rule { id: 1, ..Rule::default() });
-        assert!(matches!(Registry::reconcile(maps), Err(RegistryError::Inconsistent(_))));
+        maps.pairs.insert(
+            pair_key(&pair("198.18.0.2", "198.18.0.3", 80)),
+            Rule {
+                id: 1,
+                ..Rule::default()
+            },
+        );
+        maps.pairs.insert(
+            pair_key(&pair("198.18.0.2", "198.18.0.3", 81)),
+            Rule {
+                id: 1,
+                ..Rule::default()
+            },
+        );
+        assert!(matches!(
+            Registry::reconcile(maps),
+            Err(RegistryError::Inconsistent(_))
+        ));
     }
 
     #[test]
@@ -388,7 +487,10 @@ mod tests {
         let r1 = capture(Some("198.18.0.2"), "198.19.0.10", "127.0.0.1", 15001);
         let r2 = capture(Some("198.18.0.2"), "198.19.0.10", "127.0.0.1", 15002);
         assert!(reg.upsert_capture(&r1).unwrap());
-        assert!(matches!(reg.insert_capture(&r2), Err(RegistryError::AlreadyExists(_))));
+        assert!(matches!(
+            reg.insert_capture(&r2),
+            Err(RegistryError::AlreadyExists(_))
+        ));
         assert!(!reg.upsert_capture(&r2).unwrap());
         assert_eq!(reg.captures(), vec![r2]);
         let v = reg.maps().captures[&capture_key(&r2)];

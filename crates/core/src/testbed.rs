@@ -50,7 +50,11 @@ static SEQ: AtomicU32 = AtomicU32::new(0);
 
 /// A name unique to this process and call, at most `max` bytes.
 pub fn unique_name(prefix: &str) -> String {
-    format!("{prefix}{}-{}", std::process::id() % 100_000, SEQ.fetch_add(1, Ordering::Relaxed))
+    format!(
+        "{prefix}{}-{}",
+        std::process::id() % 100_000,
+        SEQ.fetch_add(1, Ordering::Relaxed)
+    )
 }
 
 /// Runs a command; its stderr goes into the error.
@@ -58,7 +62,9 @@ pub fn run(cmd: &str, args: &[&str]) -> Result<String> {
     let out = Command::new(cmd)
         .args(args)
         .output()
-        .map_err(io_err(format!("running {cmd} (is it installed? `make deps` installs it)")))?;
+        .map_err(io_err(format!(
+            "running {cmd} (is it installed? `make deps` installs it)"
+        )))?;
     if !out.status.success() {
         return Err(TestbedError::Command {
             cmd: format!("{cmd} {}", args.join(" ")),
@@ -109,11 +115,16 @@ impl NetNs {
     /// Runs `f` on a thread that has entered this namespace. Sockets made
     /// there stay in this namespace wherever they are used afterwards.
     pub fn enter<T: Send>(&self, f: impl FnOnce() -> T + Send) -> Result<T> {
-        let file = std::fs::File::open(self.path()).map_err(io_err(format!("opening netns {}", self.name)))?;
+        let file = std::fs::File::open(self.path())
+            .map_err(io_err(format!("opening netns {}", self.name)))?;
         thread::scope(|s| {
             s.spawn(|| {
-                setns(file.as_fd(), CloneFlags::CLONE_NEWNET)
-                    .map_err(|source| TestbedError::Setns { ns: self.name.clone(), source })?;
+                setns(file.as_fd(), CloneFlags::CLONE_NEWNET).map_err(|source| {
+                    TestbedError::Setns {
+                        ns: self.name.clone(),
+                        source,
+                    }
+                })?;
                 Ok(f())
             })
             .join()
@@ -144,7 +155,10 @@ impl NetNs {
 
     /// An interface counter from /sys/class/net/IFACE/statistics.
     pub fn link_counter(&self, iface: &str, counter: &str) -> Result<u64> {
-        let out = self.exec(&["cat", &format!("/sys/class/net/{iface}/statistics/{counter}")])?;
+        let out = self.exec(&[
+            "cat",
+            &format!("/sys/class/net/{iface}/statistics/{counter}"),
+        ])?;
         out.trim()
             .parse()
             .map_err(|_| TestbedError::Integrity(format!("counter {iface}/{counter}: {out:?}")))
@@ -200,14 +214,38 @@ impl NodeWithPods {
     pub fn new(n: usize) -> Result<Self> {
         let node = NetNs::new("node")?;
         node.ip(&["link", "add", "br0", "type", "bridge"])?;
-        node.ip(&["addr", "add", &format!("{}.1/24", dotted(POD_NET4)), "dev", "br0"])?;
-        node.ip(&["addr", "add", &format!("{POD_NET6}1/64"), "dev", "br0", "nodad"])?;
+        node.ip(&[
+            "addr",
+            "add",
+            &format!("{}.1/24", dotted(POD_NET4)),
+            "dev",
+            "br0",
+        ])?;
+        node.ip(&[
+            "addr",
+            "add",
+            &format!("{POD_NET6}1/64"),
+            "dev",
+            "br0",
+            "nodad",
+        ])?;
         node.ip(&["link", "set", "br0", "up"])?;
         let mut pods = Vec::new();
         for i in 0..n {
             let ns = NetNs::new(&format!("pod{i}"))?;
             let host_veth = format!("vpod{i}");
-            node.ip(&["link", "add", &host_veth, "type", "veth", "peer", "name", "eth0", "netns", ns.name()])?;
+            node.ip(&[
+                "link",
+                "add",
+                &host_veth,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                "eth0",
+                "netns",
+                ns.name(),
+            ])?;
             node.ip(&["link", "set", &host_veth, "master", "br0", "up"])?;
             let host = u8::try_from(i + 2).unwrap_or(u8::MAX);
             let v4 = Ipv4Addr::new(POD_NET4[0], POD_NET4[1], POD_NET4[2], host);
@@ -217,9 +255,27 @@ impl NodeWithPods {
             ns.ip(&["addr", "add", &format!("{v4}/24"), "dev", "eth0"])?;
             ns.ip(&["addr", "add", &format!("{v6}/64"), "dev", "eth0", "nodad"])?;
             ns.ip(&["link", "set", "eth0", "up"])?;
-            ns.ip(&["route", "add", "default", "via", &format!("{}.1", dotted(POD_NET4))])?;
-            ns.ip(&["-6", "route", "add", "default", "via", &format!("{POD_NET6}1")])?;
-            pods.push(Pod { ns, v4, v6, host_veth });
+            ns.ip(&[
+                "route",
+                "add",
+                "default",
+                "via",
+                &format!("{}.1", dotted(POD_NET4)),
+            ])?;
+            ns.ip(&[
+                "-6",
+                "route",
+                "add",
+                "default",
+                "via",
+                &format!("{POD_NET6}1"),
+            ])?;
+            pods.push(Pod {
+                ns,
+                v4,
+                v6,
+                host_veth,
+            });
         }
         Ok(Self { pods, node })
     }
@@ -238,9 +294,30 @@ fn dotted(a: [u8; 3]) -> String {
 /// Captures TCP to `service:port` from inside `ns` to a local listener on
 /// `to_port`, as Istio's outbound capture does (iptables nat OUTPUT REDIRECT).
 pub fn redirect_output(ns: &NetNs, service: IpAddr, port: u16, to_port: u16) -> Result<()> {
-    let tool = if service.is_ipv6() { "ip6tables" } else { "iptables" };
+    let tool = if service.is_ipv6() {
+        "ip6tables"
+    } else {
+        "iptables"
+    };
     let (svc, port, to) = (service.to_string(), port.to_string(), to_port.to_string());
-    ns.exec(&[tool, "-w", "-t", "nat", "-A", "OUTPUT", "-p", "tcp", "-d", &svc, "--dport", &port, "-j", "REDIRECT", "--to-ports", &to])?;
+    ns.exec(&[
+        tool,
+        "-w",
+        "-t",
+        "nat",
+        "-A",
+        "OUTPUT",
+        "-p",
+        "tcp",
+        "-d",
+        &svc,
+        "--dport",
+        &port,
+        "-j",
+        "REDIRECT",
+        "--to-ports",
+        &to,
+    ])?;
     Ok(())
 }
 
@@ -256,7 +333,9 @@ pub struct Pattern {
 
 impl Pattern {
     pub fn new(seed: u64) -> Self {
-        Self { state: seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1 }
+        Self {
+            state: seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1,
+        }
     }
 
     fn next_u64(&mut self) -> u64 {
@@ -298,11 +377,18 @@ fn chunk_len(rng: &mut Pattern, max: usize) -> usize {
 /// data (for instance by write-space wakeups of a concurrent writer on the same
 /// socket). Real timeouts still end the read: the socket's read timeout is
 /// honoured as a deadline.
-pub fn read_blocking(s: &mut impl Read, buf: &mut [u8], timeout: Option<Duration>) -> io::Result<usize> {
+pub fn read_blocking(
+    s: &mut impl Read,
+    buf: &mut [u8],
+    timeout: Option<Duration>,
+) -> io::Result<usize> {
     let start = Instant::now();
     loop {
         match s.read(buf) {
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::Interrupted => {
+            Err(e)
+                if e.kind() == io::ErrorKind::WouldBlock
+                    || e.kind() == io::ErrorKind::Interrupted =>
+            {
                 if timeout.is_some_and(|t| start.elapsed() >= t) {
                     return Err(io::Error::new(io::ErrorKind::TimedOut, "read timed out"));
                 }
@@ -313,7 +399,11 @@ pub fn read_blocking(s: &mut impl Read, buf: &mut [u8], timeout: Option<Duration
 }
 
 /// `read_exact` over [`read_blocking`].
-pub fn read_exact_blocking(s: &mut impl Read, mut buf: &mut [u8], timeout: Option<Duration>) -> io::Result<()> {
+pub fn read_exact_blocking(
+    s: &mut impl Read,
+    mut buf: &mut [u8],
+    timeout: Option<Duration>,
+) -> io::Result<()> {
     while !buf.is_empty() {
         let n = read_blocking(s, buf, timeout)?;
         if n == 0 {
@@ -343,7 +433,10 @@ pub fn send_pattern(mut s: &TcpStream, seed: u64, len: usize) -> io::Result<u64>
         let want = chunk_len(&mut sizes, pending.len());
         let n = s.write(&pending[..want])?;
         if n == 0 {
-            return Err(io::Error::new(io::ErrorKind::WriteZero, "peer stopped reading"));
+            return Err(io::Error::new(
+                io::ErrorKind::WriteZero,
+                "peer stopped reading",
+            ));
         }
         hash.update(&pending[..n]);
         pending.drain(..n);
@@ -356,7 +449,11 @@ pub fn send_pattern(mut s: &TcpStream, seed: u64, len: usize) -> io::Result<u64>
 
 /// Reads stream `seed` until EOF in varied chunk sizes; checks every byte and
 /// that exactly `len` arrived. Returns the FNV-1a hash of what was read.
-pub fn recv_pattern(mut s: &TcpStream, seed: u64, len: usize) -> std::result::Result<u64, TestbedError> {
+pub fn recv_pattern(
+    mut s: &TcpStream,
+    seed: u64,
+    len: usize,
+) -> std::result::Result<u64, TestbedError> {
     let mut gen = Pattern::new(seed);
     let mut sizes = Pattern::new(seed ^ 0xA3A3);
     let mut expect: Vec<u8> = Vec::new();
@@ -372,7 +469,10 @@ pub fn recv_pattern(mut s: &TcpStream, seed: u64, len: usize) -> std::result::Re
             break;
         }
         if got + n > len {
-            return Err(TestbedError::Integrity(format!("stream {seed}: {} bytes, more than the {len} sent", got + n)));
+            return Err(TestbedError::Integrity(format!(
+                "stream {seed}: {} bytes, more than the {len} sent",
+                got + n
+            )));
         }
         while expect.len() < n {
             let mut w = [0u8; 8];
@@ -380,15 +480,24 @@ pub fn recv_pattern(mut s: &TcpStream, seed: u64, len: usize) -> std::result::Re
             expect.extend_from_slice(&w);
         }
         if buf[..n] != expect[..n] {
-            let at = buf[..n].iter().zip(&expect[..n]).position(|(a, b)| a != b).unwrap_or(0);
-            return Err(TestbedError::Integrity(format!("stream {seed}: wrong byte at offset {}", got + at)));
+            let at = buf[..n]
+                .iter()
+                .zip(&expect[..n])
+                .position(|(a, b)| a != b)
+                .unwrap_or(0);
+            return Err(TestbedError::Integrity(format!(
+                "stream {seed}: wrong byte at offset {}",
+                got + at
+            )));
         }
         hash.update(&buf[..n]);
         expect.drain(..n);
         got += n;
     }
     if got != len {
-        return Err(TestbedError::Integrity(format!("stream {seed}: {got} of {len} bytes arrived")));
+        return Err(TestbedError::Integrity(format!(
+            "stream {seed}: {got} of {len} bytes arrived"
+        )));
     }
     Ok(hash.0)
 }
@@ -413,10 +522,18 @@ impl Fnv {
 
 /// Sends `len` bytes each way over one connection at the same time (seeds
 /// `seed` client->server and `seed+1` back), checking both, within `timeout`.
-pub fn exchange(client: TcpStream, server: TcpStream, seed: u64, len: usize, timeout: Duration) -> Result<()> {
+pub fn exchange(
+    client: TcpStream,
+    server: TcpStream,
+    seed: u64,
+    len: usize,
+    timeout: Duration,
+) -> Result<()> {
     for s in [&client, &server] {
-        s.set_read_timeout(Some(timeout)).map_err(io_err("set timeout"))?;
-        s.set_write_timeout(Some(timeout)).map_err(io_err("set timeout"))?;
+        s.set_read_timeout(Some(timeout))
+            .map_err(io_err("set timeout"))?;
+        s.set_write_timeout(Some(timeout))
+            .map_err(io_err("set timeout"))?;
     }
     let (c, s) = (Arc::new(client), Arc::new(server));
     thread::scope(|scope| {
@@ -433,10 +550,14 @@ pub fn exchange(client: TcpStream, server: TcpStream, seed: u64, len: usize, tim
         };
         let sent_c = join(tx_c, "client send")?;
         let sent_s = join(tx_s, "server send")?;
-        let got_s = rx_s.join().unwrap_or_else(|p| std::panic::resume_unwind(p))?;
+        let got_s = rx_s
+            .join()
+            .unwrap_or_else(|p| std::panic::resume_unwind(p))?;
         let got_c = rx_c?;
         if sent_c != got_s || sent_s != got_c {
-            return Err(TestbedError::Integrity(format!("stream {seed}: checksums differ")));
+            return Err(TestbedError::Integrity(format!(
+                "stream {seed}: checksums differ"
+            )));
         }
         Ok(())
     })
@@ -444,12 +565,14 @@ pub fn exchange(client: TcpStream, server: TcpStream, seed: u64, len: usize, tim
 
 /// Accepts one connection within `timeout`.
 pub fn accept_timeout(l: &TcpListener, timeout: Duration) -> Result<TcpStream> {
-    l.set_nonblocking(true).map_err(io_err("nonblocking listener"))?;
+    l.set_nonblocking(true)
+        .map_err(io_err("nonblocking listener"))?;
     let deadline = Instant::now() + timeout;
     loop {
         match l.accept() {
             Ok((s, _)) => {
-                s.set_nonblocking(false).map_err(io_err("blocking socket"))?;
+                s.set_nonblocking(false)
+                    .map_err(io_err("blocking socket"))?;
                 return Ok(s);
             }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock && Instant::now() < deadline => {
@@ -497,7 +620,9 @@ impl CaptureProxy {
     /// from `ns` too).
     pub fn start(ns: &NetNs, listen: SocketAddr, upstream: SocketAddr) -> Result<Self> {
         let listener = ns.listen(listen)?;
-        listener.set_nonblocking(true).map_err(io_err("nonblocking proxy listener"))?;
+        listener
+            .set_nonblocking(true)
+            .map_err(io_err("nonblocking proxy listener"))?;
         let file = std::fs::File::open(ns.path()).map_err(io_err("opening netns"))?;
         let original_dsts = Arc::new(Mutex::new(Vec::new()));
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -514,17 +639,25 @@ impl CaptureProxy {
                         if let Some(d) = original_dst(&down) {
                             lock(&dsts).push(d);
                         }
-                        let Ok(up) = TcpStream::connect_timeout(&upstream, Duration::from_secs(5)) else {
+                        let Ok(up) = TcpStream::connect_timeout(&upstream, Duration::from_secs(5))
+                        else {
                             continue;
                         };
                         pump_both(down, up);
                     }
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => thread::sleep(Duration::from_millis(1)),
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                        thread::sleep(Duration::from_millis(1))
+                    }
                     Err(_) => return,
                 }
             }
         });
-        Ok(Self { addr: listen, original_dsts, stop, handle: Some(handle) })
+        Ok(Self {
+            addr: listen,
+            original_dsts,
+            stop,
+            handle: Some(handle),
+        })
     }
 }
 
@@ -542,7 +675,9 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 fn pump_both(a: TcpStream, b: TcpStream) {
-    let (Ok(a2), Ok(b2)) = (a.try_clone(), b.try_clone()) else { return };
+    let (Ok(a2), Ok(b2)) = (a.try_clone(), b.try_clone()) else {
+        return;
+    };
     thread::spawn(move || pump(a, b2));
     thread::spawn(move || pump(b, a2));
 }
@@ -566,7 +701,11 @@ fn pump(mut from: TcpStream, mut to: TcpStream) {
 /// The destination a connection had before iptables REDIRECT rewrote it.
 pub fn original_dst(s: &TcpStream) -> Option<SocketAddr> {
     const SO_ORIGINAL_DST: libc::c_int = 80; // also IP6T_SO_ORIGINAL_DST
-    let level = if s.local_addr().ok()?.is_ipv6() { libc::SOL_IPV6 } else { libc::SOL_IP };
+    let level = if s.local_addr().ok()?.is_ipv6() {
+        libc::SOL_IPV6
+    } else {
+        libc::SOL_IP
+    };
     // SAFETY: the kernel writes at most `len` bytes of a sockaddr into storage.
     let ((), addr) = unsafe {
         socket2::SockAddr::try_init(|storage, len| {
@@ -596,12 +735,17 @@ pub struct TestCgroup {
 
 impl TestCgroup {
     pub fn new() -> Result<Self> {
-        let root = crate::sys::cgroup2_root().map_err(|e| TestbedError::Integrity(e.to_string()))?;
+        let root =
+            crate::sys::cgroup2_root().map_err(|e| TestbedError::Integrity(e.to_string()))?;
         let path = root.join(unique_name("meshwarp-test-"));
-        std::fs::create_dir(&path).map_err(io_err(format!("creating cgroup {}", path.display())))?;
+        std::fs::create_dir(&path)
+            .map_err(io_err(format!("creating cgroup {}", path.display())))?;
         let me = std::process::id().to_string();
         std::fs::write(path.join("cgroup.procs"), &me).map_err(io_err("joining test cgroup"))?;
-        Ok(Self { path, parent_procs: root.join("cgroup.procs") })
+        Ok(Self {
+            path,
+            parent_procs: root.join("cgroup.procs"),
+        })
     }
 }
 
@@ -642,13 +786,20 @@ impl KernelTest {
             max_sockets,
         };
         match Dataplane::open(&cfg) {
-            Ok(dp) => Some(Self { dp: Some(dp), cfg, cgroup, _lock: lock }),
+            Ok(dp) => Some(Self {
+                dp: Some(dp),
+                cfg,
+                cgroup,
+                _lock: lock,
+            }),
             Err(e) => missing_feature(&format!("BPF sockops/sk_msg/SOCKHASH: {e}")),
         }
     }
 
     pub fn dp(&self) -> &Dataplane {
-        self.dp.as_ref().unwrap_or_else(|| unreachable!("data path is present until drop"))
+        self.dp
+            .as_ref()
+            .unwrap_or_else(|| unreachable!("data path is present until drop"))
     }
 }
 

@@ -1,0 +1,1 @@
+//! Criterion benchmarks live in `redirect.rs`; see `README.md` in this directory.

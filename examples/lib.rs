@@ -1,0 +1,1 @@
+//! Examples of using meshwarp; run them with `cargo run -p meshwarp-examples --example NAME`.
