@@ -11,10 +11,21 @@ use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use meshwarp_core::testbed::{accept_timeout, round_trip, spawn_echo, KernelTest, NetNs};
+use meshwarp_core::testbed::{
+    accept_timeout, round_trip, spawn_echo, spurious_wakeups, KernelTest, NetNs,
+};
 use meshwarp_core::{Endpoint, EndpointPair};
 
 const MSG: usize = 64;
+const BPF_STATS: &str = "/proc/sys/kernel/bpf_stats_enabled";
+
+/// (run_time_ns, run_cnt) of the loaded sk_msg program.
+fn sk_msg_cost(dp: &meshwarp_core::Dataplane) -> Option<(u64, u64)> {
+    let id = dp.sk_msg_prog_id().ok()?;
+    libbpf_rs::query::ProgInfoIter::default()
+        .find(|p| p.id == id)
+        .map(|p| (p.run_time_ns, p.run_cnt))
+}
 
 fn tcp_pair(ns: &NetNs, addr: SocketAddr) -> TcpStream {
     let l = ns.listen(addr).expect("listen");
@@ -70,7 +81,14 @@ fn rtt_64b(c: &mut Criterion) {
         .warm_up_time(Duration::from_secs(1));
     // Interleave the three paths across repetitions: the machine is noisy.
     bench_rtt(&mut g, "loopback_tcp", &mut tcp);
+    // Per-program run time (bpf_stats) while the redirected path runs.
+    let stats_enabled = std::fs::read_to_string(BPF_STATS).unwrap_or_default();
+    let _ = std::fs::write(BPF_STATS, "1");
+    let w0 = spurious_wakeups();
     bench_rtt(&mut g, "sk_msg_redirect", &mut fast);
+    let retried = spurious_wakeups() - w0;
+    let prog_cost = sk_msg_cost(k.dp());
+    let _ = std::fs::write(BPF_STATS, stats_enabled.trim());
     bench_rtt(&mut g, "unix_socket", &mut unix);
     g.finish();
 
@@ -80,6 +98,16 @@ fn rtt_64b(c: &mut Criterion) {
         "the redirected path was not redirected: {st:?}"
     );
     eprintln!("pair counters after the run: {st:?}");
+    if let Some((ns, runs)) = prog_cost {
+        eprintln!(
+            "sk_msg program: {:.0} ns per run over {runs} runs (bpf_stats)",
+            ns as f64 / runs as f64
+        );
+    }
+    eprintln!(
+        "blocking reads retried after EAGAIN on the redirected path: {retried} ({:.3} per redirected message)",
+        retried as f64 / st.redirected_msgs as f64
+    );
 }
 
 criterion_group!(benches, rtt_64b);

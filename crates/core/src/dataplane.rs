@@ -257,8 +257,17 @@ impl Dataplane {
 
     /// Kernel id of the attached sockops program.
     pub fn sockops_prog_id(&self) -> Result<u32, DataplaneError> {
-        let p = ProgramHandle::from_pinned_path(self.layout.prog(names::PROG_SOCKOPS))
-            .map_err(bpf_err("opening pinned sockops program"))?;
+        self.prog_id(names::PROG_SOCKOPS)
+    }
+
+    /// Kernel id of the sk_msg program.
+    pub fn sk_msg_prog_id(&self) -> Result<u32, DataplaneError> {
+        self.prog_id(names::PROG_SK_MSG)
+    }
+
+    fn prog_id(&self, name: &str) -> Result<u32, DataplaneError> {
+        let p = ProgramHandle::from_pinned_path(self.layout.prog(name))
+            .map_err(bpf_err(format!("opening pinned program {name}")))?;
         Ok(p.id())
     }
 

@@ -398,6 +398,13 @@ pub fn read_blocking(
     }
 }
 
+static SPURIOUS_WAKEUPS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// How many blocking reads [`read_blocking`] had to retry (EAGAIN or EINTR).
+pub fn spurious_wakeups() -> u64 {
+    SPURIOUS_WAKEUPS.load(Ordering::Relaxed)
+}
+
 /// `read_exact` over [`read_blocking`].
 pub fn read_exact_blocking(
     s: &mut impl Read,

@@ -40,6 +40,15 @@ fn pair_for(net: &NodeWithPods, v6: bool) -> EndpointPair {
     .unwrap()
 }
 
+/// Two pods on a node, pod1 listening on SERVER_PORT.
+fn two_pods(v6: bool) -> Result<(NodeWithPods, std::net::TcpListener)> {
+    let net = NodeWithPods::new(2)?;
+    let listener = net.pods[1]
+        .ns
+        .listen(SocketAddr::new(net.pods[1].addr(v6), SERVER_PORT))?;
+    Ok((net, listener))
+}
+
 /// Connects pod0 -> pod1:SERVER_PORT; returns (client, accepted server side).
 fn connect_pods(
     net: &NodeWithPods,
@@ -54,10 +63,7 @@ fn connect_pods(
 
 fn mirror_pairing(v6: bool) -> Result<()> {
     let k = kernel_test!(1024);
-    let net = NodeWithPods::new(2)?;
-    let listener = net.pods[1]
-        .ns
-        .listen(SocketAddr::new(net.pods[1].addr(v6), SERVER_PORT))?;
+    let (net, listener) = two_pods(v6)?;
     let pair = pair_for(&net, v6);
     k.dp().insert_pair(&pair)?;
 
@@ -105,10 +111,7 @@ fn mirror_pairing_redirects_pod_to_pod_v6() -> Result<()> {
 #[test]
 fn unregistered_connection_takes_the_normal_path() -> Result<()> {
     let k = kernel_test!(1024);
-    let net = NodeWithPods::new(2)?;
-    let listener = net.pods[1]
-        .ns
-        .listen(SocketAddr::new(net.pods[1].addr(false), SERVER_PORT))?;
+    let (net, listener) = two_pods(false)?;
     // A pair for another port covers nothing here.
     let other = EndpointPair::new(
         net.pods[0].addr(false),
@@ -197,10 +200,7 @@ fn capture_pairing_app_to_sidecar_v6() -> Result<()> {
 #[test]
 fn integrity_across_sizes_both_directions() -> Result<()> {
     let k = kernel_test!(1024);
-    let net = NodeWithPods::new(2)?;
-    let listener = net.pods[1]
-        .ns
-        .listen(SocketAddr::new(net.pods[1].addr(false), SERVER_PORT))?;
+    let (net, listener) = two_pods(false)?;
     let pair = pair_for(&net, false);
     k.dp().insert_pair(&pair)?;
     let sizes = [
@@ -237,10 +237,7 @@ fn integrity_across_sizes_both_directions() -> Result<()> {
 fn slow_reader_with_large_writes() -> Result<()> {
     use std::io::Write;
     let k = kernel_test!(1024);
-    let net = NodeWithPods::new(2)?;
-    let listener = net.pods[1]
-        .ns
-        .listen(SocketAddr::new(net.pods[1].addr(false), SERVER_PORT))?;
+    let (net, listener) = two_pods(false)?;
     k.dp().insert_pair(&pair_for(&net, false))?;
     let (mut c, mut s) = connect_pods(&net, &listener, false)?;
     s.set_read_timeout(Some(T))?;
@@ -275,10 +272,7 @@ fn slow_reader_with_large_writes() -> Result<()> {
 #[test]
 fn two_hundred_concurrent_connections() -> Result<()> {
     let k = kernel_test!(4096);
-    let net = NodeWithPods::new(2)?;
-    let listener = net.pods[1]
-        .ns
-        .listen(SocketAddr::new(net.pods[1].addr(false), SERVER_PORT))?;
+    let (net, listener) = two_pods(false)?;
     let pair = pair_for(&net, false);
     k.dp().insert_pair(&pair)?;
     let mut conns = Vec::new();
@@ -310,10 +304,7 @@ fn two_hundred_concurrent_connections() -> Result<()> {
 #[test]
 fn removing_a_pair_returns_new_connections_to_tcp() -> Result<()> {
     let k = kernel_test!(1024);
-    let net = NodeWithPods::new(2)?;
-    let listener = net.pods[1]
-        .ns
-        .listen(SocketAddr::new(net.pods[1].addr(false), SERVER_PORT))?;
+    let (net, listener) = two_pods(false)?;
     let pair = pair_for(&net, false);
     k.dp().insert_pair(&pair)?;
     let (c1, s1) = connect_pods(&net, &listener, false)?;
@@ -344,10 +335,7 @@ fn removing_a_pair_returns_new_connections_to_tcp() -> Result<()> {
 #[test]
 fn full_sockhash_falls_back_and_is_reported() -> Result<()> {
     let k = kernel_test!(2);
-    let net = NodeWithPods::new(2)?;
-    let listener = net.pods[1]
-        .ns
-        .listen(SocketAddr::new(net.pods[1].addr(false), SERVER_PORT))?;
+    let (net, listener) = two_pods(false)?;
     let pair = pair_for(&net, false);
     k.dp().insert_pair(&pair)?;
     let (c1, s1) = connect_pods(&net, &listener, false)?; // fills both slots
@@ -366,10 +354,7 @@ fn full_sockhash_falls_back_and_is_reported() -> Result<()> {
 #[test]
 fn connections_before_registration_keep_working_unaccelerated() -> Result<()> {
     let k = kernel_test!(1024);
-    let net = NodeWithPods::new(2)?;
-    let listener = net.pods[1]
-        .ns
-        .listen(SocketAddr::new(net.pods[1].addr(false), SERVER_PORT))?;
+    let (net, listener) = two_pods(false)?;
     let (c, s) = connect_pods(&net, &listener, false)?;
     let pair = pair_for(&net, false);
     k.dp().insert_pair(&pair)?;
