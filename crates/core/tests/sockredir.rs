@@ -441,3 +441,68 @@ fn teardown_removes_every_pin() -> Result<()> {
     ensure!(!k.cfg.pin_root.exists(), "pin root removed when empty");
     Ok(())
 }
+
+#[test]
+fn peer_absent_falls_back_in_order() -> Result<()> {
+    // Three slots: the first connection takes two, the second's client the
+    // third, and its server end finds the map full. The client then has no
+    // peer: its first message goes on TCP and the direction stays there.
+    let k = kernel_test!(3);
+    let (net, listener) = two_pods(false)?;
+    let pair = pair_for(&net, false);
+    k.dp().insert_pair(&pair)?;
+    let (_c1, _s1) = connect_pods(&net, &listener, false)?;
+    let (c2, s2) = connect_pods(&net, &listener, false)?;
+    let ck = tuple_sock_key(c2.local_addr()?, c2.peer_addr()?, 0);
+    ensure!(
+        k.dp().sockhash_lookup(&ck)?.is_some(),
+        "client end inserted"
+    );
+    exchange(c2, s2, 51, 2 << 20, T)?;
+    let st = k.dp().pair_stats(&pair)?;
+    ensure!(st.sockets == 3 && st.fallback_map_full == 1, "{st:?}");
+    ensure!(
+        st.fallback_no_peer >= 1,
+        "first message found no peer: {st:?}"
+    );
+    ensure!(
+        st.fallback_tcp_path >= 1,
+        "later messages stayed on TCP: {st:?}"
+    );
+    ensure!(
+        st.redirected_msgs == 0,
+        "nothing of the second connection redirected: {st:?}"
+    );
+    Ok(())
+}
+
+#[test]
+fn four_tuple_reuse_after_close() -> Result<()> {
+    let k = kernel_test!(1024);
+    let (net, listener) = two_pods(false)?;
+    let pair = pair_for(&net, false);
+    k.dp().insert_pair(&pair)?;
+    let server = SocketAddr::new(net.pods[1].addr(false), SERVER_PORT);
+    let client: SocketAddr = SocketAddr::new(net.pods[0].addr(false), 40555);
+    for round in 0..3u64 {
+        let c = net.pods[0].ns.enter(|| {
+            let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
+            sock.set_reuse_address(true)?;
+            sock.bind(&client.into())?;
+            sock.connect_timeout(&server.into(), Duration::from_secs(5))?;
+            Ok::<_, std::io::Error>(TcpStream::from(sock))
+        })??;
+        let s = accept_timeout(&listener, T)?;
+        ensure!(c.local_addr()? == client, "same 4-tuple every round");
+        // exchange() half-closes both ways; the server end closes first so
+        // the TIME_WAIT is on its side and the client can reuse its port.
+        exchange(c, s, 61 + 2 * round, 256 * 1024, T).with_context(|| format!("round {round}"))?;
+    }
+    let st = k.dp().pair_stats(&pair)?;
+    ensure!(st.sockets == 6, "{st:?}");
+    ensure!(
+        st.redirected_bytes == 3 * 2 * 256 * 1024,
+        "every round redirected: {st:?}"
+    );
+    Ok(())
+}
