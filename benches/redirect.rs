@@ -63,7 +63,7 @@ fn rtt_64b(c: &mut Criterion) {
     let plain: SocketAddr = "127.0.0.1:9100".parse().expect("addr");
     let redirected: SocketAddr = "127.0.0.1:9101".parse().expect("addr");
     let pair = EndpointPair::new(redirected.ip(), Endpoint::from(redirected)).expect("pair");
-    k.dp().insert_pair(&pair).expect("register pair");
+    k.dp().insert_pair(&pair, "bench").expect("register pair");
 
     let mut tcp = tcp_pair(&ns, plain);
     let mut fast = tcp_pair(&ns, redirected);

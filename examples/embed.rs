@@ -22,9 +22,8 @@ fn main() -> Result<()> {
     let dp = Dataplane::open(&DataplaneConfig::default())?;
     println!("data path {:?} at {}", dp.origin(), dp.pin_dir().display());
     let pair = EndpointPair::new(client, server.into())?;
-    if dp.upsert_pair(&pair)? {
-        println!("registered {pair}");
-    }
+    let outcome = dp.upsert_pair(&pair, "embed-example")?;
+    println!("{pair}: {outcome:?}");
     for p in dp.pairs() {
         println!("{p}: {:?}", dp.pair_stats(&p)?);
     }

@@ -24,8 +24,9 @@ pub mod names {
     pub const MAP_SK_STATE: &str = "mw_sk_state";
     pub const MAP_STATS: &str = "mw_stats";
     pub const MAP_GLOBAL: &str = "mw_global";
+    pub const MAP_OWNERS: &str = "mw_owners";
     /// Every map of the sockredir family, in pin order.
-    pub const SOCKREDIR_MAPS: [&str; 7] = [
+    pub const SOCKREDIR_MAPS: [&str; 8] = [
         MAP_SOCKHASH,
         MAP_PAIRS,
         MAP_CAPTURE,
@@ -33,6 +34,7 @@ pub mod names {
         MAP_SK_STATE,
         MAP_STATS,
         MAP_GLOBAL,
+        MAP_OWNERS,
     ];
 }
 

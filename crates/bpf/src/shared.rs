@@ -158,6 +158,42 @@ pub struct RuleStats {
     pub fb_insert_err: u64,
 }
 
+/// `MW_OWNER_LEN`: bytes of an owner name, NUL padding included.
+pub const OWNER_LEN: usize = 64;
+
+/// `struct mw_owner`: the controller that owns a rule slot.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OwnerName {
+    pub name: [u8; OWNER_LEN],
+}
+
+impl Default for OwnerName {
+    fn default() -> Self {
+        Self {
+            name: [0; OWNER_LEN],
+        }
+    }
+}
+
+impl OwnerName {
+    /// `None` if `owner` does not fit with its NUL terminator or holds a NUL.
+    pub fn new(owner: &str) -> Option<Self> {
+        if owner.len() >= OWNER_LEN || owner.contains('\0') {
+            return None;
+        }
+        let mut o = Self::default();
+        o.name[..owner.len()].copy_from_slice(owner.as_bytes());
+        Some(o)
+    }
+
+    /// The name up to the first NUL (lossy for invalid UTF-8).
+    pub fn as_string(&self) -> String {
+        let end = self.name.iter().position(|b| *b == 0).unwrap_or(OWNER_LEN);
+        String::from_utf8_lossy(&self.name[..end]).into_owned()
+    }
+}
+
 /// `struct mw_global_stats`: node-wide counters (one per CPU).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -179,6 +215,7 @@ unsafe impl Pod for SockState {}
 unsafe impl Pod for RuleStats {}
 unsafe impl Pod for GlobalStats {}
 unsafe impl Pod for u32 {}
+unsafe impl Pod for OwnerName {}
 
 #[cfg(test)]
 mod tests {
@@ -281,6 +318,17 @@ mod tests {
             let (raw, fam) = raw_addr(ip);
             assert_eq!(ip_from_raw(raw, fam), Some(ip));
         }
+    }
+
+    #[test]
+    fn owner_names() {
+        assert_eq!(
+            OwnerName::new("istio-agent").unwrap().as_string(),
+            "istio-agent"
+        );
+        assert_eq!(OwnerName::new("").unwrap().as_string(), "");
+        assert!(OwnerName::new(&"x".repeat(OWNER_LEN)).is_none());
+        assert!(OwnerName::new("a\0b").is_none());
     }
 
     #[test]

@@ -85,7 +85,7 @@ fn phases(
         ("meshwarp sk_msg redirect", true),
     ] {
         if register {
-            dp.insert_pair(&pair)?;
+            dp.insert_pair(&pair, "demo")?;
         }
         eprintln!(
             "[3/4] {name}: {} round trips of {} B...",

@@ -115,7 +115,7 @@ fn main() -> Result<()> {
             println!("{:?} data path at {}", dp.origin(), dp.pin_dir().display());
         }
         Cmd::Pair(PairCmd::Add { client, server }) => {
-            open()?.insert_pair(&EndpointPair::new(client, server.into())?)?;
+            open()?.insert_pair(&EndpointPair::new(client, server.into())?, "cli")?;
         }
         Cmd::Pair(PairCmd::Rm { client, server }) => {
             open()?.remove_pair(&EndpointPair::new(client, server.into())?)?;
@@ -135,11 +135,10 @@ fn main() -> Result<()> {
             listener,
             client,
         }) => {
-            open()?.insert_capture(&CaptureRule::new(
-                client,
-                dst.into(),
-                Endpoint::from(listener),
-            )?)?;
+            open()?.insert_capture(
+                &CaptureRule::new(client, dst.into(), Endpoint::from(listener))?,
+                "cli",
+            )?;
         }
         Cmd::Capture(CaptureCmd::Rm {
             dst,

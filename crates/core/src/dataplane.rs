@@ -24,7 +24,7 @@ use meshwarp_bpf::sockredir::SockredirSkelBuilder;
 
 use crate::endpoint::{CaptureRule, EndpointPair};
 use crate::maps::{KernelMaps, MapError};
-use crate::registry::{Registry, RegistryError};
+use crate::registry::{Outcome, Registry, RegistryError};
 use crate::stats::{GlobalCounters, RuleCounters};
 use crate::sys::{self, SysError};
 
@@ -271,48 +271,67 @@ impl Dataplane {
         Ok(p.id())
     }
 
-    pub fn insert_pair(&self, pair: &EndpointPair) -> Result<(), RegistryError> {
-        lock(&self.registry).insert_pair(pair)
+    /// The registry, locked: a caller may apply several changes atomically.
+    pub fn registry(&self) -> MutexGuard<'_, Registry<KernelMaps>> {
+        lock(&self.registry)
     }
 
-    pub fn upsert_pair(&self, pair: &EndpointPair) -> Result<bool, RegistryError> {
-        lock(&self.registry).upsert_pair(pair)
+    pub fn insert_pair(&self, pair: &EndpointPair, owner: &str) -> Result<(), RegistryError> {
+        self.registry().insert_pair(pair, owner)
     }
 
+    pub fn upsert_pair(&self, pair: &EndpointPair, owner: &str) -> Result<Outcome, RegistryError> {
+        self.registry().upsert_pair(pair, owner)
+    }
+
+    /// Removes a pair whoever owns it.
     pub fn remove_pair(&self, pair: &EndpointPair) -> Result<(), RegistryError> {
-        lock(&self.registry).remove_pair(pair)
+        self.registry().remove_pair(pair, None)
     }
 
     pub fn pairs(&self) -> Vec<EndpointPair> {
-        lock(&self.registry).pairs()
+        self.registry()
+            .pairs()
+            .into_iter()
+            .map(|r| r.rule)
+            .collect()
     }
 
     pub fn pair_stats(&self, pair: &EndpointPair) -> Result<RuleCounters, RegistryError> {
-        lock(&self.registry).pair_stats(pair)
+        self.registry().pair_stats(pair)
     }
 
-    pub fn insert_capture(&self, rule: &CaptureRule) -> Result<(), RegistryError> {
-        lock(&self.registry).insert_capture(rule)
+    pub fn insert_capture(&self, rule: &CaptureRule, owner: &str) -> Result<(), RegistryError> {
+        self.registry().insert_capture(rule, owner)
     }
 
-    pub fn upsert_capture(&self, rule: &CaptureRule) -> Result<bool, RegistryError> {
-        lock(&self.registry).upsert_capture(rule)
+    pub fn upsert_capture(
+        &self,
+        rule: &CaptureRule,
+        owner: &str,
+    ) -> Result<Outcome, RegistryError> {
+        self.registry().upsert_capture(rule, owner)
     }
 
+    /// Removes the capture rule with `rule`'s key whoever owns it.
     pub fn remove_capture(&self, rule: &CaptureRule) -> Result<(), RegistryError> {
-        lock(&self.registry).remove_capture(rule)
+        self.registry().remove_capture(rule, None)
     }
 
     pub fn captures(&self) -> Vec<CaptureRule> {
-        lock(&self.registry).captures()
+        self.registry()
+            .captures()
+            .into_iter()
+            .map(|r| r.rule)
+            .collect()
     }
 
     pub fn capture_stats(&self, rule: &CaptureRule) -> Result<RuleCounters, RegistryError> {
-        lock(&self.registry).capture_stats(rule)
+        self.registry().capture_stats(rule)
     }
 
     pub fn global_stats(&self) -> Result<GlobalCounters, RegistryError> {
-        lock(&self.registry).global_stats()
+        self.registry().global_stats()
     }
 
     /// The socket cookie stored in the SOCKHASH under `key`, if any.
@@ -404,6 +423,7 @@ fn load_and_pin(cfg: &DataplaneConfig, layout: &Layout) -> Result<(), DataplaneE
         (&mut maps.mw_pairs, cfg.max_rules),
         (&mut maps.mw_capture, cfg.max_rules),
         (&mut maps.mw_stats, cfg.max_rules),
+        (&mut maps.mw_owners, cfg.max_rules),
     ];
     for (map, n) in sizes {
         map.set_max_entries(n).map_err(bpf_err("sizing maps"))?;
@@ -426,6 +446,7 @@ fn load_and_pin(cfg: &DataplaneConfig, layout: &Layout) -> Result<(), DataplaneE
         (names::MAP_SK_STATE, &maps.mw_sk_state),
         (names::MAP_STATS, &maps.mw_stats),
         (names::MAP_GLOBAL, &maps.mw_global),
+        (names::MAP_OWNERS, &maps.mw_owners),
     ];
     for (name, map) in all_maps {
         let path = layout.map(name);

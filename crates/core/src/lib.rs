@@ -9,7 +9,7 @@
 //! use meshwarp_core::{Dataplane, DataplaneConfig, EndpointPair, Endpoint};
 //! let dp = Dataplane::open(&DataplaneConfig::default())?;
 //! let pair = EndpointPair::new("198.18.0.2".parse()?, Endpoint::new("198.18.0.3".parse()?, 8080))?;
-//! dp.insert_pair(&pair)?;
+//! dp.insert_pair(&pair, "my-controller")?;
 //! println!("{:?}", dp.pair_stats(&pair)?);
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```

@@ -10,7 +10,7 @@ use std::path::Path;
 
 use libbpf_rs::{ErrorKind, MapCore, MapFlags, MapHandle};
 use meshwarp_bpf::names;
-use meshwarp_bpf::shared::{CaptureKey, GlobalStats, PairKey, Pod, Rule, RuleStats};
+use meshwarp_bpf::shared::{CaptureKey, GlobalStats, OwnerName, PairKey, Pod, Rule, RuleStats};
 
 /// A failed map operation.
 #[derive(Debug, thiserror::Error)]
@@ -57,6 +57,10 @@ pub trait RuleMaps {
     /// Zeroes a slot before it is given to a new rule.
     fn reset_rule_stats(&mut self, id: u32) -> Result<(), MapError>;
     fn global_stats(&self) -> Result<GlobalStats, MapError>;
+    /// Owner of every rule slot that has one.
+    fn owners(&self) -> Result<Vec<(u32, OwnerName)>, MapError>;
+    fn put_owner(&mut self, id: u32, owner: &OwnerName) -> Result<(), MapError>;
+    fn delete_owner(&mut self, id: u32) -> Result<(), MapError>;
 }
 
 /// The pinned maps of a loaded data path.
@@ -66,6 +70,7 @@ pub struct KernelMaps {
     capture: MapHandle,
     stats: MapHandle,
     global: MapHandle,
+    owners: MapHandle,
     ncpus: usize,
 }
 
@@ -135,6 +140,7 @@ impl KernelMaps {
             capture: open(names::MAP_CAPTURE)?,
             stats: open(names::MAP_STATS)?,
             global: open(names::MAP_GLOBAL)?,
+            owners: open(names::MAP_OWNERS)?,
             ncpus: libbpf_rs::num_possible_cpus()
                 .map_err(kernel("count cpus", names::MAP_STATS))?,
         })
@@ -228,6 +234,23 @@ impl RuleMaps for KernelMaps {
     fn global_stats(&self) -> Result<GlobalStats, MapError> {
         self.sum_percpu(&self.global, names::MAP_GLOBAL, 0, add_global_stats)
     }
+
+    fn owners(&self) -> Result<Vec<(u32, OwnerName)>, MapError> {
+        entries(&self.owners, names::MAP_OWNERS)
+    }
+
+    fn put_owner(&mut self, id: u32, owner: &OwnerName) -> Result<(), MapError> {
+        put(
+            &self.owners,
+            names::MAP_OWNERS,
+            &id.to_ne_bytes(),
+            owner.as_bytes(),
+        )
+    }
+
+    fn delete_owner(&mut self, id: u32) -> Result<(), MapError> {
+        delete(&self.owners, names::MAP_OWNERS, &id.to_ne_bytes())
+    }
 }
 
 /// An in-memory stand-in with the kernel maps' capacity semantics, for unit
@@ -239,6 +262,9 @@ pub struct MemoryMaps {
     pub captures: HashMap<CaptureKey, Rule>,
     pub stats: HashMap<u32, RuleStats>,
     pub global: GlobalStats,
+    pub owners: HashMap<u32, OwnerName>,
+    /// Fail the n-th map write from now (1 = the next), to test rollback.
+    pub fail_write_in: Option<u32>,
 }
 
 impl MemoryMaps {
@@ -246,6 +272,24 @@ impl MemoryMaps {
         Self {
             capacity,
             ..Self::default()
+        }
+    }
+
+    fn write(&mut self) -> Result<(), MapError> {
+        match self.fail_write_in {
+            Some(1) => {
+                self.fail_write_in = None;
+                Err(MapError::BadValue {
+                    map: "injected",
+                    got: 0,
+                    want: 0,
+                })
+            }
+            Some(n) => {
+                self.fail_write_in = Some(n - 1);
+                Ok(())
+            }
+            None => Ok(()),
         }
     }
 }
@@ -264,6 +308,7 @@ impl RuleMaps for MemoryMaps {
     }
 
     fn put_pair(&mut self, key: &PairKey, rule: &Rule) -> Result<(), MapError> {
+        self.write()?;
         if !self.pairs.contains_key(key) && self.pairs.len() as u32 >= self.capacity {
             return Err(MapError::Full {
                 map: names::MAP_PAIRS,
@@ -280,6 +325,7 @@ impl RuleMaps for MemoryMaps {
     }
 
     fn put_capture(&mut self, key: &CaptureKey, rule: &Rule) -> Result<(), MapError> {
+        self.write()?;
         if !self.captures.contains_key(key) && self.captures.len() as u32 >= self.capacity {
             return Err(MapError::Full {
                 map: names::MAP_CAPTURE,
@@ -306,5 +352,19 @@ impl RuleMaps for MemoryMaps {
 
     fn global_stats(&self) -> Result<GlobalStats, MapError> {
         Ok(self.global)
+    }
+
+    fn owners(&self) -> Result<Vec<(u32, OwnerName)>, MapError> {
+        Ok(self.owners.iter().map(|(k, v)| (*k, *v)).collect())
+    }
+
+    fn put_owner(&mut self, id: u32, owner: &OwnerName) -> Result<(), MapError> {
+        self.owners.insert(id, *owner);
+        Ok(())
+    }
+
+    fn delete_owner(&mut self, id: u32) -> Result<(), MapError> {
+        self.owners.remove(&id);
+        Ok(())
     }
 }

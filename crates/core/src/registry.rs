@@ -5,10 +5,12 @@
 //! an agent that adopts a pinned data path knows exactly what is installed.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
 use std::net::{IpAddr, SocketAddr};
 
 use meshwarp_bpf::shared::{
-    ip_from_raw, raw_addr, CaptureKey, PairKey, Rule, SockKey, KEY_CAPTURED, KEY_ORIGIN, KEY_TUPLE,
+    ip_from_raw, raw_addr, CaptureKey, OwnerName, PairKey, Rule, SockKey, KEY_CAPTURED, KEY_ORIGIN,
+    KEY_TUPLE, OWNER_LEN,
 };
 
 use crate::endpoint::{CaptureRule, Endpoint, EndpointPair, ValidationError};
@@ -27,6 +29,16 @@ pub enum RegistryError {
     Full { capacity: u32 },
     #[error(transparent)]
     Invalid(#[from] ValidationError),
+    #[error("{what} is owned by {owner:?}, not {requested:?}")]
+    OwnerMismatch {
+        what: String,
+        owner: String,
+        requested: String,
+    },
+    #[error("invalid owner {0}")]
+    InvalidOwner(String),
+    #[error("{0} appears twice in one batch")]
+    DuplicateInBatch(String),
     #[error("data path holds an entry meshwarp cannot read back: {0}")]
     Inconsistent(String),
     #[error(transparent)]
@@ -167,176 +179,500 @@ pub fn peer_sock_key(own: &SockKey) -> SockKey {
     }
 }
 
-/// Rules installed in one data path and the counter slot of each.
+/// What an upsert did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    Created,
+    /// The rule existed and its value changed (a capture rule's listener).
+    Updated,
+    /// The rule existed exactly as given.
+    Unchanged,
+}
+
+/// A rule kind the registry stores: pairs and capture rules.
+pub trait RuleKind: Copy + Eq + fmt::Display {
+    /// What identifies the rule (two rules with one key cover the same connections).
+    type Key: Ord + Copy + fmt::Debug;
+    const WHAT: &'static str;
+    fn rule_key(&self) -> Self::Key;
+    fn write<M: RuleMaps>(&self, maps: &mut M, id: u32) -> Result<(), MapError>;
+    fn erase<M: RuleMaps>(&self, maps: &mut M) -> Result<(), MapError>;
+}
+
+impl RuleKind for EndpointPair {
+    type Key = EndpointPair;
+    const WHAT: &'static str = "pair";
+    fn rule_key(&self) -> Self::Key {
+        *self
+    }
+    fn write<M: RuleMaps>(&self, maps: &mut M, id: u32) -> Result<(), MapError> {
+        maps.put_pair(
+            &pair_key(self),
+            &Rule {
+                id,
+                ..Rule::default()
+            },
+        )
+    }
+    fn erase<M: RuleMaps>(&self, maps: &mut M) -> Result<(), MapError> {
+        maps.delete_pair(&pair_key(self))
+    }
+}
+
+impl RuleKind for CaptureRule {
+    type Key = (Option<IpAddr>, Endpoint);
+    const WHAT: &'static str = "capture rule";
+    fn rule_key(&self) -> Self::Key {
+        self.key()
+    }
+    fn write<M: RuleMaps>(&self, maps: &mut M, id: u32) -> Result<(), MapError> {
+        maps.put_capture(&capture_key(self), &capture_value(self, id))
+    }
+    fn erase<M: RuleMaps>(&self, maps: &mut M) -> Result<(), MapError> {
+        maps.delete_capture(&capture_key(self))
+    }
+}
+
+/// A registered rule with its owner.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Registered<R> {
+    pub rule: R,
+    pub owner: String,
+}
+
+#[derive(Debug, Clone)]
+struct Entry<R> {
+    rule: R,
+    id: u32,
+    owner: String,
+}
+
+#[derive(Debug)]
+struct Table<R: RuleKind> {
+    entries: BTreeMap<R::Key, Entry<R>>,
+}
+
+impl<R: RuleKind> Default for Table<R> {
+    fn default() -> Self {
+        Self {
+            entries: BTreeMap::new(),
+        }
+    }
+}
+
+/// Slot allocation and owner checks shared by both rule kinds.
+#[derive(Debug, Default)]
+struct Slots {
+    used: BTreeSet<u32>,
+}
+
+fn owner_name(owner: &str) -> Result<OwnerName, RegistryError> {
+    OwnerName::new(owner).ok_or_else(|| {
+        RegistryError::InvalidOwner(format!(
+            "{owner:?}: at most {} bytes, no NUL",
+            OWNER_LEN - 1
+        ))
+    })
+}
+
+fn check_owner<R: RuleKind>(e: &Entry<R>, owner: &str) -> Result<(), RegistryError> {
+    if e.owner != owner {
+        return Err(RegistryError::OwnerMismatch {
+            what: format!("{} {}", R::WHAT, e.rule),
+            owner: e.owner.clone(),
+            requested: owner.to_string(),
+        });
+    }
+    Ok(())
+}
+
+impl<R: RuleKind> Table<R> {
+    fn get(&self, rule: &R) -> Result<&Entry<R>, RegistryError> {
+        self.entries
+            .get(&rule.rule_key())
+            .ok_or_else(|| RegistryError::NotFound(format!("{} {rule}", R::WHAT)))
+    }
+
+    fn list(&self) -> Vec<Registered<R>> {
+        self.entries
+            .values()
+            .map(|e| Registered {
+                rule: e.rule,
+                owner: e.owner.clone(),
+            })
+            .collect()
+    }
+
+    fn create<M: RuleMaps>(
+        &mut self,
+        maps: &mut M,
+        slots: &mut Slots,
+        rule: &R,
+        owner: &str,
+    ) -> Result<(), RegistryError> {
+        if let Some(e) = self.entries.get(&rule.rule_key()) {
+            return Err(RegistryError::AlreadyExists(format!(
+                "{} {} (owner {:?})",
+                R::WHAT,
+                e.rule,
+                e.owner
+            )));
+        }
+        let name = owner_name(owner)?;
+        let capacity = maps.rule_capacity();
+        let id = (0..capacity)
+            .find(|i| !slots.used.contains(i))
+            .ok_or(RegistryError::Full { capacity })?;
+        maps.reset_rule_stats(id)?;
+        maps.put_owner(id, &name)?;
+        if let Err(e) = rule.write(maps, id) {
+            let _ = maps.delete_owner(id);
+            return Err(e.into());
+        }
+        slots.used.insert(id);
+        self.entries.insert(
+            rule.rule_key(),
+            Entry {
+                rule: *rule,
+                id,
+                owner: owner.to_string(),
+            },
+        );
+        Ok(())
+    }
+
+    fn upsert<M: RuleMaps>(
+        &mut self,
+        maps: &mut M,
+        slots: &mut Slots,
+        rule: &R,
+        owner: &str,
+    ) -> Result<Outcome, RegistryError> {
+        let Some(e) = self.entries.get_mut(&rule.rule_key()) else {
+            self.create(maps, slots, rule, owner)?;
+            return Ok(Outcome::Created);
+        };
+        check_owner(e, owner)?;
+        if e.rule == *rule {
+            return Ok(Outcome::Unchanged);
+        }
+        rule.write(maps, e.id)?;
+        e.rule = *rule;
+        Ok(Outcome::Updated)
+    }
+
+    fn delete<M: RuleMaps>(
+        &mut self,
+        maps: &mut M,
+        slots: &mut Slots,
+        rule: &R,
+        owner: Option<&str>,
+    ) -> Result<(), RegistryError> {
+        let e = self.get(rule)?;
+        if let Some(o) = owner {
+            check_owner(e, o)?;
+        }
+        let (stored, id) = (e.rule, e.id);
+        stored.erase(maps)?;
+        let _ = maps.delete_owner(id);
+        slots.used.remove(&id);
+        self.entries.remove(&rule.rule_key());
+        Ok(())
+    }
+
+    /// Checks a batch before anything is written: no key twice, owners match.
+    fn precheck(&self, rules: &[R], owner: &str) -> Result<usize, RegistryError> {
+        owner_name(owner)?;
+        let mut seen = BTreeSet::new();
+        let mut new = 0;
+        for r in rules {
+            if !seen.insert(r.rule_key()) {
+                return Err(RegistryError::DuplicateInBatch(format!("{} {r}", R::WHAT)));
+            }
+            match self.entries.get(&r.rule_key()) {
+                Some(e) => check_owner(e, owner)?,
+                None => new += 1,
+            }
+        }
+        Ok(new)
+    }
+
+    /// All or nothing: on any failure the rules written so far are restored.
+    fn batch_upsert<M: RuleMaps>(
+        &mut self,
+        maps: &mut M,
+        slots: &mut Slots,
+        rules: &[R],
+        owner: &str,
+    ) -> Result<Vec<Outcome>, RegistryError> {
+        let new = self.precheck(rules, owner)?;
+        let capacity = maps.rule_capacity();
+        if slots.used.len() + new > capacity as usize {
+            return Err(RegistryError::Full { capacity });
+        }
+        let mut done: Vec<(R, Outcome, Option<R>)> = Vec::with_capacity(rules.len());
+        for r in rules {
+            let previous = self.entries.get(&r.rule_key()).map(|e| e.rule);
+            match self.upsert(maps, slots, r, owner) {
+                Ok(o) => done.push((*r, o, previous)),
+                Err(err) => {
+                    for (r, o, prev) in done.into_iter().rev() {
+                        let _ = match (o, prev) {
+                            (Outcome::Created, _) => self.delete(maps, slots, &r, None),
+                            (Outcome::Updated, Some(p)) => {
+                                self.upsert(maps, slots, &p, owner).map(|_| ())
+                            }
+                            _ => Ok(()),
+                        };
+                    }
+                    return Err(err);
+                }
+            }
+        }
+        Ok(done.into_iter().map(|(_, o, _)| o).collect())
+    }
+
+    /// All or nothing. With `allow_missing`, absent rules are skipped;
+    /// returns which rules were deleted.
+    fn batch_delete<M: RuleMaps>(
+        &mut self,
+        maps: &mut M,
+        slots: &mut Slots,
+        rules: &[R],
+        owner: &str,
+        allow_missing: bool,
+    ) -> Result<Vec<bool>, RegistryError> {
+        self.precheck(rules, owner)?;
+        if !allow_missing {
+            for r in rules {
+                self.get(r)?;
+            }
+        }
+        let mut done: Vec<Entry<R>> = Vec::new();
+        let mut deleted = Vec::with_capacity(rules.len());
+        for r in rules {
+            let Ok(e) = self.get(r).cloned() else {
+                deleted.push(false);
+                continue;
+            };
+            if let Err(err) = self.delete(maps, slots, r, Some(owner)) {
+                for e in done.into_iter().rev() {
+                    let _ = self.create(maps, slots, &e.rule, &e.owner);
+                }
+                return Err(err);
+            }
+            done.push(e);
+            deleted.push(true);
+        }
+        Ok(deleted)
+    }
+}
+
+/// Rules installed in one data path, their owners and counter slots.
 #[derive(Debug)]
 pub struct Registry<M> {
     maps: M,
-    pairs: BTreeMap<EndpointPair, u32>,
-    captures: BTreeMap<(Option<IpAddr>, Endpoint), (CaptureRule, u32)>,
-    used_ids: BTreeSet<u32>,
+    slots: Slots,
+    pairs: Table<EndpointPair>,
+    captures: Table<CaptureRule>,
 }
 
 impl<M: RuleMaps> Registry<M> {
     /// Builds the registry from what the maps hold (adoption after a restart).
     pub fn reconcile(maps: M) -> Result<Self, RegistryError> {
-        let mut reg = Self {
-            maps,
-            pairs: BTreeMap::new(),
-            captures: BTreeMap::new(),
-            used_ids: BTreeSet::new(),
-        };
-        let capacity = reg.maps.rule_capacity();
-        let mut claim = |id: u32, what: &dyn std::fmt::Display| {
-            if id >= capacity || !reg.used_ids.insert(id) {
+        let capacity = maps.rule_capacity();
+        let owners: BTreeMap<u32, String> = maps
+            .owners()?
+            .into_iter()
+            .map(|(id, o)| (id, o.as_string()))
+            .collect();
+        let mut slots = Slots::default();
+        let mut claim = |id: u32, what: &dyn fmt::Display| {
+            if id >= capacity || !slots.used.insert(id) {
                 return Err(RegistryError::Inconsistent(format!(
                     "{what} holds counter slot {id} twice or out of range"
                 )));
             }
-            Ok(())
+            Ok(Entry {
+                rule: (),
+                id,
+                owner: owners.get(&id).cloned().unwrap_or_default(),
+            })
         };
-        let mut pairs = Vec::new();
-        for (k, v) in reg.maps.pairs()? {
-            let pair = pair_from_key(&k)?;
-            claim(v.id, &pair)?;
-            pairs.push((pair, v.id));
+        let mut pairs = Table::default();
+        for (k, v) in maps.pairs()? {
+            let rule = pair_from_key(&k)?;
+            let e = claim(v.id, &rule)?;
+            pairs.entries.insert(
+                rule.rule_key(),
+                Entry {
+                    rule,
+                    id: e.id,
+                    owner: e.owner,
+                },
+            );
         }
-        let mut captures = Vec::new();
-        for (k, v) in reg.maps.captures()? {
+        let mut captures = Table::default();
+        for (k, v) in maps.captures()? {
             let rule = capture_from_entry(&k, &v)?;
-            claim(v.id, &rule)?;
-            captures.push((rule, v.id));
+            let e = claim(v.id, &rule)?;
+            captures.entries.insert(
+                rule.rule_key(),
+                Entry {
+                    rule,
+                    id: e.id,
+                    owner: e.owner,
+                },
+            );
         }
-        reg.pairs.extend(pairs);
-        reg.captures
-            .extend(captures.into_iter().map(|(r, id)| (r.key(), (r, id))));
-        Ok(reg)
+        Ok(Self {
+            maps,
+            slots,
+            pairs,
+            captures,
+        })
     }
 
     pub fn maps(&self) -> &M {
         &self.maps
     }
 
-    /// Lowest free counter slot, zeroed.
-    fn allocate_id(&mut self) -> Result<u32, RegistryError> {
-        let capacity = self.maps.rule_capacity();
-        let id = (0..capacity)
-            .find(|i| !self.used_ids.contains(i))
-            .ok_or(RegistryError::Full { capacity })?;
-        self.maps.reset_rule_stats(id)?;
-        self.used_ids.insert(id);
-        Ok(id)
+    /// Rules of both kinds in use, and the capacity they share.
+    pub fn usage(&self) -> (usize, u32) {
+        (self.slots.used.len(), self.maps.rule_capacity())
     }
 
     /// Registers a new pair; [`RegistryError::AlreadyExists`] if present.
-    pub fn insert_pair(&mut self, pair: &EndpointPair) -> Result<(), RegistryError> {
-        if self.pairs.contains_key(pair) {
-            return Err(RegistryError::AlreadyExists(format!("pair {pair}")));
-        }
-        let id = self.allocate_id()?;
-        if let Err(e) = self.maps.put_pair(
-            &pair_key(pair),
-            &Rule {
-                id,
-                ..Rule::default()
-            },
-        ) {
-            self.used_ids.remove(&id);
-            return Err(e.into());
-        }
-        self.pairs.insert(*pair, id);
-        Ok(())
+    pub fn insert_pair(&mut self, pair: &EndpointPair, owner: &str) -> Result<(), RegistryError> {
+        self.pairs
+            .create(&mut self.maps, &mut self.slots, pair, owner)
     }
 
-    /// Registers the pair unless present; true if it was added.
-    pub fn upsert_pair(&mut self, pair: &EndpointPair) -> Result<bool, RegistryError> {
-        match self.insert_pair(pair) {
-            Ok(()) => Ok(true),
-            Err(RegistryError::AlreadyExists(_)) => Ok(false),
-            Err(e) => Err(e),
-        }
+    /// Creates the pair unless present; an existing pair of another owner is
+    /// [`RegistryError::OwnerMismatch`].
+    pub fn upsert_pair(
+        &mut self,
+        pair: &EndpointPair,
+        owner: &str,
+    ) -> Result<Outcome, RegistryError> {
+        self.pairs
+            .upsert(&mut self.maps, &mut self.slots, pair, owner)
     }
 
-    /// Removes a pair: new connections take the normal path. Connections it
-    /// already accelerates stay accelerated until they close, because removing
-    /// a socket from the SOCKHASH would drop bytes queued for its reader.
-    pub fn remove_pair(&mut self, pair: &EndpointPair) -> Result<(), RegistryError> {
-        let id = *self
-            .pairs
-            .get(pair)
-            .ok_or_else(|| RegistryError::NotFound(format!("pair {pair}")))?;
-        self.maps.delete_pair(&pair_key(pair))?;
-        self.pairs.remove(pair);
-        self.used_ids.remove(&id);
-        Ok(())
+    /// Removes a pair (checking the owner when given): new connections take the
+    /// normal path. Connections it already accelerates stay accelerated until
+    /// they close, because removing a socket from the SOCKHASH would drop bytes
+    /// queued for its reader.
+    pub fn remove_pair(
+        &mut self,
+        pair: &EndpointPair,
+        owner: Option<&str>,
+    ) -> Result<(), RegistryError> {
+        self.pairs
+            .delete(&mut self.maps, &mut self.slots, pair, owner)
     }
 
-    pub fn pairs(&self) -> Vec<EndpointPair> {
-        self.pairs.keys().copied().collect()
+    pub fn get_pair(&self, pair: &EndpointPair) -> Result<Registered<EndpointPair>, RegistryError> {
+        let e = self.pairs.get(pair)?;
+        Ok(Registered {
+            rule: e.rule,
+            owner: e.owner.clone(),
+        })
+    }
+
+    pub fn pairs(&self) -> Vec<Registered<EndpointPair>> {
+        self.pairs.list()
     }
 
     pub fn pair_stats(&self, pair: &EndpointPair) -> Result<RuleCounters, RegistryError> {
-        let id = *self
-            .pairs
-            .get(pair)
-            .ok_or_else(|| RegistryError::NotFound(format!("pair {pair}")))?;
-        Ok(self.maps.rule_stats(id)?.into())
+        Ok(self.maps.rule_stats(self.pairs.get(pair)?.id)?.into())
+    }
+
+    /// All-or-nothing upsert of many pairs for one owner.
+    pub fn batch_upsert_pairs(
+        &mut self,
+        pairs: &[EndpointPair],
+        owner: &str,
+    ) -> Result<Vec<Outcome>, RegistryError> {
+        self.pairs
+            .batch_upsert(&mut self.maps, &mut self.slots, pairs, owner)
+    }
+
+    /// All-or-nothing removal of many pairs of one owner.
+    pub fn batch_remove_pairs(
+        &mut self,
+        pairs: &[EndpointPair],
+        owner: &str,
+        allow_missing: bool,
+    ) -> Result<Vec<bool>, RegistryError> {
+        self.pairs
+            .batch_delete(&mut self.maps, &mut self.slots, pairs, owner, allow_missing)
     }
 
     /// Registers a new capture rule; [`RegistryError::AlreadyExists`] if one
     /// covers the same client and original destination.
-    pub fn insert_capture(&mut self, rule: &CaptureRule) -> Result<(), RegistryError> {
-        if let Some((existing, _)) = self.captures.get(&rule.key()) {
-            return Err(RegistryError::AlreadyExists(format!(
-                "capture rule {existing}"
-            )));
-        }
-        let id = self.allocate_id()?;
-        if let Err(e) = self
-            .maps
-            .put_capture(&capture_key(rule), &capture_value(rule, id))
-        {
-            self.used_ids.remove(&id);
-            return Err(e.into());
-        }
-        self.captures.insert(rule.key(), (*rule, id));
-        Ok(())
+    pub fn insert_capture(&mut self, rule: &CaptureRule, owner: &str) -> Result<(), RegistryError> {
+        self.captures
+            .create(&mut self.maps, &mut self.slots, rule, owner)
     }
 
-    /// Creates the rule, or replaces the listener of the rule with the same
-    /// key (keeping its counters); true if it was added.
-    pub fn upsert_capture(&mut self, rule: &CaptureRule) -> Result<bool, RegistryError> {
-        let Some((_, id)) = self.captures.get(&rule.key()).copied() else {
-            self.insert_capture(rule)?;
-            return Ok(true);
-        };
-        self.maps
-            .put_capture(&capture_key(rule), &capture_value(rule, id))?;
-        self.captures.insert(rule.key(), (*rule, id));
-        Ok(false)
+    /// Creates the rule, or replaces the listener of the rule with the same key
+    /// (keeping its counters).
+    pub fn upsert_capture(
+        &mut self,
+        rule: &CaptureRule,
+        owner: &str,
+    ) -> Result<Outcome, RegistryError> {
+        self.captures
+            .upsert(&mut self.maps, &mut self.slots, rule, owner)
     }
 
     /// Removes the capture rule with the same key as `rule`.
-    pub fn remove_capture(&mut self, rule: &CaptureRule) -> Result<(), RegistryError> {
-        let (_, id) = *self
-            .captures
-            .get(&rule.key())
-            .ok_or_else(|| RegistryError::NotFound(format!("capture rule {rule}")))?;
-        self.maps.delete_capture(&capture_key(rule))?;
-        self.captures.remove(&rule.key());
-        self.used_ids.remove(&id);
-        Ok(())
+    pub fn remove_capture(
+        &mut self,
+        rule: &CaptureRule,
+        owner: Option<&str>,
+    ) -> Result<(), RegistryError> {
+        self.captures
+            .delete(&mut self.maps, &mut self.slots, rule, owner)
     }
 
-    pub fn captures(&self) -> Vec<CaptureRule> {
-        self.captures.values().map(|(r, _)| *r).collect()
+    pub fn get_capture(
+        &self,
+        rule: &CaptureRule,
+    ) -> Result<Registered<CaptureRule>, RegistryError> {
+        let e = self.captures.get(rule)?;
+        Ok(Registered {
+            rule: e.rule,
+            owner: e.owner.clone(),
+        })
+    }
+
+    pub fn captures(&self) -> Vec<Registered<CaptureRule>> {
+        self.captures.list()
     }
 
     pub fn capture_stats(&self, rule: &CaptureRule) -> Result<RuleCounters, RegistryError> {
-        let (_, id) = self
-            .captures
-            .get(&rule.key())
-            .ok_or_else(|| RegistryError::NotFound(format!("capture rule {rule}")))?;
-        Ok(self.maps.rule_stats(*id)?.into())
+        Ok(self.maps.rule_stats(self.captures.get(rule)?.id)?.into())
+    }
+
+    pub fn batch_upsert_captures(
+        &mut self,
+        rules: &[CaptureRule],
+        owner: &str,
+    ) -> Result<Vec<Outcome>, RegistryError> {
+        self.captures
+            .batch_upsert(&mut self.maps, &mut self.slots, rules, owner)
+    }
+
+    pub fn batch_remove_captures(
+        &mut self,
+        rules: &[CaptureRule],
+        owner: &str,
+        allow_missing: bool,
+    ) -> Result<Vec<bool>, RegistryError> {
+        self.captures
+            .batch_delete(&mut self.maps, &mut self.slots, rules, owner, allow_missing)
     }
 
     pub fn global_stats(&self) -> Result<GlobalCounters, RegistryError> {
@@ -374,20 +710,23 @@ mod tests {
         let mut reg = Registry::reconcile(MemoryMaps::with_capacity(8)).unwrap();
         let a = pair("198.18.0.2", "198.18.0.3", 80);
         let b = pair("2001:db8::2", "2001:db8::3", 80);
-        reg.insert_pair(&a).unwrap();
-        reg.insert_pair(&b).unwrap();
+        reg.insert_pair(&a, "ctl").unwrap();
+        reg.insert_pair(&b, "ctl").unwrap();
         assert!(matches!(
-            reg.insert_pair(&a),
+            reg.insert_pair(&a, "ctl"),
             Err(RegistryError::AlreadyExists(_))
         ));
-        assert!(!reg.upsert_pair(&a).unwrap());
+        assert_eq!(reg.upsert_pair(&a, "ctl").unwrap(), Outcome::Unchanged);
         assert_eq!(reg.pairs().len(), 2);
-        reg.remove_pair(&a).unwrap();
+        reg.remove_pair(&a, None).unwrap();
         assert!(matches!(
-            reg.remove_pair(&a),
+            reg.remove_pair(&a, None),
             Err(RegistryError::NotFound(_))
         ));
-        assert_eq!(reg.pairs(), vec![b]);
+        assert_eq!(
+            reg.pairs().iter().map(|r| r.rule).collect::<Vec<_>>(),
+            vec![b]
+        );
         assert_eq!(reg.maps().pairs.len(), 1);
     }
 
@@ -397,17 +736,20 @@ mod tests {
         let a = pair("198.18.0.2", "198.18.0.3", 80);
         let b = pair("198.18.0.2", "198.18.0.3", 81);
         let c = pair("198.18.0.2", "198.18.0.3", 82);
-        reg.insert_pair(&a).unwrap();
-        reg.insert_pair(&b).unwrap();
+        reg.insert_pair(&a, "ctl").unwrap();
+        reg.insert_pair(&b, "ctl").unwrap();
         assert!(matches!(
-            reg.insert_pair(&c),
+            reg.insert_pair(&c, "ctl"),
             Err(RegistryError::Full { capacity: 2 })
         ));
-        assert_eq!(reg.pairs(), vec![a, b]);
+        assert_eq!(
+            reg.pairs().iter().map(|r| r.rule).collect::<Vec<_>>(),
+            vec![a, b]
+        );
         assert_eq!(reg.maps().pairs.len(), 2);
         // Freed slots are reused, with zeroed counters.
-        reg.remove_pair(&a).unwrap();
-        reg.insert_pair(&c).unwrap();
+        reg.remove_pair(&a, None).unwrap();
+        reg.insert_pair(&c, "ctl").unwrap();
         assert_eq!(reg.pair_stats(&c).unwrap(), RuleCounters::default());
     }
 
@@ -425,7 +767,7 @@ mod tests {
         maps.capacity = 1;
         let mut reg = Registry::reconcile(maps).unwrap();
         let err = reg
-            .insert_pair(&pair("198.18.0.2", "198.18.0.3", 80))
+            .insert_pair(&pair("198.18.0.2", "198.18.0.3", 80), "ctl")
             .unwrap_err();
         assert!(matches!(err, RegistryError::Full { .. }), "{err}");
         assert_eq!(reg.pairs().len(), 1);
@@ -437,9 +779,9 @@ mod tests {
         let a = pair("198.18.0.2", "198.18.0.3", 80);
         let r = capture(Some("198.18.0.2"), "198.19.0.10", "127.0.0.1", 15001);
         let any = capture(None, "198.18.0.3", "198.18.0.3", 15006);
-        reg.insert_pair(&a).unwrap();
-        reg.insert_capture(&r).unwrap();
-        reg.insert_capture(&any).unwrap();
+        reg.insert_pair(&a, "ctl").unwrap();
+        reg.insert_capture(&r, "ctl").unwrap();
+        reg.insert_capture(&any, "ctl").unwrap();
         let mut maps = reg.maps;
         maps.stats.insert(
             maps.pairs[&pair_key(&a)].id,
@@ -449,8 +791,14 @@ mod tests {
             },
         );
         let reg = Registry::reconcile(maps).unwrap();
-        assert_eq!(reg.pairs(), vec![a]);
-        let mut caps = reg.captures();
+        assert_eq!(
+            reg.pairs(),
+            vec![Registered {
+                rule: a,
+                owner: "ctl".into()
+            }]
+        );
+        let mut caps: Vec<_> = reg.captures().into_iter().map(|r| r.rule).collect();
         caps.sort();
         let mut want = vec![r, any];
         want.sort();
@@ -486,17 +834,95 @@ mod tests {
         let mut reg = Registry::reconcile(MemoryMaps::with_capacity(8)).unwrap();
         let r1 = capture(Some("198.18.0.2"), "198.19.0.10", "127.0.0.1", 15001);
         let r2 = capture(Some("198.18.0.2"), "198.19.0.10", "127.0.0.1", 15002);
-        assert!(reg.upsert_capture(&r1).unwrap());
+        assert_eq!(reg.upsert_capture(&r1, "ctl").unwrap(), Outcome::Created);
         assert!(matches!(
-            reg.insert_capture(&r2),
+            reg.insert_capture(&r2, "ctl"),
             Err(RegistryError::AlreadyExists(_))
         ));
-        assert!(!reg.upsert_capture(&r2).unwrap());
-        assert_eq!(reg.captures(), vec![r2]);
+        assert_eq!(reg.upsert_capture(&r2, "ctl").unwrap(), Outcome::Updated);
+        assert_eq!(reg.captures()[0].rule, r2);
         let v = reg.maps().captures[&capture_key(&r2)];
         assert_eq!(v.listener_port, 15002);
-        reg.remove_capture(&r1).unwrap(); // same key
+        reg.remove_capture(&r1, None).unwrap(); // same key
         assert!(reg.captures().is_empty());
+    }
+
+    #[test]
+    fn owners_guard_changes_and_survive_reconcile() {
+        let mut reg = Registry::reconcile(MemoryMaps::with_capacity(8)).unwrap();
+        let a = pair("198.18.0.2", "198.18.0.3", 80);
+        reg.insert_pair(&a, "istio").unwrap();
+        let e = reg.upsert_pair(&a, "linkerd").unwrap_err();
+        assert!(matches!(e, RegistryError::OwnerMismatch { .. }), "{e}");
+        assert!(matches!(
+            reg.remove_pair(&a, Some("linkerd")),
+            Err(RegistryError::OwnerMismatch { .. })
+        ));
+        assert!(matches!(
+            reg.insert_pair(&pair("198.18.0.2", "198.18.0.3", 81), &"x".repeat(64)),
+            Err(RegistryError::InvalidOwner(_))
+        ));
+        let reg2 = Registry::reconcile(reg.maps).unwrap();
+        assert_eq!(reg2.get_pair(&a).unwrap().owner, "istio");
+    }
+
+    #[test]
+    fn batches_are_all_or_nothing() {
+        let mut reg = Registry::reconcile(MemoryMaps::with_capacity(4)).unwrap();
+        let ps: Vec<_> = (1..=3)
+            .map(|p| pair("198.18.0.2", "198.18.0.3", p))
+            .collect();
+        let other = pair("198.18.0.9", "198.18.0.3", 80);
+        reg.insert_pair(&other, "someone-else").unwrap();
+        // One entry of another owner: nothing of the batch is written.
+        let mut bad = ps.clone();
+        bad.push(other);
+        assert!(matches!(
+            reg.batch_upsert_pairs(&bad, "ctl"),
+            Err(RegistryError::OwnerMismatch { .. })
+        ));
+        assert_eq!(reg.pairs().len(), 1);
+        // A key twice.
+        let dup = vec![ps[0], ps[0]];
+        assert!(matches!(
+            reg.batch_upsert_pairs(&dup, "ctl"),
+            Err(RegistryError::DuplicateInBatch(_))
+        ));
+        // More than fits.
+        let many: Vec<_> = (1..=4)
+            .map(|p| pair("198.18.0.2", "198.18.0.3", p))
+            .collect();
+        assert!(matches!(
+            reg.batch_upsert_pairs(&many, "ctl"),
+            Err(RegistryError::Full { .. })
+        ));
+        assert_eq!(reg.pairs().len(), 1);
+        // A map write failing half-way rolls back what was written.
+        reg.maps.fail_write_in = Some(3);
+        assert!(reg.batch_upsert_pairs(&ps, "ctl").is_err());
+        assert_eq!(reg.pairs().len(), 1);
+        assert_eq!(reg.maps().pairs.len(), 1);
+        // And the happy path.
+        let out = reg.batch_upsert_pairs(&ps, "ctl").unwrap();
+        assert_eq!(out, vec![Outcome::Created; 3]);
+        assert_eq!(
+            reg.batch_upsert_pairs(&ps, "ctl").unwrap(),
+            vec![Outcome::Unchanged; 3]
+        );
+        // Deletes: a missing one fails the batch unless allowed.
+        let gone = pair("198.18.0.2", "198.18.0.3", 99);
+        let mut del = ps.clone();
+        del.push(gone);
+        assert!(matches!(
+            reg.batch_remove_pairs(&del, "ctl", false),
+            Err(RegistryError::NotFound(_))
+        ));
+        assert_eq!(reg.pairs().len(), 4);
+        assert_eq!(
+            reg.batch_remove_pairs(&del, "ctl", true).unwrap(),
+            vec![true, true, true, false]
+        );
+        assert_eq!(reg.pairs().len(), 1);
     }
 
     fn any_ip() -> impl Strategy<Value = IpAddr> {

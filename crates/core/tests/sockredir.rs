@@ -65,7 +65,7 @@ fn mirror_pairing(v6: bool) -> Result<()> {
     let k = kernel_test!(1024);
     let (net, listener) = two_pods(v6)?;
     let pair = pair_for(&net, v6);
-    k.dp().insert_pair(&pair)?;
+    k.dp().insert_pair(&pair, "test")?;
 
     let (c, s) = connect_pods(&net, &listener, v6)?;
     // The user-space key of each socket is the one sockops stored (port byte order, netns).
@@ -117,7 +117,7 @@ fn unregistered_connection_takes_the_normal_path() -> Result<()> {
         net.pods[0].addr(false),
         Endpoint::new(net.pods[1].addr(false), 9999),
     )?;
-    k.dp().insert_pair(&other)?;
+    k.dp().insert_pair(&other, "test")?;
     let g0 = k.dp().global_stats()?;
     let before = net.veth_bytes(0)?;
     let (c, s) = connect_pods(&net, &listener, false)?;
@@ -158,7 +158,7 @@ fn capture_pairing(v6: bool) -> Result<()> {
         Endpoint::new(service, 80),
         Endpoint::new(loopback, 15001),
     )?;
-    k.dp().insert_capture(&rule)?;
+    k.dp().insert_capture(&rule, "test")?;
 
     let c = app.ns.connect(SocketAddr::new(service, 80))?;
     let s = accept_timeout(&server, T)?;
@@ -202,7 +202,7 @@ fn integrity_across_sizes_both_directions() -> Result<()> {
     let k = kernel_test!(1024);
     let (net, listener) = two_pods(false)?;
     let pair = pair_for(&net, false);
-    k.dp().insert_pair(&pair)?;
+    k.dp().insert_pair(&pair, "test")?;
     let sizes = [
         1usize,
         2,
@@ -238,7 +238,7 @@ fn slow_reader_with_large_writes() -> Result<()> {
     use std::io::Write;
     let k = kernel_test!(1024);
     let (net, listener) = two_pods(false)?;
-    k.dp().insert_pair(&pair_for(&net, false))?;
+    k.dp().insert_pair(&pair_for(&net, false), "test")?;
     let (mut c, mut s) = connect_pods(&net, &listener, false)?;
     s.set_read_timeout(Some(T))?;
     c.set_write_timeout(Some(T))?;
@@ -274,7 +274,7 @@ fn two_hundred_concurrent_connections() -> Result<()> {
     let k = kernel_test!(4096);
     let (net, listener) = two_pods(false)?;
     let pair = pair_for(&net, false);
-    k.dp().insert_pair(&pair)?;
+    k.dp().insert_pair(&pair, "test")?;
     let mut conns = Vec::new();
     for _ in 0..200 {
         conns.push(connect_pods(&net, &listener, false)?);
@@ -306,7 +306,7 @@ fn removing_a_pair_returns_new_connections_to_tcp() -> Result<()> {
     let k = kernel_test!(1024);
     let (net, listener) = two_pods(false)?;
     let pair = pair_for(&net, false);
-    k.dp().insert_pair(&pair)?;
+    k.dp().insert_pair(&pair, "test")?;
     let (c1, s1) = connect_pods(&net, &listener, false)?;
     k.dp().remove_pair(&pair)?;
     ensure!(matches!(
@@ -324,7 +324,7 @@ fn removing_a_pair_returns_new_connections_to_tcp() -> Result<()> {
         "new connection must cross the veth"
     );
     // Registering again accelerates new connections again, with fresh counters.
-    k.dp().insert_pair(&pair)?;
+    k.dp().insert_pair(&pair, "test")?;
     let (c3, s3) = connect_pods(&net, &listener, false)?;
     exchange(c3, s3, 11, 1 << 20, T)?;
     let st = k.dp().pair_stats(&pair)?;
@@ -337,7 +337,7 @@ fn full_sockhash_falls_back_and_is_reported() -> Result<()> {
     let k = kernel_test!(2);
     let (net, listener) = two_pods(false)?;
     let pair = pair_for(&net, false);
-    k.dp().insert_pair(&pair)?;
+    k.dp().insert_pair(&pair, "test")?;
     let (c1, s1) = connect_pods(&net, &listener, false)?; // fills both slots
     let (c2, s2) = connect_pods(&net, &listener, false)?; // finds the map full
     let st = k.dp().pair_stats(&pair)?;
@@ -357,7 +357,7 @@ fn connections_before_registration_keep_working_unaccelerated() -> Result<()> {
     let (net, listener) = two_pods(false)?;
     let (c, s) = connect_pods(&net, &listener, false)?;
     let pair = pair_for(&net, false);
-    k.dp().insert_pair(&pair)?;
+    k.dp().insert_pair(&pair, "test")?;
     exchange(c, s, 31, 1 << 20, T)?;
     let st = k.dp().pair_stats(&pair)?;
     ensure!(st.sockets == 0 && st.redirected_msgs == 0, "{st:?}");
@@ -370,7 +370,7 @@ fn loopback_tuples_in_two_namespaces_do_not_collide() -> Result<()> {
     let net = NodeWithPods::new(2)?;
     let lo: SocketAddr = "127.0.0.1:9000".parse()?;
     let pair = EndpointPair::new(lo.ip(), Endpoint::new(lo.ip(), lo.port()))?;
-    k.dp().insert_pair(&pair)?;
+    k.dp().insert_pair(&pair, "test")?;
     // Same port numbers on both sides in both pods: only the netns tells them apart.
     let mut conns = Vec::new();
     for pod in &net.pods {
@@ -410,7 +410,7 @@ fn adopting_a_pinned_instance_loads_nothing_twice() -> Result<()> {
         "198.18.0.2".parse()?,
         Endpoint::new("198.18.0.3".parse()?, 80),
     )?;
-    k.dp().insert_pair(&pair)?;
+    k.dp().insert_pair(&pair, "test")?;
     let id = k.dp().sockops_prog_id()?;
     let count = || {
         libbpf_rs::query::ProgInfoIter::default()
@@ -450,7 +450,7 @@ fn peer_absent_falls_back_in_order() -> Result<()> {
     let k = kernel_test!(3);
     let (net, listener) = two_pods(false)?;
     let pair = pair_for(&net, false);
-    k.dp().insert_pair(&pair)?;
+    k.dp().insert_pair(&pair, "test")?;
     let (_c1, _s1) = connect_pods(&net, &listener, false)?;
     let (c2, s2) = connect_pods(&net, &listener, false)?;
     let ck = tuple_sock_key(c2.local_addr()?, c2.peer_addr()?, 0);
@@ -481,7 +481,7 @@ fn four_tuple_reuse_after_close() -> Result<()> {
     let k = kernel_test!(1024);
     let (net, listener) = two_pods(false)?;
     let pair = pair_for(&net, false);
-    k.dp().insert_pair(&pair)?;
+    k.dp().insert_pair(&pair, "test")?;
     let server = SocketAddr::new(net.pods[1].addr(false), SERVER_PORT);
     let client: SocketAddr = SocketAddr::new(net.pods[0].addr(false), 40555);
     for round in 0..3u64 {

@@ -109,6 +109,12 @@ struct mw_rule_stats {
 	__u64 fb_insert_err;    /* covered sockets not inserted: other error (ULP, ...) */
 };
 
+/* Owner of a rule slot: a NUL-padded controller name. */
+#define MW_OWNER_LEN 64
+struct mw_owner {
+	char name[MW_OWNER_LEN];
+};
+
 /* Node-wide counters (one slot). */
 struct mw_global_stats {
 	__u64 established;      /* ESTABLISHED callbacks seen */

@@ -67,6 +67,16 @@ struct {
 	__type(value, struct mw_global_stats);
 } mw_global SEC(".maps");
 
+/* Owner (controller name) of each rule slot. Read only by user space; pinned
+ * with the data path so a restarted agent keeps ownership. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 16384);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, __u32);
+	__type(value, struct mw_owner);
+} mw_owners SEC(".maps");
+
 struct tuple {
 	__u32 family;
 	__u32 local_ip[4];
