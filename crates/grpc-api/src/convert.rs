@@ -1,0 +1,435 @@
+//! Proto <-> core conversions. Parsing collects every field violation with its
+//! proto path, so a client learns all that is wrong with a request at once.
+
+use std::net::IpAddr;
+
+use meshwarp_core::registry::Registered;
+use meshwarp_core::{
+    CaptureRule, Endpoint, EndpointPair, GlobalCounters, RuleCounters, ValidationError,
+};
+
+use crate::pb;
+
+/// A field that is wrong, with the reason.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Violation {
+    pub field: String,
+    pub description: String,
+}
+
+/// Every violation found in one request.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Violations(pub Vec<Violation>);
+
+impl Violations {
+    pub fn add(&mut self, field: impl Into<String>, description: impl Into<String>) {
+        self.0.push(Violation {
+            field: field.into(),
+            description: description.into(),
+        });
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// `Ok(v)` if nothing was wrong.
+    pub fn into_result<T>(self, v: T) -> Result<T, Violations> {
+        if self.0.is_empty() {
+            Ok(v)
+        } else {
+            Err(self)
+        }
+    }
+}
+
+fn join(prefix: &str, field: &str) -> String {
+    if prefix.is_empty() {
+        field.to_string()
+    } else {
+        format!("{prefix}.{field}")
+    }
+}
+
+fn ip(v: &mut Violations, field: String, s: &str) -> Option<IpAddr> {
+    if s.is_empty() {
+        v.add(field, "required");
+        return None;
+    }
+    match s.parse() {
+        Ok(ip) => Some(ip),
+        Err(_) => {
+            v.add(field, format!("{s:?} is not an IPv4 or IPv6 address"));
+            None
+        }
+    }
+}
+
+fn endpoint(v: &mut Violations, field: String, e: Option<&pb::Endpoint>) -> Option<Endpoint> {
+    let Some(e) = e else {
+        v.add(field, "required");
+        return None;
+    };
+    let addr = ip(v, join(&field, "ip"), &e.ip);
+    let port = match u16::try_from(e.port) {
+        Ok(p) => Some(p),
+        Err(_) => {
+            v.add(
+                join(&field, "port"),
+                format!("{} is not a port (1-65535)", e.port),
+            );
+            None
+        }
+    };
+    Some(Endpoint::new(addr?, port?))
+}
+
+/// Maps a core validation error to the proto field it concerns. Core names
+/// the endpoint ("server", "listener", ...) or "client"; the proto calls the
+/// latter `client_ip` and an endpoint's address `<endpoint>.ip`.
+fn validation(v: &mut Violations, prefix: &str, e: &ValidationError) {
+    let addr_field = |core: &str| match core {
+        "client" => "client_ip".to_string(),
+        endpoint => format!("{endpoint}.ip"),
+    };
+    let field = match e {
+        ValidationError::PortZero { field } => format!("{field}.port"),
+        ValidationError::Unspecified { field, .. }
+        | ValidationError::Multicast { field, .. }
+        | ValidationError::Broadcast { field, .. }
+        | ValidationError::V4Mapped { field, .. } => addr_field(field),
+        ValidationError::MixedFamilies { b_field, .. } => addr_field(b_field),
+    };
+    v.add(join(prefix, &field), e.to_string());
+}
+
+fn pair_parts(
+    v: &mut Violations,
+    prefix: &str,
+    client_ip: &str,
+    server: Option<&pb::Endpoint>,
+) -> Option<EndpointPair> {
+    let client = ip(v, join(prefix, "client_ip"), client_ip);
+    let server = endpoint(v, join(prefix, "server"), server);
+    match EndpointPair::new(client?, server?) {
+        Ok(p) => Some(p),
+        Err(e) => {
+            validation(v, prefix, &e);
+            None
+        }
+    }
+}
+
+/// A pair from its proto form; `prefix` is its path in the request.
+pub fn pair_from_pb(
+    prefix: &str,
+    p: Option<&pb::EndpointPair>,
+) -> Result<EndpointPair, Violations> {
+    let mut v = Violations::default();
+    let Some(p) = p else {
+        v.add(prefix, "required");
+        return Err(v);
+    };
+    let pair = pair_parts(&mut v, prefix, &p.client_ip, p.server.as_ref());
+    match pair {
+        Some(pair) if v.is_empty() => Ok(pair),
+        _ => Err(v),
+    }
+}
+
+/// The pair a key names.
+pub fn pair_from_key(prefix: &str, k: Option<&pb::PairKey>) -> Result<EndpointPair, Violations> {
+    let mut v = Violations::default();
+    let Some(k) = k else {
+        v.add(prefix, "required");
+        return Err(v);
+    };
+    match pair_parts(&mut v, prefix, &k.client_ip, k.server.as_ref()) {
+        Some(pair) if v.is_empty() => Ok(pair),
+        _ => Err(v),
+    }
+}
+
+fn capture_parts(
+    v: &mut Violations,
+    prefix: &str,
+    client_ip: &str,
+    dst: Option<&pb::Endpoint>,
+    listener: Option<&pb::Endpoint>,
+) -> Option<CaptureRule> {
+    let client = if client_ip.is_empty() {
+        Some(None)
+    } else {
+        ip(v, join(prefix, "client_ip"), client_ip).map(Some)
+    };
+    let dst = endpoint(v, join(prefix, "original_dst"), dst);
+    let listener = endpoint(v, join(prefix, "listener"), listener);
+    match CaptureRule::new(client?, dst?, listener?) {
+        Ok(r) => Some(r),
+        Err(e) => {
+            validation(v, prefix, &e);
+            None
+        }
+    }
+}
+
+pub fn capture_from_pb(
+    prefix: &str,
+    r: Option<&pb::CaptureRule>,
+) -> Result<CaptureRule, Violations> {
+    let mut v = Violations::default();
+    let Some(r) = r else {
+        v.add(prefix, "required");
+        return Err(v);
+    };
+    match capture_parts(
+        &mut v,
+        prefix,
+        &r.client_ip,
+        r.original_dst.as_ref(),
+        r.listener.as_ref(),
+    ) {
+        Some(rule) if v.is_empty() => Ok(rule),
+        _ => Err(v),
+    }
+}
+
+/// A capture rule key, completed with a placeholder listener (keys ignore it).
+pub fn capture_from_key(
+    prefix: &str,
+    k: Option<&pb::CaptureRuleKey>,
+) -> Result<CaptureRule, Violations> {
+    let mut v = Violations::default();
+    let Some(k) = k else {
+        v.add(prefix, "required");
+        return Err(v);
+    };
+    let dst = k.original_dst.clone();
+    // The listener is not part of the key: reuse the destination so validation
+    // of the key's own fields is all that can fail.
+    match capture_parts(&mut v, prefix, &k.client_ip, dst.as_ref(), dst.as_ref()) {
+        Some(rule) if v.is_empty() => Ok(rule),
+        _ => Err(v),
+    }
+}
+
+/// Checks the owner of a mutating request.
+pub fn owner(v: &mut Violations, field: &str, owner: &str) {
+    if owner.is_empty() {
+        v.add(field, "required: the controller that owns the resource");
+    } else if owner.len() >= meshwarp_bpf::shared::OWNER_LEN {
+        v.add(
+            field,
+            format!("at most {} bytes", meshwarp_bpf::shared::OWNER_LEN - 1),
+        );
+    } else if owner.chars().any(|c| c.is_control()) {
+        v.add(field, "control characters are not allowed");
+    }
+}
+
+pub fn endpoint_to_pb(e: Endpoint) -> pb::Endpoint {
+    pb::Endpoint {
+        ip: e.addr.to_string(),
+        port: u32::from(e.port),
+    }
+}
+
+pub fn pair_to_pb(r: &Registered<EndpointPair>) -> pb::EndpointPair {
+    pb::EndpointPair {
+        client_ip: r.rule.client().to_string(),
+        server: Some(endpoint_to_pb(r.rule.server())),
+        owner: r.owner.clone(),
+    }
+}
+
+pub fn pair_key_to_pb(p: &EndpointPair) -> pb::PairKey {
+    pb::PairKey {
+        client_ip: p.client().to_string(),
+        server: Some(endpoint_to_pb(p.server())),
+    }
+}
+
+pub fn capture_to_pb(r: &Registered<CaptureRule>) -> pb::CaptureRule {
+    pb::CaptureRule {
+        client_ip: r.rule.client().map(|c| c.to_string()).unwrap_or_default(),
+        original_dst: Some(endpoint_to_pb(r.rule.original_dst())),
+        listener: Some(endpoint_to_pb(r.rule.listener())),
+        owner: r.owner.clone(),
+    }
+}
+
+pub fn capture_key_to_pb(r: &CaptureRule) -> pb::CaptureRuleKey {
+    pb::CaptureRuleKey {
+        client_ip: r.client().map(|c| c.to_string()).unwrap_or_default(),
+        original_dst: Some(endpoint_to_pb(r.original_dst())),
+    }
+}
+
+pub fn counters_to_pb(c: &RuleCounters) -> pb::RuleCounters {
+    pb::RuleCounters {
+        sockets: c.sockets,
+        redirected_msgs: c.redirected_msgs,
+        redirected_bytes: c.redirected_bytes,
+        fallback_no_peer: c.fallback_no_peer,
+        fallback_tcp_path: c.fallback_tcp_path,
+        fallback_map_full: c.fallback_map_full,
+        fallback_insert_error: c.fallback_insert_error,
+    }
+}
+
+pub fn global_to_pb(g: &GlobalCounters) -> pb::GlobalCounters {
+    pb::GlobalCounters {
+        established: g.established,
+        not_covered: g.not_covered,
+        no_state: g.no_state,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ep(ip: &str, port: u32) -> Option<pb::Endpoint> {
+        Some(pb::Endpoint {
+            ip: ip.into(),
+            port,
+        })
+    }
+
+    fn fields(v: &Violations) -> Vec<&str> {
+        v.0.iter().map(|x| x.field.as_str()).collect()
+    }
+
+    #[test]
+    fn pair_round_trip() {
+        let p = pb::EndpointPair {
+            client_ip: "198.18.0.2".into(),
+            server: ep("198.18.0.3", 80),
+            owner: "o".into(),
+        };
+        let pair = pair_from_pb("pair", Some(&p)).unwrap();
+        let back = pair_to_pb(&Registered {
+            rule: pair,
+            owner: "o".into(),
+        });
+        assert_eq!(back, p);
+        assert_eq!(
+            pair_from_key("key", Some(&pair_key_to_pb(&pair))).unwrap(),
+            pair
+        );
+    }
+
+    #[test]
+    fn violations_name_proto_fields() {
+        let cases = [
+            (
+                pb::EndpointPair {
+                    client_ip: "nope".into(),
+                    server: ep("198.18.0.3", 80),
+                    ..Default::default()
+                },
+                "pair.client_ip",
+            ),
+            (
+                pb::EndpointPair {
+                    client_ip: "198.18.0.2".into(),
+                    server: ep("198.18.0.3", 0),
+                    ..Default::default()
+                },
+                "pair.server.port",
+            ),
+            (
+                pb::EndpointPair {
+                    client_ip: "198.18.0.2".into(),
+                    server: ep("198.18.0.3", 65536),
+                    ..Default::default()
+                },
+                "pair.server.port",
+            ),
+            (
+                pb::EndpointPair {
+                    client_ip: "198.18.0.2".into(),
+                    server: ep("2001:db8::1", 80),
+                    ..Default::default()
+                },
+                "pair.server.ip",
+            ),
+            (
+                pb::EndpointPair {
+                    client_ip: "0.0.0.0".into(),
+                    server: ep("198.18.0.3", 80),
+                    ..Default::default()
+                },
+                "pair.client_ip",
+            ),
+            (
+                pb::EndpointPair {
+                    client_ip: "198.18.0.2".into(),
+                    server: None,
+                    ..Default::default()
+                },
+                "pair.server",
+            ),
+        ];
+        for (p, want) in cases {
+            let v = pair_from_pb("pair", Some(&p)).unwrap_err();
+            assert_eq!(fields(&v), vec![want], "{p:?}: {v:?}");
+        }
+        // Everything wrong at once is reported at once.
+        let p = pb::EndpointPair {
+            client_ip: "x".into(),
+            server: ep("y", 70000),
+            ..Default::default()
+        };
+        let v = pair_from_pb("pair", Some(&p)).unwrap_err();
+        assert_eq!(
+            fields(&v),
+            vec!["pair.client_ip", "pair.server.ip", "pair.server.port"]
+        );
+    }
+
+    #[test]
+    fn capture_rules() {
+        let r = pb::CaptureRule {
+            client_ip: String::new(),
+            original_dst: ep("198.19.0.10", 80),
+            listener: ep("127.0.0.1", 15001),
+            owner: "o".into(),
+        };
+        let rule = capture_from_pb("rule", Some(&r)).unwrap();
+        assert_eq!(rule.client(), None);
+        assert_eq!(
+            capture_to_pb(&Registered {
+                rule,
+                owner: "o".into()
+            }),
+            r
+        );
+        let bad = pb::CaptureRule {
+            listener: ep("::1", 15001),
+            ..r
+        };
+        assert_eq!(
+            fields(&capture_from_pb("rule", Some(&bad)).unwrap_err()),
+            vec!["rule.listener.ip"]
+        );
+        assert_eq!(
+            capture_from_key("key", Some(&capture_key_to_pb(&rule)))
+                .unwrap()
+                .key(),
+            rule.key()
+        );
+    }
+
+    #[test]
+    fn owners() {
+        for (o, bad) in [("istio", false), ("", true), ("a\nb", true)] {
+            let mut v = Violations::default();
+            owner(&mut v, "owner", o);
+            assert_eq!(!v.is_empty(), bad, "{o:?}");
+        }
+        let mut v = Violations::default();
+        owner(&mut v, "owner", &"x".repeat(64));
+        assert!(!v.is_empty());
+    }
+}

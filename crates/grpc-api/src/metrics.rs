@@ -1,0 +1,174 @@
+//! Prometheus metrics of the node service: RPC counts and latencies, and the
+//! data path's counters read at scrape time.
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use meshwarp_core::Dataplane;
+use prometheus_client::encoding::{text::encode, EncodeLabelSet};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RpcLabels {
+    pub method: String,
+    pub code: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct MethodLabel {
+    pub method: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabel {
+    pub reason: String,
+}
+
+/// Every metric the node service exports.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Mutex<Registry>,
+    rpcs: Family<RpcLabels, Counter>,
+    latency: Family<MethodLabel, Histogram>,
+    pairs: Gauge,
+    captures: Gauge,
+    redirected_msgs: Gauge,
+    redirected_bytes: Gauge,
+    fallbacks: Family<ReasonLabel, Gauge>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("meshwarp");
+        let rpcs = Family::<RpcLabels, Counter>::default();
+        let latency = Family::<MethodLabel, Histogram>::new_with_constructor(|| {
+            Histogram::new(exponential_buckets(0.000_01, 2.0, 18))
+        });
+        let (pairs, captures, redirected_msgs, redirected_bytes) = (
+            Gauge::default(),
+            Gauge::default(),
+            Gauge::default(),
+            Gauge::default(),
+        );
+        let fallbacks = Family::<ReasonLabel, Gauge>::default();
+        registry.register(
+            "rpc_requests",
+            "gRPC requests by method and status code",
+            rpcs.clone(),
+        );
+        registry.register(
+            "rpc_duration_seconds",
+            "gRPC request latency by method",
+            latency.clone(),
+        );
+        registry.register("endpoint_pairs", "Registered endpoint pairs", pairs.clone());
+        registry.register(
+            "capture_rules",
+            "Registered capture rules",
+            captures.clone(),
+        );
+        registry.register(
+            "redirected_messages",
+            "Messages redirected socket to socket (all rules)",
+            redirected_msgs.clone(),
+        );
+        registry.register(
+            "redirected_bytes",
+            "Bytes redirected socket to socket (all rules)",
+            redirected_bytes.clone(),
+        );
+        registry.register(
+            "fallbacks",
+            "Traffic left on the normal TCP path, by reason",
+            fallbacks.clone(),
+        );
+        Self {
+            registry: Mutex::new(registry),
+            rpcs,
+            latency,
+            pairs,
+            captures,
+            redirected_msgs,
+            redirected_bytes,
+            fallbacks,
+        }
+    }
+
+    /// Records one RPC.
+    pub fn observe(&self, method: &str, code: tonic::Code, elapsed: Duration) {
+        self.rpcs
+            .get_or_create(&RpcLabels {
+                method: method.into(),
+                code: format!("{code:?}"),
+            })
+            .inc();
+        self.latency
+            .get_or_create(&MethodLabel {
+                method: method.into(),
+            })
+            .observe(elapsed.as_secs_f64());
+    }
+
+    /// The text exposition, with data-path counters read now.
+    pub fn render(&self, dp: &Dataplane) -> String {
+        let reg = dp.registry();
+        let as_i64 = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+        let (mut msgs, mut bytes) = (0u64, 0u64);
+        let mut fb = [0u64; 4];
+        let mut add = |c: meshwarp_core::RuleCounters| {
+            msgs += c.redirected_msgs;
+            bytes += c.redirected_bytes;
+            fb[0] += c.fallback_no_peer;
+            fb[1] += c.fallback_tcp_path;
+            fb[2] += c.fallback_map_full;
+            fb[3] += c.fallback_insert_error;
+        };
+        let pairs = reg.pairs();
+        for p in &pairs {
+            if let Ok(c) = reg.pair_stats(&p.rule) {
+                add(c);
+            }
+        }
+        let captures = reg.captures();
+        for r in &captures {
+            if let Ok(c) = reg.capture_stats(&r.rule) {
+                add(c);
+            }
+        }
+        let not_covered = reg.global_stats().map(|g| g.not_covered).unwrap_or(0);
+        drop(reg);
+        self.pairs.set(pairs.len() as i64);
+        self.captures.set(captures.len() as i64);
+        self.redirected_msgs.set(as_i64(msgs));
+        self.redirected_bytes.set(as_i64(bytes));
+        for (reason, v) in [
+            ("no_peer", fb[0]),
+            ("tcp_path", fb[1]),
+            ("map_full", fb[2]),
+            ("insert_error", fb[3]),
+            ("not_covered", not_covered),
+        ] {
+            self.fallbacks
+                .get_or_create(&ReasonLabel {
+                    reason: reason.into(),
+                })
+                .set(as_i64(v));
+        }
+        let mut out = String::new();
+        let registry = self.registry.lock().unwrap_or_else(|p| p.into_inner());
+        if encode(&mut out, &registry).is_err() {
+            out.clear();
+        }
+        out
+    }
+}

@@ -1,0 +1,882 @@
+//! The `NodeService` server over a [`Dataplane`]: every change gets a node
+//! revision and a Watch event; watchers resume from a revision of the same
+//! instance or are told to list again (OUT_OF_RANGE).
+
+use std::collections::VecDeque;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
+
+use meshwarp_core::registry::{Outcome, Registered};
+use meshwarp_core::Dataplane;
+use tokio::sync::broadcast;
+use tokio_stream::wrappers::errors::BroadcastStreamRecvError;
+use tokio_stream::wrappers::BroadcastStream;
+use tokio_stream::{Stream, StreamExt};
+use tonic::{Request, Response, Status};
+
+use crate::convert::{self, Violations};
+use crate::metrics::Metrics;
+use crate::pb::node_service_server::NodeService;
+use crate::pb::{self, watch_response::Resource, EventType};
+use crate::status::{from_registry, invalid, invalid_field};
+
+/// Limits and identity of one server instance.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// Largest batch accepted (RESOURCE_EXHAUSTED beyond).
+    pub max_batch_size: usize,
+    /// Events kept for Watch resumption.
+    pub event_history: usize,
+    /// Reported by GetNodeInfo.
+    pub version: String,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            max_batch_size: 10_000,
+            event_history: 4096,
+            version: env!("CARGO_PKG_VERSION").into(),
+        }
+    }
+}
+
+#[derive(Debug)]
+struct LogInner {
+    revision: u64,
+    history: VecDeque<pb::WatchResponse>,
+}
+
+/// Revisions and recent events; its lock serializes all changes so revisions
+/// follow the order changes were applied.
+#[derive(Debug)]
+pub struct EventLog {
+    inner: Mutex<LogInner>,
+    tx: broadcast::Sender<pb::WatchResponse>,
+    instance_id: String,
+    cap: usize,
+}
+
+impl EventLog {
+    pub fn new(cap: usize) -> Self {
+        let (tx, _) = broadcast::channel(cap.max(16));
+        Self {
+            inner: Mutex::new(LogInner {
+                revision: 0,
+                history: VecDeque::new(),
+            }),
+            tx,
+            instance_id: uuid::Uuid::new_v4().to_string(),
+            cap: cap.max(1),
+        }
+    }
+
+    pub fn instance_id(&self) -> &str {
+        &self.instance_id
+    }
+
+    fn lock(&self) -> MutexGuard<'_, LogInner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn revision(&self) -> u64 {
+        self.lock().revision
+    }
+
+    fn push(&self, inner: &mut LogInner, ty: EventType, resource: Resource) -> u64 {
+        inner.revision += 1;
+        let ev = pb::WatchResponse {
+            revision: inner.revision,
+            instance_id: self.instance_id.clone(),
+            r#type: ty as i32,
+            resource: Some(resource),
+        };
+        if inner.history.len() == self.cap {
+            inner.history.pop_front();
+        }
+        inner.history.push_back(ev.clone());
+        // No receivers is fine.
+        let _ = self.tx.send(ev);
+        inner.revision
+    }
+}
+
+/// The gRPC service.
+#[derive(Debug, Clone)]
+pub struct NodeServer {
+    dp: Arc<Dataplane>,
+    log: Arc<EventLog>,
+    cfg: ServerConfig,
+    draining: Arc<AtomicBool>,
+    metrics: Arc<Metrics>,
+}
+
+type WatchStream = Pin<Box<dyn Stream<Item = Result<pb::WatchResponse, Status>> + Send>>;
+
+fn check(v: Violations) -> Result<(), Status> {
+    if v.is_empty() {
+        Ok(())
+    } else {
+        Err(invalid(&v))
+    }
+}
+
+fn owner_of(field: &str, owner: &str) -> Result<(), Status> {
+    let mut v = Violations::default();
+    convert::owner(&mut v, field, owner);
+    check(v)
+}
+
+fn event_type(o: Outcome) -> Option<EventType> {
+    match o {
+        Outcome::Created => Some(EventType::Created),
+        Outcome::Updated => Some(EventType::Updated),
+        Outcome::Unchanged => None,
+    }
+}
+
+impl NodeServer {
+    pub fn new(dp: Arc<Dataplane>, cfg: ServerConfig, metrics: Arc<Metrics>) -> Self {
+        let log = Arc::new(EventLog::new(cfg.event_history));
+        Self {
+            dp,
+            log,
+            cfg,
+            draining: Arc::new(AtomicBool::new(false)),
+            metrics,
+        }
+    }
+
+    pub fn instance_id(&self) -> &str {
+        self.log.instance_id()
+    }
+
+    /// From now on RPCs answer UNAVAILABLE (the daemon is stopping).
+    pub fn start_draining(&self) {
+        self.draining.store(true, Ordering::SeqCst);
+    }
+
+    pub fn dataplane(&self) -> &Arc<Dataplane> {
+        &self.dp
+    }
+
+    fn serving(&self) -> Result<(), Status> {
+        if self.draining.load(Ordering::SeqCst) {
+            return Err(Status::unavailable(
+                "meshwarp node service is draining; retry against the next instance",
+            ));
+        }
+        Ok(())
+    }
+
+    fn batch_size(&self, field: &str, n: usize) -> Result<(), Status> {
+        if n == 0 {
+            return Err(invalid_field(field, "empty batch"));
+        }
+        if n > self.cfg.max_batch_size {
+            return Err(Status::resource_exhausted(format!(
+                "batch of {n} exceeds the limit of {} entries",
+                self.cfg.max_batch_size
+            )));
+        }
+        Ok(())
+    }
+
+    /// Runs an RPC body, recording its code and latency.
+    fn observed<T>(
+        &self,
+        method: &str,
+        start: Instant,
+        r: Result<T, Status>,
+    ) -> Result<Response<T>, Status> {
+        let code = r
+            .as_ref()
+            .map(|_| tonic::Code::Ok)
+            .unwrap_or_else(|s| s.code());
+        self.metrics.observe(method, code, start.elapsed());
+        r.map(Response::new)
+    }
+
+    fn pair_pb(pair: &meshwarp_core::EndpointPair, owner: &str) -> pb::EndpointPair {
+        convert::pair_to_pb(&Registered {
+            rule: *pair,
+            owner: owner.to_string(),
+        })
+    }
+
+    fn capture_pb(rule: &meshwarp_core::CaptureRule, owner: &str) -> pb::CaptureRule {
+        convert::capture_to_pb(&Registered {
+            rule: *rule,
+            owner: owner.to_string(),
+        })
+    }
+
+    fn create_pair(&self, r: pb::CreatePairRequest) -> Result<pb::CreatePairResponse, Status> {
+        self.serving()?;
+        let mut v = Violations::default();
+        convert::owner(&mut v, "owner", &r.owner);
+        let pair = convert::pair_from_pb("pair", r.pair.as_ref()).map_err(|e| {
+            v.0.extend(e.0);
+            invalid(&v)
+        })?;
+        check(v)?;
+        let mut log = self.log.lock();
+        self.dp
+            .registry()
+            .insert_pair(&pair, &r.owner)
+            .map_err(|e| from_registry(&e))?;
+        let out = Self::pair_pb(&pair, &r.owner);
+        let revision = self
+            .log
+            .push(&mut log, EventType::Created, Resource::Pair(out.clone()));
+        Ok(pb::CreatePairResponse {
+            pair: Some(out),
+            revision,
+        })
+    }
+
+    fn update_pair(&self, r: pb::UpdatePairRequest) -> Result<pb::UpdatePairResponse, Status> {
+        self.serving()?;
+        let mut v = Violations::default();
+        convert::owner(&mut v, "owner", &r.owner);
+        let pair = convert::pair_from_pb("pair", r.pair.as_ref()).map_err(|e| {
+            v.0.extend(e.0);
+            invalid(&v)
+        })?;
+        check(v)?;
+        let mut log = self.log.lock();
+        let mut reg = self.dp.registry();
+        if !r.allow_missing {
+            reg.get_pair(&pair).map_err(|e| from_registry(&e))?;
+        }
+        let outcome = reg
+            .upsert_pair(&pair, &r.owner)
+            .map_err(|e| from_registry(&e))?;
+        drop(reg);
+        let out = Self::pair_pb(&pair, &r.owner);
+        let revision = match event_type(outcome) {
+            Some(t) => self.log.push(&mut log, t, Resource::Pair(out.clone())),
+            None => log.revision,
+        };
+        Ok(pb::UpdatePairResponse {
+            pair: Some(out),
+            revision,
+            created: outcome == Outcome::Created,
+        })
+    }
+
+    fn delete_pair(&self, r: pb::DeletePairRequest) -> Result<pb::DeletePairResponse, Status> {
+        self.serving()?;
+        let mut v = Violations::default();
+        convert::owner(&mut v, "owner", &r.owner);
+        let pair = convert::pair_from_key("key", r.key.as_ref()).map_err(|e| {
+            v.0.extend(e.0);
+            invalid(&v)
+        })?;
+        check(v)?;
+        let mut log = self.log.lock();
+        match self.dp.registry().remove_pair(&pair, Some(&r.owner)) {
+            Ok(()) => {}
+            Err(meshwarp_core::RegistryError::NotFound(_)) if r.allow_missing => {
+                return Ok(pb::DeletePairResponse {
+                    revision: log.revision,
+                    deleted: false,
+                });
+            }
+            Err(e) => return Err(from_registry(&e)),
+        }
+        let revision = self.log.push(
+            &mut log,
+            EventType::Deleted,
+            Resource::Pair(Self::pair_pb(&pair, &r.owner)),
+        );
+        Ok(pb::DeletePairResponse {
+            revision,
+            deleted: true,
+        })
+    }
+
+    fn get_pair(&self, r: pb::GetPairRequest) -> Result<pb::GetPairResponse, Status> {
+        let pair = convert::pair_from_key("key", r.key.as_ref()).map_err(|v| invalid(&v))?;
+        let reg = self.dp.registry();
+        let got = reg.get_pair(&pair).map_err(|e| from_registry(&e))?;
+        let counters = reg.pair_stats(&pair).map_err(|e| from_registry(&e))?;
+        Ok(pb::GetPairResponse {
+            pair: Some(convert::pair_to_pb(&got)),
+            counters: Some(convert::counters_to_pb(&counters)),
+        })
+    }
+
+    fn list_pairs(&self, r: pb::ListPairsRequest) -> Result<pb::ListPairsResponse, Status> {
+        let log = self.log.lock();
+        let pairs = self
+            .dp
+            .registry()
+            .pairs()
+            .iter()
+            .filter(|p| r.owner.is_empty() || p.owner == r.owner)
+            .map(convert::pair_to_pb)
+            .collect();
+        Ok(pb::ListPairsResponse {
+            pairs,
+            revision: log.revision,
+            instance_id: self.log.instance_id.clone(),
+        })
+    }
+
+    fn batch_upsert_pairs(
+        &self,
+        r: pb::BatchUpsertPairsRequest,
+    ) -> Result<pb::BatchUpsertPairsResponse, Status> {
+        self.serving()?;
+        self.batch_size("pairs", r.pairs.len())?;
+        let mut v = Violations::default();
+        convert::owner(&mut v, "owner", &r.owner);
+        let mut pairs = Vec::with_capacity(r.pairs.len());
+        for (i, p) in r.pairs.iter().enumerate() {
+            match convert::pair_from_pb(&format!("pairs[{i}]"), Some(p)) {
+                Ok(pair) => pairs.push(pair),
+                Err(e) => v.0.extend(e.0),
+            }
+        }
+        check(v)?;
+        let mut log = self.log.lock();
+        let outcomes = self
+            .dp
+            .registry()
+            .batch_upsert_pairs(&pairs, &r.owner)
+            .map_err(|e| from_registry(&e))?;
+        let mut resp = pb::BatchUpsertPairsResponse::default();
+        for (pair, o) in pairs.iter().zip(&outcomes) {
+            match o {
+                Outcome::Created => resp.created += 1,
+                Outcome::Updated => resp.updated += 1,
+                Outcome::Unchanged => resp.unchanged += 1,
+            }
+            if let Some(t) = event_type(*o) {
+                self.log
+                    .push(&mut log, t, Resource::Pair(Self::pair_pb(pair, &r.owner)));
+            }
+        }
+        resp.revision = log.revision;
+        Ok(resp)
+    }
+
+    fn batch_delete_pairs(
+        &self,
+        r: pb::BatchDeletePairsRequest,
+    ) -> Result<pb::BatchDeletePairsResponse, Status> {
+        self.serving()?;
+        self.batch_size("keys", r.keys.len())?;
+        let mut v = Violations::default();
+        convert::owner(&mut v, "owner", &r.owner);
+        let mut pairs = Vec::with_capacity(r.keys.len());
+        for (i, k) in r.keys.iter().enumerate() {
+            match convert::pair_from_key(&format!("keys[{i}]"), Some(k)) {
+                Ok(pair) => pairs.push(pair),
+                Err(e) => v.0.extend(e.0),
+            }
+        }
+        check(v)?;
+        let mut log = self.log.lock();
+        let deleted = self
+            .dp
+            .registry()
+            .batch_remove_pairs(&pairs, &r.owner, r.allow_missing)
+            .map_err(|e| from_registry(&e))?;
+        let mut n = 0;
+        for (pair, d) in pairs.iter().zip(deleted) {
+            if d {
+                n += 1;
+                self.log.push(
+                    &mut log,
+                    EventType::Deleted,
+                    Resource::Pair(Self::pair_pb(pair, &r.owner)),
+                );
+            }
+        }
+        Ok(pb::BatchDeletePairsResponse {
+            revision: log.revision,
+            deleted: n,
+        })
+    }
+
+    fn create_capture(
+        &self,
+        r: pb::CreateCaptureRuleRequest,
+    ) -> Result<pb::CreateCaptureRuleResponse, Status> {
+        self.serving()?;
+        let mut v = Violations::default();
+        convert::owner(&mut v, "owner", &r.owner);
+        let rule = convert::capture_from_pb("rule", r.rule.as_ref()).map_err(|e| {
+            v.0.extend(e.0);
+            invalid(&v)
+        })?;
+        check(v)?;
+        let mut log = self.log.lock();
+        self.dp
+            .registry()
+            .insert_capture(&rule, &r.owner)
+            .map_err(|e| from_registry(&e))?;
+        let out = Self::capture_pb(&rule, &r.owner);
+        let revision = self.log.push(
+            &mut log,
+            EventType::Created,
+            Resource::CaptureRule(out.clone()),
+        );
+        Ok(pb::CreateCaptureRuleResponse {
+            rule: Some(out),
+            revision,
+        })
+    }
+
+    fn update_capture(
+        &self,
+        r: pb::UpdateCaptureRuleRequest,
+    ) -> Result<pb::UpdateCaptureRuleResponse, Status> {
+        self.serving()?;
+        let mut v = Violations::default();
+        convert::owner(&mut v, "owner", &r.owner);
+        let rule = convert::capture_from_pb("rule", r.rule.as_ref()).map_err(|e| {
+            v.0.extend(e.0);
+            invalid(&v)
+        })?;
+        check(v)?;
+        let mut log = self.log.lock();
+        let mut reg = self.dp.registry();
+        if !r.allow_missing {
+            reg.get_capture(&rule).map_err(|e| from_registry(&e))?;
+        }
+        let outcome = reg
+            .upsert_capture(&rule, &r.owner)
+            .map_err(|e| from_registry(&e))?;
+        drop(reg);
+        let out = Self::capture_pb(&rule, &r.owner);
+        let revision = match event_type(outcome) {
+            Some(t) => self
+                .log
+                .push(&mut log, t, Resource::CaptureRule(out.clone())),
+            None => log.revision,
+        };
+        Ok(pb::UpdateCaptureRuleResponse {
+            rule: Some(out),
+            revision,
+            created: outcome == Outcome::Created,
+        })
+    }
+
+    fn delete_capture(
+        &self,
+        r: pb::DeleteCaptureRuleRequest,
+    ) -> Result<pb::DeleteCaptureRuleResponse, Status> {
+        self.serving()?;
+        let mut v = Violations::default();
+        convert::owner(&mut v, "owner", &r.owner);
+        let key = convert::capture_from_key("key", r.key.as_ref()).map_err(|e| {
+            v.0.extend(e.0);
+            invalid(&v)
+        })?;
+        check(v)?;
+        let mut log = self.log.lock();
+        let mut reg = self.dp.registry();
+        let existing = match reg.get_capture(&key) {
+            Ok(e) => e,
+            Err(meshwarp_core::RegistryError::NotFound(_)) if r.allow_missing => {
+                return Ok(pb::DeleteCaptureRuleResponse {
+                    revision: log.revision,
+                    deleted: false,
+                });
+            }
+            Err(e) => return Err(from_registry(&e)),
+        };
+        reg.remove_capture(&key, Some(&r.owner))
+            .map_err(|e| from_registry(&e))?;
+        drop(reg);
+        let revision = self.log.push(
+            &mut log,
+            EventType::Deleted,
+            Resource::CaptureRule(convert::capture_to_pb(&existing)),
+        );
+        Ok(pb::DeleteCaptureRuleResponse {
+            revision,
+            deleted: true,
+        })
+    }
+
+    fn get_capture(
+        &self,
+        r: pb::GetCaptureRuleRequest,
+    ) -> Result<pb::GetCaptureRuleResponse, Status> {
+        let key = convert::capture_from_key("key", r.key.as_ref()).map_err(|v| invalid(&v))?;
+        let reg = self.dp.registry();
+        let got = reg.get_capture(&key).map_err(|e| from_registry(&e))?;
+        let counters = reg.capture_stats(&key).map_err(|e| from_registry(&e))?;
+        Ok(pb::GetCaptureRuleResponse {
+            rule: Some(convert::capture_to_pb(&got)),
+            counters: Some(convert::counters_to_pb(&counters)),
+        })
+    }
+
+    fn list_captures(
+        &self,
+        r: pb::ListCaptureRulesRequest,
+    ) -> Result<pb::ListCaptureRulesResponse, Status> {
+        let log = self.log.lock();
+        let rules = self
+            .dp
+            .registry()
+            .captures()
+            .iter()
+            .filter(|c| r.owner.is_empty() || c.owner == r.owner)
+            .map(convert::capture_to_pb)
+            .collect();
+        Ok(pb::ListCaptureRulesResponse {
+            rules,
+            revision: log.revision,
+            instance_id: self.log.instance_id.clone(),
+        })
+    }
+
+    fn batch_upsert_captures(
+        &self,
+        r: pb::BatchUpsertCaptureRulesRequest,
+    ) -> Result<pb::BatchUpsertCaptureRulesResponse, Status> {
+        self.serving()?;
+        self.batch_size("rules", r.rules.len())?;
+        let mut v = Violations::default();
+        convert::owner(&mut v, "owner", &r.owner);
+        let mut rules = Vec::with_capacity(r.rules.len());
+        for (i, p) in r.rules.iter().enumerate() {
+            match convert::capture_from_pb(&format!("rules[{i}]"), Some(p)) {
+                Ok(rule) => rules.push(rule),
+                Err(e) => v.0.extend(e.0),
+            }
+        }
+        check(v)?;
+        let mut log = self.log.lock();
+        let outcomes = self
+            .dp
+            .registry()
+            .batch_upsert_captures(&rules, &r.owner)
+            .map_err(|e| from_registry(&e))?;
+        let mut resp = pb::BatchUpsertCaptureRulesResponse::default();
+        for (rule, o) in rules.iter().zip(&outcomes) {
+            match o {
+                Outcome::Created => resp.created += 1,
+                Outcome::Updated => resp.updated += 1,
+                Outcome::Unchanged => resp.unchanged += 1,
+            }
+            if let Some(t) = event_type(*o) {
+                self.log.push(
+                    &mut log,
+                    t,
+                    Resource::CaptureRule(Self::capture_pb(rule, &r.owner)),
+                );
+            }
+        }
+        resp.revision = log.revision;
+        Ok(resp)
+    }
+
+    fn batch_delete_captures(
+        &self,
+        r: pb::BatchDeleteCaptureRulesRequest,
+    ) -> Result<pb::BatchDeleteCaptureRulesResponse, Status> {
+        self.serving()?;
+        self.batch_size("keys", r.keys.len())?;
+        let mut v = Violations::default();
+        convert::owner(&mut v, "owner", &r.owner);
+        let mut keys = Vec::with_capacity(r.keys.len());
+        for (i, k) in r.keys.iter().enumerate() {
+            match convert::capture_from_key(&format!("keys[{i}]"), Some(k)) {
+                Ok(rule) => keys.push(rule),
+                Err(e) => v.0.extend(e.0),
+            }
+        }
+        check(v)?;
+        let mut log = self.log.lock();
+        let mut reg = self.dp.registry();
+        let existing: Vec<_> = keys.iter().map(|k| reg.get_capture(k).ok()).collect();
+        let deleted = reg
+            .batch_remove_captures(&keys, &r.owner, r.allow_missing)
+            .map_err(|e| from_registry(&e))?;
+        drop(reg);
+        let mut n = 0;
+        for (e, d) in existing.iter().zip(deleted) {
+            if let (Some(e), true) = (e, d) {
+                n += 1;
+                self.log.push(
+                    &mut log,
+                    EventType::Deleted,
+                    Resource::CaptureRule(convert::capture_to_pb(e)),
+                );
+            }
+        }
+        Ok(pb::BatchDeleteCaptureRulesResponse {
+            revision: log.revision,
+            deleted: n,
+        })
+    }
+
+    fn stats(&self) -> Result<pb::GetStatsResponse, Status> {
+        let reg = self.dp.registry();
+        let global = reg.global_stats().map_err(|e| from_registry(&e))?;
+        let mut resp = pb::GetStatsResponse {
+            global: Some(convert::global_to_pb(&global)),
+            ..Default::default()
+        };
+        for p in reg.pairs() {
+            let c = reg.pair_stats(&p.rule).map_err(|e| from_registry(&e))?;
+            resp.pairs.push(pb::PairStats {
+                pair: Some(convert::pair_to_pb(&p)),
+                counters: Some(convert::counters_to_pb(&c)),
+            });
+        }
+        for r in reg.captures() {
+            let c = reg.capture_stats(&r.rule).map_err(|e| from_registry(&e))?;
+            resp.capture_rules.push(pb::CaptureRuleStats {
+                rule: Some(convert::capture_to_pb(&r)),
+                counters: Some(convert::counters_to_pb(&c)),
+            });
+        }
+        Ok(resp)
+    }
+
+    fn watch_stream(&self, r: pb::WatchRequest) -> Result<WatchStream, Status> {
+        let log = self.log.lock();
+        if !r.instance_id.is_empty() && r.instance_id != self.log.instance_id {
+            return Err(Status::out_of_range(format!(
+                "instance {} is gone (this node is now {}): list again, then watch",
+                r.instance_id, self.log.instance_id
+            )));
+        }
+        let from = if r.after_revision == 0 {
+            log.revision
+        } else {
+            r.after_revision
+        };
+        if from > log.revision {
+            return Err(Status::out_of_range(format!(
+                "revision {from} is ahead of this node ({})",
+                log.revision
+            )));
+        }
+        let oldest_kept = log
+            .history
+            .front()
+            .map(|e| e.revision)
+            .unwrap_or(log.revision + 1);
+        if from < log.revision && from + 1 < oldest_kept {
+            return Err(Status::out_of_range(format!(
+                "revision {from} is too old (history starts at {oldest_kept}): list again, then watch"
+            )));
+        }
+        let replay: Vec<_> = log
+            .history
+            .iter()
+            .filter(|e| e.revision > from)
+            .cloned()
+            .map(Ok)
+            .collect();
+        let last = replay
+            .last()
+            .map(|e: &Result<pb::WatchResponse, Status>| {
+                e.as_ref().map(|x| x.revision).unwrap_or(from)
+            })
+            .unwrap_or(from);
+        // Subscribed while holding the log: no event falls between replay and live.
+        let live = BroadcastStream::new(self.log.tx.subscribe()).filter_map(move |e| match e {
+            Ok(ev) if ev.revision > last => Some(Ok(ev)),
+            Ok(_) => None,
+            Err(BroadcastStreamRecvError::Lagged(n)) => Some(Err(Status::out_of_range(format!(
+                "watcher fell {n} events behind: list again, then watch"
+            )))),
+        });
+        drop(log);
+        Ok(Box::pin(tokio_stream::iter(replay).chain(live)))
+    }
+
+    fn node_info(&self) -> Result<pb::GetNodeInfoResponse, Status> {
+        let dp = &self.dp;
+        let (used, capacity) = dp.registry().usage();
+        let kernel_release = nix::sys::utsname::uname()
+            .map(|u| u.release().to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let mut features = Vec::new();
+        for (name, ok, detail) in [
+            (
+                "btf",
+                std::path::Path::new("/sys/kernel/btf/vmlinux").exists(),
+                "/sys/kernel/btf/vmlinux",
+            ),
+            (
+                "cgroup2",
+                !meshwarp_core::sys::mounts_of("cgroup2").is_empty(),
+                "a cgroup2 mount",
+            ),
+            (
+                "bpffs",
+                !meshwarp_core::sys::mounts_of("bpf").is_empty(),
+                "a bpf filesystem",
+            ),
+        ] {
+            features.push(pb::KernelFeature {
+                name: name.into(),
+                available: ok,
+                detail: detail.into(),
+            });
+        }
+        let sockops = dp.sockops_prog_id().unwrap_or(0);
+        features.push(pb::KernelFeature {
+            name: "sockops+sk_msg+sockhash".into(),
+            available: sockops != 0,
+            detail: "loaded and attached".into(),
+        });
+        Ok(pb::GetNodeInfoResponse {
+            instance_id: self.log.instance_id.clone(),
+            version: self.cfg.version.clone(),
+            kernel_release,
+            schema_version: meshwarp_bpf::shared::SCHEMA_VERSION,
+            features,
+            pin_dir: dp.pin_dir().display().to_string(),
+            adopted: dp.origin() == meshwarp_core::DataplaneOrigin::Adopted,
+            sockops_prog_id: sockops,
+            sk_msg_prog_id: dp.sk_msg_prog_id().unwrap_or(0),
+            rules_used: u32::try_from(used).unwrap_or(u32::MAX),
+            rules_capacity: capacity,
+            max_batch_size: u32::try_from(self.cfg.max_batch_size).unwrap_or(u32::MAX),
+            revision: self.log.revision(),
+        })
+    }
+}
+
+/// Each RPC runs its synchronous body (map updates are syscalls of a few
+/// microseconds) and records its outcome.
+macro_rules! rpc {
+    ($self:ident, $name:literal, $req:ident, $body:ident) => {{
+        let start = Instant::now();
+        let r = $self.$body($req.into_inner());
+        $self.observed($name, start, r)
+    }};
+}
+
+#[tonic::async_trait]
+impl NodeService for NodeServer {
+    async fn create_pair(
+        &self,
+        req: Request<pb::CreatePairRequest>,
+    ) -> Result<Response<pb::CreatePairResponse>, Status> {
+        rpc!(self, "CreatePair", req, create_pair)
+    }
+    async fn update_pair(
+        &self,
+        req: Request<pb::UpdatePairRequest>,
+    ) -> Result<Response<pb::UpdatePairResponse>, Status> {
+        rpc!(self, "UpdatePair", req, update_pair)
+    }
+    async fn delete_pair(
+        &self,
+        req: Request<pb::DeletePairRequest>,
+    ) -> Result<Response<pb::DeletePairResponse>, Status> {
+        rpc!(self, "DeletePair", req, delete_pair)
+    }
+    async fn get_pair(
+        &self,
+        req: Request<pb::GetPairRequest>,
+    ) -> Result<Response<pb::GetPairResponse>, Status> {
+        rpc!(self, "GetPair", req, get_pair)
+    }
+    async fn list_pairs(
+        &self,
+        req: Request<pb::ListPairsRequest>,
+    ) -> Result<Response<pb::ListPairsResponse>, Status> {
+        rpc!(self, "ListPairs", req, list_pairs)
+    }
+    async fn batch_upsert_pairs(
+        &self,
+        req: Request<pb::BatchUpsertPairsRequest>,
+    ) -> Result<Response<pb::BatchUpsertPairsResponse>, Status> {
+        rpc!(self, "BatchUpsertPairs", req, batch_upsert_pairs)
+    }
+    async fn batch_delete_pairs(
+        &self,
+        req: Request<pb::BatchDeletePairsRequest>,
+    ) -> Result<Response<pb::BatchDeletePairsResponse>, Status> {
+        rpc!(self, "BatchDeletePairs", req, batch_delete_pairs)
+    }
+    async fn create_capture_rule(
+        &self,
+        req: Request<pb::CreateCaptureRuleRequest>,
+    ) -> Result<Response<pb::CreateCaptureRuleResponse>, Status> {
+        rpc!(self, "CreateCaptureRule", req, create_capture)
+    }
+    async fn update_capture_rule(
+        &self,
+        req: Request<pb::UpdateCaptureRuleRequest>,
+    ) -> Result<Response<pb::UpdateCaptureRuleResponse>, Status> {
+        rpc!(self, "UpdateCaptureRule", req, update_capture)
+    }
+    async fn delete_capture_rule(
+        &self,
+        req: Request<pb::DeleteCaptureRuleRequest>,
+    ) -> Result<Response<pb::DeleteCaptureRuleResponse>, Status> {
+        rpc!(self, "DeleteCaptureRule", req, delete_capture)
+    }
+    async fn get_capture_rule(
+        &self,
+        req: Request<pb::GetCaptureRuleRequest>,
+    ) -> Result<Response<pb::GetCaptureRuleResponse>, Status> {
+        rpc!(self, "GetCaptureRule", req, get_capture)
+    }
+    async fn list_capture_rules(
+        &self,
+        req: Request<pb::ListCaptureRulesRequest>,
+    ) -> Result<Response<pb::ListCaptureRulesResponse>, Status> {
+        rpc!(self, "ListCaptureRules", req, list_captures)
+    }
+    async fn batch_upsert_capture_rules(
+        &self,
+        req: Request<pb::BatchUpsertCaptureRulesRequest>,
+    ) -> Result<Response<pb::BatchUpsertCaptureRulesResponse>, Status> {
+        rpc!(self, "BatchUpsertCaptureRules", req, batch_upsert_captures)
+    }
+    async fn batch_delete_capture_rules(
+        &self,
+        req: Request<pb::BatchDeleteCaptureRulesRequest>,
+    ) -> Result<Response<pb::BatchDeleteCaptureRulesResponse>, Status> {
+        rpc!(self, "BatchDeleteCaptureRules", req, batch_delete_captures)
+    }
+    async fn get_stats(
+        &self,
+        _req: Request<pb::GetStatsRequest>,
+    ) -> Result<Response<pb::GetStatsResponse>, Status> {
+        let start = Instant::now();
+        let r = self.stats();
+        self.observed("GetStats", start, r)
+    }
+
+    type WatchStream = WatchStream;
+
+    async fn watch(
+        &self,
+        req: Request<pb::WatchRequest>,
+    ) -> Result<Response<Self::WatchStream>, Status> {
+        rpc!(self, "Watch", req, watch_stream)
+    }
+
+    async fn get_node_info(
+        &self,
+        _req: Request<pb::GetNodeInfoRequest>,
+    ) -> Result<Response<pb::GetNodeInfoResponse>, Status> {
+        let start = Instant::now();
+        let r = self.node_info();
+        self.observed("GetNodeInfo", start, r)
+    }
+}
+
+/// Checks an owner field the way mutating RPCs do (for clients validating early).
+pub fn validate_owner(owner: &str) -> Result<(), Status> {
+    owner_of("owner", owner)
+}

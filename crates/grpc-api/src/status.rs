@@ -1,0 +1,88 @@
+//! How errors reach callers: one gRPC code per kind of failure, with
+//! google.rpc.BadRequest field violations for invalid input.
+
+use meshwarp_core::RegistryError;
+use tonic::{Code, Status};
+use tonic_types::{ErrorDetails, StatusExt};
+
+use crate::convert::Violations;
+
+/// INVALID_ARGUMENT listing every field violation.
+pub fn invalid(v: &Violations) -> Status {
+    let mut details = ErrorDetails::new();
+    for x in &v.0 {
+        details.add_bad_request_violation(x.field.clone(), x.description.clone());
+    }
+    let summary: Vec<String> =
+        v.0.iter()
+            .map(|x| format!("{}: {}", x.field, x.description))
+            .collect();
+    Status::with_error_details(Code::InvalidArgument, summary.join("; "), details)
+}
+
+/// INVALID_ARGUMENT for one field.
+pub fn invalid_field(field: &str, description: impl Into<String>) -> Status {
+    let mut v = Violations::default();
+    v.add(field, description);
+    invalid(&v)
+}
+
+/// The code a registry failure maps to.
+pub fn from_registry(e: &RegistryError) -> Status {
+    let msg = e.to_string();
+    match e {
+        RegistryError::AlreadyExists(_) => Status::already_exists(msg),
+        RegistryError::NotFound(_) => Status::not_found(msg),
+        RegistryError::Full { .. } => Status::resource_exhausted(msg),
+        RegistryError::OwnerMismatch { .. } => Status::permission_denied(msg),
+        RegistryError::InvalidOwner(_) => invalid_field("owner", msg),
+        RegistryError::DuplicateInBatch(_) => Status::invalid_argument(msg),
+        RegistryError::Invalid(_) => Status::invalid_argument(msg),
+        RegistryError::Inconsistent(_) | RegistryError::Map(_) => Status::internal(msg),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_are_distinct_per_kind() {
+        let cases = [
+            (
+                RegistryError::AlreadyExists("x".into()),
+                Code::AlreadyExists,
+            ),
+            (RegistryError::NotFound("x".into()), Code::NotFound),
+            (RegistryError::Full { capacity: 1 }, Code::ResourceExhausted),
+            (
+                RegistryError::OwnerMismatch {
+                    what: "x".into(),
+                    owner: "a".into(),
+                    requested: "b".into(),
+                },
+                Code::PermissionDenied,
+            ),
+            (RegistryError::Inconsistent("x".into()), Code::Internal),
+        ];
+        for (e, code) in cases {
+            assert_eq!(from_registry(&e).code(), code, "{e}");
+        }
+    }
+
+    #[test]
+    fn violations_travel_as_bad_request() {
+        let mut v = Violations::default();
+        v.add("pair.server.port", "port 0");
+        v.add("owner", "required");
+        let s = invalid(&v);
+        assert_eq!(s.code(), Code::InvalidArgument);
+        let br = s.get_details_bad_request().expect("BadRequest detail");
+        let fields: Vec<_> = br
+            .field_violations
+            .iter()
+            .map(|f| f.field.as_str())
+            .collect();
+        assert_eq!(fields, vec!["pair.server.port", "owner"]);
+    }
+}
