@@ -12,6 +12,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     tonic_prost_build::configure()
         .file_descriptor_set_path(out.join("meshwarp_descriptor.bin"))
         .compile_with_config(config, &[proto.as_path()], &[root.as_path()])?;
+    // serde impls following the proto3 JSON mapping, for `-o json|yaml`.
+    let descriptors = std::fs::read(out.join("meshwarp_descriptor.bin"))?;
+    pbjson_build::Builder::new()
+        .register_descriptors(&descriptors)?
+        .build(&[".meshwarp"])?;
     println!("cargo:rerun-if-changed={}", proto.display());
     Ok(())
 }

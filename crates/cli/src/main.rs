@@ -1,17 +1,19 @@
-//! `meshwarp`: load the socket-redirect data path, register endpoint pairs and
-//! capture rules on the pinned instance, read counters, run the demo.
+//! `meshwarp`: the node daemon (`serve`), a gRPC client for everything a
+//! controller or operator does (`pair`, `capture`, `stats`, `watch`, `node`),
+//! `doctor`, `uninstall` and the `demo`.
 
+mod config;
 mod demo;
+mod doctor;
+mod remote;
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
+use std::process::ExitCode;
 
-use anyhow::{Context, Result};
-use clap::{Parser, Subcommand};
+use anyhow::Result;
+use clap::{CommandFactory, Parser, Subcommand};
 use meshwarp_core::dataplane::{remove_pinned, DEFAULT_PIN_ROOT};
-use meshwarp_core::{
-    CaptureRule, Dataplane, DataplaneConfig, Endpoint, EndpointPair, RuleCounters,
-};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -19,8 +21,25 @@ use meshwarp_core::{
     version,
     about = "Shorten service-mesh traffic paths in the kernel with eBPF"
 )]
-struct Cli {
-    /// bpffs directory holding meshwarp's pins.
+pub struct Cli {
+    /// Node service address: a Unix socket path or http://127.0.0.1:PORT.
+    #[arg(long, global = true, env = "MESHWARP_ADDR", default_value = meshwarp_grpc_api::client::DEFAULT_SOCKET)]
+    addr: String,
+    /// Owner recorded on what this command creates, checked on what it changes.
+    #[arg(
+        long,
+        global = true,
+        env = "MESHWARP_OWNER",
+        default_value = "meshwarp-cli"
+    )]
+    owner: String,
+    /// Output format.
+    #[arg(short, long, global = true, value_enum, default_value = "table")]
+    output: remote::Output,
+    /// Same as `-o json`.
+    #[arg(short = 'j', long = "json", global = true)]
+    json: bool,
+    /// bpffs directory of meshwarp's pins (serve, uninstall, doctor).
     #[arg(long, global = true, env = "MESHWARP_PIN_ROOT", default_value = DEFAULT_PIN_ROOT)]
     pin_root: PathBuf,
     /// Log filter (tracing EnvFilter syntax).
@@ -32,39 +51,68 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Cmd {
-    /// Load and pin the data path (or adopt the pinned one) and attach it.
-    Load {
-        /// cgroup v2 directory to attach sockops to (default: the cgroup2 root).
-        #[arg(long)]
-        cgroup: Option<PathBuf>,
-        #[arg(long, default_value_t = 16384)]
-        max_rules: u32,
-        #[arg(long, default_value_t = 65536)]
-        max_sockets: u32,
-    },
-    /// Mirror-pairing rules: connections CLIENT -> SERVER_IP:PORT.
+    /// Run the node service: load or adopt the data path, serve gRPC.
+    Serve(config::ServeArgs),
+    /// Mirror-pairing rules: connections CLIENT_IP -> SERVER_IP:PORT.
     #[command(subcommand)]
     Pair(PairCmd),
-    /// Capture-pairing rules: connections captured by iptables to a proxy.
+    /// Capture-pairing rules: connections iptables captured to a proxy.
     #[command(subcommand)]
     Capture(CaptureCmd),
-    /// Node-wide counters.
+    /// Counters: node-wide and per rule.
     Stats,
+    /// Stream changes as they happen.
+    Watch {
+        /// Resume after this revision (with --instance).
+        #[arg(long, default_value_t = 0)]
+        after: u64,
+        #[arg(long, default_value = "")]
+        instance: String,
+    },
+    /// About the node.
+    #[command(subcommand)]
+    Node(NodeCmd),
+    /// Check what this machine offers meshwarp and how to fix what is missing.
+    Doctor,
     /// Detach and unpin everything meshwarp pinned under --pin-root.
     Uninstall,
     /// Two pods in namespaces: the same ping-pong without and with a registered pair.
     Demo(demo::DemoArgs),
+    /// Print shell completions.
+    Completions { shell: clap_complete::Shell },
 }
 
 #[derive(Debug, Subcommand)]
-enum PairCmd {
+pub enum PairCmd {
+    /// Create a pair (fails if it exists).
     Add { client: IpAddr, server: SocketAddr },
-    Rm { client: IpAddr, server: SocketAddr },
-    Ls,
+    /// Update a pair; with --allow-missing create it if absent.
+    Update {
+        client: IpAddr,
+        server: SocketAddr,
+        #[arg(long)]
+        allow_missing: bool,
+    },
+    /// Delete a pair.
+    Rm {
+        client: IpAddr,
+        server: SocketAddr,
+        #[arg(long)]
+        allow_missing: bool,
+    },
+    /// Show a pair and its counters.
+    Get { client: IpAddr, server: SocketAddr },
+    /// List pairs.
+    Ls {
+        /// Only pairs of this owner.
+        #[arg(long, default_value = "")]
+        owned_by: String,
+    },
 }
 
 #[derive(Debug, Subcommand)]
-enum CaptureCmd {
+pub enum CaptureCmd {
+    /// Create a capture rule.
     Add {
         /// Original destination the application connects to.
         #[arg(long)]
@@ -72,116 +120,116 @@ enum CaptureCmd {
         /// Where iptables delivers the captured connection (e.g. 127.0.0.1:15001).
         #[arg(long)]
         listener: SocketAddr,
-        /// Only connections from this client address (default: any).
+        /// Only connections from this client (default: any).
         #[arg(long)]
         client: Option<IpAddr>,
     },
+    /// Delete the capture rule of (client, dst).
     Rm {
         #[arg(long)]
         dst: SocketAddr,
         #[arg(long)]
         client: Option<IpAddr>,
         #[arg(long)]
-        listener: SocketAddr,
+        allow_missing: bool,
     },
-    Ls,
+    /// List capture rules.
+    Ls {
+        #[arg(long, default_value = "")]
+        owned_by: String,
+    },
 }
 
-fn main() -> Result<()> {
-    let cli = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_new(&cli.log).unwrap_or_else(|_| "info".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
-    let cfg = DataplaneConfig {
-        pin_root: cli.pin_root.clone(),
-        ..DataplaneConfig::default()
-    };
-    let open = || Dataplane::open(&cfg).context("opening the data path (are you root?)");
-    match cli.cmd {
-        Cmd::Load {
-            cgroup,
-            max_rules,
-            max_sockets,
-        } => {
-            let dp = Dataplane::open(&DataplaneConfig {
-                cgroup,
-                max_rules,
-                max_sockets,
-                ..cfg.clone()
+#[derive(Debug, Subcommand)]
+enum NodeCmd {
+    /// Versions, kernel features found, what is attached.
+    Info,
+}
+
+fn init_logs(filter: &str, json: bool) {
+    let filter = tracing_subscriber::EnvFilter::try_new(filter).unwrap_or_else(|_| "info".into());
+    let b = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    if json {
+        b.json().init();
+    } else {
+        b.init();
+    }
+}
+
+fn main() -> ExitCode {
+    let mut cli = Cli::parse();
+    if cli.json {
+        cli.output = remote::Output::Json;
+    }
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {}", remote::describe(&e));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    match &cli.cmd {
+        Cmd::Serve(args) => {
+            let (opts, fmt) = config::resolve(args, &cli.pin_root)?;
+            init_logs(&cli.log, fmt == config::LogFormat::Json);
+            let rt = tokio::runtime::Runtime::new()?;
+            rt.block_on(async move {
+                let shutdown = async {
+                    let mut term =
+                        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+                            .expect("SIGTERM handler");
+                    tokio::select! {
+                        _ = term.recv() => {}
+                        _ = tokio::signal::ctrl_c() => {}
+                    }
+                };
+                meshwarp_grpc_api::daemon::run(opts, shutdown).await
             })?;
-            println!("{:?} data path at {}", dp.origin(), dp.pin_dir().display());
+            Ok(())
         }
-        Cmd::Pair(PairCmd::Add { client, server }) => {
-            open()?.insert_pair(&EndpointPair::new(client, server.into())?, "cli")?;
-        }
-        Cmd::Pair(PairCmd::Rm { client, server }) => {
-            open()?.remove_pair(&EndpointPair::new(client, server.into())?)?;
-        }
-        Cmd::Pair(PairCmd::Ls) => {
-            let dp = open()?;
-            println!(
-                "{:<44} {:>8} {:>12} {:>14} {:>10}",
-                "PAIR", "SOCKETS", "MSGS", "BYTES", "FALLBACKS"
-            );
-            for p in dp.pairs() {
-                print_row(&p.to_string(), &dp.pair_stats(&p)?);
-            }
-        }
-        Cmd::Capture(CaptureCmd::Add {
-            dst,
-            listener,
-            client,
-        }) => {
-            open()?.insert_capture(
-                &CaptureRule::new(client, dst.into(), Endpoint::from(listener))?,
-                "cli",
-            )?;
-        }
-        Cmd::Capture(CaptureCmd::Rm {
-            dst,
-            client,
-            listener,
-        }) => {
-            open()?.remove_capture(&CaptureRule::new(
-                client,
-                dst.into(),
-                Endpoint::from(listener),
-            )?)?;
-        }
-        Cmd::Capture(CaptureCmd::Ls) => {
-            let dp = open()?;
-            println!(
-                "{:<44} {:>8} {:>12} {:>14} {:>10}",
-                "CAPTURE RULE", "SOCKETS", "MSGS", "BYTES", "FALLBACKS"
-            );
-            for r in dp.captures() {
-                print_row(&r.to_string(), &dp.capture_stats(&r)?);
-            }
-        }
-        Cmd::Stats => {
-            let g = open()?.global_stats()?;
-            println!(
-                "established {}\nnot_covered {}\nno_state {}",
-                g.established, g.not_covered, g.no_state
-            );
+        Cmd::Doctor => {
+            init_logs("warn", false);
+            doctor::run(&cli.pin_root)
         }
         Cmd::Uninstall => {
             remove_pinned(&cli.pin_root)?;
             println!("removed meshwarp's pins under {}", cli.pin_root.display());
+            Ok(())
         }
-        Cmd::Demo(args) => demo::run(&args)?,
+        Cmd::Demo(args) => {
+            init_logs(&cli.log, false);
+            demo::run(args)
+        }
+        Cmd::Completions { shell } => {
+            clap_complete::generate(
+                *shell,
+                &mut Cli::command(),
+                "meshwarp",
+                &mut std::io::stdout(),
+            );
+            Ok(())
+        }
+        Cmd::Pair(_) | Cmd::Capture(_) | Cmd::Stats | Cmd::Watch { .. } | Cmd::Node(_) => {
+            init_logs("warn", false);
+            let rt = tokio::runtime::Runtime::new()?;
+            rt.block_on(remote_cmd(&cli))
+        }
     }
-    Ok(())
 }
 
-fn print_row(name: &str, c: &RuleCounters) {
-    let fallbacks =
-        c.fallback_no_peer + c.fallback_tcp_path + c.fallback_map_full + c.fallback_insert_error;
-    println!(
-        "{name:<44} {:>8} {:>12} {:>14} {:>10}",
-        c.sockets, c.redirected_msgs, c.redirected_bytes, fallbacks
-    );
+async fn remote_cmd(cli: &Cli) -> Result<()> {
+    let mut c = remote::Remote::connect(&cli.addr, &cli.owner, cli.output).await?;
+    match &cli.cmd {
+        Cmd::Pair(p) => c.pair(p).await,
+        Cmd::Capture(p) => c.capture(p).await,
+        Cmd::Stats => c.stats().await,
+        Cmd::Watch { after, instance } => c.watch(*after, instance).await,
+        Cmd::Node(NodeCmd::Info) => c.node_info().await,
+        _ => Ok(()),
+    }
 }

@@ -19,7 +19,7 @@ use std::sync::{Mutex, MutexGuard, Once};
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::{Link, MapCore, MapFlags, MapHandle, PrintLevel, ProgramHandle};
 use meshwarp_bpf::names;
-use meshwarp_bpf::shared::{Pod, SockKey, SCHEMA_VERSION};
+use meshwarp_bpf::shared::{Pod, SockKey};
 use meshwarp_bpf::sockredir::SockredirSkelBuilder;
 
 use crate::endpoint::{CaptureRule, EndpointPair};
@@ -27,6 +27,8 @@ use crate::maps::{KernelMaps, MapError};
 use crate::registry::{Outcome, Registry, RegistryError};
 use crate::stats::{GlobalCounters, RuleCounters};
 use crate::sys::{self, SysError};
+
+pub use meshwarp_bpf::shared::SCHEMA_VERSION;
 
 /// Default bpffs directory for meshwarp's pins.
 pub const DEFAULT_PIN_ROOT: &str = "/sys/fs/bpf/meshwarp";

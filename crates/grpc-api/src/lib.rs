@@ -6,6 +6,7 @@
 
 pub mod client;
 pub mod convert;
+pub mod daemon;
 pub mod metrics;
 pub mod server;
 pub mod status;
@@ -19,6 +20,7 @@ pub mod pb {
         clippy::unwrap_used
     )]
     tonic::include_proto!("meshwarp.node.v1alpha1");
+    include!(concat!(env!("OUT_DIR"), "/meshwarp.node.v1alpha1.serde.rs"));
 
     /// The encoded descriptor set, for server reflection.
     pub const FILE_DESCRIPTOR_SET: &[u8] =

@@ -1,0 +1,143 @@
+//! `meshwarp doctor`: what this machine offers meshwarp, and how to fix what
+//! is missing. Probes ask the kernel (libbpf feature probes), not a table of
+//! kernel versions.
+
+use std::path::Path;
+use std::process::Command;
+
+use anyhow::{bail, Result};
+use libbpf_rs::libbpf_sys;
+
+struct Check {
+    name: &'static str,
+    ok: bool,
+    detail: String,
+    fix: &'static str,
+}
+
+fn prog_type(t: libbpf_sys::bpf_prog_type) -> bool {
+    // SAFETY: a plain probe; NULL opts are allowed.
+    unsafe { libbpf_sys::libbpf_probe_bpf_prog_type(t, std::ptr::null()) == 1 }
+}
+
+fn map_type(t: libbpf_sys::bpf_map_type) -> bool {
+    // SAFETY: as above.
+    unsafe { libbpf_sys::libbpf_probe_bpf_map_type(t, std::ptr::null()) == 1 }
+}
+
+fn helper(p: libbpf_sys::bpf_prog_type, h: libbpf_sys::bpf_func_id) -> bool {
+    // SAFETY: as above.
+    unsafe { libbpf_sys::libbpf_probe_bpf_helper(p, h, std::ptr::null()) == 1 }
+}
+
+fn runs(cmd: &str, args: &[&str]) -> bool {
+    Command::new(cmd)
+        .args(args)
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false)
+}
+
+pub fn run(pin_root: &Path) -> Result<()> {
+    let cg = meshwarp_core::sys::mounts_of("cgroup2");
+    let bpffs = meshwarp_core::sys::mounts_of("bpf");
+    let tracefs = ["/sys/kernel/tracing", "/sys/kernel/debug/tracing"]
+        .iter()
+        .find(|p| Path::new(p).join("events").exists())
+        .map(|p| Path::new(p).join("events/sock/sock_send_length").exists());
+    let root = nix::unistd::geteuid().is_root();
+    let checks = [
+        Check { name: "root", ok: root, detail: "CAP_BPF, CAP_NET_ADMIN, CAP_SYS_ADMIN".into(), fix: "run as root" },
+        Check {
+            name: "btf",
+            ok: Path::new("/sys/kernel/btf/vmlinux").exists(),
+            detail: "/sys/kernel/btf/vmlinux (CO-RE)".into(),
+            fix: "use a kernel built with CONFIG_DEBUG_INFO_BTF=y",
+        },
+        Check {
+            name: "cgroup2",
+            ok: !cg.is_empty(),
+            detail: cg.first().map(|p| p.display().to_string()).unwrap_or_else(|| "not mounted".into()),
+            fix: "meshwarp mounts one at /run/meshwarp/cgroup2 when needed (or: mount -t cgroup2 none DIR)",
+        },
+        Check {
+            name: "bpffs",
+            ok: !bpffs.is_empty(),
+            detail: bpffs.first().map(|p| p.display().to_string()).unwrap_or_else(|| "not mounted".into()),
+            fix: "meshwarp mounts it when needed (or: mount -t bpf bpf /sys/fs/bpf)",
+        },
+        Check {
+            name: "sockops",
+            ok: prog_type(libbpf_sys::BPF_PROG_TYPE_SOCK_OPS),
+            detail: "BPF_PROG_TYPE_SOCK_OPS".into(),
+            fix: "kernel needs CONFIG_CGROUP_BPF=y",
+        },
+        Check {
+            name: "sk_msg + sockhash",
+            ok: prog_type(libbpf_sys::BPF_PROG_TYPE_SK_MSG) && map_type(libbpf_sys::BPF_MAP_TYPE_SOCKHASH),
+            detail: "BPF_PROG_TYPE_SK_MSG, BPF_MAP_TYPE_SOCKHASH".into(),
+            fix: "kernel needs CONFIG_BPF_STREAM_PARSER=y",
+        },
+        Check {
+            name: "socket storage",
+            ok: map_type(libbpf_sys::BPF_MAP_TYPE_SK_STORAGE)
+                && helper(libbpf_sys::BPF_PROG_TYPE_SK_MSG, libbpf_sys::BPF_FUNC_sk_storage_get),
+            detail: "BPF_MAP_TYPE_SK_STORAGE from sk_msg".into(),
+            fix: "kernel 5.15 or newer",
+        },
+        Check {
+            name: "tc (cls_bpf)",
+            ok: prog_type(libbpf_sys::BPF_PROG_TYPE_SCHED_CLS),
+            detail: "BPF_PROG_TYPE_SCHED_CLS, for interface routes".into(),
+            fix: "kernel needs CONFIG_NET_CLS_BPF",
+        },
+        Check {
+            name: "tracepoints",
+            ok: tracefs.unwrap_or(false),
+            detail: "sock:sock_send_length (latency monitor)".into(),
+            fix: "mount tracefs: mount -t tracefs nodev /sys/kernel/tracing",
+        },
+        Check {
+            name: "iptables",
+            ok: runs("iptables", &["--version"]),
+            detail: "iptables, for capture (REDIRECT) setups and the demo".into(),
+            fix: "apt-get install iptables",
+        },
+        Check {
+            name: "iproute2",
+            ok: runs("ip", &["-V"]),
+            detail: "ip, for the demo and tests".into(),
+            fix: "apt-get install iproute2",
+        },
+    ];
+    let mut missing = 0;
+    for c in &checks {
+        println!(
+            "{} {:<18} {}",
+            if c.ok { "ok " } else { "NO " },
+            c.name,
+            c.detail
+        );
+        if !c.ok {
+            missing += 1;
+            println!("    fix: {}", c.fix);
+        }
+    }
+    let pinned = pin_root.join(format!("v{}", meshwarp_bpf_schema()));
+    println!(
+        "    data path: {}",
+        if pinned.exists() {
+            format!("pinned at {}", pinned.display())
+        } else {
+            "not loaded".into()
+        }
+    );
+    if missing > 0 {
+        bail!("{missing} check(s) failed");
+    }
+    Ok(())
+}
+
+fn meshwarp_bpf_schema() -> u32 {
+    meshwarp_core::dataplane::SCHEMA_VERSION
+}

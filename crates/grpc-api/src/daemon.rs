@@ -1,0 +1,313 @@
+//! Running the node service: a Unix socket (mode and group set, peer
+//! credentials checked), optional loopback TCP, gRPC health and reflection,
+//! Prometheus `/metrics`, and a graceful stop that leaves the pinned data path
+//! in place (unless asked to clean up).
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use meshwarp_core::{Dataplane, DataplaneConfig, DataplaneError};
+use nix::unistd::{Gid, Group};
+use tokio::net::{TcpListener, UnixListener};
+use tokio_stream::wrappers::{TcpListenerStream, UnixListenerStream};
+use tonic::transport::server::UdsConnectInfo;
+use tonic::{Request, Status};
+
+use crate::metrics::Metrics;
+use crate::pb::node_service_server::NodeServiceServer;
+use crate::server::{NodeServer, ServerConfig};
+
+/// What `meshwarp serve` runs with.
+#[derive(Debug, Clone)]
+pub struct DaemonOptions {
+    pub dataplane: DataplaneConfig,
+    pub server: ServerConfig,
+    /// Unix socket to serve on (`None`: TCP only).
+    pub socket: Option<PathBuf>,
+    pub socket_mode: u32,
+    /// Group allowed besides root (and owner of the socket file).
+    pub socket_group: Option<String>,
+    /// Plaintext TCP: loopback addresses only (mTLS is required elsewhere).
+    pub tcp_listen: Option<SocketAddr>,
+    pub metrics_listen: Option<SocketAddr>,
+    /// On stop, detach and unpin the data path too.
+    pub cleanup_on_exit: bool,
+    pub drain_timeout: Duration,
+}
+
+impl Default for DaemonOptions {
+    fn default() -> Self {
+        Self {
+            dataplane: DataplaneConfig::default(),
+            server: ServerConfig::default(),
+            socket: Some(crate::client::DEFAULT_SOCKET.into()),
+            socket_mode: 0o660,
+            socket_group: None,
+            tcp_listen: None,
+            metrics_listen: None,
+            cleanup_on_exit: false,
+            drain_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    #[error("refusing plaintext gRPC on non-loopback address {0}: remote access needs mTLS, which this build does not serve; use the Unix socket or a loopback address")]
+    InsecureTcp(SocketAddr),
+    #[error("unknown group {0:?} (socket_group)")]
+    UnknownGroup(String),
+    #[error("another meshwarp serve is answering on {0}")]
+    SocketInUse(PathBuf),
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Dataplane(#[from] DataplaneError),
+    #[error("serving gRPC: {0}")]
+    Transport(#[from] tonic::transport::Error),
+}
+
+fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> DaemonError {
+    let what = what.into();
+    move |source| DaemonError::Io { what, source }
+}
+
+/// Refuses what the daemon must not do before anything is loaded.
+pub fn check_options(o: &DaemonOptions) -> Result<Option<Gid>, DaemonError> {
+    if let Some(addr) = o.tcp_listen {
+        if !addr.ip().is_loopback() {
+            return Err(DaemonError::InsecureTcp(addr));
+        }
+    }
+    match &o.socket_group {
+        None => Ok(None),
+        Some(name) => match Group::from_name(name) {
+            Ok(Some(g)) => Ok(Some(g.gid)),
+            _ => Err(DaemonError::UnknownGroup(name.clone())),
+        },
+    }
+}
+
+/// Supplementary groups of a process, from /proc.
+fn groups_of(pid: i32) -> Vec<u32> {
+    let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
+        return Vec::new();
+    };
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("Groups:"))
+        .map(|g| {
+            g.split_whitespace()
+                .filter_map(|x| x.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Allows root, the daemon's own user and members of `group`; refuses others
+/// with PERMISSION_DENIED. TCP callers (loopback only) are not checked here.
+fn authorize(group: Option<Gid>) -> impl Fn(Request<()>) -> Result<Request<()>, Status> + Clone {
+    let me = nix::unistd::geteuid().as_raw();
+    move |req: Request<()>| {
+        let Some(info) = req.extensions().get::<UdsConnectInfo>() else {
+            return Ok(req);
+        };
+        let Some(cred) = info.peer_cred else {
+            return Err(Status::permission_denied(
+                "peer credentials unavailable on the Unix socket",
+            ));
+        };
+        let uid = cred.uid();
+        let in_group = group.is_some_and(|g| {
+            cred.gid() == g.as_raw()
+                || cred
+                    .pid()
+                    .is_some_and(|pid| groups_of(pid).contains(&g.as_raw()))
+        });
+        if uid == 0 || uid == me || in_group {
+            return Ok(req);
+        }
+        Err(Status::permission_denied(format!(
+            "uid {uid} is neither root nor in the configured meshwarp group"
+        )))
+    }
+}
+
+async fn bind_unix(path: &Path, mode: u32, gid: Option<Gid>) -> Result<UnixListener, DaemonError> {
+    if let Some(dir) = path.parent() {
+        tokio::fs::create_dir_all(dir)
+            .await
+            .map_err(io(format!("creating {}", dir.display())))?;
+    }
+    if path.exists() {
+        if tokio::net::UnixStream::connect(path).await.is_ok() {
+            return Err(DaemonError::SocketInUse(path.to_path_buf()));
+        }
+        // A stale socket of a daemon that died.
+        tokio::fs::remove_file(path)
+            .await
+            .map_err(io(format!("removing stale {}", path.display())))?;
+    }
+    let l = UnixListener::bind(path).map_err(io(format!("binding {}", path.display())))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+        .map_err(io(format!("chmod {}", path.display())))?;
+    if let Some(g) = gid {
+        nix::unistd::chown(path, None, Some(g)).map_err(|e| DaemonError::Io {
+            what: format!("chgrp {}", path.display()),
+            source: e.into(),
+        })?;
+    }
+    Ok(l)
+}
+
+/// Runs until `shutdown` resolves, then drains: health turns NOT_SERVING,
+/// RPCs answer UNAVAILABLE, in-flight calls get `drain_timeout` to finish.
+pub async fn run(
+    opts: DaemonOptions,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), DaemonError> {
+    let gid = check_options(&opts)?;
+    let dp = Arc::new(Dataplane::open(&opts.dataplane)?);
+    tracing::info!(origin = ?dp.origin(), pin_dir = %dp.pin_dir().display(), pairs = dp.pairs().len(),
+        captures = dp.captures().len(), "data path ready");
+    let metrics = Arc::new(Metrics::new());
+    let node = NodeServer::new(Arc::clone(&dp), opts.server.clone(), Arc::clone(&metrics));
+    let (health, health_svc) = tonic_health::server::health_reporter();
+    health.set_serving::<NodeServiceServer<NodeServer>>().await;
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(crate::pb::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()
+        .map_err(|e| DaemonError::Io {
+            what: "reflection".into(),
+            source: std::io::Error::other(e),
+        })?;
+    let inner = NodeServiceServer::new(node.clone())
+        .max_decoding_message_size(64 << 20)
+        .max_encoding_message_size(64 << 20);
+    let svc = tonic::service::interceptor::InterceptedService::new(inner, authorize(gid));
+
+    let (stop_tx, _) = tokio::sync::broadcast::channel::<()>(1);
+    let mut servers = tokio::task::JoinSet::new();
+    if let Some(path) = &opts.socket {
+        let l = bind_unix(path, opts.socket_mode, gid).await?;
+        tracing::info!(socket = %path.display(), mode = format!("{:o}", opts.socket_mode), "serving gRPC");
+        let router = tonic::transport::Server::builder()
+            .add_service(health_svc.clone())
+            .add_service(reflection.clone())
+            .add_service(svc.clone());
+        let mut stop = stop_tx.subscribe();
+        servers.spawn(async move {
+            router
+                .serve_with_incoming_shutdown(UnixListenerStream::new(l), async move {
+                    let _ = stop.recv().await;
+                })
+                .await
+        });
+    }
+    if let Some(addr) = opts.tcp_listen {
+        let l = TcpListener::bind(addr)
+            .await
+            .map_err(io(format!("binding {addr}")))?;
+        tracing::info!(%addr, "serving gRPC on loopback TCP");
+        let router = tonic::transport::Server::builder()
+            .add_service(health_svc.clone())
+            .add_service(reflection.clone())
+            .add_service(svc.clone());
+        let mut stop = stop_tx.subscribe();
+        servers.spawn(async move {
+            router
+                .serve_with_incoming_shutdown(TcpListenerStream::new(l), async move {
+                    let _ = stop.recv().await;
+                })
+                .await
+        });
+    }
+    if let Some(addr) = opts.metrics_listen {
+        let l = TcpListener::bind(addr)
+            .await
+            .map_err(io(format!("binding metrics {addr}")))?;
+        tracing::info!(%addr, "serving /metrics");
+        let (m, d) = (Arc::clone(&metrics), Arc::clone(&dp));
+        let app = axum::Router::new().route(
+            "/metrics",
+            axum::routing::get(move || {
+                let (m, d) = (Arc::clone(&m), Arc::clone(&d));
+                async move {
+                    let body = tokio::task::spawn_blocking(move || m.render(&d))
+                        .await
+                        .unwrap_or_default();
+                    (
+                        [(
+                            axum::http::header::CONTENT_TYPE,
+                            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                        )],
+                        body,
+                    )
+                }
+            }),
+        );
+        let mut stop = stop_tx.subscribe();
+        servers.spawn(async move {
+            axum::serve(l, app)
+                .with_graceful_shutdown(async move {
+                    let _ = stop.recv().await;
+                })
+                .await
+                .map_err(|e| {
+                    tracing::warn!("metrics server: {e}");
+                })
+                .ok();
+            Ok(())
+        });
+    }
+    tracing::info!(
+        instance_id = node.instance_id(),
+        "meshwarp node service ready"
+    );
+
+    shutdown.await;
+    tracing::info!("stopping: draining RPCs; the pinned data path keeps forwarding");
+    node.start_draining();
+    health
+        .set_not_serving::<NodeServiceServer<NodeServer>>()
+        .await;
+    let _ = stop_tx.send(());
+    let drained = tokio::time::timeout(opts.drain_timeout, async {
+        while let Some(r) = servers.join_next().await {
+            if let Ok(Err(e)) = r {
+                tracing::warn!("server: {e}");
+            }
+        }
+    })
+    .await;
+    if drained.is_err() {
+        tracing::warn!("drain timeout: closing remaining connections");
+        servers.abort_all();
+    }
+    if let Some(path) = &opts.socket {
+        let _ = std::fs::remove_file(path);
+    }
+    drop(node);
+    if opts.cleanup_on_exit {
+        match Arc::try_unwrap(dp) {
+            Ok(dp) => {
+                dp.teardown()?;
+                tracing::info!("data path detached and unpinned (--cleanup)");
+            }
+            Err(_) => {
+                meshwarp_core::dataplane::remove_pinned(&opts.dataplane.pin_root)?;
+                tracing::info!("data path unpinned (--cleanup)");
+            }
+        }
+    }
+    Ok(())
+}
