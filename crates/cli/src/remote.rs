@@ -25,7 +25,10 @@ pub enum Output {
 pub fn describe(e: &anyhow::Error) -> String {
     for cause in e.chain() {
         if let Some(s) = cause.downcast_ref::<tonic::Status>() {
-            let violations = s.get_details_bad_request().map(|b| b.field_violations).unwrap_or_default();
+            let violations = s
+                .get_details_bad_request()
+                .map(|b| b.field_violations)
+                .unwrap_or_default();
             if violations.is_empty() {
                 return format!("{:?}: {}", s.code(), s.message());
             }
