@@ -260,10 +260,41 @@ impl<R: RuleKind> Default for Table<R> {
     }
 }
 
-/// Slot allocation and owner checks shared by both rule kinds.
+/// Counter-slot allocation shared by both rule kinds: the lowest released
+/// slot first, else the next never-used one. O(log n) per allocation.
 #[derive(Debug, Default)]
 struct Slots {
     used: BTreeSet<u32>,
+    released: BTreeSet<u32>,
+    next_fresh: u32,
+}
+
+impl Slots {
+    fn allocate(&mut self, capacity: u32) -> Option<u32> {
+        let id = match self.released.pop_first() {
+            Some(id) => id,
+            None if self.next_fresh < capacity => {
+                self.next_fresh += 1;
+                self.next_fresh - 1
+            }
+            None => return None,
+        };
+        self.used.insert(id);
+        Some(id)
+    }
+
+    fn release(&mut self, id: u32) {
+        if self.used.remove(&id) {
+            self.released.insert(id);
+        }
+    }
+
+    /// After reconciliation: every slot below the highest used one that is
+    /// not in use is free.
+    fn rebuild_free(&mut self) {
+        self.next_fresh = self.used.last().map_or(0, |m| m + 1);
+        self.released = (0..self.next_fresh).filter(|i| !self.used.contains(i)).collect();
+    }
 }
 
 fn owner_name(owner: &str) -> Result<OwnerName, RegistryError> {
@@ -320,16 +351,16 @@ impl<R: RuleKind> Table<R> {
         }
         let name = owner_name(owner)?;
         let capacity = maps.rule_capacity();
-        let id = (0..capacity)
-            .find(|i| !slots.used.contains(i))
-            .ok_or(RegistryError::Full { capacity })?;
-        maps.reset_rule_stats(id)?;
-        maps.put_owner(id, &name)?;
-        if let Err(e) = rule.write(maps, id) {
+        let id = slots.allocate(capacity).ok_or(RegistryError::Full { capacity })?;
+        let written = maps
+            .reset_rule_stats(id)
+            .and_then(|()| maps.put_owner(id, &name))
+            .and_then(|()| rule.write(maps, id));
+        if let Err(e) = written {
             let _ = maps.delete_owner(id);
+            slots.release(id);
             return Err(e.into());
         }
-        slots.used.insert(id);
         self.entries.insert(
             rule.rule_key(),
             Entry {
@@ -375,7 +406,7 @@ impl<R: RuleKind> Table<R> {
         let (stored, id) = (e.rule, e.id);
         stored.erase(maps)?;
         let _ = maps.delete_owner(id);
-        slots.used.remove(&id);
+        slots.release(id);
         self.entries.remove(&rule.rule_key());
         Ok(())
     }
