@@ -64,7 +64,10 @@ fn control_path(c: &mut Criterion) {
         let _ = stop_rx.await;
     }));
     // The client runs on a runtime of its own, as a controller process would.
-    let crt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("client runtime");
+    let crt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("client runtime");
     let mut client = crt.block_on(async {
         for _ in 0..500 {
             if let Ok(c) = meshwarp_grpc_api::client::connect(socket.to_str().expect("utf-8")).await
@@ -93,7 +96,12 @@ fn control_path(c: &mut Criterion) {
             crt.block_on(async {
                 let t = Instant::now();
                 for _ in 0..iters {
-                    client.list_pairs(pb::ListPairsRequest { owner: "nobody".into() }).await.expect("ListPairs");
+                    client
+                        .list_pairs(pb::ListPairsRequest {
+                            owner: "nobody".into(),
+                        })
+                        .await
+                        .expect("ListPairs");
                 }
                 t.elapsed()
             })

@@ -293,7 +293,9 @@ impl Slots {
     /// not in use is free.
     fn rebuild_free(&mut self) {
         self.next_fresh = self.used.last().map_or(0, |m| m + 1);
-        self.released = (0..self.next_fresh).filter(|i| !self.used.contains(i)).collect();
+        self.released = (0..self.next_fresh)
+            .filter(|i| !self.used.contains(i))
+            .collect();
     }
 }
 
@@ -351,7 +353,9 @@ impl<R: RuleKind> Table<R> {
         }
         let name = owner_name(owner)?;
         let capacity = maps.rule_capacity();
-        let id = slots.allocate(capacity).ok_or(RegistryError::Full { capacity })?;
+        let id = slots
+            .allocate(capacity)
+            .ok_or(RegistryError::Full { capacity })?;
         let written = maps
             .reset_rule_stats(id)
             .and_then(|()| maps.put_owner(id, &name))
@@ -556,6 +560,7 @@ impl<M: RuleMaps> Registry<M> {
                 },
             );
         }
+        slots.rebuild_free();
         Ok(Self {
             maps,
             slots,
@@ -895,6 +900,34 @@ mod tests {
         ));
         let reg2 = Registry::reconcile(reg.maps).unwrap();
         assert_eq!(reg2.get_pair(&a).unwrap().owner, "istio");
+    }
+
+    #[test]
+    fn reconciled_registry_never_reuses_a_live_slot() {
+        let mut reg = Registry::reconcile(MemoryMaps::with_capacity(4)).unwrap();
+        let ps: Vec<_> = (1..=3)
+            .map(|p| pair("198.18.0.2", "198.18.0.3", p))
+            .collect();
+        for p in &ps {
+            reg.insert_pair(p, "ctl").unwrap();
+        }
+        reg.remove_pair(&ps[0], None).unwrap(); // frees slot 0
+        let mut reg = Registry::reconcile(reg.maps).unwrap();
+        reg.insert_pair(&pair("198.18.0.2", "198.18.0.3", 10), "ctl")
+            .unwrap();
+        reg.insert_pair(&pair("198.18.0.2", "198.18.0.3", 11), "ctl")
+            .unwrap();
+        let mut ids: Vec<u32> = reg.maps().pairs.values().map(|r| r.id).collect();
+        ids.sort();
+        assert_eq!(
+            ids,
+            vec![0, 1, 2, 3],
+            "slot 0 reused, slots 1 and 2 kept, 3 fresh"
+        );
+        assert!(matches!(
+            reg.insert_pair(&pair("198.18.0.2", "198.18.0.3", 12), "ctl"),
+            Err(RegistryError::Full { .. })
+        ));
     }
 
     #[test]
