@@ -22,19 +22,13 @@ fn nth_pair(n: u32) -> pb::EndpointPair {
     let client = Ipv4Addr::from(u32::from(Ipv4Addr::new(198, 18, 0, 0)) + 1 + n / 60_000);
     pb::EndpointPair {
         client_ip: client.to_string(),
-        server: Some(pb::Endpoint {
-            ip: "198.19.0.1".into(),
-            port: 1 + n % 60_000,
-        }),
+        server: Some(pb::Endpoint { ip: "198.19.0.1".into(), port: 1 + n % 60_000 }),
         owner: String::new(),
     }
 }
 
 fn key_of(p: &pb::EndpointPair) -> pb::PairKey {
-    pb::PairKey {
-        client_ip: p.client_ip.clone(),
-        server: p.server.clone(),
-    }
+    pb::PairKey { client_ip: p.client_ip.clone(), server: p.server.clone() }
 }
 
 fn control_path(c: &mut Criterion) {
@@ -50,10 +44,7 @@ fn control_path(c: &mut Criterion) {
             max_rules: 131_072,
             max_sockets: 1024,
         },
-        server: ServerConfig {
-            max_batch_size: 10_000,
-            ..ServerConfig::default()
-        },
+        server: ServerConfig { max_batch_size: 10_000, ..ServerConfig::default() },
         socket: Some(socket.clone()),
         cleanup_on_exit: true,
         ..DaemonOptions::default()
@@ -64,19 +55,11 @@ fn control_path(c: &mut Criterion) {
         let _ = stop_rx.await;
     }));
     // The client runs on a runtime of its own, as a controller process would.
-    let crt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("client runtime");
+    let crt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("client runtime");
     let mut client = crt.block_on(async {
         for _ in 0..500 {
-            if let Ok(c) = meshwarp_grpc_api::client::connect(socket.to_str().expect("utf-8")).await
-            {
-                if c.clone()
-                    .get_node_info(pb::GetNodeInfoRequest {})
-                    .await
-                    .is_ok()
-                {
+            if let Ok(c) = meshwarp_grpc_api::client::connect(socket.to_str().expect("utf-8")).await {
+                if c.clone().get_node_info(pb::GetNodeInfoRequest {}).await.is_ok() {
                     return c;
                 }
             }
@@ -86,9 +69,7 @@ fn control_path(c: &mut Criterion) {
     });
 
     let mut g = c.benchmark_group("grpc_uds");
-    g.sample_size(20)
-        .measurement_time(Duration::from_secs(4))
-        .warm_up_time(Duration::from_secs(1));
+    g.sample_size(20).measurement_time(Duration::from_secs(4)).warm_up_time(Duration::from_secs(1));
     g.throughput(Throughput::Elements(1));
     // The transport floor: an RPC that reads one empty filter result.
     g.bench_function("list_pairs_empty", |b| {
@@ -96,12 +77,7 @@ fn control_path(c: &mut Criterion) {
             crt.block_on(async {
                 let t = Instant::now();
                 for _ in 0..iters {
-                    client
-                        .list_pairs(pb::ListPairsRequest {
-                            owner: "nobody".into(),
-                        })
-                        .await
-                        .expect("ListPairs");
+                    client.list_pairs(pb::ListPairsRequest { owner: "nobody".into() }).await.expect("ListPairs");
                 }
                 t.elapsed()
             })
@@ -118,10 +94,7 @@ fn control_path(c: &mut Criterion) {
                     next += 1;
                     let t = Instant::now();
                     client
-                        .create_pair(pb::CreatePairRequest {
-                            pair: Some(p.clone()),
-                            owner: OWNER.into(),
-                        })
+                        .create_pair(pb::CreatePairRequest { pair: Some(p.clone()), owner: OWNER.into() })
                         .await
                         .expect("CreatePair");
                     total += t.elapsed();
@@ -152,10 +125,7 @@ fn control_path(c: &mut Criterion) {
                     let keys: Vec<_> = pairs.iter().map(key_of).collect();
                     let t = Instant::now();
                     let r = client
-                        .batch_upsert_pairs(pb::BatchUpsertPairsRequest {
-                            pairs,
-                            owner: OWNER.into(),
-                        })
+                        .batch_upsert_pairs(pb::BatchUpsertPairsRequest { pairs, owner: OWNER.into() })
                         .await
                         .expect("BatchUpsertPairs")
                         .into_inner();

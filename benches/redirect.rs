@@ -11,9 +11,7 @@ use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use meshwarp_core::testbed::{
-    accept_timeout, round_trip, spawn_echo, spurious_wakeups, KernelTest, NetNs,
-};
+use meshwarp_core::testbed::{accept_timeout, round_trip, spawn_echo, spurious_wakeups, KernelTest, NetNs};
 use meshwarp_core::{Endpoint, EndpointPair};
 
 const MSG: usize = 64;
@@ -22,9 +20,7 @@ const BPF_STATS: &str = "/proc/sys/kernel/bpf_stats_enabled";
 /// (run_time_ns, run_cnt) of the loaded sk_msg program.
 fn sk_msg_cost(dp: &meshwarp_core::Dataplane) -> Option<(u64, u64)> {
     let id = dp.sk_msg_prog_id().ok()?;
-    libbpf_rs::query::ProgInfoIter::default()
-        .find(|p| p.id == id)
-        .map(|p| (p.run_time_ns, p.run_cnt))
+    libbpf_rs::query::ProgInfoIter::default().find(|p| p.id == id).map(|p| (p.run_time_ns, p.run_cnt))
 }
 
 fn tcp_pair(ns: &NetNs, addr: SocketAddr) -> TcpStream {
@@ -76,9 +72,7 @@ fn rtt_64b(c: &mut Criterion) {
 
     let mut g = c.benchmark_group("rtt_64B");
     g.throughput(Throughput::Elements(1));
-    g.sample_size(30)
-        .measurement_time(Duration::from_secs(4))
-        .warm_up_time(Duration::from_secs(1));
+    g.sample_size(30).measurement_time(Duration::from_secs(4)).warm_up_time(Duration::from_secs(1));
     // Interleave the three paths across repetitions: the machine is noisy.
     bench_rtt(&mut g, "loopback_tcp", &mut tcp);
     // Per-program run time (bpf_stats) while the redirected path runs.
@@ -93,16 +87,10 @@ fn rtt_64b(c: &mut Criterion) {
     g.finish();
 
     let st = k.dp().pair_stats(&pair).expect("stats");
-    assert!(
-        st.redirected_msgs > 0,
-        "the redirected path was not redirected: {st:?}"
-    );
+    assert!(st.redirected_msgs > 0, "the redirected path was not redirected: {st:?}");
     eprintln!("pair counters after the run: {st:?}");
     if let Some((ns, runs)) = prog_cost {
-        eprintln!(
-            "sk_msg program: {:.0} ns per run over {runs} runs (bpf_stats)",
-            ns as f64 / runs as f64
-        );
+        eprintln!("sk_msg program: {:.0} ns per run over {runs} runs (bpf_stats)", ns as f64 / runs as f64);
     }
     eprintln!(
         "blocking reads retried after EAGAIN on the redirected path: {retried} ({:.3} per redirected message)",

@@ -35,8 +35,7 @@ struct Args {
 type Pair = (String, String, u32);
 
 fn read_file(path: &PathBuf) -> Result<BTreeSet<Pair>> {
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     let mut out = BTreeSet::new();
     for (n, line) in text.lines().enumerate() {
         let line = line.split('#').next().unwrap_or("").trim();
@@ -45,20 +44,11 @@ fn read_file(path: &PathBuf) -> Result<BTreeSet<Pair>> {
         }
         let mut it = line.split_whitespace();
         let (Some(client), Some(server), None) = (it.next(), it.next(), it.next()) else {
-            bail!(
-                "{}:{}: want `CLIENT_IP SERVER_IP:PORT`",
-                path.display(),
-                n + 1
-            );
+            bail!("{}:{}: want `CLIENT_IP SERVER_IP:PORT`", path.display(), n + 1);
         };
-        let server: std::net::SocketAddr = server
-            .parse()
-            .with_context(|| format!("{}:{}: {server:?}", path.display(), n + 1))?;
-        out.insert((
-            client.to_string(),
-            server.ip().to_string(),
-            u32::from(server.port()),
-        ));
+        let server: std::net::SocketAddr =
+            server.parse().with_context(|| format!("{}:{}: {server:?}", path.display(), n + 1))?;
+        out.insert((client.to_string(), server.ip().to_string(), u32::from(server.port())));
     }
     Ok(out)
 }
@@ -66,55 +56,30 @@ fn read_file(path: &PathBuf) -> Result<BTreeSet<Pair>> {
 fn to_pb(p: &Pair) -> pb::EndpointPair {
     pb::EndpointPair {
         client_ip: p.0.clone(),
-        server: Some(pb::Endpoint {
-            ip: p.1.clone(),
-            port: p.2,
-        }),
+        server: Some(pb::Endpoint { ip: p.1.clone(), port: p.2 }),
         owner: String::new(),
     }
 }
 
 /// Makes the node's pairs of `owner` equal to `want`; returns the revision and
 /// instance to watch from.
-async fn sync(
-    c: &mut NodeServiceClient<Channel>,
-    owner: &str,
-    want: &BTreeSet<Pair>,
-) -> Result<(u64, String)> {
-    let listed = c
-        .list_pairs(pb::ListPairsRequest {
-            owner: owner.into(),
-        })
-        .await?
-        .into_inner();
+async fn sync(c: &mut NodeServiceClient<Channel>, owner: &str, want: &BTreeSet<Pair>) -> Result<(u64, String)> {
+    let listed = c.list_pairs(pb::ListPairsRequest { owner: owner.into() }).await?.into_inner();
     let have: BTreeSet<Pair> = listed
         .pairs
         .iter()
-        .filter_map(|p| {
-            p.server
-                .as_ref()
-                .map(|s| (p.client_ip.clone(), s.ip.clone(), s.port))
-        })
+        .filter_map(|p| p.server.as_ref().map(|s| (p.client_ip.clone(), s.ip.clone(), s.port)))
         .collect();
     let create: Vec<_> = want.difference(&have).map(to_pb).collect();
     let delete: Vec<_> = have
         .difference(want)
-        .map(|p| pb::PairKey {
-            client_ip: p.0.clone(),
-            server: Some(pb::Endpoint {
-                ip: p.1.clone(),
-                port: p.2,
-            }),
-        })
+        .map(|p| pb::PairKey { client_ip: p.0.clone(), server: Some(pb::Endpoint { ip: p.1.clone(), port: p.2 }) })
         .collect();
     let mut revision = listed.revision;
     if !create.is_empty() {
         let n = create.len();
         revision = c
-            .batch_upsert_pairs(pb::BatchUpsertPairsRequest {
-                pairs: create,
-                owner: owner.into(),
-            })
+            .batch_upsert_pairs(pb::BatchUpsertPairsRequest { pairs: create, owner: owner.into() })
             .await?
             .into_inner()
             .revision;
@@ -123,11 +88,7 @@ async fn sync(
     if !delete.is_empty() {
         let n = delete.len();
         revision = c
-            .batch_delete_pairs(pb::BatchDeletePairsRequest {
-                keys: delete,
-                owner: owner.into(),
-                allow_missing: true,
-            })
+            .batch_delete_pairs(pb::BatchDeletePairsRequest { keys: delete, owner: owner.into(), allow_missing: true })
             .await?
             .into_inner()
             .revision;
@@ -155,7 +116,8 @@ async fn main() -> Result<()> {
             }
             backoff = Duration::from_millis(200);
             let seen = mtime(&args.file);
-            let mut events = c.watch(pb::WatchRequest { after_revision: revision, instance_id: instance }).await?.into_inner();
+            let mut events =
+                c.watch(pb::WatchRequest { after_revision: revision, instance_id: instance }).await?.into_inner();
             let mut tick = tokio::time::interval(Duration::from_secs(1));
             loop {
                 tokio::select! {

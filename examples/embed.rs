@@ -10,14 +10,8 @@ use meshwarp_core::{Dataplane, DataplaneConfig, EndpointPair};
 
 fn main() -> Result<()> {
     let mut args = std::env::args().skip(1);
-    let client: IpAddr = args
-        .next()
-        .context("usage: embed CLIENT_IP SERVER_IP:PORT")?
-        .parse()?;
-    let server: SocketAddr = args
-        .next()
-        .context("usage: embed CLIENT_IP SERVER_IP:PORT")?
-        .parse()?;
+    let client: IpAddr = args.next().context("usage: embed CLIENT_IP SERVER_IP:PORT")?.parse()?;
+    let server: SocketAddr = args.next().context("usage: embed CLIENT_IP SERVER_IP:PORT")?.parse()?;
 
     let dp = Dataplane::open(&DataplaneConfig::default())?;
     println!("data path {:?} at {}", dp.origin(), dp.pin_dir().display());

@@ -30,8 +30,5 @@ fn main() {
         println!("cargo:rerun-if-changed={}", src.display());
     }
     println!("cargo:rerun-if-changed={}", include.display());
-    println!(
-        "cargo:rerun-if-changed={}",
-        bpf_dir.join("vmlinux.h").display()
-    );
+    println!("cargo:rerun-if-changed={}", bpf_dir.join("vmlinux.h").display());
 }

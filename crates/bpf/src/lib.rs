@@ -26,16 +26,8 @@ pub mod names {
     pub const MAP_GLOBAL: &str = "mw_global";
     pub const MAP_OWNERS: &str = "mw_owners";
     /// Every map of the sockredir family, in pin order.
-    pub const SOCKREDIR_MAPS: [&str; 8] = [
-        MAP_SOCKHASH,
-        MAP_PAIRS,
-        MAP_CAPTURE,
-        MAP_ORIGINS,
-        MAP_SK_STATE,
-        MAP_STATS,
-        MAP_GLOBAL,
-        MAP_OWNERS,
-    ];
+    pub const SOCKREDIR_MAPS: [&str; 8] =
+        [MAP_SOCKHASH, MAP_PAIRS, MAP_CAPTURE, MAP_ORIGINS, MAP_SK_STATE, MAP_STATS, MAP_GLOBAL, MAP_OWNERS];
 }
 
 #[cfg(test)]

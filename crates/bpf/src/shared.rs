@@ -170,9 +170,7 @@ pub struct OwnerName {
 
 impl Default for OwnerName {
     fn default() -> Self {
-        Self {
-            name: [0; OWNER_LEN],
-        }
+        Self { name: [0; OWNER_LEN] }
     }
 }
 
@@ -236,59 +234,19 @@ mod tests {
 
     #[test]
     fn mirrors_match_btf_layout() {
-        same_layout!(
-            SockKey,
-            types::mw_sock_key,
-            [
-                local_ip,
-                remote_ip,
-                local_port,
-                remote_port,
-                netns,
-                family,
-                kind
-            ]
-        );
-        same_layout!(
-            PairKey,
-            types::mw_pair_key,
-            [client_ip, server_ip, server_port, family]
-        );
-        same_layout!(
-            CaptureKey,
-            types::mw_capture_key,
-            [client_ip, dst_ip, dst_port, family]
-        );
+        same_layout!(SockKey, types::mw_sock_key, [local_ip, remote_ip, local_port, remote_port, netns, family, kind]);
+        same_layout!(PairKey, types::mw_pair_key, [client_ip, server_ip, server_port, family]);
+        same_layout!(CaptureKey, types::mw_capture_key, [client_ip, dst_ip, dst_port, family]);
         same_layout!(Rule, types::mw_rule, [id, listener_port, listener_ip]);
-        same_layout!(
-            EndpointKey,
-            types::mw_endpoint_key,
-            [ip, port, family, netns]
-        );
-        same_layout!(
-            Origin,
-            types::mw_origin,
-            [rule_id, listener_port, listener_ip, cookie]
-        );
+        same_layout!(EndpointKey, types::mw_endpoint_key, [ip, port, family, netns]);
+        same_layout!(Origin, types::mw_origin, [rule_id, listener_port, listener_ip, cookie]);
         same_layout!(SockState, types::mw_sock_state, [peer, rule_id, flags]);
         same_layout!(
             RuleStats,
             types::mw_rule_stats,
-            [
-                sockets,
-                msgs,
-                bytes,
-                fb_no_peer,
-                fb_tcp_path,
-                fb_map_full,
-                fb_insert_err
-            ]
+            [sockets, msgs, bytes, fb_no_peer, fb_tcp_path, fb_map_full, fb_insert_err]
         );
-        same_layout!(
-            GlobalStats,
-            types::mw_global_stats,
-            [established, not_covered, no_state]
-        );
+        same_layout!(GlobalStats, types::mw_global_stats, [established, not_covered, no_state]);
     }
 
     #[test]
@@ -322,10 +280,7 @@ mod tests {
 
     #[test]
     fn owner_names() {
-        assert_eq!(
-            OwnerName::new("istio-agent").unwrap().as_string(),
-            "istio-agent"
-        );
+        assert_eq!(OwnerName::new("istio-agent").unwrap().as_string(), "istio-agent");
         assert_eq!(OwnerName::new("").unwrap().as_string(), "");
         assert!(OwnerName::new(&"x".repeat(OWNER_LEN)).is_none());
         assert!(OwnerName::new("a\0b").is_none());

@@ -75,8 +75,7 @@ pub struct ServeArgs {
 }
 
 pub fn read_file(path: &Path) -> Result<FileConfig> {
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     toml::from_str(&text).with_context(|| format!("invalid config {}", path.display()))
 }
 
@@ -98,25 +97,13 @@ pub fn resolve(args: &ServeArgs, pin_root: &Path) -> Result<(DaemonOptions, LogF
     let mut o = DaemonOptions::default();
     let dp_default = DataplaneConfig::default();
     o.dataplane = DataplaneConfig {
-        pin_root: file
-            .pin_root
-            .clone()
-            .unwrap_or_else(|| pin_root.to_path_buf()),
+        pin_root: file.pin_root.clone().unwrap_or_else(|| pin_root.to_path_buf()),
         cgroup: args.cgroup.clone().or(file.cgroup),
-        max_rules: args
-            .max_rules
-            .or(file.max_rules)
-            .unwrap_or(dp_default.max_rules),
-        max_sockets: args
-            .max_sockets
-            .or(file.max_sockets)
-            .unwrap_or(dp_default.max_sockets),
+        max_rules: args.max_rules.or(file.max_rules).unwrap_or(dp_default.max_rules),
+        max_sockets: args.max_sockets.or(file.max_sockets).unwrap_or(dp_default.max_sockets),
     };
     o.server = ServerConfig {
-        max_batch_size: args
-            .max_batch_size
-            .or(file.max_batch_size)
-            .unwrap_or(ServerConfig::default().max_batch_size),
+        max_batch_size: args.max_batch_size.or(file.max_batch_size).unwrap_or(ServerConfig::default().max_batch_size),
         ..ServerConfig::default()
     };
     if let Some(s) = args.socket.clone().or(file.socket) {
@@ -132,12 +119,7 @@ pub fn resolve(args: &ServeArgs, pin_root: &Path) -> Result<(DaemonOptions, LogF
     if let Some(s) = file.drain_timeout_secs {
         o.drain_timeout = Duration::from_secs(s);
     }
-    Ok((
-        o,
-        args.log_format
-            .or(file.log_format)
-            .unwrap_or(LogFormat::Text),
-    ))
+    Ok((o, args.log_format.or(file.log_format).unwrap_or(LogFormat::Text)))
 }
 
 #[cfg(test)]
@@ -146,10 +128,8 @@ mod tests {
 
     #[test]
     fn file_values_and_unknown_keys() {
-        let f: FileConfig = toml::from_str(
-            "socket = \"/tmp/x.sock\"\nsocket_mode = \"0600\"\nlog_format = \"json\"\n",
-        )
-        .unwrap();
+        let f: FileConfig =
+            toml::from_str("socket = \"/tmp/x.sock\"\nsocket_mode = \"0600\"\nlog_format = \"json\"\n").unwrap();
         assert_eq!(f.socket.as_deref(), Some(Path::new("/tmp/x.sock")));
         assert_eq!(f.log_format, Some(LogFormat::Json));
         assert!(toml::from_str::<FileConfig>("sokcet = \"/tmp/x\"").is_err());

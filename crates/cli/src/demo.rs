@@ -1,9 +1,19 @@
-//! `meshwarp demo`: two pods on a bridge in namespaces, the same 64 B
-//! ping-pong without and with a registered endpoint pair, side by side.
-//! Everything it creates (namespaces, cgroup, pins) is removed at the end,
-//! also on Ctrl-C.
+//! `meshwarp demo`: an Istio-like request path on one node, built in network
+//! namespaces, run without and then with meshwarp.
+//!
+//! ```text
+//!  pod A                                   pod B
+//!  app --VIP:80--> [OUTPUT REDIRECT]        [PREROUTING REDIRECT] --> sidecar B :15006
+//!                  sidecar A :15001 --podB:80-->                      | from 127.0.0.6
+//!                                                                      v
+//!                                                                    app :8080 (echo)
+//! ```
+//! The demo starts an embedded node service and registers the acceleration
+//! through its gRPC API, as a controller would: two capture rules (app ->
+//! sidecar A, sidecar A -> sidecar B) and one mirror pair (127.0.0.6 -> app).
+//! Everything it creates is removed at the end, also on Ctrl-C.
 
-use std::net::{SocketAddr, TcpStream};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpStream};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -11,31 +21,192 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use meshwarp_core::testbed::{
-    accept_timeout, round_trip, spawn_echo, unique_name, NodeWithPods, TestCgroup,
+    echo_integrity, redirect_output, redirect_prerouting, round_trip, unique_name, CaptureProxy, NodeWithPods,
+    StreamEcho, TestCgroup, SERVICE_V4,
 };
-use meshwarp_core::{Dataplane, DataplaneConfig, Endpoint, EndpointPair, RuleCounters};
+use meshwarp_core::DataplaneConfig;
+use meshwarp_grpc_api::daemon::{self, DaemonOptions};
+use meshwarp_grpc_api::pb;
 
 #[derive(Debug, clap::Args)]
 pub struct DemoArgs {
-    /// Round trips per phase.
-    #[arg(long, default_value_t = 20_000)]
-    iterations: usize,
-    /// Message size in bytes.
-    #[arg(long, default_value_t = 64)]
+    /// Requests per phase.
+    #[arg(long, default_value_t = 5_000)]
+    requests: usize,
+    /// Request and response size in bytes.
+    #[arg(long, default_value_t = 1024)]
     size: usize,
+    /// Bytes each way of the checksummed integrity stream per phase.
+    #[arg(long, default_value_t = 4 << 20)]
+    integrity_bytes: usize,
 }
+
+const OWNER: &str = "meshwarp-demo";
+const APP_PORT: u16 = 8080;
+const SERVICE_PORT: u16 = 80;
 
 struct Phase {
     name: &'static str,
     lat: Vec<Duration>,
     wall: Duration,
+    redirected_bytes: u64,
     veth_bytes: u64,
-    counters: Option<RuleCounters>,
+    integrity: Result<(), String>,
 }
 
 fn pct(sorted: &[Duration], p: f64) -> Duration {
     let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
     sorted.get(i).copied().unwrap_or_default()
+}
+
+/// The node service, run in this process on its own runtime; stopped (and its
+/// data path removed) on drop.
+struct EmbeddedNode {
+    rt: tokio::runtime::Runtime,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<Result<(), daemon::DaemonError>>>,
+    client: pb::node_service_client::NodeServiceClient<tonic::transport::Channel>,
+    dir: PathBuf,
+}
+
+impl EmbeddedNode {
+    fn start(cgroup: PathBuf) -> Result<Self> {
+        let dir = std::env::temp_dir().join(unique_name("meshwarp-demo-"));
+        std::fs::create_dir_all(&dir)?;
+        let socket = dir.join("meshwarp.sock");
+        let opts = DaemonOptions {
+            dataplane: DataplaneConfig {
+                pin_root: PathBuf::from(format!("/sys/fs/bpf/{}", unique_name("meshwarp-demo-"))),
+                cgroup: Some(cgroup),
+                ..DataplaneConfig::default()
+            },
+            socket: Some(socket.clone()),
+            cleanup_on_exit: true,
+            ..DaemonOptions::default()
+        };
+        let rt = tokio::runtime::Runtime::new()?;
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let task = rt.spawn(daemon::run(opts, async move {
+            let _ = rx.await;
+        }));
+        let target = socket.to_str().context("socket path")?.to_string();
+        let client = rt.block_on(async {
+            for _ in 0..250 {
+                if let Ok(mut c) = meshwarp_grpc_api::client::connect(&target).await {
+                    if c.get_node_info(pb::GetNodeInfoRequest {}).await.is_ok() {
+                        return Ok(c);
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            bail!("the embedded node service did not start")
+        })?;
+        Ok(Self { rt, stop: Some(tx), task: Some(task), client, dir })
+    }
+
+    fn redirected_bytes(&mut self) -> Result<u64> {
+        let st = self.rt.block_on(self.client.get_stats(pb::GetStatsRequest {}))?.into_inner();
+        let pairs = st.pairs.iter().filter_map(|p| p.counters).map(|c| c.redirected_bytes);
+        let rules = st.capture_rules.iter().filter_map(|r| r.counters).map(|c| c.redirected_bytes);
+        Ok(pairs.chain(rules).sum())
+    }
+}
+
+impl Drop for EmbeddedNode {
+    fn drop(&mut self) {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+        if let Some(t) = self.task.take() {
+            match self.rt.block_on(t) {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => eprintln!("node service: {e}"),
+                Err(e) => eprintln!("node service task: {e}"),
+            }
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn ep(ip: IpAddr, port: u16) -> Option<pb::Endpoint> {
+    Some(pb::Endpoint { ip: ip.to_string(), port: u32::from(port) })
+}
+
+/// What an Istio-aware controller would register for this request path.
+fn register(node: &mut EmbeddedNode, pod_a: IpAddr, pod_b: IpAddr) -> Result<()> {
+    let passthrough = IpAddr::V4(Ipv4Addr::new(127, 0, 0, 6));
+    let outbound = pb::CaptureRule {
+        client_ip: pod_a.to_string(),
+        original_dst: ep(IpAddr::V4(SERVICE_V4), SERVICE_PORT),
+        listener: ep(IpAddr::V4(Ipv4Addr::LOCALHOST), 15001),
+        owner: String::new(),
+    };
+    let sidecar_to_sidecar = pb::CaptureRule {
+        client_ip: pod_a.to_string(),
+        original_dst: ep(pod_b, SERVICE_PORT),
+        listener: ep(pod_b, 15006),
+        owner: String::new(),
+    };
+    let inbound =
+        pb::EndpointPair { client_ip: passthrough.to_string(), server: ep(pod_b, APP_PORT), owner: String::new() };
+    let c = &mut node.client;
+    node.rt.block_on(async {
+        c.batch_upsert_capture_rules(pb::BatchUpsertCaptureRulesRequest {
+            rules: vec![outbound, sidecar_to_sidecar],
+            owner: OWNER.into(),
+        })
+        .await?;
+        c.create_pair(pb::CreatePairRequest { pair: Some(inbound), owner: OWNER.into() }).await?;
+        Ok::<_, tonic::Status>(())
+    })?;
+    Ok(())
+}
+
+fn run_phase(
+    name: &'static str,
+    net: &NodeWithPods,
+    node: &mut EmbeddedNode,
+    args: &DemoArgs,
+    stop: &AtomicBool,
+) -> Result<Phase> {
+    let service = SocketAddr::new(IpAddr::V4(SERVICE_V4), SERVICE_PORT);
+    let app = &net.pods[0].ns;
+    let bytes0 = node.redirected_bytes()?;
+    let veth0 = net.veth_bytes(0)? + net.veth_bytes(1)?;
+    let mut c: TcpStream = app.connect(service)?;
+    c.set_nodelay(true)?;
+    let msg = vec![0x5au8; args.size];
+    let mut buf = vec![0u8; args.size];
+    let mut lat = Vec::with_capacity(args.requests);
+    let start = Instant::now();
+    for i in 0..args.requests {
+        if stop.load(Ordering::Relaxed) {
+            bail!("interrupted");
+        }
+        let t = Instant::now();
+        round_trip(&mut c, &msg, &mut buf).with_context(|| format!("request {i}"))?;
+        lat.push(t.elapsed());
+        if buf != msg {
+            bail!("request {i}: the response differs from what was sent");
+        }
+        if i % 1000 == 999 {
+            eprint!(".");
+        }
+    }
+    let wall = start.elapsed();
+    drop(c);
+    eprintln!();
+    let integrity = echo_integrity(app.connect(service)?, 7, args.integrity_bytes, Duration::from_secs(60))
+        .map_err(|e| e.to_string());
+    lat.sort();
+    Ok(Phase {
+        name,
+        lat,
+        wall,
+        redirected_bytes: node.redirected_bytes()? - bytes0,
+        veth_bytes: net.veth_bytes(0)? + net.veth_bytes(1)? - veth0,
+        integrity,
+    })
 }
 
 pub fn run(args: &DemoArgs) -> Result<()> {
@@ -44,129 +215,71 @@ pub fn run(args: &DemoArgs) -> Result<()> {
     }
     let stop = Arc::new(AtomicBool::new(false));
     let s2 = Arc::clone(&stop);
-    ctrlc::set_handler(move || s2.store(true, Ordering::Relaxed))
-        .context("installing the Ctrl-C handler")?;
+    ctrlc::set_handler(move || s2.store(true, Ordering::Relaxed)).context("installing the Ctrl-C handler")?;
 
-    eprintln!("[1/4] building a node with two pods (netns + veth + bridge)...");
+    eprintln!("[1/5] building pods A and B on one node (netns + veth + bridge)...");
     let net = NodeWithPods::new(2)?;
+    let (pod_a, pod_b) = (IpAddr::V4(net.pods[0].v4), IpAddr::V4(net.pods[1].v4));
+    eprintln!("[2/5] sidecars: iptables capture to :15001 (pod A out) and :15006 (pod B in), app on :{APP_PORT}...");
     let cgroup = TestCgroup::new()?;
-    let cfg = DataplaneConfig {
-        pin_root: PathBuf::from(format!("/sys/fs/bpf/{}", unique_name("meshwarp-demo-"))),
-        cgroup: Some(cgroup.path.clone()),
-        ..DataplaneConfig::default()
-    };
-    eprintln!(
-        "[2/4] loading the sockops + sk_msg data path into cgroup {}...",
-        cgroup.path.display()
-    );
-    let dp = Dataplane::open(&cfg)?;
-    let result = phases(&net, &dp, args, &stop);
-    eprintln!("[4/4] cleaning up (pins, cgroup, namespaces)...");
-    dp.teardown()?;
-    drop(cgroup);
-    drop(net);
-    let phases = result?;
-    print_table(&phases, args);
-    Ok(())
-}
+    let _app = StreamEcho::start(net.pods[1].ns.listen(SocketAddr::new(pod_b, APP_PORT))?)?;
+    redirect_output(&net.pods[0].ns, IpAddr::V4(SERVICE_V4), SERVICE_PORT, 15001)?;
+    redirect_prerouting(&net.pods[1].ns, pod_b, SERVICE_PORT, 15006)?;
+    let loopback = IpAddr::V4(Ipv4Addr::LOCALHOST);
+    let _sidecar_a =
+        CaptureProxy::start(&net.pods[0].ns, SocketAddr::new(loopback, 15001), SocketAddr::new(pod_b, SERVICE_PORT))?;
+    let _sidecar_b = CaptureProxy::start_from(
+        &net.pods[1].ns,
+        SocketAddr::new(pod_b, 15006),
+        SocketAddr::new(pod_b, APP_PORT),
+        Some(IpAddr::V4(Ipv4Addr::new(127, 0, 0, 6))),
+    )?;
+    eprintln!("[3/5] starting the embedded node service (data path attached to {})...", cgroup.path.display());
+    let mut node = EmbeddedNode::start(cgroup.path.clone())?;
 
-fn phases(
-    net: &NodeWithPods,
-    dp: &Dataplane,
-    args: &DemoArgs,
-    stop: &AtomicBool,
-) -> Result<Vec<Phase>> {
-    let server = SocketAddr::new(net.pods[1].v4.into(), 8080);
-    let listener = net.pods[1].ns.listen(server)?;
-    let pair = EndpointPair::new(net.pods[0].v4.into(), Endpoint::from(server))?;
-    let mut out = Vec::new();
-    for (name, register) in [
-        ("plain TCP (veth + bridge)", false),
-        ("meshwarp sk_msg redirect", true),
-    ] {
-        if register {
-            dp.insert_pair(&pair, "demo")?;
-        }
-        eprintln!(
-            "[3/4] {name}: {} round trips of {} B...",
-            args.iterations, args.size
-        );
-        let mut c: TcpStream = net.pods[0].ns.connect(server)?;
-        c.set_nodelay(true)?;
-        let s = accept_timeout(&listener, Duration::from_secs(5))?;
-        s.set_nodelay(true)?;
-        let echo = spawn_echo(s, args.size);
-        let before = net.veth_bytes(0)?;
-        let msg = vec![0x5au8; args.size];
-        let mut buf = vec![0u8; args.size];
-        let mut lat = Vec::with_capacity(args.iterations);
-        let start = Instant::now();
-        for i in 0..args.iterations {
-            if stop.load(Ordering::Relaxed) {
-                bail!("interrupted");
-            }
-            let t = Instant::now();
-            round_trip(&mut c, &msg, &mut buf)?;
-            lat.push(t.elapsed());
-            if buf != msg {
-                bail!("round trip {i}: echo differs from what was sent");
-            }
-        }
-        let wall = start.elapsed();
-        c.shutdown(std::net::Shutdown::Both)?;
-        echo.join()
-            .map_err(|_| anyhow::anyhow!("echo thread panicked"))??;
-        let veth_bytes = net.veth_bytes(0)? - before;
-        lat.sort();
-        let counters = if register {
-            Some(dp.pair_stats(&pair)?)
-        } else {
-            None
-        };
-        out.push(Phase {
-            name,
-            lat,
-            wall,
-            veth_bytes,
-            counters,
-        });
-    }
-    Ok(out)
+    eprintln!("[4/5] {} requests of {} B without meshwarp", args.requests, args.size);
+    let plain = run_phase("kernel path (no meshwarp)", &net, &mut node, args, &stop)?;
+    eprintln!("      registering 2 capture rules and 1 pair through the gRPC API...");
+    register(&mut node, pod_a, pod_b)?;
+    eprintln!("[4/5] {} requests of {} B with meshwarp", args.requests, args.size);
+    let fast = run_phase("meshwarp (sk_msg redirect)", &net, &mut node, args, &stop)?;
+
+    eprintln!("[5/5] cleaning up (node service and pins, sidecars, cgroup, namespaces)...");
+    drop(node);
+    drop(cgroup);
+    print_table(&[plain, fast], args);
+    Ok(())
 }
 
 fn print_table(phases: &[Phase], args: &DemoArgs) {
     println!();
     println!(
-        "{} round trips of {} B, pod0 -> pod1 on one node (echo verified)",
-        args.iterations, args.size
+        "app -> sidecar A -> sidecar B -> app on one node; {} requests of {} B; integrity: {} B each way, checksummed",
+        args.requests, args.size, args.integrity_bytes
     );
     println!(
-        "{:<28} {:>10} {:>10} {:>12} {:>14}",
-        "path", "p50 (us)", "p99 (us)", "round trips/s", "veth bytes"
+        "{:<28} {:>9} {:>9} {:>9} {:>10} {:>16} {:>12}  integrity",
+        "path", "p50 us", "p90 us", "p99 us", "req/s", "redirected B", "veth B"
     );
     for p in phases {
         println!(
-            "{:<28} {:>10.1} {:>10.1} {:>12.0} {:>14}",
+            "{:<28} {:>9.1} {:>9.1} {:>9.1} {:>10.0} {:>16} {:>12}  {}",
             p.name,
             pct(&p.lat, 0.5).as_secs_f64() * 1e6,
+            pct(&p.lat, 0.9).as_secs_f64() * 1e6,
             pct(&p.lat, 0.99).as_secs_f64() * 1e6,
             p.lat.len() as f64 / p.wall.as_secs_f64(),
-            p.veth_bytes
+            p.redirected_bytes,
+            p.veth_bytes,
+            match &p.integrity {
+                Ok(()) => "verified".to_string(),
+                Err(e) => format!("FAILED: {e}"),
+            }
         );
     }
     if let [plain, fast] = phases {
         let r = pct(&fast.lat, 0.5).as_secs_f64() / pct(&plain.lat, 0.5).as_secs_f64();
-        println!("\np50 ratio redirect / plain TCP: {r:.2}x");
-        if let Some(c) = fast.counters {
-            println!(
-                "pair counters: sockets {} redirected msgs {} bytes {} fallbacks (no peer {}, tcp path {}, map full {})",
-                c.sockets,
-                c.redirected_msgs,
-                c.redirected_bytes,
-                c.fallback_no_peer,
-                c.fallback_tcp_path,
-                c.fallback_map_full
-            );
-        }
+        let t = (fast.lat.len() as f64 / fast.wall.as_secs_f64()) / (plain.lat.len() as f64 / plain.wall.as_secs_f64());
+        println!("\nwith meshwarp: p50 latency {r:.2}x, requests/s {t:.2}x of the kernel path");
     }
 }

@@ -31,11 +31,7 @@ fn helper(p: libbpf_sys::bpf_prog_type, h: libbpf_sys::bpf_func_id) -> bool {
 }
 
 fn runs(cmd: &str, args: &[&str]) -> bool {
-    Command::new(cmd)
-        .args(args)
-        .output()
-        .map(|o| o.status.success())
-        .unwrap_or(false)
+    Command::new(cmd).args(args).output().map(|o| o.status.success()).unwrap_or(false)
 }
 
 pub fn run(pin_root: &Path) -> Result<()> {
@@ -112,12 +108,7 @@ pub fn run(pin_root: &Path) -> Result<()> {
     ];
     let mut missing = 0;
     for c in &checks {
-        println!(
-            "{} {:<18} {}",
-            if c.ok { "ok " } else { "NO " },
-            c.name,
-            c.detail
-        );
+        println!("{} {:<18} {}", if c.ok { "ok " } else { "NO " }, c.name, c.detail);
         if !c.ok {
             missing += 1;
             println!("    fix: {}", c.fix);
@@ -126,11 +117,7 @@ pub fn run(pin_root: &Path) -> Result<()> {
     let pinned = pin_root.join(format!("v{}", meshwarp_bpf_schema()));
     println!(
         "    data path: {}",
-        if pinned.exists() {
-            format!("pinned at {}", pinned.display())
-        } else {
-            "not loaded".into()
-        }
+        if pinned.exists() { format!("pinned at {}", pinned.display()) } else { "not loaded".into() }
     );
     if missing > 0 {
         bail!("{missing} check(s) failed");

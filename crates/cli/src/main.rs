@@ -16,22 +16,13 @@ use clap::{CommandFactory, Parser, Subcommand};
 use meshwarp_core::dataplane::{remove_pinned, DEFAULT_PIN_ROOT};
 
 #[derive(Debug, Parser)]
-#[command(
-    name = "meshwarp",
-    version,
-    about = "Shorten service-mesh traffic paths in the kernel with eBPF"
-)]
+#[command(name = "meshwarp", version, about = "Shorten service-mesh traffic paths in the kernel with eBPF")]
 pub struct Cli {
     /// Node service address: a Unix socket path or http://127.0.0.1:PORT.
     #[arg(long, global = true, env = "MESHWARP_ADDR", default_value = meshwarp_grpc_api::client::DEFAULT_SOCKET)]
     addr: String,
     /// Owner recorded on what this command creates, checked on what it changes.
-    #[arg(
-        long,
-        global = true,
-        env = "MESHWARP_OWNER",
-        default_value = "meshwarp-cli"
-    )]
+    #[arg(long, global = true, env = "MESHWARP_OWNER", default_value = "meshwarp-cli")]
     owner: String,
     /// Output format.
     #[arg(short, long, global = true, value_enum, default_value = "table")]
@@ -148,9 +139,7 @@ enum NodeCmd {
 
 fn init_logs(filter: &str, json: bool) {
     let filter = tracing_subscriber::EnvFilter::try_new(filter).unwrap_or_else(|_| "info".into());
-    let b = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+    let b = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
     if json {
         b.json().init();
     } else {
@@ -180,9 +169,8 @@ fn run(cli: Cli) -> Result<()> {
             let rt = tokio::runtime::Runtime::new()?;
             rt.block_on(async move {
                 let shutdown = async {
-                    let mut term =
-                        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-                            .expect("SIGTERM handler");
+                    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+                        .expect("SIGTERM handler");
                     tokio::select! {
                         _ = term.recv() => {}
                         _ = tokio::signal::ctrl_c() => {}
@@ -206,12 +194,7 @@ fn run(cli: Cli) -> Result<()> {
             demo::run(args)
         }
         Cmd::Completions { shell } => {
-            clap_complete::generate(
-                *shell,
-                &mut Cli::command(),
-                "meshwarp",
-                &mut std::io::stdout(),
-            );
+            clap_complete::generate(*shell, &mut Cli::command(), "meshwarp", &mut std::io::stdout());
             Ok(())
         }
         Cmd::Pair(_) | Cmd::Capture(_) | Cmd::Stats | Cmd::Watch { .. } | Cmd::Node(_) => {

@@ -13,9 +13,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
-use meshwarp_core::testbed::{
-    accept_timeout, round_trip, spawn_echo, unique_name, NodeWithPods, TestCgroup,
-};
+use meshwarp_core::testbed::{accept_timeout, round_trip, spawn_echo, unique_name, NodeWithPods, TestCgroup};
 use meshwarp_grpc_api::pb::node_service_client::NodeServiceClient;
 use meshwarp_grpc_api::pb::{self, watch_response::Resource};
 use tokio_stream::StreamExt;
@@ -91,19 +89,13 @@ impl Env {
 
     /// Starts a daemon and waits until it answers.
     fn start(&self, extra: &[&str]) -> Result<Daemon> {
-        let child = self
-            .serve_cmd(extra)
-            .spawn()
-            .context("spawning meshwarp serve")?;
+        let child = self.serve_cmd(extra).spawn().context("spawning meshwarp serve")?;
         let mut d = Daemon { child: Some(child) };
         let deadline = Instant::now() + Duration::from_secs(20);
         while Instant::now() < deadline {
             if let Some(status) = d.child.as_mut().unwrap().try_wait()? {
                 let out = d.child.take().unwrap().wait_with_output()?;
-                bail!(
-                    "meshwarp serve exited with {status}: {}",
-                    String::from_utf8_lossy(&out.stderr)
-                );
+                bail!("meshwarp serve exited with {status}: {}", String::from_utf8_lossy(&out.stderr));
             }
             if std::os::unix::net::UnixStream::connect(self.socket()).is_ok() {
                 return Ok(d);
@@ -114,18 +106,11 @@ impl Env {
     }
 
     fn cli(&self, args: &[&str]) -> Output {
-        Command::new(BIN)
-            .env("MESHWARP_ADDR", self.socket())
-            .env("MESHWARP_OWNER", OWNER)
-            .args(args)
-            .output()
-            .unwrap()
+        Command::new(BIN).env("MESHWARP_ADDR", self.socket()).env("MESHWARP_OWNER", OWNER).args(args).output().unwrap()
     }
 
     async fn client(&self) -> NodeServiceClient<Channel> {
-        meshwarp_grpc_api::client::connect(self.socket().to_str().unwrap())
-            .await
-            .unwrap()
+        meshwarp_grpc_api::client::connect(self.socket().to_str().unwrap()).await.unwrap()
     }
 }
 
@@ -174,32 +159,19 @@ macro_rules! env_or_skip {
 }
 
 fn ep(ip: &str, port: u32) -> Option<pb::Endpoint> {
-    Some(pb::Endpoint {
-        ip: ip.into(),
-        port,
-    })
+    Some(pb::Endpoint { ip: ip.into(), port })
 }
 
 fn pair(client: &str, server: &str, port: u32) -> pb::EndpointPair {
-    pb::EndpointPair {
-        client_ip: client.into(),
-        server: ep(server, port),
-        owner: String::new(),
-    }
+    pb::EndpointPair { client_ip: client.into(), server: ep(server, port), owner: String::new() }
 }
 
 fn key(client: &str, server: &str, port: u32) -> pb::PairKey {
-    pb::PairKey {
-        client_ip: client.into(),
-        server: ep(server, port),
-    }
+    pb::PairKey { client_ip: client.into(), server: ep(server, port) }
 }
 
 fn create(p: pb::EndpointPair, owner: &str) -> pb::CreatePairRequest {
-    pb::CreatePairRequest {
-        pair: Some(p),
-        owner: owner.into(),
-    }
+    pb::CreatePairRequest { pair: Some(p), owner: owner.into() }
 }
 
 fn rt() -> tokio::runtime::Runtime {
@@ -212,20 +184,11 @@ fn every_rpc_happy_path() -> Result<()> {
     let _d = env.start(&[])?;
     rt().block_on(async {
         let mut c = env.client().await;
-        let info = c
-            .get_node_info(pb::GetNodeInfoRequest {})
-            .await?
-            .into_inner();
-        ensure!(
-            !info.adopted && info.sockops_prog_id != 0 && info.features.iter().all(|f| f.available),
-            "{info:?}"
-        );
+        let info = c.get_node_info(pb::GetNodeInfoRequest {}).await?.into_inner();
+        ensure!(!info.adopted && info.sockops_prog_id != 0 && info.features.iter().all(|f| f.available), "{info:?}");
         let mut watch = c.watch(pb::WatchRequest::default()).await?.into_inner();
 
-        let r = c
-            .create_pair(create(pair("198.18.0.2", "198.18.0.3", 80), OWNER))
-            .await?
-            .into_inner();
+        let r = c.create_pair(create(pair("198.18.0.2", "198.18.0.3", 80), OWNER)).await?.into_inner();
         ensure!(r.revision == 1 && r.pair.as_ref().unwrap().owner == OWNER);
         let up = pb::UpdatePairRequest {
             pair: Some(pair("198.18.0.2", "198.18.0.3", 81)),
@@ -233,43 +196,17 @@ fn every_rpc_happy_path() -> Result<()> {
             allow_missing: true,
         };
         ensure!(c.update_pair(up).await?.into_inner().created);
-        let got = c
-            .get_pair(pb::GetPairRequest {
-                key: Some(key("198.18.0.2", "198.18.0.3", 80)),
-            })
-            .await?
-            .into_inner();
+        let got = c.get_pair(pb::GetPairRequest { key: Some(key("198.18.0.2", "198.18.0.3", 80)) }).await?.into_inner();
         ensure!(got.counters.is_some());
-        let batch: Vec<_> = (1000..1100)
-            .map(|p| pair("2001:db8:1::2", "2001:db8:1::3", p))
-            .collect();
-        let b = c
-            .batch_upsert_pairs(pb::BatchUpsertPairsRequest {
-                pairs: batch,
-                owner: OWNER.into(),
-            })
-            .await?
-            .into_inner();
+        let batch: Vec<_> = (1000..1100).map(|p| pair("2001:db8:1::2", "2001:db8:1::3", p)).collect();
+        let b =
+            c.batch_upsert_pairs(pb::BatchUpsertPairsRequest { pairs: batch, owner: OWNER.into() }).await?.into_inner();
         ensure!(b.created == 100, "{b:?}");
-        let l = c
-            .list_pairs(pb::ListPairsRequest::default())
-            .await?
-            .into_inner();
-        ensure!(
-            l.pairs.len() == 102 && l.revision == 102,
-            "{} pairs at {}",
-            l.pairs.len(),
-            l.revision
-        );
-        let keys: Vec<_> = (1000..1050)
-            .map(|p| key("2001:db8:1::2", "2001:db8:1::3", p))
-            .collect();
+        let l = c.list_pairs(pb::ListPairsRequest::default()).await?.into_inner();
+        ensure!(l.pairs.len() == 102 && l.revision == 102, "{} pairs at {}", l.pairs.len(), l.revision);
+        let keys: Vec<_> = (1000..1050).map(|p| key("2001:db8:1::2", "2001:db8:1::3", p)).collect();
         let d = c
-            .batch_delete_pairs(pb::BatchDeletePairsRequest {
-                keys,
-                owner: OWNER.into(),
-                allow_missing: false,
-            })
+            .batch_delete_pairs(pb::BatchDeletePairsRequest { keys, owner: OWNER.into(), allow_missing: false })
             .await?
             .into_inner();
         ensure!(d.deleted == 50);
@@ -286,15 +223,8 @@ fn every_rpc_happy_path() -> Result<()> {
             listener: ep("127.0.0.1", 15001),
             owner: String::new(),
         };
-        c.create_capture_rule(pb::CreateCaptureRuleRequest {
-            rule: Some(rule.clone()),
-            owner: OWNER.into(),
-        })
-        .await?;
-        let moved = pb::CaptureRule {
-            listener: ep("127.0.0.1", 15002),
-            ..rule.clone()
-        };
+        c.create_capture_rule(pb::CreateCaptureRuleRequest { rule: Some(rule.clone()), owner: OWNER.into() }).await?;
+        let moved = pb::CaptureRule { listener: ep("127.0.0.1", 15002), ..rule.clone() };
         let u = c
             .update_capture_rule(pb::UpdateCaptureRuleRequest {
                 rule: Some(moved),
@@ -304,37 +234,18 @@ fn every_rpc_happy_path() -> Result<()> {
             .await?
             .into_inner();
         ensure!(!u.created && u.rule.unwrap().listener.unwrap().port == 15002);
-        let ck = pb::CaptureRuleKey {
-            client_ip: "198.18.0.2".into(),
-            original_dst: ep("198.19.0.10", 80),
-        };
-        c.get_capture_rule(pb::GetCaptureRuleRequest {
-            key: Some(ck.clone()),
-        })
-        .await?;
+        let ck = pb::CaptureRuleKey { client_ip: "198.18.0.2".into(), original_dst: ep("198.19.0.10", 80) };
+        c.get_capture_rule(pb::GetCaptureRuleRequest { key: Some(ck.clone()) }).await?;
         let bu = c
             .batch_upsert_capture_rules(pb::BatchUpsertCaptureRulesRequest {
-                rules: vec![pb::CaptureRule {
-                    client_ip: String::new(),
-                    ..rule.clone()
-                }],
+                rules: vec![pb::CaptureRule { client_ip: String::new(), ..rule.clone() }],
                 owner: OWNER.into(),
             })
             .await?
             .into_inner();
         ensure!(bu.created == 1);
-        ensure!(
-            c.list_capture_rules(pb::ListCaptureRulesRequest::default())
-                .await?
-                .into_inner()
-                .rules
-                .len()
-                == 2
-        );
-        let any = pb::CaptureRuleKey {
-            client_ip: String::new(),
-            ..ck.clone()
-        };
+        ensure!(c.list_capture_rules(pb::ListCaptureRulesRequest::default()).await?.into_inner().rules.len() == 2);
+        let any = pb::CaptureRuleKey { client_ip: String::new(), ..ck.clone() };
         let bd = c
             .batch_delete_capture_rules(pb::BatchDeleteCaptureRulesRequest {
                 keys: vec![any],
@@ -354,21 +265,11 @@ fn every_rpc_happy_path() -> Result<()> {
         ensure!(stats.pairs.len() == 51 && stats.global.is_some());
 
         // Watch saw every change, in order, with consecutive revisions.
-        let final_rev = c
-            .list_pairs(pb::ListPairsRequest::default())
-            .await?
-            .into_inner()
-            .revision;
+        let final_rev = c.list_pairs(pb::ListPairsRequest::default()).await?.into_inner().revision;
         let mut last = 0;
         while last < final_rev {
-            let ev = tokio::time::timeout(Duration::from_secs(5), watch.next())
-                .await?
-                .context("stream ended")??;
-            ensure!(
-                ev.revision == last + 1,
-                "revision {} after {last}",
-                ev.revision
-            );
+            let ev = tokio::time::timeout(Duration::from_secs(5), watch.next()).await?.context("stream ended")??;
+            ensure!(ev.revision == last + 1, "revision {} after {last}", ev.revision);
             ensure!(ev.instance_id == info.instance_id);
             last = ev.revision;
         }
@@ -379,11 +280,7 @@ fn every_rpc_happy_path() -> Result<()> {
         Ok(())
     })?;
     let out = env.cli(&["node", "info"]);
-    ensure!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    ensure!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     Ok(())
 }
 
@@ -400,12 +297,8 @@ fn invalid_input_gets_the_right_code_and_changes_nothing() -> Result<()> {
     let _d = env.start(&["--max-batch-size", "5"])?;
     rt().block_on(async {
         let mut c = env.client().await;
-        c.create_pair(create(pair("198.18.0.2", "198.18.0.3", 80), OWNER))
-            .await?;
-        let before = c
-            .list_pairs(pb::ListPairsRequest::default())
-            .await?
-            .into_inner();
+        c.create_pair(create(pair("198.18.0.2", "198.18.0.3", 80), OWNER)).await?;
+        let before = c.list_pairs(pb::ListPairsRequest::default()).await?.into_inner();
 
         let bad: Vec<(pb::EndpointPair, &str)> = vec![
             (pair("not-an-ip", "198.18.0.3", 80), "pair.client_ip"),
@@ -421,24 +314,14 @@ fn invalid_input_gets_the_right_code_and_changes_nothing() -> Result<()> {
             ensure!(s.code() == Code::InvalidArgument, "{p:?}: {s:?}");
             use tonic_types::StatusExt;
             let br = s.get_details_bad_request().context("BadRequest details")?;
-            ensure!(
-                br.field_violations.iter().any(|v| v.field == field),
-                "{p:?}: {:?}",
-                br.field_violations
-            );
+            ensure!(br.field_violations.iter().any(|v| v.field == field), "{p:?}: {:?}", br.field_violations);
         }
         ensure!(
-            code_of(
-                c.create_pair(create(pair("198.18.0.2", "198.18.0.3", 81), ""))
-                    .await
-            ) == Code::InvalidArgument,
+            code_of(c.create_pair(create(pair("198.18.0.2", "198.18.0.3", 81), "")).await) == Code::InvalidArgument,
             "owner required"
         );
         ensure!(
-            code_of(
-                c.create_pair(create(pair("198.18.0.2", "198.18.0.3", 80), OWNER))
-                    .await
-            ) == Code::AlreadyExists
+            code_of(c.create_pair(create(pair("198.18.0.2", "198.18.0.3", 80), OWNER)).await) == Code::AlreadyExists
         );
         let del = |owner: &str, allow_missing| pb::DeletePairRequest {
             key: Some(key("198.18.0.2", "198.18.0.3", 80)),
@@ -458,100 +341,39 @@ fn invalid_input_gets_the_right_code_and_changes_nothing() -> Result<()> {
             allow_missing: false,
         };
         ensure!(code_of(c.delete_pair(missing.clone()).await) == Code::NotFound);
-        ensure!(
-            !c.delete_pair(pb::DeletePairRequest {
-                allow_missing: true,
-                ..missing
-            })
-            .await?
-            .into_inner()
-            .deleted
-        );
+        ensure!(!c.delete_pair(pb::DeletePairRequest { allow_missing: true, ..missing }).await?.into_inner().deleted);
         let up = pb::UpdatePairRequest {
             pair: Some(pair("198.18.0.2", "198.18.0.3", 99)),
             owner: OWNER.into(),
             allow_missing: false,
         };
         ensure!(code_of(c.update_pair(up).await) == Code::NotFound);
-        ensure!(
-            code_of(c.get_pair(pb::GetPairRequest { key: None }).await) == Code::InvalidArgument
-        );
+        ensure!(code_of(c.get_pair(pb::GetPairRequest { key: None }).await) == Code::InvalidArgument);
 
-        let batch = |pairs: Vec<pb::EndpointPair>| pb::BatchUpsertPairsRequest {
-            pairs,
-            owner: OWNER.into(),
-        };
-        ensure!(
-            code_of(c.batch_upsert_pairs(batch(vec![])).await) == Code::InvalidArgument,
-            "empty batch"
-        );
-        let six: Vec<_> = (1..=6)
-            .map(|p| pair("198.18.0.2", "198.18.0.4", p))
-            .collect();
-        ensure!(
-            code_of(c.batch_upsert_pairs(batch(six)).await) == Code::ResourceExhausted,
-            "oversized batch"
-        );
-        let mut one_bad: Vec<_> = (1..=4)
-            .map(|p| pair("198.18.0.2", "198.18.0.4", p))
-            .collect();
+        let batch = |pairs: Vec<pb::EndpointPair>| pb::BatchUpsertPairsRequest { pairs, owner: OWNER.into() };
+        ensure!(code_of(c.batch_upsert_pairs(batch(vec![])).await) == Code::InvalidArgument, "empty batch");
+        let six: Vec<_> = (1..=6).map(|p| pair("198.18.0.2", "198.18.0.4", p)).collect();
+        ensure!(code_of(c.batch_upsert_pairs(batch(six)).await) == Code::ResourceExhausted, "oversized batch");
+        let mut one_bad: Vec<_> = (1..=4).map(|p| pair("198.18.0.2", "198.18.0.4", p)).collect();
         one_bad.push(pair("198.18.0.2", "198.18.0.4", 0));
         ensure!(code_of(c.batch_upsert_pairs(batch(one_bad)).await) == Code::InvalidArgument);
-        let mut foreign: Vec<_> = (1..=4)
-            .map(|p| pair("198.18.0.2", "198.18.0.4", p))
-            .collect();
+        let mut foreign: Vec<_> = (1..=4).map(|p| pair("198.18.0.2", "198.18.0.4", p)).collect();
         foreign.push(pair("198.18.0.2", "198.18.0.3", 80));
-        let s = c
-            .batch_upsert_pairs(pb::BatchUpsertPairsRequest {
-                pairs: foreign,
-                owner: "someone-else".into(),
-            })
-            .await;
-        ensure!(
-            code_of(s) == Code::PermissionDenied,
-            "a batch touching another owner's pair"
-        );
-        let dup = vec![
-            pair("198.18.0.2", "198.18.0.4", 1),
-            pair("198.18.0.2", "198.18.0.4", 1),
-        ];
+        let s =
+            c.batch_upsert_pairs(pb::BatchUpsertPairsRequest { pairs: foreign, owner: "someone-else".into() }).await;
+        ensure!(code_of(s) == Code::PermissionDenied, "a batch touching another owner's pair");
+        let dup = vec![pair("198.18.0.2", "198.18.0.4", 1), pair("198.18.0.2", "198.18.0.4", 1)];
         ensure!(code_of(c.batch_upsert_pairs(batch(dup)).await) == Code::InvalidArgument);
-        let keys = vec![
-            key("198.18.0.2", "198.18.0.3", 80),
-            key("198.18.0.2", "198.18.0.3", 12345),
-        ];
-        let bd = pb::BatchDeletePairsRequest {
-            keys,
-            owner: OWNER.into(),
-            allow_missing: false,
-        };
-        ensure!(
-            code_of(c.batch_delete_pairs(bd).await) == Code::NotFound,
-            "batch delete with a missing key"
-        );
+        let keys = vec![key("198.18.0.2", "198.18.0.3", 80), key("198.18.0.2", "198.18.0.3", 12345)];
+        let bd = pb::BatchDeletePairsRequest { keys, owner: OWNER.into(), allow_missing: false };
+        ensure!(code_of(c.batch_delete_pairs(bd).await) == Code::NotFound, "batch delete with a missing key");
 
-        let after = c
-            .list_pairs(pb::ListPairsRequest::default())
-            .await?
-            .into_inner();
-        ensure!(
-            after.pairs == before.pairs && after.revision == before.revision,
-            "nothing changed: {after:?}"
-        );
+        let after = c.list_pairs(pb::ListPairsRequest::default()).await?.into_inner();
+        ensure!(after.pairs == before.pairs && after.revision == before.revision, "nothing changed: {after:?}");
         // Watch: a revision of another instance, or from the future, is OUT_OF_RANGE.
-        let w = c
-            .watch(pb::WatchRequest {
-                after_revision: 1,
-                instance_id: "not-this-one".into(),
-            })
-            .await;
+        let w = c.watch(pb::WatchRequest { after_revision: 1, instance_id: "not-this-one".into() }).await;
         ensure!(w.err().map(|s| s.code()) == Some(Code::OutOfRange));
-        let w = c
-            .watch(pb::WatchRequest {
-                after_revision: 999,
-                instance_id: String::new(),
-            })
-            .await;
+        let w = c.watch(pb::WatchRequest { after_revision: 999, instance_id: String::new() }).await;
         ensure!(w.err().map(|s| s.code()) == Some(Code::OutOfRange));
         Ok(())
     })
@@ -562,41 +384,19 @@ fn cli_reports_server_errors_and_formats_output() -> Result<()> {
     let env = env_or_skip!();
     let _d = env.start(&[])?;
     let ok = env.cli(&["pair", "add", "198.18.0.2", "198.18.0.3:80"]);
-    ensure!(
-        ok.status.success(),
-        "{}",
-        String::from_utf8_lossy(&ok.stderr)
-    );
+    ensure!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
     let dup = env.cli(&["pair", "add", "198.18.0.2", "198.18.0.3:80"]);
     ensure!(!dup.status.success());
-    ensure!(
-        String::from_utf8_lossy(&dup.stderr).contains("AlreadyExists"),
-        "{}",
-        String::from_utf8_lossy(&dup.stderr)
-    );
+    ensure!(String::from_utf8_lossy(&dup.stderr).contains("AlreadyExists"), "{}", String::from_utf8_lossy(&dup.stderr));
     let bad = env.cli(&["pair", "add", "198.18.0.2", "198.18.0.3:0"]);
-    ensure!(
-        !bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("pair.server.port")
-    );
+    ensure!(!bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("pair.server.port"));
     let json = env.cli(&["-j", "pair", "ls"]);
     let v: serde_json::Value = serde_json::from_slice(&json.stdout).context("JSON output")?;
-    ensure!(
-        v["pairs"][0]["clientIp"] == "198.18.0.2",
-        "proto JSON mapping (camelCase): {v}"
-    );
+    ensure!(v["pairs"][0]["clientIp"] == "198.18.0.2", "proto JSON mapping (camelCase): {v}");
     let yaml = env.cli(&["-o", "yaml", "pair", "ls"]);
     ensure!(String::from_utf8_lossy(&yaml.stdout).contains("clientIp: 198.18.0.2"));
-    let rm = env.cli(&[
-        "--owner",
-        "intruder",
-        "pair",
-        "rm",
-        "198.18.0.2",
-        "198.18.0.3:80",
-    ]);
-    ensure!(
-        !rm.status.success() && String::from_utf8_lossy(&rm.stderr).contains("PermissionDenied")
-    );
+    let rm = env.cli(&["--owner", "intruder", "pair", "rm", "198.18.0.2", "198.18.0.3:80"]);
+    ensure!(!rm.status.success() && String::from_utf8_lossy(&rm.stderr).contains("PermissionDenied"));
     let rm = env.cli(&["pair", "rm", "198.18.0.2", "198.18.0.3:80"]);
     ensure!(rm.status.success());
     let comp = env.cli(&["completions", "bash"]);
@@ -614,18 +414,11 @@ fn malformed_config_is_refused_before_anything_loads() -> Result<()> {
     ] {
         let cfg = env.scratch.0.join("bad.toml");
         std::fs::write(&cfg, body)?;
-        let out = env
-            .serve_cmd(&["--config", cfg.to_str().unwrap()])
-            .output()?;
+        let out = env.serve_cmd(&["--config", cfg.to_str().unwrap()]).output()?;
         let err = String::from_utf8_lossy(&out.stderr);
-        ensure!(
-            !out.status.success() && err.contains(want),
-            "{body:?}: {err}"
-        );
+        ensure!(!out.status.success() && err.contains(want), "{body:?}: {err}");
     }
-    let out = env
-        .serve_cmd(&["--tcp-listen", "198.18.0.1:50051"])
-        .output()?;
+    let out = env.serve_cmd(&["--tcp-listen", "198.18.0.1:50051"]).output()?;
     ensure!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("mTLS"));
     ensure!(!env.pin_root.exists(), "nothing was loaded");
     Ok(())
@@ -636,17 +429,10 @@ fn callers_neither_root_nor_in_group_are_refused() -> Result<()> {
     let env = env_or_skip!();
     // A world-writable socket, so only the daemon's credential check stands.
     let _d = env.start(&["--socket-mode", "0666"])?;
-    let out = Command::new(BIN)
-        .env("MESHWARP_ADDR", env.socket())
-        .args(["pair", "ls"])
-        .uid(65534)
-        .gid(65534)
-        .output()?;
+    let out =
+        Command::new(BIN).env("MESHWARP_ADDR", env.socket()).args(["pair", "ls"]).uid(65534).gid(65534).output()?;
     let err = String::from_utf8_lossy(&out.stderr);
-    ensure!(
-        !out.status.success() && err.contains("PermissionDenied"),
-        "as nobody: {err}"
-    );
+    ensure!(!out.status.success() && err.contains("PermissionDenied"), "as nobody: {err}");
     let mode = std::fs::metadata(env.socket())?.permissions().mode() & 0o777;
     ensure!(mode == 0o666);
     let root = env.cli(&["pair", "ls"]);
@@ -664,9 +450,7 @@ fn default_socket_mode_is_0660() -> Result<()> {
 }
 
 fn sockops_programs() -> usize {
-    libbpf_rs::query::ProgInfoIter::default()
-        .filter(|p| p.name == "mw_sockops")
-        .count()
+    libbpf_rs::query::ProgInfoIter::default().filter(|p| p.name == "mw_sockops").count()
 }
 
 #[test]
@@ -679,21 +463,10 @@ fn sigkill_keeps_traffic_flowing_and_a_new_daemon_adopts() -> Result<()> {
     let rt = rt();
     let (info1, pairs1) = rt.block_on(async {
         let mut c = env.client().await;
-        let p = pair(
-            &net.pods[0].v4.to_string(),
-            &net.pods[1].v4.to_string(),
-            8080,
-        );
+        let p = pair(&net.pods[0].v4.to_string(), &net.pods[1].v4.to_string(), 8080);
         c.create_pair(create(p, OWNER)).await?;
-        let info = c
-            .get_node_info(pb::GetNodeInfoRequest {})
-            .await?
-            .into_inner();
-        let pairs = c
-            .list_pairs(pb::ListPairsRequest::default())
-            .await?
-            .into_inner()
-            .pairs;
+        let info = c.get_node_info(pb::GetNodeInfoRequest {}).await?.into_inner();
+        let pairs = c.list_pairs(pb::ListPairsRequest::default()).await?.into_inner().pairs;
         Ok::<_, anyhow::Error>((info, pairs))
     })?;
     let programs_before = sockops_programs();
@@ -725,57 +498,28 @@ fn sigkill_keeps_traffic_flowing_and_a_new_daemon_adopts() -> Result<()> {
 
     rt.block_on(async {
         let mut c = env.client().await;
-        let info2 = c
-            .get_node_info(pb::GetNodeInfoRequest {})
-            .await?
-            .into_inner();
+        let info2 = c.get_node_info(pb::GetNodeInfoRequest {}).await?.into_inner();
         ensure!(info2.adopted, "the new daemon adopted the pinned data path");
-        ensure!(
-            info2.sockops_prog_id == info1.sockops_prog_id,
-            "same program, none loaded twice"
-        );
+        ensure!(info2.sockops_prog_id == info1.sockops_prog_id, "same program, none loaded twice");
         ensure!(info2.instance_id != info1.instance_id, "a new instance id");
-        let listed = c
-            .list_pairs(pb::ListPairsRequest::default())
-            .await?
-            .into_inner();
+        let listed = c.list_pairs(pb::ListPairsRequest::default()).await?.into_inner();
         ensure!(listed.pairs == pairs1, "same pairs, same owners");
         let st = c.get_stats(pb::GetStatsRequest {}).await?.into_inner();
         let redirected = st.pairs[0].counters.unwrap().redirected_msgs;
-        ensure!(
-            redirected >= 2 * trips,
-            "the connection stayed accelerated: {redirected} msgs for {trips} trips"
-        );
+        ensure!(redirected >= 2 * trips, "the connection stayed accelerated: {redirected} msgs for {trips} trips");
         // Resuming the old instance's watch is OUT_OF_RANGE; list + watch resumes.
-        let old = c
-            .watch(pb::WatchRequest {
-                after_revision: 1,
-                instance_id: info1.instance_id.clone(),
-            })
-            .await;
+        let old = c.watch(pb::WatchRequest { after_revision: 1, instance_id: info1.instance_id.clone() }).await;
         ensure!(old.err().map(|s| s.code()) == Some(Code::OutOfRange));
         let mut w = c
-            .watch(pb::WatchRequest {
-                after_revision: listed.revision,
-                instance_id: listed.instance_id.clone(),
-            })
+            .watch(pb::WatchRequest { after_revision: listed.revision, instance_id: listed.instance_id.clone() })
             .await?
             .into_inner();
-        c.create_pair(create(pair("198.18.0.9", "198.18.0.3", 9), OWNER))
-            .await?;
-        let ev = tokio::time::timeout(Duration::from_secs(5), w.next())
-            .await?
-            .context("watch ended")??;
-        ensure!(
-            matches!(ev.resource, Some(Resource::Pair(ref p)) if p.client_ip == "198.18.0.9"),
-            "{ev:?}"
-        );
+        c.create_pair(create(pair("198.18.0.9", "198.18.0.3", 9), OWNER)).await?;
+        let ev = tokio::time::timeout(Duration::from_secs(5), w.next()).await?.context("watch ended")??;
+        ensure!(matches!(ev.resource, Some(Resource::Pair(ref p)) if p.client_ip == "198.18.0.9"), "{ev:?}");
         Ok(())
     })?;
-    ensure!(
-        sockops_programs() == programs_before,
-        "no duplicate programs after the restart"
-    );
+    ensure!(sockops_programs() == programs_before, "no duplicate programs after the restart");
     Ok(())
 }
 
@@ -783,14 +527,8 @@ fn sigkill_keeps_traffic_flowing_and_a_new_daemon_adopts() -> Result<()> {
 fn sigterm_leaves_the_data_path_and_cleanup_removes_it() -> Result<()> {
     let env = env_or_skip!();
     let mut d = env.start(&[])?;
-    ensure!(
-        d.kill(nix::sys::signal::Signal::SIGTERM)?.success(),
-        "graceful stop exits 0"
-    );
-    ensure!(
-        env.pin_root.join("v1/links/mw_sockops").exists(),
-        "pins stay after SIGTERM"
-    );
+    ensure!(d.kill(nix::sys::signal::Signal::SIGTERM)?.success(), "graceful stop exits 0");
+    ensure!(env.pin_root.join("v1/links/mw_sockops").exists(), "pins stay after SIGTERM");
     ensure!(!env.socket().exists(), "socket removed");
     let mut d = env.start(&["--cleanup"])?;
     ensure!(d.kill(nix::sys::signal::Signal::SIGTERM)?.success());

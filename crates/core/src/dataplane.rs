@@ -49,12 +49,7 @@ pub struct DataplaneConfig {
 
 impl Default for DataplaneConfig {
     fn default() -> Self {
-        Self {
-            pin_root: DEFAULT_PIN_ROOT.into(),
-            cgroup: None,
-            max_rules: 16384,
-            max_sockets: 65536,
-        }
+        Self { pin_root: DEFAULT_PIN_ROOT.into(), cgroup: None, max_rules: 16384, max_sockets: 65536 }
     }
 }
 
@@ -105,10 +100,7 @@ fn bpf_err(what: impl Into<String>) -> impl FnOnce(libbpf_rs::Error) -> Dataplan
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> DataplaneError + '_ {
-    move |source| DataplaneError::Io {
-        path: path.to_path_buf(),
-        source,
-    }
+    move |source| DataplaneError::Io { path: path.to_path_buf(), source }
 }
 
 /// Pin paths of one schema version.
@@ -119,9 +111,7 @@ struct Layout {
 
 impl Layout {
     fn new(pin_root: &Path) -> Self {
-        Self {
-            dir: pin_root.join(format!("v{SCHEMA_VERSION}")),
-        }
+        Self { dir: pin_root.join(format!("v{SCHEMA_VERSION}")) }
     }
     fn maps(&self) -> PathBuf {
         self.dir.join("maps")
@@ -137,11 +127,7 @@ impl Layout {
     }
     /// Every pin an instance has, links first (unpinned first on teardown).
     fn all_pins(&self) -> Vec<PathBuf> {
-        let mut v = vec![
-            self.link(names::PROG_SOCKOPS),
-            self.prog(names::PROG_SOCKOPS),
-            self.prog(names::PROG_SK_MSG),
-        ];
+        let mut v = vec![self.link(names::PROG_SOCKOPS), self.prog(names::PROG_SOCKOPS), self.prog(names::PROG_SK_MSG)];
         v.extend(names::SOCKREDIR_MAPS.iter().map(|m| self.map(m)));
         v
     }
@@ -208,20 +194,13 @@ impl Dataplane {
     /// one. Never loads a second copy next to a pinned one.
     pub fn open(cfg: &DataplaneConfig) -> Result<Self, DataplaneError> {
         if cfg.max_rules == 0 || cfg.max_sockets == 0 {
-            return Err(DataplaneError::BadConfig {
-                max_rules: cfg.max_rules,
-                max_sockets: cfg.max_sockets,
-            });
+            return Err(DataplaneError::BadConfig { max_rules: cfg.max_rules, max_sockets: cfg.max_sockets });
         }
         sys::ensure_bpffs(&cfg.pin_root)?;
         let layout = Layout::new(&cfg.pin_root);
         check_schema(&cfg.pin_root)?;
         let pins = layout.all_pins();
-        let missing: Vec<String> = pins
-            .iter()
-            .filter(|p| !p.exists())
-            .map(|p| p.display().to_string())
-            .collect();
+        let missing: Vec<String> = pins.iter().filter(|p| !p.exists()).map(|p| p.display().to_string()).collect();
         let origin = if missing.is_empty() {
             tracing::info!(dir = %layout.dir.display(), "adopting pinned data path");
             Origin::Adopted
@@ -229,22 +208,13 @@ impl Dataplane {
             load_and_pin(cfg, &layout)?;
             Origin::Loaded
         } else {
-            return Err(DataplaneError::Partial {
-                dir: layout.dir,
-                missing,
-            });
+            return Err(DataplaneError::Partial { dir: layout.dir, missing });
         };
         let maps = KernelMaps::open(&layout.maps())?;
-        let sockhash = MapHandle::from_pinned_path(layout.map(names::MAP_SOCKHASH))
-            .map_err(bpf_err("opening pinned SOCKHASH"))?;
+        let sockhash =
+            MapHandle::from_pinned_path(layout.map(names::MAP_SOCKHASH)).map_err(bpf_err("opening pinned SOCKHASH"))?;
         let registry = Registry::reconcile(maps)?;
-        Ok(Self {
-            layout,
-            pin_root: cfg.pin_root.clone(),
-            origin,
-            sockhash,
-            registry: Mutex::new(registry),
-        })
+        Ok(Self { layout, pin_root: cfg.pin_root.clone(), origin, sockhash, registry: Mutex::new(registry) })
     }
 
     /// Whether this instance loaded the programs or adopted pinned ones.
@@ -292,11 +262,7 @@ impl Dataplane {
     }
 
     pub fn pairs(&self) -> Vec<EndpointPair> {
-        self.registry()
-            .pairs()
-            .into_iter()
-            .map(|r| r.rule)
-            .collect()
+        self.registry().pairs().into_iter().map(|r| r.rule).collect()
     }
 
     pub fn pair_stats(&self, pair: &EndpointPair) -> Result<RuleCounters, RegistryError> {
@@ -307,11 +273,7 @@ impl Dataplane {
         self.registry().insert_capture(rule, owner)
     }
 
-    pub fn upsert_capture(
-        &self,
-        rule: &CaptureRule,
-        owner: &str,
-    ) -> Result<Outcome, RegistryError> {
+    pub fn upsert_capture(&self, rule: &CaptureRule, owner: &str) -> Result<Outcome, RegistryError> {
         self.registry().upsert_capture(rule, owner)
     }
 
@@ -321,11 +283,7 @@ impl Dataplane {
     }
 
     pub fn captures(&self) -> Vec<CaptureRule> {
-        self.registry()
-            .captures()
-            .into_iter()
-            .map(|r| r.rule)
-            .collect()
+        self.registry().captures().into_iter().map(|r| r.rule).collect()
     }
 
     pub fn capture_stats(&self, rule: &CaptureRule) -> Result<RuleCounters, RegistryError> {
@@ -338,23 +296,14 @@ impl Dataplane {
 
     /// The socket cookie stored in the SOCKHASH under `key`, if any.
     pub fn sockhash_lookup(&self, key: &SockKey) -> Result<Option<u64>, DataplaneError> {
-        let v = self
-            .sockhash
-            .lookup(key.as_bytes(), MapFlags::ANY)
-            .map_err(bpf_err("looking up the SOCKHASH"))?;
-        Ok(v.and_then(|b| <[u8; 8]>::try_from(b.as_slice()).ok())
-            .map(u64::from_ne_bytes))
+        let v = self.sockhash.lookup(key.as_bytes(), MapFlags::ANY).map_err(bpf_err("looking up the SOCKHASH"))?;
+        Ok(v.and_then(|b| <[u8; 8]>::try_from(b.as_slice()).ok()).map(u64::from_ne_bytes))
     }
 
     /// Detaches and unpins everything this data path consists of. Accelerated
     /// connections continue on the normal TCP path.
     pub fn teardown(self) -> Result<(), DataplaneError> {
-        let Self {
-            pin_root,
-            sockhash,
-            registry,
-            ..
-        } = self;
+        let Self { pin_root, sockhash, registry, .. } = self;
         drop((sockhash, registry));
         remove_pinned(&pin_root)
     }
@@ -367,10 +316,7 @@ fn check_schema(pin_root: &Path) -> Result<(), DataplaneError> {
     for e in entries.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
         if name.starts_with('v') && name != format!("v{SCHEMA_VERSION}") {
-            return Err(DataplaneError::Schema {
-                dir: pin_root.to_path_buf(),
-                found: name,
-            });
+            return Err(DataplaneError::Schema { dir: pin_root.to_path_buf(), found: name });
         }
     }
     Ok(())
@@ -387,11 +333,7 @@ pub fn remove_pinned(pin_root: &Path) -> Result<(), DataplaneError> {
             Err(e) => return Err(DataplaneError::Io { path: p, source: e }),
         }
     }
-    for d in layout
-        .subdirs()
-        .iter()
-        .chain([&layout.dir, &pin_root.to_path_buf()])
-    {
+    for d in layout.subdirs().iter().chain([&layout.dir, &pin_root.to_path_buf()]) {
         // Only empty directories go: anything else there is not ours.
         let _ = fs::remove_dir(d);
     }
@@ -415,9 +357,7 @@ fn load_and_pin(cfg: &DataplaneConfig, layout: &Layout) -> Result<(), DataplaneE
 
     let _load = lock(&LOAD_LOCK);
     let mut obj = MaybeUninit::uninit();
-    let mut open = SockredirSkelBuilder::default()
-        .open(&mut obj)
-        .map_err(bpf_err("opening BPF object"))?;
+    let mut open = SockredirSkelBuilder::default().open(&mut obj).map_err(bpf_err("opening BPF object"))?;
     let maps = &mut open.maps;
     let sizes = [
         (&mut maps.mw_sockhash, cfg.max_sockets),
@@ -435,10 +375,7 @@ fn load_and_pin(cfg: &DataplaneConfig, layout: &Layout) -> Result<(), DataplaneE
     let log = lock(&LOAD_LOG).take().unwrap_or_default();
     let skel = loaded.map_err(|source| DataplaneError::Load { source, log })?;
 
-    let mut guard = PinGuard {
-        paths: Vec::new(),
-        done: false,
-    };
+    let mut guard = PinGuard { paths: Vec::new(), done: false };
     let maps = &skel.maps;
     let all_maps = [
         (names::MAP_SOCKHASH, &maps.mw_sockhash),
@@ -452,23 +389,14 @@ fn load_and_pin(cfg: &DataplaneConfig, layout: &Layout) -> Result<(), DataplaneE
     ];
     for (name, map) in all_maps {
         let path = layout.map(name);
-        let mut handle =
-            MapHandle::try_from(map).map_err(bpf_err(format!("handle of map {name}")))?;
-        handle
-            .pin(&path)
-            .map_err(bpf_err(format!("pinning {}", path.display())))?;
+        let mut handle = MapHandle::try_from(map).map_err(bpf_err(format!("handle of map {name}")))?;
+        handle.pin(&path).map_err(bpf_err(format!("pinning {}", path.display())))?;
         guard.paths.push(path);
     }
-    for (name, prog) in [
-        (names::PROG_SOCKOPS, &skel.progs.mw_sockops),
-        (names::PROG_SK_MSG, &skel.progs.mw_sk_msg),
-    ] {
+    for (name, prog) in [(names::PROG_SOCKOPS, &skel.progs.mw_sockops), (names::PROG_SK_MSG, &skel.progs.mw_sk_msg)] {
         let path = layout.prog(name);
-        let handle =
-            ProgramHandle::try_from(prog).map_err(bpf_err(format!("handle of program {name}")))?;
-        handle
-            .pin(&path)
-            .map_err(bpf_err(format!("pinning {}", path.display())))?;
+        let handle = ProgramHandle::try_from(prog).map_err(bpf_err(format!("handle of program {name}")))?;
+        handle.pin(&path).map_err(bpf_err(format!("pinning {}", path.display())))?;
         guard.paths.push(path);
     }
 
@@ -483,13 +411,9 @@ fn load_and_pin(cfg: &DataplaneConfig, layout: &Layout) -> Result<(), DataplaneE
         .progs
         .mw_sockops
         .attach_cgroup(cg.as_raw_fd())
-        .map_err(bpf_err(format!(
-            "attaching sockops to cgroup {}",
-            cgroup.display()
-        )))?;
+        .map_err(bpf_err(format!("attaching sockops to cgroup {}", cgroup.display())))?;
     let link_path = layout.link(names::PROG_SOCKOPS);
-    link.pin(&link_path)
-        .map_err(bpf_err(format!("pinning {}", link_path.display())))?;
+    link.pin(&link_path).map_err(bpf_err(format!("pinning {}", link_path.display())))?;
     guard.done = true;
     tracing::info!(dir = %layout.dir.display(), cgroup = %cgroup.display(), "loaded and pinned data path");
     Ok(())

@@ -16,12 +16,7 @@ pub enum ValidationError {
     #[error("{field}: {addr} is a broadcast address")]
     Broadcast { field: &'static str, addr: IpAddr },
     #[error("mixed address families: {a} ({a_field}) and {b} ({b_field}); one rule is all IPv4 or all IPv6")]
-    MixedFamilies {
-        a_field: &'static str,
-        a: IpAddr,
-        b_field: &'static str,
-        b: IpAddr,
-    },
+    MixedFamilies { a_field: &'static str, a: IpAddr, b_field: &'static str, b: IpAddr },
     #[error("{field}: IPv4-mapped IPv6 address {addr}; give the plain IPv4 address")]
     V4Mapped { field: &'static str, addr: IpAddr },
 }
@@ -36,9 +31,7 @@ fn check_unicast(field: &'static str, addr: IpAddr) -> Result<(), ValidationErro
     match addr {
         IpAddr::V4(v4) if v4.is_broadcast() => Err(ValidationError::Broadcast { field, addr }),
         // The data path reports v4-mapped sockets as IPv4; a mapped rule would never match.
-        IpAddr::V6(v6) if v6.to_ipv4_mapped().is_some() => {
-            Err(ValidationError::V4Mapped { field, addr })
-        }
+        IpAddr::V6(v6) if v6.to_ipv4_mapped().is_some() => Err(ValidationError::V4Mapped { field, addr }),
         _ => Ok(()),
     }
 }
@@ -50,12 +43,7 @@ fn check_same_family(
     b: IpAddr,
 ) -> Result<(), ValidationError> {
     if a.is_ipv4() != b.is_ipv4() {
-        return Err(ValidationError::MixedFamilies {
-            a_field,
-            a,
-            b_field,
-            b,
-        });
+        return Err(ValidationError::MixedFamilies { a_field, a, b_field, b });
     }
     Ok(())
 }
@@ -142,11 +130,7 @@ pub struct CaptureRule {
 
 impl CaptureRule {
     /// A validated capture rule.
-    pub fn new(
-        client: Option<IpAddr>,
-        original_dst: Endpoint,
-        listener: Endpoint,
-    ) -> Result<Self, ValidationError> {
+    pub fn new(client: Option<IpAddr>, original_dst: Endpoint, listener: Endpoint) -> Result<Self, ValidationError> {
         original_dst.validate("original_dst")?;
         listener.validate("listener")?;
         check_same_family("original_dst", original_dst.addr, "listener", listener.addr)?;
@@ -154,11 +138,7 @@ impl CaptureRule {
             check_unicast("client", c)?;
             check_same_family("client", c, "original_dst", original_dst.addr)?;
         }
-        Ok(Self {
-            client,
-            original_dst,
-            listener,
-        })
+        Ok(Self { client, original_dst, listener })
     }
 
     pub fn client(&self) -> Option<IpAddr> {
@@ -182,16 +162,8 @@ impl CaptureRule {
 impl fmt::Display for CaptureRule {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self.client {
-            Some(c) => write!(
-                f,
-                "{c} -> {} captured at {}",
-                self.original_dst, self.listener
-            ),
-            None => write!(
-                f,
-                "* -> {} captured at {}",
-                self.original_dst, self.listener
-            ),
+            Some(c) => write!(f, "{c} -> {} captured at {}", self.original_dst, self.listener),
+            None => write!(f, "* -> {} captured at {}", self.original_dst, self.listener),
         }
     }
 }
@@ -213,22 +185,16 @@ mod tests {
 
     #[test]
     fn refuses_port_zero() {
-        let e =
-            EndpointPair::new(ip("198.18.0.2"), Endpoint::new(ip("198.18.0.3"), 0)).unwrap_err();
+        let e = EndpointPair::new(ip("198.18.0.2"), Endpoint::new(ip("198.18.0.3"), 0)).unwrap_err();
         assert_eq!(e, ValidationError::PortZero { field: "server" });
-        let e = CaptureRule::new(
-            None,
-            Endpoint::new(ip("198.19.0.1"), 80),
-            Endpoint::new(ip("127.0.0.1"), 0),
-        )
-        .unwrap_err();
+        let e =
+            CaptureRule::new(None, Endpoint::new(ip("198.19.0.1"), 80), Endpoint::new(ip("127.0.0.1"), 0)).unwrap_err();
         assert_eq!(e, ValidationError::PortZero { field: "listener" });
     }
 
     #[test]
     fn refuses_mixed_families() {
-        let e =
-            EndpointPair::new(ip("198.18.0.2"), Endpoint::new(ip("2001:db8::3"), 80)).unwrap_err();
+        let e = EndpointPair::new(ip("198.18.0.2"), Endpoint::new(ip("2001:db8::3"), 80)).unwrap_err();
         assert!(matches!(e, ValidationError::MixedFamilies { .. }), "{e}");
         let e = CaptureRule::new(
             Some(ip("2001:db8::2")),
@@ -249,11 +215,7 @@ mod tests {
             ("255.255.255.255", "broadcast"),
             ("::ffff:198.18.0.1", "IPv4-mapped"),
         ] {
-            let server = if ip(bad).is_ipv4() {
-                ip("198.18.0.3")
-            } else {
-                ip("2001:db8::3")
-            };
+            let server = if ip(bad).is_ipv4() { ip("198.18.0.3") } else { ip("2001:db8::3") };
             let e = EndpointPair::new(ip(bad), Endpoint::new(server, 80)).unwrap_err();
             assert!(e.to_string().contains(want), "{bad}: {e}");
             let e = EndpointPair::new(server, Endpoint::new(ip(bad), 80)).unwrap_err();

@@ -26,11 +26,7 @@ pub enum MapError {
         source: libbpf_rs::Error,
     },
     #[error("map {map}: entry of {got} bytes, expected {want}")]
-    BadValue {
-        map: &'static str,
-        got: usize,
-        want: usize,
-    },
+    BadValue { map: &'static str, got: usize, want: usize },
 }
 
 /// How [`RuleMaps`] writes an entry.
@@ -79,21 +75,14 @@ fn kernel(op: &'static str, map: &'static str) -> impl FnOnce(libbpf_rs::Error) 
 }
 
 fn decode<T: Pod>(map: &'static str, bytes: &[u8]) -> Result<T, MapError> {
-    T::from_bytes(bytes).ok_or(MapError::BadValue {
-        map,
-        got: bytes.len(),
-        want: size_of::<T>(),
-    })
+    T::from_bytes(bytes).ok_or(MapError::BadValue { map, got: bytes.len(), want: size_of::<T>() })
 }
 
 fn entries<K: Pod, V: Pod>(map: &MapHandle, name: &'static str) -> Result<Vec<(K, V)>, MapError> {
     let mut out = Vec::new();
     for key in map.keys() {
         // An entry deleted between keys() and lookup() is simply gone.
-        if let Some(val) = map
-            .lookup(&key, MapFlags::ANY)
-            .map_err(kernel("lookup", name))?
-        {
+        if let Some(val) = map.lookup(&key, MapFlags::ANY).map_err(kernel("lookup", name))? {
             out.push((decode::<K>(name, &key)?, decode::<V>(name, &val)?));
         }
     }
@@ -103,16 +92,9 @@ fn entries<K: Pod, V: Pod>(map: &MapHandle, name: &'static str) -> Result<Vec<(K
 fn put(map: &MapHandle, name: &'static str, key: &[u8], val: &[u8]) -> Result<(), MapError> {
     map.update(key, val, MapFlags::ANY).map_err(|e| {
         if e.kind() == ErrorKind::TooBig {
-            MapError::Full {
-                map: name,
-                capacity: map.max_entries(),
-            }
+            MapError::Full { map: name, capacity: map.max_entries() }
         } else {
-            MapError::Kernel {
-                op: "update",
-                map: name,
-                source: e,
-            }
+            MapError::Kernel { op: "update", map: name, source: e }
         }
     })
 }
@@ -121,28 +103,22 @@ fn delete(map: &MapHandle, name: &'static str, key: &[u8]) -> Result<(), MapErro
     match map.delete(key) {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(MapError::Kernel {
-            op: "delete",
-            map: name,
-            source: e,
-        }),
+        Err(e) => Err(MapError::Kernel { op: "delete", map: name, source: e }),
     }
 }
 
 impl KernelMaps {
     /// Opens the maps pinned in `maps_dir`.
     pub fn open(maps_dir: &Path) -> Result<Self, MapError> {
-        let open = |name: &'static str| {
-            MapHandle::from_pinned_path(maps_dir.join(name)).map_err(kernel("open pinned", name))
-        };
+        let open =
+            |name: &'static str| MapHandle::from_pinned_path(maps_dir.join(name)).map_err(kernel("open pinned", name));
         Ok(Self {
             pairs: open(names::MAP_PAIRS)?,
             capture: open(names::MAP_CAPTURE)?,
             stats: open(names::MAP_STATS)?,
             global: open(names::MAP_GLOBAL)?,
             owners: open(names::MAP_OWNERS)?,
-            ncpus: libbpf_rs::num_possible_cpus()
-                .map_err(kernel("count cpus", names::MAP_STATS))?,
+            ncpus: libbpf_rs::num_possible_cpus().map_err(kernel("count cpus", names::MAP_STATS))?,
         })
     }
 
@@ -154,9 +130,7 @@ impl KernelMaps {
         add: impl Fn(&mut T, &T),
     ) -> Result<T, MapError> {
         let mut total = T::default();
-        let per_cpu = map
-            .lookup_percpu(&idx.to_ne_bytes(), MapFlags::ANY)
-            .map_err(kernel("lookup", name))?;
+        let per_cpu = map.lookup_percpu(&idx.to_ne_bytes(), MapFlags::ANY).map_err(kernel("lookup", name))?;
         for v in per_cpu.unwrap_or_default() {
             add(&mut total, &decode::<T>(name, &v)?);
         }
@@ -195,12 +169,7 @@ impl RuleMaps for KernelMaps {
     }
 
     fn put_pair(&mut self, key: &PairKey, rule: &Rule) -> Result<(), MapError> {
-        put(
-            &self.pairs,
-            names::MAP_PAIRS,
-            key.as_bytes(),
-            rule.as_bytes(),
-        )
+        put(&self.pairs, names::MAP_PAIRS, key.as_bytes(), rule.as_bytes())
     }
 
     fn delete_pair(&mut self, key: &PairKey) -> Result<(), MapError> {
@@ -208,12 +177,7 @@ impl RuleMaps for KernelMaps {
     }
 
     fn put_capture(&mut self, key: &CaptureKey, rule: &Rule) -> Result<(), MapError> {
-        put(
-            &self.capture,
-            names::MAP_CAPTURE,
-            key.as_bytes(),
-            rule.as_bytes(),
-        )
+        put(&self.capture, names::MAP_CAPTURE, key.as_bytes(), rule.as_bytes())
     }
 
     fn delete_capture(&mut self, key: &CaptureKey) -> Result<(), MapError> {
@@ -226,9 +190,7 @@ impl RuleMaps for KernelMaps {
 
     fn reset_rule_stats(&mut self, id: u32) -> Result<(), MapError> {
         let zeros = vec![RuleStats::default().as_bytes().to_vec(); self.ncpus];
-        self.stats
-            .update_percpu(&id.to_ne_bytes(), &zeros, MapFlags::ANY)
-            .map_err(kernel("update", names::MAP_STATS))
+        self.stats.update_percpu(&id.to_ne_bytes(), &zeros, MapFlags::ANY).map_err(kernel("update", names::MAP_STATS))
     }
 
     fn global_stats(&self) -> Result<GlobalStats, MapError> {
@@ -240,12 +202,7 @@ impl RuleMaps for KernelMaps {
     }
 
     fn put_owner(&mut self, id: u32, owner: &OwnerName) -> Result<(), MapError> {
-        put(
-            &self.owners,
-            names::MAP_OWNERS,
-            &id.to_ne_bytes(),
-            owner.as_bytes(),
-        )
+        put(&self.owners, names::MAP_OWNERS, &id.to_ne_bytes(), owner.as_bytes())
     }
 
     fn delete_owner(&mut self, id: u32) -> Result<(), MapError> {
@@ -269,21 +226,14 @@ pub struct MemoryMaps {
 
 impl MemoryMaps {
     pub fn with_capacity(capacity: u32) -> Self {
-        Self {
-            capacity,
-            ..Self::default()
-        }
+        Self { capacity, ..Self::default() }
     }
 
     fn write(&mut self) -> Result<(), MapError> {
         match self.fail_write_in {
             Some(1) => {
                 self.fail_write_in = None;
-                Err(MapError::BadValue {
-                    map: "injected",
-                    got: 0,
-                    want: 0,
-                })
+                Err(MapError::BadValue { map: "injected", got: 0, want: 0 })
             }
             Some(n) => {
                 self.fail_write_in = Some(n - 1);
@@ -310,10 +260,7 @@ impl RuleMaps for MemoryMaps {
     fn put_pair(&mut self, key: &PairKey, rule: &Rule) -> Result<(), MapError> {
         self.write()?;
         if !self.pairs.contains_key(key) && self.pairs.len() as u32 >= self.capacity {
-            return Err(MapError::Full {
-                map: names::MAP_PAIRS,
-                capacity: self.capacity,
-            });
+            return Err(MapError::Full { map: names::MAP_PAIRS, capacity: self.capacity });
         }
         self.pairs.insert(*key, *rule);
         Ok(())
@@ -327,10 +274,7 @@ impl RuleMaps for MemoryMaps {
     fn put_capture(&mut self, key: &CaptureKey, rule: &Rule) -> Result<(), MapError> {
         self.write()?;
         if !self.captures.contains_key(key) && self.captures.len() as u32 >= self.capacity {
-            return Err(MapError::Full {
-                map: names::MAP_CAPTURE,
-                capacity: self.capacity,
-            });
+            return Err(MapError::Full { map: names::MAP_CAPTURE, capacity: self.capacity });
         }
         self.captures.insert(*key, *rule);
         Ok(())

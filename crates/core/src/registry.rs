@@ -9,8 +9,8 @@ use std::fmt;
 use std::net::{IpAddr, SocketAddr};
 
 use meshwarp_bpf::shared::{
-    ip_from_raw, raw_addr, CaptureKey, OwnerName, PairKey, Rule, SockKey, KEY_CAPTURED, KEY_ORIGIN,
-    KEY_TUPLE, OWNER_LEN,
+    ip_from_raw, raw_addr, CaptureKey, OwnerName, PairKey, Rule, SockKey, KEY_CAPTURED, KEY_ORIGIN, KEY_TUPLE,
+    OWNER_LEN,
 };
 
 use crate::endpoint::{CaptureRule, Endpoint, EndpointPair, ValidationError};
@@ -30,11 +30,7 @@ pub enum RegistryError {
     #[error(transparent)]
     Invalid(#[from] ValidationError),
     #[error("{what} is owned by {owner:?}, not {requested:?}")]
-    OwnerMismatch {
-        what: String,
-        owner: String,
-        requested: String,
-    },
+    OwnerMismatch { what: String, owner: String, requested: String },
     #[error("invalid owner {0}")]
     InvalidOwner(String),
     #[error("{0} appears twice in one batch")]
@@ -58,33 +54,19 @@ impl From<MapError> for RegistryError {
 pub fn pair_key(pair: &EndpointPair) -> PairKey {
     let (client_ip, family) = raw_addr(pair.client());
     let (server_ip, _) = raw_addr(pair.server().addr);
-    PairKey {
-        client_ip,
-        server_ip,
-        server_port: u32::from(pair.server().port),
-        family,
-    }
+    PairKey { client_ip, server_ip, server_port: u32::from(pair.server().port), family }
 }
 
 /// The map key of a capture rule (all-zero client: any client).
 pub fn capture_key(rule: &CaptureRule) -> CaptureKey {
     let (dst_ip, family) = raw_addr(rule.original_dst().addr);
     let client_ip = rule.client().map(|c| raw_addr(c).0).unwrap_or_default();
-    CaptureKey {
-        client_ip,
-        dst_ip,
-        dst_port: u32::from(rule.original_dst().port),
-        family,
-    }
+    CaptureKey { client_ip, dst_ip, dst_port: u32::from(rule.original_dst().port), family }
 }
 
 fn capture_value(rule: &CaptureRule, id: u32) -> Rule {
     let (listener_ip, _) = raw_addr(rule.listener().addr);
-    Rule {
-        id,
-        listener_port: u32::from(rule.listener().port),
-        listener_ip,
-    }
+    Rule { id, listener_port: u32::from(rule.listener().port), listener_ip }
 }
 
 fn port(raw: u32, what: &str) -> Result<u16, RegistryError> {
@@ -92,37 +74,20 @@ fn port(raw: u32, what: &str) -> Result<u16, RegistryError> {
 }
 
 fn ip(raw: [u32; 4], family: u32, what: &str) -> Result<IpAddr, RegistryError> {
-    ip_from_raw(raw, family)
-        .ok_or_else(|| RegistryError::Inconsistent(format!("{what} family {family}")))
+    ip_from_raw(raw, family).ok_or_else(|| RegistryError::Inconsistent(format!("{what} family {family}")))
 }
 
 /// Reads a mirror pair back from its map key.
 pub fn pair_from_key(k: &PairKey) -> Result<EndpointPair, RegistryError> {
-    let server = Endpoint::new(
-        ip(k.server_ip, k.family, "pair server")?,
-        port(k.server_port, "pair server")?,
-    );
-    Ok(EndpointPair::new(
-        ip(k.client_ip, k.family, "pair client")?,
-        server,
-    )?)
+    let server = Endpoint::new(ip(k.server_ip, k.family, "pair server")?, port(k.server_port, "pair server")?);
+    Ok(EndpointPair::new(ip(k.client_ip, k.family, "pair client")?, server)?)
 }
 
 /// Reads a capture rule back from its map entry.
 pub fn capture_from_entry(k: &CaptureKey, v: &Rule) -> Result<CaptureRule, RegistryError> {
-    let client = if k.client_ip == [0; 4] {
-        None
-    } else {
-        Some(ip(k.client_ip, k.family, "capture client")?)
-    };
-    let dst = Endpoint::new(
-        ip(k.dst_ip, k.family, "capture dst")?,
-        port(k.dst_port, "capture dst")?,
-    );
-    let listener = Endpoint::new(
-        ip(v.listener_ip, k.family, "capture listener")?,
-        port(v.listener_port, "listener")?,
-    );
+    let client = if k.client_ip == [0; 4] { None } else { Some(ip(k.client_ip, k.family, "capture client")?) };
+    let dst = Endpoint::new(ip(k.dst_ip, k.family, "capture dst")?, port(k.dst_port, "capture dst")?);
+    let listener = Endpoint::new(ip(v.listener_ip, k.family, "capture listener")?, port(v.listener_port, "listener")?);
     Ok(CaptureRule::new(client, dst, listener)?)
 }
 
@@ -168,14 +133,8 @@ pub fn peer_sock_key(own: &SockKey) -> SockKey {
             remote_port: own.local_port,
             ..*own
         },
-        KEY_ORIGIN => SockKey {
-            kind: KEY_CAPTURED,
-            ..*own
-        },
-        _ => SockKey {
-            kind: KEY_ORIGIN,
-            ..*own
-        },
+        KEY_ORIGIN => SockKey { kind: KEY_CAPTURED, ..*own },
+        _ => SockKey { kind: KEY_ORIGIN, ..*own },
     }
 }
 
@@ -206,13 +165,7 @@ impl RuleKind for EndpointPair {
         *self
     }
     fn write<M: RuleMaps>(&self, maps: &mut M, id: u32) -> Result<(), MapError> {
-        maps.put_pair(
-            &pair_key(self),
-            &Rule {
-                id,
-                ..Rule::default()
-            },
-        )
+        maps.put_pair(&pair_key(self), &Rule { id, ..Rule::default() })
     }
     fn erase<M: RuleMaps>(&self, maps: &mut M) -> Result<(), MapError> {
         maps.delete_pair(&pair_key(self))
@@ -254,9 +207,7 @@ struct Table<R: RuleKind> {
 
 impl<R: RuleKind> Default for Table<R> {
     fn default() -> Self {
-        Self {
-            entries: BTreeMap::new(),
-        }
+        Self { entries: BTreeMap::new() }
     }
 }
 
@@ -293,19 +244,13 @@ impl Slots {
     /// not in use is free.
     fn rebuild_free(&mut self) {
         self.next_fresh = self.used.last().map_or(0, |m| m + 1);
-        self.released = (0..self.next_fresh)
-            .filter(|i| !self.used.contains(i))
-            .collect();
+        self.released = (0..self.next_fresh).filter(|i| !self.used.contains(i)).collect();
     }
 }
 
 fn owner_name(owner: &str) -> Result<OwnerName, RegistryError> {
-    OwnerName::new(owner).ok_or_else(|| {
-        RegistryError::InvalidOwner(format!(
-            "{owner:?}: at most {} bytes, no NUL",
-            OWNER_LEN - 1
-        ))
-    })
+    OwnerName::new(owner)
+        .ok_or_else(|| RegistryError::InvalidOwner(format!("{owner:?}: at most {} bytes, no NUL", OWNER_LEN - 1)))
 }
 
 fn check_owner<R: RuleKind>(e: &Entry<R>, owner: &str) -> Result<(), RegistryError> {
@@ -321,19 +266,11 @@ fn check_owner<R: RuleKind>(e: &Entry<R>, owner: &str) -> Result<(), RegistryErr
 
 impl<R: RuleKind> Table<R> {
     fn get(&self, rule: &R) -> Result<&Entry<R>, RegistryError> {
-        self.entries
-            .get(&rule.rule_key())
-            .ok_or_else(|| RegistryError::NotFound(format!("{} {rule}", R::WHAT)))
+        self.entries.get(&rule.rule_key()).ok_or_else(|| RegistryError::NotFound(format!("{} {rule}", R::WHAT)))
     }
 
     fn list(&self) -> Vec<Registered<R>> {
-        self.entries
-            .values()
-            .map(|e| Registered {
-                rule: e.rule,
-                owner: e.owner.clone(),
-            })
-            .collect()
+        self.entries.values().map(|e| Registered { rule: e.rule, owner: e.owner.clone() }).collect()
     }
 
     fn create<M: RuleMaps>(
@@ -344,35 +281,19 @@ impl<R: RuleKind> Table<R> {
         owner: &str,
     ) -> Result<(), RegistryError> {
         if let Some(e) = self.entries.get(&rule.rule_key()) {
-            return Err(RegistryError::AlreadyExists(format!(
-                "{} {} (owner {:?})",
-                R::WHAT,
-                e.rule,
-                e.owner
-            )));
+            return Err(RegistryError::AlreadyExists(format!("{} {} (owner {:?})", R::WHAT, e.rule, e.owner)));
         }
         let name = owner_name(owner)?;
         let capacity = maps.rule_capacity();
-        let id = slots
-            .allocate(capacity)
-            .ok_or(RegistryError::Full { capacity })?;
-        let written = maps
-            .reset_rule_stats(id)
-            .and_then(|()| maps.put_owner(id, &name))
-            .and_then(|()| rule.write(maps, id));
+        let id = slots.allocate(capacity).ok_or(RegistryError::Full { capacity })?;
+        let written =
+            maps.reset_rule_stats(id).and_then(|()| maps.put_owner(id, &name)).and_then(|()| rule.write(maps, id));
         if let Err(e) = written {
             let _ = maps.delete_owner(id);
             slots.release(id);
             return Err(e.into());
         }
-        self.entries.insert(
-            rule.rule_key(),
-            Entry {
-                rule: *rule,
-                id,
-                owner: owner.to_string(),
-            },
-        );
+        self.entries.insert(rule.rule_key(), Entry { rule: *rule, id, owner: owner.to_string() });
         Ok(())
     }
 
@@ -454,9 +375,7 @@ impl<R: RuleKind> Table<R> {
                     for (r, o, prev) in done.into_iter().rev() {
                         let _ = match (o, prev) {
                             (Outcome::Created, _) => self.delete(maps, slots, &r, None),
-                            (Outcome::Updated, Some(p)) => {
-                                self.upsert(maps, slots, &p, owner).map(|_| ())
-                            }
+                            (Outcome::Updated, Some(p)) => self.upsert(maps, slots, &p, owner).map(|_| ()),
                             _ => Ok(()),
                         };
                     }
@@ -516,11 +435,7 @@ impl<M: RuleMaps> Registry<M> {
     /// Builds the registry from what the maps hold (adoption after a restart).
     pub fn reconcile(maps: M) -> Result<Self, RegistryError> {
         let capacity = maps.rule_capacity();
-        let owners: BTreeMap<u32, String> = maps
-            .owners()?
-            .into_iter()
-            .map(|(id, o)| (id, o.as_string()))
-            .collect();
+        let owners: BTreeMap<u32, String> = maps.owners()?.into_iter().map(|(id, o)| (id, o.as_string())).collect();
         let mut slots = Slots::default();
         let mut claim = |id: u32, what: &dyn fmt::Display| {
             if id >= capacity || !slots.used.insert(id) {
@@ -528,45 +443,22 @@ impl<M: RuleMaps> Registry<M> {
                     "{what} holds counter slot {id} twice or out of range"
                 )));
             }
-            Ok(Entry {
-                rule: (),
-                id,
-                owner: owners.get(&id).cloned().unwrap_or_default(),
-            })
+            Ok(Entry { rule: (), id, owner: owners.get(&id).cloned().unwrap_or_default() })
         };
         let mut pairs = Table::default();
         for (k, v) in maps.pairs()? {
             let rule = pair_from_key(&k)?;
             let e = claim(v.id, &rule)?;
-            pairs.entries.insert(
-                rule.rule_key(),
-                Entry {
-                    rule,
-                    id: e.id,
-                    owner: e.owner,
-                },
-            );
+            pairs.entries.insert(rule.rule_key(), Entry { rule, id: e.id, owner: e.owner });
         }
         let mut captures = Table::default();
         for (k, v) in maps.captures()? {
             let rule = capture_from_entry(&k, &v)?;
             let e = claim(v.id, &rule)?;
-            captures.entries.insert(
-                rule.rule_key(),
-                Entry {
-                    rule,
-                    id: e.id,
-                    owner: e.owner,
-                },
-            );
+            captures.entries.insert(rule.rule_key(), Entry { rule, id: e.id, owner: e.owner });
         }
         slots.rebuild_free();
-        Ok(Self {
-            maps,
-            slots,
-            pairs,
-            captures,
-        })
+        Ok(Self { maps, slots, pairs, captures })
     }
 
     pub fn maps(&self) -> &M {
@@ -580,40 +472,26 @@ impl<M: RuleMaps> Registry<M> {
 
     /// Registers a new pair; [`RegistryError::AlreadyExists`] if present.
     pub fn insert_pair(&mut self, pair: &EndpointPair, owner: &str) -> Result<(), RegistryError> {
-        self.pairs
-            .create(&mut self.maps, &mut self.slots, pair, owner)
+        self.pairs.create(&mut self.maps, &mut self.slots, pair, owner)
     }
 
     /// Creates the pair unless present; an existing pair of another owner is
     /// [`RegistryError::OwnerMismatch`].
-    pub fn upsert_pair(
-        &mut self,
-        pair: &EndpointPair,
-        owner: &str,
-    ) -> Result<Outcome, RegistryError> {
-        self.pairs
-            .upsert(&mut self.maps, &mut self.slots, pair, owner)
+    pub fn upsert_pair(&mut self, pair: &EndpointPair, owner: &str) -> Result<Outcome, RegistryError> {
+        self.pairs.upsert(&mut self.maps, &mut self.slots, pair, owner)
     }
 
     /// Removes a pair (checking the owner when given): new connections take the
     /// normal path. Connections it already accelerates stay accelerated until
     /// they close, because removing a socket from the SOCKHASH would drop bytes
     /// queued for its reader.
-    pub fn remove_pair(
-        &mut self,
-        pair: &EndpointPair,
-        owner: Option<&str>,
-    ) -> Result<(), RegistryError> {
-        self.pairs
-            .delete(&mut self.maps, &mut self.slots, pair, owner)
+    pub fn remove_pair(&mut self, pair: &EndpointPair, owner: Option<&str>) -> Result<(), RegistryError> {
+        self.pairs.delete(&mut self.maps, &mut self.slots, pair, owner)
     }
 
     pub fn get_pair(&self, pair: &EndpointPair) -> Result<Registered<EndpointPair>, RegistryError> {
         let e = self.pairs.get(pair)?;
-        Ok(Registered {
-            rule: e.rule,
-            owner: e.owner.clone(),
-        })
+        Ok(Registered { rule: e.rule, owner: e.owner.clone() })
     }
 
     pub fn pairs(&self) -> Vec<Registered<EndpointPair>> {
@@ -625,13 +503,8 @@ impl<M: RuleMaps> Registry<M> {
     }
 
     /// All-or-nothing upsert of many pairs for one owner.
-    pub fn batch_upsert_pairs(
-        &mut self,
-        pairs: &[EndpointPair],
-        owner: &str,
-    ) -> Result<Vec<Outcome>, RegistryError> {
-        self.pairs
-            .batch_upsert(&mut self.maps, &mut self.slots, pairs, owner)
+    pub fn batch_upsert_pairs(&mut self, pairs: &[EndpointPair], owner: &str) -> Result<Vec<Outcome>, RegistryError> {
+        self.pairs.batch_upsert(&mut self.maps, &mut self.slots, pairs, owner)
     }
 
     /// All-or-nothing removal of many pairs of one owner.
@@ -641,47 +514,29 @@ impl<M: RuleMaps> Registry<M> {
         owner: &str,
         allow_missing: bool,
     ) -> Result<Vec<bool>, RegistryError> {
-        self.pairs
-            .batch_delete(&mut self.maps, &mut self.slots, pairs, owner, allow_missing)
+        self.pairs.batch_delete(&mut self.maps, &mut self.slots, pairs, owner, allow_missing)
     }
 
     /// Registers a new capture rule; [`RegistryError::AlreadyExists`] if one
     /// covers the same client and original destination.
     pub fn insert_capture(&mut self, rule: &CaptureRule, owner: &str) -> Result<(), RegistryError> {
-        self.captures
-            .create(&mut self.maps, &mut self.slots, rule, owner)
+        self.captures.create(&mut self.maps, &mut self.slots, rule, owner)
     }
 
     /// Creates the rule, or replaces the listener of the rule with the same key
     /// (keeping its counters).
-    pub fn upsert_capture(
-        &mut self,
-        rule: &CaptureRule,
-        owner: &str,
-    ) -> Result<Outcome, RegistryError> {
-        self.captures
-            .upsert(&mut self.maps, &mut self.slots, rule, owner)
+    pub fn upsert_capture(&mut self, rule: &CaptureRule, owner: &str) -> Result<Outcome, RegistryError> {
+        self.captures.upsert(&mut self.maps, &mut self.slots, rule, owner)
     }
 
     /// Removes the capture rule with the same key as `rule`.
-    pub fn remove_capture(
-        &mut self,
-        rule: &CaptureRule,
-        owner: Option<&str>,
-    ) -> Result<(), RegistryError> {
-        self.captures
-            .delete(&mut self.maps, &mut self.slots, rule, owner)
+    pub fn remove_capture(&mut self, rule: &CaptureRule, owner: Option<&str>) -> Result<(), RegistryError> {
+        self.captures.delete(&mut self.maps, &mut self.slots, rule, owner)
     }
 
-    pub fn get_capture(
-        &self,
-        rule: &CaptureRule,
-    ) -> Result<Registered<CaptureRule>, RegistryError> {
+    pub fn get_capture(&self, rule: &CaptureRule) -> Result<Registered<CaptureRule>, RegistryError> {
         let e = self.captures.get(rule)?;
-        Ok(Registered {
-            rule: e.rule,
-            owner: e.owner.clone(),
-        })
+        Ok(Registered { rule: e.rule, owner: e.owner.clone() })
     }
 
     pub fn captures(&self) -> Vec<Registered<CaptureRule>> {
@@ -692,13 +547,8 @@ impl<M: RuleMaps> Registry<M> {
         Ok(self.maps.rule_stats(self.captures.get(rule)?.id)?.into())
     }
 
-    pub fn batch_upsert_captures(
-        &mut self,
-        rules: &[CaptureRule],
-        owner: &str,
-    ) -> Result<Vec<Outcome>, RegistryError> {
-        self.captures
-            .batch_upsert(&mut self.maps, &mut self.slots, rules, owner)
+    pub fn batch_upsert_captures(&mut self, rules: &[CaptureRule], owner: &str) -> Result<Vec<Outcome>, RegistryError> {
+        self.captures.batch_upsert(&mut self.maps, &mut self.slots, rules, owner)
     }
 
     pub fn batch_remove_captures(
@@ -707,8 +557,7 @@ impl<M: RuleMaps> Registry<M> {
         owner: &str,
         allow_missing: bool,
     ) -> Result<Vec<bool>, RegistryError> {
-        self.captures
-            .batch_delete(&mut self.maps, &mut self.slots, rules, owner, allow_missing)
+        self.captures.batch_delete(&mut self.maps, &mut self.slots, rules, owner, allow_missing)
     }
 
     pub fn global_stats(&self) -> Result<GlobalCounters, RegistryError> {
@@ -733,12 +582,7 @@ mod tests {
     }
 
     fn capture(c: Option<&str>, d: &str, l: &str, lp: u16) -> CaptureRule {
-        CaptureRule::new(
-            c.map(ip),
-            Endpoint::new(ip(d), 80),
-            Endpoint::new(ip(l), lp),
-        )
-        .unwrap()
+        CaptureRule::new(c.map(ip), Endpoint::new(ip(d), 80), Endpoint::new(ip(l), lp)).unwrap()
     }
 
     #[test]
@@ -748,21 +592,12 @@ mod tests {
         let b = pair("2001:db8::2", "2001:db8::3", 80);
         reg.insert_pair(&a, "ctl").unwrap();
         reg.insert_pair(&b, "ctl").unwrap();
-        assert!(matches!(
-            reg.insert_pair(&a, "ctl"),
-            Err(RegistryError::AlreadyExists(_))
-        ));
+        assert!(matches!(reg.insert_pair(&a, "ctl"), Err(RegistryError::AlreadyExists(_))));
         assert_eq!(reg.upsert_pair(&a, "ctl").unwrap(), Outcome::Unchanged);
         assert_eq!(reg.pairs().len(), 2);
         reg.remove_pair(&a, None).unwrap();
-        assert!(matches!(
-            reg.remove_pair(&a, None),
-            Err(RegistryError::NotFound(_))
-        ));
-        assert_eq!(
-            reg.pairs().iter().map(|r| r.rule).collect::<Vec<_>>(),
-            vec![b]
-        );
+        assert!(matches!(reg.remove_pair(&a, None), Err(RegistryError::NotFound(_))));
+        assert_eq!(reg.pairs().iter().map(|r| r.rule).collect::<Vec<_>>(), vec![b]);
         assert_eq!(reg.maps().pairs.len(), 1);
     }
 
@@ -774,14 +609,8 @@ mod tests {
         let c = pair("198.18.0.2", "198.18.0.3", 82);
         reg.insert_pair(&a, "ctl").unwrap();
         reg.insert_pair(&b, "ctl").unwrap();
-        assert!(matches!(
-            reg.insert_pair(&c, "ctl"),
-            Err(RegistryError::Full { capacity: 2 })
-        ));
-        assert_eq!(
-            reg.pairs().iter().map(|r| r.rule).collect::<Vec<_>>(),
-            vec![a, b]
-        );
+        assert!(matches!(reg.insert_pair(&c, "ctl"), Err(RegistryError::Full { capacity: 2 })));
+        assert_eq!(reg.pairs().iter().map(|r| r.rule).collect::<Vec<_>>(), vec![a, b]);
         assert_eq!(reg.maps().pairs.len(), 2);
         // Freed slots are reused, with zeroed counters.
         reg.remove_pair(&a, None).unwrap();
@@ -793,18 +622,10 @@ mod tests {
     fn map_full_from_the_map_is_typed_too() {
         // The hash map is smaller than the id space: its own E2BIG must surface as Full.
         let mut maps = MemoryMaps::with_capacity(4);
-        maps.pairs.insert(
-            pair_key(&pair("198.18.0.9", "198.18.0.3", 1)),
-            Rule {
-                id: 0,
-                ..Rule::default()
-            },
-        );
+        maps.pairs.insert(pair_key(&pair("198.18.0.9", "198.18.0.3", 1)), Rule { id: 0, ..Rule::default() });
         maps.capacity = 1;
         let mut reg = Registry::reconcile(maps).unwrap();
-        let err = reg
-            .insert_pair(&pair("198.18.0.2", "198.18.0.3", 80), "ctl")
-            .unwrap_err();
+        let err = reg.insert_pair(&pair("198.18.0.2", "198.18.0.3", 80), "ctl").unwrap_err();
         assert!(matches!(err, RegistryError::Full { .. }), "{err}");
         assert_eq!(reg.pairs().len(), 1);
     }
@@ -819,21 +640,9 @@ mod tests {
         reg.insert_capture(&r, "ctl").unwrap();
         reg.insert_capture(&any, "ctl").unwrap();
         let mut maps = reg.maps;
-        maps.stats.insert(
-            maps.pairs[&pair_key(&a)].id,
-            RuleStats {
-                msgs: 5,
-                ..Default::default()
-            },
-        );
+        maps.stats.insert(maps.pairs[&pair_key(&a)].id, RuleStats { msgs: 5, ..Default::default() });
         let reg = Registry::reconcile(maps).unwrap();
-        assert_eq!(
-            reg.pairs(),
-            vec![Registered {
-                rule: a,
-                owner: "ctl".into()
-            }]
-        );
+        assert_eq!(reg.pairs(), vec![Registered { rule: a, owner: "ctl".into() }]);
         let mut caps: Vec<_> = reg.captures().into_iter().map(|r| r.rule).collect();
         caps.sort();
         let mut want = vec![r, any];
@@ -845,24 +654,9 @@ mod tests {
     #[test]
     fn reconcile_refuses_duplicate_slots() {
         let mut maps = MemoryMaps::with_capacity(8);
-        maps.pairs.insert(
-            pair_key(&pair("198.18.0.2", "198.18.0.3", 80)),
-            Rule {
-                id: 1,
-                ..Rule::default()
-            },
-        );
-        maps.pairs.insert(
-            pair_key(&pair("198.18.0.2", "198.18.0.3", 81)),
-            Rule {
-                id: 1,
-                ..Rule::default()
-            },
-        );
-        assert!(matches!(
-            Registry::reconcile(maps),
-            Err(RegistryError::Inconsistent(_))
-        ));
+        maps.pairs.insert(pair_key(&pair("198.18.0.2", "198.18.0.3", 80)), Rule { id: 1, ..Rule::default() });
+        maps.pairs.insert(pair_key(&pair("198.18.0.2", "198.18.0.3", 81)), Rule { id: 1, ..Rule::default() });
+        assert!(matches!(Registry::reconcile(maps), Err(RegistryError::Inconsistent(_))));
     }
 
     #[test]
@@ -871,10 +665,7 @@ mod tests {
         let r1 = capture(Some("198.18.0.2"), "198.19.0.10", "127.0.0.1", 15001);
         let r2 = capture(Some("198.18.0.2"), "198.19.0.10", "127.0.0.1", 15002);
         assert_eq!(reg.upsert_capture(&r1, "ctl").unwrap(), Outcome::Created);
-        assert!(matches!(
-            reg.insert_capture(&r2, "ctl"),
-            Err(RegistryError::AlreadyExists(_))
-        ));
+        assert!(matches!(reg.insert_capture(&r2, "ctl"), Err(RegistryError::AlreadyExists(_))));
         assert_eq!(reg.upsert_capture(&r2, "ctl").unwrap(), Outcome::Updated);
         assert_eq!(reg.captures()[0].rule, r2);
         let v = reg.maps().captures[&capture_key(&r2)];
@@ -890,10 +681,7 @@ mod tests {
         reg.insert_pair(&a, "istio").unwrap();
         let e = reg.upsert_pair(&a, "linkerd").unwrap_err();
         assert!(matches!(e, RegistryError::OwnerMismatch { .. }), "{e}");
-        assert!(matches!(
-            reg.remove_pair(&a, Some("linkerd")),
-            Err(RegistryError::OwnerMismatch { .. })
-        ));
+        assert!(matches!(reg.remove_pair(&a, Some("linkerd")), Err(RegistryError::OwnerMismatch { .. })));
         assert!(matches!(
             reg.insert_pair(&pair("198.18.0.2", "198.18.0.3", 81), &"x".repeat(64)),
             Err(RegistryError::InvalidOwner(_))
@@ -905,25 +693,17 @@ mod tests {
     #[test]
     fn reconciled_registry_never_reuses_a_live_slot() {
         let mut reg = Registry::reconcile(MemoryMaps::with_capacity(4)).unwrap();
-        let ps: Vec<_> = (1..=3)
-            .map(|p| pair("198.18.0.2", "198.18.0.3", p))
-            .collect();
+        let ps: Vec<_> = (1..=3).map(|p| pair("198.18.0.2", "198.18.0.3", p)).collect();
         for p in &ps {
             reg.insert_pair(p, "ctl").unwrap();
         }
         reg.remove_pair(&ps[0], None).unwrap(); // frees slot 0
         let mut reg = Registry::reconcile(reg.maps).unwrap();
-        reg.insert_pair(&pair("198.18.0.2", "198.18.0.3", 10), "ctl")
-            .unwrap();
-        reg.insert_pair(&pair("198.18.0.2", "198.18.0.3", 11), "ctl")
-            .unwrap();
+        reg.insert_pair(&pair("198.18.0.2", "198.18.0.3", 10), "ctl").unwrap();
+        reg.insert_pair(&pair("198.18.0.2", "198.18.0.3", 11), "ctl").unwrap();
         let mut ids: Vec<u32> = reg.maps().pairs.values().map(|r| r.id).collect();
         ids.sort();
-        assert_eq!(
-            ids,
-            vec![0, 1, 2, 3],
-            "slot 0 reused, slots 1 and 2 kept, 3 fresh"
-        );
+        assert_eq!(ids, vec![0, 1, 2, 3], "slot 0 reused, slots 1 and 2 kept, 3 fresh");
         assert!(matches!(
             reg.insert_pair(&pair("198.18.0.2", "198.18.0.3", 12), "ctl"),
             Err(RegistryError::Full { .. })
@@ -933,33 +713,20 @@ mod tests {
     #[test]
     fn batches_are_all_or_nothing() {
         let mut reg = Registry::reconcile(MemoryMaps::with_capacity(4)).unwrap();
-        let ps: Vec<_> = (1..=3)
-            .map(|p| pair("198.18.0.2", "198.18.0.3", p))
-            .collect();
+        let ps: Vec<_> = (1..=3).map(|p| pair("198.18.0.2", "198.18.0.3", p)).collect();
         let other = pair("198.18.0.9", "198.18.0.3", 80);
         reg.insert_pair(&other, "someone-else").unwrap();
         // One entry of another owner: nothing of the batch is written.
         let mut bad = ps.clone();
         bad.push(other);
-        assert!(matches!(
-            reg.batch_upsert_pairs(&bad, "ctl"),
-            Err(RegistryError::OwnerMismatch { .. })
-        ));
+        assert!(matches!(reg.batch_upsert_pairs(&bad, "ctl"), Err(RegistryError::OwnerMismatch { .. })));
         assert_eq!(reg.pairs().len(), 1);
         // A key twice.
         let dup = vec![ps[0], ps[0]];
-        assert!(matches!(
-            reg.batch_upsert_pairs(&dup, "ctl"),
-            Err(RegistryError::DuplicateInBatch(_))
-        ));
+        assert!(matches!(reg.batch_upsert_pairs(&dup, "ctl"), Err(RegistryError::DuplicateInBatch(_))));
         // More than fits.
-        let many: Vec<_> = (1..=4)
-            .map(|p| pair("198.18.0.2", "198.18.0.3", p))
-            .collect();
-        assert!(matches!(
-            reg.batch_upsert_pairs(&many, "ctl"),
-            Err(RegistryError::Full { .. })
-        ));
+        let many: Vec<_> = (1..=4).map(|p| pair("198.18.0.2", "198.18.0.3", p)).collect();
+        assert!(matches!(reg.batch_upsert_pairs(&many, "ctl"), Err(RegistryError::Full { .. })));
         assert_eq!(reg.pairs().len(), 1);
         // A map write failing half-way rolls back what was written.
         reg.maps.fail_write_in = Some(3);
@@ -969,23 +736,14 @@ mod tests {
         // And the happy path.
         let out = reg.batch_upsert_pairs(&ps, "ctl").unwrap();
         assert_eq!(out, vec![Outcome::Created; 3]);
-        assert_eq!(
-            reg.batch_upsert_pairs(&ps, "ctl").unwrap(),
-            vec![Outcome::Unchanged; 3]
-        );
+        assert_eq!(reg.batch_upsert_pairs(&ps, "ctl").unwrap(), vec![Outcome::Unchanged; 3]);
         // Deletes: a missing one fails the batch unless allowed.
         let gone = pair("198.18.0.2", "198.18.0.3", 99);
         let mut del = ps.clone();
         del.push(gone);
-        assert!(matches!(
-            reg.batch_remove_pairs(&del, "ctl", false),
-            Err(RegistryError::NotFound(_))
-        ));
+        assert!(matches!(reg.batch_remove_pairs(&del, "ctl", false), Err(RegistryError::NotFound(_))));
         assert_eq!(reg.pairs().len(), 4);
-        assert_eq!(
-            reg.batch_remove_pairs(&del, "ctl", true).unwrap(),
-            vec![true, true, true, false]
-        );
+        assert_eq!(reg.batch_remove_pairs(&del, "ctl", true).unwrap(), vec![true, true, true, false]);
         assert_eq!(reg.pairs().len(), 1);
     }
 

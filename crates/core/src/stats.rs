@@ -49,10 +49,6 @@ pub struct GlobalCounters {
 
 impl From<GlobalStats> for GlobalCounters {
     fn from(s: GlobalStats) -> Self {
-        Self {
-            established: s.established,
-            not_covered: s.not_covered,
-            no_state: s.no_state,
-        }
+        Self { established: s.established, not_covered: s.not_covered, no_state: s.no_state }
     }
 }

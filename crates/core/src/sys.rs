@@ -17,11 +17,7 @@ pub const DEFAULT_BPFFS: &str = "/sys/fs/bpf";
 #[derive(Debug, thiserror::Error)]
 pub enum SysError {
     #[error("mounting {fstype} at {path}: {source}")]
-    Mount {
-        fstype: &'static str,
-        path: PathBuf,
-        source: nix::Error,
-    },
+    Mount { fstype: &'static str, path: PathBuf, source: nix::Error },
     #[error("{path}: {source}")]
     Io { path: PathBuf, source: io::Error },
     #[error("{path} is not on a bpffs (pins must live on one)")]
@@ -33,10 +29,7 @@ pub enum SysError {
 }
 
 fn io_err(path: &Path) -> impl FnOnce(io::Error) -> SysError + '_ {
-    move |source| SysError::Io {
-        path: path.to_path_buf(),
-        source,
-    }
+    move |source| SysError::Io { path: path.to_path_buf(), source }
 }
 
 /// Mount points of `fstype`, from /proc/self/mountinfo.
@@ -48,16 +41,13 @@ pub fn mounts_of(fstype: &str) -> Vec<PathBuf> {
         .filter_map(|l| {
             let (pre, post) = l.split_once(" - ")?;
             let mount_point = pre.split(' ').nth(4)?;
-            (post.split(' ').next()? == fstype)
-                .then(|| PathBuf::from(mount_point.replace("\\040", " ")))
+            (post.split(' ').next()? == fstype).then(|| PathBuf::from(mount_point.replace("\\040", " ")))
         })
         .collect()
 }
 
 fn is_fs(path: &Path, magic: nix::sys::statfs::FsType) -> bool {
-    statfs(path)
-        .map(|s| s.filesystem_type() == magic)
-        .unwrap_or(false)
+    statfs(path).map(|s| s.filesystem_type() == magic).unwrap_or(false)
 }
 
 /// Makes sure `pin_root`'s nearest existing ancestor is on a bpffs, mounting
@@ -75,14 +65,7 @@ pub fn ensure_bpffs(pin_root: &Path) -> Result<(), SysError> {
     let default = Path::new(DEFAULT_BPFFS);
     if pin_root.starts_with(default) && !is_fs(default, BPF_FS_MAGIC) {
         fs::create_dir_all(default).map_err(io_err(default))?;
-        mount(
-            Some("bpf"),
-            default,
-            Some("bpf"),
-            MsFlags::empty(),
-            None::<&str>,
-        )
-        .map_err(|source| SysError::Mount {
+        mount(Some("bpf"), default, Some("bpf"), MsFlags::empty(), None::<&str>).map_err(|source| SysError::Mount {
             fstype: "bpf",
             path: default.to_path_buf(),
             source,
@@ -90,9 +73,7 @@ pub fn ensure_bpffs(pin_root: &Path) -> Result<(), SysError> {
         tracing::info!(path = %default.display(), "mounted bpffs");
         return Ok(());
     }
-    Err(SysError::NotBpffs {
-        path: pin_root.to_path_buf(),
-    })
+    Err(SysError::NotBpffs { path: pin_root.to_path_buf() })
 }
 
 /// The root of a cgroup v2 hierarchy: the first mounted one, else one mounted
@@ -106,14 +87,7 @@ pub fn cgroup2_root() -> Result<PathBuf, SysError> {
         return Ok(p);
     }
     fs::create_dir_all(&p).map_err(io_err(&p))?;
-    mount(
-        Some("none"),
-        &p,
-        Some("cgroup2"),
-        MsFlags::empty(),
-        None::<&str>,
-    )
-    .map_err(|source| SysError::Mount {
+    mount(Some("none"), &p, Some("cgroup2"), MsFlags::empty(), None::<&str>).map_err(|source| SysError::Mount {
         fstype: "cgroup2",
         path: p.clone(),
         source,
@@ -127,9 +101,7 @@ pub fn check_cgroup2(path: &Path) -> Result<(), SysError> {
     if is_fs(path, CGROUP2_SUPER_MAGIC) {
         Ok(())
     } else {
-        Err(SysError::NotCgroup2 {
-            path: path.to_path_buf(),
-        })
+        Err(SysError::NotCgroup2 { path: path.to_path_buf() })
     }
 }
 

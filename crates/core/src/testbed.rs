@@ -50,11 +50,7 @@ static SEQ: AtomicU32 = AtomicU32::new(0);
 
 /// A name unique to this process and call, at most `max` bytes.
 pub fn unique_name(prefix: &str) -> String {
-    format!(
-        "{prefix}{}-{}",
-        std::process::id() % 100_000,
-        SEQ.fetch_add(1, Ordering::Relaxed)
-    )
+    format!("{prefix}{}-{}", std::process::id() % 100_000, SEQ.fetch_add(1, Ordering::Relaxed))
 }
 
 /// Runs a command; its stderr goes into the error.
@@ -62,9 +58,7 @@ pub fn run(cmd: &str, args: &[&str]) -> Result<String> {
     let out = Command::new(cmd)
         .args(args)
         .output()
-        .map_err(io_err(format!(
-            "running {cmd} (is it installed? `make deps` installs it)"
-        )))?;
+        .map_err(io_err(format!("running {cmd} (is it installed? `make deps` installs it)")))?;
     if !out.status.success() {
         return Err(TestbedError::Command {
             cmd: format!("{cmd} {}", args.join(" ")),
@@ -115,16 +109,11 @@ impl NetNs {
     /// Runs `f` on a thread that has entered this namespace. Sockets made
     /// there stay in this namespace wherever they are used afterwards.
     pub fn enter<T: Send>(&self, f: impl FnOnce() -> T + Send) -> Result<T> {
-        let file = std::fs::File::open(self.path())
-            .map_err(io_err(format!("opening netns {}", self.name)))?;
+        let file = std::fs::File::open(self.path()).map_err(io_err(format!("opening netns {}", self.name)))?;
         thread::scope(|s| {
             s.spawn(|| {
-                setns(file.as_fd(), CloneFlags::CLONE_NEWNET).map_err(|source| {
-                    TestbedError::Setns {
-                        ns: self.name.clone(),
-                        source,
-                    }
-                })?;
+                setns(file.as_fd(), CloneFlags::CLONE_NEWNET)
+                    .map_err(|source| TestbedError::Setns { ns: self.name.clone(), source })?;
                 Ok(f())
             })
             .join()
@@ -155,13 +144,8 @@ impl NetNs {
 
     /// An interface counter from /sys/class/net/IFACE/statistics.
     pub fn link_counter(&self, iface: &str, counter: &str) -> Result<u64> {
-        let out = self.exec(&[
-            "cat",
-            &format!("/sys/class/net/{iface}/statistics/{counter}"),
-        ])?;
-        out.trim()
-            .parse()
-            .map_err(|_| TestbedError::Integrity(format!("counter {iface}/{counter}: {out:?}")))
+        let out = self.exec(&["cat", &format!("/sys/class/net/{iface}/statistics/{counter}")])?;
+        out.trim().parse().map_err(|_| TestbedError::Integrity(format!("counter {iface}/{counter}: {out:?}")))
     }
 }
 
@@ -214,68 +198,25 @@ impl NodeWithPods {
     pub fn new(n: usize) -> Result<Self> {
         let node = NetNs::new("node")?;
         node.ip(&["link", "add", "br0", "type", "bridge"])?;
-        node.ip(&[
-            "addr",
-            "add",
-            &format!("{}.1/24", dotted(POD_NET4)),
-            "dev",
-            "br0",
-        ])?;
-        node.ip(&[
-            "addr",
-            "add",
-            &format!("{POD_NET6}1/64"),
-            "dev",
-            "br0",
-            "nodad",
-        ])?;
+        node.ip(&["addr", "add", &format!("{}.1/24", dotted(POD_NET4)), "dev", "br0"])?;
+        node.ip(&["addr", "add", &format!("{POD_NET6}1/64"), "dev", "br0", "nodad"])?;
         node.ip(&["link", "set", "br0", "up"])?;
         let mut pods = Vec::new();
         for i in 0..n {
             let ns = NetNs::new(&format!("pod{i}"))?;
             let host_veth = format!("vpod{i}");
-            node.ip(&[
-                "link",
-                "add",
-                &host_veth,
-                "type",
-                "veth",
-                "peer",
-                "name",
-                "eth0",
-                "netns",
-                ns.name(),
-            ])?;
+            node.ip(&["link", "add", &host_veth, "type", "veth", "peer", "name", "eth0", "netns", ns.name()])?;
             node.ip(&["link", "set", &host_veth, "master", "br0", "up"])?;
             let host = u8::try_from(i + 2).unwrap_or(u8::MAX);
             let v4 = Ipv4Addr::new(POD_NET4[0], POD_NET4[1], POD_NET4[2], host);
-            let v6: Ipv6Addr = format!("{POD_NET6}{host:x}")
-                .parse()
-                .map_err(|_| TestbedError::Integrity("pod v6 address".into()))?;
+            let v6: Ipv6Addr =
+                format!("{POD_NET6}{host:x}").parse().map_err(|_| TestbedError::Integrity("pod v6 address".into()))?;
             ns.ip(&["addr", "add", &format!("{v4}/24"), "dev", "eth0"])?;
             ns.ip(&["addr", "add", &format!("{v6}/64"), "dev", "eth0", "nodad"])?;
             ns.ip(&["link", "set", "eth0", "up"])?;
-            ns.ip(&[
-                "route",
-                "add",
-                "default",
-                "via",
-                &format!("{}.1", dotted(POD_NET4)),
-            ])?;
-            ns.ip(&[
-                "-6",
-                "route",
-                "add",
-                "default",
-                "via",
-                &format!("{POD_NET6}1"),
-            ])?;
-            pods.push(Pod {
-                ns,
-                v4,
-                v6,
-                host_veth,
-            });
+            ns.ip(&["route", "add", "default", "via", &format!("{}.1", dotted(POD_NET4))])?;
+            ns.ip(&["-6", "route", "add", "default", "via", &format!("{POD_NET6}1")])?;
+            pods.push(Pod { ns, v4, v6, host_veth });
         }
         Ok(Self { pods, node })
     }
@@ -291,34 +232,28 @@ fn dotted(a: [u8; 3]) -> String {
     format!("{}.{}.{}", a[0], a[1], a[2])
 }
 
-/// Captures TCP to `service:port` from inside `ns` to a local listener on
-/// `to_port`, as Istio's outbound capture does (iptables nat OUTPUT REDIRECT).
-pub fn redirect_output(ns: &NetNs, service: IpAddr, port: u16, to_port: u16) -> Result<()> {
-    let tool = if service.is_ipv6() {
-        "ip6tables"
-    } else {
-        "iptables"
-    };
-    let (svc, port, to) = (service.to_string(), port.to_string(), to_port.to_string());
-    ns.exec(&[
-        tool,
-        "-w",
-        "-t",
-        "nat",
-        "-A",
-        "OUTPUT",
-        "-p",
-        "tcp",
-        "-d",
-        &svc,
-        "--dport",
-        &port,
-        "-j",
-        "REDIRECT",
-        "--to-ports",
-        &to,
-    ])?;
+/// Captures TCP to `dst:port` in `ns` to a local listener on `to_port` with
+/// iptables nat REDIRECT in `chain`.
+fn redirect(ns: &NetNs, chain: &str, dst: IpAddr, port: u16, to_port: u16) -> Result<()> {
+    let tool = if dst.is_ipv6() { "ip6tables" } else { "iptables" };
+    let (dst, port, to) = (dst.to_string(), port.to_string(), to_port.to_string());
+    let rule = ["-p", "tcp", "-d", &dst, "--dport", &port, "-j", "REDIRECT", "--to-ports", &to];
+    let mut cmd = vec![tool, "-w", "-t", "nat", "-A", chain];
+    cmd.extend_from_slice(&rule);
+    ns.exec(&cmd)?;
     Ok(())
+}
+
+/// Outbound capture, as Istio's 15001: connections made inside `ns` to
+/// `service:port` go to a local listener on `to_port` (nat OUTPUT).
+pub fn redirect_output(ns: &NetNs, service: IpAddr, port: u16, to_port: u16) -> Result<()> {
+    redirect(ns, "OUTPUT", service, port, to_port)
+}
+
+/// Inbound capture, as Istio's 15006: connections arriving in `ns` for
+/// `pod:port` go to a local listener on `to_port` (nat PREROUTING).
+pub fn redirect_prerouting(ns: &NetNs, pod: IpAddr, port: u16, to_port: u16) -> Result<()> {
+    redirect(ns, "PREROUTING", pod, port, to_port)
 }
 
 // ---------------------------------------------------------------------------
@@ -333,9 +268,7 @@ pub struct Pattern {
 
 impl Pattern {
     pub fn new(seed: u64) -> Self {
-        Self {
-            state: seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1,
-        }
+        Self { state: seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1 }
     }
 
     fn next_u64(&mut self) -> u64 {
@@ -377,18 +310,11 @@ fn chunk_len(rng: &mut Pattern, max: usize) -> usize {
 /// data (for instance by write-space wakeups of a concurrent writer on the same
 /// socket). Real timeouts still end the read: the socket's read timeout is
 /// honoured as a deadline.
-pub fn read_blocking(
-    s: &mut impl Read,
-    buf: &mut [u8],
-    timeout: Option<Duration>,
-) -> io::Result<usize> {
+pub fn read_blocking(s: &mut impl Read, buf: &mut [u8], timeout: Option<Duration>) -> io::Result<usize> {
     let start = Instant::now();
     loop {
         match s.read(buf) {
-            Err(e)
-                if e.kind() == io::ErrorKind::WouldBlock
-                    || e.kind() == io::ErrorKind::Interrupted =>
-            {
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::Interrupted => {
                 if timeout.is_some_and(|t| start.elapsed() >= t) {
                     return Err(io::Error::new(io::ErrorKind::TimedOut, "read timed out"));
                 }
@@ -406,11 +332,7 @@ pub fn spurious_wakeups() -> u64 {
 }
 
 /// `read_exact` over [`read_blocking`].
-pub fn read_exact_blocking(
-    s: &mut impl Read,
-    mut buf: &mut [u8],
-    timeout: Option<Duration>,
-) -> io::Result<()> {
+pub fn read_exact_blocking(s: &mut impl Read, mut buf: &mut [u8], timeout: Option<Duration>) -> io::Result<()> {
     while !buf.is_empty() {
         let n = read_blocking(s, buf, timeout)?;
         if n == 0 {
@@ -440,10 +362,7 @@ pub fn send_pattern(mut s: &TcpStream, seed: u64, len: usize) -> io::Result<u64>
         let want = chunk_len(&mut sizes, pending.len());
         let n = s.write(&pending[..want])?;
         if n == 0 {
-            return Err(io::Error::new(
-                io::ErrorKind::WriteZero,
-                "peer stopped reading",
-            ));
+            return Err(io::Error::new(io::ErrorKind::WriteZero, "peer stopped reading"));
         }
         hash.update(&pending[..n]);
         pending.drain(..n);
@@ -456,11 +375,7 @@ pub fn send_pattern(mut s: &TcpStream, seed: u64, len: usize) -> io::Result<u64>
 
 /// Reads stream `seed` until EOF in varied chunk sizes; checks every byte and
 /// that exactly `len` arrived. Returns the FNV-1a hash of what was read.
-pub fn recv_pattern(
-    mut s: &TcpStream,
-    seed: u64,
-    len: usize,
-) -> std::result::Result<u64, TestbedError> {
+pub fn recv_pattern(mut s: &TcpStream, seed: u64, len: usize) -> std::result::Result<u64, TestbedError> {
     let mut gen = Pattern::new(seed);
     let mut sizes = Pattern::new(seed ^ 0xA3A3);
     let mut expect: Vec<u8> = Vec::new();
@@ -476,10 +391,7 @@ pub fn recv_pattern(
             break;
         }
         if got + n > len {
-            return Err(TestbedError::Integrity(format!(
-                "stream {seed}: {} bytes, more than the {len} sent",
-                got + n
-            )));
+            return Err(TestbedError::Integrity(format!("stream {seed}: {} bytes, more than the {len} sent", got + n)));
         }
         while expect.len() < n {
             let mut w = [0u8; 8];
@@ -487,24 +399,15 @@ pub fn recv_pattern(
             expect.extend_from_slice(&w);
         }
         if buf[..n] != expect[..n] {
-            let at = buf[..n]
-                .iter()
-                .zip(&expect[..n])
-                .position(|(a, b)| a != b)
-                .unwrap_or(0);
-            return Err(TestbedError::Integrity(format!(
-                "stream {seed}: wrong byte at offset {}",
-                got + at
-            )));
+            let at = buf[..n].iter().zip(&expect[..n]).position(|(a, b)| a != b).unwrap_or(0);
+            return Err(TestbedError::Integrity(format!("stream {seed}: wrong byte at offset {}", got + at)));
         }
         hash.update(&buf[..n]);
         expect.drain(..n);
         got += n;
     }
     if got != len {
-        return Err(TestbedError::Integrity(format!(
-            "stream {seed}: {got} of {len} bytes arrived"
-        )));
+        return Err(TestbedError::Integrity(format!("stream {seed}: {got} of {len} bytes arrived")));
     }
     Ok(hash.0)
 }
@@ -529,18 +432,10 @@ impl Fnv {
 
 /// Sends `len` bytes each way over one connection at the same time (seeds
 /// `seed` client->server and `seed+1` back), checking both, within `timeout`.
-pub fn exchange(
-    client: TcpStream,
-    server: TcpStream,
-    seed: u64,
-    len: usize,
-    timeout: Duration,
-) -> Result<()> {
+pub fn exchange(client: TcpStream, server: TcpStream, seed: u64, len: usize, timeout: Duration) -> Result<()> {
     for s in [&client, &server] {
-        s.set_read_timeout(Some(timeout))
-            .map_err(io_err("set timeout"))?;
-        s.set_write_timeout(Some(timeout))
-            .map_err(io_err("set timeout"))?;
+        s.set_read_timeout(Some(timeout)).map_err(io_err("set timeout"))?;
+        s.set_write_timeout(Some(timeout)).map_err(io_err("set timeout"))?;
     }
     let (c, s) = (Arc::new(client), Arc::new(server));
     thread::scope(|scope| {
@@ -557,14 +452,10 @@ pub fn exchange(
         };
         let sent_c = join(tx_c, "client send")?;
         let sent_s = join(tx_s, "server send")?;
-        let got_s = rx_s
-            .join()
-            .unwrap_or_else(|p| std::panic::resume_unwind(p))?;
+        let got_s = rx_s.join().unwrap_or_else(|p| std::panic::resume_unwind(p))?;
         let got_c = rx_c?;
         if sent_c != got_s || sent_s != got_c {
-            return Err(TestbedError::Integrity(format!(
-                "stream {seed}: checksums differ"
-            )));
+            return Err(TestbedError::Integrity(format!("stream {seed}: checksums differ")));
         }
         Ok(())
     })
@@ -572,14 +463,12 @@ pub fn exchange(
 
 /// Accepts one connection within `timeout`.
 pub fn accept_timeout(l: &TcpListener, timeout: Duration) -> Result<TcpStream> {
-    l.set_nonblocking(true)
-        .map_err(io_err("nonblocking listener"))?;
+    l.set_nonblocking(true).map_err(io_err("nonblocking listener"))?;
     let deadline = Instant::now() + timeout;
     loop {
         match l.accept() {
             Ok((s, _)) => {
-                s.set_nonblocking(false)
-                    .map_err(io_err("blocking socket"))?;
+                s.set_nonblocking(false).map_err(io_err("blocking socket"))?;
                 return Ok(s);
             }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock && Instant::now() < deadline => {
@@ -605,6 +494,66 @@ pub fn spawn_echo(stream: TcpStream, msg_len: usize) -> thread::JoinHandle<io::R
     })
 }
 
+/// A server that echoes every byte back on each connection it accepts and
+/// half-closes after EOF; stops when dropped.
+#[derive(Debug)]
+pub struct StreamEcho {
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    handle: Option<thread::JoinHandle<()>>,
+}
+
+impl StreamEcho {
+    pub fn start(listener: TcpListener) -> Result<Self> {
+        listener.set_nonblocking(true).map_err(io_err("nonblocking echo listener"))?;
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stop2 = Arc::clone(&stop);
+        let handle = thread::spawn(move || {
+            while !stop2.load(Ordering::Relaxed) {
+                match listener.accept() {
+                    Ok((s, _)) => {
+                        let _ = s.set_nonblocking(false);
+                        let _ = s.set_nodelay(true);
+                        if let Ok(w) = s.try_clone() {
+                            thread::spawn(move || pump(s, w));
+                        }
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => thread::sleep(Duration::from_millis(1)),
+                    Err(_) => return,
+                }
+            }
+        });
+        Ok(Self { stop, handle: Some(handle) })
+    }
+}
+
+impl Drop for StreamEcho {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+/// Sends `len` bytes of stream `seed` through an echo and checks what comes
+/// back, byte for byte, both directions at once; half-closes at the end.
+pub fn echo_integrity(s: TcpStream, seed: u64, len: usize, timeout: Duration) -> Result<()> {
+    s.set_read_timeout(Some(timeout)).map_err(io_err("set timeout"))?;
+    s.set_write_timeout(Some(timeout)).map_err(io_err("set timeout"))?;
+    thread::scope(|scope| {
+        let tx = scope.spawn(|| send_pattern(&s, seed, len));
+        let got = recv_pattern(&s, seed, len)?;
+        let sent = tx
+            .join()
+            .unwrap_or_else(|p| std::panic::resume_unwind(p))
+            .map_err(io_err(format!("sending stream {seed}")))?;
+        if sent != got {
+            return Err(TestbedError::Integrity(format!("stream {seed}: echo checksum differs")));
+        }
+        Ok(())
+    })
+}
+
 /// One round trip: write `msg`, read the echo back into `buf`.
 pub fn round_trip<S: Read + Write>(s: &mut S, msg: &[u8], buf: &mut [u8]) -> io::Result<()> {
     s.write_all(msg)?;
@@ -626,10 +575,14 @@ impl CaptureProxy {
     /// Listens on `listen` inside `ns`, forwarding to `upstream` (connected
     /// from `ns` too).
     pub fn start(ns: &NetNs, listen: SocketAddr, upstream: SocketAddr) -> Result<Self> {
+        Self::start_from(ns, listen, upstream, None)
+    }
+
+    /// As [`CaptureProxy::start`], connecting upstream from `source` (e.g.
+    /// Istio's inbound passthrough address 127.0.0.6).
+    pub fn start_from(ns: &NetNs, listen: SocketAddr, upstream: SocketAddr, source: Option<IpAddr>) -> Result<Self> {
         let listener = ns.listen(listen)?;
-        listener
-            .set_nonblocking(true)
-            .map_err(io_err("nonblocking proxy listener"))?;
+        listener.set_nonblocking(true).map_err(io_err("nonblocking proxy listener"))?;
         let file = std::fs::File::open(ns.path()).map_err(io_err("opening netns"))?;
         let original_dsts = Arc::new(Mutex::new(Vec::new()));
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -643,28 +596,21 @@ impl CaptureProxy {
                 match listener.accept() {
                     Ok((down, _)) => {
                         let _ = down.set_nonblocking(false);
+                        let _ = down.set_nodelay(true);
                         if let Some(d) = original_dst(&down) {
                             lock(&dsts).push(d);
                         }
-                        let Ok(up) = TcpStream::connect_timeout(&upstream, Duration::from_secs(5))
-                        else {
+                        let Ok(up) = connect_from(source, upstream) else {
                             continue;
                         };
                         pump_both(down, up);
                     }
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                        thread::sleep(Duration::from_millis(1))
-                    }
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => thread::sleep(Duration::from_millis(1)),
                     Err(_) => return,
                 }
             }
         });
-        Ok(Self {
-            addr: listen,
-            original_dsts,
-            stop,
-            handle: Some(handle),
-        })
+        Ok(Self { addr: listen, original_dsts, stop, handle: Some(handle) })
     }
 }
 
@@ -679,6 +625,16 @@ impl Drop for CaptureProxy {
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn connect_from(source: Option<IpAddr>, to: SocketAddr) -> io::Result<TcpStream> {
+    let s = Socket::new(Domain::for_address(to), Type::STREAM, None)?;
+    if let Some(src) = source {
+        s.bind(&SocketAddr::new(src, 0).into())?;
+    }
+    s.connect_timeout(&to.into(), Duration::from_secs(5))?;
+    s.set_tcp_nodelay(true)?;
+    Ok(TcpStream::from(s))
 }
 
 fn pump_both(a: TcpStream, b: TcpStream) {
@@ -708,11 +664,7 @@ fn pump(mut from: TcpStream, mut to: TcpStream) {
 /// The destination a connection had before iptables REDIRECT rewrote it.
 pub fn original_dst(s: &TcpStream) -> Option<SocketAddr> {
     const SO_ORIGINAL_DST: libc::c_int = 80; // also IP6T_SO_ORIGINAL_DST
-    let level = if s.local_addr().ok()?.is_ipv6() {
-        libc::SOL_IPV6
-    } else {
-        libc::SOL_IP
-    };
+    let level = if s.local_addr().ok()?.is_ipv6() { libc::SOL_IPV6 } else { libc::SOL_IP };
     // SAFETY: the kernel writes at most `len` bytes of a sockaddr into storage.
     let ((), addr) = unsafe {
         socket2::SockAddr::try_init(|storage, len| {
@@ -742,17 +694,12 @@ pub struct TestCgroup {
 
 impl TestCgroup {
     pub fn new() -> Result<Self> {
-        let root =
-            crate::sys::cgroup2_root().map_err(|e| TestbedError::Integrity(e.to_string()))?;
+        let root = crate::sys::cgroup2_root().map_err(|e| TestbedError::Integrity(e.to_string()))?;
         let path = root.join(unique_name("meshwarp-test-"));
-        std::fs::create_dir(&path)
-            .map_err(io_err(format!("creating cgroup {}", path.display())))?;
+        std::fs::create_dir(&path).map_err(io_err(format!("creating cgroup {}", path.display())))?;
         let me = std::process::id().to_string();
         std::fs::write(path.join("cgroup.procs"), &me).map_err(io_err("joining test cgroup"))?;
-        Ok(Self {
-            path,
-            parent_procs: root.join("cgroup.procs"),
-        })
+        Ok(Self { path, parent_procs: root.join("cgroup.procs") })
     }
 }
 
@@ -793,20 +740,13 @@ impl KernelTest {
             max_sockets,
         };
         match Dataplane::open(&cfg) {
-            Ok(dp) => Some(Self {
-                dp: Some(dp),
-                cfg,
-                cgroup,
-                _lock: lock,
-            }),
+            Ok(dp) => Some(Self { dp: Some(dp), cfg, cgroup, _lock: lock }),
             Err(e) => missing_feature(&format!("BPF sockops/sk_msg/SOCKHASH: {e}")),
         }
     }
 
     pub fn dp(&self) -> &Dataplane {
-        self.dp
-            .as_ref()
-            .unwrap_or_else(|| unreachable!("data path is present until drop"))
+        self.dp.as_ref().unwrap_or_else(|| unreachable!("data path is present until drop"))
     }
 }
 

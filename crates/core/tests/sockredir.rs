@@ -13,12 +13,9 @@ use anyhow::{ensure, Context, Result};
 use meshwarp_core::registry::{capture_sock_key, tuple_sock_key};
 use meshwarp_core::sys::netns_cookie_of;
 use meshwarp_core::testbed::{
-    accept_timeout, exchange, redirect_output, CaptureProxy, KernelTest, NodeWithPods, SERVICE_V4,
-    SERVICE_V6,
+    accept_timeout, exchange, redirect_output, CaptureProxy, KernelTest, NodeWithPods, SERVICE_V4, SERVICE_V6,
 };
-use meshwarp_core::{
-    CaptureRule, DataplaneConfig, DataplaneOrigin, Endpoint, EndpointPair, RegistryError,
-};
+use meshwarp_core::{CaptureRule, DataplaneConfig, DataplaneOrigin, Endpoint, EndpointPair, RegistryError};
 
 const T: Duration = Duration::from_secs(60);
 const SERVER_PORT: u16 = 8080;
@@ -33,28 +30,18 @@ macro_rules! kernel_test {
 }
 
 fn pair_for(net: &NodeWithPods, v6: bool) -> EndpointPair {
-    EndpointPair::new(
-        net.pods[0].addr(v6),
-        Endpoint::new(net.pods[1].addr(v6), SERVER_PORT),
-    )
-    .unwrap()
+    EndpointPair::new(net.pods[0].addr(v6), Endpoint::new(net.pods[1].addr(v6), SERVER_PORT)).unwrap()
 }
 
 /// Two pods on a node, pod1 listening on SERVER_PORT.
 fn two_pods(v6: bool) -> Result<(NodeWithPods, std::net::TcpListener)> {
     let net = NodeWithPods::new(2)?;
-    let listener = net.pods[1]
-        .ns
-        .listen(SocketAddr::new(net.pods[1].addr(v6), SERVER_PORT))?;
+    let listener = net.pods[1].ns.listen(SocketAddr::new(net.pods[1].addr(v6), SERVER_PORT))?;
     Ok((net, listener))
 }
 
 /// Connects pod0 -> pod1:SERVER_PORT; returns (client, accepted server side).
-fn connect_pods(
-    net: &NodeWithPods,
-    listener: &std::net::TcpListener,
-    v6: bool,
-) -> Result<(TcpStream, TcpStream)> {
+fn connect_pods(net: &NodeWithPods, listener: &std::net::TcpListener, v6: bool) -> Result<(TcpStream, TcpStream)> {
     let addr = SocketAddr::new(net.pods[1].addr(v6), SERVER_PORT);
     let c = net.pods[0].ns.connect(addr)?;
     let s = accept_timeout(listener, T)?;
@@ -71,14 +58,8 @@ fn mirror_pairing(v6: bool) -> Result<()> {
     // The user-space key of each socket is the one sockops stored (port byte order, netns).
     let ck = tuple_sock_key(c.local_addr()?, c.peer_addr()?, netns_cookie_of(&c)?);
     let sk = tuple_sock_key(s.local_addr()?, s.peer_addr()?, netns_cookie_of(&s)?);
-    ensure!(
-        k.dp().sockhash_lookup(&ck)?.is_some(),
-        "client socket not in SOCKHASH under {ck:?}"
-    );
-    ensure!(
-        k.dp().sockhash_lookup(&sk)?.is_some(),
-        "server socket not in SOCKHASH under {sk:?}"
-    );
+    ensure!(k.dp().sockhash_lookup(&ck)?.is_some(), "client socket not in SOCKHASH under {ck:?}");
+    ensure!(k.dp().sockhash_lookup(&sk)?.is_some(), "server socket not in SOCKHASH under {sk:?}");
 
     let before = net.veth_bytes(0)? + net.veth_bytes(1)?;
     let len = 4 << 20;
@@ -86,15 +67,9 @@ fn mirror_pairing(v6: bool) -> Result<()> {
     let crossed = net.veth_bytes(0)? + net.veth_bytes(1)? - before;
     let st = k.dp().pair_stats(&pair)?;
     ensure!(st.sockets == 2, "both ends inserted: {st:?}");
-    ensure!(
-        st.redirected_bytes == 2 * len as u64,
-        "every byte redirected: {st:?}"
-    );
+    ensure!(st.redirected_bytes == 2 * len as u64, "every byte redirected: {st:?}");
     // Only FINs/ACKs cross the veths, not the 8 MiB of payload.
-    ensure!(
-        crossed < 64 * 1024,
-        "{crossed} bytes crossed the veths with the pair registered"
-    );
+    ensure!(crossed < 64 * 1024, "{crossed} bytes crossed the veths with the pair registered");
     Ok(())
 }
 
@@ -113,29 +88,17 @@ fn unregistered_connection_takes_the_normal_path() -> Result<()> {
     let k = kernel_test!(1024);
     let (net, listener) = two_pods(false)?;
     // A pair for another port covers nothing here.
-    let other = EndpointPair::new(
-        net.pods[0].addr(false),
-        Endpoint::new(net.pods[1].addr(false), 9999),
-    )?;
+    let other = EndpointPair::new(net.pods[0].addr(false), Endpoint::new(net.pods[1].addr(false), 9999))?;
     k.dp().insert_pair(&other, "test")?;
     let g0 = k.dp().global_stats()?;
     let before = net.veth_bytes(0)?;
     let (c, s) = connect_pods(&net, &listener, false)?;
     let len = 1 << 20;
     exchange(c, s, 2, len, T)?;
-    ensure!(
-        net.veth_bytes(0)? - before >= 2 * len as u64,
-        "payload must cross the veth"
-    );
+    ensure!(net.veth_bytes(0)? - before >= 2 * len as u64, "payload must cross the veth");
     let g1 = k.dp().global_stats()?;
-    ensure!(
-        g1.not_covered >= g0.not_covered + 2,
-        "both ends seen and left alone: {g0:?} -> {g1:?}"
-    );
-    ensure!(
-        k.dp().pair_stats(&other)? == Default::default(),
-        "nothing counted on an unrelated pair"
-    );
+    ensure!(g1.not_covered >= g0.not_covered + 2, "both ends seen and left alone: {g0:?} -> {g1:?}");
+    ensure!(k.dp().pair_stats(&other)? == Default::default(), "nothing counted on an unrelated pair");
     Ok(())
 }
 
@@ -143,45 +106,28 @@ fn capture_pairing(v6: bool) -> Result<()> {
     let k = kernel_test!(1024);
     let net = NodeWithPods::new(2)?;
     let app = &net.pods[0];
-    let (service, loopback): (IpAddr, IpAddr) = if v6 {
-        (SERVICE_V6.into(), "::1".parse()?)
-    } else {
-        (SERVICE_V4.into(), "127.0.0.1".parse()?)
-    };
+    let (service, loopback): (IpAddr, IpAddr) =
+        if v6 { (SERVICE_V6.into(), "::1".parse()?) } else { (SERVICE_V4.into(), "127.0.0.1".parse()?) };
     let upstream = SocketAddr::new(net.pods[1].addr(v6), SERVER_PORT);
     let server = net.pods[1].ns.listen(upstream)?;
     // The sidecar: iptables captures app -> service:80 to the proxy on 15001.
     redirect_output(&app.ns, service, 80, 15001)?;
     let proxy = CaptureProxy::start(&app.ns, SocketAddr::new(loopback, 15001), upstream)?;
-    let rule = CaptureRule::new(
-        Some(app.addr(v6)),
-        Endpoint::new(service, 80),
-        Endpoint::new(loopback, 15001),
-    )?;
+    let rule = CaptureRule::new(Some(app.addr(v6)), Endpoint::new(service, 80), Endpoint::new(loopback, 15001))?;
     k.dp().insert_capture(&rule, "test")?;
 
     let c = app.ns.connect(SocketAddr::new(service, 80))?;
     let s = accept_timeout(&server, T)?;
     let origin_key = capture_sock_key(c.local_addr()?, netns_cookie_of(&c)?, true);
-    ensure!(
-        k.dp().sockhash_lookup(&origin_key)?.is_some(),
-        "origin socket not in SOCKHASH"
-    );
+    ensure!(k.dp().sockhash_lookup(&origin_key)?.is_some(), "origin socket not in SOCKHASH");
     let len = 2 << 20;
     exchange(c, s, 3, len, T)?;
     ensure!(
-        proxy
-            .original_dsts
-            .lock()
-            .unwrap()
-            .contains(&SocketAddr::new(service, 80)),
+        proxy.original_dsts.lock().unwrap().contains(&SocketAddr::new(service, 80)),
         "iptables did not capture the connection"
     );
     let st = k.dp().capture_stats(&rule)?;
-    ensure!(
-        st.sockets == 2,
-        "app socket and the socket the proxy accepted: {st:?}"
-    );
+    ensure!(st.sockets == 2, "app socket and the socket the proxy accepted: {st:?}");
     // app -> proxy and proxy -> app are both redirected.
     ensure!(st.redirected_bytes == 2 * len as u64, "{st:?}");
     Ok(())
@@ -203,19 +149,7 @@ fn integrity_across_sizes_both_directions() -> Result<()> {
     let (net, listener) = two_pods(false)?;
     let pair = pair_for(&net, false);
     k.dp().insert_pair(&pair, "test")?;
-    let sizes = [
-        1usize,
-        2,
-        7,
-        100,
-        1448,
-        4096,
-        65_535,
-        65_536 + 7,
-        1 << 20,
-        3_000_001,
-        8 << 20,
-    ];
+    let sizes = [1usize, 2, 7, 100, 1448, 4096, 65_535, 65_536 + 7, 1 << 20, 3_000_001, 8 << 20];
     let mut total = 0u64;
     for (i, len) in sizes.into_iter().enumerate() {
         let (c, s) = connect_pods(&net, &listener, false)?;
@@ -225,11 +159,7 @@ fn integrity_across_sizes_both_directions() -> Result<()> {
     let st = k.dp().pair_stats(&pair)?;
     // Every byte went one way or the other, and nearly all were redirected.
     ensure!(st.redirected_bytes <= total, "{st:?}");
-    ensure!(
-        st.redirected_bytes >= total * 9 / 10,
-        "redirected {} of {total}: {st:?}",
-        st.redirected_bytes
-    );
+    ensure!(st.redirected_bytes >= total * 9 / 10, "redirected {} of {total}: {st:?}", st.redirected_bytes);
     Ok(())
 }
 
@@ -262,10 +192,7 @@ fn slow_reader_with_large_writes() -> Result<()> {
     }
     writer.join().unwrap()?;
     ensure!(got.len() == len, "{} of {len} bytes", got.len());
-    ensure!(
-        got.iter().enumerate().all(|(i, b)| *b == (i % 251) as u8),
-        "bytes corrupted"
-    );
+    ensure!(got.iter().enumerate().all(|(i, b)| *b == (i % 251) as u8), "bytes corrupted");
     Ok(())
 }
 
@@ -294,10 +221,7 @@ fn two_hundred_concurrent_connections() -> Result<()> {
     .with_context(|| format!("pair counters: {:?}", k.dp().pair_stats(&pair)))?;
     let st = k.dp().pair_stats(&pair)?;
     ensure!(st.sockets == 400, "{st:?}");
-    ensure!(
-        st.redirected_bytes >= 200 * 2 * len as u64 * 9 / 10,
-        "{st:?}"
-    );
+    ensure!(st.redirected_bytes >= 200 * 2 * len as u64 * 9 / 10, "{st:?}");
     Ok(())
 }
 
@@ -309,20 +233,14 @@ fn removing_a_pair_returns_new_connections_to_tcp() -> Result<()> {
     k.dp().insert_pair(&pair, "test")?;
     let (c1, s1) = connect_pods(&net, &listener, false)?;
     k.dp().remove_pair(&pair)?;
-    ensure!(matches!(
-        k.dp().pair_stats(&pair),
-        Err(RegistryError::NotFound(_))
-    ));
+    ensure!(matches!(k.dp().pair_stats(&pair), Err(RegistryError::NotFound(_))));
     // A connection accelerated before the removal keeps working.
     exchange(c1, s1, 7, 1 << 20, T)?;
     // New connections take the normal path.
     let before = net.veth_bytes(0)?;
     let (c2, s2) = connect_pods(&net, &listener, false)?;
     exchange(c2, s2, 9, 1 << 20, T)?;
-    ensure!(
-        net.veth_bytes(0)? - before >= 2 << 20,
-        "new connection must cross the veth"
-    );
+    ensure!(net.veth_bytes(0)? - before >= 2 << 20, "new connection must cross the veth");
     // Registering again accelerates new connections again, with fresh counters.
     k.dp().insert_pair(&pair, "test")?;
     let (c3, s3) = connect_pods(&net, &listener, false)?;
@@ -342,10 +260,7 @@ fn full_sockhash_falls_back_and_is_reported() -> Result<()> {
     let (c2, s2) = connect_pods(&net, &listener, false)?; // finds the map full
     let st = k.dp().pair_stats(&pair)?;
     ensure!(st.sockets == 2, "{st:?}");
-    ensure!(
-        st.fallback_map_full == 2,
-        "both ends of the second connection reported: {st:?}"
-    );
+    ensure!(st.fallback_map_full == 2, "both ends of the second connection reported: {st:?}");
     exchange(c2, s2, 21, 1 << 20, T)?;
     exchange(c1, s1, 23, 1 << 20, T)?;
     Ok(())
@@ -396,37 +311,24 @@ fn loopback_tuples_in_two_namespaces_do_not_collide() -> Result<()> {
         Ok::<_, anyhow::Error>(())
     })?;
     let st = k.dp().pair_stats(&pair)?;
-    ensure!(
-        st.sockets == 4 && st.redirected_bytes == 4 * (2 << 20),
-        "{st:?}"
-    );
+    ensure!(st.sockets == 4 && st.redirected_bytes == 4 * (2 << 20), "{st:?}");
     Ok(())
 }
 
 #[test]
 fn adopting_a_pinned_instance_loads_nothing_twice() -> Result<()> {
     let k = kernel_test!(1024);
-    let pair = EndpointPair::new(
-        "198.18.0.2".parse()?,
-        Endpoint::new("198.18.0.3".parse()?, 80),
-    )?;
+    let pair = EndpointPair::new("198.18.0.2".parse()?, Endpoint::new("198.18.0.3".parse()?, 80))?;
     k.dp().insert_pair(&pair, "test")?;
     let id = k.dp().sockops_prog_id()?;
-    let count = || {
-        libbpf_rs::query::ProgInfoIter::default()
-            .filter(|p| p.name == "mw_sockops")
-            .count()
-    };
+    let count = || libbpf_rs::query::ProgInfoIter::default().filter(|p| p.name == "mw_sockops").count();
     let before = count();
     let cfg = DataplaneConfig { ..k.cfg.clone() };
     let again = meshwarp_core::Dataplane::open(&cfg)?;
     ensure!(again.origin() == DataplaneOrigin::Adopted);
     ensure!(again.sockops_prog_id()? == id, "same program");
     ensure!(count() == before, "no second copy loaded");
-    ensure!(
-        again.pairs() == vec![pair],
-        "registry reconciled from the maps"
-    );
+    ensure!(again.pairs() == vec![pair], "registry reconciled from the maps");
     ensure!(k.dp().origin() == DataplaneOrigin::Loaded);
     Ok(())
 }
@@ -454,25 +356,13 @@ fn peer_absent_falls_back_in_order() -> Result<()> {
     let (_c1, _s1) = connect_pods(&net, &listener, false)?;
     let (c2, s2) = connect_pods(&net, &listener, false)?;
     let ck = tuple_sock_key(c2.local_addr()?, c2.peer_addr()?, 0);
-    ensure!(
-        k.dp().sockhash_lookup(&ck)?.is_some(),
-        "client end inserted"
-    );
+    ensure!(k.dp().sockhash_lookup(&ck)?.is_some(), "client end inserted");
     exchange(c2, s2, 51, 2 << 20, T)?;
     let st = k.dp().pair_stats(&pair)?;
     ensure!(st.sockets == 3 && st.fallback_map_full == 1, "{st:?}");
-    ensure!(
-        st.fallback_no_peer >= 1,
-        "first message found no peer: {st:?}"
-    );
-    ensure!(
-        st.fallback_tcp_path >= 1,
-        "later messages stayed on TCP: {st:?}"
-    );
-    ensure!(
-        st.redirected_msgs == 0,
-        "nothing of the second connection redirected: {st:?}"
-    );
+    ensure!(st.fallback_no_peer >= 1, "first message found no peer: {st:?}");
+    ensure!(st.fallback_tcp_path >= 1, "later messages stayed on TCP: {st:?}");
+    ensure!(st.redirected_msgs == 0, "nothing of the second connection redirected: {st:?}");
     Ok(())
 }
 
@@ -500,9 +390,6 @@ fn four_tuple_reuse_after_close() -> Result<()> {
     }
     let st = k.dp().pair_stats(&pair)?;
     ensure!(st.sockets == 6, "{st:?}");
-    ensure!(
-        st.redirected_bytes == 3 * 2 * 256 * 1024,
-        "every round redirected: {st:?}"
-    );
+    ensure!(st.redirected_bytes == 3 * 2 * 256 * 1024, "every round redirected: {st:?}");
     Ok(())
 }

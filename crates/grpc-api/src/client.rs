@@ -51,10 +51,7 @@ impl Target {
 /// A connected client.
 pub async fn connect(target: &str) -> Result<NodeServiceClient<Channel>, ClientError> {
     let t = Target::parse(target)?;
-    let err = |source| ClientError::Connect {
-        target: target.to_string(),
-        source,
-    };
+    let err = |source| ClientError::Connect { target: target.to_string(), source };
     let channel = match t {
         Target::Unix(path) => {
             // The URI is required by the API and ignored by the connector.
@@ -62,9 +59,7 @@ pub async fn connect(target: &str) -> Result<NodeServiceClient<Channel>, ClientE
                 .connect_timeout(Duration::from_secs(5))
                 .connect_with_connector(service_fn(move |_: Uri| {
                     let path = path.clone();
-                    async move {
-                        Ok::<_, std::io::Error>(TokioIo::new(UnixStream::connect(path).await?))
-                    }
+                    async move { Ok::<_, std::io::Error>(TokioIo::new(UnixStream::connect(path).await?)) }
                 }))
                 .await
                 .map_err(err)?
@@ -76,9 +71,7 @@ pub async fn connect(target: &str) -> Result<NodeServiceClient<Channel>, ClientE
             .await
             .map_err(err)?,
     };
-    Ok(NodeServiceClient::new(channel)
-        .max_decoding_message_size(64 << 20)
-        .max_encoding_message_size(64 << 20))
+    Ok(NodeServiceClient::new(channel).max_decoding_message_size(64 << 20).max_encoding_message_size(64 << 20))
 }
 
 #[cfg(test)]
@@ -87,18 +80,9 @@ mod tests {
 
     #[test]
     fn targets() {
-        assert_eq!(
-            Target::parse("unix:/run/x.sock").unwrap(),
-            Target::Unix("/run/x.sock".into())
-        );
-        assert_eq!(
-            Target::parse("/run/x.sock").unwrap(),
-            Target::Unix("/run/x.sock".into())
-        );
-        assert_eq!(
-            Target::parse("http://127.0.0.1:1").unwrap(),
-            Target::Tcp("http://127.0.0.1:1".into())
-        );
+        assert_eq!(Target::parse("unix:/run/x.sock").unwrap(), Target::Unix("/run/x.sock".into()));
+        assert_eq!(Target::parse("/run/x.sock").unwrap(), Target::Unix("/run/x.sock".into()));
+        assert_eq!(Target::parse("http://127.0.0.1:1").unwrap(), Target::Tcp("http://127.0.0.1:1".into()));
         assert!(Target::parse("127.0.0.1:1").is_err());
     }
 }

@@ -4,9 +4,7 @@
 use std::net::IpAddr;
 
 use meshwarp_core::registry::Registered;
-use meshwarp_core::{
-    CaptureRule, Endpoint, EndpointPair, GlobalCounters, RuleCounters, ValidationError,
-};
+use meshwarp_core::{CaptureRule, Endpoint, EndpointPair, GlobalCounters, RuleCounters, ValidationError};
 
 use crate::pb;
 
@@ -23,10 +21,7 @@ pub struct Violations(pub Vec<Violation>);
 
 impl Violations {
     pub fn add(&mut self, field: impl Into<String>, description: impl Into<String>) {
-        self.0.push(Violation {
-            field: field.into(),
-            description: description.into(),
-        });
+        self.0.push(Violation { field: field.into(), description: description.into() });
     }
 
     pub fn is_empty(&self) -> bool {
@@ -74,10 +69,7 @@ fn endpoint(v: &mut Violations, field: String, e: Option<&pb::Endpoint>) -> Opti
     let port = match u16::try_from(e.port) {
         Ok(p) => Some(p),
         Err(_) => {
-            v.add(
-                join(&field, "port"),
-                format!("{} is not a port (1-65535)", e.port),
-            );
+            v.add(join(&field, "port"), format!("{} is not a port (1-65535)", e.port));
             None
         }
     };
@@ -121,10 +113,7 @@ fn pair_parts(
 }
 
 /// A pair from its proto form; `prefix` is its path in the request.
-pub fn pair_from_pb(
-    prefix: &str,
-    p: Option<&pb::EndpointPair>,
-) -> Result<EndpointPair, Violations> {
+pub fn pair_from_pb(prefix: &str, p: Option<&pb::EndpointPair>) -> Result<EndpointPair, Violations> {
     let mut v = Violations::default();
     let Some(p) = p else {
         v.add(prefix, "required");
@@ -157,11 +146,7 @@ fn capture_parts(
     dst: Option<&pb::Endpoint>,
     listener: Option<&pb::Endpoint>,
 ) -> Option<CaptureRule> {
-    let client = if client_ip.is_empty() {
-        Some(None)
-    } else {
-        ip(v, join(prefix, "client_ip"), client_ip).map(Some)
-    };
+    let client = if client_ip.is_empty() { Some(None) } else { ip(v, join(prefix, "client_ip"), client_ip).map(Some) };
     let dst = endpoint(v, join(prefix, "original_dst"), dst);
     let listener = endpoint(v, join(prefix, "listener"), listener);
     match CaptureRule::new(client?, dst?, listener?) {
@@ -173,32 +158,20 @@ fn capture_parts(
     }
 }
 
-pub fn capture_from_pb(
-    prefix: &str,
-    r: Option<&pb::CaptureRule>,
-) -> Result<CaptureRule, Violations> {
+pub fn capture_from_pb(prefix: &str, r: Option<&pb::CaptureRule>) -> Result<CaptureRule, Violations> {
     let mut v = Violations::default();
     let Some(r) = r else {
         v.add(prefix, "required");
         return Err(v);
     };
-    match capture_parts(
-        &mut v,
-        prefix,
-        &r.client_ip,
-        r.original_dst.as_ref(),
-        r.listener.as_ref(),
-    ) {
+    match capture_parts(&mut v, prefix, &r.client_ip, r.original_dst.as_ref(), r.listener.as_ref()) {
         Some(rule) if v.is_empty() => Ok(rule),
         _ => Err(v),
     }
 }
 
 /// A capture rule key, completed with a placeholder listener (keys ignore it).
-pub fn capture_from_key(
-    prefix: &str,
-    k: Option<&pb::CaptureRuleKey>,
-) -> Result<CaptureRule, Violations> {
+pub fn capture_from_key(prefix: &str, k: Option<&pb::CaptureRuleKey>) -> Result<CaptureRule, Violations> {
     let mut v = Violations::default();
     let Some(k) = k else {
         v.add(prefix, "required");
@@ -218,20 +191,14 @@ pub fn owner(v: &mut Violations, field: &str, owner: &str) {
     if owner.is_empty() {
         v.add(field, "required: the controller that owns the resource");
     } else if owner.len() >= meshwarp_bpf::shared::OWNER_LEN {
-        v.add(
-            field,
-            format!("at most {} bytes", meshwarp_bpf::shared::OWNER_LEN - 1),
-        );
+        v.add(field, format!("at most {} bytes", meshwarp_bpf::shared::OWNER_LEN - 1));
     } else if owner.chars().any(|c| c.is_control()) {
         v.add(field, "control characters are not allowed");
     }
 }
 
 pub fn endpoint_to_pb(e: Endpoint) -> pb::Endpoint {
-    pb::Endpoint {
-        ip: e.addr.to_string(),
-        port: u32::from(e.port),
-    }
+    pb::Endpoint { ip: e.addr.to_string(), port: u32::from(e.port) }
 }
 
 pub fn pair_to_pb(r: &Registered<EndpointPair>) -> pb::EndpointPair {
@@ -243,10 +210,7 @@ pub fn pair_to_pb(r: &Registered<EndpointPair>) -> pb::EndpointPair {
 }
 
 pub fn pair_key_to_pb(p: &EndpointPair) -> pb::PairKey {
-    pb::PairKey {
-        client_ip: p.client().to_string(),
-        server: Some(endpoint_to_pb(p.server())),
-    }
+    pb::PairKey { client_ip: p.client().to_string(), server: Some(endpoint_to_pb(p.server())) }
 }
 
 pub fn capture_to_pb(r: &Registered<CaptureRule>) -> pb::CaptureRule {
@@ -278,11 +242,7 @@ pub fn counters_to_pb(c: &RuleCounters) -> pb::RuleCounters {
 }
 
 pub fn global_to_pb(g: &GlobalCounters) -> pb::GlobalCounters {
-    pb::GlobalCounters {
-        established: g.established,
-        not_covered: g.not_covered,
-        no_state: g.no_state,
-    }
+    pb::GlobalCounters { established: g.established, not_covered: g.not_covered, no_state: g.no_state }
 }
 
 #[cfg(test)]
@@ -290,10 +250,7 @@ mod tests {
     use super::*;
 
     fn ep(ip: &str, port: u32) -> Option<pb::Endpoint> {
-        Some(pb::Endpoint {
-            ip: ip.into(),
-            port,
-        })
+        Some(pb::Endpoint { ip: ip.into(), port })
     }
 
     fn fields(v: &Violations) -> Vec<&str> {
@@ -302,40 +259,22 @@ mod tests {
 
     #[test]
     fn pair_round_trip() {
-        let p = pb::EndpointPair {
-            client_ip: "198.18.0.2".into(),
-            server: ep("198.18.0.3", 80),
-            owner: "o".into(),
-        };
+        let p = pb::EndpointPair { client_ip: "198.18.0.2".into(), server: ep("198.18.0.3", 80), owner: "o".into() };
         let pair = pair_from_pb("pair", Some(&p)).unwrap();
-        let back = pair_to_pb(&Registered {
-            rule: pair,
-            owner: "o".into(),
-        });
+        let back = pair_to_pb(&Registered { rule: pair, owner: "o".into() });
         assert_eq!(back, p);
-        assert_eq!(
-            pair_from_key("key", Some(&pair_key_to_pb(&pair))).unwrap(),
-            pair
-        );
+        assert_eq!(pair_from_key("key", Some(&pair_key_to_pb(&pair))).unwrap(), pair);
     }
 
     #[test]
     fn violations_name_proto_fields() {
         let cases = [
             (
-                pb::EndpointPair {
-                    client_ip: "nope".into(),
-                    server: ep("198.18.0.3", 80),
-                    ..Default::default()
-                },
+                pb::EndpointPair { client_ip: "nope".into(), server: ep("198.18.0.3", 80), ..Default::default() },
                 "pair.client_ip",
             ),
             (
-                pb::EndpointPair {
-                    client_ip: "198.18.0.2".into(),
-                    server: ep("198.18.0.3", 0),
-                    ..Default::default()
-                },
+                pb::EndpointPair { client_ip: "198.18.0.2".into(), server: ep("198.18.0.3", 0), ..Default::default() },
                 "pair.server.port",
             ),
             (
@@ -355,37 +294,19 @@ mod tests {
                 "pair.server.ip",
             ),
             (
-                pb::EndpointPair {
-                    client_ip: "0.0.0.0".into(),
-                    server: ep("198.18.0.3", 80),
-                    ..Default::default()
-                },
+                pb::EndpointPair { client_ip: "0.0.0.0".into(), server: ep("198.18.0.3", 80), ..Default::default() },
                 "pair.client_ip",
             ),
-            (
-                pb::EndpointPair {
-                    client_ip: "198.18.0.2".into(),
-                    server: None,
-                    ..Default::default()
-                },
-                "pair.server",
-            ),
+            (pb::EndpointPair { client_ip: "198.18.0.2".into(), server: None, ..Default::default() }, "pair.server"),
         ];
         for (p, want) in cases {
             let v = pair_from_pb("pair", Some(&p)).unwrap_err();
             assert_eq!(fields(&v), vec![want], "{p:?}: {v:?}");
         }
         // Everything wrong at once is reported at once.
-        let p = pb::EndpointPair {
-            client_ip: "x".into(),
-            server: ep("y", 70000),
-            ..Default::default()
-        };
+        let p = pb::EndpointPair { client_ip: "x".into(), server: ep("y", 70000), ..Default::default() };
         let v = pair_from_pb("pair", Some(&p)).unwrap_err();
-        assert_eq!(
-            fields(&v),
-            vec!["pair.client_ip", "pair.server.ip", "pair.server.port"]
-        );
+        assert_eq!(fields(&v), vec!["pair.client_ip", "pair.server.ip", "pair.server.port"]);
     }
 
     #[test]
@@ -398,27 +319,10 @@ mod tests {
         };
         let rule = capture_from_pb("rule", Some(&r)).unwrap();
         assert_eq!(rule.client(), None);
-        assert_eq!(
-            capture_to_pb(&Registered {
-                rule,
-                owner: "o".into()
-            }),
-            r
-        );
-        let bad = pb::CaptureRule {
-            listener: ep("::1", 15001),
-            ..r
-        };
-        assert_eq!(
-            fields(&capture_from_pb("rule", Some(&bad)).unwrap_err()),
-            vec!["rule.listener.ip"]
-        );
-        assert_eq!(
-            capture_from_key("key", Some(&capture_key_to_pb(&rule)))
-                .unwrap()
-                .key(),
-            rule.key()
-        );
+        assert_eq!(capture_to_pb(&Registered { rule, owner: "o".into() }), r);
+        let bad = pb::CaptureRule { listener: ep("::1", 15001), ..r };
+        assert_eq!(fields(&capture_from_pb("rule", Some(&bad)).unwrap_err()), vec!["rule.listener.ip"]);
+        assert_eq!(capture_from_key("key", Some(&capture_key_to_pb(&rule))).unwrap().key(), rule.key());
     }
 
     #[test]

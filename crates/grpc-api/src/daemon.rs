@@ -104,11 +104,7 @@ fn groups_of(pid: i32) -> Vec<u32> {
     status
         .lines()
         .find_map(|l| l.strip_prefix("Groups:"))
-        .map(|g| {
-            g.split_whitespace()
-                .filter_map(|x| x.parse().ok())
-                .collect()
-        })
+        .map(|g| g.split_whitespace().filter_map(|x| x.parse().ok()).collect())
         .unwrap_or_default()
 }
 
@@ -121,59 +117,43 @@ fn authorize(group: Option<Gid>) -> impl Fn(Request<()>) -> Result<Request<()>, 
             return Ok(req);
         };
         let Some(cred) = info.peer_cred else {
-            return Err(Status::permission_denied(
-                "peer credentials unavailable on the Unix socket",
-            ));
+            return Err(Status::permission_denied("peer credentials unavailable on the Unix socket"));
         };
         let uid = cred.uid();
         let in_group = group.is_some_and(|g| {
-            cred.gid() == g.as_raw()
-                || cred
-                    .pid()
-                    .is_some_and(|pid| groups_of(pid).contains(&g.as_raw()))
+            cred.gid() == g.as_raw() || cred.pid().is_some_and(|pid| groups_of(pid).contains(&g.as_raw()))
         });
         if uid == 0 || uid == me || in_group {
             return Ok(req);
         }
-        Err(Status::permission_denied(format!(
-            "uid {uid} is neither root nor in the configured meshwarp group"
-        )))
+        Err(Status::permission_denied(format!("uid {uid} is neither root nor in the configured meshwarp group")))
     }
 }
 
 async fn bind_unix(path: &Path, mode: u32, gid: Option<Gid>) -> Result<UnixListener, DaemonError> {
     if let Some(dir) = path.parent() {
-        tokio::fs::create_dir_all(dir)
-            .await
-            .map_err(io(format!("creating {}", dir.display())))?;
+        tokio::fs::create_dir_all(dir).await.map_err(io(format!("creating {}", dir.display())))?;
     }
     if path.exists() {
         if tokio::net::UnixStream::connect(path).await.is_ok() {
             return Err(DaemonError::SocketInUse(path.to_path_buf()));
         }
         // A stale socket of a daemon that died.
-        tokio::fs::remove_file(path)
-            .await
-            .map_err(io(format!("removing stale {}", path.display())))?;
+        tokio::fs::remove_file(path).await.map_err(io(format!("removing stale {}", path.display())))?;
     }
     let l = UnixListener::bind(path).map_err(io(format!("binding {}", path.display())))?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
         .map_err(io(format!("chmod {}", path.display())))?;
     if let Some(g) = gid {
-        nix::unistd::chown(path, None, Some(g)).map_err(|e| DaemonError::Io {
-            what: format!("chgrp {}", path.display()),
-            source: e.into(),
-        })?;
+        nix::unistd::chown(path, None, Some(g))
+            .map_err(|e| DaemonError::Io { what: format!("chgrp {}", path.display()), source: e.into() })?;
     }
     Ok(l)
 }
 
 /// Runs until `shutdown` resolves, then drains: health turns NOT_SERVING,
 /// RPCs answer UNAVAILABLE, in-flight calls get `drain_timeout` to finish.
-pub async fn run(
-    opts: DaemonOptions,
-    shutdown: impl Future<Output = ()> + Send + 'static,
-) -> Result<(), DaemonError> {
+pub async fn run(opts: DaemonOptions, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<(), DaemonError> {
     let gid = check_options(&opts)?;
     let dp = Arc::new(Dataplane::open(&opts.dataplane)?);
     tracing::info!(origin = ?dp.origin(), pin_dir = %dp.pin_dir().display(), pairs = dp.pairs().len(),
@@ -186,13 +166,9 @@ pub async fn run(
         .register_encoded_file_descriptor_set(crate::pb::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1()
-        .map_err(|e| DaemonError::Io {
-            what: "reflection".into(),
-            source: std::io::Error::other(e),
-        })?;
-    let inner = NodeServiceServer::new(node.clone())
-        .max_decoding_message_size(64 << 20)
-        .max_encoding_message_size(64 << 20);
+        .map_err(|e| DaemonError::Io { what: "reflection".into(), source: std::io::Error::other(e) })?;
+    let inner =
+        NodeServiceServer::new(node.clone()).max_decoding_message_size(64 << 20).max_encoding_message_size(64 << 20);
     let svc = tonic::service::interceptor::InterceptedService::new(inner, authorize(gid));
 
     let (stop_tx, _) = tokio::sync::broadcast::channel::<()>(1);
@@ -214,9 +190,7 @@ pub async fn run(
         });
     }
     if let Some(addr) = opts.tcp_listen {
-        let l = TcpListener::bind(addr)
-            .await
-            .map_err(io(format!("binding {addr}")))?;
+        let l = TcpListener::bind(addr).await.map_err(io(format!("binding {addr}")))?;
         tracing::info!(%addr, "serving gRPC on loopback TCP");
         let router = tonic::transport::Server::builder()
             .add_service(health_svc.clone())
@@ -232,9 +206,7 @@ pub async fn run(
         });
     }
     if let Some(addr) = opts.metrics_listen {
-        let l = TcpListener::bind(addr)
-            .await
-            .map_err(io(format!("binding metrics {addr}")))?;
+        let l = TcpListener::bind(addr).await.map_err(io(format!("binding metrics {addr}")))?;
         tracing::info!(%addr, "serving /metrics");
         let (m, d) = (Arc::clone(&metrics), Arc::clone(&dp));
         let app = axum::Router::new().route(
@@ -242,9 +214,7 @@ pub async fn run(
             axum::routing::get(move || {
                 let (m, d) = (Arc::clone(&m), Arc::clone(&d));
                 async move {
-                    let body = tokio::task::spawn_blocking(move || m.render(&d))
-                        .await
-                        .unwrap_or_default();
+                    let body = tokio::task::spawn_blocking(move || m.render(&d)).await.unwrap_or_default();
                     (
                         [(
                             axum::http::header::CONTENT_TYPE,
@@ -269,17 +239,12 @@ pub async fn run(
             Ok(())
         });
     }
-    tracing::info!(
-        instance_id = node.instance_id(),
-        "meshwarp node service ready"
-    );
+    tracing::info!(instance_id = node.instance_id(), "meshwarp node service ready");
 
     shutdown.await;
     tracing::info!("stopping: draining RPCs; the pinned data path keeps forwarding");
     node.start_draining();
-    health
-        .set_not_serving::<NodeServiceServer<NodeServer>>()
-        .await;
+    health.set_not_serving::<NodeServiceServer<NodeServer>>().await;
     let _ = stop_tx.send(());
     let drained = tokio::time::timeout(opts.drain_timeout, async {
         while let Some(r) = servers.join_next().await {

@@ -54,29 +54,13 @@ impl Metrics {
         let latency = Family::<MethodLabel, Histogram>::new_with_constructor(|| {
             Histogram::new(exponential_buckets(0.000_01, 2.0, 18))
         });
-        let (pairs, captures, redirected_msgs, redirected_bytes) = (
-            Gauge::default(),
-            Gauge::default(),
-            Gauge::default(),
-            Gauge::default(),
-        );
+        let (pairs, captures, redirected_msgs, redirected_bytes) =
+            (Gauge::default(), Gauge::default(), Gauge::default(), Gauge::default());
         let fallbacks = Family::<ReasonLabel, Gauge>::default();
-        registry.register(
-            "rpc_requests",
-            "gRPC requests by method and status code",
-            rpcs.clone(),
-        );
-        registry.register(
-            "rpc_duration_seconds",
-            "gRPC request latency by method",
-            latency.clone(),
-        );
+        registry.register("rpc_requests", "gRPC requests by method and status code", rpcs.clone());
+        registry.register("rpc_duration_seconds", "gRPC request latency by method", latency.clone());
         registry.register("endpoint_pairs", "Registered endpoint pairs", pairs.clone());
-        registry.register(
-            "capture_rules",
-            "Registered capture rules",
-            captures.clone(),
-        );
+        registry.register("capture_rules", "Registered capture rules", captures.clone());
         registry.register(
             "redirected_messages",
             "Messages redirected socket to socket (all rules)",
@@ -87,11 +71,7 @@ impl Metrics {
             "Bytes redirected socket to socket (all rules)",
             redirected_bytes.clone(),
         );
-        registry.register(
-            "fallbacks",
-            "Traffic left on the normal TCP path, by reason",
-            fallbacks.clone(),
-        );
+        registry.register("fallbacks", "Traffic left on the normal TCP path, by reason", fallbacks.clone());
         Self {
             registry: Mutex::new(registry),
             rpcs,
@@ -106,17 +86,8 @@ impl Metrics {
 
     /// Records one RPC.
     pub fn observe(&self, method: &str, code: tonic::Code, elapsed: Duration) {
-        self.rpcs
-            .get_or_create(&RpcLabels {
-                method: method.into(),
-                code: format!("{code:?}"),
-            })
-            .inc();
-        self.latency
-            .get_or_create(&MethodLabel {
-                method: method.into(),
-            })
-            .observe(elapsed.as_secs_f64());
+        self.rpcs.get_or_create(&RpcLabels { method: method.into(), code: format!("{code:?}") }).inc();
+        self.latency.get_or_create(&MethodLabel { method: method.into() }).observe(elapsed.as_secs_f64());
     }
 
     /// The text exposition, with data-path counters read now.
@@ -158,11 +129,7 @@ impl Metrics {
             ("insert_error", fb[3]),
             ("not_covered", not_covered),
         ] {
-            self.fallbacks
-                .get_or_create(&ReasonLabel {
-                    reason: reason.into(),
-                })
-                .set(as_i64(v));
+            self.fallbacks.get_or_create(&ReasonLabel { reason: reason.into() }).set(as_i64(v));
         }
         let mut out = String::new();
         let registry = self.registry.lock().unwrap_or_else(|p| p.into_inner());

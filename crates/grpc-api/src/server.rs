@@ -35,11 +35,7 @@ pub struct ServerConfig {
 
 impl Default for ServerConfig {
     fn default() -> Self {
-        Self {
-            max_batch_size: 10_000,
-            event_history: 4096,
-            version: env!("CARGO_PKG_VERSION").into(),
-        }
+        Self { max_batch_size: 10_000, event_history: 4096, version: env!("CARGO_PKG_VERSION").into() }
     }
 }
 
@@ -63,10 +59,7 @@ impl EventLog {
     pub fn new(cap: usize) -> Self {
         let (tx, _) = broadcast::channel(cap.max(16));
         Self {
-            inner: Mutex::new(LogInner {
-                revision: 0,
-                history: VecDeque::new(),
-            }),
+            inner: Mutex::new(LogInner { revision: 0, history: VecDeque::new() }),
             tx,
             instance_id: uuid::Uuid::new_v4().to_string(),
             cap: cap.max(1),
@@ -140,13 +133,7 @@ fn event_type(o: Outcome) -> Option<EventType> {
 impl NodeServer {
     pub fn new(dp: Arc<Dataplane>, cfg: ServerConfig, metrics: Arc<Metrics>) -> Self {
         let log = Arc::new(EventLog::new(cfg.event_history));
-        Self {
-            dp,
-            log,
-            cfg,
-            draining: Arc::new(AtomicBool::new(false)),
-            metrics,
-        }
+        Self { dp, log, cfg, draining: Arc::new(AtomicBool::new(false)), metrics }
     }
 
     pub fn instance_id(&self) -> &str {
@@ -164,9 +151,7 @@ impl NodeServer {
 
     fn serving(&self) -> Result<(), Status> {
         if self.draining.load(Ordering::SeqCst) {
-            return Err(Status::unavailable(
-                "meshwarp node service is draining; retry against the next instance",
-            ));
+            return Err(Status::unavailable("meshwarp node service is draining; retry against the next instance"));
         }
         Ok(())
     }
@@ -185,32 +170,18 @@ impl NodeServer {
     }
 
     /// Runs an RPC body, recording its code and latency.
-    fn observed<T>(
-        &self,
-        method: &str,
-        start: Instant,
-        r: Result<T, Status>,
-    ) -> Result<Response<T>, Status> {
-        let code = r
-            .as_ref()
-            .map(|_| tonic::Code::Ok)
-            .unwrap_or_else(|s| s.code());
+    fn observed<T>(&self, method: &str, start: Instant, r: Result<T, Status>) -> Result<Response<T>, Status> {
+        let code = r.as_ref().map(|_| tonic::Code::Ok).unwrap_or_else(|s| s.code());
         self.metrics.observe(method, code, start.elapsed());
         r.map(Response::new)
     }
 
     fn pair_pb(pair: &meshwarp_core::EndpointPair, owner: &str) -> pb::EndpointPair {
-        convert::pair_to_pb(&Registered {
-            rule: *pair,
-            owner: owner.to_string(),
-        })
+        convert::pair_to_pb(&Registered { rule: *pair, owner: owner.to_string() })
     }
 
     fn capture_pb(rule: &meshwarp_core::CaptureRule, owner: &str) -> pb::CaptureRule {
-        convert::capture_to_pb(&Registered {
-            rule: *rule,
-            owner: owner.to_string(),
-        })
+        convert::capture_to_pb(&Registered { rule: *rule, owner: owner.to_string() })
     }
 
     fn create_pair(&self, r: pb::CreatePairRequest) -> Result<pb::CreatePairResponse, Status> {
@@ -223,18 +194,10 @@ impl NodeServer {
         })?;
         check(v)?;
         let mut log = self.log.lock();
-        self.dp
-            .registry()
-            .insert_pair(&pair, &r.owner)
-            .map_err(|e| from_registry(&e))?;
+        self.dp.registry().insert_pair(&pair, &r.owner).map_err(|e| from_registry(&e))?;
         let out = Self::pair_pb(&pair, &r.owner);
-        let revision = self
-            .log
-            .push(&mut log, EventType::Created, Resource::Pair(out.clone()));
-        Ok(pb::CreatePairResponse {
-            pair: Some(out),
-            revision,
-        })
+        let revision = self.log.push(&mut log, EventType::Created, Resource::Pair(out.clone()));
+        Ok(pb::CreatePairResponse { pair: Some(out), revision })
     }
 
     fn update_pair(&self, r: pb::UpdatePairRequest) -> Result<pb::UpdatePairResponse, Status> {
@@ -251,20 +214,14 @@ impl NodeServer {
         if !r.allow_missing {
             reg.get_pair(&pair).map_err(|e| from_registry(&e))?;
         }
-        let outcome = reg
-            .upsert_pair(&pair, &r.owner)
-            .map_err(|e| from_registry(&e))?;
+        let outcome = reg.upsert_pair(&pair, &r.owner).map_err(|e| from_registry(&e))?;
         drop(reg);
         let out = Self::pair_pb(&pair, &r.owner);
         let revision = match event_type(outcome) {
             Some(t) => self.log.push(&mut log, t, Resource::Pair(out.clone())),
             None => log.revision,
         };
-        Ok(pb::UpdatePairResponse {
-            pair: Some(out),
-            revision,
-            created: outcome == Outcome::Created,
-        })
+        Ok(pb::UpdatePairResponse { pair: Some(out), revision, created: outcome == Outcome::Created })
     }
 
     fn delete_pair(&self, r: pb::DeletePairRequest) -> Result<pb::DeletePairResponse, Status> {
@@ -280,22 +237,12 @@ impl NodeServer {
         match self.dp.registry().remove_pair(&pair, Some(&r.owner)) {
             Ok(()) => {}
             Err(meshwarp_core::RegistryError::NotFound(_)) if r.allow_missing => {
-                return Ok(pb::DeletePairResponse {
-                    revision: log.revision,
-                    deleted: false,
-                });
+                return Ok(pb::DeletePairResponse { revision: log.revision, deleted: false });
             }
             Err(e) => return Err(from_registry(&e)),
         }
-        let revision = self.log.push(
-            &mut log,
-            EventType::Deleted,
-            Resource::Pair(Self::pair_pb(&pair, &r.owner)),
-        );
-        Ok(pb::DeletePairResponse {
-            revision,
-            deleted: true,
-        })
+        let revision = self.log.push(&mut log, EventType::Deleted, Resource::Pair(Self::pair_pb(&pair, &r.owner)));
+        Ok(pb::DeletePairResponse { revision, deleted: true })
     }
 
     fn get_pair(&self, r: pb::GetPairRequest) -> Result<pb::GetPairResponse, Status> {
@@ -319,17 +266,10 @@ impl NodeServer {
             .filter(|p| r.owner.is_empty() || p.owner == r.owner)
             .map(convert::pair_to_pb)
             .collect();
-        Ok(pb::ListPairsResponse {
-            pairs,
-            revision: log.revision,
-            instance_id: self.log.instance_id.clone(),
-        })
+        Ok(pb::ListPairsResponse { pairs, revision: log.revision, instance_id: self.log.instance_id.clone() })
     }
 
-    fn batch_upsert_pairs(
-        &self,
-        r: pb::BatchUpsertPairsRequest,
-    ) -> Result<pb::BatchUpsertPairsResponse, Status> {
+    fn batch_upsert_pairs(&self, r: pb::BatchUpsertPairsRequest) -> Result<pb::BatchUpsertPairsResponse, Status> {
         self.serving()?;
         self.batch_size("pairs", r.pairs.len())?;
         let mut v = Violations::default();
@@ -343,11 +283,7 @@ impl NodeServer {
         }
         check(v)?;
         let mut log = self.log.lock();
-        let outcomes = self
-            .dp
-            .registry()
-            .batch_upsert_pairs(&pairs, &r.owner)
-            .map_err(|e| from_registry(&e))?;
+        let outcomes = self.dp.registry().batch_upsert_pairs(&pairs, &r.owner).map_err(|e| from_registry(&e))?;
         let mut resp = pb::BatchUpsertPairsResponse::default();
         for (pair, o) in pairs.iter().zip(&outcomes) {
             match o {
@@ -356,18 +292,14 @@ impl NodeServer {
                 Outcome::Unchanged => resp.unchanged += 1,
             }
             if let Some(t) = event_type(*o) {
-                self.log
-                    .push(&mut log, t, Resource::Pair(Self::pair_pb(pair, &r.owner)));
+                self.log.push(&mut log, t, Resource::Pair(Self::pair_pb(pair, &r.owner)));
             }
         }
         resp.revision = log.revision;
         Ok(resp)
     }
 
-    fn batch_delete_pairs(
-        &self,
-        r: pb::BatchDeletePairsRequest,
-    ) -> Result<pb::BatchDeletePairsResponse, Status> {
+    fn batch_delete_pairs(&self, r: pb::BatchDeletePairsRequest) -> Result<pb::BatchDeletePairsResponse, Status> {
         self.serving()?;
         self.batch_size("keys", r.keys.len())?;
         let mut v = Violations::default();
@@ -381,32 +313,19 @@ impl NodeServer {
         }
         check(v)?;
         let mut log = self.log.lock();
-        let deleted = self
-            .dp
-            .registry()
-            .batch_remove_pairs(&pairs, &r.owner, r.allow_missing)
-            .map_err(|e| from_registry(&e))?;
+        let deleted =
+            self.dp.registry().batch_remove_pairs(&pairs, &r.owner, r.allow_missing).map_err(|e| from_registry(&e))?;
         let mut n = 0;
         for (pair, d) in pairs.iter().zip(deleted) {
             if d {
                 n += 1;
-                self.log.push(
-                    &mut log,
-                    EventType::Deleted,
-                    Resource::Pair(Self::pair_pb(pair, &r.owner)),
-                );
+                self.log.push(&mut log, EventType::Deleted, Resource::Pair(Self::pair_pb(pair, &r.owner)));
             }
         }
-        Ok(pb::BatchDeletePairsResponse {
-            revision: log.revision,
-            deleted: n,
-        })
+        Ok(pb::BatchDeletePairsResponse { revision: log.revision, deleted: n })
     }
 
-    fn create_capture(
-        &self,
-        r: pb::CreateCaptureRuleRequest,
-    ) -> Result<pb::CreateCaptureRuleResponse, Status> {
+    fn create_capture(&self, r: pb::CreateCaptureRuleRequest) -> Result<pb::CreateCaptureRuleResponse, Status> {
         self.serving()?;
         let mut v = Violations::default();
         convert::owner(&mut v, "owner", &r.owner);
@@ -416,26 +335,13 @@ impl NodeServer {
         })?;
         check(v)?;
         let mut log = self.log.lock();
-        self.dp
-            .registry()
-            .insert_capture(&rule, &r.owner)
-            .map_err(|e| from_registry(&e))?;
+        self.dp.registry().insert_capture(&rule, &r.owner).map_err(|e| from_registry(&e))?;
         let out = Self::capture_pb(&rule, &r.owner);
-        let revision = self.log.push(
-            &mut log,
-            EventType::Created,
-            Resource::CaptureRule(out.clone()),
-        );
-        Ok(pb::CreateCaptureRuleResponse {
-            rule: Some(out),
-            revision,
-        })
+        let revision = self.log.push(&mut log, EventType::Created, Resource::CaptureRule(out.clone()));
+        Ok(pb::CreateCaptureRuleResponse { rule: Some(out), revision })
     }
 
-    fn update_capture(
-        &self,
-        r: pb::UpdateCaptureRuleRequest,
-    ) -> Result<pb::UpdateCaptureRuleResponse, Status> {
+    fn update_capture(&self, r: pb::UpdateCaptureRuleRequest) -> Result<pb::UpdateCaptureRuleResponse, Status> {
         self.serving()?;
         let mut v = Violations::default();
         convert::owner(&mut v, "owner", &r.owner);
@@ -449,28 +355,17 @@ impl NodeServer {
         if !r.allow_missing {
             reg.get_capture(&rule).map_err(|e| from_registry(&e))?;
         }
-        let outcome = reg
-            .upsert_capture(&rule, &r.owner)
-            .map_err(|e| from_registry(&e))?;
+        let outcome = reg.upsert_capture(&rule, &r.owner).map_err(|e| from_registry(&e))?;
         drop(reg);
         let out = Self::capture_pb(&rule, &r.owner);
         let revision = match event_type(outcome) {
-            Some(t) => self
-                .log
-                .push(&mut log, t, Resource::CaptureRule(out.clone())),
+            Some(t) => self.log.push(&mut log, t, Resource::CaptureRule(out.clone())),
             None => log.revision,
         };
-        Ok(pb::UpdateCaptureRuleResponse {
-            rule: Some(out),
-            revision,
-            created: outcome == Outcome::Created,
-        })
+        Ok(pb::UpdateCaptureRuleResponse { rule: Some(out), revision, created: outcome == Outcome::Created })
     }
 
-    fn delete_capture(
-        &self,
-        r: pb::DeleteCaptureRuleRequest,
-    ) -> Result<pb::DeleteCaptureRuleResponse, Status> {
+    fn delete_capture(&self, r: pb::DeleteCaptureRuleRequest) -> Result<pb::DeleteCaptureRuleResponse, Status> {
         self.serving()?;
         let mut v = Violations::default();
         convert::owner(&mut v, "owner", &r.owner);
@@ -484,31 +379,18 @@ impl NodeServer {
         let existing = match reg.get_capture(&key) {
             Ok(e) => e,
             Err(meshwarp_core::RegistryError::NotFound(_)) if r.allow_missing => {
-                return Ok(pb::DeleteCaptureRuleResponse {
-                    revision: log.revision,
-                    deleted: false,
-                });
+                return Ok(pb::DeleteCaptureRuleResponse { revision: log.revision, deleted: false });
             }
             Err(e) => return Err(from_registry(&e)),
         };
-        reg.remove_capture(&key, Some(&r.owner))
-            .map_err(|e| from_registry(&e))?;
+        reg.remove_capture(&key, Some(&r.owner)).map_err(|e| from_registry(&e))?;
         drop(reg);
-        let revision = self.log.push(
-            &mut log,
-            EventType::Deleted,
-            Resource::CaptureRule(convert::capture_to_pb(&existing)),
-        );
-        Ok(pb::DeleteCaptureRuleResponse {
-            revision,
-            deleted: true,
-        })
+        let revision =
+            self.log.push(&mut log, EventType::Deleted, Resource::CaptureRule(convert::capture_to_pb(&existing)));
+        Ok(pb::DeleteCaptureRuleResponse { revision, deleted: true })
     }
 
-    fn get_capture(
-        &self,
-        r: pb::GetCaptureRuleRequest,
-    ) -> Result<pb::GetCaptureRuleResponse, Status> {
+    fn get_capture(&self, r: pb::GetCaptureRuleRequest) -> Result<pb::GetCaptureRuleResponse, Status> {
         let key = convert::capture_from_key("key", r.key.as_ref()).map_err(|v| invalid(&v))?;
         let reg = self.dp.registry();
         let got = reg.get_capture(&key).map_err(|e| from_registry(&e))?;
@@ -519,10 +401,7 @@ impl NodeServer {
         })
     }
 
-    fn list_captures(
-        &self,
-        r: pb::ListCaptureRulesRequest,
-    ) -> Result<pb::ListCaptureRulesResponse, Status> {
+    fn list_captures(&self, r: pb::ListCaptureRulesRequest) -> Result<pb::ListCaptureRulesResponse, Status> {
         let log = self.log.lock();
         let rules = self
             .dp
@@ -532,11 +411,7 @@ impl NodeServer {
             .filter(|c| r.owner.is_empty() || c.owner == r.owner)
             .map(convert::capture_to_pb)
             .collect();
-        Ok(pb::ListCaptureRulesResponse {
-            rules,
-            revision: log.revision,
-            instance_id: self.log.instance_id.clone(),
-        })
+        Ok(pb::ListCaptureRulesResponse { rules, revision: log.revision, instance_id: self.log.instance_id.clone() })
     }
 
     fn batch_upsert_captures(
@@ -556,11 +431,7 @@ impl NodeServer {
         }
         check(v)?;
         let mut log = self.log.lock();
-        let outcomes = self
-            .dp
-            .registry()
-            .batch_upsert_captures(&rules, &r.owner)
-            .map_err(|e| from_registry(&e))?;
+        let outcomes = self.dp.registry().batch_upsert_captures(&rules, &r.owner).map_err(|e| from_registry(&e))?;
         let mut resp = pb::BatchUpsertCaptureRulesResponse::default();
         for (rule, o) in rules.iter().zip(&outcomes) {
             match o {
@@ -569,11 +440,7 @@ impl NodeServer {
                 Outcome::Unchanged => resp.unchanged += 1,
             }
             if let Some(t) = event_type(*o) {
-                self.log.push(
-                    &mut log,
-                    t,
-                    Resource::CaptureRule(Self::capture_pb(rule, &r.owner)),
-                );
+                self.log.push(&mut log, t, Resource::CaptureRule(Self::capture_pb(rule, &r.owner)));
             }
         }
         resp.revision = log.revision;
@@ -599,34 +466,22 @@ impl NodeServer {
         let mut log = self.log.lock();
         let mut reg = self.dp.registry();
         let existing: Vec<_> = keys.iter().map(|k| reg.get_capture(k).ok()).collect();
-        let deleted = reg
-            .batch_remove_captures(&keys, &r.owner, r.allow_missing)
-            .map_err(|e| from_registry(&e))?;
+        let deleted = reg.batch_remove_captures(&keys, &r.owner, r.allow_missing).map_err(|e| from_registry(&e))?;
         drop(reg);
         let mut n = 0;
         for (e, d) in existing.iter().zip(deleted) {
             if let (Some(e), true) = (e, d) {
                 n += 1;
-                self.log.push(
-                    &mut log,
-                    EventType::Deleted,
-                    Resource::CaptureRule(convert::capture_to_pb(e)),
-                );
+                self.log.push(&mut log, EventType::Deleted, Resource::CaptureRule(convert::capture_to_pb(e)));
             }
         }
-        Ok(pb::BatchDeleteCaptureRulesResponse {
-            revision: log.revision,
-            deleted: n,
-        })
+        Ok(pb::BatchDeleteCaptureRulesResponse { revision: log.revision, deleted: n })
     }
 
     fn stats(&self) -> Result<pb::GetStatsResponse, Status> {
         let reg = self.dp.registry();
         let global = reg.global_stats().map_err(|e| from_registry(&e))?;
-        let mut resp = pb::GetStatsResponse {
-            global: Some(convert::global_to_pb(&global)),
-            ..Default::default()
-        };
+        let mut resp = pb::GetStatsResponse { global: Some(convert::global_to_pb(&global)), ..Default::default() };
         for p in reg.pairs() {
             let c = reg.pair_stats(&p.rule).map_err(|e| from_registry(&e))?;
             resp.pairs.push(pb::PairStats {
@@ -652,47 +507,28 @@ impl NodeServer {
                 r.instance_id, self.log.instance_id
             )));
         }
-        let from = if r.after_revision == 0 {
-            log.revision
-        } else {
-            r.after_revision
-        };
+        let from = if r.after_revision == 0 { log.revision } else { r.after_revision };
         if from > log.revision {
-            return Err(Status::out_of_range(format!(
-                "revision {from} is ahead of this node ({})",
-                log.revision
-            )));
+            return Err(Status::out_of_range(format!("revision {from} is ahead of this node ({})", log.revision)));
         }
-        let oldest_kept = log
-            .history
-            .front()
-            .map(|e| e.revision)
-            .unwrap_or(log.revision + 1);
+        let oldest_kept = log.history.front().map(|e| e.revision).unwrap_or(log.revision + 1);
         if from < log.revision && from + 1 < oldest_kept {
             return Err(Status::out_of_range(format!(
                 "revision {from} is too old (history starts at {oldest_kept}): list again, then watch"
             )));
         }
-        let replay: Vec<_> = log
-            .history
-            .iter()
-            .filter(|e| e.revision > from)
-            .cloned()
-            .map(Ok)
-            .collect();
+        let replay: Vec<_> = log.history.iter().filter(|e| e.revision > from).cloned().map(Ok).collect();
         let last = replay
             .last()
-            .map(|e: &Result<pb::WatchResponse, Status>| {
-                e.as_ref().map(|x| x.revision).unwrap_or(from)
-            })
+            .map(|e: &Result<pb::WatchResponse, Status>| e.as_ref().map(|x| x.revision).unwrap_or(from))
             .unwrap_or(from);
         // Subscribed while holding the log: no event falls between replay and live.
         let live = BroadcastStream::new(self.log.tx.subscribe()).filter_map(move |e| match e {
             Ok(ev) if ev.revision > last => Some(Ok(ev)),
             Ok(_) => None,
-            Err(BroadcastStreamRecvError::Lagged(n)) => Some(Err(Status::out_of_range(format!(
-                "watcher fell {n} events behind: list again, then watch"
-            )))),
+            Err(BroadcastStreamRecvError::Lagged(n)) => {
+                Some(Err(Status::out_of_range(format!("watcher fell {n} events behind: list again, then watch"))))
+            }
         });
         drop(log);
         Ok(Box::pin(tokio_stream::iter(replay).chain(live)))
@@ -701,32 +537,15 @@ impl NodeServer {
     fn node_info(&self) -> Result<pb::GetNodeInfoResponse, Status> {
         let dp = &self.dp;
         let (used, capacity) = dp.registry().usage();
-        let kernel_release = nix::sys::utsname::uname()
-            .map(|u| u.release().to_string_lossy().into_owned())
-            .unwrap_or_default();
+        let kernel_release =
+            nix::sys::utsname::uname().map(|u| u.release().to_string_lossy().into_owned()).unwrap_or_default();
         let mut features = Vec::new();
         for (name, ok, detail) in [
-            (
-                "btf",
-                std::path::Path::new("/sys/kernel/btf/vmlinux").exists(),
-                "/sys/kernel/btf/vmlinux",
-            ),
-            (
-                "cgroup2",
-                !meshwarp_core::sys::mounts_of("cgroup2").is_empty(),
-                "a cgroup2 mount",
-            ),
-            (
-                "bpffs",
-                !meshwarp_core::sys::mounts_of("bpf").is_empty(),
-                "a bpf filesystem",
-            ),
+            ("btf", std::path::Path::new("/sys/kernel/btf/vmlinux").exists(), "/sys/kernel/btf/vmlinux"),
+            ("cgroup2", !meshwarp_core::sys::mounts_of("cgroup2").is_empty(), "a cgroup2 mount"),
+            ("bpffs", !meshwarp_core::sys::mounts_of("bpf").is_empty(), "a bpf filesystem"),
         ] {
-            features.push(pb::KernelFeature {
-                name: name.into(),
-                available: ok,
-                detail: detail.into(),
-            });
+            features.push(pb::KernelFeature { name: name.into(), available: ok, detail: detail.into() });
         }
         let sockops = dp.sockops_prog_id().unwrap_or(0);
         features.push(pb::KernelFeature {
@@ -782,16 +601,10 @@ impl NodeService for NodeServer {
     ) -> Result<Response<pb::DeletePairResponse>, Status> {
         rpc!(self, "DeletePair", req, delete_pair)
     }
-    async fn get_pair(
-        &self,
-        req: Request<pb::GetPairRequest>,
-    ) -> Result<Response<pb::GetPairResponse>, Status> {
+    async fn get_pair(&self, req: Request<pb::GetPairRequest>) -> Result<Response<pb::GetPairResponse>, Status> {
         rpc!(self, "GetPair", req, get_pair)
     }
-    async fn list_pairs(
-        &self,
-        req: Request<pb::ListPairsRequest>,
-    ) -> Result<Response<pb::ListPairsResponse>, Status> {
+    async fn list_pairs(&self, req: Request<pb::ListPairsRequest>) -> Result<Response<pb::ListPairsResponse>, Status> {
         rpc!(self, "ListPairs", req, list_pairs)
     }
     async fn batch_upsert_pairs(
@@ -848,10 +661,7 @@ impl NodeService for NodeServer {
     ) -> Result<Response<pb::BatchDeleteCaptureRulesResponse>, Status> {
         rpc!(self, "BatchDeleteCaptureRules", req, batch_delete_captures)
     }
-    async fn get_stats(
-        &self,
-        _req: Request<pb::GetStatsRequest>,
-    ) -> Result<Response<pb::GetStatsResponse>, Status> {
+    async fn get_stats(&self, _req: Request<pb::GetStatsRequest>) -> Result<Response<pb::GetStatsResponse>, Status> {
         let start = Instant::now();
         let r = self.stats();
         self.observed("GetStats", start, r)
@@ -859,10 +669,7 @@ impl NodeService for NodeServer {
 
     type WatchStream = WatchStream;
 
-    async fn watch(
-        &self,
-        req: Request<pb::WatchRequest>,
-    ) -> Result<Response<Self::WatchStream>, Status> {
+    async fn watch(&self, req: Request<pb::WatchRequest>) -> Result<Response<Self::WatchStream>, Status> {
         rpc!(self, "Watch", req, watch_stream)
     }
 

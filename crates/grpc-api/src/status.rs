@@ -13,10 +13,7 @@ pub fn invalid(v: &Violations) -> Status {
     for x in &v.0 {
         details.add_bad_request_violation(x.field.clone(), x.description.clone());
     }
-    let summary: Vec<String> =
-        v.0.iter()
-            .map(|x| format!("{}: {}", x.field, x.description))
-            .collect();
+    let summary: Vec<String> = v.0.iter().map(|x| format!("{}: {}", x.field, x.description)).collect();
     Status::with_error_details(Code::InvalidArgument, summary.join("; "), details)
 }
 
@@ -49,18 +46,11 @@ mod tests {
     #[test]
     fn codes_are_distinct_per_kind() {
         let cases = [
-            (
-                RegistryError::AlreadyExists("x".into()),
-                Code::AlreadyExists,
-            ),
+            (RegistryError::AlreadyExists("x".into()), Code::AlreadyExists),
             (RegistryError::NotFound("x".into()), Code::NotFound),
             (RegistryError::Full { capacity: 1 }, Code::ResourceExhausted),
             (
-                RegistryError::OwnerMismatch {
-                    what: "x".into(),
-                    owner: "a".into(),
-                    requested: "b".into(),
-                },
+                RegistryError::OwnerMismatch { what: "x".into(), owner: "a".into(), requested: "b".into() },
                 Code::PermissionDenied,
             ),
             (RegistryError::Inconsistent("x".into()), Code::Internal),
@@ -78,11 +68,7 @@ mod tests {
         let s = invalid(&v);
         assert_eq!(s.code(), Code::InvalidArgument);
         let br = s.get_details_bad_request().expect("BadRequest detail");
-        let fields: Vec<_> = br
-            .field_violations
-            .iter()
-            .map(|f| f.field.as_str())
-            .collect();
+        let fields: Vec<_> = br.field_violations.iter().map(|f| f.field.as_str()).collect();
         assert_eq!(fields, vec!["pair.server.port", "owner"]);
     }
 }

@@ -25,31 +25,23 @@ fn follows_buf_standard_conventions() {
     for file in &set.file {
         let pkg = file.package();
         let name = file.name();
-        if !pkg.split('.').next_back().is_some_and(|v| {
-            v.starts_with('v') && v[1..].chars().next().is_some_and(|c| c.is_ascii_digit())
-        }) {
+        if !pkg
+            .split('.')
+            .next_back()
+            .is_some_and(|v| v.starts_with('v') && v[1..].chars().next().is_some_and(|c| c.is_ascii_digit()))
+        {
             problems.push(format!("{name}: package {pkg} has no version suffix"));
         }
         if !name.starts_with(&format!("{}/", pkg.replace('.', "/"))) {
             problems.push(format!("{name}: not in the directory of package {pkg}"));
         }
         for m in &file.message_type {
-            if !m
-                .name()
-                .chars()
-                .next()
-                .is_some_and(|c| c.is_ascii_uppercase())
-                || m.name().contains('_')
-            {
+            if !m.name().chars().next().is_some_and(|c| c.is_ascii_uppercase()) || m.name().contains('_') {
                 problems.push(format!("message {} is not PascalCase", m.name()));
             }
             for f in &m.field {
                 if f.name() != f.name().to_lowercase() || f.name().contains("__") {
-                    problems.push(format!(
-                        "field {}.{} is not lower_snake_case",
-                        m.name(),
-                        f.name()
-                    ));
+                    problems.push(format!("field {}.{} is not lower_snake_case", m.name(), f.name()));
                 }
             }
         }
@@ -57,10 +49,7 @@ fn follows_buf_standard_conventions() {
             let prefix = upper_snake(e.name());
             match e.value.first() {
                 Some(z) if z.number() == 0 && z.name() == format!("{prefix}_UNSPECIFIED") => {}
-                _ => problems.push(format!(
-                    "enum {}: zero value must be {prefix}_UNSPECIFIED",
-                    e.name()
-                )),
+                _ => problems.push(format!("enum {}: zero value must be {prefix}_UNSPECIFIED", e.name())),
             }
             for v in &e.value {
                 if !v.name().starts_with(&format!("{prefix}_")) {
@@ -77,18 +66,10 @@ fn follows_buf_standard_conventions() {
                 let want_in = format!(".{pkg}.{}Request", m.name());
                 let want_out = format!(".{pkg}.{}Response", m.name());
                 if m.input_type() != want_in {
-                    problems.push(format!(
-                        "rpc {}: request is {}, want {want_in}",
-                        m.name(),
-                        m.input_type()
-                    ));
+                    problems.push(format!("rpc {}: request is {}, want {want_in}", m.name(), m.input_type()));
                 }
                 if m.output_type() != want_out {
-                    problems.push(format!(
-                        "rpc {}: response is {}, want {want_out}",
-                        m.name(),
-                        m.output_type()
-                    ));
+                    problems.push(format!("rpc {}: response is {}, want {want_out}", m.name(), m.output_type()));
                 }
                 for t in [m.input_type(), m.output_type()] {
                     if !seen.insert(t.to_string()) {
