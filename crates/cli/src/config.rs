@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use meshwarp_core::DataplaneConfig;
-use meshwarp_grpc_api::daemon::DaemonOptions;
+use meshwarp_grpc_api::daemon::{DaemonOptions, TlsFiles};
 use meshwarp_grpc_api::server::ServerConfig;
 use serde::Deserialize;
 
@@ -20,6 +20,9 @@ pub struct FileConfig {
     /// Octal, as a string: "0660".
     pub socket_mode: Option<String>,
     pub tcp_listen: Option<SocketAddr>,
+    pub tls_cert: Option<PathBuf>,
+    pub tls_key: Option<PathBuf>,
+    pub tls_client_ca: Option<PathBuf>,
     pub metrics_listen: Option<SocketAddr>,
     pub log_format: Option<LogFormat>,
     pub pin_root: Option<PathBuf>,
@@ -55,6 +58,15 @@ pub struct ServeArgs {
     /// Also serve gRPC on this TCP address (loopback only without mTLS).
     #[arg(long, env = "MESHWARP_TCP_LISTEN")]
     pub tcp_listen: Option<SocketAddr>,
+    /// Server certificate (PEM) for mTLS on --tcp-listen.
+    #[arg(long, env = "MESHWARP_TLS_CERT", requires_all = ["tls_key", "tls_client_ca"])]
+    pub tls_cert: Option<PathBuf>,
+    /// Server private key (PEM).
+    #[arg(long, env = "MESHWARP_TLS_KEY")]
+    pub tls_key: Option<PathBuf>,
+    /// CA (PEM) that signs client certificates; clients must present one.
+    #[arg(long, env = "MESHWARP_TLS_CLIENT_CA")]
+    pub tls_client_ca: Option<PathBuf>,
     /// Serve Prometheus /metrics on this address.
     #[arg(long, env = "MESHWARP_METRICS_LISTEN")]
     pub metrics_listen: Option<SocketAddr>,
@@ -114,6 +126,16 @@ pub fn resolve(args: &ServeArgs, pin_root: &Path) -> Result<(DaemonOptions, LogF
         o.socket_mode = parse_mode(m)?;
     }
     o.tcp_listen = args.tcp_listen.or(file.tcp_listen);
+    let tls = (
+        args.tls_cert.clone().or(file.tls_cert),
+        args.tls_key.clone().or(file.tls_key),
+        args.tls_client_ca.clone().or(file.tls_client_ca),
+    );
+    o.tls = match tls {
+        (Some(cert), Some(key), Some(client_ca)) => Some(TlsFiles { cert, key, client_ca }),
+        (None, None, None) => None,
+        _ => bail!("mTLS needs all of tls_cert, tls_key and tls_client_ca"),
+    };
     o.metrics_listen = args.metrics_listen.or(file.metrics_listen);
     o.cleanup_on_exit = args.cleanup;
     if let Some(s) = file.drain_timeout_secs {

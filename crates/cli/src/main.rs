@@ -21,6 +21,15 @@ pub struct Cli {
     /// Node service address: a Unix socket path or http://127.0.0.1:PORT.
     #[arg(long, global = true, env = "MESHWARP_ADDR", default_value = meshwarp_grpc_api::client::DEFAULT_SOCKET)]
     addr: String,
+    /// CA (PEM) of the node's certificate, for https:// addresses.
+    #[arg(long, global = true, env = "MESHWARP_TLS_CA", requires_all = ["tls_cert", "tls_key"])]
+    tls_ca: Option<PathBuf>,
+    /// Client certificate (PEM) for https:// addresses.
+    #[arg(long = "tls-client-cert", id = "tls_cert", global = true, env = "MESHWARP_TLS_CLIENT_CERT")]
+    tls_cert: Option<PathBuf>,
+    /// Client key (PEM) for https:// addresses.
+    #[arg(long = "tls-client-key", id = "tls_key", global = true, env = "MESHWARP_TLS_CLIENT_KEY")]
+    tls_key: Option<PathBuf>,
     /// Owner recorded on what this command creates, checked on what it changes.
     #[arg(long, global = true, env = "MESHWARP_OWNER", default_value = "meshwarp-cli")]
     owner: String,
@@ -206,7 +215,16 @@ fn run(cli: Cli) -> Result<()> {
 }
 
 async fn remote_cmd(cli: &Cli) -> Result<()> {
-    let mut c = remote::Remote::connect(&cli.addr, &cli.owner, cli.output).await?;
+    let tls = match (&cli.tls_ca, &cli.tls_cert, &cli.tls_key) {
+        (Some(ca), Some(cert), Some(key)) => Some(meshwarp_grpc_api::client::ClientTls {
+            ca: std::fs::read(ca)?,
+            cert: std::fs::read(cert)?,
+            key: std::fs::read(key)?,
+            domain: None,
+        }),
+        _ => None,
+    };
+    let mut c = remote::Remote::connect(&cli.addr, tls.as_ref(), &cli.owner, cli.output).await?;
     match &cli.cmd {
         Cmd::Pair(p) => c.pair(p).await,
         Cmd::Capture(p) => c.capture(p).await,

@@ -64,8 +64,13 @@ pub struct Remote {
 }
 
 impl Remote {
-    pub async fn connect(addr: &str, owner: &str, out: Output) -> Result<Self> {
-        let c = meshwarp_grpc_api::client::connect(addr).await?;
+    pub async fn connect(
+        addr: &str,
+        tls: Option<&meshwarp_grpc_api::client::ClientTls>,
+        owner: &str,
+        out: Output,
+    ) -> Result<Self> {
+        let c = meshwarp_grpc_api::client::connect_tls(addr, tls).await?;
         Ok(Self { c, owner: owner.into(), out })
     }
 

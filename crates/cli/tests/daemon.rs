@@ -181,7 +181,8 @@ fn rt() -> tokio::runtime::Runtime {
 #[test]
 fn every_rpc_happy_path() -> Result<()> {
     let env = env_or_skip!();
-    let _d = env.start(&[])?;
+    let metrics = free_loopback_port()?;
+    let _d = env.start(&["--metrics-listen", &metrics.to_string()])?;
     rt().block_on(async {
         let mut c = env.client().await;
         let info = c.get_node_info(pb::GetNodeInfoRequest {}).await?.into_inner();
@@ -274,14 +275,56 @@ fn every_rpc_happy_path() -> Result<()> {
             last = ev.revision;
         }
 
-        // Health and reflection are served next to the API.
-        let ch = meshwarp_grpc_api::client::connect(env.socket().to_str().unwrap()).await?;
-        drop(ch);
+        // Health and reflection are served next to the API, on the same socket.
+        let ch = meshwarp_grpc_api::client::channel(env.socket().to_str().unwrap()).await?;
+        let mut health = tonic_health::pb::health_client::HealthClient::new(ch.clone());
+        let h = health
+            .check(tonic_health::pb::HealthCheckRequest { service: "meshwarp.node.v1alpha1.NodeService".into() })
+            .await?
+            .into_inner();
+        ensure!(h.status == tonic_health::pb::health_check_response::ServingStatus::Serving as i32, "{h:?}");
+        use tonic_reflection::pb::v1::{
+            server_reflection_client::ServerReflectionClient, server_reflection_request::MessageRequest,
+            server_reflection_response::MessageResponse, ServerReflectionRequest,
+        };
+        let mut refl = ServerReflectionClient::new(ch);
+        let req = ServerReflectionRequest {
+            host: String::new(),
+            message_request: Some(MessageRequest::ListServices(String::new())),
+        };
+        let mut resp = refl.server_reflection_info(tokio_stream::iter(vec![req])).await?.into_inner();
+        let first = resp.next().await.context("reflection answer")??;
+        let Some(MessageResponse::ListServicesResponse(list)) = first.message_response else { bail!("{first:?}") };
+        ensure!(list.service.iter().any(|s| s.name == "meshwarp.node.v1alpha1.NodeService"), "{list:?}");
         Ok(())
     })?;
+    let body = http_get(metrics, "/metrics")?;
+    for want in [
+        "meshwarp_endpoint_pairs 51",
+        "meshwarp_rpc_requests_total{method=\"CreatePair\",code=\"Ok\"} 1",
+        "meshwarp_fallbacks{reason=\"map_full\"}",
+        "meshwarp_rpc_duration_seconds_bucket",
+    ] {
+        ensure!(body.contains(want), "/metrics lacks {want:?}:\n{body}");
+    }
     let out = env.cli(&["node", "info"]);
     ensure!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     Ok(())
+}
+
+fn free_loopback_port() -> Result<SocketAddr> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?)
+}
+
+fn http_get(addr: SocketAddr, path: &str) -> Result<String> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
+    s.set_read_timeout(Some(Duration::from_secs(5)))?;
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n")?;
+    let mut body = String::new();
+    s.read_to_string(&mut body)?;
+    ensure!(body.starts_with("HTTP/1.0 200") || body.starts_with("HTTP/1.1 200"), "{body}");
+    Ok(body)
 }
 
 fn code_of<T: std::fmt::Debug>(r: Result<tonic::Response<T>, tonic::Status>) -> Code {
@@ -533,5 +576,77 @@ fn sigterm_leaves_the_data_path_and_cleanup_removes_it() -> Result<()> {
     let mut d = env.start(&["--cleanup"])?;
     ensure!(d.kill(nix::sys::signal::Signal::SIGTERM)?.success());
     ensure!(!env.pin_root.exists(), "--cleanup removed every pin");
+    Ok(())
+}
+
+struct Pki {
+    dir: Scratch,
+}
+
+impl Pki {
+    /// A CA, a server certificate for 127.0.0.1/localhost and a client
+    /// certificate, all signed by the CA; plus a client certificate of another CA.
+    fn new() -> Result<Self> {
+        use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
+        let dir = Scratch::new();
+        let ca_key = KeyPair::generate()?;
+        let mut ca_params = CertificateParams::new(Vec::<String>::new())?;
+        ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        let ca_cert = ca_params.self_signed(&ca_key)?;
+        let issuer = Issuer::new(ca_params, ca_key);
+        let write = |name: &str, body: String| std::fs::write(dir.0.join(name), body);
+        write("ca.pem", ca_cert.pem())?;
+        for (name, sans) in [
+            ("server", vec!["localhost".to_string(), "127.0.0.1".to_string()]),
+            ("client", vec!["controller".to_string()]),
+        ] {
+            let key = KeyPair::generate()?;
+            let cert = CertificateParams::new(sans)?.signed_by(&key, &issuer)?;
+            write(&format!("{name}.pem"), cert.pem())?;
+            write(&format!("{name}.key"), key.serialize_pem())?;
+        }
+        let rogue_key = KeyPair::generate()?;
+        let rogue = CertificateParams::new(vec!["rogue".to_string()])?.self_signed(&rogue_key)?;
+        write("rogue.pem", rogue.pem())?;
+        write("rogue.key", rogue_key.serialize_pem())?;
+        Ok(Self { dir })
+    }
+
+    fn path(&self, name: &str) -> String {
+        self.dir.0.join(name).to_str().unwrap().to_string()
+    }
+}
+
+#[test]
+fn tcp_requires_mtls_and_accepts_only_trusted_clients() -> Result<()> {
+    let env = env_or_skip!();
+    let pki = Pki::new()?;
+    let addr = free_loopback_port()?;
+    let _d = env.start(&[
+        "--tcp-listen",
+        &addr.to_string(),
+        "--tls-cert",
+        &pki.path("server.pem"),
+        "--tls-key",
+        &pki.path("server.key"),
+        "--tls-client-ca",
+        &pki.path("ca.pem"),
+    ])?;
+    let url = format!("https://127.0.0.1:{}", addr.port());
+    let cli = |cert: &str, key: &str| {
+        Command::new(BIN)
+            .args(["--addr", &url, "--tls-ca", &pki.path("ca.pem")])
+            .args(["--tls-client-cert", &pki.path(cert), "--tls-client-key", &pki.path(key)])
+            .args(["node", "info"])
+            .output()
+            .unwrap()
+    };
+    let ok = cli("client.pem", "client.key");
+    ensure!(ok.status.success(), "trusted client: {}", String::from_utf8_lossy(&ok.stderr));
+    let rogue = cli("rogue.pem", "rogue.key");
+    ensure!(!rogue.status.success(), "a client certificate of another CA is refused");
+    let plain =
+        Command::new(BIN).args(["--addr", &format!("http://127.0.0.1:{}", addr.port()), "node", "info"]).output()?;
+    ensure!(!plain.status.success(), "plaintext is refused on the mTLS port");
     Ok(())
 }

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use hyper_util::rt::TokioIo;
 use tokio::net::UnixStream;
-use tonic::transport::{Channel, Endpoint, Uri};
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity, Uri};
 use tower::service_fn;
 
 use crate::pb::node_service_client::NodeServiceClient;
@@ -48,8 +48,35 @@ impl Target {
     }
 }
 
+/// PEM material for an `https://` node address: the CA that signed the
+/// server's certificate, and this client's certificate and key.
+#[derive(Debug, Clone)]
+pub struct ClientTls {
+    pub ca: Vec<u8>,
+    pub cert: Vec<u8>,
+    pub key: Vec<u8>,
+    /// Name to verify the server certificate against (default: the host).
+    pub domain: Option<String>,
+}
+
 /// A connected client.
 pub async fn connect(target: &str) -> Result<NodeServiceClient<Channel>, ClientError> {
+    connect_tls(target, None).await
+}
+
+/// A connected client, with mTLS for `https://` targets.
+pub async fn connect_tls(target: &str, tls: Option<&ClientTls>) -> Result<NodeServiceClient<Channel>, ClientError> {
+    let channel = channel_tls(target, tls).await?;
+    Ok(NodeServiceClient::new(channel).max_decoding_message_size(64 << 20).max_encoding_message_size(64 << 20))
+}
+
+/// A channel to a node service, for the NodeService client or for the
+/// health and reflection services served next to it.
+pub async fn channel(target: &str) -> Result<Channel, ClientError> {
+    channel_tls(target, None).await
+}
+
+async fn channel_tls(target: &str, tls: Option<&ClientTls>) -> Result<Channel, ClientError> {
     let t = Target::parse(target)?;
     let err = |source| ClientError::Connect { target: target.to_string(), source };
     let channel = match t {
@@ -64,14 +91,21 @@ pub async fn connect(target: &str) -> Result<NodeServiceClient<Channel>, ClientE
                 .await
                 .map_err(err)?
         }
-        Target::Tcp(addr) => Endpoint::from_shared(addr)
-            .map_err(err)?
-            .connect_timeout(Duration::from_secs(5))
-            .connect()
-            .await
-            .map_err(err)?,
+        Target::Tcp(addr) => {
+            let mut ep = Endpoint::from_shared(addr).map_err(err)?.connect_timeout(Duration::from_secs(5));
+            if let Some(t) = tls {
+                let mut cfg = ClientTlsConfig::new()
+                    .ca_certificate(Certificate::from_pem(&t.ca))
+                    .identity(Identity::from_pem(&t.cert, &t.key));
+                if let Some(d) = &t.domain {
+                    cfg = cfg.domain_name(d.clone());
+                }
+                ep = ep.tls_config(cfg).map_err(err)?;
+            }
+            ep.connect().await.map_err(err)?
+        }
     };
-    Ok(NodeServiceClient::new(channel).max_decoding_message_size(64 << 20).max_encoding_message_size(64 << 20))
+    Ok(channel)
 }
 
 #[cfg(test)]

@@ -21,6 +21,15 @@ use crate::metrics::Metrics;
 use crate::pb::node_service_server::NodeServiceServer;
 use crate::server::{NodeServer, ServerConfig};
 
+/// PEM files for mTLS on TCP: the server's certificate and key, and the CA
+/// that signs the clients' certificates (a client certificate is required).
+#[derive(Debug, Clone)]
+pub struct TlsFiles {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    pub client_ca: PathBuf,
+}
+
 /// What `meshwarp serve` runs with.
 #[derive(Debug, Clone)]
 pub struct DaemonOptions {
@@ -31,8 +40,9 @@ pub struct DaemonOptions {
     pub socket_mode: u32,
     /// Group allowed besides root (and owner of the socket file).
     pub socket_group: Option<String>,
-    /// Plaintext TCP: loopback addresses only (mTLS is required elsewhere).
+    /// gRPC over TCP: plaintext only on loopback, anywhere else only with `tls`.
     pub tcp_listen: Option<SocketAddr>,
+    pub tls: Option<TlsFiles>,
     pub metrics_listen: Option<SocketAddr>,
     /// On stop, detach and unpin the data path too.
     pub cleanup_on_exit: bool,
@@ -48,6 +58,7 @@ impl Default for DaemonOptions {
             socket_mode: 0o660,
             socket_group: None,
             tcp_listen: None,
+            tls: None,
             metrics_listen: None,
             cleanup_on_exit: false,
             drain_timeout: Duration::from_secs(10),
@@ -57,8 +68,10 @@ impl Default for DaemonOptions {
 
 #[derive(Debug, thiserror::Error)]
 pub enum DaemonError {
-    #[error("refusing plaintext gRPC on non-loopback address {0}: remote access needs mTLS, which this build does not serve; use the Unix socket or a loopback address")]
+    #[error("refusing plaintext gRPC on non-loopback address {0}: remote access needs mTLS (set tls_cert, tls_key and tls_client_ca), or use the Unix socket or a loopback address")]
     InsecureTcp(SocketAddr),
+    #[error("TLS configuration: {0}")]
+    Tls(String),
     #[error("unknown group {0:?} (socket_group)")]
     UnknownGroup(String),
     #[error("another meshwarp serve is answering on {0}")]
@@ -83,7 +96,7 @@ fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> DaemonError {
 /// Refuses what the daemon must not do before anything is loaded.
 pub fn check_options(o: &DaemonOptions) -> Result<Option<Gid>, DaemonError> {
     if let Some(addr) = o.tcp_listen {
-        if !addr.ip().is_loopback() {
+        if !addr.ip().is_loopback() && o.tls.is_none() {
             return Err(DaemonError::InsecureTcp(addr));
         }
     }
@@ -151,6 +164,15 @@ async fn bind_unix(path: &Path, mode: u32, gid: Option<Gid>) -> Result<UnixListe
     Ok(l)
 }
 
+async fn server_tls(t: &TlsFiles) -> Result<tonic::transport::ServerTlsConfig, DaemonError> {
+    let read = |p: PathBuf| async move { tokio::fs::read(&p).await.map_err(io(format!("reading {}", p.display()))) };
+    let (cert, key, ca) = (read(t.cert.clone()).await?, read(t.key.clone()).await?, read(t.client_ca.clone()).await?);
+    Ok(tonic::transport::ServerTlsConfig::new()
+        .identity(tonic::transport::Identity::from_pem(cert, key))
+        .client_ca_root(tonic::transport::Certificate::from_pem(ca))
+        .client_auth_optional(false))
+}
+
 /// Runs until `shutdown` resolves, then drains: health turns NOT_SERVING,
 /// RPCs answer UNAVAILABLE, in-flight calls get `drain_timeout` to finish.
 pub async fn run(opts: DaemonOptions, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<(), DaemonError> {
@@ -191,11 +213,12 @@ pub async fn run(opts: DaemonOptions, shutdown: impl Future<Output = ()> + Send 
     }
     if let Some(addr) = opts.tcp_listen {
         let l = TcpListener::bind(addr).await.map_err(io(format!("binding {addr}")))?;
-        tracing::info!(%addr, "serving gRPC on loopback TCP");
-        let router = tonic::transport::Server::builder()
-            .add_service(health_svc.clone())
-            .add_service(reflection.clone())
-            .add_service(svc.clone());
+        let mut builder = tonic::transport::Server::builder();
+        if let Some(tls) = &opts.tls {
+            builder = builder.tls_config(server_tls(tls).await?).map_err(|e| DaemonError::Tls(e.to_string()))?;
+        }
+        tracing::info!(%addr, mtls = opts.tls.is_some(), "serving gRPC on TCP");
+        let router = builder.add_service(health_svc.clone()).add_service(reflection.clone()).add_service(svc.clone());
         let mut stop = stop_tx.subscribe();
         servers.spawn(async move {
             router
