@@ -52,7 +52,7 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 enum Cmd {
     /// Run the node service: load or adopt the data path, serve gRPC.
-    Serve(config::ServeArgs),
+    Serve(Box<config::ServeArgs>),
     /// Mirror-pairing rules: connections CLIENT_IP -> SERVER_IP:PORT.
     #[command(subcommand)]
     Pair(PairCmd),
