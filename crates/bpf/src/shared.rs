@@ -201,6 +201,81 @@ pub struct GlobalStats {
     pub no_state: u64,
 }
 
+/// `enum mw_route_action`.
+pub const ACT_REDIRECT: u32 = 1;
+pub const ACT_REDIRECT_PEER: u32 = 2;
+pub const ACT_REDIRECT_NEIGH: u32 = 3;
+/// `mw_route.flags`.
+pub const ROUTE_REWRITE_MAC: u32 = 1;
+pub const ROUTE_HAS_NEXTHOP: u32 = 2;
+pub const ROUTE_HAS_SRC: u32 = 4;
+/// `mw_attach_key.dir`.
+pub const DIR_INGRESS: u32 = 1;
+pub const DIR_EGRESS: u32 = 2;
+/// Bits of an LPM route key before the destination (ifindex + dir).
+pub const ROUTE_KEY_PREFIX_BITS: u32 = 64;
+
+/// `struct mw_route_key4`: LPM key of an IPv4 route.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct RouteKey4 {
+    pub prefixlen: u32,
+    pub ifindex: u32,
+    pub dir: u32,
+    pub dst: [u8; 4],
+}
+
+/// `struct mw_route_key6`: LPM key of an IPv6 route.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct RouteKey6 {
+    pub prefixlen: u32,
+    pub ifindex: u32,
+    pub dir: u32,
+    pub dst: [u8; 16],
+}
+
+/// `struct mw_route`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RouteValue {
+    pub id: u32,
+    pub action: u32,
+    pub target_ifindex: u32,
+    pub flags: u32,
+    pub smac: [u8; 6],
+    pub dmac: [u8; 6],
+    pub src_prefixlen: u32,
+    pub src: [u8; 16],
+    pub nh_family: u32,
+    pub nh_addr: [u8; 16],
+}
+
+/// `struct mw_route_stats` (one per CPU).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RouteStats {
+    pub packets: u64,
+    pub bytes: u64,
+    pub redirect_err: u64,
+}
+
+/// `struct mw_attach_key`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct AttachKey {
+    pub ifindex: u32,
+    pub dir: u32,
+}
+
+/// `struct mw_attach_stats` (one per CPU).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct AttachStats {
+    pub packets: u64,
+    pub misses: u64,
+}
+
 // SAFETY: all are repr(C), made of u32/u64 fields laid out without padding
 // (checked by the layout tests below), valid for any bit pattern.
 unsafe impl Pod for SockKey {}
@@ -214,6 +289,12 @@ unsafe impl Pod for RuleStats {}
 unsafe impl Pod for GlobalStats {}
 unsafe impl Pod for u32 {}
 unsafe impl Pod for OwnerName {}
+unsafe impl Pod for RouteKey4 {}
+unsafe impl Pod for RouteKey6 {}
+unsafe impl Pod for RouteValue {}
+unsafe impl Pod for RouteStats {}
+unsafe impl Pod for AttachKey {}
+unsafe impl Pod for AttachStats {}
 
 #[cfg(test)]
 mod tests {
@@ -260,6 +341,9 @@ mod tests {
         assert_eq!(size_of::<SockState>(), size_of::<SockKey>() + 8);
         assert_eq!(size_of::<RuleStats>(), 7 * 8);
         assert_eq!(size_of::<GlobalStats>(), 3 * 8);
+        assert_eq!(size_of::<RouteKey4>(), 16);
+        assert_eq!(size_of::<RouteKey6>(), 28);
+        assert_eq!(size_of::<RouteValue>(), 4 * 4 + 12 + 4 + 16 + 4 + 16);
     }
 
     #[test]

@@ -122,4 +122,67 @@ struct mw_global_stats {
 	__u64 no_state;         /* sk_msg without socket state: passed */
 };
 
+/* ---- tc redirection (tcredir.bpf.c) ---- */
+
+/* mw_route.action */
+enum mw_route_action {
+	MW_ACT_REDIRECT = 1,       /* bpf_redirect to target's egress */
+	MW_ACT_REDIRECT_PEER = 2,  /* bpf_redirect_peer into the target veth's peer */
+	MW_ACT_REDIRECT_NEIGH = 3, /* bpf_redirect_neigh: kernel fills L2 */
+};
+
+/* mw_route.flags */
+#define MW_ROUTE_REWRITE_MAC 1u
+#define MW_ROUTE_HAS_NEXTHOP 2u
+#define MW_ROUTE_HAS_SRC 4u
+
+/* mw_attach_key.dir */
+#define MW_DIR_INGRESS 1
+#define MW_DIR_EGRESS 2
+
+/* LPM key: attach point first (always fully matched), then the destination.
+ * prefixlen = 64 + destination prefix length. */
+struct mw_route_key4 {
+	__u32 prefixlen;
+	__u32 ifindex;
+	__u32 dir;
+	__u8 dst[4];
+};
+
+struct mw_route_key6 {
+	__u32 prefixlen;
+	__u32 ifindex;
+	__u32 dir;
+	__u8 dst[16];
+};
+
+struct mw_route {
+	__u32 id;            /* counter slot */
+	__u32 action;
+	__u32 target_ifindex;
+	__u32 flags;
+	__u8 smac[6];
+	__u8 dmac[6];
+	__u32 src_prefixlen; /* optional source match (MW_ROUTE_HAS_SRC) */
+	__u8 src[16];
+	__u32 nh_family;     /* MW_AF_INET / MW_AF_INET6 with MW_ROUTE_HAS_NEXTHOP */
+	__u8 nh_addr[16];
+};
+
+struct mw_route_stats {
+	__u64 packets;
+	__u64 bytes;
+	__u64 redirect_err;  /* helper refused: the packet took the normal path */
+};
+
+struct mw_attach_key {
+	__u32 ifindex;
+	__u32 dir;
+};
+
+struct mw_attach_stats {
+	__u64 packets;
+	__u64 misses;        /* no route matched: TC_ACT_OK */
+};
+
 #endif /* MESHWARP_SHARED_H */

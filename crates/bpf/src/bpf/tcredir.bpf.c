@@ -1,0 +1,184 @@
+// SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause)
+/*
+ * tc redirection: packets entering (or leaving) an attached interface are
+ * matched against the interface routes registered for that attach point
+ * (longest destination prefix wins, optional source prefix) and redirected to
+ * another interface, into a veth peer, or via the neighbour subsystem, with an
+ * optional MAC rewrite. A miss, or a redirect the kernel refuses, is TC_ACT_OK:
+ * the normal path.
+ */
+#include "vmlinux.h"
+#include <bpf/bpf_helpers.h>
+#include <bpf/bpf_endian.h>
+#include "meshwarp/shared.h"
+
+#define TC_ACT_OK 0
+#define TC_ACT_REDIRECT 7
+#define ETH_P_IP 0x0800
+#define ETH_P_IPV6 0x86DD
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
+	__uint(max_entries, 16384);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, struct mw_route_key4);
+	__type(value, struct mw_route);
+} mw_rt4 SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
+	__uint(max_entries, 16384);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, struct mw_route_key6);
+	__type(value, struct mw_route);
+} mw_rt6 SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 16384);
+	__type(key, __u32);
+	__type(value, struct mw_route_stats);
+} mw_rt_stats SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_HASH);
+	__uint(max_entries, 1024);
+	__type(key, struct mw_attach_key);
+	__type(value, struct mw_attach_stats);
+} mw_att_stats SEC(".maps");
+
+static __always_inline bool src_matches(const struct mw_route *r, const __u8 *src, __u32 len)
+{
+	__u32 bits = r->src_prefixlen;
+
+	if (!(r->flags & MW_ROUTE_HAS_SRC))
+		return true;
+#pragma unroll
+	for (int i = 0; i < 16; i++) {
+		__u8 mask;
+
+		if (i >= len || bits == 0)
+			break;
+		mask = bits >= 8 ? 0xff : (__u8)(0xff << (8 - bits));
+		if ((src[i] & mask) != (r->src[i] & mask))
+			return false;
+		bits = bits >= 8 ? bits - 8 : 0;
+	}
+	return true;
+}
+
+static __always_inline void count_attach(struct __sk_buff *skb, __u32 dir, bool miss)
+{
+	struct mw_attach_key k = { .ifindex = skb->ifindex, .dir = dir };
+	struct mw_attach_stats *s = bpf_map_lookup_elem(&mw_att_stats, &k);
+
+	if (!s) {
+		struct mw_attach_stats zero = {};
+
+		bpf_map_update_elem(&mw_att_stats, &k, &zero, BPF_NOEXIST);
+		s = bpf_map_lookup_elem(&mw_att_stats, &k);
+		if (!s)
+			return;
+	}
+	s->packets++;
+	if (miss)
+		s->misses++;
+}
+
+static __always_inline int apply(struct __sk_buff *skb, const struct mw_route *r)
+{
+	struct mw_route_stats *st = bpf_map_lookup_elem(&mw_rt_stats, &r->id);
+	struct bpf_redir_neigh nh = {};
+	long ret;
+
+	if (r->flags & MW_ROUTE_REWRITE_MAC) {
+		if (bpf_skb_store_bytes(skb, 0, r->dmac, 6, 0) ||
+		    bpf_skb_store_bytes(skb, 6, r->smac, 6, 0))
+			goto refused;
+	}
+	switch (r->action) {
+	case MW_ACT_REDIRECT:
+		ret = bpf_redirect(r->target_ifindex, 0);
+		break;
+	case MW_ACT_REDIRECT_PEER:
+		ret = bpf_redirect_peer(r->target_ifindex, 0);
+		break;
+	case MW_ACT_REDIRECT_NEIGH:
+		if (r->flags & MW_ROUTE_HAS_NEXTHOP) {
+			nh.nh_family = r->nh_family;
+			__builtin_memcpy(&nh.ipv6_nh, r->nh_addr, 16);
+			ret = bpf_redirect_neigh(r->target_ifindex, &nh, sizeof(nh), 0);
+		} else {
+			ret = bpf_redirect_neigh(r->target_ifindex, NULL, 0, 0);
+		}
+		break;
+	default:
+		goto refused;
+	}
+	if (ret != TC_ACT_REDIRECT)
+		goto refused;
+	if (st) {
+		st->packets++;
+		st->bytes += skb->len;
+	}
+	return TC_ACT_REDIRECT;
+refused:
+	if (st)
+		st->redirect_err++;
+	return TC_ACT_OK;
+}
+
+static __always_inline int handle(struct __sk_buff *skb, __u32 dir)
+{
+	void *data = (void *)(long)skb->data;
+	void *end = (void *)(long)skb->data_end;
+	struct ethhdr *eth = data;
+	struct mw_route *r = NULL;
+
+	if ((void *)(eth + 1) > end)
+		goto miss;
+	if (eth->h_proto == bpf_htons(ETH_P_IP)) {
+		struct iphdr *ip = (void *)(eth + 1);
+		struct mw_route_key4 k = { .prefixlen = 64 + 32, .ifindex = skb->ifindex, .dir = dir };
+
+		if ((void *)(ip + 1) > end)
+			goto miss;
+		__builtin_memcpy(k.dst, &ip->daddr, 4);
+		r = bpf_map_lookup_elem(&mw_rt4, &k);
+		if (r && !src_matches(r, (const __u8 *)&ip->saddr, 4))
+			r = NULL;
+	} else if (eth->h_proto == bpf_htons(ETH_P_IPV6)) {
+		struct ipv6hdr *ip6 = (void *)(eth + 1);
+		struct mw_route_key6 k = { .prefixlen = 64 + 128, .ifindex = skb->ifindex, .dir = dir };
+		__u8 src[16];
+
+		if ((void *)(ip6 + 1) > end)
+			goto miss;
+		__builtin_memcpy(k.dst, &ip6->daddr, 16);
+		__builtin_memcpy(src, &ip6->saddr, 16);
+		r = bpf_map_lookup_elem(&mw_rt6, &k);
+		if (r && !src_matches(r, src, 16))
+			r = NULL;
+	}
+	if (!r)
+		goto miss;
+	count_attach(skb, dir, false);
+	return apply(skb, r);
+miss:
+	count_attach(skb, dir, true);
+	return TC_ACT_OK;
+}
+
+SEC("tc")
+int mw_tc_ingress(struct __sk_buff *skb)
+{
+	return handle(skb, MW_DIR_INGRESS);
+}
+
+SEC("tc")
+int mw_tc_egress(struct __sk_buff *skb)
+{
+	return handle(skb, MW_DIR_EGRESS);
+}
+
+char LICENSE[] SEC("license") = "Dual BSD/GPL";
