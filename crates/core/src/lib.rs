@@ -17,9 +17,11 @@
 pub mod dataplane;
 pub mod endpoint;
 pub mod maps;
+pub mod netlink;
 pub mod registry;
 pub mod stats;
 pub mod sys;
+pub mod tc;
 pub mod testbed;
 
 pub use dataplane::{Dataplane, DataplaneConfig, DataplaneError, Origin as DataplaneOrigin};

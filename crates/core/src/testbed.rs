@@ -88,7 +88,8 @@ impl NetNs {
         &self.name
     }
 
-    fn path(&self) -> PathBuf {
+    /// The namespace's bind mount, to enter it.
+    pub fn path(&self) -> PathBuf {
         Path::new("/var/run/netns").join(&self.name)
     }
 
@@ -194,12 +195,19 @@ pub struct NodeWithPods {
 }
 
 impl NodeWithPods {
-    /// A node with `n` pods, dual stack, each with default routes via the bridge.
+    /// A node with `n` pods on 198.18.0.0/24 and 2001:db8:1::/64, dual stack,
+    /// each with default routes via the bridge.
     pub fn new(n: usize) -> Result<Self> {
+        Self::with_subnet(n, POD_NET4, POD_NET6)
+    }
+
+    /// As [`NodeWithPods::new`] with the node's own pod subnets
+    /// (`net4`.0/24 and `net6`/64, `net6` ending in "::").
+    pub fn with_subnet(n: usize, net4: [u8; 3], net6: &str) -> Result<Self> {
         let node = NetNs::new("node")?;
         node.ip(&["link", "add", "br0", "type", "bridge"])?;
-        node.ip(&["addr", "add", &format!("{}.1/24", dotted(POD_NET4)), "dev", "br0"])?;
-        node.ip(&["addr", "add", &format!("{POD_NET6}1/64"), "dev", "br0", "nodad"])?;
+        node.ip(&["addr", "add", &format!("{}.1/24", dotted(net4)), "dev", "br0"])?;
+        node.ip(&["addr", "add", &format!("{net6}1/64"), "dev", "br0", "nodad"])?;
         node.ip(&["link", "set", "br0", "up"])?;
         let mut pods = Vec::new();
         for i in 0..n {
@@ -208,14 +216,14 @@ impl NodeWithPods {
             node.ip(&["link", "add", &host_veth, "type", "veth", "peer", "name", "eth0", "netns", ns.name()])?;
             node.ip(&["link", "set", &host_veth, "master", "br0", "up"])?;
             let host = u8::try_from(i + 2).unwrap_or(u8::MAX);
-            let v4 = Ipv4Addr::new(POD_NET4[0], POD_NET4[1], POD_NET4[2], host);
+            let v4 = Ipv4Addr::new(net4[0], net4[1], net4[2], host);
             let v6: Ipv6Addr =
-                format!("{POD_NET6}{host:x}").parse().map_err(|_| TestbedError::Integrity("pod v6 address".into()))?;
+                format!("{net6}{host:x}").parse().map_err(|_| TestbedError::Integrity("pod v6 address".into()))?;
             ns.ip(&["addr", "add", &format!("{v4}/24"), "dev", "eth0"])?;
             ns.ip(&["addr", "add", &format!("{v6}/64"), "dev", "eth0", "nodad"])?;
             ns.ip(&["link", "set", "eth0", "up"])?;
-            ns.ip(&["route", "add", "default", "via", &format!("{}.1", dotted(POD_NET4))])?;
-            ns.ip(&["-6", "route", "add", "default", "via", &format!("{POD_NET6}1")])?;
+            ns.ip(&["route", "add", "default", "via", &format!("{}.1", dotted(net4))])?;
+            ns.ip(&["-6", "route", "add", "default", "via", &format!("{net6}1")])?;
             pods.push(Pod { ns, v4, v6, host_veth });
         }
         Ok(Self { pods, node })
@@ -225,6 +233,60 @@ impl NodeWithPods {
     pub fn veth_bytes(&self, i: usize) -> Result<u64> {
         let v = &self.pods[i].host_veth;
         Ok(self.node.link_counter(v, "rx_bytes")? + self.node.link_counter(v, "tx_bytes")?)
+    }
+
+    /// Bytes through the bridge device (frames the node routes to or from pods).
+    pub fn bridge_bytes(&self) -> Result<u64> {
+        Ok(self.node.link_counter("br0", "rx_bytes")? + self.node.link_counter("br0", "tx_bytes")?)
+    }
+}
+
+/// Two nodes, each with a bridge and pods, joined by a vxlan overlay
+/// (`vxlan0`, like flannel.1) over a veth underlay (`ul0`). Node A's pods are
+/// 198.18.1.0/24 and 2001:db8:1::/64, node B's 198.18.2.0/24 and 2001:db8:2::/64;
+/// the overlay link is 198.18.255.0/24 and 2001:db8:ff::/64 (.1/::1 on A).
+#[derive(Debug)]
+pub struct TwoNodes {
+    pub a: NodeWithPods,
+    pub b: NodeWithPods,
+}
+
+impl TwoNodes {
+    pub fn new(pods_per_node: usize) -> Result<Self> {
+        let a = NodeWithPods::with_subnet(pods_per_node, [198, 18, 1], "2001:db8:1::")?;
+        let b = NodeWithPods::with_subnet(pods_per_node, [198, 18, 2], "2001:db8:2::")?;
+        a.node.ip(&["link", "add", "ul0", "type", "veth", "peer", "name", "ul0", "netns", b.node.name()])?;
+        let nodes =
+            [(&a, "1", "2", "2001:db8:2::/64", "198.18.2.0/24"), (&b, "2", "1", "2001:db8:1::/64", "198.18.1.0/24")];
+        for (n, me, peer, other6, other4) in nodes {
+            let ns = &n.node;
+            ns.ip(&["addr", "add", &format!("198.51.100.{me}/24"), "dev", "ul0"])?;
+            ns.ip(&["link", "set", "ul0", "up"])?;
+            ns.ip(&[
+                "link",
+                "add",
+                "vxlan0",
+                "type",
+                "vxlan",
+                "id",
+                "42",
+                "local",
+                &format!("198.51.100.{me}"),
+                "remote",
+                &format!("198.51.100.{peer}"),
+                "dstport",
+                "4789",
+                "dev",
+                "ul0",
+            ])?;
+            ns.ip(&["addr", "add", &format!("198.18.255.{me}/24"), "dev", "vxlan0"])?;
+            ns.ip(&["addr", "add", &format!("2001:db8:ff::{me}/64"), "dev", "vxlan0", "nodad"])?;
+            ns.ip(&["link", "set", "vxlan0", "up"])?;
+            ns.ip(&["route", "add", other4, "via", &format!("198.18.255.{peer}")])?;
+            ns.ip(&["-6", "route", "add", other6, "via", &format!("2001:db8:ff::{peer}")])?;
+            ns.exec(&["sysctl", "-qw", "net.ipv4.ip_forward=1", "net.ipv6.conf.all.forwarding=1"])?;
+        }
+        Ok(Self { a, b })
     }
 }
 

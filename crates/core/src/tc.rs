@@ -1,0 +1,775 @@
+//! tc redirection: [`InterfaceRoute`]s (attach point, destination and optional
+//! source prefix, an action and an optional MAC rewrite) and the
+//! [`TcDataplane`] that attaches the tc programs (tcx where the kernel has it,
+//! clsact otherwise) and keeps the routes in LPM maps.
+//!
+//! Every netlink lookup and attachment runs inside the dataplane's network
+//! namespace (the node's), which may differ from the caller's.
+//!
+//! Pinned layout: `<pin_root>/v<SCHEMA>/tc/{maps,progs,links}`; a tcx
+//! attachment is the link `links/if<ifindex>-<in|out>`.
+
+use std::collections::BTreeMap;
+use std::ffi::CString;
+use std::fmt;
+use std::fs;
+use std::mem::MaybeUninit;
+use std::net::IpAddr;
+use std::os::fd::{AsFd, AsRawFd};
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, MutexGuard};
+
+use libbpf_rs::skel::{OpenSkel, SkelBuilder};
+use libbpf_rs::{libbpf_sys, MapCore, MapFlags, MapHandle, ProgramHandle};
+use meshwarp_bpf::names;
+use meshwarp_bpf::shared::{
+    AttachKey, AttachStats, Pod, RouteKey4, RouteKey6, RouteStats, RouteValue, ACT_REDIRECT, ACT_REDIRECT_NEIGH,
+    ACT_REDIRECT_PEER, AF_INET, AF_INET6, DIR_EGRESS, DIR_INGRESS, ROUTE_HAS_NEXTHOP, ROUTE_HAS_SRC,
+    ROUTE_KEY_PREFIX_BITS, ROUTE_REWRITE_MAC, SCHEMA_VERSION,
+};
+use meshwarp_bpf::tcredir::TcredirSkelBuilder;
+
+use crate::netlink::{self, NetlinkError};
+
+/// An interface, by name or by index (in the dataplane's namespace).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum IfaceRef {
+    Name(String),
+    Index(u32),
+}
+
+impl fmt::Display for IfaceRef {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Name(n) => write!(f, "{n}"),
+            Self::Index(i) => write!(f, "ifindex {i}"),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Direction {
+    Ingress,
+    Egress,
+}
+
+impl Direction {
+    fn raw(self) -> u32 {
+        match self {
+            Self::Ingress => DIR_INGRESS,
+            Self::Egress => DIR_EGRESS,
+        }
+    }
+
+    fn short(self) -> &'static str {
+        match self {
+            Self::Ingress => "in",
+            Self::Egress => "out",
+        }
+    }
+}
+
+/// A network prefix; host bits are cleared on construction.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Prefix {
+    addr: IpAddr,
+    len: u8,
+}
+
+impl Prefix {
+    pub fn new(field: &'static str, addr: IpAddr, len: u8) -> Result<Self, RouteError> {
+        let max = if addr.is_ipv4() { 32 } else { 128 };
+        if len > max {
+            return Err(RouteError::PrefixLen { field, len, max });
+        }
+        let addr = match addr {
+            IpAddr::V4(a) => {
+                let mask = if len == 0 { 0 } else { u32::MAX << (32 - u32::from(len)) };
+                IpAddr::V4((u32::from(a) & mask).into())
+            }
+            IpAddr::V6(a) => {
+                let mask = if len == 0 { 0 } else { u128::MAX << (128 - u32::from(len)) };
+                IpAddr::V6((u128::from(a) & mask).into())
+            }
+        };
+        Ok(Self { addr, len })
+    }
+
+    pub fn addr(&self) -> IpAddr {
+        self.addr
+    }
+
+    pub fn len(&self) -> u8 {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    fn bytes(&self) -> Vec<u8> {
+        match self.addr {
+            IpAddr::V4(a) => a.octets().to_vec(),
+            IpAddr::V6(a) => a.octets().to_vec(),
+        }
+    }
+}
+
+impl fmt::Display for Prefix {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.addr, self.len)
+    }
+}
+
+/// What a matching packet gets.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum RouteAction {
+    /// `bpf_redirect`: out of `to` (its egress).
+    Redirect(IfaceRef),
+    /// `bpf_redirect_peer`: into the namespace of veth `to`'s peer, as if
+    /// received there. Ingress attach points only.
+    RedirectPeer(IfaceRef),
+    /// `bpf_redirect_neigh`: out of `to` with L2 filled in by the kernel's
+    /// neighbour table, for `next_hop` or else the packet's destination.
+    RedirectNeigh { to: IfaceRef, next_hop: Option<IpAddr> },
+}
+
+impl RouteAction {
+    fn target(&self) -> &IfaceRef {
+        match self {
+            Self::Redirect(t) | Self::RedirectPeer(t) | Self::RedirectNeigh { to: t, .. } => t,
+        }
+    }
+}
+
+/// Ethernet addresses written into a redirected frame.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct MacRewrite {
+    pub src: [u8; 6],
+    pub dst: [u8; 6],
+}
+
+/// A route a controller registers on an interface's tc hook.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct InterfaceRoute {
+    pub attach: IfaceRef,
+    pub direction: Direction,
+    pub dst: Prefix,
+    pub src: Option<Prefix>,
+    pub action: RouteAction,
+    pub rewrite: Option<MacRewrite>,
+}
+
+impl fmt::Display for InterfaceRoute {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} {:?}: {}", self.attach, self.direction, self.dst)?;
+        if let Some(s) = self.src {
+            write!(f, " from {s}")?;
+        }
+        write!(f, " -> {:?}", self.action)
+    }
+}
+
+/// Why a route was refused; nothing was changed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RouteError {
+    #[error("{field}: prefix length {len} is more than {max}")]
+    PrefixLen { field: &'static str, len: u8, max: u8 },
+    #[error("mixed address families: {0}")]
+    MixedFamilies(String),
+    #[error("RedirectPeer works only from an ingress hook (bpf_redirect_peer)")]
+    PeerOnEgress,
+    #[error("RedirectPeer needs a veth, and {0} is not one")]
+    NotVeth(String),
+    #[error("unknown interface {0}")]
+    UnknownInterface(String),
+}
+
+impl InterfaceRoute {
+    /// Checks what can be checked without the kernel.
+    pub fn validate(&self) -> Result<(), RouteError> {
+        let v4 = self.dst.addr.is_ipv4();
+        if self.src.is_some_and(|s| s.addr.is_ipv4() != v4) {
+            return Err(RouteError::MixedFamilies(format!("dst {} and src {:?}", self.dst, self.src)));
+        }
+        if let RouteAction::RedirectNeigh { next_hop: Some(nh), .. } = &self.action {
+            if nh.is_ipv4() != v4 {
+                return Err(RouteError::MixedFamilies(format!("dst {} and next hop {nh}", self.dst)));
+            }
+        }
+        if matches!(self.action, RouteAction::RedirectPeer(_)) && self.direction == Direction::Egress {
+            return Err(RouteError::PeerOnEgress);
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum TcError {
+    #[error(transparent)]
+    Invalid(#[from] RouteError),
+    #[error(transparent)]
+    Netlink(#[from] NetlinkError),
+    #[error("{what}: {source}")]
+    Bpf {
+        what: String,
+        #[source]
+        source: libbpf_rs::Error,
+    },
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{0} already exists")]
+    AlreadyExists(String),
+    #[error("{0} does not exist")]
+    NotFound(String),
+    #[error("route capacity exhausted ({0} routes); nothing was changed")]
+    Full(u32),
+    #[error("{dir} holds a partial tc data path (missing {missing:?}); run `meshwarp uninstall`")]
+    Partial { dir: PathBuf, missing: Vec<String> },
+}
+
+fn bpf(what: impl Into<String>) -> impl FnOnce(libbpf_rs::Error) -> TcError {
+    let what = what.into();
+    move |source| TcError::Bpf { what, source }
+}
+
+fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> TcError {
+    let what = what.into();
+    move |source| TcError::Io { what, source }
+}
+
+/// How an attachment was made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttachMode {
+    /// A tcx bpf_link, pinned.
+    Tcx,
+    /// clsact qdisc + cls_bpf filter (kernels without tcx).
+    Clsact,
+}
+
+/// Where the tc data path lives and which namespace it serves.
+#[derive(Debug, Clone)]
+pub struct TcConfig {
+    pub pin_root: PathBuf,
+    /// The node's network namespace (`None`: the caller's).
+    pub netns: Option<PathBuf>,
+    pub max_routes: u32,
+}
+
+/// A route as installed: its interfaces resolved to indexes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InstalledRoute {
+    pub route: InterfaceRoute,
+    pub attach_ifindex: u32,
+    pub target_ifindex: u32,
+    id: u32,
+}
+
+type RouteId = (u32, Direction, Prefix);
+
+#[derive(Debug, Default)]
+struct TcState {
+    routes: BTreeMap<RouteId, InstalledRoute>,
+    free: Vec<u32>,
+    next_fresh: u32,
+}
+
+/// The tc redirection data path of one node.
+#[derive(Debug)]
+pub struct TcDataplane {
+    dir: PathBuf,
+    netns: Option<PathBuf>,
+    rt4: MapHandle,
+    rt6: MapHandle,
+    rt_stats: MapHandle,
+    att_stats: MapHandle,
+    capacity: u32,
+    ncpus: usize,
+    state: Mutex<TcState>,
+}
+
+fn tc_dir(pin_root: &Path) -> PathBuf {
+    pin_root.join(format!("v{SCHEMA_VERSION}")).join("tc")
+}
+
+fn tc_pins(dir: &Path) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> =
+        [names::PROG_TC_INGRESS, names::PROG_TC_EGRESS].iter().map(|p| dir.join("progs").join(p)).collect();
+    v.extend(names::TCREDIR_MAPS.iter().map(|m| dir.join("maps").join(m)));
+    v
+}
+
+/// Detaches (unpins the tcx links) and unpins the tc data path under `pin_root`.
+pub fn remove_pinned(pin_root: &Path) -> Result<(), TcError> {
+    let dir = tc_dir(pin_root);
+    if let Ok(entries) = fs::read_dir(dir.join("links")) {
+        for e in entries.flatten() {
+            fs::remove_file(e.path()).map_err(io(format!("unpinning {}", e.path().display())))?;
+        }
+    }
+    for p in tc_pins(&dir) {
+        match fs::remove_file(&p) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(TcError::Io { what: format!("unpinning {}", p.display()), source: e }),
+        }
+    }
+    for d in ["links", "progs", "maps", ""] {
+        let _ = fs::remove_dir(dir.join(d));
+    }
+    Ok(())
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn load_and_pin(cfg: &TcConfig, dir: &Path) -> Result<(), TcError> {
+    for d in ["maps", "progs", "links"] {
+        fs::create_dir_all(dir.join(d)).map_err(io(format!("creating {}", dir.join(d).display())))?;
+    }
+    let mut obj = MaybeUninit::uninit();
+    let mut open = TcredirSkelBuilder::default().open(&mut obj).map_err(bpf("opening the tc object"))?;
+    for m in [&mut open.maps.mw_rt4, &mut open.maps.mw_rt6, &mut open.maps.mw_rt_stats] {
+        m.set_max_entries(cfg.max_routes).map_err(bpf("sizing route maps"))?;
+    }
+    let skel = open.load().map_err(bpf("loading the tc programs"))?;
+    let maps = [
+        (names::MAP_RT4, &skel.maps.mw_rt4),
+        (names::MAP_RT6, &skel.maps.mw_rt6),
+        (names::MAP_RT_STATS, &skel.maps.mw_rt_stats),
+        (names::MAP_ATT_STATS, &skel.maps.mw_att_stats),
+    ];
+    for (name, map) in maps {
+        let mut h = MapHandle::try_from(map).map_err(bpf(format!("handle of {name}")))?;
+        h.pin(dir.join("maps").join(name)).map_err(bpf(format!("pinning {name}")))?;
+    }
+    for (name, prog) in
+        [(names::PROG_TC_INGRESS, &skel.progs.mw_tc_ingress), (names::PROG_TC_EGRESS, &skel.progs.mw_tc_egress)]
+    {
+        let h = ProgramHandle::try_from(prog).map_err(bpf(format!("handle of {name}")))?;
+        h.pin(dir.join("progs").join(name)).map_err(bpf(format!("pinning {name}")))?;
+    }
+    Ok(())
+}
+
+fn sum_percpu<T: Pod>(map: &MapHandle, key: &[u8], add: impl Fn(&mut T, &T)) -> Result<T, TcError> {
+    let mut total = T::default();
+    for v in map.lookup_percpu(key, MapFlags::ANY).map_err(bpf("reading counters"))?.unwrap_or_default() {
+        if let Some(x) = T::from_bytes(&v) {
+            add(&mut total, &x);
+        }
+    }
+    Ok(total)
+}
+
+impl TcDataplane {
+    /// Adopts the tc data path pinned under `cfg.pin_root`, or loads and pins it.
+    pub fn open(cfg: &TcConfig) -> Result<Self, TcError> {
+        crate::sys::ensure_bpffs(&cfg.pin_root)
+            .map_err(|e| TcError::Io { what: e.to_string(), source: std::io::Error::other("bpffs") })?;
+        let dir = tc_dir(&cfg.pin_root);
+        let pins = tc_pins(&dir);
+        let missing: Vec<String> = pins.iter().filter(|p| !p.exists()).map(|p| p.display().to_string()).collect();
+        if missing.len() == pins.len() {
+            load_and_pin(cfg, &dir)?;
+        } else if !missing.is_empty() {
+            return Err(TcError::Partial { dir, missing });
+        }
+        let open = |name: &str| {
+            MapHandle::from_pinned_path(dir.join("maps").join(name)).map_err(bpf(format!("opening {name}")))
+        };
+        let dp = Self {
+            rt4: open(names::MAP_RT4)?,
+            rt6: open(names::MAP_RT6)?,
+            rt_stats: open(names::MAP_RT_STATS)?,
+            att_stats: open(names::MAP_ATT_STATS)?,
+            capacity: 0,
+            ncpus: libbpf_rs::num_possible_cpus().map_err(bpf("counting CPUs"))?,
+            netns: cfg.netns.clone(),
+            state: Mutex::new(TcState::default()),
+            dir,
+        };
+        let capacity = dp.rt_stats.max_entries();
+        let dp = Self { capacity, ..dp };
+        dp.reconcile()?;
+        Ok(dp)
+    }
+
+    /// Rebuilds the route table from the LPM maps (adoption).
+    fn reconcile(&self) -> Result<(), TcError> {
+        let mut st = lock(&self.state);
+        let mut used = Vec::new();
+        for (map, v6) in [(&self.rt4, false), (&self.rt6, true)] {
+            for k in map.keys() {
+                let Some(v) = map.lookup(&k, MapFlags::ANY).map_err(bpf("reading routes"))? else { continue };
+                let Some(val) = RouteValue::from_bytes(&v) else { continue };
+                let (ifindex, dir, dst, len) = if v6 {
+                    let Some(key) = RouteKey6::from_bytes(&k) else { continue };
+                    (key.ifindex, key.dir, IpAddr::from(key.dst), key.prefixlen - ROUTE_KEY_PREFIX_BITS)
+                } else {
+                    let Some(key) = RouteKey4::from_bytes(&k) else { continue };
+                    (key.ifindex, key.dir, IpAddr::from(key.dst), key.prefixlen - ROUTE_KEY_PREFIX_BITS)
+                };
+                let direction = if dir == DIR_INGRESS { Direction::Ingress } else { Direction::Egress };
+                let dst = Prefix::new("dst", dst, u8::try_from(len).unwrap_or(0))?;
+                let route = route_from_value(IfaceRef::Index(ifindex), direction, dst, &val, v6)?;
+                used.push(val.id);
+                st.routes.insert(
+                    (ifindex, direction, dst),
+                    InstalledRoute { route, attach_ifindex: ifindex, target_ifindex: val.target_ifindex, id: val.id },
+                );
+            }
+        }
+        st.next_fresh = used.iter().max().map_or(0, |m| m + 1);
+        st.free = (0..st.next_fresh).filter(|i| !used.contains(i)).rev().collect();
+        Ok(())
+    }
+
+    fn prog_fd(&self, dir: Direction) -> Result<ProgramHandle, TcError> {
+        let name = match dir {
+            Direction::Ingress => names::PROG_TC_INGRESS,
+            Direction::Egress => names::PROG_TC_EGRESS,
+        };
+        ProgramHandle::from_pinned_path(self.dir.join("progs").join(name)).map_err(bpf(format!("opening {name}")))
+    }
+
+    fn link_path(&self, ifindex: u32, dir: Direction) -> PathBuf {
+        self.dir.join("links").join(format!("if{ifindex}-{}", dir.short()))
+    }
+
+    /// Attaches the tc program to `iface` in `dir`: a tcx link where the
+    /// kernel has tcx, else clsact + cls_bpf. Idempotent for tcx.
+    pub fn attach(&self, iface: &IfaceRef, dir: Direction) -> Result<(u32, AttachMode), TcError> {
+        let prog = self.prog_fd(dir)?;
+        let dir_path = self.dir.clone();
+        netlink::in_netns(self.netns.as_deref(), async |h| Ok(netlink::link(&h, iface).await?))
+            .map_err(TcError::from)
+            .and_then(|link| {
+                let path = self.link_path(link.index, dir);
+                if path.exists() {
+                    return Ok((link.index, AttachMode::Tcx));
+                }
+                let _ = &dir_path;
+                self.in_ns(|| attach_in_ns(prog.as_fd().as_raw_fd(), link.index, dir, &path))
+                    .map(|mode| (link.index, mode))
+            })
+    }
+
+    /// Runs `f` on a thread inside the dataplane's namespace.
+    fn in_ns<T: Send>(&self, f: impl FnOnce() -> Result<T, TcError> + Send) -> Result<T, TcError> {
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                if let Some(p) = &self.netns {
+                    let file = fs::File::open(p).map_err(io(format!("opening {}", p.display())))?;
+                    nix::sched::setns(file.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET)
+                        .map_err(|e| TcError::Io { what: format!("entering {}", p.display()), source: e.into() })?;
+                }
+                f()
+            })
+            .join()
+            .unwrap_or_else(|p| std::panic::resume_unwind(p))
+        })
+    }
+
+    /// Removes the tcx attachment of `ifindex` in `dir`.
+    pub fn detach(&self, ifindex: u32, dir: Direction) -> Result<(), TcError> {
+        let path = self.link_path(ifindex, dir);
+        fs::remove_file(&path).map_err(|e| {
+            if e.kind() == std::io::ErrorKind::NotFound {
+                TcError::NotFound(format!("attachment if{ifindex} {dir:?}"))
+            } else {
+                TcError::Io { what: format!("unpinning {}", path.display()), source: e }
+            }
+        })
+    }
+
+    /// Tcx attachments, as (ifindex, direction).
+    pub fn attachments(&self) -> Vec<(u32, Direction)> {
+        let mut out = Vec::new();
+        if let Ok(entries) = fs::read_dir(self.dir.join("links")) {
+            for e in entries.flatten() {
+                let name = e.file_name().to_string_lossy().into_owned();
+                let Some(rest) = name.strip_prefix("if") else { continue };
+                let Some((idx, d)) = rest.split_once('-') else { continue };
+                let Ok(idx) = idx.parse() else { continue };
+                out.push((idx, if d == "in" { Direction::Ingress } else { Direction::Egress }));
+            }
+        }
+        out.sort();
+        out
+    }
+
+    /// Installs a route; interfaces are resolved in the node's namespace.
+    pub fn insert_route(&self, route: &InterfaceRoute) -> Result<InstalledRoute, TcError> {
+        route.validate()?;
+        let target = route.action.target().clone();
+        let attach = route.attach.clone();
+        let (a, t) = netlink::in_netns(self.netns.as_deref(), async |h| {
+            Ok((netlink::link(&h, &attach).await?, netlink::link(&h, &target).await?))
+        })
+        .map_err(|e| match e {
+            NetlinkError::NoSuchInterface(n) => TcError::Invalid(RouteError::UnknownInterface(n)),
+            other => TcError::Netlink(other),
+        })?;
+        if matches!(route.action, RouteAction::RedirectPeer(_)) && !t.is_veth() {
+            return Err(RouteError::NotVeth(t.name).into());
+        }
+        let key: RouteId = (a.index, route.direction, route.dst);
+        let mut st = lock(&self.state);
+        if let Some(existing) = st.routes.get(&key) {
+            return Err(TcError::AlreadyExists(format!("route {}", existing.route)));
+        }
+        let id = match st.free.pop() {
+            Some(id) => id,
+            None if st.next_fresh < self.capacity => {
+                st.next_fresh += 1;
+                st.next_fresh - 1
+            }
+            None => return Err(TcError::Full(self.capacity)),
+        };
+        let zeros = vec![RouteStats::default().as_bytes().to_vec(); self.ncpus];
+        let written = self
+            .rt_stats
+            .update_percpu(&id.to_ne_bytes(), &zeros, MapFlags::ANY)
+            .and_then(|()| self.write_route(a.index, route, t.index, id));
+        if let Err(e) = written {
+            st.free.push(id);
+            return Err(TcError::Bpf { what: format!("writing route {route}"), source: e });
+        }
+        let installed = InstalledRoute { route: route.clone(), attach_ifindex: a.index, target_ifindex: t.index, id };
+        st.routes.insert(key, installed.clone());
+        Ok(installed)
+    }
+
+    fn write_route(&self, ifindex: u32, r: &InterfaceRoute, target: u32, id: u32) -> Result<(), libbpf_rs::Error> {
+        let mut v = RouteValue { id, target_ifindex: target, ..RouteValue::default() };
+        v.action = match &r.action {
+            RouteAction::Redirect(_) => ACT_REDIRECT,
+            RouteAction::RedirectPeer(_) => ACT_REDIRECT_PEER,
+            RouteAction::RedirectNeigh { next_hop, .. } => {
+                if let Some(nh) = next_hop {
+                    v.flags |= ROUTE_HAS_NEXTHOP;
+                    let b = Prefix { addr: *nh, len: 0 }.bytes();
+                    v.nh_family = if nh.is_ipv4() { AF_INET } else { AF_INET6 };
+                    v.nh_addr[..b.len()].copy_from_slice(&b);
+                }
+                ACT_REDIRECT_NEIGH
+            }
+        };
+        if let Some(m) = r.rewrite {
+            v.flags |= ROUTE_REWRITE_MAC;
+            v.smac = m.src;
+            v.dmac = m.dst;
+        }
+        if let Some(s) = r.src {
+            v.flags |= ROUTE_HAS_SRC;
+            v.src_prefixlen = u32::from(s.len);
+            let b = s.bytes();
+            v.src[..b.len()].copy_from_slice(&b);
+        }
+        let prefixlen = ROUTE_KEY_PREFIX_BITS + u32::from(r.dst.len);
+        let dir = r.direction.raw();
+        match r.dst.addr {
+            IpAddr::V4(a) => {
+                let k = RouteKey4 { prefixlen, ifindex, dir, dst: a.octets() };
+                self.rt4.update(k.as_bytes(), v.as_bytes(), MapFlags::ANY)
+            }
+            IpAddr::V6(a) => {
+                let k = RouteKey6 { prefixlen, ifindex, dir, dst: a.octets() };
+                self.rt6.update(k.as_bytes(), v.as_bytes(), MapFlags::ANY)
+            }
+        }
+    }
+
+    /// Removes the route of (attach interface, direction, dst).
+    pub fn remove_route(&self, attach_ifindex: u32, dir: Direction, dst: Prefix) -> Result<(), TcError> {
+        let mut st = lock(&self.state);
+        let key = (attach_ifindex, dir, dst);
+        let installed =
+            st.routes.get(&key).ok_or_else(|| TcError::NotFound(format!("route {dst} on if{attach_ifindex}")))?;
+        let prefixlen = ROUTE_KEY_PREFIX_BITS + u32::from(dst.len);
+        let r = match dst.addr {
+            IpAddr::V4(a) => self
+                .rt4
+                .delete(RouteKey4 { prefixlen, ifindex: attach_ifindex, dir: dir.raw(), dst: a.octets() }.as_bytes()),
+            IpAddr::V6(a) => self
+                .rt6
+                .delete(RouteKey6 { prefixlen, ifindex: attach_ifindex, dir: dir.raw(), dst: a.octets() }.as_bytes()),
+        };
+        r.map_err(bpf(format!("deleting route {dst}")))?;
+        let id = installed.id;
+        st.routes.remove(&key);
+        st.free.push(id);
+        Ok(())
+    }
+
+    pub fn routes(&self) -> Vec<InstalledRoute> {
+        lock(&self.state).routes.values().cloned().collect()
+    }
+
+    /// Packets and bytes a route redirected, and redirects the kernel refused.
+    pub fn route_stats(&self, r: &InstalledRoute) -> Result<RouteStats, TcError> {
+        sum_percpu(&self.rt_stats, &r.id.to_ne_bytes(), |a: &mut RouteStats, b| {
+            a.packets += b.packets;
+            a.bytes += b.bytes;
+            a.redirect_err += b.redirect_err;
+        })
+    }
+
+    /// Packets seen and misses of one attach point.
+    pub fn attach_stats(&self, ifindex: u32, dir: Direction) -> Result<AttachStats, TcError> {
+        let k = AttachKey { ifindex, dir: dir.raw() };
+        sum_percpu(&self.att_stats, k.as_bytes(), |a: &mut AttachStats, b| {
+            a.packets += b.packets;
+            a.misses += b.misses;
+        })
+    }
+
+    /// Detaches and unpins everything.
+    pub fn teardown(self) -> Result<(), TcError> {
+        let root = self.dir.parent().and_then(Path::parent).map(Path::to_path_buf);
+        drop(self);
+        if let Some(root) = root {
+            remove_pinned(&root)?;
+        }
+        Ok(())
+    }
+}
+
+fn route_from_value(
+    attach: IfaceRef,
+    direction: Direction,
+    dst: Prefix,
+    v: &RouteValue,
+    v6: bool,
+) -> Result<InterfaceRoute, TcError> {
+    let target = IfaceRef::Index(v.target_ifindex);
+    let addr = |b: &[u8; 16]| -> IpAddr {
+        if v6 {
+            IpAddr::from(*b)
+        } else {
+            IpAddr::from([b[0], b[1], b[2], b[3]])
+        }
+    };
+    let action = match v.action {
+        ACT_REDIRECT_PEER => RouteAction::RedirectPeer(target),
+        ACT_REDIRECT_NEIGH => RouteAction::RedirectNeigh {
+            to: target,
+            next_hop: (v.flags & ROUTE_HAS_NEXTHOP != 0).then(|| {
+                if v.nh_family == AF_INET6 {
+                    IpAddr::from(v.nh_addr)
+                } else {
+                    addr(&v.nh_addr)
+                }
+            }),
+        },
+        _ => RouteAction::Redirect(target),
+    };
+    let src = if v.flags & ROUTE_HAS_SRC != 0 {
+        Some(Prefix::new("src", addr(&v.src), u8::try_from(v.src_prefixlen).unwrap_or(0))?)
+    } else {
+        None
+    };
+    let rewrite = (v.flags & ROUTE_REWRITE_MAC != 0).then_some(MacRewrite { src: v.smac, dst: v.dmac });
+    Ok(InterfaceRoute { attach, direction, dst, src, action, rewrite })
+}
+
+/// In the node's namespace: a tcx link (pinned at `path`), or clsact.
+fn attach_in_ns(prog_fd: i32, ifindex: u32, dir: Direction, path: &Path) -> Result<AttachMode, TcError> {
+    let attach_type = match dir {
+        Direction::Ingress => libbpf_sys::BPF_TCX_INGRESS,
+        Direction::Egress => libbpf_sys::BPF_TCX_EGRESS,
+    };
+    // SAFETY: zeroed opts with the right size are valid input.
+    let mut opts: libbpf_sys::bpf_link_create_opts = unsafe { std::mem::zeroed() };
+    opts.sz = size_of::<libbpf_sys::bpf_link_create_opts>() as _;
+    // SAFETY: valid program fd and options.
+    let fd = unsafe { libbpf_sys::bpf_link_create(prog_fd, ifindex as i32, attach_type, &opts) };
+    if fd >= 0 {
+        let c = CString::new(path.as_os_str().as_encoded_bytes())
+            .map_err(|e| TcError::Io { what: "pin path".into(), source: std::io::Error::other(e) })?;
+        // SAFETY: valid link fd and NUL-terminated path.
+        let rc = unsafe { libbpf_sys::bpf_obj_pin(fd, c.as_ptr()) };
+        // SAFETY: we own fd; the pin keeps the link.
+        unsafe { libc::close(fd) };
+        if rc != 0 {
+            return Err(TcError::Io {
+                what: format!("pinning {}", path.display()),
+                source: std::io::Error::from_raw_os_error(-rc),
+            });
+        }
+        return Ok(AttachMode::Tcx);
+    }
+    if -fd != libc::EINVAL && -fd != libc::EOPNOTSUPP {
+        return Err(TcError::Io {
+            what: format!("tcx attach to ifindex {ifindex}"),
+            source: std::io::Error::from_raw_os_error(-fd),
+        });
+    }
+    // No tcx: clsact + cls_bpf (direct action).
+    // SAFETY: prog_fd stays open for the duration of this call.
+    let borrowed = unsafe { std::os::fd::BorrowedFd::borrow_raw(prog_fd) };
+    let point = match dir {
+        Direction::Ingress => libbpf_rs::TC_INGRESS,
+        Direction::Egress => libbpf_rs::TC_EGRESS,
+    };
+    let mut hook = libbpf_rs::TcHookBuilder::new(borrowed)
+        .ifindex(ifindex as i32)
+        .replace(true)
+        .handle(0x6d77)
+        .priority(1)
+        .hook(point);
+    hook.create().map_err(bpf(format!("clsact on ifindex {ifindex}")))?;
+    hook.attach().map_err(bpf(format!("cls_bpf on ifindex {ifindex}")))?;
+    Ok(AttachMode::Clsact)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn prefixes_are_masked_and_bounded() {
+        let p = Prefix::new("dst", ip("198.18.2.77"), 24).unwrap();
+        assert_eq!(p.to_string(), "198.18.2.0/24");
+        assert_eq!(Prefix::new("dst", ip("2001:db8:b::9"), 64).unwrap().to_string(), "2001:db8:b::/64");
+        assert_eq!(Prefix::new("dst", ip("1.2.3.4"), 0).unwrap().to_string(), "0.0.0.0/0");
+        assert!(matches!(Prefix::new("dst", ip("1.2.3.4"), 33), Err(RouteError::PrefixLen { max: 32, .. })));
+        assert!(matches!(Prefix::new("src", ip("::1"), 129), Err(RouteError::PrefixLen { max: 128, .. })));
+    }
+
+    #[test]
+    fn validation() {
+        let base = InterfaceRoute {
+            attach: IfaceRef::Name("vpod0".into()),
+            direction: Direction::Ingress,
+            dst: Prefix::new("dst", ip("198.18.2.0"), 24).unwrap(),
+            src: None,
+            action: RouteAction::Redirect(IfaceRef::Name("vxlan0".into())),
+            rewrite: None,
+        };
+        base.validate().unwrap();
+        let mixed = InterfaceRoute { src: Some(Prefix::new("src", ip("2001:db8::"), 64).unwrap()), ..base.clone() };
+        assert!(matches!(mixed.validate(), Err(RouteError::MixedFamilies(_))));
+        let nh = InterfaceRoute {
+            action: RouteAction::RedirectNeigh { to: IfaceRef::Index(3), next_hop: Some(ip("2001:db8::1")) },
+            ..base.clone()
+        };
+        assert!(matches!(nh.validate(), Err(RouteError::MixedFamilies(_))));
+        let peer_out = InterfaceRoute {
+            direction: Direction::Egress,
+            action: RouteAction::RedirectPeer(IfaceRef::Index(3)),
+            ..base
+        };
+        assert_eq!(peer_out.validate(), Err(RouteError::PeerOnEgress));
+    }
+}
