@@ -92,6 +92,8 @@ pub enum DataplaneError {
     Map(#[from] MapError),
     #[error(transparent)]
     Registry(#[from] RegistryError),
+    #[error(transparent)]
+    Tc(#[from] crate::tc::TcError),
 }
 
 fn bpf_err(what: impl Into<String>) -> impl FnOnce(libbpf_rs::Error) -> DataplaneError {
@@ -325,6 +327,7 @@ fn check_schema(pin_root: &Path) -> Result<(), DataplaneError> {
 /// Removes meshwarp's pins (of this schema) under `pin_root` and nothing else;
 /// unpinning the cgroup link detaches sockops.
 pub fn remove_pinned(pin_root: &Path) -> Result<(), DataplaneError> {
+    crate::tc::remove_pinned(pin_root)?;
     let layout = Layout::new(pin_root);
     for p in layout.all_pins() {
         match fs::remove_file(&p) {

@@ -209,6 +209,8 @@ pub enum TcError {
     #[error(transparent)]
     Invalid(#[from] RouteError),
     #[error(transparent)]
+    Sys(#[from] crate::sys::SysError),
+    #[error(transparent)]
     Netlink(#[from] NetlinkError),
     #[error("{what}: {source}")]
     Bpf {
@@ -446,18 +448,13 @@ impl TcDataplane {
     /// kernel has tcx, else clsact + cls_bpf. Idempotent for tcx.
     pub fn attach(&self, iface: &IfaceRef, dir: Direction) -> Result<(u32, AttachMode), TcError> {
         let prog = self.prog_fd(dir)?;
-        let dir_path = self.dir.clone();
-        netlink::in_netns(self.netns.as_deref(), async |h| Ok(netlink::link(&h, iface).await?))
-            .map_err(TcError::from)
-            .and_then(|link| {
-                let path = self.link_path(link.index, dir);
-                if path.exists() {
-                    return Ok((link.index, AttachMode::Tcx));
-                }
-                let _ = &dir_path;
-                self.in_ns(|| attach_in_ns(prog.as_fd().as_raw_fd(), link.index, dir, &path))
-                    .map(|mode| (link.index, mode))
-            })
+        let link = netlink::in_netns(self.netns.as_deref(), async |h| netlink::link(&h, iface).await)?;
+        let path = self.link_path(link.index, dir);
+        if path.exists() {
+            return Ok((link.index, AttachMode::Tcx));
+        }
+        let mode = self.in_ns(|| attach_in_ns(prog.as_fd().as_raw_fd(), link.index, dir, &path))?;
+        Ok((link.index, mode))
     }
 
     /// Runs `f` on a thread inside the dataplane's namespace.
