@@ -262,13 +262,26 @@ pub struct TcConfig {
     pub max_routes: u32,
 }
 
-/// A route as installed: its interfaces resolved to indexes.
+/// A route as installed: its interfaces resolved to indexes (and the names
+/// they had then, to notice an index reused by another interface).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct InstalledRoute {
     pub route: InterfaceRoute,
     pub attach_ifindex: u32,
     pub target_ifindex: u32,
+    pub attach_name: String,
+    pub target_name: String,
     id: u32,
+}
+
+/// A route taken out of the data path because an interface it names is gone.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StaleRoute {
+    pub route: InstalledRoute,
+    /// Why: which interface disappeared or changed.
+    pub reason: String,
+    /// Its counters when it was taken out.
+    pub last_stats: RouteStats,
 }
 
 type RouteId = (u32, Direction, Prefix);
@@ -276,6 +289,7 @@ type RouteId = (u32, Direction, Prefix);
 #[derive(Debug, Default)]
 struct TcState {
     routes: BTreeMap<RouteId, InstalledRoute>,
+    stale: Vec<StaleRoute>,
     free: Vec<u32>,
     next_fresh: u32,
 }
@@ -404,6 +418,8 @@ impl TcDataplane {
 
     /// Rebuilds the route table from the LPM maps (adoption).
     fn reconcile(&self) -> Result<(), TcError> {
+        let links = netlink::in_netns(self.netns.as_deref(), async |h| netlink::links(&h).await)?;
+        let name_of = |i: u32| links.iter().find(|l| l.index == i).map(|l| l.name.clone()).unwrap_or_default();
         let mut st = lock(&self.state);
         let mut used = Vec::new();
         for (map, v6) in [(&self.rt4, false), (&self.rt6, true)] {
@@ -423,7 +439,14 @@ impl TcDataplane {
                 used.push(val.id);
                 st.routes.insert(
                     (ifindex, direction, dst),
-                    InstalledRoute { route, attach_ifindex: ifindex, target_ifindex: val.target_ifindex, id: val.id },
+                    InstalledRoute {
+                        route,
+                        attach_ifindex: ifindex,
+                        target_ifindex: val.target_ifindex,
+                        attach_name: name_of(ifindex),
+                        target_name: name_of(val.target_ifindex),
+                        id: val.id,
+                    },
                 );
             }
         }
@@ -538,7 +561,14 @@ impl TcDataplane {
             st.free.push(id);
             return Err(TcError::Bpf { what: format!("writing route {route}"), source: e });
         }
-        let installed = InstalledRoute { route: route.clone(), attach_ifindex: a.index, target_ifindex: t.index, id };
+        let installed = InstalledRoute {
+            route: route.clone(),
+            attach_ifindex: a.index,
+            target_ifindex: t.index,
+            attach_name: a.name,
+            target_name: t.name,
+            id,
+        };
         st.routes.insert(key, installed.clone());
         Ok(installed)
     }
@@ -607,6 +637,64 @@ impl TcDataplane {
 
     pub fn routes(&self) -> Vec<InstalledRoute> {
         lock(&self.state).routes.values().cloned().collect()
+    }
+
+    /// Routes taken out because an interface they name disappeared.
+    pub fn stale_routes(&self) -> Vec<StaleRoute> {
+        lock(&self.state).stale.clone()
+    }
+
+    /// Forgets a stale route (the controller has seen it).
+    pub fn forget_stale(&self, attach_ifindex: u32, dir: Direction, dst: Prefix) -> Result<(), TcError> {
+        let mut st = lock(&self.state);
+        let before = st.stale.len();
+        st.stale.retain(|s| {
+            !(s.route.attach_ifindex == attach_ifindex && s.route.route.direction == dir && s.route.route.dst == dst)
+        });
+        if st.stale.len() == before {
+            return Err(TcError::NotFound(format!("stale route {dst} on if{attach_ifindex}")));
+        }
+        Ok(())
+    }
+
+    /// Compares routes and attachments with the interfaces that exist now:
+    /// a route whose attach or target interface is gone, or whose index now
+    /// belongs to another interface, leaves the data path (so nothing
+    /// redirects to a reused ifindex) and is listed as stale; attachments of
+    /// vanished interfaces are released. Returns the routes that became stale.
+    pub fn refresh(&self) -> Result<Vec<StaleRoute>, TcError> {
+        let links = netlink::in_netns(self.netns.as_deref(), async |h| netlink::links(&h).await)?;
+        let alive = |i: u32, name: &str| links.iter().any(|l| l.index == i && l.name == name);
+        for (ifindex, dir) in self.attachments() {
+            if !links.iter().any(|l| l.index == ifindex) {
+                let _ = self.detach(ifindex, dir);
+                tracing::info!(ifindex, ?dir, "released the attachment of a vanished interface");
+            }
+        }
+        let gone: Vec<(RouteId, String)> = lock(&self.state)
+            .routes
+            .iter()
+            .filter_map(|(k, r)| {
+                if !alive(r.attach_ifindex, &r.attach_name) {
+                    Some((*k, format!("attach interface {} (ifindex {}) is gone", r.attach_name, r.attach_ifindex)))
+                } else if !alive(r.target_ifindex, &r.target_name) {
+                    Some((*k, format!("target interface {} (ifindex {}) is gone", r.target_name, r.target_ifindex)))
+                } else {
+                    None
+                }
+            })
+            .collect();
+        let mut out = Vec::new();
+        for ((ifindex, dir, dst), reason) in gone {
+            let Some(r) = lock(&self.state).routes.get(&(ifindex, dir, dst)).cloned() else { continue };
+            let last_stats = self.route_stats(&r).unwrap_or_default();
+            self.remove_route(ifindex, dir, dst)?;
+            tracing::warn!(route = %r.route, %reason, "route is stale");
+            let s = StaleRoute { route: r, reason, last_stats };
+            lock(&self.state).stale.push(s.clone());
+            out.push(s);
+        }
+        Ok(out)
     }
 
     /// Packets and bytes a route redirected, and redirects the kernel refused.

@@ -271,3 +271,45 @@ fn invalid_routes_are_refused_and_change_nothing() -> Result<()> {
     ensure!(again.attachments() == na.tc().attachments() && again.attachments().len() == 1);
     Ok(())
 }
+
+#[test]
+fn a_deleted_pod_leaves_no_route_on_its_old_interface() -> Result<()> {
+    let net = TwoNodes::new(2)?;
+    let b_ip = net.b.pods[0].addr(false);
+    let (na, _nb) = nodes_or_skip!(net);
+    let (old_if, _) = na.tc().attach(&IfaceRef::Name("vpod0".into()), Direction::Ingress)?;
+    na.tc().attach(&IfaceRef::Name("vpod1".into()), Direction::Ingress)?;
+    for pod in ["vpod0", "vpod1"] {
+        na.route(pod, b_ip, 24, RouteAction::Redirect(IfaceRef::Name("vxlan0".into())), None)?;
+    }
+    ensure!(na.tc().refresh()?.is_empty(), "nothing is stale while both pods live");
+
+    // Delete pod 0 the way CNI does: its veth pair goes away.
+    net.a.node.ip(&["link", "del", "vpod0"])?;
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let stale = loop {
+        let s = na.tc().refresh()?;
+        if !s.is_empty() || std::time::Instant::now() > deadline {
+            break s;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    ensure!(stale.len() == 1 && stale[0].route.attach_name == "vpod0", "{stale:?}");
+    ensure!(na.tc().routes().len() == 1 && na.tc().routes()[0].attach_name == "vpod1");
+    ensure!(na.tc().stale_routes().len() == 1);
+    ensure!(!na.tc().attachments().iter().any(|(i, _)| *i == old_if), "the attachment was released");
+
+    // Recreate the pod: a new vpod0 has a new ifindex and no route points at it.
+    net.a.node.ip(&["link", "add", "vpod0", "type", "veth", "peer", "name", "vpod0p"])?;
+    let new_if = na.link("vpod0").index;
+    ensure!(new_if != old_if);
+    let again =
+        TcDataplane::open(&TcConfig { pin_root: na.pin_root.clone(), netns: Some(net.a.node.path()), max_routes: 64 })?;
+    ensure!(
+        again.routes().iter().all(|r| r.attach_ifindex != old_if && r.attach_ifindex != new_if),
+        "the maps hold no route for vpod0"
+    );
+    na.tc().forget_stale(old_if, Direction::Ingress, stale[0].route.route.dst)?;
+    ensure!(na.tc().stale_routes().is_empty());
+    Ok(())
+}
