@@ -290,6 +290,87 @@ impl TwoNodes {
     }
 }
 
+/// How pod-to-pod traffic leaves the sending node in [`TwoNodes::install_fast_path`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OverlayEgress {
+    /// `bpf_redirect` to vxlan0 with the MACs rewritten for the peer's vxlan0.
+    Redirect,
+    /// `bpf_redirect_neigh` to vxlan0 via the peer's overlay address.
+    RedirectNeigh,
+}
+
+/// An interface of a namespace, looked up over netlink.
+pub fn link_in(ns: &NetNs, name: &str) -> Result<crate::netlink::Link> {
+    let iface = crate::tc::IfaceRef::Name(name.to_string());
+    crate::netlink::in_netns(Some(&ns.path()), async |h| crate::netlink::link(&h, &iface).await)
+        .map_err(|e| TestbedError::Integrity(format!("{name} in {}: {e}", ns.name())))
+}
+
+impl TwoNodes {
+    /// Attaches `tc_a`/`tc_b` (the nodes' tc data paths) to pod 0's veth and
+    /// vxlan0 ingress and installs the routes that take pod A0 <-> pod B0
+    /// traffic around both bridges: pod veth ingress -> vxlan egress, and
+    /// vxlan ingress -> `bpf_redirect_peer` straight into the pod.
+    pub fn install_fast_path(
+        &self,
+        tc_a: &crate::tc::TcDataplane,
+        tc_b: &crate::tc::TcDataplane,
+        v6: bool,
+        egress: OverlayEgress,
+    ) -> Result<()> {
+        use crate::tc::{Direction, IfaceRef, InterfaceRoute, MacRewrite, Prefix, RouteAction};
+        let tc_err = |e: crate::tc::TcError| TestbedError::Integrity(e.to_string());
+        let mac = |l: &crate::netlink::Link| l.mac.unwrap_or_default();
+        let (subnet_len, host_len) = if v6 { (64, 128) } else { (24, 32) };
+        let sides = [(&self.a, tc_a, &self.b, "2"), (&self.b, tc_b, &self.a, "1")];
+        for (me, tc, peer, peer_id) in sides {
+            for iface in ["vpod0", "vxlan0"] {
+                tc.attach(&IfaceRef::Name(iface.into()), Direction::Ingress).map_err(tc_err)?;
+            }
+            let (my_vx, peer_vx) = (link_in(&me.node, "vxlan0")?, link_in(&peer.node, "vxlan0")?);
+            let (bridge, pod) = (link_in(&me.node, "br0")?, link_in(&me.pods[0].ns, "eth0")?);
+            let next_hop: IpAddr = if v6 { format!("2001:db8:ff::{peer_id}") } else { format!("198.18.255.{peer_id}") }
+                .parse()
+                .map_err(|_| TestbedError::Integrity("next hop".into()))?;
+            let vxlan = IfaceRef::Name("vxlan0".into());
+            let (action, rewrite) = match egress {
+                OverlayEgress::Redirect => {
+                    (RouteAction::Redirect(vxlan), Some(MacRewrite { src: mac(&my_vx), dst: mac(&peer_vx) }))
+                }
+                OverlayEgress::RedirectNeigh => {
+                    (RouteAction::RedirectNeigh { to: vxlan, next_hop: Some(next_hop) }, None)
+                }
+            };
+            let prefix =
+                |ip: IpAddr, len| Prefix::new("dst", ip, len).map_err(|e| TestbedError::Integrity(e.to_string()));
+            let out = InterfaceRoute {
+                attach: IfaceRef::Name("vpod0".into()),
+                direction: Direction::Ingress,
+                dst: prefix(peer.pods[0].addr(v6), subnet_len)?,
+                src: None,
+                action,
+                rewrite,
+            };
+            let into_pod = InterfaceRoute {
+                attach: IfaceRef::Name("vxlan0".into()),
+                direction: Direction::Ingress,
+                dst: prefix(me.pods[0].addr(v6), host_len)?,
+                src: None,
+                action: RouteAction::RedirectPeer(IfaceRef::Name("vpod0".into())),
+                rewrite: Some(MacRewrite { src: mac(&bridge), dst: mac(&pod) }),
+            };
+            tc.insert_route(&out).map_err(tc_err)?;
+            tc.insert_route(&into_pod).map_err(tc_err)?;
+        }
+        Ok(())
+    }
+
+    /// Bytes through both nodes' bridges.
+    pub fn bridge_bytes(&self) -> Result<u64> {
+        Ok(self.a.bridge_bytes()? + self.b.bridge_bytes()?)
+    }
+}
+
 fn dotted(a: [u8; 3]) -> String {
     format!("{}.{}.{}", a[0], a[1], a[2])
 }

@@ -12,9 +12,9 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
-use meshwarp_core::netlink::{self, Link};
+use meshwarp_core::netlink::Link;
 use meshwarp_core::tc::{Direction, IfaceRef, InterfaceRoute, MacRewrite, Prefix, RouteAction, TcConfig, TcDataplane};
-use meshwarp_core::testbed::{accept_timeout, exchange, unique_name, NetNs, NodeWithPods, TwoNodes};
+use meshwarp_core::testbed::{accept_timeout, exchange, link_in, unique_name, NodeWithPods, OverlayEgress, TwoNodes};
 
 const T: Duration = Duration::from_secs(60);
 const PORT: u16 = 8080;
@@ -56,7 +56,7 @@ impl<'a> Node<'a> {
     }
 
     fn link(&self, name: &str) -> Link {
-        link_in(&self.net.node, name)
+        link_in(&self.net.node, name).unwrap()
     }
 
     fn route(
@@ -80,16 +80,6 @@ impl<'a> Node<'a> {
     }
 }
 
-fn link_in(ns: &NetNs, name: &str) -> Link {
-    let path = ns.path();
-    let name = name.to_string();
-    netlink::in_netns(Some(&path), async |h| netlink::link(&h, &IfaceRef::Name(name)).await).unwrap()
-}
-
-fn mac(l: &Link) -> [u8; 6] {
-    l.mac.unwrap()
-}
-
 /// Connects pod A -> pod B and checks a stream both ways.
 fn traffic(net: &TwoNodes, v6: bool, seed: u64, listener: &std::net::TcpListener) -> Result<()> {
     let c = net.a.pods[0].ns.connect(SocketAddr::new(net.b.pods[0].addr(v6), PORT))?;
@@ -99,7 +89,7 @@ fn traffic(net: &TwoNodes, v6: bool, seed: u64, listener: &std::net::TcpListener
 }
 
 fn bridges(net: &TwoNodes) -> Result<u64> {
-    Ok(net.a.bridge_bytes()? + net.b.bridge_bytes()?)
+    Ok(net.bridge_bytes()?)
 }
 
 macro_rules! nodes_or_skip {
@@ -120,44 +110,8 @@ fn redirect_and_peer(v6: bool) -> Result<()> {
     ensure!(bridges(&net)? - before > 4 << 20, "payload crossed the bridges without meshwarp");
 
     let (na, nb) = nodes_or_skip!(net);
-    for n in [&na, &nb] {
-        n.tc().attach(&IfaceRef::Name("vpod0".into()), Direction::Ingress)?;
-        n.tc().attach(&IfaceRef::Name("vxlan0".into()), Direction::Ingress)?;
-    }
-    let (va, vb) = (na.link("vxlan0"), nb.link("vxlan0"));
-    let (bra, brb) = (na.link("br0"), nb.link("br0"));
-    let (pod_a, pod_b) = (link_in(&net.a.pods[0].ns, "eth0"), link_in(&net.b.pods[0].ns, "eth0"));
-    let (a_ip, b_ip) = (net.a.pods[0].addr(v6), net.b.pods[0].addr(v6));
-    let (subnet_len, host_len) = if v6 { (64, 128) } else { (24, 32) };
-    // A: pod veth ingress -> vxlan egress, framed for B's vxlan; and back into the pod.
-    na.route(
-        "vpod0",
-        b_ip,
-        subnet_len,
-        RouteAction::Redirect(IfaceRef::Name("vxlan0".into())),
-        Some(MacRewrite { src: mac(&va), dst: mac(&vb) }),
-    )?;
-    na.route(
-        "vxlan0",
-        a_ip,
-        host_len,
-        RouteAction::RedirectPeer(IfaceRef::Name("vpod0".into())),
-        Some(MacRewrite { src: mac(&bra), dst: mac(&pod_a) }),
-    )?;
-    nb.route(
-        "vpod0",
-        a_ip,
-        subnet_len,
-        RouteAction::Redirect(IfaceRef::Name("vxlan0".into())),
-        Some(MacRewrite { src: mac(&vb), dst: mac(&va) }),
-    )?;
-    nb.route(
-        "vxlan0",
-        b_ip,
-        host_len,
-        RouteAction::RedirectPeer(IfaceRef::Name("vpod0".into())),
-        Some(MacRewrite { src: mac(&brb), dst: mac(&pod_b) }),
-    )?;
+    net.install_fast_path(na.tc(), nb.tc(), v6, OverlayEgress::Redirect)?;
+    let b_ip = net.b.pods[0].addr(v6);
 
     // A connection opened on the routed path, to outlive the routes later.
     let long_c = net.a.pods[0].ns.connect(SocketAddr::new(b_ip, PORT))?;
@@ -204,33 +158,7 @@ fn redirect_neigh_lets_the_kernel_fill_l2() -> Result<()> {
     let listener = net.b.pods[0].ns.listen(SocketAddr::new(net.b.pods[0].addr(false), PORT))?;
     traffic(&net, false, 11, &listener)?; // resolves the overlay neighbours
     let (na, nb) = nodes_or_skip!(net);
-    for n in [&na, &nb] {
-        n.tc().attach(&IfaceRef::Name("vpod0".into()), Direction::Ingress)?;
-        n.tc().attach(&IfaceRef::Name("vxlan0".into()), Direction::Ingress)?;
-    }
-    let (a_ip, b_ip) = (net.a.pods[0].addr(false), net.b.pods[0].addr(false));
-    let neigh = |nh: &str| RouteAction::RedirectNeigh {
-        to: IfaceRef::Name("vxlan0".into()),
-        next_hop: Some(nh.parse().unwrap()),
-    };
-    let (bra, brb) = (na.link("br0"), nb.link("br0"));
-    let (pod_a, pod_b) = (link_in(&net.a.pods[0].ns, "eth0"), link_in(&net.b.pods[0].ns, "eth0"));
-    na.route("vpod0", b_ip, 24, neigh("198.18.255.2"), None)?;
-    nb.route("vpod0", a_ip, 24, neigh("198.18.255.1"), None)?;
-    na.route(
-        "vxlan0",
-        a_ip,
-        32,
-        RouteAction::RedirectPeer(IfaceRef::Name("vpod0".into())),
-        Some(MacRewrite { src: mac(&bra), dst: mac(&pod_a) }),
-    )?;
-    nb.route(
-        "vxlan0",
-        b_ip,
-        32,
-        RouteAction::RedirectPeer(IfaceRef::Name("vpod0".into())),
-        Some(MacRewrite { src: mac(&brb), dst: mac(&pod_b) }),
-    )?;
+    net.install_fast_path(na.tc(), nb.tc(), false, OverlayEgress::RedirectNeigh)?;
     let before = bridges(&net)?;
     traffic(&net, false, 13, &listener)?;
     ensure!(bridges(&net)? - before < 256 * 1024, "payload bypassed the bridges");
