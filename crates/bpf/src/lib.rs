@@ -38,8 +38,9 @@ pub mod names {
     pub const MAP_RT6: &str = "mw_rt6";
     pub const MAP_RT_STATS: &str = "mw_rt_stats";
     pub const MAP_ATT_STATS: &str = "mw_att_stats";
+    pub const MAP_RT_OWNER: &str = "mw_rt_owner";
     /// Every map of the tcredir family.
-    pub const TCREDIR_MAPS: [&str; 4] = [MAP_RT4, MAP_RT6, MAP_RT_STATS, MAP_ATT_STATS];
+    pub const TCREDIR_MAPS: [&str; 5] = [MAP_RT4, MAP_RT6, MAP_RT_STATS, MAP_ATT_STATS, MAP_RT_OWNER];
     /// Every map of the sockredir family, in pin order.
     pub const SOCKREDIR_MAPS: [&str; 8] =
         [MAP_SOCKHASH, MAP_PAIRS, MAP_CAPTURE, MAP_ORIGINS, MAP_SK_STATE, MAP_STATS, MAP_GLOBAL, MAP_OWNERS];

@@ -23,13 +23,14 @@ use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::{libbpf_sys, MapCore, MapFlags, MapHandle, ProgramHandle};
 use meshwarp_bpf::names;
 use meshwarp_bpf::shared::{
-    AttachKey, AttachStats, Pod, RouteKey4, RouteKey6, RouteStats, RouteValue, ACT_REDIRECT, ACT_REDIRECT_NEIGH,
-    ACT_REDIRECT_PEER, AF_INET, AF_INET6, DIR_EGRESS, DIR_INGRESS, ROUTE_HAS_NEXTHOP, ROUTE_HAS_SRC,
-    ROUTE_KEY_PREFIX_BITS, ROUTE_REWRITE_MAC, SCHEMA_VERSION,
+    AttachKey, AttachStats, OwnerName, Pod, RouteKey4, RouteKey6, RouteStats, RouteValue, ACT_REDIRECT,
+    ACT_REDIRECT_NEIGH, ACT_REDIRECT_PEER, AF_INET, AF_INET6, DIR_EGRESS, DIR_INGRESS, ROUTE_HAS_NEXTHOP,
+    ROUTE_HAS_SRC, ROUTE_KEY_PREFIX_BITS, ROUTE_REWRITE_MAC, SCHEMA_VERSION,
 };
 use meshwarp_bpf::tcredir::TcredirSkelBuilder;
 
-use crate::netlink::{self, NetlinkError};
+use crate::netlink::{self, Link, NetlinkError};
+use crate::registry::Outcome;
 
 /// An interface, by name or by index (in the dataplane's namespace).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -230,6 +231,12 @@ pub enum TcError {
     NotFound(String),
     #[error("route capacity exhausted ({0} routes); nothing was changed")]
     Full(u32),
+    #[error("{what} is owned by {owner:?}, not {requested:?}")]
+    OwnerMismatch { what: String, owner: String, requested: String },
+    #[error("invalid owner {0:?}: at most 63 bytes, no NUL")]
+    InvalidOwner(String),
+    #[error("{0} appears twice in one batch")]
+    DuplicateInBatch(String),
     #[error("{dir} holds a partial tc data path (missing {missing:?}); run `meshwarp uninstall`")]
     Partial { dir: PathBuf, missing: Vec<String> },
 }
@@ -271,6 +278,7 @@ pub struct InstalledRoute {
     pub target_ifindex: u32,
     pub attach_name: String,
     pub target_name: String,
+    pub owner: String,
     id: u32,
 }
 
@@ -303,6 +311,7 @@ pub struct TcDataplane {
     rt6: MapHandle,
     rt_stats: MapHandle,
     att_stats: MapHandle,
+    rt_owner: MapHandle,
     capacity: u32,
     ncpus: usize,
     state: Mutex<TcState>,
@@ -350,7 +359,7 @@ fn load_and_pin(cfg: &TcConfig, dir: &Path) -> Result<(), TcError> {
     }
     let mut obj = MaybeUninit::uninit();
     let mut open = TcredirSkelBuilder::default().open(&mut obj).map_err(bpf("opening the tc object"))?;
-    for m in [&mut open.maps.mw_rt4, &mut open.maps.mw_rt6, &mut open.maps.mw_rt_stats] {
+    for m in [&mut open.maps.mw_rt4, &mut open.maps.mw_rt6, &mut open.maps.mw_rt_stats, &mut open.maps.mw_rt_owner] {
         m.set_max_entries(cfg.max_routes).map_err(bpf("sizing route maps"))?;
     }
     let skel = open.load().map_err(bpf("loading the tc programs"))?;
@@ -359,6 +368,7 @@ fn load_and_pin(cfg: &TcConfig, dir: &Path) -> Result<(), TcError> {
         (names::MAP_RT6, &skel.maps.mw_rt6),
         (names::MAP_RT_STATS, &skel.maps.mw_rt_stats),
         (names::MAP_ATT_STATS, &skel.maps.mw_att_stats),
+        (names::MAP_RT_OWNER, &skel.maps.mw_rt_owner),
     ];
     for (name, map) in maps {
         let mut h = MapHandle::try_from(map).map_err(bpf(format!("handle of {name}")))?;
@@ -404,6 +414,7 @@ impl TcDataplane {
             rt6: open(names::MAP_RT6)?,
             rt_stats: open(names::MAP_RT_STATS)?,
             att_stats: open(names::MAP_ATT_STATS)?,
+            rt_owner: open(names::MAP_RT_OWNER)?,
             capacity: 0,
             ncpus: libbpf_rs::num_possible_cpus().map_err(bpf("counting CPUs"))?,
             netns: cfg.netns.clone(),
@@ -420,6 +431,15 @@ impl TcDataplane {
     fn reconcile(&self) -> Result<(), TcError> {
         let links = netlink::in_netns(self.netns.as_deref(), async |h| netlink::links(&h).await)?;
         let name_of = |i: u32| links.iter().find(|l| l.index == i).map(|l| l.name.clone()).unwrap_or_default();
+        let owner_of = |id: u32| {
+            self.rt_owner
+                .lookup(&id.to_ne_bytes(), MapFlags::ANY)
+                .ok()
+                .flatten()
+                .and_then(|b| OwnerName::from_bytes(&b))
+                .map(|o| o.as_string())
+                .unwrap_or_default()
+        };
         let mut st = lock(&self.state);
         let mut used = Vec::new();
         for (map, v6) in [(&self.rt4, false), (&self.rt6, true)] {
@@ -445,6 +465,7 @@ impl TcDataplane {
                         target_ifindex: val.target_ifindex,
                         attach_name: name_of(ifindex),
                         target_name: name_of(val.target_ifindex),
+                        owner: owner_of(val.id),
                         id: val.id,
                     },
                 );
@@ -524,41 +545,66 @@ impl TcDataplane {
         out
     }
 
-    /// Installs a route; interfaces are resolved in the node's namespace.
-    pub fn insert_route(&self, route: &InterfaceRoute) -> Result<InstalledRoute, TcError> {
+    /// Checks a route against the node: interfaces exist, RedirectPeer targets a veth.
+    fn resolve(&self, route: &InterfaceRoute) -> Result<(Link, Link), TcError> {
         route.validate()?;
         let target = route.action.target().clone();
         let attach = route.attach.clone();
         let (a, t) = netlink::in_netns(self.netns.as_deref(), async |h| {
             Ok((netlink::link(&h, &attach).await?, netlink::link(&h, &target).await?))
         })
-        .map_err(|e| match e {
-            NetlinkError::NoSuchInterface(n) => TcError::Invalid(RouteError::UnknownInterface(n)),
-            other => TcError::Netlink(other),
-        })?;
+        .map_err(unknown_iface)?;
         if matches!(route.action, RouteAction::RedirectPeer(_)) && !t.is_veth() {
             return Err(RouteError::NotVeth(t.name).into());
         }
-        let key: RouteId = (a.index, route.direction, route.dst);
-        let mut st = lock(&self.state);
-        if let Some(existing) = st.routes.get(&key) {
-            return Err(TcError::AlreadyExists(format!("route {}", existing.route)));
-        }
-        let id = match st.free.pop() {
+        Ok((a, t))
+    }
+
+    /// The ifindex of an attach point named in a route key.
+    pub fn resolve_iface(&self, iface: &IfaceRef) -> Result<u32, TcError> {
+        let iface = iface.clone();
+        Ok(netlink::in_netns(self.netns.as_deref(), async |h| netlink::link(&h, &iface).await)
+            .map_err(unknown_iface)?
+            .index)
+    }
+
+    /// Writes a resolved route under slot `id` (fresh slots get zeroed counters).
+    fn install(
+        &self,
+        st: &mut TcState,
+        route: &InterfaceRoute,
+        (a, t): (Link, Link),
+        owner: &str,
+        reuse: Option<u32>,
+    ) -> Result<InstalledRoute, TcError> {
+        let name = OwnerName::new(owner).ok_or_else(|| TcError::InvalidOwner(owner.to_string()))?;
+        let id = match reuse {
             Some(id) => id,
-            None if st.next_fresh < self.capacity => {
-                st.next_fresh += 1;
-                st.next_fresh - 1
+            None => {
+                let id = match st.free.pop() {
+                    Some(id) => id,
+                    None if st.next_fresh < self.capacity => {
+                        st.next_fresh += 1;
+                        st.next_fresh - 1
+                    }
+                    None => return Err(TcError::Full(self.capacity)),
+                };
+                let zeros = vec![RouteStats::default().as_bytes().to_vec(); self.ncpus];
+                if let Err(e) = self.rt_stats.update_percpu(&id.to_ne_bytes(), &zeros, MapFlags::ANY) {
+                    st.free.push(id);
+                    return Err(TcError::Bpf { what: "zeroing route counters".into(), source: e });
+                }
+                id
             }
-            None => return Err(TcError::Full(self.capacity)),
         };
-        let zeros = vec![RouteStats::default().as_bytes().to_vec(); self.ncpus];
         let written = self
-            .rt_stats
-            .update_percpu(&id.to_ne_bytes(), &zeros, MapFlags::ANY)
+            .rt_owner
+            .update(&id.to_ne_bytes(), name.as_bytes(), MapFlags::ANY)
             .and_then(|()| self.write_route(a.index, route, t.index, id));
         if let Err(e) = written {
-            st.free.push(id);
+            if reuse.is_none() {
+                st.free.push(id);
+            }
             return Err(TcError::Bpf { what: format!("writing route {route}"), source: e });
         }
         let installed = InstalledRoute {
@@ -567,10 +613,182 @@ impl TcDataplane {
             target_ifindex: t.index,
             attach_name: a.name,
             target_name: t.name,
+            owner: owner.to_string(),
             id,
         };
-        st.routes.insert(key, installed.clone());
+        st.routes.insert((installed.attach_ifindex, route.direction, route.dst), installed.clone());
         Ok(installed)
+    }
+
+    /// Installs a new route; interfaces are resolved in the node's namespace.
+    pub fn insert_route(&self, route: &InterfaceRoute, owner: &str) -> Result<InstalledRoute, TcError> {
+        let resolved = self.resolve(route)?;
+        let mut st = lock(&self.state);
+        if let Some(existing) = st.routes.get(&(resolved.0.index, route.direction, route.dst)) {
+            return Err(TcError::AlreadyExists(format!("route {} (owner {:?})", existing.route, existing.owner)));
+        }
+        self.install(&mut st, route, resolved, owner, None)
+    }
+
+    /// Creates the route, or replaces the one with the same attach point,
+    /// direction and destination (keeping its counters) if `owner` owns it.
+    pub fn upsert_route(&self, route: &InterfaceRoute, owner: &str) -> Result<(InstalledRoute, Outcome), TcError> {
+        let resolved = self.resolve(route)?;
+        let mut st = lock(&self.state);
+        self.upsert_locked(&mut st, route, resolved, owner)
+    }
+
+    fn upsert_locked(
+        &self,
+        st: &mut TcState,
+        route: &InterfaceRoute,
+        resolved: (Link, Link),
+        owner: &str,
+    ) -> Result<(InstalledRoute, Outcome), TcError> {
+        match st.routes.get(&(resolved.0.index, route.direction, route.dst)).cloned() {
+            None => Ok((self.install(st, route, resolved, owner, None)?, Outcome::Created)),
+            Some(e) if e.owner != owner => Err(owner_mismatch(&e, owner)),
+            Some(e) if e.route == *route && e.target_ifindex == resolved.1.index => Ok((e, Outcome::Unchanged)),
+            Some(e) => Ok((self.install(st, route, resolved, owner, Some(e.id))?, Outcome::Updated)),
+        }
+    }
+
+    /// Removes the route of (attach point, direction, destination), checking
+    /// the owner when given.
+    pub fn delete_route(
+        &self,
+        attach: &IfaceRef,
+        dir: Direction,
+        dst: Prefix,
+        owner: Option<&str>,
+    ) -> Result<InstalledRoute, TcError> {
+        let ifindex = self.resolve_iface(attach)?;
+        let mut st = lock(&self.state);
+        let e = st
+            .routes
+            .get(&(ifindex, dir, dst))
+            .cloned()
+            .ok_or_else(|| TcError::NotFound(format!("route {dst} on {attach} {dir:?}")))?;
+        if let Some(o) = owner {
+            if e.owner != o {
+                return Err(owner_mismatch(&e, o));
+            }
+        }
+        self.erase_locked(&mut st, &e)?;
+        Ok(e)
+    }
+
+    fn erase_locked(&self, st: &mut TcState, e: &InstalledRoute) -> Result<(), TcError> {
+        let prefixlen = ROUTE_KEY_PREFIX_BITS + u32::from(e.route.dst.len);
+        let dir = e.route.direction.raw();
+        let r = match e.route.dst.addr {
+            IpAddr::V4(a) => {
+                self.rt4.delete(RouteKey4 { prefixlen, ifindex: e.attach_ifindex, dir, dst: a.octets() }.as_bytes())
+            }
+            IpAddr::V6(a) => {
+                self.rt6.delete(RouteKey6 { prefixlen, ifindex: e.attach_ifindex, dir, dst: a.octets() }.as_bytes())
+            }
+        };
+        r.map_err(bpf(format!("deleting route {}", e.route.dst)))?;
+        let _ = self.rt_owner.delete(&e.id.to_ne_bytes());
+        st.routes.remove(&(e.attach_ifindex, e.route.direction, e.route.dst));
+        st.free.push(e.id);
+        Ok(())
+    }
+
+    /// All or nothing: every route is resolved and checked before any is
+    /// written; a failure while writing restores what was written.
+    pub fn batch_upsert_routes(
+        &self,
+        routes: &[InterfaceRoute],
+        owner: &str,
+    ) -> Result<Vec<(InstalledRoute, Outcome)>, TcError> {
+        OwnerName::new(owner).ok_or_else(|| TcError::InvalidOwner(owner.to_string()))?;
+        let resolved = routes.iter().map(|r| self.resolve(r)).collect::<Result<Vec<_>, _>>()?;
+        let mut st = lock(&self.state);
+        let mut seen = std::collections::BTreeSet::new();
+        let mut new = 0;
+        for (r, (a, _)) in routes.iter().zip(&resolved) {
+            let key = (a.index, r.direction, r.dst);
+            if !seen.insert(key) {
+                return Err(TcError::DuplicateInBatch(format!("route {r}")));
+            }
+            match st.routes.get(&key) {
+                Some(e) if e.owner != owner => return Err(owner_mismatch(e, owner)),
+                Some(_) => {}
+                None => new += 1,
+            }
+        }
+        let free = st.free.len() + (self.capacity - st.next_fresh) as usize;
+        if new > free {
+            return Err(TcError::Full(self.capacity));
+        }
+        let mut done: Vec<(InstalledRoute, Outcome, Option<InstalledRoute>)> = Vec::new();
+        for (r, res) in routes.iter().zip(resolved) {
+            let previous = st.routes.get(&(res.0.index, r.direction, r.dst)).cloned();
+            match self.upsert_locked(&mut st, r, res, owner) {
+                Ok((i, o)) => done.push((i, o, previous)),
+                Err(err) => {
+                    for (i, o, prev) in done.into_iter().rev() {
+                        let _ = match (o, prev) {
+                            (Outcome::Created, _) => self.erase_locked(&mut st, &i),
+                            (Outcome::Updated, Some(p)) => self
+                                .write_route(p.attach_ifindex, &p.route, p.target_ifindex, p.id)
+                                .map_err(bpf("rollback"))
+                                .map(|()| {
+                                    st.routes.insert((p.attach_ifindex, p.route.direction, p.route.dst), p);
+                                }),
+                            _ => Ok(()),
+                        };
+                    }
+                    return Err(err);
+                }
+            }
+        }
+        Ok(done.into_iter().map(|(i, o, _)| (i, o)).collect())
+    }
+
+    /// All or nothing; with `allow_missing` absent routes are skipped (`None`).
+    pub fn batch_delete_routes(
+        &self,
+        keys: &[(IfaceRef, Direction, Prefix)],
+        owner: &str,
+        allow_missing: bool,
+    ) -> Result<Vec<Option<InstalledRoute>>, TcError> {
+        let idx = keys.iter().map(|(i, _, _)| self.resolve_iface(i)).collect::<Result<Vec<_>, _>>()?;
+        let mut st = lock(&self.state);
+        let mut found = Vec::with_capacity(keys.len());
+        let mut seen = std::collections::BTreeSet::new();
+        for ((iface, dir, dst), ifindex) in keys.iter().zip(&idx) {
+            if !seen.insert((*ifindex, *dir, *dst)) {
+                return Err(TcError::DuplicateInBatch(format!("route {dst} on {iface}")));
+            }
+            match st.routes.get(&(*ifindex, *dir, *dst)) {
+                Some(e) if e.owner != owner => return Err(owner_mismatch(e, owner)),
+                Some(e) => found.push(Some(e.clone())),
+                None if allow_missing => found.push(None),
+                None => return Err(TcError::NotFound(format!("route {dst} on {iface} {dir:?}"))),
+            }
+        }
+        let mut erased: Vec<InstalledRoute> = Vec::new();
+        for e in found.iter().flatten() {
+            if let Err(err) = self.erase_locked(&mut st, e) {
+                for back in erased.into_iter().rev() {
+                    if self.write_route(back.attach_ifindex, &back.route, back.target_ifindex, back.id).is_ok() {
+                        let _ = self.rt_owner.update(
+                            &back.id.to_ne_bytes(),
+                            OwnerName::new(&back.owner).unwrap_or_default().as_bytes(),
+                            MapFlags::ANY,
+                        );
+                        st.free.retain(|i| *i != back.id);
+                        st.routes.insert((back.attach_ifindex, back.route.direction, back.route.dst), back);
+                    }
+                }
+                return Err(err);
+            }
+            erased.push(e.clone());
+        }
+        Ok(found)
     }
 
     fn write_route(&self, ifindex: u32, r: &InterfaceRoute, target: u32, id: u32) -> Result<(), libbpf_rs::Error> {
@@ -613,26 +831,15 @@ impl TcDataplane {
         }
     }
 
-    /// Removes the route of (attach interface, direction, dst).
+    /// Removes the route of (attach ifindex, direction, dst) whoever owns it.
     pub fn remove_route(&self, attach_ifindex: u32, dir: Direction, dst: Prefix) -> Result<(), TcError> {
         let mut st = lock(&self.state);
-        let key = (attach_ifindex, dir, dst);
-        let installed =
-            st.routes.get(&key).ok_or_else(|| TcError::NotFound(format!("route {dst} on if{attach_ifindex}")))?;
-        let prefixlen = ROUTE_KEY_PREFIX_BITS + u32::from(dst.len);
-        let r = match dst.addr {
-            IpAddr::V4(a) => self
-                .rt4
-                .delete(RouteKey4 { prefixlen, ifindex: attach_ifindex, dir: dir.raw(), dst: a.octets() }.as_bytes()),
-            IpAddr::V6(a) => self
-                .rt6
-                .delete(RouteKey6 { prefixlen, ifindex: attach_ifindex, dir: dir.raw(), dst: a.octets() }.as_bytes()),
-        };
-        r.map_err(bpf(format!("deleting route {dst}")))?;
-        let id = installed.id;
-        st.routes.remove(&key);
-        st.free.push(id);
-        Ok(())
+        let e = st
+            .routes
+            .get(&(attach_ifindex, dir, dst))
+            .cloned()
+            .ok_or_else(|| TcError::NotFound(format!("route {dst} on if{attach_ifindex}")))?;
+        self.erase_locked(&mut st, &e)
     }
 
     pub fn routes(&self) -> Vec<InstalledRoute> {
@@ -723,6 +930,21 @@ impl TcDataplane {
             remove_pinned(&root)?;
         }
         Ok(())
+    }
+}
+
+fn unknown_iface(e: NetlinkError) -> TcError {
+    match e {
+        NetlinkError::NoSuchInterface(n) => TcError::Invalid(RouteError::UnknownInterface(n)),
+        other => TcError::Netlink(other),
+    }
+}
+
+fn owner_mismatch(e: &InstalledRoute, requested: &str) -> TcError {
+    TcError::OwnerMismatch {
+        what: format!("route {}", e.route),
+        owner: e.owner.clone(),
+        requested: requested.to_string(),
     }
 }
 

@@ -359,8 +359,8 @@ impl TwoNodes {
                 action: RouteAction::RedirectPeer(IfaceRef::Name("vpod0".into())),
                 rewrite: Some(MacRewrite { src: mac(&bridge), dst: mac(&pod) }),
             };
-            tc.insert_route(&out).map_err(tc_err)?;
-            tc.insert_route(&into_pod).map_err(tc_err)?;
+            tc.insert_route(&out, "testbed").map_err(tc_err)?;
+            tc.insert_route(&into_pod, "testbed").map_err(tc_err)?;
         }
         Ok(())
     }

@@ -13,7 +13,10 @@ use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
 use meshwarp_core::netlink::Link;
-use meshwarp_core::tc::{Direction, IfaceRef, InterfaceRoute, MacRewrite, Prefix, RouteAction, TcConfig, TcDataplane};
+use meshwarp_core::registry::Outcome;
+use meshwarp_core::tc::{
+    Direction, IfaceRef, InterfaceRoute, MacRewrite, Prefix, RouteAction, TcConfig, TcDataplane, TcError,
+};
 use meshwarp_core::testbed::{accept_timeout, exchange, link_in, unique_name, NodeWithPods, OverlayEgress, TwoNodes};
 
 const T: Duration = Duration::from_secs(60);
@@ -75,7 +78,7 @@ impl<'a> Node<'a> {
             action,
             rewrite,
         };
-        self.tc().insert_route(&r).with_context(|| format!("route {r}"))?;
+        self.tc().insert_route(&r, "test").with_context(|| format!("route {r}"))?;
         Ok(())
     }
 }
@@ -184,12 +187,12 @@ fn invalid_routes_are_refused_and_change_nothing() -> Result<()> {
         rewrite: None,
     };
     let unknown = InterfaceRoute { attach: IfaceRef::Name("nosuch0".into()), ..base.clone() };
-    ensure!(na.tc().insert_route(&unknown).unwrap_err().to_string().contains("unknown interface nosuch0"));
+    ensure!(na.tc().insert_route(&unknown, "test").unwrap_err().to_string().contains("unknown interface nosuch0"));
     let not_veth =
         InterfaceRoute { action: RouteAction::RedirectPeer(IfaceRef::Name("vxlan0".into())), ..base.clone() };
-    ensure!(na.tc().insert_route(&not_veth).unwrap_err().to_string().contains("not one"));
-    na.tc().insert_route(&base)?;
-    ensure!(na.tc().insert_route(&base).unwrap_err().to_string().contains("already exists"));
+    ensure!(na.tc().insert_route(&not_veth, "test").unwrap_err().to_string().contains("not one"));
+    na.tc().insert_route(&base, "test")?;
+    ensure!(na.tc().insert_route(&base, "test").unwrap_err().to_string().contains("already exists"));
     ensure!(na.tc().routes().len() == 1);
     // Adoption: a second handle on the same pins sees the same route and attachments.
     na.tc().attach(&IfaceRef::Name("vpod0".into()), Direction::Ingress)?;
@@ -197,6 +200,33 @@ fn invalid_routes_are_refused_and_change_nothing() -> Result<()> {
         TcDataplane::open(&TcConfig { pin_root: na.pin_root.clone(), netns: Some(net.a.node.path()), max_routes: 64 })?;
     ensure!(again.routes().len() == 1 && again.routes()[0].route.dst == base.dst);
     ensure!(again.attachments() == na.tc().attachments() && again.attachments().len() == 1);
+    ensure!(again.routes()[0].owner == "test", "owners survive adoption");
+
+    // Owners and batches.
+    let other = InterfaceRoute { dst: Prefix::new("dst", "198.18.3.0".parse()?, 24)?, ..base.clone() };
+    let err = na.tc().upsert_route(&base, "intruder").unwrap_err();
+    ensure!(matches!(err, TcError::OwnerMismatch { .. }), "{err}");
+    let err = na.tc().delete_route(&base.attach, base.direction, base.dst, Some("intruder")).unwrap_err();
+    ensure!(matches!(err, TcError::OwnerMismatch { .. }), "{err}");
+    let batch = vec![other.clone(), other.clone()];
+    ensure!(matches!(na.tc().batch_upsert_routes(&batch, "test"), Err(TcError::DuplicateInBatch(_))));
+    let batch = vec![other.clone(), base.clone()];
+    ensure!(matches!(na.tc().batch_upsert_routes(&batch, "intruder"), Err(TcError::OwnerMismatch { .. })));
+    ensure!(na.tc().routes().len() == 1, "a refused batch changes nothing");
+    let moved = InterfaceRoute {
+        rewrite: Some(MacRewrite { src: [2, 0, 0, 0, 0, 1], dst: [2, 0, 0, 0, 0, 2] }),
+        ..base.clone()
+    };
+    let out = na.tc().batch_upsert_routes(&[other.clone(), moved], "test")?;
+    ensure!(out.iter().map(|(_, o)| *o).collect::<Vec<_>>() == vec![Outcome::Created, Outcome::Updated]);
+    let keys = vec![
+        (base.attach.clone(), base.direction, base.dst),
+        (base.attach.clone(), base.direction, Prefix::new("dst", "198.18.9.0".parse()?, 24)?),
+    ];
+    ensure!(matches!(na.tc().batch_delete_routes(&keys, "test", false), Err(TcError::NotFound(_))));
+    ensure!(na.tc().routes().len() == 2);
+    let gone = na.tc().batch_delete_routes(&keys, "test", true)?;
+    ensure!(gone[0].is_some() && gone[1].is_none() && na.tc().routes().len() == 1);
     Ok(())
 }
 

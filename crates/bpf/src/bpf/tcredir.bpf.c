@@ -47,6 +47,16 @@ struct {
 	__type(value, struct mw_attach_stats);
 } mw_att_stats SEC(".maps");
 
+/* Owner of each route slot; read only by user space, pinned so a restarted
+ * agent keeps ownership. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 16384);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, __u32);
+	__type(value, struct mw_owner);
+} mw_rt_owner SEC(".maps");
+
 static __always_inline bool src_matches(const struct mw_route *r, const __u8 *src, __u32 len)
 {
 	__u32 bits = r->src_prefixlen;
