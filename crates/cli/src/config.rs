@@ -81,6 +81,9 @@ pub struct ServeArgs {
     pub max_sockets: Option<u32>,
     #[arg(long, env = "MESHWARP_MAX_BATCH_SIZE")]
     pub max_batch_size: Option<usize>,
+    /// Network namespace whose interfaces tc routes name (default: the daemon's own).
+    #[arg(long, env = "MESHWARP_NETNS")]
+    pub netns: Option<PathBuf>,
     /// On stop, also detach and unpin the data path (default: leave it forwarding).
     #[arg(long)]
     pub cleanup: bool,
@@ -138,6 +141,7 @@ pub fn resolve(args: &ServeArgs, pin_root: &Path) -> Result<(DaemonOptions, LogF
     };
     o.metrics_listen = args.metrics_listen.or(file.metrics_listen);
     o.cleanup_on_exit = args.cleanup;
+    o.netns = args.netns.clone();
     if let Some(s) = file.drain_timeout_secs {
         o.drain_timeout = Duration::from_secs(s);
     }

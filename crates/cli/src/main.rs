@@ -59,6 +59,25 @@ enum Cmd {
     /// Capture-pairing rules: connections iptables captured to a proxy.
     #[command(subcommand)]
     Capture(CaptureCmd),
+    /// Interface routes (tc redirection across interfaces).
+    #[command(subcommand)]
+    Route(RouteCmd),
+    /// Attach meshwarp's tc program to an interface.
+    Attach {
+        iface: String,
+        #[arg(long)]
+        egress: bool,
+    },
+    /// Detach it.
+    Detach {
+        iface: String,
+        #[arg(long)]
+        egress: bool,
+        #[arg(long)]
+        allow_missing: bool,
+    },
+    /// Interfaces the tc program is attached to, with packets and misses.
+    Attachments,
     /// Counters: node-wide and per rule.
     Stats,
     /// Stream changes as they happen.
@@ -140,6 +159,70 @@ pub enum CaptureCmd {
     },
 }
 
+/// Where a route is attached and what it matches.
+#[derive(Debug, clap::Args)]
+pub struct RouteAt {
+    /// Interface whose tc hook holds the route.
+    #[arg(long)]
+    pub attach: String,
+    /// The egress hook (default: ingress).
+    #[arg(long)]
+    pub egress: bool,
+    /// Destination prefix, e.g. 198.18.2.0/24.
+    #[arg(long)]
+    pub dst: String,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum RouteCmd {
+    /// Create a route (or replace yours with --update).
+    Add {
+        #[command(flatten)]
+        at: RouteAt,
+        /// Source prefix the packet must also match.
+        #[arg(long)]
+        src: Option<String>,
+        /// bpf_redirect out of this interface.
+        #[arg(long, group = "action")]
+        redirect: Option<String>,
+        /// bpf_redirect_peer into this veth's peer (ingress only).
+        #[arg(long, group = "action")]
+        redirect_peer: Option<String>,
+        /// bpf_redirect_neigh out of this interface.
+        #[arg(long, group = "action")]
+        redirect_neigh: Option<String>,
+        /// Next hop for --redirect-neigh.
+        #[arg(long)]
+        next_hop: Option<IpAddr>,
+        /// Rewrite the source MAC (with --dmac).
+        #[arg(long, requires = "dmac")]
+        smac: Option<String>,
+        #[arg(long, requires = "smac")]
+        dmac: Option<String>,
+        /// Upsert instead of create.
+        #[arg(long)]
+        update: bool,
+    },
+    /// Delete a route.
+    Rm {
+        #[command(flatten)]
+        at: RouteAt,
+        #[arg(long)]
+        allow_missing: bool,
+    },
+    /// Show a route and its counters.
+    Get {
+        #[command(flatten)]
+        at: RouteAt,
+    },
+    /// List routes.
+    Ls {
+        /// Also routes that went stale (their interface disappeared).
+        #[arg(long)]
+        stale: bool,
+    },
+}
+
 #[derive(Debug, Subcommand)]
 enum NodeCmd {
     /// Versions, kernel features found, what is attached.
@@ -206,7 +289,15 @@ fn run(cli: Cli) -> Result<()> {
             clap_complete::generate(*shell, &mut Cli::command(), "meshwarp", &mut std::io::stdout());
             Ok(())
         }
-        Cmd::Pair(_) | Cmd::Capture(_) | Cmd::Stats | Cmd::Watch { .. } | Cmd::Node(_) => {
+        Cmd::Pair(_)
+        | Cmd::Capture(_)
+        | Cmd::Route(_)
+        | Cmd::Attach { .. }
+        | Cmd::Detach { .. }
+        | Cmd::Attachments
+        | Cmd::Stats
+        | Cmd::Watch { .. }
+        | Cmd::Node(_) => {
             init_logs("warn", false);
             let rt = tokio::runtime::Runtime::new()?;
             rt.block_on(remote_cmd(&cli))
@@ -228,6 +319,10 @@ async fn remote_cmd(cli: &Cli) -> Result<()> {
     match &cli.cmd {
         Cmd::Pair(p) => c.pair(p).await,
         Cmd::Capture(p) => c.capture(p).await,
+        Cmd::Route(r) => c.route(r).await,
+        Cmd::Attach { iface, egress } => c.attach(iface, *egress).await,
+        Cmd::Detach { iface, egress, allow_missing } => c.detach(iface, *egress, *allow_missing).await,
+        Cmd::Attachments => c.attachments().await,
         Cmd::Stats => c.stats().await,
         Cmd::Watch { after, instance } => c.watch(*after, instance).await,
         Cmd::Node(NodeCmd::Info) => c.node_info().await,

@@ -11,7 +11,54 @@ use tokio_stream::StreamExt;
 use tonic::transport::Channel;
 use tonic_types::StatusExt;
 
-use crate::{CaptureCmd, PairCmd};
+use crate::{CaptureCmd, PairCmd, RouteAt, RouteCmd};
+
+fn iface(name: &str) -> Option<pb::Interface> {
+    let r = match name.parse::<u32>() {
+        Ok(i) => pb::interface::Ref::Index(i),
+        Err(_) => pb::interface::Ref::Name(name.to_string()),
+    };
+    Some(pb::Interface { r#ref: Some(r) })
+}
+
+fn show_iface(i: &Option<pb::Interface>) -> String {
+    match i.as_ref().and_then(|i| i.r#ref.as_ref()) {
+        Some(pb::interface::Ref::Name(n)) => n.clone(),
+        Some(pb::interface::Ref::Index(x)) => format!("#{x}"),
+        None => "-".into(),
+    }
+}
+
+fn dir(egress: bool) -> i32 {
+    if egress {
+        pb::Direction::Egress as i32
+    } else {
+        pb::Direction::Ingress as i32
+    }
+}
+
+/// "198.18.2.0/24" into a prefix (the server validates the parts).
+fn prefix(s: &str) -> Option<pb::IpPrefix> {
+    let (ip, len) = s.split_once('/').unwrap_or((s, ""));
+    let length = len.parse().unwrap_or(if ip.contains(':') { 128 } else { 32 });
+    Some(pb::IpPrefix { ip: ip.to_string(), length })
+}
+
+fn route_key(at: &RouteAt) -> Option<pb::RouteKey> {
+    Some(pb::RouteKey { attach: iface(&at.attach), direction: dir(at.egress), dst: prefix(&at.dst) })
+}
+
+fn show_route(r: &pb::InterfaceRoute) -> String {
+    let d = if r.direction == pb::Direction::Egress as i32 { "egress" } else { "ingress" };
+    let a = pb::RouteAction::try_from(r.action).map(|a| a.as_str_name()).unwrap_or("?");
+    let dst = r.dst.as_ref().map(|p| format!("{}/{}", p.ip, p.length)).unwrap_or_default();
+    format!(
+        "{} {d} {dst} -> {} {}",
+        show_iface(&r.attach),
+        a.trim_start_matches("ROUTE_ACTION_"),
+        show_iface(&r.target)
+    )
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Output {
@@ -192,6 +239,101 @@ impl Remote {
         }
     }
 
+    pub async fn route(&mut self, cmd: &RouteCmd) -> Result<()> {
+        let owner = self.owner.clone();
+        match cmd {
+            RouteCmd::Add { at, src, redirect, redirect_peer, redirect_neigh, next_hop, smac, dmac, update } => {
+                let (action, target) = match (redirect, redirect_peer, redirect_neigh) {
+                    (Some(t), _, _) => (pb::RouteAction::Redirect, t),
+                    (_, Some(t), _) => (pb::RouteAction::RedirectPeer, t),
+                    (_, _, Some(t)) => (pb::RouteAction::RedirectNeigh, t),
+                    _ => anyhow::bail!("one of --redirect, --redirect-peer or --redirect-neigh is required"),
+                };
+                let route = pb::InterfaceRoute {
+                    attach: iface(&at.attach),
+                    direction: dir(at.egress),
+                    dst: prefix(&at.dst),
+                    src: src.as_deref().and_then(prefix),
+                    action: action as i32,
+                    target: iface(target),
+                    next_hop: next_hop.map(|n| n.to_string()).unwrap_or_default(),
+                    rewrite: smac
+                        .as_ref()
+                        .zip(dmac.as_ref())
+                        .map(|(s, d)| pb::MacRewrite { src: s.clone(), dst: d.clone() }),
+                    ..Default::default()
+                };
+                if *update {
+                    let req = pb::UpdateRouteRequest { route: Some(route), owner, allow_missing: true };
+                    let r = self.c.update_route(req).await?.into_inner();
+                    self.emit(&r, || {
+                        println!("{} route (revision {})", if r.created { "created" } else { "updated" }, r.revision)
+                    })
+                } else {
+                    let r =
+                        self.c.create_route(pb::CreateRouteRequest { route: Some(route), owner }).await?.into_inner();
+                    let shown = r.route.as_ref().map(show_route).unwrap_or_default();
+                    self.emit(&r, || println!("created route {shown} (revision {})", r.revision))
+                }
+            }
+            RouteCmd::Rm { at, allow_missing } => {
+                let req = pb::DeleteRouteRequest { key: route_key(at), owner, allow_missing: *allow_missing };
+                let r = self.c.delete_route(req).await?.into_inner();
+                self.emit(&r, || {
+                    println!("{} route (revision {})", if r.deleted { "deleted" } else { "absent:" }, r.revision)
+                })
+            }
+            RouteCmd::Get { at } => {
+                let r = self.c.get_route(pb::GetRouteRequest { key: route_key(at) }).await?.into_inner();
+                self.emit(&r, || {
+                    let c = r.counters.unwrap_or_default();
+                    let shown = r.route.as_ref().map(show_route).unwrap_or_default();
+                    println!("{shown}  packets {} bytes {} refused {}", c.packets, c.bytes, c.redirect_errors);
+                })
+            }
+            RouteCmd::Ls { stale } => {
+                let r = self
+                    .c
+                    .list_routes(pb::ListRoutesRequest { owner: String::new(), include_stale: *stale })
+                    .await?
+                    .into_inner();
+                self.emit(&r, || {
+                    for x in &r.routes {
+                        let tag = if x.stale { format!("  STALE: {}", x.stale_reason) } else { String::new() };
+                        println!("{:<60} {:<16}{tag}", show_route(x), x.owner);
+                    }
+                    println!("({} routes, revision {})", r.routes.len(), r.revision);
+                })
+            }
+        }
+    }
+
+    pub async fn attach(&mut self, name: &str, egress: bool) -> Result<()> {
+        let r = self
+            .c
+            .attach_interface(pb::AttachInterfaceRequest { iface: iface(name), direction: dir(egress) })
+            .await?
+            .into_inner();
+        self.emit(&r, || println!("attached to {name} (ifindex {}, {})", r.ifindex, r.mode))
+    }
+
+    pub async fn detach(&mut self, name: &str, egress: bool, allow_missing: bool) -> Result<()> {
+        let req = pb::DetachInterfaceRequest { iface: iface(name), direction: dir(egress), allow_missing };
+        let r = self.c.detach_interface(req).await?.into_inner();
+        self.emit(&r, || println!("{} {name}", if r.detached { "detached from" } else { "was not attached to" }))
+    }
+
+    pub async fn attachments(&mut self) -> Result<()> {
+        let r = self.c.list_attachments(pb::ListAttachmentsRequest {}).await?.into_inner();
+        self.emit(&r, || {
+            println!("{:>8} {:<8} {:>12} {:>12}", "IFINDEX", "HOOK", "PACKETS", "MISSES");
+            for a in &r.attachments {
+                let d = if a.direction == pb::Direction::Egress as i32 { "egress" } else { "ingress" };
+                println!("{:>8} {d:<8} {:>12} {:>12}", a.ifindex, a.packets, a.misses);
+            }
+        })
+    }
+
     pub async fn stats(&mut self) -> Result<()> {
         let r = self.c.get_stats(pb::GetStatsRequest {}).await?.into_inner();
         self.emit(&r, || {
@@ -223,6 +365,7 @@ impl Remote {
                     Some(Resource::CaptureRule(c)) => {
                         format!("capture -> {} at {} ({})", show_ep(&c.original_dst), show_ep(&c.listener), c.owner)
                     }
+                    Some(Resource::Route(r)) => format!("route {} {}", show_route(r), r.stale_reason),
                     None => "-".into(),
                 };
                 println!("{:>6} {ty:<20} {what}", ev.revision);

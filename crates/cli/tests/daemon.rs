@@ -650,3 +650,93 @@ fn tcp_requires_mtls_and_accepts_only_trusted_clients() -> Result<()> {
     ensure!(!plain.status.success(), "plaintext is refused on the mTLS port");
     Ok(())
 }
+
+#[test]
+fn interface_routes_over_the_api_and_stale_events() -> Result<()> {
+    use meshwarp_core::testbed::{link_in, TwoNodes};
+    let env = env_or_skip!();
+    let net = TwoNodes::new(1)?;
+    let netns = net.a.node.path();
+    let _d = env.start(&["--netns", netns.to_str().unwrap()])?;
+    let mac = |l: meshwarp_core::netlink::Link| {
+        l.mac.unwrap().iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":")
+    };
+    let (va, vb) = (mac(link_in(&net.a.node, "vxlan0")?), mac(link_in(&net.b.node, "vxlan0")?));
+    let ok = |args: &[&str]| -> Result<String> {
+        let out = env.cli(args);
+        ensure!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    };
+    ensure!(ok(&["attach", "vpod0"])?.contains("tcx"));
+    let dst = "198.18.2.0/24";
+    ok(&["route", "add", "--attach", "vpod0", "--dst", dst, "--redirect", "vxlan0", "--smac", &va, "--dmac", &vb])?;
+    let listed = ok(&["route", "ls"])?;
+    ensure!(listed.contains("vpod0 ingress 198.18.2.0/24 -> REDIRECT vxlan0"), "{listed}");
+
+    // Real traffic pod A -> pod B takes the route.
+    let server = SocketAddr::new(net.b.pods[0].v4.into(), 8080);
+    let l = net.b.pods[0].ns.listen(server)?;
+    let c = net.a.pods[0].ns.connect(server)?;
+    let s = meshwarp_core::testbed::accept_timeout(&l, Duration::from_secs(5))?;
+    meshwarp_core::testbed::exchange(c, s, 77, 256 * 1024, Duration::from_secs(30))?;
+    let got = ok(&["-j", "route", "get", "--attach", "vpod0", "--dst", dst])?;
+    let v: serde_json::Value = serde_json::from_str(&got)?;
+    let packets: u64 = v["counters"]["packets"].as_str().unwrap_or("0").parse()?;
+    ensure!(packets > 0, "route counted no packets: {got}");
+    ensure!(ok(&["attachments"])?.lines().count() >= 2);
+
+    // Invalid input.
+    let bad = |args: &[&str], want: &str| -> Result<()> {
+        let out = env.cli(args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        ensure!(!out.status.success() && err.contains(want), "{args:?}: {err}");
+        Ok(())
+    };
+    bad(&["route", "add", "--attach", "nosuch0", "--dst", dst, "--redirect", "vxlan0"], "InvalidArgument")?;
+    bad(&["route", "add", "--attach", "vxlan0", "--dst", "198.18.1.2/32", "--redirect-peer", "vxlan0"], "not one")?;
+    bad(&["route", "add", "--attach", "vpod0", "--dst", "198.18.2.0/33", "--redirect", "vxlan0"], "route.dst.length")?;
+    bad(&["route", "add", "--attach", "vpod0", "--dst", dst, "--redirect", "vxlan0"], "AlreadyExists")?;
+    bad(&["--owner", "intruder", "route", "rm", "--attach", "vpod0", "--dst", dst], "PermissionDenied")?;
+    rt().block_on(async {
+        let mut c = env.client().await;
+        let mut route = pb::InterfaceRoute {
+            attach: Some(pb::Interface { r#ref: Some(pb::interface::Ref::Name("vpod0".into())) }),
+            direction: 42,
+            dst: Some(pb::IpPrefix { ip: "198.18.7.0".into(), length: 24 }),
+            action: pb::RouteAction::Redirect as i32,
+            target: Some(pb::Interface { r#ref: Some(pb::interface::Ref::Name("vxlan0".into())) }),
+            ..Default::default()
+        };
+        let s = c
+            .create_route(pb::CreateRouteRequest { route: Some(route.clone()), owner: OWNER.into() })
+            .await
+            .unwrap_err();
+        use tonic_types::StatusExt;
+        let fields: Vec<_> = s.get_details_bad_request().map(|b| b.field_violations).unwrap_or_default();
+        ensure!(s.code() == Code::InvalidArgument && fields.iter().any(|f| f.field == "route.direction"), "{s:?}");
+        route.direction = pb::Direction::Ingress as i32;
+        route.action = 17;
+        let s = c.create_route(pb::CreateRouteRequest { route: Some(route), owner: OWNER.into() }).await.unwrap_err();
+        ensure!(s.code() == Code::InvalidArgument && s.message().contains("unknown enum value 17"), "{s:?}");
+
+        // The pod goes away: the route turns stale, Watch says so, nothing redirects to its old ifindex.
+        let rev = c.list_routes(pb::ListRoutesRequest::default()).await?.into_inner();
+        let mut w = c
+            .watch(pb::WatchRequest { after_revision: rev.revision, instance_id: rev.instance_id })
+            .await?
+            .into_inner();
+        net.a.node.ip(&["link", "del", "vpod0"])?;
+        let ev = tokio::time::timeout(Duration::from_secs(10), w.next()).await?.context("watch ended")??;
+        ensure!(ev.r#type == pb::EventType::Stale as i32, "{ev:?}");
+        let Some(Resource::Route(r)) = ev.resource else { bail!("{ev:?}") };
+        ensure!(r.stale && r.stale_reason.contains("vpod0"), "{r:?}");
+        let now =
+            c.list_routes(pb::ListRoutesRequest { owner: String::new(), include_stale: true }).await?.into_inner();
+        ensure!(now.routes.len() == 1 && now.routes[0].stale, "{now:?}");
+        let live = c.list_routes(pb::ListRoutesRequest::default()).await?.into_inner();
+        ensure!(live.routes.is_empty());
+        let att = c.list_attachments(pb::ListAttachmentsRequest {}).await?.into_inner();
+        ensure!(att.attachments.is_empty(), "the attachment was released: {att:?}");
+        Ok(())
+    })
+}

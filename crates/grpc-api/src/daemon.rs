@@ -44,6 +44,9 @@ pub struct DaemonOptions {
     pub tcp_listen: Option<SocketAddr>,
     pub tls: Option<TlsFiles>,
     pub metrics_listen: Option<SocketAddr>,
+    /// Network namespace whose interfaces tc routes refer to (`None`: the
+    /// daemon's own, the node's).
+    pub netns: Option<PathBuf>,
     /// On stop, detach and unpin the data path too.
     pub cleanup_on_exit: bool,
     pub drain_timeout: Duration,
@@ -60,6 +63,7 @@ impl Default for DaemonOptions {
             tcp_listen: None,
             tls: None,
             metrics_listen: None,
+            netns: None,
             cleanup_on_exit: false,
             drain_timeout: Duration::from_secs(10),
         }
@@ -180,8 +184,23 @@ pub async fn run(opts: DaemonOptions, shutdown: impl Future<Output = ()> + Send 
     let dp = Arc::new(Dataplane::open(&opts.dataplane)?);
     tracing::info!(origin = ?dp.origin(), pin_dir = %dp.pin_dir().display(), pairs = dp.pairs().len(),
         captures = dp.captures().len(), "data path ready");
+    let tc_cfg = meshwarp_core::tc::TcConfig {
+        pin_root: opts.dataplane.pin_root.clone(),
+        netns: opts.netns.clone(),
+        max_routes: opts.dataplane.max_rules,
+    };
+    let tc = match meshwarp_core::tc::TcDataplane::open(&tc_cfg) {
+        Ok(tc) => {
+            tracing::info!(routes = tc.routes().len(), attachments = tc.attachments().len(), "tc data path ready");
+            Ok(Arc::new(tc))
+        }
+        Err(e) => {
+            tracing::warn!("tc redirection unavailable: {e}");
+            Err(e.to_string())
+        }
+    };
     let metrics = Arc::new(Metrics::new());
-    let node = NodeServer::new(Arc::clone(&dp), opts.server.clone(), Arc::clone(&metrics));
+    let node = NodeServer::with_tc(Arc::clone(&dp), tc, opts.server.clone(), Arc::clone(&metrics));
     let (health, health_svc) = tonic_health::server::health_reporter();
     health.set_serving::<NodeServiceServer<NodeServer>>().await;
     let reflection = tonic_reflection::server::Builder::configure()
@@ -260,6 +279,27 @@ pub async fn run(opts: DaemonOptions, shutdown: impl Future<Output = ()> + Send 
                 })
                 .ok();
             Ok(())
+        });
+    }
+    // Interfaces come and go with pods: routes naming a vanished one leave the
+    // data path and are announced as stale.
+    {
+        let (node, mut stop) = (node.clone(), stop_tx.subscribe());
+        servers.spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_secs(1));
+            loop {
+                tokio::select! {
+                    _ = stop.recv() => return Ok(()),
+                    _ = tick.tick() => {
+                        let n = node.clone();
+                        if let Ok(Err(e)) = tokio::task::spawn_blocking(move || n.refresh_routes()).await {
+                            if e.code() != tonic::Code::FailedPrecondition {
+                                tracing::warn!("refreshing routes: {}", e.message());
+                            }
+                        }
+                    }
+                }
+            }
         });
     }
     tracing::info!(instance_id = node.instance_id(), "meshwarp node service ready");

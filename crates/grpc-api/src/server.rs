@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 use meshwarp_core::registry::{Outcome, Registered};
+use meshwarp_core::tc::{Direction as TcDirection, IfaceRef, InstalledRoute, Prefix, TcDataplane};
 use meshwarp_core::Dataplane;
 use tokio::sync::broadcast;
 use tokio_stream::wrappers::errors::BroadcastStreamRecvError;
@@ -20,7 +21,7 @@ use crate::convert::{self, Violations};
 use crate::metrics::Metrics;
 use crate::pb::node_service_server::NodeService;
 use crate::pb::{self, watch_response::Resource, EventType};
-use crate::status::{from_registry, invalid, invalid_field};
+use crate::status::{from_registry, from_tc, invalid, invalid_field};
 
 /// Limits and identity of one server instance.
 #[derive(Debug, Clone)]
@@ -100,6 +101,8 @@ impl EventLog {
 #[derive(Debug, Clone)]
 pub struct NodeServer {
     dp: Arc<Dataplane>,
+    /// The tc data path, or why the node has none.
+    tc: Result<Arc<TcDataplane>, String>,
     log: Arc<EventLog>,
     cfg: ServerConfig,
     draining: Arc<AtomicBool>,
@@ -132,8 +135,247 @@ fn event_type(o: Outcome) -> Option<EventType> {
 
 impl NodeServer {
     pub fn new(dp: Arc<Dataplane>, cfg: ServerConfig, metrics: Arc<Metrics>) -> Self {
+        Self::with_tc(dp, Err("not configured".into()), cfg, metrics)
+    }
+
+    pub fn with_tc(
+        dp: Arc<Dataplane>,
+        tc: Result<Arc<TcDataplane>, String>,
+        cfg: ServerConfig,
+        metrics: Arc<Metrics>,
+    ) -> Self {
         let log = Arc::new(EventLog::new(cfg.event_history));
-        Self { dp, log, cfg, draining: Arc::new(AtomicBool::new(false)), metrics }
+        Self { dp, tc, log, cfg, draining: Arc::new(AtomicBool::new(false)), metrics }
+    }
+
+    fn tc(&self) -> Result<&TcDataplane, Status> {
+        self.tc
+            .as_deref()
+            .map_err(|why| Status::failed_precondition(format!("tc redirection is unavailable on this node: {why}")))
+    }
+
+    /// Takes routes whose interfaces vanished out of the data path and
+    /// announces them as STALE; the daemon calls this periodically.
+    pub fn refresh_routes(&self) -> Result<usize, Status> {
+        let tc = self.tc()?;
+        let mut log = self.log.lock();
+        let stale = tc.refresh().map_err(|e| from_tc(&e))?;
+        for s in &stale {
+            let r = convert::route_to_pb(&s.route, Some(&s.reason));
+            self.log.push(&mut log, EventType::Stale, Resource::Route(r));
+        }
+        Ok(stale.len())
+    }
+
+    fn find_route(
+        &self,
+        tc: &TcDataplane,
+        key: &(IfaceRef, TcDirection, Prefix),
+    ) -> Result<Option<InstalledRoute>, Status> {
+        let ifindex = tc.resolve_iface(&key.0).map_err(|e| from_tc(&e))?;
+        Ok(tc
+            .routes()
+            .into_iter()
+            .find(|r| r.attach_ifindex == ifindex && r.route.direction == key.1 && r.route.dst == key.2))
+    }
+
+    fn create_route(&self, r: pb::CreateRouteRequest) -> Result<pb::CreateRouteResponse, Status> {
+        self.serving()?;
+        let mut v = Violations::default();
+        convert::owner(&mut v, "owner", &r.owner);
+        let route = convert::route_from_pb("route", r.route.as_ref()).map_err(|e| {
+            v.0.extend(e.0);
+            invalid(&v)
+        })?;
+        check(v)?;
+        let tc = self.tc()?;
+        let mut log = self.log.lock();
+        let installed = tc.insert_route(&route, &r.owner).map_err(|e| from_tc(&e))?;
+        let out = convert::route_to_pb(&installed, None);
+        let revision = self.log.push(&mut log, EventType::Created, Resource::Route(out.clone()));
+        Ok(pb::CreateRouteResponse { route: Some(out), revision })
+    }
+
+    fn update_route(&self, r: pb::UpdateRouteRequest) -> Result<pb::UpdateRouteResponse, Status> {
+        self.serving()?;
+        let mut v = Violations::default();
+        convert::owner(&mut v, "owner", &r.owner);
+        let route = convert::route_from_pb("route", r.route.as_ref()).map_err(|e| {
+            v.0.extend(e.0);
+            invalid(&v)
+        })?;
+        check(v)?;
+        let tc = self.tc()?;
+        let mut log = self.log.lock();
+        if !r.allow_missing && self.find_route(tc, &(route.attach.clone(), route.direction, route.dst))?.is_none() {
+            return Err(Status::not_found(format!("route {route} does not exist")));
+        }
+        let (installed, outcome) = tc.upsert_route(&route, &r.owner).map_err(|e| from_tc(&e))?;
+        let out = convert::route_to_pb(&installed, None);
+        let revision = match event_type(outcome) {
+            Some(t) => self.log.push(&mut log, t, Resource::Route(out.clone())),
+            None => log.revision,
+        };
+        Ok(pb::UpdateRouteResponse { route: Some(out), revision, created: outcome == Outcome::Created })
+    }
+
+    fn delete_route(&self, r: pb::DeleteRouteRequest) -> Result<pb::DeleteRouteResponse, Status> {
+        self.serving()?;
+        let mut v = Violations::default();
+        convert::owner(&mut v, "owner", &r.owner);
+        let key = convert::route_key_from_pb("key", r.key.as_ref()).map_err(|e| {
+            v.0.extend(e.0);
+            invalid(&v)
+        })?;
+        check(v)?;
+        let tc = self.tc()?;
+        let mut log = self.log.lock();
+        match tc.delete_route(&key.0, key.1, key.2, Some(&r.owner)) {
+            Ok(gone) => {
+                let revision =
+                    self.log.push(&mut log, EventType::Deleted, Resource::Route(convert::route_to_pb(&gone, None)));
+                Ok(pb::DeleteRouteResponse { revision, deleted: true })
+            }
+            Err(meshwarp_core::tc::TcError::NotFound(_)) if r.allow_missing => {
+                Ok(pb::DeleteRouteResponse { revision: log.revision, deleted: false })
+            }
+            Err(e) => Err(from_tc(&e)),
+        }
+    }
+
+    fn get_route(&self, r: pb::GetRouteRequest) -> Result<pb::GetRouteResponse, Status> {
+        let key = convert::route_key_from_pb("key", r.key.as_ref()).map_err(|v| invalid(&v))?;
+        let tc = self.tc()?;
+        let found =
+            self.find_route(tc, &key)?.ok_or_else(|| Status::not_found(format!("route {} on {}", key.2, key.0)))?;
+        let st = tc.route_stats(&found).map_err(|e| from_tc(&e))?;
+        Ok(pb::GetRouteResponse {
+            route: Some(convert::route_to_pb(&found, None)),
+            counters: Some(pb::RouteCounters {
+                packets: st.packets,
+                bytes: st.bytes,
+                redirect_errors: st.redirect_err,
+            }),
+        })
+    }
+
+    fn list_routes(&self, r: pb::ListRoutesRequest) -> Result<pb::ListRoutesResponse, Status> {
+        let tc = self.tc()?;
+        let log = self.log.lock();
+        let mine = |o: &str| r.owner.is_empty() || o == r.owner;
+        let mut routes: Vec<_> =
+            tc.routes().iter().filter(|x| mine(&x.owner)).map(|x| convert::route_to_pb(x, None)).collect();
+        if r.include_stale {
+            routes.extend(
+                tc.stale_routes()
+                    .iter()
+                    .filter(|s| mine(&s.route.owner))
+                    .map(|s| convert::route_to_pb(&s.route, Some(&s.reason))),
+            );
+        }
+        Ok(pb::ListRoutesResponse { routes, revision: log.revision, instance_id: self.log.instance_id.clone() })
+    }
+
+    fn batch_upsert_routes(&self, r: pb::BatchUpsertRoutesRequest) -> Result<pb::BatchUpsertRoutesResponse, Status> {
+        self.serving()?;
+        self.batch_size("routes", r.routes.len())?;
+        let mut v = Violations::default();
+        convert::owner(&mut v, "owner", &r.owner);
+        let mut routes = Vec::with_capacity(r.routes.len());
+        for (i, x) in r.routes.iter().enumerate() {
+            match convert::route_from_pb(&format!("routes[{i}]"), Some(x)) {
+                Ok(route) => routes.push(route),
+                Err(e) => v.0.extend(e.0),
+            }
+        }
+        check(v)?;
+        let tc = self.tc()?;
+        let mut log = self.log.lock();
+        let out = tc.batch_upsert_routes(&routes, &r.owner).map_err(|e| from_tc(&e))?;
+        let mut resp = pb::BatchUpsertRoutesResponse::default();
+        for (installed, o) in &out {
+            match o {
+                Outcome::Created => resp.created += 1,
+                Outcome::Updated => resp.updated += 1,
+                Outcome::Unchanged => resp.unchanged += 1,
+            }
+            if let Some(t) = event_type(*o) {
+                self.log.push(&mut log, t, Resource::Route(convert::route_to_pb(installed, None)));
+            }
+        }
+        resp.revision = log.revision;
+        Ok(resp)
+    }
+
+    fn batch_delete_routes(&self, r: pb::BatchDeleteRoutesRequest) -> Result<pb::BatchDeleteRoutesResponse, Status> {
+        self.serving()?;
+        self.batch_size("keys", r.keys.len())?;
+        let mut v = Violations::default();
+        convert::owner(&mut v, "owner", &r.owner);
+        let mut keys = Vec::with_capacity(r.keys.len());
+        for (i, k) in r.keys.iter().enumerate() {
+            match convert::route_key_from_pb(&format!("keys[{i}]"), Some(k)) {
+                Ok(key) => keys.push(key),
+                Err(e) => v.0.extend(e.0),
+            }
+        }
+        check(v)?;
+        let tc = self.tc()?;
+        let mut log = self.log.lock();
+        let gone = tc.batch_delete_routes(&keys, &r.owner, r.allow_missing).map_err(|e| from_tc(&e))?;
+        let mut n = 0;
+        for g in gone.iter().flatten() {
+            n += 1;
+            self.log.push(&mut log, EventType::Deleted, Resource::Route(convert::route_to_pb(g, None)));
+        }
+        Ok(pb::BatchDeleteRoutesResponse { revision: log.revision, deleted: n })
+    }
+
+    fn attach_interface(&self, r: pb::AttachInterfaceRequest) -> Result<pb::AttachInterfaceResponse, Status> {
+        self.serving()?;
+        let i = convert::iface_from_pb("iface", r.iface.as_ref()).map_err(|v| invalid(&v))?;
+        let d = convert::direction_from_pb("direction", r.direction).map_err(|v| invalid(&v))?;
+        let (ifindex, mode) = self.tc()?.attach(&i, d).map_err(|e| match e {
+            meshwarp_core::tc::TcError::Netlink(meshwarp_core::netlink::NetlinkError::NoSuchInterface(n)) => {
+                invalid_field("iface", format!("unknown interface {n}"))
+            }
+            other => from_tc(&other),
+        })?;
+        let mode = match mode {
+            meshwarp_core::tc::AttachMode::Tcx => "tcx",
+            meshwarp_core::tc::AttachMode::Clsact => "clsact",
+        };
+        Ok(pb::AttachInterfaceResponse { ifindex, mode: mode.into() })
+    }
+
+    fn detach_interface(&self, r: pb::DetachInterfaceRequest) -> Result<pb::DetachInterfaceResponse, Status> {
+        self.serving()?;
+        let i = convert::iface_from_pb("iface", r.iface.as_ref()).map_err(|v| invalid(&v))?;
+        let d = convert::direction_from_pb("direction", r.direction).map_err(|v| invalid(&v))?;
+        let tc = self.tc()?;
+        let ifindex = tc.resolve_iface(&i).map_err(|e| from_tc(&e))?;
+        match tc.detach(ifindex, d) {
+            Ok(()) => Ok(pb::DetachInterfaceResponse { detached: true }),
+            Err(meshwarp_core::tc::TcError::NotFound(_)) if r.allow_missing => {
+                Ok(pb::DetachInterfaceResponse { detached: false })
+            }
+            Err(e) => Err(from_tc(&e)),
+        }
+    }
+
+    fn list_attachments(&self, _r: pb::ListAttachmentsRequest) -> Result<pb::ListAttachmentsResponse, Status> {
+        let tc = self.tc()?;
+        let mut out = Vec::new();
+        for (ifindex, d) in tc.attachments() {
+            let st = tc.attach_stats(ifindex, d).map_err(|e| from_tc(&e))?;
+            out.push(pb::Attachment {
+                ifindex,
+                direction: convert::direction_to_pb(d),
+                packets: st.packets,
+                misses: st.misses,
+            });
+        }
+        Ok(pb::ListAttachmentsResponse { attachments: out })
     }
 
     pub fn instance_id(&self) -> &str {
@@ -660,6 +902,63 @@ impl NodeService for NodeServer {
         req: Request<pb::BatchDeleteCaptureRulesRequest>,
     ) -> Result<Response<pb::BatchDeleteCaptureRulesResponse>, Status> {
         rpc!(self, "BatchDeleteCaptureRules", req, batch_delete_captures)
+    }
+    async fn create_route(
+        &self,
+        req: Request<pb::CreateRouteRequest>,
+    ) -> Result<Response<pb::CreateRouteResponse>, Status> {
+        rpc!(self, "CreateRoute", req, create_route)
+    }
+    async fn update_route(
+        &self,
+        req: Request<pb::UpdateRouteRequest>,
+    ) -> Result<Response<pb::UpdateRouteResponse>, Status> {
+        rpc!(self, "UpdateRoute", req, update_route)
+    }
+    async fn delete_route(
+        &self,
+        req: Request<pb::DeleteRouteRequest>,
+    ) -> Result<Response<pb::DeleteRouteResponse>, Status> {
+        rpc!(self, "DeleteRoute", req, delete_route)
+    }
+    async fn get_route(&self, req: Request<pb::GetRouteRequest>) -> Result<Response<pb::GetRouteResponse>, Status> {
+        rpc!(self, "GetRoute", req, get_route)
+    }
+    async fn list_routes(
+        &self,
+        req: Request<pb::ListRoutesRequest>,
+    ) -> Result<Response<pb::ListRoutesResponse>, Status> {
+        rpc!(self, "ListRoutes", req, list_routes)
+    }
+    async fn batch_upsert_routes(
+        &self,
+        req: Request<pb::BatchUpsertRoutesRequest>,
+    ) -> Result<Response<pb::BatchUpsertRoutesResponse>, Status> {
+        rpc!(self, "BatchUpsertRoutes", req, batch_upsert_routes)
+    }
+    async fn batch_delete_routes(
+        &self,
+        req: Request<pb::BatchDeleteRoutesRequest>,
+    ) -> Result<Response<pb::BatchDeleteRoutesResponse>, Status> {
+        rpc!(self, "BatchDeleteRoutes", req, batch_delete_routes)
+    }
+    async fn attach_interface(
+        &self,
+        req: Request<pb::AttachInterfaceRequest>,
+    ) -> Result<Response<pb::AttachInterfaceResponse>, Status> {
+        rpc!(self, "AttachInterface", req, attach_interface)
+    }
+    async fn detach_interface(
+        &self,
+        req: Request<pb::DetachInterfaceRequest>,
+    ) -> Result<Response<pb::DetachInterfaceResponse>, Status> {
+        rpc!(self, "DetachInterface", req, detach_interface)
+    }
+    async fn list_attachments(
+        &self,
+        req: Request<pb::ListAttachmentsRequest>,
+    ) -> Result<Response<pb::ListAttachmentsResponse>, Status> {
+        rpc!(self, "ListAttachments", req, list_attachments)
     }
     async fn get_stats(&self, _req: Request<pb::GetStatsRequest>) -> Result<Response<pb::GetStatsResponse>, Status> {
         let start = Instant::now();

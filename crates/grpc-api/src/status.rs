@@ -39,6 +39,26 @@ pub fn from_registry(e: &RegistryError) -> Status {
     }
 }
 
+/// The code a tc data-path failure maps to.
+pub fn from_tc(e: &meshwarp_core::tc::TcError) -> Status {
+    use meshwarp_core::tc::{RouteError, TcError};
+    let msg = e.to_string();
+    match e {
+        TcError::Invalid(RouteError::UnknownInterface(_)) | TcError::Invalid(RouteError::NotVeth(_)) => {
+            invalid_field("route.target", msg)
+        }
+        TcError::Invalid(_) | TcError::DuplicateInBatch(_) => Status::invalid_argument(msg),
+        TcError::InvalidOwner(_) => invalid_field("owner", msg),
+        TcError::AlreadyExists(_) => Status::already_exists(msg),
+        TcError::NotFound(_) => Status::not_found(msg),
+        TcError::Full(_) => Status::resource_exhausted(msg),
+        TcError::OwnerMismatch { .. } => Status::permission_denied(msg),
+        TcError::Netlink(_) | TcError::Bpf { .. } | TcError::Io { .. } | TcError::Partial { .. } | TcError::Sys(_) => {
+            Status::internal(msg)
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
