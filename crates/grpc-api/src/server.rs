@@ -111,18 +111,21 @@ pub struct NodeServer {
 
 type WatchStream = Pin<Box<dyn Stream<Item = Result<pb::WatchResponse, Status>> + Send>>;
 
-fn check(v: Violations) -> Result<(), Status> {
-    if v.is_empty() {
-        Ok(())
-    } else {
-        Err(invalid(&v))
-    }
-}
-
-fn owner_of(field: &str, owner: &str) -> Result<(), Status> {
+/// Parses every item of a batch, collecting all violations with their index.
+fn parse_all<P, T>(
+    field: &str,
+    items: &[P],
+    parse: impl Fn(&str, Option<&P>) -> Result<T, Violations>,
+) -> Result<Vec<T>, Violations> {
     let mut v = Violations::default();
-    convert::owner(&mut v, field, owner);
-    check(v)
+    let mut out = Vec::with_capacity(items.len());
+    for (i, x) in items.iter().enumerate() {
+        match parse(&format!("{field}[{i}]"), Some(x)) {
+            Ok(t) => out.push(t),
+            Err(e) => v.0.extend(e.0),
+        }
+    }
+    v.into_result(out)
 }
 
 fn event_type(o: Outcome) -> Option<EventType> {
@@ -180,14 +183,7 @@ impl NodeServer {
     }
 
     fn create_route(&self, r: pb::CreateRouteRequest) -> Result<pb::CreateRouteResponse, Status> {
-        self.serving()?;
-        let mut v = Violations::default();
-        convert::owner(&mut v, "owner", &r.owner);
-        let route = convert::route_from_pb("route", r.route.as_ref()).map_err(|e| {
-            v.0.extend(e.0);
-            invalid(&v)
-        })?;
-        check(v)?;
+        let route = self.mutation(&r.owner, convert::route_from_pb("route", r.route.as_ref()))?;
         let tc = self.tc()?;
         let mut log = self.log.lock();
         let installed = tc.insert_route(&route, &r.owner).map_err(|e| from_tc(&e))?;
@@ -197,14 +193,7 @@ impl NodeServer {
     }
 
     fn update_route(&self, r: pb::UpdateRouteRequest) -> Result<pb::UpdateRouteResponse, Status> {
-        self.serving()?;
-        let mut v = Violations::default();
-        convert::owner(&mut v, "owner", &r.owner);
-        let route = convert::route_from_pb("route", r.route.as_ref()).map_err(|e| {
-            v.0.extend(e.0);
-            invalid(&v)
-        })?;
-        check(v)?;
+        let route = self.mutation(&r.owner, convert::route_from_pb("route", r.route.as_ref()))?;
         let tc = self.tc()?;
         let mut log = self.log.lock();
         if !r.allow_missing && self.find_route(tc, &(route.attach.clone(), route.direction, route.dst))?.is_none() {
@@ -220,14 +209,7 @@ impl NodeServer {
     }
 
     fn delete_route(&self, r: pb::DeleteRouteRequest) -> Result<pb::DeleteRouteResponse, Status> {
-        self.serving()?;
-        let mut v = Violations::default();
-        convert::owner(&mut v, "owner", &r.owner);
-        let key = convert::route_key_from_pb("key", r.key.as_ref()).map_err(|e| {
-            v.0.extend(e.0);
-            invalid(&v)
-        })?;
-        check(v)?;
+        let key = self.mutation(&r.owner, convert::route_key_from_pb("key", r.key.as_ref()))?;
         let tc = self.tc()?;
         let mut log = self.log.lock();
         match tc.delete_route(&key.0, key.1, key.2, Some(&r.owner)) {
@@ -279,16 +261,7 @@ impl NodeServer {
     fn batch_upsert_routes(&self, r: pb::BatchUpsertRoutesRequest) -> Result<pb::BatchUpsertRoutesResponse, Status> {
         self.serving()?;
         self.batch_size("routes", r.routes.len())?;
-        let mut v = Violations::default();
-        convert::owner(&mut v, "owner", &r.owner);
-        let mut routes = Vec::with_capacity(r.routes.len());
-        for (i, x) in r.routes.iter().enumerate() {
-            match convert::route_from_pb(&format!("routes[{i}]"), Some(x)) {
-                Ok(route) => routes.push(route),
-                Err(e) => v.0.extend(e.0),
-            }
-        }
-        check(v)?;
+        let routes = self.mutation(&r.owner, parse_all("routes", &r.routes, convert::route_from_pb))?;
         let tc = self.tc()?;
         let mut log = self.log.lock();
         let out = tc.batch_upsert_routes(&routes, &r.owner).map_err(|e| from_tc(&e))?;
@@ -310,16 +283,7 @@ impl NodeServer {
     fn batch_delete_routes(&self, r: pb::BatchDeleteRoutesRequest) -> Result<pb::BatchDeleteRoutesResponse, Status> {
         self.serving()?;
         self.batch_size("keys", r.keys.len())?;
-        let mut v = Violations::default();
-        convert::owner(&mut v, "owner", &r.owner);
-        let mut keys = Vec::with_capacity(r.keys.len());
-        for (i, k) in r.keys.iter().enumerate() {
-            match convert::route_key_from_pb(&format!("keys[{i}]"), Some(k)) {
-                Ok(key) => keys.push(key),
-                Err(e) => v.0.extend(e.0),
-            }
-        }
-        check(v)?;
+        let keys = self.mutation(&r.owner, parse_all("keys", &r.keys, convert::route_key_from_pb))?;
         let tc = self.tc()?;
         let mut log = self.log.lock();
         let gone = tc.batch_delete_routes(&keys, &r.owner, r.allow_missing).map_err(|e| from_tc(&e))?;
@@ -398,6 +362,22 @@ impl NodeServer {
         Ok(())
     }
 
+    /// The prologue of every mutating RPC: the node is serving, and the owner
+    /// and the parsed body are valid; all violations are reported together.
+    fn mutation<T>(&self, owner: &str, parsed: Result<T, Violations>) -> Result<T, Status> {
+        self.serving()?;
+        let mut v = Violations::default();
+        convert::owner(&mut v, "owner", owner);
+        match parsed {
+            Ok(t) if v.is_empty() => Ok(t),
+            Ok(_) => Err(invalid(&v)),
+            Err(e) => {
+                v.0.extend(e.0);
+                Err(invalid(&v))
+            }
+        }
+    }
+
     fn batch_size(&self, field: &str, n: usize) -> Result<(), Status> {
         if n == 0 {
             return Err(invalid_field(field, "empty batch"));
@@ -427,14 +407,7 @@ impl NodeServer {
     }
 
     fn create_pair(&self, r: pb::CreatePairRequest) -> Result<pb::CreatePairResponse, Status> {
-        self.serving()?;
-        let mut v = Violations::default();
-        convert::owner(&mut v, "owner", &r.owner);
-        let pair = convert::pair_from_pb("pair", r.pair.as_ref()).map_err(|e| {
-            v.0.extend(e.0);
-            invalid(&v)
-        })?;
-        check(v)?;
+        let pair = self.mutation(&r.owner, convert::pair_from_pb("pair", r.pair.as_ref()))?;
         let mut log = self.log.lock();
         self.dp.registry().insert_pair(&pair, &r.owner).map_err(|e| from_registry(&e))?;
         let out = Self::pair_pb(&pair, &r.owner);
@@ -443,14 +416,7 @@ impl NodeServer {
     }
 
     fn update_pair(&self, r: pb::UpdatePairRequest) -> Result<pb::UpdatePairResponse, Status> {
-        self.serving()?;
-        let mut v = Violations::default();
-        convert::owner(&mut v, "owner", &r.owner);
-        let pair = convert::pair_from_pb("pair", r.pair.as_ref()).map_err(|e| {
-            v.0.extend(e.0);
-            invalid(&v)
-        })?;
-        check(v)?;
+        let pair = self.mutation(&r.owner, convert::pair_from_pb("pair", r.pair.as_ref()))?;
         let mut log = self.log.lock();
         let mut reg = self.dp.registry();
         if !r.allow_missing {
@@ -467,14 +433,7 @@ impl NodeServer {
     }
 
     fn delete_pair(&self, r: pb::DeletePairRequest) -> Result<pb::DeletePairResponse, Status> {
-        self.serving()?;
-        let mut v = Violations::default();
-        convert::owner(&mut v, "owner", &r.owner);
-        let pair = convert::pair_from_key("key", r.key.as_ref()).map_err(|e| {
-            v.0.extend(e.0);
-            invalid(&v)
-        })?;
-        check(v)?;
+        let pair = self.mutation(&r.owner, convert::pair_from_key("key", r.key.as_ref()))?;
         let mut log = self.log.lock();
         match self.dp.registry().remove_pair(&pair, Some(&r.owner)) {
             Ok(()) => {}
@@ -514,16 +473,7 @@ impl NodeServer {
     fn batch_upsert_pairs(&self, r: pb::BatchUpsertPairsRequest) -> Result<pb::BatchUpsertPairsResponse, Status> {
         self.serving()?;
         self.batch_size("pairs", r.pairs.len())?;
-        let mut v = Violations::default();
-        convert::owner(&mut v, "owner", &r.owner);
-        let mut pairs = Vec::with_capacity(r.pairs.len());
-        for (i, p) in r.pairs.iter().enumerate() {
-            match convert::pair_from_pb(&format!("pairs[{i}]"), Some(p)) {
-                Ok(pair) => pairs.push(pair),
-                Err(e) => v.0.extend(e.0),
-            }
-        }
-        check(v)?;
+        let pairs = self.mutation(&r.owner, parse_all("pairs", &r.pairs, convert::pair_from_pb))?;
         let mut log = self.log.lock();
         let outcomes = self.dp.registry().batch_upsert_pairs(&pairs, &r.owner).map_err(|e| from_registry(&e))?;
         let mut resp = pb::BatchUpsertPairsResponse::default();
@@ -544,16 +494,7 @@ impl NodeServer {
     fn batch_delete_pairs(&self, r: pb::BatchDeletePairsRequest) -> Result<pb::BatchDeletePairsResponse, Status> {
         self.serving()?;
         self.batch_size("keys", r.keys.len())?;
-        let mut v = Violations::default();
-        convert::owner(&mut v, "owner", &r.owner);
-        let mut pairs = Vec::with_capacity(r.keys.len());
-        for (i, k) in r.keys.iter().enumerate() {
-            match convert::pair_from_key(&format!("keys[{i}]"), Some(k)) {
-                Ok(pair) => pairs.push(pair),
-                Err(e) => v.0.extend(e.0),
-            }
-        }
-        check(v)?;
+        let pairs = self.mutation(&r.owner, parse_all("keys", &r.keys, convert::pair_from_key))?;
         let mut log = self.log.lock();
         let deleted =
             self.dp.registry().batch_remove_pairs(&pairs, &r.owner, r.allow_missing).map_err(|e| from_registry(&e))?;
@@ -568,14 +509,7 @@ impl NodeServer {
     }
 
     fn create_capture(&self, r: pb::CreateCaptureRuleRequest) -> Result<pb::CreateCaptureRuleResponse, Status> {
-        self.serving()?;
-        let mut v = Violations::default();
-        convert::owner(&mut v, "owner", &r.owner);
-        let rule = convert::capture_from_pb("rule", r.rule.as_ref()).map_err(|e| {
-            v.0.extend(e.0);
-            invalid(&v)
-        })?;
-        check(v)?;
+        let rule = self.mutation(&r.owner, convert::capture_from_pb("rule", r.rule.as_ref()))?;
         let mut log = self.log.lock();
         self.dp.registry().insert_capture(&rule, &r.owner).map_err(|e| from_registry(&e))?;
         let out = Self::capture_pb(&rule, &r.owner);
@@ -584,14 +518,7 @@ impl NodeServer {
     }
 
     fn update_capture(&self, r: pb::UpdateCaptureRuleRequest) -> Result<pb::UpdateCaptureRuleResponse, Status> {
-        self.serving()?;
-        let mut v = Violations::default();
-        convert::owner(&mut v, "owner", &r.owner);
-        let rule = convert::capture_from_pb("rule", r.rule.as_ref()).map_err(|e| {
-            v.0.extend(e.0);
-            invalid(&v)
-        })?;
-        check(v)?;
+        let rule = self.mutation(&r.owner, convert::capture_from_pb("rule", r.rule.as_ref()))?;
         let mut log = self.log.lock();
         let mut reg = self.dp.registry();
         if !r.allow_missing {
@@ -608,14 +535,7 @@ impl NodeServer {
     }
 
     fn delete_capture(&self, r: pb::DeleteCaptureRuleRequest) -> Result<pb::DeleteCaptureRuleResponse, Status> {
-        self.serving()?;
-        let mut v = Violations::default();
-        convert::owner(&mut v, "owner", &r.owner);
-        let key = convert::capture_from_key("key", r.key.as_ref()).map_err(|e| {
-            v.0.extend(e.0);
-            invalid(&v)
-        })?;
-        check(v)?;
+        let key = self.mutation(&r.owner, convert::capture_from_key("key", r.key.as_ref()))?;
         let mut log = self.log.lock();
         let mut reg = self.dp.registry();
         let existing = match reg.get_capture(&key) {
@@ -662,16 +582,7 @@ impl NodeServer {
     ) -> Result<pb::BatchUpsertCaptureRulesResponse, Status> {
         self.serving()?;
         self.batch_size("rules", r.rules.len())?;
-        let mut v = Violations::default();
-        convert::owner(&mut v, "owner", &r.owner);
-        let mut rules = Vec::with_capacity(r.rules.len());
-        for (i, p) in r.rules.iter().enumerate() {
-            match convert::capture_from_pb(&format!("rules[{i}]"), Some(p)) {
-                Ok(rule) => rules.push(rule),
-                Err(e) => v.0.extend(e.0),
-            }
-        }
-        check(v)?;
+        let rules = self.mutation(&r.owner, parse_all("rules", &r.rules, convert::capture_from_pb))?;
         let mut log = self.log.lock();
         let outcomes = self.dp.registry().batch_upsert_captures(&rules, &r.owner).map_err(|e| from_registry(&e))?;
         let mut resp = pb::BatchUpsertCaptureRulesResponse::default();
@@ -695,16 +606,7 @@ impl NodeServer {
     ) -> Result<pb::BatchDeleteCaptureRulesResponse, Status> {
         self.serving()?;
         self.batch_size("keys", r.keys.len())?;
-        let mut v = Violations::default();
-        convert::owner(&mut v, "owner", &r.owner);
-        let mut keys = Vec::with_capacity(r.keys.len());
-        for (i, k) in r.keys.iter().enumerate() {
-            match convert::capture_from_key(&format!("keys[{i}]"), Some(k)) {
-                Ok(rule) => keys.push(rule),
-                Err(e) => v.0.extend(e.0),
-            }
-        }
-        check(v)?;
+        let keys = self.mutation(&r.owner, parse_all("keys", &r.keys, convert::capture_from_key))?;
         let mut log = self.log.lock();
         let mut reg = self.dp.registry();
         let existing: Vec<_> = keys.iter().map(|k| reg.get_capture(k).ok()).collect();
@@ -980,9 +882,4 @@ impl NodeService for NodeServer {
         let r = self.node_info();
         self.observed("GetNodeInfo", start, r)
     }
-}
-
-/// Checks an owner field the way mutating RPCs do (for clients validating early).
-pub fn validate_owner(owner: &str) -> Result<(), Status> {
-    owner_of("owner", owner)
 }
