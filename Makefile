@@ -1,7 +1,7 @@
 # meshwarp: the two commands are `make demo` and `make test` (as root, on Debian).
 CARGO ?= cargo
 
-.PHONY: deps build demo test bench fmt clippy
+.PHONY: deps build demo test bench bench-mesh fmt clippy
 
 deps:
 	bash scripts/install-deps.sh
@@ -19,3 +19,8 @@ test: deps
 
 bench: deps
 	$(CARGO) bench -p meshwarp-benches
+
+# The end-to-end mesh benchmark needs real programs from Debian's packages.
+bench-mesh: deps
+	bash scripts/install-deps.sh nginx-light haproxy wrk
+	$(CARGO) run --release -p meshwarp-cli -- bench mesh

@@ -4,6 +4,8 @@
 set -euo pipefail
 
 PKGS=(clang llvm libelf-dev zlib1g-dev pkg-config make iproute2 iptables bpftool procps)
+# Extra packages named on the command line (e.g. the mesh benchmark's nginx, haproxy, wrk).
+PKGS+=("$@")
 
 missing=()
 for p in "${PKGS[@]}"; do

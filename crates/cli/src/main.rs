@@ -5,6 +5,7 @@
 mod config;
 mod demo;
 mod doctor;
+mod mesh;
 mod remote;
 
 use std::net::{IpAddr, SocketAddr};
@@ -97,6 +98,9 @@ enum Cmd {
     Uninstall,
     /// Two pods in namespaces: the same ping-pong without and with a registered pair.
     Demo(demo::DemoArgs),
+    /// Benchmarks that need the whole node (criterion benches are in benches/).
+    #[command(subcommand)]
+    Bench(BenchCmd),
     /// Print shell completions.
     Completions { shell: clap_complete::Shell },
 }
@@ -224,6 +228,13 @@ pub enum RouteCmd {
 }
 
 #[derive(Debug, Subcommand)]
+enum BenchCmd {
+    /// The end-to-end mesh benchmark: wrk -> haproxy sidecars (Istio-style capture) -> nginx,
+    /// one node and two nodes, without and with meshwarp.
+    Mesh(mesh::MeshArgs),
+}
+
+#[derive(Debug, Subcommand)]
 enum NodeCmd {
     /// Versions, kernel features found, what is attached.
     Info,
@@ -284,6 +295,10 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Demo(args) => {
             init_logs(&cli.log, false);
             demo::run(args)
+        }
+        Cmd::Bench(BenchCmd::Mesh(args)) => {
+            init_logs("warn", false);
+            mesh::run(args)
         }
         Cmd::Completions { shell } => {
             clap_complete::generate(*shell, &mut Cli::command(), "meshwarp", &mut std::io::stdout());

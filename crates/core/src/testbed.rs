@@ -846,6 +846,18 @@ impl TestCgroup {
     }
 }
 
+impl TestCgroup {
+    /// Runs `f` with this process back in the parent cgroup: sockets made
+    /// there are outside the data path's cgroup (sockops never sees them).
+    pub fn outside<T>(&self, f: impl FnOnce() -> T) -> Result<T> {
+        let me = std::process::id().to_string();
+        std::fs::write(&self.parent_procs, &me).map_err(io_err("leaving test cgroup"))?;
+        let out = f();
+        std::fs::write(self.path.join("cgroup.procs"), &me).map_err(io_err("rejoining test cgroup"))?;
+        Ok(out)
+    }
+}
+
 impl Drop for TestCgroup {
     fn drop(&mut self) {
         let _ = std::fs::write(&self.parent_procs, std::process::id().to_string());

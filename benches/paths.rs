@@ -1,0 +1,237 @@
+//! Every socket path side by side in one run (issue: "no path slower than
+//! plain TCP in any cell"):
+//! - `rr/<size>`: request/response round trips of 64 B .. 1 MiB over plain
+//!   loopback TCP with no programs attached, TCP seen by sockops but not
+//!   covered, mirror-paired redirect, capture-paired redirect through iptables
+//!   REDIRECT, and a Unix socket pair;
+//! - `stream/<conns>x<write>/<nagle>`: one-way bulk throughput with 1, 8 and 64
+//!   connections, 1 KiB writes, TCP_NODELAY on and off;
+//! - `control`: registering pairs one by one vs in one batch (library).
+//!
+//! `cargo bench -p meshwarp-benches --bench paths` (as root).
+
+use std::io::{Read, Write};
+use std::net::{IpAddr, SocketAddr, TcpStream};
+use std::os::unix::net::UnixStream;
+use std::time::{Duration, Instant};
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use meshwarp_core::testbed::{accept_timeout, read_exact_blocking, redirect_output, spawn_echo, KernelTest, NetNs};
+use meshwarp_core::{CaptureRule, Endpoint, EndpointPair};
+
+const SIZES: [usize; 5] = [64, 1024, 16 * 1024, 64 * 1024, 1 << 20];
+const VIP: &str = "198.19.0.10";
+
+/// The bench namespace: loopback, plus an interface (a veth whose peer stays
+/// in the namespace) so that a service address can be routed, and captured by
+/// iptables before it leaves.
+fn bench_ns() -> NetNs {
+    let ns = NetNs::new("paths").expect("netns");
+    ns.ip(&["link", "add", "svc0", "type", "veth", "peer", "name", "svc1"]).expect("veth");
+    ns.ip(&["addr", "add", "198.18.0.1/24", "dev", "svc0"]).expect("addr");
+    ns.ip(&["link", "set", "svc0", "up"]).expect("up");
+    ns.ip(&["link", "set", "svc1", "up"]).expect("up");
+    ns.ip(&["route", "add", "198.19.0.0/16", "dev", "svc0"]).expect("route");
+    ns
+}
+
+/// A connected client whose peer echoes `msg` bytes at a time.
+fn echo_conn(ns: &NetNs, listen: SocketAddr, connect: SocketAddr, msg: usize, nodelay: bool) -> TcpStream {
+    let l = ns.listen(listen).expect("listen");
+    let c = ns.connect(connect).expect("connect");
+    let s = accept_timeout(&l, Duration::from_secs(5)).expect("accept");
+    c.set_nodelay(nodelay).expect("nodelay");
+    s.set_nodelay(nodelay).expect("nodelay");
+    spawn_echo(s, msg);
+    c
+}
+
+fn unix_echo(msg: usize) -> UnixStream {
+    let (c, mut s) = UnixStream::pair().expect("unix pair");
+    std::thread::spawn(move || {
+        let mut buf = vec![0u8; msg];
+        while s.read_exact(&mut buf).is_ok() && s.write_all(&buf).is_ok() {}
+    });
+    c
+}
+
+fn rtt<S: Read + Write>(s: &mut S, msg: &[u8], buf: &mut [u8], iters: u64) -> Duration {
+    let t = Instant::now();
+    for _ in 0..iters {
+        s.write_all(msg).expect("write");
+        read_exact_blocking(s, buf, None).expect("read");
+    }
+    t.elapsed()
+}
+
+fn paths(c: &mut Criterion) {
+    let Some(k) = KernelTest::start(8192) else { return };
+    let ns = bench_ns();
+    let lo = |p: u16| SocketAddr::new(IpAddr::from([127, 0, 0, 1]), p);
+    // Pairs and the capture rule, registered once.
+    let mirror = EndpointPair::new(lo(0).ip(), Endpoint::new(lo(0).ip(), 9301)).expect("pair");
+    k.dp().insert_pair(&mirror, "bench").expect("pair");
+    let vip: IpAddr = VIP.parse().expect("vip");
+    redirect_output(&ns, vip, 80, 15001).expect("iptables");
+    let capture = CaptureRule::new(
+        Some("198.18.0.1".parse().expect("ip")),
+        Endpoint::new(vip, 80),
+        Endpoint::new(lo(0).ip(), 15001),
+    )
+    .expect("capture rule");
+    k.dp().insert_capture(&capture, "bench").expect("capture");
+
+    let mut port = 9400u16;
+    let mut next_port = || {
+        port += 1;
+        port
+    };
+    let mut g = c.benchmark_group("rr");
+    g.sample_size(15).measurement_time(Duration::from_secs(2)).warm_up_time(Duration::from_millis(500));
+    for size in SIZES {
+        let msg = vec![0x5a; size];
+        let mut buf = vec![0u8; size];
+        g.throughput(Throughput::Bytes(2 * size as u64));
+        let p = next_port();
+        let mut plain = k.cgroup.outside(|| echo_conn(&ns, lo(p), lo(p), size, true)).expect("outside cgroup");
+        let p = next_port();
+        let mut seen = echo_conn(&ns, lo(p), lo(p), size, true);
+        let mut redir = echo_conn(&ns, lo(9301), lo(9301), size, true);
+        let mut captured = echo_conn(&ns, lo(15001), SocketAddr::new(vip, 80), size, true);
+        let mut unix = unix_echo(size);
+        g.bench_with_input(BenchmarkId::new("tcp", size), &size, |b, _| {
+            b.iter_custom(|n| rtt(&mut plain, &msg, &mut buf, n))
+        });
+        g.bench_with_input(BenchmarkId::new("tcp_not_covered", size), &size, |b, _| {
+            b.iter_custom(|n| rtt(&mut seen, &msg, &mut buf, n))
+        });
+        g.bench_with_input(BenchmarkId::new("redirect_mirror", size), &size, |b, _| {
+            b.iter_custom(|n| rtt(&mut redir, &msg, &mut buf, n))
+        });
+        g.bench_with_input(BenchmarkId::new("redirect_capture", size), &size, |b, _| {
+            b.iter_custom(|n| rtt(&mut captured, &msg, &mut buf, n))
+        });
+        g.bench_with_input(BenchmarkId::new("unix", size), &size, |b, _| {
+            b.iter_custom(|n| rtt(&mut unix, &msg, &mut buf, n))
+        });
+        // Each listener served one connection; drop them before the next size.
+        drop((plain, seen, redir, captured, unix));
+    }
+    g.finish();
+    let st = k.dp().pair_stats(&mirror).expect("stats");
+    let cs = k.dp().capture_stats(&capture).expect("stats");
+    assert!(st.redirected_msgs > 0 && cs.redirected_msgs > 0, "redirected paths were not redirected: {st:?} {cs:?}");
+    eprintln!("mirror pair: {st:?}\ncapture rule: {cs:?}");
+    stream(c, &k, &ns, &mirror);
+    control(c, &k);
+}
+
+/// One-way bulk: `conns` connections each write `total / conns` bytes in 1 KiB writes.
+fn stream(c: &mut Criterion, k: &KernelTest, ns: &NetNs, mirror: &EndpointPair) {
+    const WRITE: usize = 1024;
+    const TOTAL: usize = 32 << 20;
+    let mut g = c.benchmark_group("stream");
+    g.sample_size(10).measurement_time(Duration::from_secs(3)).warm_up_time(Duration::from_millis(500));
+    g.throughput(Throughput::Bytes(TOTAL as u64));
+    let lo = |p: u16| SocketAddr::new(IpAddr::from([127, 0, 0, 1]), p);
+    for conns in [1usize, 8, 64] {
+        for nodelay in [true, false] {
+            let nagle = if nodelay { "nodelay" } else { "nagle" };
+            for (path, port) in [("tcp_not_covered", 9501u16), ("redirect_mirror", mirror.server().port)] {
+                let id = BenchmarkId::new(format!("{conns}x{WRITE}B_{nagle}"), path);
+                g.bench_function(id, |b| {
+                    b.iter_custom(|iters| {
+                        let mut total = Duration::ZERO;
+                        for _ in 0..iters {
+                            total += one_stream(ns, lo(port), conns, nodelay, WRITE, TOTAL / conns);
+                        }
+                        total
+                    })
+                });
+            }
+        }
+    }
+    g.finish();
+    let _ = k;
+}
+
+fn one_stream(ns: &NetNs, addr: SocketAddr, conns: usize, nodelay: bool, write: usize, each: usize) -> Duration {
+    let l = ns.listen(addr).expect("listen");
+    let mut pairs = Vec::with_capacity(conns);
+    for _ in 0..conns {
+        let c = ns.connect(addr).expect("connect");
+        let s = accept_timeout(&l, Duration::from_secs(5)).expect("accept");
+        c.set_nodelay(nodelay).expect("nodelay");
+        pairs.push((c, s));
+    }
+    let start = Instant::now();
+    std::thread::scope(|scope| {
+        for (mut c, mut s) in pairs {
+            scope.spawn(move || {
+                let mut buf = vec![0u8; 64 * 1024];
+                let mut got = 0;
+                while got < each {
+                    match meshwarp_core::testbed::read_blocking(&mut s, &mut buf, Some(Duration::from_secs(30))) {
+                        Ok(0) => break,
+                        Ok(n) => got += n,
+                        Err(e) => panic!("stream read: {e}"),
+                    }
+                }
+                assert_eq!(got, each, "short stream");
+            });
+            scope.spawn(move || {
+                let chunk = vec![0x42u8; write];
+                let mut sent = 0;
+                while sent < each {
+                    c.write_all(&chunk[..write.min(each - sent)]).expect("stream write");
+                    sent += write;
+                }
+            });
+        }
+    });
+    start.elapsed()
+}
+
+/// Registering 1 000 pairs: one call each vs one all-or-nothing batch.
+fn control(c: &mut Criterion, k: &KernelTest) {
+    let mut g = c.benchmark_group("control");
+    g.sample_size(10).measurement_time(Duration::from_secs(3));
+    g.throughput(Throughput::Elements(1000));
+    let pairs: Vec<EndpointPair> = (1..=1000u16)
+        .map(|p| {
+            EndpointPair::new("198.18.9.1".parse().expect("ip"), Endpoint::new("198.18.9.2".parse().expect("ip"), p))
+                .expect("pair")
+        })
+        .collect();
+    let dp = k.dp();
+    g.bench_function("insert_1000_single", |b| {
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            for _ in 0..iters {
+                let t = Instant::now();
+                for p in &pairs {
+                    dp.insert_pair(p, "bench").expect("insert");
+                }
+                total += t.elapsed();
+                dp.registry().batch_remove_pairs(&pairs, "bench", false).expect("cleanup");
+            }
+            total
+        })
+    });
+    g.bench_function("insert_1000_batch", |b| {
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            for _ in 0..iters {
+                let t = Instant::now();
+                dp.registry().batch_upsert_pairs(&pairs, "bench").expect("batch");
+                total += t.elapsed();
+                dp.registry().batch_remove_pairs(&pairs, "bench", false).expect("cleanup");
+            }
+            total
+        })
+    });
+    g.finish();
+}
+
+criterion_group!(benches, paths);
+criterion_main!(benches);
