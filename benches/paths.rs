@@ -65,7 +65,7 @@ fn rtt<S: Read + Write>(s: &mut S, msg: &[u8], buf: &mut [u8], iters: u64) -> Du
 }
 
 fn paths(c: &mut Criterion) {
-    let Some(k) = KernelTest::start(8192) else { return };
+    let Some(k) = KernelTest::start_sized(8192, 4096) else { return };
     let ns = bench_ns();
     let lo = |p: u16| SocketAddr::new(IpAddr::from([127, 0, 0, 1]), p);
     // Pairs and the capture rule, registered once.

@@ -9,6 +9,7 @@
 use std::fmt::Write as _;
 use std::net::{IpAddr, Ipv4Addr};
 use std::path::{Path, PathBuf};
+use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
@@ -46,12 +47,14 @@ const OWNER: &str = "mesh-bench";
 const APP_PORT: u16 = 8080;
 const SERVICE_PORT: u16 = 80;
 
-/// A child process killed on drop.
+/// A child process in a process group of its own; the whole group (nginx's
+/// workers too) is killed on drop.
 struct Proc(Child);
 
 impl Drop for Proc {
     fn drop(&mut self) {
-        let _ = self.0.kill();
+        let pgid = nix::unistd::Pid::from_raw(self.0.id() as i32);
+        let _ = nix::sys::signal::killpg(pgid, nix::sys::signal::Signal::SIGKILL);
         let _ = self.0.wait();
     }
 }
@@ -62,6 +65,7 @@ fn spawn_in(ns: &NetNs, what: &'static str, args: &[&str]) -> Result<Proc> {
         .args(args)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
+        .process_group(0)
         .spawn()
         .with_context(|| format!("starting {what} (make bench-mesh installs it)"))?;
     Ok(Proc(child))

@@ -883,6 +883,11 @@ impl KernelTest {
     /// If the kernel refuses BPF: fails under `CI=true`; elsewhere returns
     /// `None` after printing which feature is missing.
     pub fn start(max_sockets: u32) -> Option<Self> {
+        Self::start_sized(max_sockets, 64)
+    }
+
+    /// As [`KernelTest::start`], with room for `max_rules` rules.
+    pub fn start_sized(max_sockets: u32, max_rules: u32) -> Option<Self> {
         let lock = KERNEL_LOCK.lock().unwrap_or_else(|p| p.into_inner());
         let cgroup = match TestCgroup::new() {
             Ok(c) => c,
@@ -891,7 +896,7 @@ impl KernelTest {
         let cfg = DataplaneConfig {
             pin_root: PathBuf::from(format!("/sys/fs/bpf/{}", unique_name("meshwarp-test-"))),
             cgroup: Some(cgroup.path.clone()),
-            max_rules: 64,
+            max_rules,
             max_sockets,
         };
         match Dataplane::open(&cfg) {
