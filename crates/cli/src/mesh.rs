@@ -8,8 +8,8 @@
 
 use std::fmt::Write as _;
 use std::net::{IpAddr, Ipv4Addr};
-use std::path::{Path, PathBuf};
 use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
