@@ -49,24 +49,11 @@ fn control_path(c: &mut Criterion) {
         cleanup_on_exit: true,
         ..DaemonOptions::default()
     };
-    let rt = tokio::runtime::Runtime::new().expect("runtime");
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = rt.spawn(daemon::run(opts, async move {
-        let _ = stop_rx.await;
-    }));
+    let node = daemon::EmbeddedNode::start(opts).expect("node service");
     // The client runs on a runtime of its own, as a controller process would.
     let crt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("client runtime");
-    let mut client = crt.block_on(async {
-        for _ in 0..500 {
-            if let Ok(c) = meshwarp_grpc_api::client::connect(socket.to_str().expect("utf-8")).await {
-                if c.clone().get_node_info(pb::GetNodeInfoRequest {}).await.is_ok() {
-                    return c;
-                }
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        panic!("node service did not start");
-    });
+    let mut client =
+        crt.block_on(meshwarp_grpc_api::client::connect(socket.to_str().expect("utf-8"))).expect("connect");
 
     let mut g = c.benchmark_group("grpc_uds");
     g.sample_size(20).measurement_time(Duration::from_secs(4)).warm_up_time(Duration::from_secs(1));
@@ -146,8 +133,7 @@ fn control_path(c: &mut Criterion) {
     });
     g.finish();
 
-    let _ = stop_tx.send(());
-    let _ = rt.block_on(server);
+    drop(node);
     let _ = std::fs::remove_dir_all(&dir);
     let _ = meshwarp_core::dataplane::remove_pinned(&pin_root);
 }

@@ -59,72 +59,54 @@ fn pct(sorted: &[Duration], p: f64) -> Duration {
     sorted.get(i).copied().unwrap_or_default()
 }
 
-/// The node service, run in this process on its own runtime; stopped (and its
-/// data path removed) on drop.
+/// The demo's node service (in this process) and a controller's client of it;
+/// the service stops and removes its data path on drop.
 struct EmbeddedNode {
-    rt: tokio::runtime::Runtime,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-    task: Option<tokio::task::JoinHandle<Result<(), daemon::DaemonError>>>,
+    // Field order: the client goes before the service it talks to.
     client: pb::node_service_client::NodeServiceClient<tonic::transport::Channel>,
-    dir: PathBuf,
+    node: daemon::EmbeddedNode,
+    // Last: removed once the service has stopped.
+    _dir: ScratchDir,
+}
+
+/// A directory removed on drop.
+struct ScratchDir(PathBuf);
+
+impl Drop for ScratchDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }
 
 impl EmbeddedNode {
     fn start(cgroup: PathBuf) -> Result<Self> {
-        let dir = std::env::temp_dir().join(unique_name("meshwarp-demo-"));
-        std::fs::create_dir_all(&dir)?;
-        let socket = dir.join("meshwarp.sock");
+        let dir = ScratchDir(std::env::temp_dir().join(unique_name("meshwarp-demo-")));
+        std::fs::create_dir_all(&dir.0)?;
         let opts = DaemonOptions {
             dataplane: DataplaneConfig {
                 pin_root: PathBuf::from(format!("/sys/fs/bpf/{}", unique_name("meshwarp-demo-"))),
                 cgroup: Some(cgroup),
                 ..DataplaneConfig::default()
             },
-            socket: Some(socket.clone()),
+            socket: Some(dir.0.join("meshwarp.sock")),
             cleanup_on_exit: true,
             ..DaemonOptions::default()
         };
-        let rt = tokio::runtime::Runtime::new()?;
-        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-        let task = rt.spawn(daemon::run(opts, async move {
-            let _ = rx.await;
-        }));
-        let target = socket.to_str().context("socket path")?.to_string();
-        let client = rt.block_on(async {
-            for _ in 0..250 {
-                if let Ok(mut c) = meshwarp_grpc_api::client::connect(&target).await {
-                    if c.get_node_info(pb::GetNodeInfoRequest {}).await.is_ok() {
-                        return Ok(c);
-                    }
-                }
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-            bail!("the embedded node service did not start")
-        })?;
-        Ok(Self { rt, stop: Some(tx), task: Some(task), client, dir })
+        let node = daemon::EmbeddedNode::start(opts).context("starting the embedded node service")?;
+        let client = node.client()?;
+        Ok(Self { client, node, _dir: dir })
+    }
+
+    fn block_on<F: std::future::Future>(&self, f: F) -> F::Output {
+        self.node.runtime().block_on(f)
     }
 
     fn redirected_bytes(&mut self) -> Result<u64> {
-        let st = self.rt.block_on(self.client.get_stats(pb::GetStatsRequest {}))?.into_inner();
+        let mut c = self.client.clone();
+        let st = self.block_on(c.get_stats(pb::GetStatsRequest {}))?.into_inner();
         let pairs = st.pairs.iter().filter_map(|p| p.counters).map(|c| c.redirected_bytes);
         let rules = st.capture_rules.iter().filter_map(|r| r.counters).map(|c| c.redirected_bytes);
         Ok(pairs.chain(rules).sum())
-    }
-}
-
-impl Drop for EmbeddedNode {
-    fn drop(&mut self) {
-        if let Some(tx) = self.stop.take() {
-            let _ = tx.send(());
-        }
-        if let Some(t) = self.task.take() {
-            match self.rt.block_on(t) {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => eprintln!("node service: {e}"),
-                Err(e) => eprintln!("node service task: {e}"),
-            }
-        }
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 
@@ -149,8 +131,8 @@ fn register(node: &mut EmbeddedNode, pod_a: IpAddr, pod_b: IpAddr) -> Result<()>
     };
     let inbound =
         pb::EndpointPair { client_ip: passthrough.to_string(), server: ep(pod_b, APP_PORT), owner: String::new() };
-    let c = &mut node.client;
-    node.rt.block_on(async {
+    let mut c = node.client.clone();
+    node.block_on(async {
         c.batch_upsert_capture_rules(pb::BatchUpsertCaptureRulesRequest {
             rules: vec![outbound, sidecar_to_sidecar],
             owner: OWNER.into(),

@@ -1,15 +1,11 @@
-//! Interface and neighbour lookups over rtnetlink (netlink-packet-route), in
-//! the current network namespace or in one given by path: names to ifindexes,
-//! MAC addresses, link kinds (is it a veth?) and neighbour entries.
+//! Interface lookups over rtnetlink (netlink-packet-route), in the current
+//! network namespace or in one given by path: names to ifindexes, MAC
+//! addresses and link kinds (is it a veth?).
 
-use std::net::IpAddr;
-use std::os::fd::AsFd;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use futures::TryStreamExt;
 use netlink_packet_route::link::{InfoKind, LinkAttribute, LinkInfo, LinkMessage};
-use netlink_packet_route::neighbour::{NeighbourAddress, NeighbourAttribute};
-use nix::sched::{setns, CloneFlags};
 
 #[derive(Debug, thiserror::Error)]
 pub enum NetlinkError {
@@ -23,8 +19,8 @@ pub enum NetlinkError {
         #[source]
         source: std::io::Error,
     },
-    #[error("entering netns {path}: {source}")]
-    Setns { path: PathBuf, source: nix::Error },
+    #[error(transparent)]
+    Sys(#[from] crate::sys::SysError),
 }
 
 /// An interface as netlink reports it.
@@ -77,30 +73,20 @@ pub fn in_netns<T: Send>(
     netns: Option<&Path>,
     f: impl AsyncFnOnce(rtnetlink::Handle) -> Result<T, NetlinkError> + Send,
 ) -> Result<T, NetlinkError> {
-    std::thread::scope(|s| {
-        s.spawn(|| {
-            if let Some(p) = netns {
-                let file = std::fs::File::open(p)
-                    .map_err(|source| NetlinkError::Io { what: format!("opening {}", p.display()), source })?;
-                setns(file.as_fd(), CloneFlags::CLONE_NEWNET)
-                    .map_err(|source| NetlinkError::Setns { path: p.to_path_buf(), source })?;
-            }
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_io()
-                .build()
-                .map_err(|source| NetlinkError::Io { what: "netlink runtime".into(), source })?;
-            rt.block_on(async {
-                let (conn, handle, _) = rtnetlink::new_connection()
-                    .map_err(|source| NetlinkError::Io { what: "netlink socket".into(), source })?;
-                let task = tokio::spawn(conn);
-                let r = f(handle).await;
-                task.abort();
-                r
-            })
+    crate::sys::run_in_netns(netns, || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_io()
+            .build()
+            .map_err(|source| NetlinkError::Io { what: "netlink runtime".into(), source })?;
+        rt.block_on(async {
+            let (conn, handle, _) = rtnetlink::new_connection()
+                .map_err(|source| NetlinkError::Io { what: "netlink socket".into(), source })?;
+            let task = tokio::spawn(conn);
+            let r = f(handle).await;
+            task.abort();
+            r
         })
-        .join()
-        .unwrap_or_else(|p| std::panic::resume_unwind(p))
-    })
+    })?
 }
 
 /// Every interface in the namespace.
@@ -117,32 +103,4 @@ pub async fn link(h: &rtnetlink::Handle, iface: &crate::tc::IfaceRef) -> Result<
         crate::tc::IfaceRef::Index(i) => all.into_iter().find(|l| l.index == *i),
     };
     found.ok_or_else(|| NetlinkError::NoSuchInterface(iface.to_string()))
-}
-
-/// The MAC the neighbour table holds for `ip` on `ifindex`, if resolved.
-pub async fn neighbour_mac(h: &rtnetlink::Handle, ifindex: u32, ip: IpAddr) -> Result<Option<[u8; 6]>, NetlinkError> {
-    let msgs: Vec<_> = h.neighbours().get().execute().try_collect().await?;
-    for m in msgs {
-        if m.header.ifindex != ifindex {
-            continue;
-        }
-        let mut dst = None;
-        let mut mac = None;
-        for a in &m.attributes {
-            match a {
-                NeighbourAttribute::Destination(NeighbourAddress::Inet(v4)) => dst = Some(IpAddr::V4(*v4)),
-                NeighbourAttribute::Destination(NeighbourAddress::Inet6(v6)) => dst = Some(IpAddr::V6(*v6)),
-                NeighbourAttribute::LinkLayerAddress(b) if b.len() == 6 => {
-                    let mut m6 = [0u8; 6];
-                    m6.copy_from_slice(b);
-                    mac = Some(m6);
-                }
-                _ => {}
-            }
-        }
-        if dst == Some(ip) {
-            return Ok(mac);
-        }
-    }
-    Ok(None)
 }

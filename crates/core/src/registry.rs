@@ -211,17 +211,18 @@ impl<R: RuleKind> Default for Table<R> {
     }
 }
 
-/// Counter-slot allocation shared by both rule kinds: the lowest released
-/// slot first, else the next never-used one. O(log n) per allocation.
+/// Counter-slot allocation, shared by pairs, capture rules and interface
+/// routes: the lowest released slot first, else the next never-used one.
+/// O(log n) per allocation.
 #[derive(Debug, Default)]
-struct Slots {
+pub(crate) struct Slots {
     used: BTreeSet<u32>,
     released: BTreeSet<u32>,
     next_fresh: u32,
 }
 
 impl Slots {
-    fn allocate(&mut self, capacity: u32) -> Option<u32> {
+    pub(crate) fn allocate(&mut self, capacity: u32) -> Option<u32> {
         let id = match self.released.pop_first() {
             Some(id) => id,
             None if self.next_fresh < capacity => {
@@ -234,15 +235,27 @@ impl Slots {
         Some(id)
     }
 
-    fn release(&mut self, id: u32) {
+    pub(crate) fn release(&mut self, id: u32) {
         if self.used.remove(&id) {
             self.released.insert(id);
         }
     }
 
+    /// Marks `id` in use: a slot found in the maps (reconciliation), or one
+    /// given back by a rollback. False if it already was in use.
+    pub(crate) fn claim(&mut self, id: u32) -> bool {
+        self.released.remove(&id);
+        self.used.insert(id)
+    }
+
+    /// How many more slots can be allocated.
+    pub(crate) fn available(&self, capacity: u32) -> usize {
+        self.released.len() + capacity.saturating_sub(self.next_fresh) as usize
+    }
+
     /// After reconciliation: every slot below the highest used one that is
     /// not in use is free.
-    fn rebuild_free(&mut self) {
+    pub(crate) fn rebuild_free(&mut self) {
         self.next_fresh = self.used.last().map_or(0, |m| m + 1);
         self.released = (0..self.next_fresh).filter(|i| !self.used.contains(i)).collect();
     }
@@ -438,7 +451,7 @@ impl<M: RuleMaps> Registry<M> {
         let owners: BTreeMap<u32, String> = maps.owners()?.into_iter().map(|(id, o)| (id, o.as_string())).collect();
         let mut slots = Slots::default();
         let mut claim = |id: u32, what: &dyn fmt::Display| {
-            if id >= capacity || !slots.used.insert(id) {
+            if id >= capacity || !slots.claim(id) {
                 return Err(RegistryError::Inconsistent(format!(
                     "{what} holds counter slot {id} twice or out of range"
                 )));

@@ -26,6 +26,8 @@ pub enum SysError {
     NotCgroup2 { path: PathBuf },
     #[error("reading the netns cookie: {0}")]
     NetnsCookie(io::Error),
+    #[error("entering netns {path}: {source}")]
+    Setns { path: PathBuf, source: nix::Error },
 }
 
 fn io_err(path: &Path) -> impl FnOnce(io::Error) -> SysError + '_ {
@@ -103,6 +105,24 @@ pub fn check_cgroup2(path: &Path) -> Result<(), SysError> {
     } else {
         Err(SysError::NotCgroup2 { path: path.to_path_buf() })
     }
+}
+
+/// Runs `f` on a scoped thread that has entered the network namespace at
+/// `netns` (a bind mount such as /var/run/netns/NAME), or stays in the
+/// caller's namespace for `None`. Only that thread changes namespace.
+pub fn run_in_netns<T: Send>(netns: Option<&Path>, f: impl FnOnce() -> T + Send) -> Result<T, SysError> {
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            if let Some(p) = netns {
+                let file = fs::File::open(p).map_err(io_err(p))?;
+                nix::sched::setns(std::os::fd::AsFd::as_fd(&file), nix::sched::CloneFlags::CLONE_NEWNET)
+                    .map_err(|source| SysError::Setns { path: p.to_path_buf(), source })?;
+            }
+            Ok(f())
+        })
+        .join()
+        .unwrap_or_else(|p| std::panic::resume_unwind(p))
+    })
 }
 
 const SO_NETNS_COOKIE: libc::c_int = 71;

@@ -30,7 +30,7 @@ use meshwarp_bpf::shared::{
 use meshwarp_bpf::tcredir::TcredirSkelBuilder;
 
 use crate::netlink::{self, Link, NetlinkError};
-use crate::registry::Outcome;
+use crate::registry::{Outcome, Slots};
 
 /// An interface, by name or by index (in the dataplane's namespace).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -298,8 +298,7 @@ type RouteId = (u32, Direction, Prefix);
 struct TcState {
     routes: BTreeMap<RouteId, InstalledRoute>,
     stale: Vec<StaleRoute>,
-    free: Vec<u32>,
-    next_fresh: u32,
+    slots: Slots,
 }
 
 /// The tc redirection data path of one node.
@@ -471,8 +470,10 @@ impl TcDataplane {
                 );
             }
         }
-        st.next_fresh = used.iter().max().map_or(0, |m| m + 1);
-        st.free = (0..st.next_fresh).filter(|i| !used.contains(i)).rev().collect();
+        for id in used {
+            st.slots.claim(id);
+        }
+        st.slots.rebuild_free();
         Ok(())
     }
 
@@ -503,18 +504,7 @@ impl TcDataplane {
 
     /// Runs `f` on a thread inside the dataplane's namespace.
     fn in_ns<T: Send>(&self, f: impl FnOnce() -> Result<T, TcError> + Send) -> Result<T, TcError> {
-        std::thread::scope(|s| {
-            s.spawn(|| {
-                if let Some(p) = &self.netns {
-                    let file = fs::File::open(p).map_err(io(format!("opening {}", p.display())))?;
-                    nix::sched::setns(file.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET)
-                        .map_err(|e| TcError::Io { what: format!("entering {}", p.display()), source: e.into() })?;
-                }
-                f()
-            })
-            .join()
-            .unwrap_or_else(|p| std::panic::resume_unwind(p))
-        })
+        crate::sys::run_in_netns(self.netns.as_deref(), f)?
     }
 
     /// Removes the tcx attachment of `ifindex` in `dir`.
@@ -581,17 +571,10 @@ impl TcDataplane {
         let id = match reuse {
             Some(id) => id,
             None => {
-                let id = match st.free.pop() {
-                    Some(id) => id,
-                    None if st.next_fresh < self.capacity => {
-                        st.next_fresh += 1;
-                        st.next_fresh - 1
-                    }
-                    None => return Err(TcError::Full(self.capacity)),
-                };
+                let id = st.slots.allocate(self.capacity).ok_or(TcError::Full(self.capacity))?;
                 let zeros = vec![RouteStats::default().as_bytes().to_vec(); self.ncpus];
                 if let Err(e) = self.rt_stats.update_percpu(&id.to_ne_bytes(), &zeros, MapFlags::ANY) {
-                    st.free.push(id);
+                    st.slots.release(id);
                     return Err(TcError::Bpf { what: "zeroing route counters".into(), source: e });
                 }
                 id
@@ -603,7 +586,7 @@ impl TcDataplane {
             .and_then(|()| self.write_route(a.index, route, t.index, id));
         if let Err(e) = written {
             if reuse.is_none() {
-                st.free.push(id);
+                st.slots.release(id);
             }
             return Err(TcError::Bpf { what: format!("writing route {route}"), source: e });
         }
@@ -692,7 +675,7 @@ impl TcDataplane {
         r.map_err(bpf(format!("deleting route {}", e.route.dst)))?;
         let _ = self.rt_owner.delete(&e.id.to_ne_bytes());
         st.routes.remove(&(e.attach_ifindex, e.route.direction, e.route.dst));
-        st.free.push(e.id);
+        st.slots.release(e.id);
         Ok(())
     }
 
@@ -719,8 +702,7 @@ impl TcDataplane {
                 None => new += 1,
             }
         }
-        let free = st.free.len() + (self.capacity - st.next_fresh) as usize;
-        if new > free {
+        if new > st.slots.available(self.capacity) {
             return Err(TcError::Full(self.capacity));
         }
         let mut done: Vec<(InstalledRoute, Outcome, Option<InstalledRoute>)> = Vec::new();
@@ -780,7 +762,7 @@ impl TcDataplane {
                             OwnerName::new(&back.owner).unwrap_or_default().as_bytes(),
                             MapFlags::ANY,
                         );
-                        st.free.retain(|i| *i != back.id);
+                        st.slots.claim(back.id);
                         st.routes.insert((back.attach_ifindex, back.route.direction, back.route.dst), back);
                     }
                 }

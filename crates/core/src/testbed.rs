@@ -31,8 +31,8 @@ pub enum TestbedError {
         #[source]
         source: io::Error,
     },
-    #[error("entering netns {ns}: {source}")]
-    Setns { ns: String, source: nix::Error },
+    #[error(transparent)]
+    Sys(#[from] crate::sys::SysError),
     #[error("data integrity: {0}")]
     Integrity(String),
     #[error(transparent)]
@@ -110,16 +110,7 @@ impl NetNs {
     /// Runs `f` on a thread that has entered this namespace. Sockets made
     /// there stay in this namespace wherever they are used afterwards.
     pub fn enter<T: Send>(&self, f: impl FnOnce() -> T + Send) -> Result<T> {
-        let file = std::fs::File::open(self.path()).map_err(io_err(format!("opening netns {}", self.name)))?;
-        thread::scope(|s| {
-            s.spawn(|| {
-                setns(file.as_fd(), CloneFlags::CLONE_NEWNET)
-                    .map_err(|source| TestbedError::Setns { ns: self.name.clone(), source })?;
-                Ok(f())
-            })
-            .join()
-            .unwrap_or_else(|p| std::panic::resume_unwind(p))
-        })
+        Ok(crate::sys::run_in_netns(Some(&self.path()), f)?)
     }
 
     /// A TCP listener bound inside this namespace.
@@ -921,7 +912,10 @@ impl Drop for KernelTest {
     }
 }
 
-fn missing_feature<T>(what: &str) -> Option<T> {
+/// The policy of every kernel-facing test: a missing kernel feature fails the
+/// test when `CI=true`; elsewhere it returns `None` after saying loudly which
+/// feature is missing.
+pub fn missing_feature<T>(what: &str) -> Option<T> {
     if std::env::var("CI").is_ok_and(|v| v == "true") {
         panic!("CI=true and the kernel refused a required feature: {what}");
     }

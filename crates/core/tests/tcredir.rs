@@ -17,7 +17,9 @@ use meshwarp_core::registry::Outcome;
 use meshwarp_core::tc::{
     Direction, IfaceRef, InterfaceRoute, MacRewrite, Prefix, RouteAction, TcConfig, TcDataplane, TcError,
 };
-use meshwarp_core::testbed::{accept_timeout, exchange, link_in, unique_name, NodeWithPods, OverlayEgress, TwoNodes};
+use meshwarp_core::testbed::{
+    accept_timeout, exchange, link_in, missing_feature, unique_name, NodeWithPods, OverlayEgress, TwoNodes,
+};
 
 const T: Duration = Duration::from_secs(60);
 const PORT: u16 = 8080;
@@ -44,13 +46,7 @@ impl<'a> Node<'a> {
         let cfg = TcConfig { pin_root: pin_root.clone(), netns: Some(net.node.path()), max_routes: 64 };
         match TcDataplane::open(&cfg) {
             Ok(tc) => Some(Self { net, tc: Some(tc), pin_root }),
-            Err(e) => {
-                if std::env::var("CI").is_ok_and(|v| v == "true") {
-                    panic!("CI=true and the kernel refused tc BPF: {e}");
-                }
-                eprintln!("\n!!! SKIPPING tc test: missing feature: tc BPF ({e})\n");
-                None
-            }
+            Err(e) => missing_feature(&format!("tc BPF: {e}")),
         }
     }
 

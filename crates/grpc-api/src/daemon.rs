@@ -339,3 +339,91 @@ pub async fn run(opts: DaemonOptions, shutdown: impl Future<Output = ()> + Send 
     }
     Ok(())
 }
+
+/// A node service run inside this process on a runtime of its own (the demo,
+/// benches): [`EmbeddedNode::start`] returns once it answers on its socket;
+/// dropping it stops it (and, with `cleanup_on_exit`, removes its data path).
+#[derive(Debug)]
+pub struct EmbeddedNode {
+    rt: tokio::runtime::Runtime,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<Result<(), DaemonError>>>,
+    socket: PathBuf,
+}
+
+impl EmbeddedNode {
+    /// Starts `opts` (which must name a Unix socket) and waits until it serves.
+    pub fn start(opts: DaemonOptions) -> Result<Self, DaemonError> {
+        let socket = opts.socket.clone().ok_or_else(|| DaemonError::Io {
+            what: "an embedded node service".into(),
+            source: std::io::Error::other("needs a Unix socket"),
+        })?;
+        let rt = tokio::runtime::Runtime::new().map_err(io("starting a runtime"))?;
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let task = rt.spawn(run(opts, async move {
+            let _ = rx.await;
+        }));
+        let mut node = Self { rt, stop: Some(tx), task: Some(task), socket };
+        let target = node.socket.display().to_string();
+        let ready = node.rt.block_on(async {
+            for _ in 0..500 {
+                if let Ok(mut c) = crate::client::connect(&target).await {
+                    if c.get_node_info(crate::pb::GetNodeInfoRequest {}).await.is_ok() {
+                        return true;
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            false
+        });
+        if !ready {
+            // Surface why it stopped, if it did.
+            if let Some(t) = node.task.take() {
+                if t.is_finished() {
+                    if let Ok(Err(e)) = node.rt.block_on(t) {
+                        return Err(e);
+                    }
+                } else {
+                    node.task = Some(t);
+                }
+            }
+            return Err(DaemonError::Io {
+                what: format!("embedded node service on {target}"),
+                source: std::io::Error::new(std::io::ErrorKind::TimedOut, "did not answer within 10 s"),
+            });
+        }
+        Ok(node)
+    }
+
+    pub fn socket(&self) -> &Path {
+        &self.socket
+    }
+
+    /// The runtime the service runs on, to drive a client from it.
+    pub fn runtime(&self) -> &tokio::runtime::Runtime {
+        &self.rt
+    }
+
+    /// A client connected over the socket, on the service's runtime.
+    pub fn client(
+        &self,
+    ) -> Result<crate::pb::node_service_client::NodeServiceClient<tonic::transport::Channel>, crate::client::ClientError>
+    {
+        self.rt.block_on(crate::client::connect(&self.socket.display().to_string()))
+    }
+}
+
+impl Drop for EmbeddedNode {
+    fn drop(&mut self) {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+        if let Some(t) = self.task.take() {
+            match self.rt.block_on(t) {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::warn!("embedded node service: {e}"),
+                Err(e) => tracing::warn!("embedded node service task: {e}"),
+            }
+        }
+    }
+}
