@@ -1,11 +1,29 @@
-//! Compiles each `src/bpf/*.bpf.c` program family into a libbpf-rs skeleton.
+//! Compiles each `src/bpf/*.bpf.c` program family into a libbpf-rs skeleton,
+//! and the plugin objects (`../../examples/plugins`, `src/plugins`) into plain
+//! BPF objects that `src/lib.rs` embeds.
 
 use std::env;
-use std::path::PathBuf;
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
 
 use libbpf_cargo::SkeletonBuilder;
 
 const FAMILIES: &[&str] = &["sockredir", "tcredir"];
+/// Example plugins shipped to users.
+const EXAMPLE_PLUGINS: &[&str] = &["port_allow", "byte_sampler", "rate_limit"];
+/// Plugins the tests and benches use.
+const TEST_PLUGINS: &[&str] = &["noop_msg", "verdict_msg", "pkt_port", "abi_major", "rejected"];
+
+fn clang_args(include: &Path, bpf_dir: &Path) -> Vec<OsString> {
+    vec![
+        "-I".into(),
+        include.as_os_str().to_owned(),
+        "-I".into(),
+        bpf_dir.as_os_str().to_owned(),
+        "-Wall".into(),
+        "-Werror".into(),
+    ]
+}
 
 fn main() {
     let manifest = PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").expect("CARGO_MANIFEST_DIR"));
@@ -17,16 +35,24 @@ fn main() {
         let skel = out.join(format!("{family}.skel.rs"));
         SkeletonBuilder::new()
             .source(&src)
-            .clang_args([
-                "-I".into(),
-                include.clone().into_os_string(),
-                "-I".into(),
-                bpf_dir.clone().into_os_string(),
-                "-Wall".into(),
-                "-Werror".into(),
-            ])
+            .clang_args(clang_args(&include, &bpf_dir))
             .build_and_generate(&skel)
             .unwrap_or_else(|e| panic!("building BPF family {family}: {e:#}"));
+        println!("cargo:rerun-if-changed={}", src.display());
+    }
+
+    let examples = manifest.join("../../examples/plugins");
+    let tests = manifest.join("src/plugins");
+    let plugins =
+        EXAMPLE_PLUGINS.iter().map(|p| (examples.join(p), p)).chain(TEST_PLUGINS.iter().map(|p| (tests.join(p), p)));
+    for (base, name) in plugins {
+        let src = base.with_extension("bpf.c");
+        SkeletonBuilder::new()
+            .source(&src)
+            .obj(out.join(format!("{name}.bpf.o")))
+            .clang_args(clang_args(&include, &bpf_dir))
+            .build()
+            .unwrap_or_else(|e| panic!("building plugin {name}: {e:#}"));
         println!("cargo:rerun-if-changed={}", src.display());
     }
     println!("cargo:rerun-if-changed={}", include.display());

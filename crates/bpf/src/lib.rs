@@ -20,6 +20,41 @@ pub mod tcredir {
     include!(concat!(env!("OUT_DIR"), "/tcredir.skel.rs"));
 }
 
+/// Plugin objects built from C by `build.rs`: the examples users start from
+/// (`examples/plugins/`) and the ones tests and benches load.
+pub mod plugins {
+    macro_rules! object {
+        ($(#[$doc:meta])* $name:ident, $file:literal) => {
+            $(#[$doc])*
+            pub const $name: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/", $file, ".bpf.o"));
+        };
+    }
+    object!(
+        /// on_connection: declines acceleration outside the configured server ports.
+        PORT_ALLOW, "port_allow");
+    object!(
+        /// on_message: per-rule message/byte counter and sampler (map `mw_samples`).
+        BYTE_SAMPLER, "byte_sampler");
+    object!(
+        /// on_message: per-rule token bucket that drops or bypasses beyond the rate.
+        RATE_LIMIT, "rate_limit");
+    object!(
+        /// on_message: always continues (the cost of a chain position).
+        NOOP_MSG, "noop_msg");
+    object!(
+        /// on_message: returns the verdict in its config.
+        VERDICT_MSG, "verdict_msg");
+    object!(
+        /// on_packet: returns a verdict for packets from or to a configured port.
+        PKT_PORT, "pkt_port");
+    object!(
+        /// Built against an ABI major the host does not offer.
+        ABI_MAJOR, "abi_major");
+    object!(
+        /// Refused by the verifier.
+        REJECTED, "rejected");
+}
+
 /// Names of programs and maps as the kernel sees them (all under 16 bytes).
 pub mod names {
     pub const PROG_SOCKOPS: &str = "mw_sockops";
@@ -34,16 +69,62 @@ pub mod names {
     pub const MAP_OWNERS: &str = "mw_owners";
     pub const PROG_TC_INGRESS: &str = "mw_tc_ingress";
     pub const PROG_TC_EGRESS: &str = "mw_tc_egress";
+    pub const PROG_CONN_FIN: &str = "mw_conn_fin";
+    pub const PROG_MSG_FIN: &str = "mw_msg_fin";
+    pub const PROG_PKT_FIN: &str = "mw_pkt_fin";
+    /// The program every plugin object defines.
+    pub const PROG_PLUGIN: &str = "mw_plugin";
+    pub const MAP_CH_CONN: &str = "mw_ch_conn";
+    pub const MAP_CH_MSG: &str = "mw_ch_msg";
+    pub const MAP_CH_PKT: &str = "mw_ch_pkt";
+    pub const MAP_CHAIN: &str = "mw_chain";
+    pub const MAP_CHAIN_GEN: &str = "mw_chain_gen";
+    pub const MAP_PLUG_CFG: &str = "mw_plug_cfg";
+    pub const MAP_PLUG_STATS: &str = "mw_plug_stats";
+    pub const MAP_PLUG_META: &str = "mw_plug_meta";
+    pub const MAP_GRACE: &str = "mw_grace";
+    /// Maps of a host family that plugin objects share (reuse), besides the
+    /// hook's prog array.
+    pub const PLUGIN_SHARED_MAPS: [&str; 5] = [MAP_SK_STATE, MAP_CHAIN, MAP_CHAIN_GEN, MAP_PLUG_CFG, MAP_PLUG_STATS];
     pub const MAP_RT4: &str = "mw_rt4";
     pub const MAP_RT6: &str = "mw_rt6";
     pub const MAP_RT_STATS: &str = "mw_rt_stats";
     pub const MAP_ATT_STATS: &str = "mw_att_stats";
     pub const MAP_RT_OWNER: &str = "mw_rt_owner";
     /// Every map of the tcredir family.
-    pub const TCREDIR_MAPS: [&str; 5] = [MAP_RT4, MAP_RT6, MAP_RT_STATS, MAP_ATT_STATS, MAP_RT_OWNER];
+    pub const TCREDIR_MAPS: [&str; 12] = [
+        MAP_RT4,
+        MAP_RT6,
+        MAP_RT_STATS,
+        MAP_ATT_STATS,
+        MAP_RT_OWNER,
+        MAP_CH_PKT,
+        MAP_CHAIN,
+        MAP_CHAIN_GEN,
+        MAP_PLUG_CFG,
+        MAP_PLUG_STATS,
+        MAP_PLUG_META,
+        MAP_GRACE,
+    ];
     /// Every map of the sockredir family, in pin order.
-    pub const SOCKREDIR_MAPS: [&str; 8] =
-        [MAP_SOCKHASH, MAP_PAIRS, MAP_CAPTURE, MAP_ORIGINS, MAP_SK_STATE, MAP_STATS, MAP_GLOBAL, MAP_OWNERS];
+    pub const SOCKREDIR_MAPS: [&str; 16] = [
+        MAP_SOCKHASH,
+        MAP_PAIRS,
+        MAP_CAPTURE,
+        MAP_ORIGINS,
+        MAP_SK_STATE,
+        MAP_STATS,
+        MAP_GLOBAL,
+        MAP_OWNERS,
+        MAP_CH_CONN,
+        MAP_CH_MSG,
+        MAP_CHAIN,
+        MAP_CHAIN_GEN,
+        MAP_PLUG_CFG,
+        MAP_PLUG_STATS,
+        MAP_PLUG_META,
+        MAP_GRACE,
+    ];
 }
 
 #[cfg(test)]
@@ -52,7 +133,16 @@ mod tests {
 
     #[test]
     fn kernel_names_fit_in_bpf_obj_name_len() {
-        let mut all = vec![names::PROG_SOCKOPS, names::PROG_SK_MSG, names::PROG_TC_INGRESS, names::PROG_TC_EGRESS];
+        let mut all = vec![
+            names::PROG_SOCKOPS,
+            names::PROG_SK_MSG,
+            names::PROG_TC_INGRESS,
+            names::PROG_TC_EGRESS,
+            names::PROG_CONN_FIN,
+            names::PROG_MSG_FIN,
+            names::PROG_PKT_FIN,
+            names::PROG_PLUGIN,
+        ];
         all.extend(names::SOCKREDIR_MAPS);
         all.extend(names::TCREDIR_MAPS);
         for n in all {

@@ -7,7 +7,7 @@
 use std::net::IpAddr;
 
 /// `MW_SCHEMA_VERSION`: bumped whenever a pinned map's key or value changes.
-pub const SCHEMA_VERSION: u32 = 1;
+pub const SCHEMA_VERSION: u32 = 2;
 
 pub const AF_INET: u32 = 2;
 pub const AF_INET6: u32 = 10;
@@ -278,6 +278,137 @@ pub struct AttachStats {
 
 // SAFETY: all are repr(C), made of u32/u64 fields laid out without padding
 // (checked by the layout tests below), valid for any bit pattern.
+/// `MW_ABI_MAJOR` / `MW_ABI_MINOR`: the plugin ABI this host offers.
+pub const ABI_MAJOR: u16 = 1;
+pub const ABI_MINOR: u16 = 0;
+/// `MW_HOOK_*`.
+pub const HOOK_CONNECTION: u32 = 1;
+pub const HOOK_MESSAGE: u32 = 2;
+pub const HOOK_PACKET: u32 = 3;
+pub const HOOKS: u32 = 3;
+/// `MW_CHAIN_MAX`, `MW_MAX_PLUGINS`, `MW_PLUGIN_CFG_MAX`, `MW_CHAIN_FIN`.
+pub const CHAIN_MAX: u32 = 8;
+pub const MAX_PLUGINS: u32 = 64;
+pub const PLUGIN_CFG_MAX: usize = 512;
+pub const CHAIN_FIN: u32 = 2 * CHAIN_MAX;
+/// `MW_PLUGIN_FAIL_CLOSED`.
+pub const PLUGIN_FAIL_CLOSED: u32 = 1;
+pub const PLUGIN_NAME_LEN: usize = 64;
+pub const PLUGIN_VERSION_LEN: usize = 32;
+/// Name of the ELF section holding a plugin's [`PluginAbi`].
+pub const PLUGIN_ABI_SECTION: &str = ".mw_abi";
+
+/// Index of a chain position in `mw_chain` (`mw_chain_index`).
+pub fn chain_index(gen: u32, hook: u32, pos: u32) -> u32 {
+    (gen * HOOKS + (hook - 1)) * CHAIN_MAX + pos
+}
+
+/// `struct mw_plugin_abi`: the `.mw_abi` section of a plugin object.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PluginAbi {
+    pub major: u16,
+    pub minor: u16,
+    pub hook: u32,
+}
+
+/// `struct mw_chain_pos`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ChainPos {
+    pub plugin_id: u32,
+    pub cfg_slot: u32,
+    pub flags: u32,
+    pub pad: u32,
+}
+
+/// `struct mw_plugin_config`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PluginConfig {
+    pub len: u32,
+    pub data: [u8; PLUGIN_CFG_MAX],
+}
+
+impl Default for PluginConfig {
+    fn default() -> Self {
+        Self { len: 0, data: [0; PLUGIN_CFG_MAX] }
+    }
+}
+
+impl PluginConfig {
+    /// `None` if `bytes` is longer than [`PLUGIN_CFG_MAX`].
+    pub fn new(bytes: &[u8]) -> Option<Self> {
+        let mut c = Self::default();
+        c.data.get_mut(..bytes.len())?.copy_from_slice(bytes);
+        c.len = bytes.len() as u32;
+        Some(c)
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        &self.data[..(self.len as usize).min(PLUGIN_CFG_MAX)]
+    }
+}
+
+/// `struct mw_plugin_stats` (one per CPU).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PluginStats {
+    pub runs: u64,
+    pub cont: u64,
+    pub verdict1: u64,
+    pub drop: u64,
+    pub invalid: u64,
+    pub missing: u64,
+}
+
+/// `struct mw_plugin_meta`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PluginMeta {
+    pub name: [u8; PLUGIN_NAME_LEN],
+    pub version: [u8; PLUGIN_VERSION_LEN],
+    pub hook: u32,
+    pub phase: u32,
+    pub priority: i32,
+    pub flags: u32,
+    pub cfg_slot: u32,
+    pub abi: u32,
+    pub sha256: [u8; 32],
+}
+
+impl Default for PluginMeta {
+    fn default() -> Self {
+        Self {
+            name: [0; PLUGIN_NAME_LEN],
+            version: [0; PLUGIN_VERSION_LEN],
+            hook: 0,
+            phase: 0,
+            priority: 0,
+            flags: 0,
+            cfg_slot: 0,
+            abi: 0,
+            sha256: [0; 32],
+        }
+    }
+}
+
+/// Copies `s` into a NUL-padded field; `None` if it does not fit with a NUL.
+pub fn fixed_str<const N: usize>(s: &str) -> Option<[u8; N]> {
+    let mut out = [0u8; N];
+    if s.len() >= N || s.contains('\0') {
+        return None;
+    }
+    out[..s.len()].copy_from_slice(s.as_bytes());
+    Some(out)
+}
+
+/// The string in a NUL-padded field.
+pub fn str_of(field: &[u8]) -> String {
+    let end = field.iter().position(|&b| b == 0).unwrap_or(field.len());
+    String::from_utf8_lossy(&field[..end]).into_owned()
+}
+
 unsafe impl Pod for SockKey {}
 unsafe impl Pod for PairKey {}
 unsafe impl Pod for CaptureKey {}
@@ -295,6 +426,11 @@ unsafe impl Pod for RouteValue {}
 unsafe impl Pod for RouteStats {}
 unsafe impl Pod for AttachKey {}
 unsafe impl Pod for AttachStats {}
+unsafe impl Pod for PluginAbi {}
+unsafe impl Pod for ChainPos {}
+unsafe impl Pod for PluginConfig {}
+unsafe impl Pod for PluginStats {}
+unsafe impl Pod for PluginMeta {}
 
 #[cfg(test)]
 mod tests {
@@ -328,6 +464,14 @@ mod tests {
             [sockets, msgs, bytes, fb_no_peer, fb_tcp_path, fb_map_full, fb_insert_err]
         );
         same_layout!(GlobalStats, types::mw_global_stats, [established, not_covered, no_state]);
+        same_layout!(ChainPos, types::mw_chain_pos, [plugin_id, cfg_slot, flags, pad]);
+        same_layout!(PluginConfig, types::mw_plugin_config, [len, data]);
+        same_layout!(PluginStats, types::mw_plugin_stats, [runs, cont, verdict1, drop, invalid, missing]);
+        same_layout!(
+            PluginMeta,
+            types::mw_plugin_meta,
+            [name, version, hook, phase, priority, flags, cfg_slot, abi, sha256]
+        );
     }
 
     #[test]
@@ -344,6 +488,11 @@ mod tests {
         assert_eq!(size_of::<RouteKey4>(), 16);
         assert_eq!(size_of::<RouteKey6>(), 28);
         assert_eq!(size_of::<RouteValue>(), 4 * 4 + 12 + 4 + 16 + 4 + 16);
+        assert_eq!(size_of::<PluginAbi>(), 8);
+        assert_eq!(size_of::<ChainPos>(), 16);
+        assert_eq!(size_of::<PluginConfig>(), 4 + PLUGIN_CFG_MAX);
+        assert_eq!(size_of::<PluginStats>(), 6 * 8);
+        assert_eq!(size_of::<PluginMeta>(), 64 + 32 + 6 * 4 + 32);
     }
 
     #[test]

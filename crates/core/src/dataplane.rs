@@ -19,7 +19,7 @@ use std::sync::{Mutex, MutexGuard, Once};
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::{Link, MapCore, MapFlags, MapHandle, PrintLevel, ProgramHandle};
 use meshwarp_bpf::names;
-use meshwarp_bpf::shared::{Pod, SockKey};
+use meshwarp_bpf::shared::{Pod, SockKey, CHAIN_FIN};
 use meshwarp_bpf::sockredir::SockredirSkelBuilder;
 
 use crate::endpoint::{CaptureRule, EndpointPair};
@@ -159,6 +159,19 @@ fn libbpf_print(level: PrintLevel, msg: String) {
             tracing::warn!(target: "libbpf", "{}", msg.trim_end());
         }
     }
+}
+
+/// Runs a libbpf load with its warnings collected (where the verifier log of a
+/// rejected program ends up), one load at a time.
+pub(crate) fn with_libbpf_log<T>(f: impl FnOnce() -> T) -> (T, String) {
+    PRINT_INIT.call_once(|| {
+        libbpf_rs::set_print(Some((PrintLevel::Debug, libbpf_print)));
+    });
+    let _load = lock(&LOAD_LOCK);
+    *lock(&LOAD_LOG) = Some(String::new());
+    let r = f();
+    let log = lock(&LOAD_LOG).take().unwrap_or_default();
+    (r, log)
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -329,6 +342,8 @@ fn check_schema(pin_root: &Path) -> Result<(), DataplaneError> {
 pub fn remove_pinned(pin_root: &Path) -> Result<(), DataplaneError> {
     crate::tc::remove_pinned(pin_root)?;
     let layout = Layout::new(pin_root);
+    crate::plugin::remove_plugin_pins(&layout.dir)
+        .map_err(|e| DataplaneError::Io { path: layout.dir.clone(), source: e })?;
     for p in layout.all_pins() {
         match fs::remove_file(&p) {
             Ok(()) => tracing::debug!(pin = %p.display(), "unpinned"),
@@ -344,9 +359,6 @@ pub fn remove_pinned(pin_root: &Path) -> Result<(), DataplaneError> {
 }
 
 fn load_and_pin(cfg: &DataplaneConfig, layout: &Layout) -> Result<(), DataplaneError> {
-    PRINT_INIT.call_once(|| {
-        libbpf_rs::set_print(Some((PrintLevel::Debug, libbpf_print)));
-    });
     let cgroup = match &cfg.cgroup {
         Some(p) => {
             sys::check_cgroup2(p)?;
@@ -358,7 +370,6 @@ fn load_and_pin(cfg: &DataplaneConfig, layout: &Layout) -> Result<(), DataplaneE
         fs::create_dir_all(&d).map_err(io_err(&d))?;
     }
 
-    let _load = lock(&LOAD_LOCK);
     let mut obj = MaybeUninit::uninit();
     let mut open = SockredirSkelBuilder::default().open(&mut obj).map_err(bpf_err("opening BPF object"))?;
     let maps = &mut open.maps;
@@ -373,9 +384,7 @@ fn load_and_pin(cfg: &DataplaneConfig, layout: &Layout) -> Result<(), DataplaneE
     for (map, n) in sizes {
         map.set_max_entries(n).map_err(bpf_err("sizing maps"))?;
     }
-    *lock(&LOAD_LOG) = Some(String::new());
-    let loaded = open.load();
-    let log = lock(&LOAD_LOG).take().unwrap_or_default();
+    let (loaded, log) = with_libbpf_log(|| open.load());
     let skel = loaded.map_err(|source| DataplaneError::Load { source, log })?;
 
     let mut guard = PinGuard { paths: Vec::new(), done: false };
@@ -389,6 +398,14 @@ fn load_and_pin(cfg: &DataplaneConfig, layout: &Layout) -> Result<(), DataplaneE
         (names::MAP_STATS, &maps.mw_stats),
         (names::MAP_GLOBAL, &maps.mw_global),
         (names::MAP_OWNERS, &maps.mw_owners),
+        (names::MAP_CH_CONN, &maps.mw_ch_conn),
+        (names::MAP_CH_MSG, &maps.mw_ch_msg),
+        (names::MAP_CHAIN, &maps.mw_chain),
+        (names::MAP_CHAIN_GEN, &maps.mw_chain_gen),
+        (names::MAP_PLUG_CFG, &maps.mw_plug_cfg),
+        (names::MAP_PLUG_STATS, &maps.mw_plug_stats),
+        (names::MAP_PLUG_META, &maps.mw_plug_meta),
+        (names::MAP_GRACE, &maps.mw_grace),
     ];
     for (name, map) in all_maps {
         let path = layout.map(name);
@@ -401,6 +418,17 @@ fn load_and_pin(cfg: &DataplaneConfig, layout: &Layout) -> Result<(), DataplaneE
         let handle = ProgramHandle::try_from(prog).map_err(bpf_err(format!("handle of program {name}")))?;
         handle.pin(&path).map_err(bpf_err(format!("pinning {}", path.display())))?;
         guard.paths.push(path);
+    }
+
+    // Each chain ends in the host's own decision; the pinned prog arrays keep
+    // these entries (and so the programs) alive.
+    let fin = CHAIN_FIN.to_ne_bytes();
+    for (map, prog, what) in [
+        (&maps.mw_ch_conn, &skel.progs.mw_conn_fin, names::PROG_CONN_FIN),
+        (&maps.mw_ch_msg, &skel.progs.mw_msg_fin, names::PROG_MSG_FIN),
+    ] {
+        let fd = prog.as_fd().as_raw_fd().to_ne_bytes();
+        map.update(&fin, &fd, MapFlags::ANY).map_err(bpf_err(format!("installing {what}")))?;
     }
 
     // sk_msg hangs off the SOCKHASH: the attachment lives as long as the map.

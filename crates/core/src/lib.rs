@@ -18,6 +18,7 @@ pub mod dataplane;
 pub mod endpoint;
 pub mod maps;
 pub mod netlink;
+pub mod plugin;
 pub mod registry;
 pub mod stats;
 pub mod sys;
@@ -26,5 +27,6 @@ pub mod testbed;
 
 pub use dataplane::{Dataplane, DataplaneConfig, DataplaneError, Origin as DataplaneOrigin};
 pub use endpoint::{CaptureRule, Endpoint, EndpointPair, ValidationError};
+pub use plugin::{FailurePolicy, Hook, Phase, PluginChain, PluginError, PluginManifest};
 pub use registry::RegistryError;
 pub use stats::{GlobalCounters, RuleCounters};

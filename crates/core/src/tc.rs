@@ -24,7 +24,7 @@ use libbpf_rs::{libbpf_sys, MapCore, MapFlags, MapHandle, ProgramHandle};
 use meshwarp_bpf::names;
 use meshwarp_bpf::shared::{
     AttachKey, AttachStats, OwnerName, Pod, RouteKey4, RouteKey6, RouteStats, RouteValue, ACT_REDIRECT,
-    ACT_REDIRECT_NEIGH, ACT_REDIRECT_PEER, AF_INET, AF_INET6, DIR_EGRESS, DIR_INGRESS, ROUTE_HAS_NEXTHOP,
+    ACT_REDIRECT_NEIGH, ACT_REDIRECT_PEER, AF_INET, AF_INET6, CHAIN_FIN, DIR_EGRESS, DIR_INGRESS, ROUTE_HAS_NEXTHOP,
     ROUTE_HAS_SRC, ROUTE_KEY_PREFIX_BITS, ROUTE_REWRITE_MAC, SCHEMA_VERSION,
 };
 use meshwarp_bpf::tcredir::TcredirSkelBuilder;
@@ -335,6 +335,7 @@ pub fn remove_pinned(pin_root: &Path) -> Result<(), TcError> {
             fs::remove_file(e.path()).map_err(io(format!("unpinning {}", e.path().display())))?;
         }
     }
+    crate::plugin::remove_plugin_pins(&dir).map_err(io(format!("unpinning plugins under {}", dir.display())))?;
     for p in tc_pins(&dir) {
         match fs::remove_file(&p) {
             Ok(()) => {}
@@ -368,7 +369,20 @@ fn load_and_pin(cfg: &TcConfig, dir: &Path) -> Result<(), TcError> {
         (names::MAP_RT_STATS, &skel.maps.mw_rt_stats),
         (names::MAP_ATT_STATS, &skel.maps.mw_att_stats),
         (names::MAP_RT_OWNER, &skel.maps.mw_rt_owner),
+        (names::MAP_CH_PKT, &skel.maps.mw_ch_pkt),
+        (names::MAP_CHAIN, &skel.maps.mw_chain),
+        (names::MAP_CHAIN_GEN, &skel.maps.mw_chain_gen),
+        (names::MAP_PLUG_CFG, &skel.maps.mw_plug_cfg),
+        (names::MAP_PLUG_STATS, &skel.maps.mw_plug_stats),
+        (names::MAP_PLUG_META, &skel.maps.mw_plug_meta),
+        (names::MAP_GRACE, &skel.maps.mw_grace),
     ];
+    // The on_packet chain ends in the host's own decision.
+    let fd = skel.progs.mw_pkt_fin.as_fd().as_raw_fd().to_ne_bytes();
+    skel.maps
+        .mw_ch_pkt
+        .update(&CHAIN_FIN.to_ne_bytes(), &fd, MapFlags::ANY)
+        .map_err(bpf(format!("installing {}", names::PROG_PKT_FIN)))?;
     for (name, map) in maps {
         let mut h = MapHandle::try_from(map).map_err(bpf(format!("handle of {name}")))?;
         h.pin(dir.join("maps").join(name)).map_err(bpf(format!("pinning {name}")))?;
@@ -424,6 +438,11 @@ impl TcDataplane {
         let dp = Self { capacity, ..dp };
         dp.reconcile()?;
         Ok(dp)
+    }
+
+    /// The tc data path's pin directory.
+    pub fn pin_dir(&self) -> &Path {
+        &self.dir
     }
 
     /// Rebuilds the route table from the LPM maps (adoption).

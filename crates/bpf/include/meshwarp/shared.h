@@ -12,7 +12,7 @@
 #ifndef MESHWARP_SHARED_H
 #define MESHWARP_SHARED_H
 
-#define MW_SCHEMA_VERSION 1
+#define MW_SCHEMA_VERSION 2
 
 #define MW_AF_INET 2
 #define MW_AF_INET6 10
@@ -97,6 +97,11 @@ struct mw_sock_state {
 
 /* mw_sock_state.flags */
 #define MW_SOCK_NEEDS_SYNC 1u /* redirect only if the TCP path carried no payload */
+/* Plugin chain position of the message (or connection) being handled: bits 8-15
+ * the next chain position, bit 16 the chain generation it started on. Only the
+ * programs of one socket's hook touch them, under the socket's lock. */
+#define MW_SOCK_CHAIN_POS_SHIFT 8
+#define MW_SOCK_CHAIN_GEN_SHIFT 16
 
 /* Per-rule counters, one slot per rule id in a per-CPU array. */
 struct mw_rule_stats {
@@ -183,6 +188,91 @@ struct mw_attach_key {
 struct mw_attach_stats {
 	__u64 packets;
 	__u64 misses;        /* no route matched: TC_ACT_OK */
+};
+
+/* ---- plugins (plugin.h for authors, chain.h for the maps) ---- */
+
+/* Plugin ABI offered by this host: a plugin of the same major and an equal or
+ * older minor is accepted. */
+#define MW_ABI_MAJOR 1
+#define MW_ABI_MINOR 0
+
+/* Hooks a plugin attaches to (mw_plugin_abi.hook, chain rows); macros so that
+ * plugin.h can select on them with #if. */
+#define MW_HOOK_CONNECTION 1 /* sockops: a covered connection is ESTABLISHED */
+#define MW_HOOK_MESSAGE 2    /* sk_msg: a message on an accelerated socket */
+#define MW_HOOK_PACKET 3     /* tc: a packet on an attached interface */
+#define MW_HOOKS 3
+
+/* Verdicts a plugin returns. 1 means, by hook: decline acceleration of the
+ * connection / send this message on the normal path / pass the packet
+ * unmodified past meshwarp's routes. */
+enum mw_verdict {
+	MW_CONTINUE = 0,
+	MW_DECLINE = 1,
+	MW_BYPASS = 1,
+	MW_PASS = 1,
+	MW_DROP = 2, /* on_message, on_packet only */
+};
+
+/* Plugins per hook chain, plugins per node, config bytes per plugin. */
+#define MW_CHAIN_MAX 8
+#define MW_MAX_PLUGINS 64
+#define MW_PLUGIN_CFG_MAX 512
+/* Prog-array index of the hook's finisher (the host's own decision), after
+ * the two generations of MW_CHAIN_MAX positions. */
+#define MW_CHAIN_FIN (2 * MW_CHAIN_MAX)
+/* mw_ctx.id when no pair or route matched. */
+#define MW_NO_ID 0xffffffffu
+
+/* ELF section ".mw_abi" of a plugin object. */
+struct mw_plugin_abi {
+	__u16 major;
+	__u16 minor;
+	__u32 hook;
+};
+
+/* One chain position (mw_chain): which plugin runs there, with which config. */
+struct mw_chain_pos {
+	__u32 plugin_id;  /* 0: empty */
+	__u32 cfg_slot;   /* index into mw_plug_cfg */
+	__u32 flags;      /* MW_PLUGIN_FAIL_CLOSED */
+	__u32 pad;
+};
+
+/* mw_chain_pos.flags, mw_plugin_meta.flags */
+#define MW_PLUGIN_FAIL_CLOSED 1u
+
+/* A plugin's configuration bytes (mw_plug_cfg, read-only to programs). */
+struct mw_plugin_config {
+	__u32 len;
+	__u8 data[MW_PLUGIN_CFG_MAX];
+};
+
+/* Per-plugin counters (one slot per plugin id, per CPU). */
+struct mw_plugin_stats {
+	__u64 runs;
+	__u64 cont;      /* MW_CONTINUE */
+	__u64 verdict1;  /* MW_DECLINE / MW_BYPASS / MW_PASS */
+	__u64 drop;      /* MW_DROP */
+	__u64 invalid;   /* a verdict the hook does not know */
+	__u64 missing;   /* its chain slot was empty when reached */
+};
+
+/* What user space keeps about a loaded plugin (mw_plug_meta, pinned), so a
+ * restarted agent knows its plugins. Programs never read it. */
+#define MW_PLUGIN_NAME_LEN 64
+#define MW_PLUGIN_VERSION_LEN 32
+struct mw_plugin_meta {
+	char name[MW_PLUGIN_NAME_LEN];
+	char version[MW_PLUGIN_VERSION_LEN];
+	__u32 hook;
+	__u32 phase;
+	__s32 priority;
+	__u32 flags;
+	__u32 cfg_slot;
+	__u32 abi;        /* major << 16 | minor */
+	__u8 sha256[32];
 };
 
 #endif /* MESHWARP_SHARED_H */

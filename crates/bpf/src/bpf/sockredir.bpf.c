@@ -10,6 +10,7 @@
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_endian.h>
 #include "meshwarp/shared.h"
+#include "meshwarp/chain.h"
 
 #define TCP_CLOSE_STATE 7 /* enum tcp_state TCP_CLOSE */
 #define ENOMEM 12
@@ -46,12 +47,14 @@ struct {
 	__type(value, struct mw_origin);
 } mw_origins SEC(".maps");
 
-struct {
-	__uint(type, BPF_MAP_TYPE_SK_STORAGE);
-	__uint(map_flags, BPF_F_NO_PREALLOC);
-	__type(key, int);
-	__type(value, struct mw_sock_state);
-} mw_sk_state SEC(".maps");
+MW_DEFINE_SK_STATE_MAP();
+
+/* Plugin chains of on_connection (sockops) and on_message (sk_msg). */
+MW_DEFINE_CHAIN_PROGS(mw_ch_conn);
+MW_DEFINE_CHAIN_PROGS(mw_ch_msg);
+
+/* Plugin metadata and the grace-period map (chain.h). */
+MW_DEFINE_HOST_PLUGIN_MAPS();
 
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
@@ -371,10 +374,69 @@ static __always_inline void on_state_change(struct bpf_sock_ops *skops)
 		bpf_map_delete_elem(&mw_origins, &ek);
 }
 
+/* The rule id covering a connection, without changing anything; MW_NO_ID if
+ * none does. What on_connection plugins are told before the host decides. */
+static __always_inline __u32 covering_rule(struct bpf_sock_ops *skops, const struct tuple *t, bool active)
+{
+	struct mw_endpoint_key ek = {};
+	struct mw_origin *origin;
+	struct mw_rule *rule;
+
+	rule = match_pair(skops, t, active);
+	if (rule)
+		return rule->id;
+	if (active) {
+		rule = match_capture(t);
+		return rule ? rule->id : MW_NO_ID;
+	}
+	ek.family = t->family;
+	copy_ip(ek.ip, t->remote_ip);
+	ek.port = t->remote_port;
+	ek.netns = client_netns(skops, t->family, t->remote_ip);
+	origin = bpf_map_lookup_elem(&mw_origins, &ek);
+	if (origin && origin->listener_port == t->local_port && ip_eq(origin->listener_ip, t->local_ip))
+		return origin->rule_id;
+	return MW_NO_ID;
+}
+
+static __always_inline void on_established(struct bpf_sock_ops *skops, const struct tuple *t, __u32 op)
+{
+	if (op == BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB)
+		on_active_established(skops, t);
+	else
+		on_passive_established(skops, t);
+}
+
+/* Runs the on_connection chain for a covered connection. Returns only when
+ * the chain is empty or its first program is absent (fail-open); *declined
+ * is set when that plugin asked to fail closed. */
+static __always_inline void run_conn_chain(struct bpf_sock_ops *skops, const struct tuple *t, __u32 op,
+					   bool *declined)
+{
+	__u32 gen = mw_active_gen(MW_HOOK_CONNECTION), id;
+	const struct mw_chain_pos *p = mw_chain_at(gen, MW_HOOK_CONNECTION, 0);
+	struct bpf_sock *sk = skops->sk;
+	struct mw_sock_state *st;
+
+	if (!p || !p->plugin_id || !sk)
+		return;
+	id = covering_rule(skops, t, op == BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB);
+	if (id == MW_NO_ID)
+		return;
+	st = bpf_sk_storage_get(&mw_sk_state, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
+	if (!st)
+		return;
+	st->rule_id = id;
+	st->flags = mw_sock_chain_set(0, gen, 0);
+	bpf_tail_call(skops, &mw_ch_conn, gen * MW_CHAIN_MAX);
+	*declined = mw_chain_fails_closed(gen, MW_HOOK_CONNECTION, 0);
+}
+
 SEC("sockops")
 int mw_sockops(struct bpf_sock_ops *skops)
 {
 	struct mw_global_stats *gs;
+	bool declined = false;
 	struct tuple t;
 	__u32 op = skops->op;
 
@@ -389,10 +451,23 @@ int mw_sockops(struct bpf_sock_ops *skops)
 	gs = global_stats();
 	if (gs)
 		gs->established++;
-	if (op == BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB)
-		on_active_established(skops, &t);
-	else
-		on_passive_established(skops, &t);
+	run_conn_chain(skops, &t, op, &declined);
+	if (!declined)
+		on_established(skops, &t, op);
+	return 1;
+}
+
+/* End of the on_connection chain: every plugin continued. */
+SEC("sockops")
+int mw_conn_fin(struct bpf_sock_ops *skops)
+{
+	struct tuple t;
+	__u32 op = skops->op;
+
+	if (op != BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB && op != BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB)
+		return 1;
+	if (load_tuple(skops, &t))
+		on_established(skops, &t, op);
 	return 1;
 }
 
@@ -410,24 +485,11 @@ static __always_inline bool tcp_path_unused(struct bpf_sock *sk)
 	return tp && tp->bytes_sent == 0 && tp->write_seq == tp->snd_una;
 }
 
-SEC("sk_msg")
-int mw_sk_msg(struct sk_msg_md *msg)
+/* The host's decision for a message every plugin continued. */
+static __always_inline int finish_msg(struct sk_msg_md *msg, struct bpf_sock *sk, struct mw_sock_state *st)
 {
-	struct bpf_sock *sk = msg->sk;
-	struct mw_global_stats *gs;
-	struct mw_sock_state *st;
-	struct mw_rule_stats *rs;
+	struct mw_rule_stats *rs = rule_stats(st->rule_id);
 
-	if (!sk)
-		return SK_PASS;
-	st = bpf_sk_storage_get(&mw_sk_state, sk, 0, 0);
-	if (!st) {
-		gs = global_stats();
-		if (gs)
-			gs->no_state++;
-		return SK_PASS;
-	}
-	rs = rule_stats(st->rule_id);
 	if ((st->flags & MW_SOCK_NEEDS_SYNC) && !tcp_path_unused(sk)) {
 		if (rs)
 			rs->fb_tcp_path++;
@@ -446,6 +508,56 @@ int mw_sk_msg(struct sk_msg_md *msg)
 		rs->bytes += msg->size;
 	}
 	return SK_PASS;
+}
+
+static __always_inline struct mw_sock_state *msg_state(struct bpf_sock *sk)
+{
+	struct mw_global_stats *gs;
+	struct mw_sock_state *st;
+
+	if (!sk)
+		return NULL;
+	st = bpf_sk_storage_get(&mw_sk_state, sk, 0, 0);
+	if (!st) {
+		gs = global_stats();
+		if (gs)
+			gs->no_state++;
+	}
+	return st;
+}
+
+SEC("sk_msg")
+int mw_sk_msg(struct sk_msg_md *msg)
+{
+	struct bpf_sock *sk = msg->sk;
+	const struct mw_chain_pos *p;
+	struct mw_sock_state *st;
+	__u32 gen;
+
+	st = msg_state(sk);
+	if (!st || !sk)
+		return SK_PASS;
+	gen = mw_active_gen(MW_HOOK_MESSAGE);
+	p = mw_chain_at(gen, MW_HOOK_MESSAGE, 0);
+	if (p && p->plugin_id) {
+		st->flags = mw_sock_chain_set(st->flags, gen, 0);
+		bpf_tail_call(msg, &mw_ch_msg, gen * MW_CHAIN_MAX);
+		if (mw_chain_fails_closed(gen, MW_HOOK_MESSAGE, 0))
+			return SK_DROP;
+	}
+	return finish_msg(msg, sk, st);
+}
+
+/* End of the on_message chain: every plugin continued. */
+SEC("sk_msg")
+int mw_msg_fin(struct sk_msg_md *msg)
+{
+	struct bpf_sock *sk = msg->sk;
+	struct mw_sock_state *st = msg_state(sk);
+
+	if (!st || !sk)
+		return SK_PASS;
+	return finish_msg(msg, sk, st);
 }
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";

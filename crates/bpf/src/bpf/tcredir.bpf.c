@@ -11,8 +11,10 @@
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_endian.h>
 #include "meshwarp/shared.h"
+#include "meshwarp/chain.h"
 
 #define TC_ACT_OK 0
+#define TC_ACT_SHOT 2
 #define TC_ACT_REDIRECT 7
 #define ETH_P_IP 0x0800
 #define ETH_P_IPV6 0x86DD
@@ -56,6 +58,12 @@ struct {
 	__type(key, __u32);
 	__type(value, struct mw_owner);
 } mw_rt_owner SEC(".maps");
+
+/* Plugin chain of on_packet (both directions). */
+MW_DEFINE_CHAIN_PROGS(mw_ch_pkt);
+
+/* Plugin metadata and the grace-period map (chain.h). */
+MW_DEFINE_HOST_PLUGIN_MAPS();
 
 static __always_inline bool src_matches(const struct mw_route *r, const __u8 *src, __u32 len)
 {
@@ -138,7 +146,7 @@ refused:
 	return TC_ACT_OK;
 }
 
-static __always_inline int handle(struct __sk_buff *skb, __u32 dir)
+static __always_inline struct mw_route *lookup_route(struct __sk_buff *skb, __u32 dir)
 {
 	void *data = (void *)(long)skb->data;
 	void *end = (void *)(long)skb->data_end;
@@ -146,13 +154,13 @@ static __always_inline int handle(struct __sk_buff *skb, __u32 dir)
 	struct mw_route *r = NULL;
 
 	if ((void *)(eth + 1) > end)
-		goto miss;
+		return NULL;
 	if (eth->h_proto == bpf_htons(ETH_P_IP)) {
 		struct iphdr *ip = (void *)(eth + 1);
 		struct mw_route_key4 k = { .prefixlen = 64 + 32, .ifindex = skb->ifindex, .dir = dir };
 
 		if ((void *)(ip + 1) > end)
-			goto miss;
+			return NULL;
 		__builtin_memcpy(k.dst, &ip->daddr, 4);
 		r = bpf_map_lookup_elem(&mw_rt4, &k);
 		if (r && !src_matches(r, (const __u8 *)&ip->saddr, 4))
@@ -163,20 +171,36 @@ static __always_inline int handle(struct __sk_buff *skb, __u32 dir)
 		__u8 src[16];
 
 		if ((void *)(ip6 + 1) > end)
-			goto miss;
+			return NULL;
 		__builtin_memcpy(k.dst, &ip6->daddr, 16);
 		__builtin_memcpy(src, &ip6->saddr, 16);
 		r = bpf_map_lookup_elem(&mw_rt6, &k);
 		if (r && !src_matches(r, src, 16))
 			r = NULL;
 	}
-	if (!r)
-		goto miss;
-	count_attach(skb, dir, false);
-	return apply(skb, r);
-miss:
-	count_attach(skb, dir, true);
-	return TC_ACT_OK;
+	return r;
+}
+
+static __always_inline int finish(struct __sk_buff *skb, __u32 dir, const struct mw_route *r)
+{
+	count_attach(skb, dir, !r);
+	return r ? apply(skb, r) : TC_ACT_OK;
+}
+
+static __always_inline int handle(struct __sk_buff *skb, __u32 dir)
+{
+	struct mw_route *r = lookup_route(skb, dir);
+	__u32 gen = mw_active_gen(MW_HOOK_PACKET);
+	const struct mw_chain_pos *p = mw_chain_at(gen, MW_HOOK_PACKET, 0);
+
+	if (p && p->plugin_id) {
+		skb->cb[MW_CB_CHAIN] = mw_cb_chain(gen, 0, dir);
+		skb->cb[MW_CB_ROUTE] = r ? r->id : MW_NO_ID;
+		bpf_tail_call(skb, &mw_ch_pkt, gen * MW_CHAIN_MAX);
+		if (mw_chain_fails_closed(gen, MW_HOOK_PACKET, 0))
+			return TC_ACT_SHOT;
+	}
+	return finish(skb, dir, r);
 }
 
 SEC("tc")
@@ -189,6 +213,17 @@ SEC("tc")
 int mw_tc_egress(struct __sk_buff *skb)
 {
 	return handle(skb, MW_DIR_EGRESS);
+}
+
+/* End of the on_packet chain: every plugin continued. */
+SEC("tc")
+int mw_pkt_fin(struct __sk_buff *skb)
+{
+	__u32 cb = skb->cb[MW_CB_CHAIN], dir = (cb >> 12) & 0xf;
+
+	if ((cb & 0xffff0000u) != MW_CB_MAGIC)
+		return TC_ACT_OK;
+	return finish(skb, dir, lookup_route(skb, dir));
 }
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";

@@ -1,0 +1,1026 @@
+//! Plugins: verified eBPF programs hot-loaded into the data path's hook chains,
+//! in the model of proxy-wasm (versioned ABI, configuration blob, callbacks at
+//! fixed hooks, a verdict that says whether the chain continues).
+//!
+//! [`PluginChain`] owns the chains of both data-path families: on_connection
+//! and on_message live with the socket redirection ([`Dataplane`]), on_packet
+//! with the tc redirection ([`TcDataplane`]). A chain is a row of tail-call
+//! positions in a PROG_ARRAY, ordered by (phase, priority). Every change
+//! rebuilds the inactive generation, flips the active one and waits for an RCU
+//! grace period before clearing the old one, so each message sees one whole
+//! chain and traffic never stops. A plugin the kernel refuses changes nothing.
+//!
+//! Pinned layout, under each family's pin directory:
+//! ```text
+//! plugins/<id>/prog         the plugin's program
+//! plugins/<id>/maps/<name>  its own maps (e.g. the sampler's counters)
+//! ```
+//! and its manifest in the family's `mw_plug_meta` map, so a restarted agent
+//! adopts loaded plugins.
+//!
+//! [`Dataplane`]: crate::Dataplane
+//! [`TcDataplane`]: crate::tc::TcDataplane
+
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::fs;
+use std::io;
+use std::os::fd::{AsFd, AsRawFd};
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, MutexGuard};
+
+use libbpf_rs::{MapCore, MapFlags, MapHandle, MapType, ObjectBuilder, ProgramHandle, ProgramType};
+use meshwarp_bpf::names;
+use meshwarp_bpf::shared::{
+    chain_index, fixed_str, str_of, ChainPos, PluginAbi, PluginConfig, PluginMeta, PluginStats, Pod, ABI_MAJOR,
+    ABI_MINOR, CHAIN_MAX, HOOK_CONNECTION, HOOK_MESSAGE, HOOK_PACKET, MAX_PLUGINS, PLUGIN_ABI_SECTION, PLUGIN_CFG_MAX,
+    PLUGIN_FAIL_CLOSED, PLUGIN_NAME_LEN, PLUGIN_VERSION_LEN,
+};
+use sha2::{Digest, Sha256};
+
+use crate::dataplane::with_libbpf_log;
+
+/// Where a plugin runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Hook {
+    /// sockops: a connection a rule covers reached ESTABLISHED.
+    Connection,
+    /// sk_msg: a message on an accelerated socket.
+    Message,
+    /// tc: a packet on an attached interface.
+    Packet,
+}
+
+impl Hook {
+    pub const ALL: [Hook; 3] = [Hook::Connection, Hook::Message, Hook::Packet];
+
+    pub fn raw(self) -> u32 {
+        match self {
+            Hook::Connection => HOOK_CONNECTION,
+            Hook::Message => HOOK_MESSAGE,
+            Hook::Packet => HOOK_PACKET,
+        }
+    }
+
+    pub fn from_raw(raw: u32) -> Option<Self> {
+        Self::ALL.into_iter().find(|h| h.raw() == raw)
+    }
+
+    /// The callback's name in the ABI.
+    pub fn callback(self) -> &'static str {
+        match self {
+            Hook::Connection => "on_connection",
+            Hook::Message => "on_message",
+            Hook::Packet => "on_packet",
+        }
+    }
+
+    fn prog_type(self) -> ProgramType {
+        match self {
+            Hook::Connection => ProgramType::SockOps,
+            Hook::Message => ProgramType::SkMsg,
+            Hook::Packet => ProgramType::SchedCls,
+        }
+    }
+
+    fn prog_array(self) -> &'static str {
+        match self {
+            Hook::Connection => names::MAP_CH_CONN,
+            Hook::Message => names::MAP_CH_MSG,
+            Hook::Packet => names::MAP_CH_PKT,
+        }
+    }
+
+    fn family(self) -> Family {
+        match self {
+            Hook::Connection | Hook::Message => Family::Sock,
+            Hook::Packet => Family::Tc,
+        }
+    }
+
+    /// What the hook's verdict 1 means (counter label).
+    pub fn verdict1(self) -> &'static str {
+        match self {
+            Hook::Connection => "decline",
+            Hook::Message => "bypass",
+            Hook::Packet => "pass",
+        }
+    }
+}
+
+impl fmt::Display for Hook {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.callback())
+    }
+}
+
+/// Coarse position in a chain, as Istio's WasmPlugin phases: authentication
+/// first, then authorization, then statistics, then plugins without a phase.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub enum Phase {
+    Authn,
+    Authz,
+    Stats,
+    #[default]
+    Unspecified,
+}
+
+impl Phase {
+    fn raw(self) -> u32 {
+        match self {
+            Phase::Authn => 1,
+            Phase::Authz => 2,
+            Phase::Stats => 3,
+            Phase::Unspecified => 4,
+        }
+    }
+
+    fn from_raw(raw: u32) -> Self {
+        match raw {
+            1 => Phase::Authn,
+            2 => Phase::Authz,
+            3 => Phase::Stats,
+            _ => Phase::Unspecified,
+        }
+    }
+}
+
+/// What happens when a plugin cannot decide (its program is missing from its
+/// chain slot, or it returns a verdict the hook does not know).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum FailurePolicy {
+    /// The chain continues.
+    #[default]
+    Open,
+    /// The connection is declined / the message or packet dropped.
+    Closed,
+}
+
+/// What a plugin is, given with its object (proxy-wasm's plugin configuration
+/// plus Istio WasmPlugin's ordering).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PluginManifest {
+    /// Unique on the node: `[a-z0-9][a-z0-9._-]*`, under 64 bytes.
+    pub name: String,
+    /// Free text under 32 bytes, reported back.
+    pub version: String,
+    pub hook: Hook,
+    pub phase: Phase,
+    /// Within a phase, higher runs first.
+    pub priority: i32,
+    pub failure: FailurePolicy,
+    /// If given, the object's SHA-256 must equal it.
+    pub sha256: Option<[u8; 32]>,
+}
+
+impl PluginManifest {
+    /// A manifest with default phase, priority and failure policy.
+    pub fn new(name: &str, hook: Hook) -> Self {
+        Self {
+            name: name.into(),
+            version: String::new(),
+            hook,
+            phase: Phase::Unspecified,
+            priority: 0,
+            failure: FailurePolicy::Open,
+            sha256: None,
+        }
+    }
+
+    /// Checks names and lengths.
+    pub fn validate(&self) -> Result<(), PluginError> {
+        let n = &self.name;
+        let ok_char = |c: char| c.is_ascii_lowercase() || c.is_ascii_digit() || matches!(c, '.' | '_' | '-');
+        if n.is_empty()
+            || n.len() >= PLUGIN_NAME_LEN
+            || !n.chars().all(ok_char)
+            || !n.starts_with(|c: char| c.is_ascii_alphanumeric())
+        {
+            return Err(PluginError::Invalid {
+                field: "name",
+                reason: format!("{n:?}: want [a-z0-9][a-z0-9._-]*, at most {} bytes", PLUGIN_NAME_LEN - 1),
+            });
+        }
+        if self.version.len() >= PLUGIN_VERSION_LEN || self.version.contains('\0') {
+            return Err(PluginError::Invalid {
+                field: "version",
+                reason: format!("at most {} bytes, no NUL", PLUGIN_VERSION_LEN - 1),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// A plugin's counters, summed over CPUs.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PluginCounters {
+    pub runs: u64,
+    pub continued: u64,
+    /// Declined (on_connection), bypassed (on_message) or passed (on_packet).
+    pub verdict1: u64,
+    pub dropped: u64,
+    /// Verdicts the hook does not know (handled by the failure policy).
+    pub invalid: u64,
+    /// Times its chain slot was reached empty (handled by the failure policy).
+    pub missing: u64,
+}
+
+/// One of a plugin's own maps, pinned for tools to read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PluginMap {
+    pub name: String,
+    pub pin: PathBuf,
+}
+
+/// A loaded plugin, as listed.
+#[derive(Debug, Clone)]
+pub struct PluginInfo {
+    pub manifest: PluginManifest,
+    /// Node-wide plugin id (counter slot).
+    pub id: u32,
+    /// Kernel id of its program.
+    pub prog_id: u32,
+    /// ABI it was built against.
+    pub abi: (u16, u16),
+    /// SHA-256 of its object.
+    pub sha256: [u8; 32],
+    pub config: Vec<u8>,
+    /// Position in its hook's chain (0 runs first).
+    pub position: u32,
+    pub counters: PluginCounters,
+    pub maps: Vec<PluginMap>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PluginError {
+    #[error("invalid {field}: {reason}")]
+    Invalid { field: &'static str, reason: String },
+    #[error("config is {len} bytes, at most {PLUGIN_CFG_MAX} are allowed")]
+    ConfigTooLarge { len: usize },
+    #[error("sha256 mismatch: manifest says {expected}, the object is {actual}")]
+    Sha256Mismatch { expected: String, actual: String },
+    #[error("not a meshwarp plugin object: {reason}")]
+    NotAPlugin { reason: String },
+    #[error(
+        "plugin built for ABI {}.{}, this node offers {ABI_MAJOR}.{ABI_MINOR} (same major, minor up to {ABI_MINOR})",
+        plugin.0, plugin.1
+    )]
+    AbiMismatch { plugin: (u16, u16) },
+    #[error("the manifest says {manifest}, the object implements {object}")]
+    HookMismatch { manifest: Hook, object: String },
+    #[error("{hook} plugins need the {what} data path, which this node does not run")]
+    HookUnavailable { hook: Hook, what: &'static str },
+    #[error("the kernel refused plugin {name}: {source}\n--- verifier/libbpf log ---\n{log}")]
+    Rejected {
+        name: String,
+        #[source]
+        source: libbpf_rs::Error,
+        log: String,
+    },
+    #[error("plugin {name} is already loaded (replace it explicitly)")]
+    AlreadyExists { name: String },
+    #[error("no plugin named {name}")]
+    NotFound { name: String },
+    #[error("plugin {name} is an {loaded} plugin; the new object is {requested} (unload it first)")]
+    HookChange { name: String, loaded: Hook, requested: Hook },
+    #[error("the {hook} chain is full ({CHAIN_MAX} plugins)")]
+    ChainFull { hook: Hook },
+    #[error("no free plugin slot ({MAX_PLUGINS} plugins per node)")]
+    NoSlot,
+    #[error("{what}: {source}")]
+    Bpf {
+        what: String,
+        #[source]
+        source: libbpf_rs::Error,
+    },
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+}
+
+fn bpf(what: impl Into<String>) -> impl FnOnce(libbpf_rs::Error) -> PluginError {
+    let what = what.into();
+    move |source| PluginError::Bpf { what, source }
+}
+
+fn io_err(path: &Path) -> impl FnOnce(io::Error) -> PluginError + '_ {
+    move |source| PluginError::Io { path: path.to_path_buf(), source }
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// The ABI a plugin object declares in its `.mw_abi` section.
+pub fn object_abi(object: &[u8]) -> Result<PluginAbi, PluginError> {
+    use object::{Object, ObjectSection};
+    // ELF headers are read in place and must be aligned: a fresh heap copy is
+    // (an include_bytes! slice need not be).
+    let object = object.to_vec();
+    let file = object::File::parse(object.as_slice())
+        .map_err(|e| PluginError::NotAPlugin { reason: format!("not ELF: {e}") })?;
+    let section = file.section_by_name(PLUGIN_ABI_SECTION).ok_or_else(|| PluginError::NotAPlugin {
+        reason: format!("no {PLUGIN_ABI_SECTION} section (build it with meshwarp/plugin.h)"),
+    })?;
+    let data = section.data().map_err(|e| PluginError::NotAPlugin { reason: e.to_string() })?;
+    PluginAbi::from_bytes(data).ok_or_else(|| PluginError::NotAPlugin {
+        reason: format!("{PLUGIN_ABI_SECTION} is {} bytes, expected {}", data.len(), size_of::<PluginAbi>()),
+    })
+}
+
+/// Whether this host runs a plugin built for `abi`: same major, minor not newer.
+pub fn abi_compatible(major: u16, minor: u16) -> bool {
+    // Written as a range so it stays right when ABI_MINOR grows past 0.
+    major == ABI_MAJOR && (0..=ABI_MINOR).contains(&minor)
+}
+
+/// Removes every plugin pin under a family's pin directory (teardown).
+pub fn remove_plugin_pins(family_dir: &Path) -> io::Result<()> {
+    let root = family_dir.join("plugins");
+    let Ok(entries) = fs::read_dir(&root) else {
+        return Ok(());
+    };
+    for e in entries.flatten() {
+        remove_plugin_dir(&e.path())?;
+    }
+    let _ = fs::remove_dir(&root);
+    Ok(())
+}
+
+fn remove_plugin_dir(dir: &Path) -> io::Result<()> {
+    if let Ok(maps) = fs::read_dir(dir.join("maps")) {
+        for m in maps.flatten() {
+            fs::remove_file(m.path())?;
+        }
+    }
+    let _ = fs::remove_dir(dir.join("maps"));
+    match fs::remove_file(dir.join("prog")) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    fs::remove_dir(dir)
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Family {
+    Sock,
+    Tc,
+}
+
+/// The pinned chain maps of one family.
+#[derive(Debug)]
+struct FamilyMaps {
+    dir: PathBuf,
+    chain: MapHandle,
+    gen: MapHandle,
+    cfg: MapHandle,
+    stats: MapHandle,
+    meta: MapHandle,
+    grace: MapHandle,
+    /// Updated into `grace` to make the kernel wait for a grace period.
+    grace_inner: MapHandle,
+    /// Maps plugin objects reuse, by name (prog arrays included).
+    shared: HashMap<&'static str, MapHandle>,
+}
+
+impl FamilyMaps {
+    fn open(dir: &Path, family: Family) -> Result<Self, PluginError> {
+        let maps = dir.join("maps");
+        let open = |name: &str| {
+            MapHandle::from_pinned_path(maps.join(name)).map_err(bpf(format!("opening pinned map {name}")))
+        };
+        let mut shared = HashMap::new();
+        let mut names_: Vec<&'static str> = names::PLUGIN_SHARED_MAPS.to_vec();
+        match family {
+            Family::Sock => names_.extend([names::MAP_CH_CONN, names::MAP_CH_MSG]),
+            Family::Tc => {
+                names_.retain(|n| *n != names::MAP_SK_STATE);
+                names_.push(names::MAP_CH_PKT);
+            }
+        }
+        for n in names_ {
+            shared.insert(n, open(n)?);
+        }
+        let opts = libbpf_rs::libbpf_sys::bpf_map_create_opts {
+            sz: size_of::<libbpf_rs::libbpf_sys::bpf_map_create_opts>() as _,
+            ..Default::default()
+        };
+        let grace_inner = MapHandle::create(MapType::Array, Some("mw_grace_in"), 4, 4, 1, &opts)
+            .map_err(bpf("creating the grace-period map"))?;
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            chain: open(names::MAP_CHAIN)?,
+            gen: open(names::MAP_CHAIN_GEN)?,
+            cfg: open(names::MAP_PLUG_CFG)?,
+            stats: open(names::MAP_PLUG_STATS)?,
+            meta: open(names::MAP_PLUG_META)?,
+            grace: open(names::MAP_GRACE)?,
+            grace_inner,
+            shared,
+        })
+    }
+
+    fn prog_array(&self, hook: Hook) -> Result<&MapHandle, PluginError> {
+        self.shared.get(hook.prog_array()).ok_or_else(|| PluginError::Bpf {
+            what: format!("{} has no {}", self.dir.display(), hook.prog_array()),
+            source: libbpf_rs::Error::from(io::Error::from(io::ErrorKind::NotFound)),
+        })
+    }
+
+    fn plugin_dir(&self, id: u32) -> PathBuf {
+        self.dir.join("plugins").join(id.to_string())
+    }
+
+    /// Returns once no BPF program still runs with what it read before.
+    fn grace_period(&self) -> Result<(), PluginError> {
+        let fd = self.grace_inner.as_fd().as_raw_fd();
+        self.grace
+            .update(&0u32.to_ne_bytes(), &fd.to_ne_bytes(), MapFlags::ANY)
+            .map_err(bpf("waiting for a grace period"))
+    }
+
+    fn active_gen(&self, hook: Hook) -> Result<u32, PluginError> {
+        let v = self.gen.lookup(&hook.raw().to_ne_bytes(), MapFlags::ANY).map_err(bpf("reading mw_chain_gen"))?;
+        Ok(v.and_then(|b| u32::from_bytes(&b)).unwrap_or(0) & 1)
+    }
+
+    /// Empties one generation of a hook's chain.
+    fn clear_gen(&self, hook: Hook, gen: u32) -> Result<(), PluginError> {
+        let progs = self.prog_array(hook)?;
+        for pos in 0..CHAIN_MAX {
+            match progs.delete(&(gen * CHAIN_MAX + pos).to_ne_bytes()) {
+                Ok(()) => {}
+                Err(e) if e.kind() == libbpf_rs::ErrorKind::NotFound => {}
+                Err(e) => return Err(bpf("clearing a chain slot")(e)),
+            }
+            self.chain
+                .update(&chain_index(gen, hook.raw(), pos).to_ne_bytes(), ChainPos::default().as_bytes(), MapFlags::ANY)
+                .map_err(bpf("clearing a chain position"))?;
+        }
+        Ok(())
+    }
+
+    /// Makes `members` (in order) the hook's chain: fills the inactive
+    /// generation, flips to it, waits a grace period, clears the old one.
+    fn install_chain(&self, hook: Hook, members: &[&Plugin]) -> Result<(), PluginError> {
+        let cur = self.active_gen(hook)?;
+        let next = 1 - cur;
+        let progs = self.prog_array(hook)?;
+        let fill = || -> Result<(), PluginError> {
+            for (pos, p) in (0..CHAIN_MAX).zip(members) {
+                let fd = p.prog.as_fd().as_raw_fd();
+                progs
+                    .update(&(next * CHAIN_MAX + pos).to_ne_bytes(), &fd.to_ne_bytes(), MapFlags::ANY)
+                    .map_err(bpf(format!("placing plugin {} in the {hook} chain", p.manifest.name)))?;
+                let at = ChainPos { plugin_id: p.id, cfg_slot: p.cfg_slot, flags: p.flags(), pad: 0 };
+                self.chain
+                    .update(&chain_index(next, hook.raw(), pos).to_ne_bytes(), at.as_bytes(), MapFlags::ANY)
+                    .map_err(bpf("writing a chain position"))?;
+            }
+            Ok(())
+        };
+        if let Err(e) = self.clear_gen(hook, next).and_then(|()| fill()) {
+            let _ = self.clear_gen(hook, next);
+            return Err(e);
+        }
+        self.gen
+            .update(&hook.raw().to_ne_bytes(), &next.to_ne_bytes(), MapFlags::ANY)
+            .map_err(bpf("switching the chain generation"))?;
+        self.grace_period()?;
+        self.clear_gen(hook, cur)
+    }
+
+    fn counters(&self, id: u32) -> Result<PluginCounters, PluginError> {
+        let per_cpu =
+            self.stats.lookup_percpu(&id.to_ne_bytes(), MapFlags::ANY).map_err(bpf("reading mw_plug_stats"))?;
+        let mut c = PluginCounters::default();
+        for v in per_cpu.unwrap_or_default() {
+            if let Some(s) = PluginStats::from_bytes(&v) {
+                c.runs += s.runs;
+                c.continued += s.cont;
+                c.verdict1 += s.verdict1;
+                c.dropped += s.drop;
+                c.invalid += s.invalid;
+                c.missing += s.missing;
+            }
+        }
+        Ok(c)
+    }
+
+    fn reset_counters(&self, id: u32) -> Result<(), PluginError> {
+        let ncpus = libbpf_rs::num_possible_cpus().map_err(bpf("counting CPUs"))?;
+        let zeros = vec![PluginStats::default().as_bytes().to_vec(); ncpus];
+        self.stats.update_percpu(&id.to_ne_bytes(), &zeros, MapFlags::ANY).map_err(bpf("zeroing plugin counters"))
+    }
+
+    fn write_config(&self, slot: u32, config: &[u8]) -> Result<(), PluginError> {
+        let c = PluginConfig::new(config).ok_or(PluginError::ConfigTooLarge { len: config.len() })?;
+        self.cfg.update(&slot.to_ne_bytes(), c.as_bytes(), MapFlags::ANY).map_err(bpf("writing plugin config"))
+    }
+}
+
+/// A plugin in a chain.
+#[derive(Debug)]
+struct Plugin {
+    id: u32,
+    manifest: PluginManifest,
+    abi: (u16, u16),
+    sha256: [u8; 32],
+    cfg_slot: u32,
+    config: Vec<u8>,
+    prog: ProgramHandle,
+    maps: Vec<PluginMap>,
+}
+
+impl Plugin {
+    fn flags(&self) -> u32 {
+        match self.manifest.failure {
+            FailurePolicy::Open => 0,
+            FailurePolicy::Closed => PLUGIN_FAIL_CLOSED,
+        }
+    }
+
+    fn meta(&self) -> PluginMeta {
+        PluginMeta {
+            name: fixed_str(&self.manifest.name).unwrap_or([0; PLUGIN_NAME_LEN]),
+            version: fixed_str(&self.manifest.version).unwrap_or([0; PLUGIN_VERSION_LEN]),
+            hook: self.manifest.hook.raw(),
+            phase: self.manifest.phase.raw(),
+            priority: self.manifest.priority,
+            flags: self.flags(),
+            cfg_slot: self.cfg_slot,
+            abi: (u32::from(self.abi.0) << 16) | u32::from(self.abi.1),
+            sha256: self.sha256,
+        }
+    }
+
+    fn order(&self) -> (Phase, Reverse<i32>, &str) {
+        (self.manifest.phase, Reverse(self.manifest.priority), &self.manifest.name)
+    }
+}
+
+#[derive(Debug, Default)]
+struct State {
+    plugins: BTreeMap<String, Plugin>,
+}
+
+impl State {
+    /// The hook's chain in run order, with `swap` = (name, replacement or
+    /// none) applied.
+    fn members<'a>(&'a self, hook: Hook, swap: Option<(&str, Option<&'a Plugin>)>) -> Vec<&'a Plugin> {
+        let mut v: Vec<&Plugin> = self
+            .plugins
+            .values()
+            .filter(|p| p.manifest.hook == hook && swap.is_none_or(|(n, _)| p.manifest.name != n))
+            .collect();
+        if let Some((_, Some(p))) = swap {
+            v.push(p);
+        }
+        v.sort_by(|a, b| a.order().cmp(&b.order()));
+        v
+    }
+
+    fn free_id(&self) -> Option<u32> {
+        (1..MAX_PLUGINS).find(|id| self.plugins.values().all(|p| p.id != *id))
+    }
+}
+
+/// The plugin chains of a node's data paths.
+#[derive(Debug)]
+pub struct PluginChain {
+    sock: Option<FamilyMaps>,
+    tc: Option<FamilyMaps>,
+    state: Mutex<State>,
+}
+
+impl PluginChain {
+    /// Opens the chains of the given data paths (either may be absent) and
+    /// adopts the plugins pinned there.
+    pub fn open(dp: Option<&crate::Dataplane>, tc: Option<&crate::tc::TcDataplane>) -> Result<Self, PluginError> {
+        Self::open_dirs(dp.map(|d| d.pin_dir()), tc.map(|t| t.pin_dir()))
+    }
+
+    /// As [`PluginChain::open`], from the families' pin directories.
+    pub fn open_dirs(sock_dir: Option<&Path>, tc_dir: Option<&Path>) -> Result<Self, PluginError> {
+        let sock = sock_dir.map(|d| FamilyMaps::open(d, Family::Sock)).transpose()?;
+        let tc = tc_dir.map(|d| FamilyMaps::open(d, Family::Tc)).transpose()?;
+        let chain = Self { sock, tc, state: Mutex::new(State::default()) };
+        chain.adopt()?;
+        Ok(chain)
+    }
+
+    fn family(&self, hook: Hook) -> Result<&FamilyMaps, PluginError> {
+        match hook.family() {
+            Family::Sock => self.sock.as_ref().ok_or(PluginError::HookUnavailable { hook, what: "socket" }),
+            Family::Tc => self.tc.as_ref().ok_or(PluginError::HookUnavailable { hook, what: "tc" }),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Rebuilds the plugin table from the pinned manifests and programs.
+    fn adopt(&self) -> Result<(), PluginError> {
+        let mut st = self.lock();
+        for fam in [&self.sock, &self.tc].into_iter().flatten() {
+            for key in fam.meta.keys() {
+                let Some(id) = u32::from_bytes(&key) else { continue };
+                let Some(meta) = fam
+                    .meta
+                    .lookup(&key, MapFlags::ANY)
+                    .map_err(bpf("reading mw_plug_meta"))?
+                    .and_then(|b| PluginMeta::from_bytes(&b))
+                else {
+                    continue;
+                };
+                let Some(hook) = Hook::from_raw(meta.hook) else { continue };
+                let dir = fam.plugin_dir(id);
+                let prog = match ProgramHandle::from_pinned_path(dir.join("prog")) {
+                    Ok(p) => p,
+                    Err(e) => {
+                        tracing::warn!(plugin = %str_of(&meta.name), error = %e, "pinned plugin without its program; ignored");
+                        continue;
+                    }
+                };
+                let config = fam
+                    .cfg
+                    .lookup(&meta.cfg_slot.to_ne_bytes(), MapFlags::ANY)
+                    .map_err(bpf("reading plugin config"))?
+                    .and_then(|b| PluginConfig::from_bytes(&b))
+                    .map(|c| c.bytes().to_vec())
+                    .unwrap_or_default();
+                let manifest = PluginManifest {
+                    name: str_of(&meta.name),
+                    version: str_of(&meta.version),
+                    hook,
+                    phase: Phase::from_raw(meta.phase),
+                    priority: meta.priority,
+                    failure: if meta.flags & PLUGIN_FAIL_CLOSED != 0 {
+                        FailurePolicy::Closed
+                    } else {
+                        FailurePolicy::Open
+                    },
+                    sha256: Some(meta.sha256),
+                };
+                let plugin = Plugin {
+                    id,
+                    abi: ((meta.abi >> 16) as u16, meta.abi as u16),
+                    sha256: meta.sha256,
+                    cfg_slot: meta.cfg_slot,
+                    config,
+                    prog,
+                    maps: pinned_maps(&dir),
+                    manifest,
+                };
+                st.plugins.insert(plugin.manifest.name.clone(), plugin);
+            }
+        }
+        if !st.plugins.is_empty() {
+            tracing::info!(plugins = st.plugins.len(), "adopted pinned plugins");
+        }
+        Ok(())
+    }
+
+    /// Loads a plugin object from a file.
+    pub fn load_path(
+        &self,
+        manifest: &PluginManifest,
+        path: &Path,
+        config: &[u8],
+        replace: bool,
+    ) -> Result<PluginInfo, PluginError> {
+        let object = fs::read(path).map_err(io_err(path))?;
+        self.load(manifest, &object, config, replace)
+    }
+
+    /// Verifies and loads a plugin object and puts it in its hook's chain
+    /// (replacing the plugin of the same name if `replace`), atomically.
+    /// On any error nothing changed.
+    pub fn load(
+        &self,
+        manifest: &PluginManifest,
+        object: &[u8],
+        config: &[u8],
+        replace: bool,
+    ) -> Result<PluginInfo, PluginError> {
+        manifest.validate()?;
+        if config.len() > PLUGIN_CFG_MAX {
+            return Err(PluginError::ConfigTooLarge { len: config.len() });
+        }
+        let sha256: [u8; 32] = Sha256::digest(object).into();
+        if let Some(want) = manifest.sha256 {
+            if want != sha256 {
+                return Err(PluginError::Sha256Mismatch { expected: hex(&want), actual: hex(&sha256) });
+            }
+        }
+        let abi = object_abi(object)?;
+        if !abi_compatible(abi.major, abi.minor) {
+            return Err(PluginError::AbiMismatch { plugin: (abi.major, abi.minor) });
+        }
+        if abi.hook != manifest.hook.raw() {
+            let object =
+                Hook::from_raw(abi.hook).map_or_else(|| format!("unknown hook {}", abi.hook), |h| h.to_string());
+            return Err(PluginError::HookMismatch { manifest: manifest.hook, object });
+        }
+        let hook = manifest.hook;
+        let fam = self.family(hook)?;
+
+        let mut st = self.lock();
+        if let Some(old) = st.plugins.get(&manifest.name) {
+            if !replace {
+                return Err(PluginError::AlreadyExists { name: manifest.name.clone() });
+            }
+            if old.manifest.hook != hook {
+                return Err(PluginError::HookChange {
+                    name: manifest.name.clone(),
+                    loaded: old.manifest.hook,
+                    requested: hook,
+                });
+            }
+        }
+        let others = st.members(hook, Some((&manifest.name, None))).len();
+        if others >= CHAIN_MAX as usize {
+            return Err(PluginError::ChainFull { hook });
+        }
+        let id = st.free_id().ok_or(PluginError::NoSlot)?;
+        let cfg_slot = id * 2;
+        fam.write_config(cfg_slot, config)?;
+        fam.reset_counters(id)?;
+
+        let dir = fam.plugin_dir(id);
+        // A leftover of a crashed load under this id is not in any chain.
+        let _ = remove_plugin_dir(&dir);
+        let (prog, maps) = load_object(fam, manifest, object, &dir)?;
+        let mut manifest = manifest.clone();
+        manifest.sha256 = Some(sha256);
+        let plugin =
+            Plugin { id, manifest, abi: (abi.major, abi.minor), sha256, cfg_slot, config: config.to_vec(), prog, maps };
+        let installed = fam
+            .meta
+            .update(&id.to_ne_bytes(), plugin.meta().as_bytes(), MapFlags::ANY)
+            .map_err(bpf("writing mw_plug_meta"))
+            .and_then(|()| fam.install_chain(hook, &st.members(hook, Some((&plugin.manifest.name, Some(&plugin))))));
+        if let Err(e) = installed {
+            let _ = fam.meta.delete(&id.to_ne_bytes());
+            let _ = remove_plugin_dir(&dir);
+            return Err(e);
+        }
+        let name = plugin.manifest.name.clone();
+        if let Some(old) = st.plugins.insert(name.clone(), plugin) {
+            forget(fam, &old);
+            tracing::info!(plugin = %name, old_id = old.id, "replaced plugin");
+        }
+        let p = &st.plugins[&name];
+        tracing::info!(plugin = %name, id = p.id, %hook, "loaded plugin");
+        self.info(&st, p)
+    }
+
+    /// Takes a plugin out of its chain and unloads it.
+    pub fn unload(&self, name: &str) -> Result<(), PluginError> {
+        let mut st = self.lock();
+        let p = st.plugins.get(name).ok_or_else(|| PluginError::NotFound { name: name.into() })?;
+        let hook = p.manifest.hook;
+        let fam = self.family(hook)?;
+        fam.install_chain(hook, &st.members(hook, Some((name, None))))?;
+        if let Some(p) = st.plugins.remove(name) {
+            forget(fam, &p);
+        }
+        tracing::info!(plugin = %name, "unloaded plugin");
+        Ok(())
+    }
+
+    /// Gives a plugin new configuration bytes; messages see the old or the new
+    /// config, never a mix.
+    pub fn update_config(&self, name: &str, config: &[u8]) -> Result<PluginInfo, PluginError> {
+        if config.len() > PLUGIN_CFG_MAX {
+            return Err(PluginError::ConfigTooLarge { len: config.len() });
+        }
+        let mut st = self.lock();
+        let p = st.plugins.get(name).ok_or_else(|| PluginError::NotFound { name: name.into() })?;
+        let hook = p.manifest.hook;
+        let fam = self.family(hook)?;
+        // The other of the plugin's two slots: nothing reads it (cleared
+        // generations only referred to it before a grace period).
+        let slot = p.cfg_slot ^ 1;
+        fam.write_config(slot, config)?;
+        let mut members = st.members(hook, None);
+        let updated = Plugin {
+            cfg_slot: slot,
+            config: config.to_vec(),
+            prog: ProgramHandle::try_from(&p.prog).map_err(bpf("duplicating the program handle"))?,
+            maps: p.maps.clone(),
+            manifest: p.manifest.clone(),
+            ..*p
+        };
+        for m in members.iter_mut() {
+            if m.manifest.name == name {
+                *m = &updated;
+            }
+        }
+        fam.install_chain(hook, &members)?;
+        fam.meta
+            .update(&updated.id.to_ne_bytes(), updated.meta().as_bytes(), MapFlags::ANY)
+            .map_err(bpf("writing mw_plug_meta"))?;
+        st.plugins.insert(name.to_string(), updated);
+        self.info(&st, &st.plugins[name])
+    }
+
+    /// Every loaded plugin, in chain order per hook.
+    pub fn list(&self) -> Result<Vec<PluginInfo>, PluginError> {
+        let st = self.lock();
+        let mut out = Vec::new();
+        for hook in Hook::ALL {
+            for p in st.members(hook, None) {
+                out.push(self.info(&st, p)?);
+            }
+        }
+        Ok(out)
+    }
+
+    /// One plugin.
+    pub fn get(&self, name: &str) -> Result<PluginInfo, PluginError> {
+        let st = self.lock();
+        let p = st.plugins.get(name).ok_or_else(|| PluginError::NotFound { name: name.into() })?;
+        self.info(&st, p)
+    }
+
+    fn info(&self, st: &State, p: &Plugin) -> Result<PluginInfo, PluginError> {
+        let hook = p.manifest.hook;
+        let fam = self.family(hook)?;
+        let position = st.members(hook, None).iter().position(|m| m.id == p.id).unwrap_or(0) as u32;
+        let prog_id = p.prog.id();
+        Ok(PluginInfo {
+            manifest: p.manifest.clone(),
+            id: p.id,
+            prog_id,
+            abi: p.abi,
+            sha256: p.sha256,
+            config: p.config.clone(),
+            position,
+            counters: fam.counters(p.id)?,
+            maps: p.maps.clone(),
+        })
+    }
+}
+
+/// Drops a plugin that is no longer in any chain: its manifest and pins.
+fn forget(fam: &FamilyMaps, p: &Plugin) {
+    if let Err(e) = fam.meta.delete(&p.id.to_ne_bytes()) {
+        tracing::warn!(plugin = %p.manifest.name, error = %e, "removing plugin metadata");
+    }
+    if let Err(e) = remove_plugin_dir(&fam.plugin_dir(p.id)) {
+        tracing::warn!(plugin = %p.manifest.name, error = %e, "removing plugin pins");
+    }
+}
+
+fn pinned_maps(dir: &Path) -> Vec<PluginMap> {
+    let mut v: Vec<PluginMap> = fs::read_dir(dir.join("maps"))
+        .map(|rd| {
+            rd.flatten()
+                .map(|e| PluginMap { name: e.file_name().to_string_lossy().into_owned(), pin: e.path() })
+                .collect()
+        })
+        .unwrap_or_default();
+    v.sort_by(|a, b| a.name.cmp(&b.name));
+    v
+}
+
+/// Opens the object, makes it share the family's chain maps, loads it through
+/// the verifier and pins its program and own maps under `dir`.
+fn load_object(
+    fam: &FamilyMaps,
+    manifest: &PluginManifest,
+    object: &[u8],
+    dir: &Path,
+) -> Result<(ProgramHandle, Vec<PluginMap>), PluginError> {
+    let name = &manifest.name;
+    let object = object.to_vec(); // aligned, see object_abi
+    let mut builder = ObjectBuilder::default();
+    let mut open = builder.open_memory(&object).map_err(|e| PluginError::NotAPlugin { reason: e.to_string() })?;
+    let progs: Vec<(String, ProgramType)> =
+        open.progs().map(|p| (p.name().to_string_lossy().into_owned(), p.prog_type())).collect();
+    match progs.as_slice() {
+        [(n, t)] if n == names::PROG_PLUGIN && *t == manifest.hook.prog_type() => {}
+        [(n, t)] if n == names::PROG_PLUGIN => {
+            return Err(PluginError::HookMismatch { manifest: manifest.hook, object: format!("a {t:?} program") })
+        }
+        _ => {
+            return Err(PluginError::NotAPlugin {
+                reason: format!("want exactly one program named {}, found {progs:?}", names::PROG_PLUGIN),
+            })
+        }
+    }
+    for mut m in open.maps_mut() {
+        let mname = m.name().to_string_lossy().into_owned();
+        if let Some(h) = fam.shared.get(mname.as_str()) {
+            m.reuse_fd(h.as_fd()).map_err(bpf(format!("sharing map {mname}")))?;
+        }
+    }
+    let (loaded, log) = with_libbpf_log(|| open.load());
+    let obj = loaded.map_err(|source| PluginError::Rejected { name: name.clone(), source, log })?;
+    let prog = obj
+        .progs_mut()
+        .next()
+        .ok_or_else(|| PluginError::NotAPlugin { reason: "no program after load".into() })
+        .and_then(|p| ProgramHandle::try_from(&p).map_err(bpf("program handle")))?;
+
+    let maps_dir = dir.join("maps");
+    fs::create_dir_all(&maps_dir).map_err(io_err(&maps_dir))?;
+    let pin_all = || -> Result<Vec<PluginMap>, PluginError> {
+        prog.pin(dir.join("prog")).map_err(bpf("pinning the plugin program"))?;
+        let mut maps = Vec::new();
+        for m in obj.maps() {
+            let mname = m.name().to_string_lossy().into_owned();
+            if fam.shared.contains_key(mname.as_str())
+                || mname.starts_with('.')
+                || mname.contains(".rodata")
+                || mname.contains(".bss")
+                || mname.contains(".data")
+            {
+                continue;
+            }
+            let pin = maps_dir.join(&mname);
+            let mut h = MapHandle::try_from(&m).map_err(bpf(format!("handle of map {mname}")))?;
+            h.pin(&pin).map_err(bpf(format!("pinning {}", pin.display())))?;
+            maps.push(PluginMap { name: mname, pin });
+        }
+        maps.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(maps)
+    };
+    match pin_all() {
+        Ok(maps) => Ok((prog, maps)),
+        Err(e) => {
+            let _ = remove_plugin_dir(dir);
+            Err(e)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn abi_rules() {
+        assert!(abi_compatible(ABI_MAJOR, ABI_MINOR));
+        assert!(abi_compatible(ABI_MAJOR, 0));
+        assert!(!abi_compatible(ABI_MAJOR, ABI_MINOR + 1));
+        assert!(!abi_compatible(ABI_MAJOR + 1, 0));
+        assert!(!abi_compatible(0, 0));
+    }
+
+    #[test]
+    fn built_objects_declare_their_abi_and_hook() {
+        use meshwarp_bpf::plugins;
+        let cases = [
+            (plugins::PORT_ALLOW, HOOK_CONNECTION),
+            (plugins::BYTE_SAMPLER, HOOK_MESSAGE),
+            (plugins::RATE_LIMIT, HOOK_MESSAGE),
+            (plugins::PKT_PORT, HOOK_PACKET),
+        ];
+        for (obj, hook) in cases {
+            let abi = object_abi(obj).unwrap();
+            assert_eq!((abi.major, abi.minor, abi.hook), (ABI_MAJOR, ABI_MINOR, hook));
+        }
+        assert_eq!(object_abi(plugins::ABI_MAJOR).unwrap().major, ABI_MAJOR + 1);
+        assert!(matches!(object_abi(b"not an elf"), Err(PluginError::NotAPlugin { .. })));
+    }
+
+    #[test]
+    fn manifest_validation() {
+        let ok = PluginManifest::new("port-allow_v1.2", Hook::Connection);
+        ok.validate().unwrap();
+        for bad in ["", "Upper", "-lead", "sp ace", &"x".repeat(64)] {
+            let m = PluginManifest { name: bad.into(), ..ok.clone() };
+            assert!(matches!(m.validate(), Err(PluginError::Invalid { field: "name", .. })), "{bad:?}");
+        }
+        let m = PluginManifest { version: "v".repeat(32), ..ok };
+        assert!(matches!(m.validate(), Err(PluginError::Invalid { field: "version", .. })));
+    }
+
+    #[test]
+    fn chain_order_is_phase_then_priority_desc_then_name() {
+        let mk = |name: &str, phase, priority| PluginManifest {
+            phase,
+            priority,
+            ..PluginManifest::new(name, Hook::Message)
+        };
+        let mut v = [
+            mk("stats", Phase::Stats, 100),
+            mk("later", Phase::Unspecified, 1000),
+            mk("authz-lo", Phase::Authz, 1),
+            mk("authz-hi", Phase::Authz, 9),
+            mk("b", Phase::Authn, 0),
+            mk("a", Phase::Authn, 0),
+        ];
+        v.sort_by(|x, y| (x.phase, Reverse(x.priority), &x.name).cmp(&(y.phase, Reverse(y.priority), &y.name)));
+        let names: Vec<&str> = v.iter().map(|m| m.name.as_str()).collect();
+        assert_eq!(names, ["a", "b", "authz-hi", "authz-lo", "stats", "later"]);
+    }
+}
