@@ -79,6 +79,9 @@ enum Cmd {
     },
     /// Interfaces the tc program is attached to, with packets and misses.
     Attachments,
+    /// Plugins: verified eBPF programs in the data path's hook chains.
+    #[command(subcommand)]
+    Plugin(PluginCmd),
     /// Counters: node-wide and per rule.
     Stats,
     /// Stream changes as they happen.
@@ -175,6 +178,81 @@ pub struct RouteAt {
     /// Destination prefix, e.g. 198.18.2.0/24.
     #[arg(long)]
     pub dst: String,
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+pub enum HookArg {
+    Connection,
+    Message,
+    Packet,
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+pub enum PhaseArg {
+    Authn,
+    Authz,
+    Stats,
+}
+
+/// A plugin's configuration bytes, from one of three sources.
+#[derive(Debug, clap::Args)]
+#[group(multiple = false)]
+pub struct ConfigArg {
+    /// Read the config bytes from a file.
+    #[arg(long)]
+    pub config_file: Option<PathBuf>,
+    /// Config bytes in hex, e.g. 901f.
+    #[arg(long)]
+    pub config_hex: Option<String>,
+    /// Little-endian fields, e.g. "u32:2 u32:2 u64:1000000 u64:65536"
+    /// (u8, u16, u32, u64).
+    #[arg(long)]
+    pub config_le: Option<String>,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum PluginCmd {
+    /// Load a plugin object (built with meshwarp/plugin.h) into its hook's chain.
+    Load {
+        /// The BPF ELF object.
+        object: PathBuf,
+        #[arg(long)]
+        name: String,
+        #[arg(long, value_enum)]
+        hook: HookArg,
+        #[arg(long, default_value = "")]
+        version: String,
+        #[arg(long, value_enum)]
+        phase: Option<PhaseArg>,
+        /// Within a phase, higher runs first.
+        #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
+        priority: i32,
+        /// Decline/drop when the plugin cannot decide (default: continue).
+        #[arg(long)]
+        fail_closed: bool,
+        /// The object's expected SHA-256 (hex).
+        #[arg(long)]
+        sha256: Option<String>,
+        /// Replace the loaded plugin of this name atomically.
+        #[arg(long)]
+        replace: bool,
+        #[command(flatten)]
+        config: ConfigArg,
+    },
+    /// Take a plugin out of its chain and unload it.
+    Unload {
+        name: String,
+        #[arg(long)]
+        allow_missing: bool,
+    },
+    /// Loaded plugins in chain order, with their counters.
+    Ls,
+    /// Give a plugin new configuration bytes.
+    Config {
+        name: String,
+        #[command(flatten)]
+        config: ConfigArg,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -310,6 +388,7 @@ fn run(cli: Cli) -> Result<()> {
         | Cmd::Attach { .. }
         | Cmd::Detach { .. }
         | Cmd::Attachments
+        | Cmd::Plugin(_)
         | Cmd::Stats
         | Cmd::Watch { .. }
         | Cmd::Node(_) => {
@@ -338,6 +417,7 @@ async fn remote_cmd(cli: &Cli) -> Result<()> {
         Cmd::Attach { iface, egress } => c.attach(iface, *egress).await,
         Cmd::Detach { iface, egress, allow_missing } => c.detach(iface, *egress, *allow_missing).await,
         Cmd::Attachments => c.attachments().await,
+        Cmd::Plugin(p) => c.plugin(p).await,
         Cmd::Stats => c.stats().await,
         Cmd::Watch { after, instance } => c.watch(*after, instance).await,
         Cmd::Node(NodeCmd::Info) => c.node_info().await,

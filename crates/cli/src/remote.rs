@@ -11,7 +11,7 @@ use tokio_stream::StreamExt;
 use tonic::transport::Channel;
 use tonic_types::StatusExt;
 
-use crate::{CaptureCmd, PairCmd, RouteAt, RouteCmd};
+use crate::{CaptureCmd, ConfigArg, HookArg, PairCmd, PhaseArg, PluginCmd, RouteAt, RouteCmd};
 
 fn iface(name: &str) -> Option<pb::Interface> {
     let r = match name.parse::<u32>() {
@@ -366,12 +366,97 @@ impl Remote {
                         format!("capture -> {} at {} ({})", show_ep(&c.original_dst), show_ep(&c.listener), c.owner)
                     }
                     Some(Resource::Route(r)) => format!("route {} {}", show_route(r), r.stale_reason),
+                    Some(Resource::Plugin(p)) => {
+                        let m = p.manifest.clone().unwrap_or_default();
+                        format!("plugin {} {} at {} (#{})", m.name, m.version, hook_name(m.hook), p.position)
+                    }
                     None => "-".into(),
                 };
                 println!("{:>6} {ty:<20} {what}", ev.revision);
             })?;
         }
         Ok(())
+    }
+
+    pub async fn plugin(&mut self, cmd: &PluginCmd) -> Result<()> {
+        match cmd {
+            PluginCmd::Load { object, name, hook, version, phase, priority, fail_closed, sha256, replace, config } => {
+                let bytes = std::fs::read(object).with_context(|| format!("reading {}", object.display()))?;
+                let manifest = pb::PluginManifest {
+                    name: name.clone(),
+                    version: version.clone(),
+                    hook: match hook {
+                        HookArg::Connection => pb::PluginHook::Connection,
+                        HookArg::Message => pb::PluginHook::Message,
+                        HookArg::Packet => pb::PluginHook::Packet,
+                    } as i32,
+                    phase: match phase {
+                        None => pb::PluginPhase::Unspecified,
+                        Some(PhaseArg::Authn) => pb::PluginPhase::Authn,
+                        Some(PhaseArg::Authz) => pb::PluginPhase::Authz,
+                        Some(PhaseArg::Stats) => pb::PluginPhase::Stats,
+                    } as i32,
+                    priority: *priority,
+                    failure_policy: if *fail_closed {
+                        pb::FailurePolicy::FailClosed
+                    } else {
+                        pb::FailurePolicy::FailOpen
+                    } as i32,
+                    sha256: sha256.clone().unwrap_or_default(),
+                };
+                let req = pb::LoadPluginRequest {
+                    manifest: Some(manifest),
+                    object: bytes,
+                    config: config_bytes(config)?,
+                    replace: *replace,
+                };
+                let r = self.c.load_plugin(req).await?.into_inner();
+                let p = r.plugin.clone().unwrap_or_default();
+                self.emit(&r, || {
+                    let verb = if r.replaced { "replaced" } else { "loaded" };
+                    println!("{verb} plugin {name} (id {}, prog #{}, position {})", p.id, p.prog_id, p.position)
+                })
+            }
+            PluginCmd::Unload { name, allow_missing } => {
+                let req = pb::UnloadPluginRequest { name: name.clone(), allow_missing: *allow_missing };
+                let r = self.c.unload_plugin(req).await?.into_inner();
+                self.emit(&r, || println!("{} {name}", if r.unloaded { "unloaded" } else { "not loaded:" }))
+            }
+            PluginCmd::Ls => {
+                let r = self.c.list_plugins(pb::ListPluginsRequest {}).await?.into_inner();
+                self.emit(&r, || {
+                    println!(
+                        "{:<14} {:<20} {:>3} {:<6} {:>5} {:>6} {:>10} {:>10} {:>10} {:>8}",
+                        "HOOK", "NAME", "POS", "PHASE", "PRIO", "PROG", "RUNS", "CONTINUE", "VERDICT1", "DROP"
+                    );
+                    for p in &r.plugins {
+                        let m = p.manifest.clone().unwrap_or_default();
+                        let c = p.counters.unwrap_or_default();
+                        let phase = pb::PluginPhase::try_from(m.phase)
+                            .map(|x| x.as_str_name().trim_start_matches("PLUGIN_PHASE_").to_lowercase())
+                            .unwrap_or_default();
+                        println!(
+                            "{:<14} {:<20} {:>3} {:<6} {:>5} {:>6} {:>10} {:>10} {:>10} {:>8}",
+                            hook_name(m.hook),
+                            m.name,
+                            p.position,
+                            phase,
+                            m.priority,
+                            p.prog_id,
+                            c.runs,
+                            c.continued,
+                            c.declined + c.bypassed + c.passed,
+                            c.dropped
+                        );
+                    }
+                })
+            }
+            PluginCmd::Config { name, config } => {
+                let req = pb::UpdatePluginConfigRequest { name: name.clone(), config: config_bytes(config)? };
+                let r = self.c.update_plugin_config(req).await?.into_inner();
+                self.emit(&r, || println!("updated config of {name}"))
+            }
+        }
     }
 
     pub async fn node_info(&mut self) -> Result<()> {
@@ -388,5 +473,63 @@ impl Remote {
                 println!("feature      {:<24} {}  {}", f.name, if f.available { "yes" } else { "NO " }, f.detail);
             }
         })
+    }
+}
+
+fn hook_name(h: i32) -> &'static str {
+    match pb::PluginHook::try_from(h) {
+        Ok(pb::PluginHook::Connection) => "on_connection",
+        Ok(pb::PluginHook::Message) => "on_message",
+        Ok(pb::PluginHook::Packet) => "on_packet",
+        _ => "?",
+    }
+}
+
+/// The config bytes a command line gives.
+fn config_bytes(c: &ConfigArg) -> Result<Vec<u8>> {
+    if let Some(path) = &c.config_file {
+        return std::fs::read(path).with_context(|| format!("reading {}", path.display()));
+    }
+    if let Some(h) = &c.config_hex {
+        let h = h.trim();
+        anyhow::ensure!(h.len() % 2 == 0, "--config-hex: odd number of digits");
+        return (0..h.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&h[i..i + 2], 16).with_context(|| format!("--config-hex: bad digits at {i}")))
+            .collect();
+    }
+    let mut out = Vec::new();
+    for field in c.config_le.as_deref().unwrap_or("").split_whitespace() {
+        let (ty, v) = field.split_once(':').with_context(|| format!("--config-le: {field:?} is not TYPE:VALUE"))?;
+        let bad = || format!("--config-le: {field:?} does not fit {ty}");
+        match ty {
+            "u8" => out.extend(v.parse::<u8>().with_context(bad)?.to_le_bytes()),
+            "u16" => out.extend(v.parse::<u16>().with_context(bad)?.to_le_bytes()),
+            "u32" => out.extend(v.parse::<u32>().with_context(bad)?.to_le_bytes()),
+            "u64" => out.extend(v.parse::<u64>().with_context(bad)?.to_le_bytes()),
+            _ => anyhow::bail!("--config-le: unknown type {ty} (u8, u16, u32, u64)"),
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn config_sources() {
+        let none = ConfigArg { config_file: None, config_hex: None, config_le: None };
+        assert!(config_bytes(&none).unwrap().is_empty());
+        let hex = ConfigArg { config_hex: Some("901F".into()), ..none };
+        assert_eq!(config_bytes(&hex).unwrap(), [0x90, 0x1f]);
+        let le = ConfigArg { config_hex: None, config_le: Some("u16:8080 u32:1 u8:7".into()), config_file: None };
+        assert_eq!(config_bytes(&le).unwrap(), [0x90, 0x1f, 1, 0, 0, 0, 7]);
+        for bad in ["u16:70000", "x:1", "u8"] {
+            let c = ConfigArg { config_le: Some(bad.into()), config_hex: None, config_file: None };
+            assert!(config_bytes(&c).is_err(), "{bad}");
+        }
+        let odd = ConfigArg { config_hex: Some("abc".into()), config_le: None, config_file: None };
+        assert!(config_bytes(&odd).is_err());
     }
 }

@@ -565,7 +565,8 @@ fn sigterm_leaves_the_data_path_and_cleanup_removes_it() -> Result<()> {
     let env = env_or_skip!();
     let mut d = env.start(&[])?;
     ensure!(d.kill(nix::sys::signal::Signal::SIGTERM)?.success(), "graceful stop exits 0");
-    ensure!(env.pin_root.join("v1/links/mw_sockops").exists(), "pins stay after SIGTERM");
+    let link = env.pin_root.join(format!("v{}/links/mw_sockops", meshwarp_bpf::shared::SCHEMA_VERSION));
+    ensure!(link.exists(), "pins stay after SIGTERM");
     ensure!(!env.socket().exists(), "socket removed");
     let mut d = env.start(&["--cleanup"])?;
     ensure!(d.kill(nix::sys::signal::Signal::SIGTERM)?.success());
@@ -733,4 +734,113 @@ fn interface_routes_over_the_api_and_stale_events() -> Result<()> {
         ensure!(att.attachments.is_empty(), "the attachment was released: {att:?}");
         Ok(())
     })
+}
+
+#[test]
+fn plugins_over_the_cli_change_real_traffic_and_refusals_change_nothing() -> Result<()> {
+    use meshwarp_bpf::plugins;
+    let env = env_or_skip!();
+    let metrics = free_loopback_port()?;
+    let _d = env.start(&["--metrics-listen", &metrics.to_string()])?;
+    let file = |name: &str, bytes: &[u8]| -> Result<String> {
+        let p = env.scratch.0.join(name);
+        std::fs::write(&p, bytes)?;
+        Ok(p.display().to_string())
+    };
+    let (ports, limit) =
+        (file("port_allow.bpf.o", plugins::PORT_ALLOW)?, file("rate_limit.bpf.o", plugins::RATE_LIMIT)?);
+    let (rejected, future) = (file("rejected.bpf.o", plugins::REJECTED)?, file("abi.bpf.o", plugins::ABI_MAJOR)?);
+    let ok = |args: &[&str]| -> Result<String> {
+        let out = env.cli(args);
+        ensure!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    };
+    let bad = |args: &[&str], want: &[&str]| -> Result<()> {
+        let out = env.cli(args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        ensure!(!out.status.success(), "{args:?} succeeded");
+        for w in want {
+            ensure!(err.contains(w), "{args:?}: want {w:?} in: {err}");
+        }
+        Ok(())
+    };
+    let loaded = ok(&["plugin", "load", &ports, "--name", "ports", "--hook", "connection", "--config-le", "u16:8080"])?;
+    ensure!(loaded.contains("loaded plugin ports"), "{loaded}");
+    ok(&["plugin", "load", &limit, "--name", "limit", "--hook", "message", "--phase", "authz", "--priority", "5"])?;
+
+    // Real traffic: pod0 -> pod1 on 8080 (allowed) and 9090 (declined).
+    let net = NodeWithPods::new(2)?;
+    let (a, b) = (net.pods[0].v4.to_string(), net.pods[1].v4);
+    for port in [8080, 9090] {
+        ok(&["pair", "add", &a, &format!("{b}:{port}")])?;
+        let l = net.pods[1].ns.listen(SocketAddr::new(b.into(), port))?;
+        let mut c = net.pods[0].ns.connect(SocketAddr::new(b.into(), port))?;
+        let s = accept_timeout(&l, Duration::from_secs(5))?;
+        let echo = spawn_echo(s, 64);
+        let mut buf = [0u8; 64];
+        for i in 0..10u8 {
+            round_trip(&mut c, &[i; 64], &mut buf)?;
+            ensure!(buf == [i; 64]);
+        }
+        drop(c);
+        echo.join().unwrap()?;
+    }
+    let v: serde_json::Value = serde_json::from_str(&ok(&["-j", "plugin", "ls"])?)?;
+    let by_name =
+        |n: &str| v["plugins"].as_array().unwrap().iter().find(|p| p["manifest"]["name"] == n).cloned().unwrap();
+    let counter = |p: &serde_json::Value, c: &str| p["counters"][c].as_str().unwrap_or("0").parse::<u64>().unwrap();
+    let (pp, lp) = (by_name("ports"), by_name("limit"));
+    ensure!(counter(&pp, "runs") == 4 && counter(&pp, "declined") == 2, "ports: {pp}");
+    // Only the 8080 connection was accelerated: its 20 messages met the limiter.
+    ensure!(counter(&lp, "runs") == 20 && counter(&lp, "continued") == 20, "limit: {lp}");
+    ensure!(pp["abiVersion"] == "1.0" && pp["sha256"].as_str().unwrap().len() == 64, "{pp}");
+    let table = ok(&["plugin", "ls"])?;
+    ensure!(table.contains("on_connection") && table.contains("on_message"), "{table}");
+    let body = http_get(metrics, "/metrics")?;
+    for want in [
+        "meshwarp_plugin_runs{plugin=\"ports\",hook=\"on_connection\"} 4",
+        "meshwarp_plugin_verdicts{plugin=\"ports\",hook=\"on_connection\",verdict=\"decline\"} 2",
+        "meshwarp_plugin_runs{plugin=\"limit\",hook=\"on_message\"} 20",
+    ] {
+        ensure!(body.contains(want), "/metrics lacks {want:?}:\n{body}");
+    }
+
+    // Refusals: clear codes, and the chains stay as they were.
+    let before = ok(&["-j", "plugin", "ls"])?;
+    bad(&["plugin", "load", &rejected, "--name", "bad", "--hook", "message"], &["InvalidArgument", "verifier"])?;
+    bad(&["plugin", "load", &future, "--name", "future", "--hook", "message"], &["FailedPrecondition", "ABI 2.0"])?;
+    bad(&["plugin", "load", &ports, "--name", "ports", "--hook", "connection"], &["AlreadyExists"])?;
+    bad(&["plugin", "load", &ports, "--name", "other", "--hook", "message"], &["InvalidArgument", "manifest.hook"])?;
+    bad(&["plugin", "load", &ports, "--name", "Bad Name", "--hook", "connection"], &["manifest.name"])?;
+    let zeros = "0".repeat(64);
+    bad(&["plugin", "load", &ports, "--name", "x", "--hook", "connection", "--sha256", &zeros], &["manifest.sha256"])?;
+    bad(&["plugin", "unload", "nosuch"], &["NotFound"])?;
+    bad(&["plugin", "config", "nosuch", "--config-hex", "00"], &["NotFound"])?;
+    let after = ok(&["-j", "plugin", "ls"])?;
+    let strip = |s: &str| -> Result<Vec<(serde_json::Value, serde_json::Value)>> {
+        let v: serde_json::Value = serde_json::from_str(s)?;
+        Ok(v["plugins"].as_array().unwrap().iter().map(|p| (p["manifest"].clone(), p["progId"].clone())).collect())
+    };
+    ensure!(strip(&before)? == strip(&after)?, "refusals changed the chains");
+
+    // Config update, replace, unload, and the Watch events they make.
+    rt().block_on(async {
+        let mut c = env.client().await;
+        let mut w = c.watch(pb::WatchRequest::default()).await?.into_inner();
+        ok(&["plugin", "config", "ports", "--config-le", "u16:9090"])?;
+        ok(&["plugin", "load", &limit, "--name", "limit", "--hook", "message", "--replace"])?;
+        ok(&["plugin", "unload", "ports"])?;
+        let mut seen = Vec::new();
+        for _ in 0..3 {
+            let ev = tokio::time::timeout(Duration::from_secs(5), w.next()).await?.context("watch ended")??;
+            let Some(Resource::Plugin(p)) = ev.resource else { bail!("not a plugin event: {ev:?}") };
+            seen.push((ev.r#type, p.manifest.unwrap().name));
+        }
+        let (up, del) = (pb::EventType::Updated as i32, pb::EventType::Deleted as i32);
+        ensure!(seen == [(up, "ports".into()), (up, "limit".into()), (del, "ports".into())], "{seen:?}");
+        Ok(())
+    })?;
+    let left = ok(&["plugin", "ls"])?;
+    ensure!(!left.contains("ports") && left.contains("limit"), "{left}");
+    Ok(())
 }

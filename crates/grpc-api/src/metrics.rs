@@ -4,7 +4,7 @@
 use std::sync::Mutex;
 use std::time::Duration;
 
-use meshwarp_core::Dataplane;
+use meshwarp_core::{Dataplane, PluginChain};
 use prometheus_client::encoding::{text::encode, EncodeLabelSet};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -24,6 +24,19 @@ pub struct MethodLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PluginLabels {
+    pub plugin: String,
+    pub hook: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct VerdictLabels {
+    pub plugin: String,
+    pub hook: String,
+    pub verdict: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReasonLabel {
     pub reason: String,
 }
@@ -39,6 +52,8 @@ pub struct Metrics {
     redirected_msgs: Gauge,
     redirected_bytes: Gauge,
     fallbacks: Family<ReasonLabel, Gauge>,
+    plugin_runs: Family<PluginLabels, Gauge>,
+    plugin_verdicts: Family<VerdictLabels, Gauge>,
 }
 
 impl Default for Metrics {
@@ -72,6 +87,14 @@ impl Metrics {
             redirected_bytes.clone(),
         );
         registry.register("fallbacks", "Traffic left on the normal TCP path, by reason", fallbacks.clone());
+        let plugin_runs = Family::<PluginLabels, Gauge>::default();
+        let plugin_verdicts = Family::<VerdictLabels, Gauge>::default();
+        registry.register("plugin_runs", "Times each loaded plugin ran", plugin_runs.clone());
+        registry.register(
+            "plugin_verdicts",
+            "Verdicts of each loaded plugin (continue, decline/bypass/pass, drop, invalid, missing)",
+            plugin_verdicts.clone(),
+        );
         Self {
             registry: Mutex::new(registry),
             rpcs,
@@ -81,6 +104,8 @@ impl Metrics {
             redirected_msgs,
             redirected_bytes,
             fallbacks,
+            plugin_runs,
+            plugin_verdicts,
         }
     }
 
@@ -91,7 +116,8 @@ impl Metrics {
     }
 
     /// The text exposition, with data-path counters read now.
-    pub fn render(&self, dp: &Dataplane) -> String {
+    pub fn render(&self, dp: &Dataplane, plugins: Option<&PluginChain>) -> String {
+        self.render_plugins(plugins);
         let reg = dp.registry();
         let as_i64 = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
         let (mut msgs, mut bytes) = (0u64, 0u64);
@@ -131,6 +157,37 @@ impl Metrics {
         ] {
             self.fallbacks.get_or_create(&ReasonLabel { reason: reason.into() }).set(as_i64(v));
         }
+        self.encode()
+    }
+
+    /// Plugin counters; unloaded plugins disappear from the exposition.
+    fn render_plugins(&self, plugins: Option<&PluginChain>) {
+        self.plugin_runs.clear();
+        self.plugin_verdicts.clear();
+        let Some(list) = plugins.and_then(|p| p.list().ok()) else {
+            return;
+        };
+        let as_i64 = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+        for p in list {
+            let (plugin, hook) = (p.manifest.name.clone(), p.manifest.hook.callback().to_string());
+            let c = p.counters;
+            self.plugin_runs
+                .get_or_create(&PluginLabels { plugin: plugin.clone(), hook: hook.clone() })
+                .set(as_i64(c.runs));
+            for (verdict, v) in [
+                ("continue", c.continued),
+                (p.manifest.hook.verdict1(), c.verdict1),
+                ("drop", c.dropped),
+                ("invalid", c.invalid),
+                ("missing", c.missing),
+            ] {
+                let l = VerdictLabels { plugin: plugin.clone(), hook: hook.clone(), verdict: verdict.into() };
+                self.plugin_verdicts.get_or_create(&l).set(as_i64(v));
+            }
+        }
+    }
+
+    fn encode(&self) -> String {
         let mut out = String::new();
         let registry = self.registry.lock().unwrap_or_else(|p| p.into_inner());
         if encode(&mut out, &registry).is_err() {

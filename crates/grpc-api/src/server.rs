@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use meshwarp_core::registry::{Outcome, Registered};
 use meshwarp_core::tc::{Direction as TcDirection, IfaceRef, InstalledRoute, Prefix, TcDataplane};
-use meshwarp_core::Dataplane;
+use meshwarp_core::{Dataplane, PluginChain};
 use tokio::sync::broadcast;
 use tokio_stream::wrappers::errors::BroadcastStreamRecvError;
 use tokio_stream::wrappers::BroadcastStream;
@@ -21,7 +21,7 @@ use crate::convert::{self, Violations};
 use crate::metrics::Metrics;
 use crate::pb::node_service_server::NodeService;
 use crate::pb::{self, watch_response::Resource, EventType};
-use crate::status::{from_registry, from_tc, invalid, invalid_field};
+use crate::status::{from_plugin, from_registry, from_tc, invalid, invalid_field};
 
 /// Limits and identity of one server instance.
 #[derive(Debug, Clone)]
@@ -107,6 +107,8 @@ pub struct NodeServer {
     cfg: ServerConfig,
     draining: Arc<AtomicBool>,
     metrics: Arc<Metrics>,
+    /// The plugin chains of both data paths, or why there are none.
+    plugins: Result<Arc<PluginChain>, String>,
 }
 
 type WatchStream = Pin<Box<dyn Stream<Item = Result<pb::WatchResponse, Status>> + Send>>;
@@ -148,7 +150,67 @@ impl NodeServer {
         metrics: Arc<Metrics>,
     ) -> Self {
         let log = Arc::new(EventLog::new(cfg.event_history));
-        Self { dp, tc, log, cfg, draining: Arc::new(AtomicBool::new(false)), metrics }
+        let plugins = PluginChain::open(Some(&dp), tc.as_deref().ok()).map(Arc::new).map_err(|e| {
+            tracing::warn!("plugins unavailable: {e}");
+            e.to_string()
+        });
+        Self { dp, tc, log, cfg, draining: Arc::new(AtomicBool::new(false)), metrics, plugins }
+    }
+
+    /// The node's plugin chains, if it has them.
+    pub fn plugins(&self) -> Option<Arc<PluginChain>> {
+        self.plugins.as_ref().ok().cloned()
+    }
+
+    fn plugin_chain(&self) -> Result<&PluginChain, Status> {
+        self.plugins.as_deref().map_err(|why| Status::failed_precondition(format!("plugins are unavailable: {why}")))
+    }
+
+    fn load_plugin(&self, r: pb::LoadPluginRequest) -> Result<pb::LoadPluginResponse, Status> {
+        self.serving()?;
+        let manifest = convert::manifest_from_pb("manifest", r.manifest.as_ref()).map_err(|v| invalid(&v))?;
+        if r.object.is_empty() {
+            return Err(invalid_field("object", "required: the plugin's BPF ELF object"));
+        }
+        let chain = self.plugin_chain()?;
+        let mut log = self.log.lock();
+        let replaced = r.replace && chain.get(&manifest.name).is_ok();
+        let info = chain.load(&manifest, &r.object, &r.config, r.replace).map_err(|e| from_plugin(&e))?;
+        let out = convert::plugin_to_pb(&info);
+        let ty = if replaced { EventType::Updated } else { EventType::Created };
+        self.log.push(&mut log, ty, Resource::Plugin(out.clone()));
+        Ok(pb::LoadPluginResponse { plugin: Some(out), replaced })
+    }
+
+    fn unload_plugin(&self, r: pb::UnloadPluginRequest) -> Result<pb::UnloadPluginResponse, Status> {
+        self.serving()?;
+        let chain = self.plugin_chain()?;
+        let mut log = self.log.lock();
+        let info = match chain.get(&r.name) {
+            Ok(i) => i,
+            Err(meshwarp_core::PluginError::NotFound { .. }) if r.allow_missing => {
+                return Ok(pb::UnloadPluginResponse { unloaded: false })
+            }
+            Err(e) => return Err(from_plugin(&e)),
+        };
+        chain.unload(&r.name).map_err(|e| from_plugin(&e))?;
+        self.log.push(&mut log, EventType::Deleted, Resource::Plugin(convert::plugin_to_pb(&info)));
+        Ok(pb::UnloadPluginResponse { unloaded: true })
+    }
+
+    fn list_plugins(&self, _r: pb::ListPluginsRequest) -> Result<pb::ListPluginsResponse, Status> {
+        let list = self.plugin_chain()?.list().map_err(|e| from_plugin(&e))?;
+        Ok(pb::ListPluginsResponse { plugins: list.iter().map(convert::plugin_to_pb).collect() })
+    }
+
+    fn update_plugin_config(&self, r: pb::UpdatePluginConfigRequest) -> Result<pb::UpdatePluginConfigResponse, Status> {
+        self.serving()?;
+        let chain = self.plugin_chain()?;
+        let mut log = self.log.lock();
+        let info = chain.update_config(&r.name, &r.config).map_err(|e| from_plugin(&e))?;
+        let out = convert::plugin_to_pb(&info);
+        self.log.push(&mut log, EventType::Updated, Resource::Plugin(out.clone()));
+        Ok(pb::UpdatePluginConfigResponse { plugin: Some(out) })
     }
 
     fn tc(&self) -> Result<&TcDataplane, Status> {
@@ -866,6 +928,31 @@ impl NodeService for NodeServer {
         let start = Instant::now();
         let r = self.stats();
         self.observed("GetStats", start, r)
+    }
+
+    async fn load_plugin(
+        &self,
+        req: Request<pb::LoadPluginRequest>,
+    ) -> Result<Response<pb::LoadPluginResponse>, Status> {
+        rpc!(self, "LoadPlugin", req, load_plugin)
+    }
+    async fn unload_plugin(
+        &self,
+        req: Request<pb::UnloadPluginRequest>,
+    ) -> Result<Response<pb::UnloadPluginResponse>, Status> {
+        rpc!(self, "UnloadPlugin", req, unload_plugin)
+    }
+    async fn list_plugins(
+        &self,
+        req: Request<pb::ListPluginsRequest>,
+    ) -> Result<Response<pb::ListPluginsResponse>, Status> {
+        rpc!(self, "ListPlugins", req, list_plugins)
+    }
+    async fn update_plugin_config(
+        &self,
+        req: Request<pb::UpdatePluginConfigRequest>,
+    ) -> Result<Response<pb::UpdatePluginConfigResponse>, Status> {
+        rpc!(self, "UpdatePluginConfig", req, update_plugin_config)
     }
 
     type WatchStream = WatchStream;

@@ -59,6 +59,37 @@ pub fn from_tc(e: &meshwarp_core::tc::TcError) -> Status {
     }
 }
 
+/// The code a plugin failure maps to. Status messages travel in HTTP/2
+/// headers, so a verifier log keeps only its end (where the verifier says what
+/// it refused); the daemon logs it whole.
+pub fn from_plugin(e: &meshwarp_core::PluginError) -> Status {
+    use meshwarp_core::PluginError as E;
+    const MAX_LOG: usize = 2500;
+    let msg = e.to_string();
+    if let E::Rejected { name, source, log } = e {
+        tracing::warn!(plugin = %name, "kernel refused plugin: {source}\n{log}");
+        let cut = log.len().saturating_sub(MAX_LOG);
+        let cut = (cut..=log.len()).find(|i| log.is_char_boundary(*i)).unwrap_or(log.len());
+        let tail = if cut > 0 { format!("...{}", &log[cut..]) } else { log.clone() };
+        let mut details = ErrorDetails::new();
+        details.add_bad_request_violation("object", "refused by the kernel's verifier (log in the message)");
+        let msg = format!("the kernel refused plugin {name}: {source}\n--- verifier log (end) ---\n{tail}");
+        return Status::with_error_details(Code::InvalidArgument, msg, details);
+    }
+    match e {
+        E::Invalid { field, .. } => invalid_field(&format!("manifest.{field}"), msg),
+        E::ConfigTooLarge { .. } => invalid_field("config", msg),
+        E::Sha256Mismatch { .. } => invalid_field("manifest.sha256", msg),
+        E::HookMismatch { .. } => invalid_field("manifest.hook", msg),
+        E::NotAPlugin { .. } | E::Rejected { .. } => invalid_field("object", msg),
+        E::AbiMismatch { .. } | E::HookUnavailable { .. } | E::HookChange { .. } => Status::failed_precondition(msg),
+        E::AlreadyExists { .. } => Status::already_exists(msg),
+        E::NotFound { .. } => Status::not_found(msg),
+        E::ChainFull { .. } | E::NoSlot => Status::resource_exhausted(msg),
+        E::Bpf { .. } | E::Io { .. } => Status::internal(msg),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
