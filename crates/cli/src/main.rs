@@ -12,7 +12,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::{CommandFactory, Parser, Subcommand};
 use meshwarp_core::dataplane::{remove_pinned, DEFAULT_PIN_ROOT};
 
@@ -247,6 +247,9 @@ pub enum PluginCmd {
     },
     /// Loaded plugins in chain order, with their counters.
     Ls,
+    /// Write the example plugin objects (port_allow, byte_sampler,
+    /// rate_limit) into a directory, ready for `plugin load`.
+    Examples { dir: PathBuf },
     /// Give a plugin new configuration bytes.
     Config {
         name: String,
@@ -378,6 +381,7 @@ fn run(cli: Cli) -> Result<()> {
             init_logs("warn", false);
             mesh::run(args)
         }
+        Cmd::Plugin(PluginCmd::Examples { dir }) => write_example_plugins(dir),
         Cmd::Completions { shell } => {
             clap_complete::generate(*shell, &mut Cli::command(), "meshwarp", &mut std::io::stdout());
             Ok(())
@@ -397,6 +401,21 @@ fn run(cli: Cli) -> Result<()> {
             rt.block_on(remote_cmd(&cli))
         }
     }
+}
+
+fn write_example_plugins(dir: &std::path::Path) -> Result<()> {
+    use meshwarp_bpf::plugins;
+    std::fs::create_dir_all(dir)?;
+    for (name, bytes, hook) in [
+        ("port_allow", plugins::PORT_ALLOW, "connection"),
+        ("byte_sampler", plugins::BYTE_SAMPLER, "message"),
+        ("rate_limit", plugins::RATE_LIMIT, "message"),
+    ] {
+        let path = dir.join(format!("{name}.bpf.o"));
+        std::fs::write(&path, bytes).with_context(|| format!("writing {}", path.display()))?;
+        println!("{}  (--hook {hook}; source: examples/plugins/{name}.bpf.c)", path.display());
+    }
+    Ok(())
 }
 
 async fn remote_cmd(cli: &Cli) -> Result<()> {

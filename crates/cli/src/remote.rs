@@ -451,6 +451,7 @@ impl Remote {
                     }
                 })
             }
+            PluginCmd::Examples { .. } => anyhow::bail!("`plugin examples` runs locally, not against a node"),
             PluginCmd::Config { name, config } => {
                 let req = pb::UpdatePluginConfigRequest { name: name.clone(), config: config_bytes(config)? };
                 let r = self.c.update_plugin_config(req).await?.into_inner();

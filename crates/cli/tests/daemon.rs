@@ -747,8 +747,6 @@ fn plugins_over_the_cli_change_real_traffic_and_refusals_change_nothing() -> Res
         std::fs::write(&p, bytes)?;
         Ok(p.display().to_string())
     };
-    let (ports, limit) =
-        (file("port_allow.bpf.o", plugins::PORT_ALLOW)?, file("rate_limit.bpf.o", plugins::RATE_LIMIT)?);
     let (rejected, future) = (file("rejected.bpf.o", plugins::REJECTED)?, file("abi.bpf.o", plugins::ABI_MAJOR)?);
     let ok = |args: &[&str]| -> Result<String> {
         let out = env.cli(args);
@@ -764,6 +762,10 @@ fn plugins_over_the_cli_change_real_traffic_and_refusals_change_nothing() -> Res
         }
         Ok(())
     };
+    let examples = env.scratch.0.join("plugins");
+    ok(&["plugin", "examples", examples.to_str().unwrap()])?;
+    let ports = examples.join("port_allow.bpf.o").display().to_string();
+    let limit = examples.join("rate_limit.bpf.o").display().to_string();
     let loaded = ok(&["plugin", "load", &ports, "--name", "ports", "--hook", "connection", "--config-le", "u16:8080"])?;
     ensure!(loaded.contains("loaded plugin ports"), "{loaded}");
     ok(&["plugin", "load", &limit, "--name", "limit", "--hook", "message", "--phase", "authz", "--priority", "5"])?;
