@@ -76,9 +76,14 @@ pub fn describe(e: &anyhow::Error) -> String {
             if violations.is_empty() {
                 return format!("{:?}: {}", s.code(), s.message());
             }
+            let summary: Vec<String> = violations.iter().map(|v| format!("{}: {}", v.field, v.description)).collect();
             let mut out = format!("{:?}:", s.code());
-            for v in violations {
-                out.push_str(&format!("\n  {}: {}", v.field, v.description));
+            for v in &summary {
+                out.push_str(&format!("\n  {v}"));
+            }
+            // A message that says more than the violations (a verifier log).
+            if s.message() != summary.join("; ") {
+                out.push_str(&format!("\n{}", s.message()));
             }
             return out;
         }

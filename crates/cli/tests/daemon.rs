@@ -809,7 +809,10 @@ fn plugins_over_the_cli_change_real_traffic_and_refusals_change_nothing() -> Res
 
     // Refusals: clear codes, and the chains stay as they were.
     let before = ok(&["-j", "plugin", "ls"])?;
-    bad(&["plugin", "load", &rejected, "--name", "bad", "--hook", "message"], &["InvalidArgument", "verifier"])?;
+    bad(
+        &["plugin", "load", &rejected, "--name", "bad", "--hook", "message"],
+        &["InvalidArgument", "verifier", "unbounded memory access"],
+    )?;
     bad(&["plugin", "load", &future, "--name", "future", "--hook", "message"], &["FailedPrecondition", "ABI 2.0"])?;
     bad(&["plugin", "load", &ports, "--name", "ports", "--hook", "connection"], &["AlreadyExists"])?;
     bad(&["plugin", "load", &ports, "--name", "other", "--hook", "message"], &["InvalidArgument", "manifest.hook"])?;
