@@ -82,6 +82,14 @@ pub fn run(pin_root: &Path) -> Result<()> {
             fix: "kernel 5.15 or newer",
         },
         Check {
+            name: "plugin chains",
+            ok: map_type(libbpf_sys::BPF_MAP_TYPE_PROG_ARRAY)
+                && map_type(libbpf_sys::BPF_MAP_TYPE_ARRAY_OF_MAPS)
+                && helper(libbpf_sys::BPF_PROG_TYPE_SK_MSG, libbpf_sys::BPF_FUNC_tail_call),
+            detail: "tail calls through PROG_ARRAY; ARRAY_OF_MAPS for grace periods".into(),
+            fix: "kernel 5.15 or newer",
+        },
+        Check {
             name: "tc (cls_bpf)",
             ok: prog_type(libbpf_sys::BPF_PROG_TYPE_SCHED_CLS),
             detail: "BPF_PROG_TYPE_SCHED_CLS, for interface routes".into(),

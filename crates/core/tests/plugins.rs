@@ -492,3 +492,26 @@ fn packet_plugin_passes_or_drops_and_unload_restores_the_fast_path() -> Result<(
     ensure!(routed()? - r1 > 20, "node A's routes carry the traffic again");
     Ok(())
 }
+
+#[test]
+fn a_chain_holds_eight_plugins_and_refuses_a_ninth() -> Result<()> {
+    let k = kernel_test!();
+    let pods = Pods::new(&k)?;
+    let c = chain(&k)?;
+    for i in 0..8 {
+        c.load(&manifest(&format!("noop-{i}"), Hook::Message, i), plugins::NOOP_MSG, &[], false)?;
+    }
+    let e = c.load(&manifest("ninth", Hook::Message, 0), plugins::NOOP_MSG, &[], false).unwrap_err();
+    ensure!(matches!(e, PluginError::ChainFull { hook: Hook::Message }), "{e}");
+    // Another hook has its own chain.
+    c.load(&manifest("ports", Hook::Connection, 0), plugins::PORT_ALLOW, &PORT.to_le_bytes(), false)?;
+    let (cl, sv) = pods.connect(0)?;
+    exchange(cl, sv, 41, 1 << 20, T)?;
+    let st = k.dp().pair_stats(&pods.pairs[0])?;
+    ensure!(st.redirected_bytes == 2 << 20, "eight tail calls deep, still redirected: {st:?}");
+    for i in 0..8 {
+        let pc = counters(&c, &format!("noop-{i}"));
+        ensure!(pc.runs == st.redirected_msgs && pc.continued == pc.runs, "noop-{i}: {pc:?} vs {st:?}");
+    }
+    Ok(())
+}
