@@ -220,7 +220,11 @@ impl Dataplane {
             tracing::info!(dir = %layout.dir.display(), "adopting pinned data path");
             Origin::Adopted
         } else if missing.len() == pins.len() {
-            load_and_pin(cfg, &layout)?;
+            if let Err(e) = load_and_pin(cfg, &layout) {
+                // Nothing is pinned (PinGuard); leave no empty directories either.
+                let _ = remove_pinned(&cfg.pin_root);
+                return Err(e);
+            }
             Origin::Loaded
         } else {
             return Err(DataplaneError::Partial { dir: layout.dir, missing });

@@ -415,7 +415,11 @@ impl TcDataplane {
         let pins = tc_pins(&dir);
         let missing: Vec<String> = pins.iter().filter(|p| !p.exists()).map(|p| p.display().to_string()).collect();
         if missing.len() == pins.len() {
-            load_and_pin(cfg, &dir)?;
+            if let Err(e) = load_and_pin(cfg, &dir) {
+                // Leave neither partial pins nor empty directories.
+                let _ = remove_pinned(&cfg.pin_root);
+                return Err(e);
+            }
         } else if !missing.is_empty() {
             return Err(TcError::Partial { dir, missing });
         }

@@ -393,3 +393,22 @@ fn four_tuple_reuse_after_close() -> Result<()> {
     ensure!(st.redirected_bytes == 3 * 2 * 256 * 1024, "every round redirected: {st:?}");
     Ok(())
 }
+
+#[test]
+fn a_refused_load_leaves_nothing_pinned() -> Result<()> {
+    let Some(k) = KernelTest::start(16) else { return Ok(()) };
+    let pin_root =
+        std::path::PathBuf::from(format!("/sys/fs/bpf/{}", meshwarp_core::testbed::unique_name("mw-refused-")));
+    let cfg = DataplaneConfig {
+        pin_root: pin_root.clone(),
+        cgroup: Some(k.cgroup.path.clone()),
+        max_rules: 16,
+        // The kernel refuses a SOCKHASH this large when the object loads,
+        // after the pin directories were made.
+        max_sockets: u32::MAX,
+    };
+    let e = meshwarp_core::Dataplane::open(&cfg).err().context("an impossible SOCKHASH is refused")?;
+    ensure!(e.to_string().contains("loading the BPF programs"), "refused at load: {e}");
+    ensure!(!pin_root.exists(), "{} left behind", pin_root.display());
+    Ok(())
+}
