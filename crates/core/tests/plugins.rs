@@ -278,7 +278,7 @@ fn hot_swap_under_traffic_loses_nothing() -> Result<()> {
     let _echo = StreamEcho::start(listener)?;
 
     // Streams keep running, each a fresh connection with its own checksummed
-    // pattern, until 20 swaps + config updates happened.
+    // pattern, until 20 rounds of replace + config update + load or unload.
     let conns = 4u64;
     let len = 4 << 20;
     let done = std::sync::atomic::AtomicBool::new(false);
@@ -300,6 +300,12 @@ fn hot_swap_under_traffic_loses_nothing() -> Result<()> {
             for swap in 0..20u32 {
                 c.load(&manifest("noop", Hook::Message, swap as i32 % 3), plugins::NOOP_MSG, &[], true)?;
                 c.update_config("sampler", &(swap + 1).to_le_bytes())?;
+                // A third plugin comes and goes at the head of the chain.
+                if swap % 2 == 0 {
+                    c.load(&manifest("extra", Hook::Message, 10), plugins::VERDICT_MSG, &[], false)?;
+                } else {
+                    c.unload("extra")?;
+                }
             }
             Ok(())
         })();
@@ -310,7 +316,7 @@ fn hot_swap_under_traffic_loses_nothing() -> Result<()> {
         }
         swapped.map(|()| streams)
     })?;
-    eprintln!("20 hot swaps + config updates under {streams} checksummed streams");
+    eprintln!("20 hot swaps, config updates and loads/unloads under {streams} checksummed streams");
     let st = k.dp().pair_stats(&pair)?;
     ensure!(st.redirected_bytes == 2 * streams * len as u64, "every byte stayed accelerated: {st:?}");
     ensure!(st.fallback_tcp_path == 0 && st.fallback_no_peer == 0, "{st:?}");
