@@ -8,44 +8,19 @@
 //! `cargo bench -p meshwarp-benches --bench plugins` (as root).
 
 use std::net::{SocketAddr, TcpStream};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use meshwarp_bpf::plugins::NOOP_MSG;
-use meshwarp_core::testbed::{accept_timeout, round_trip, spawn_echo, KernelTest, NetNs};
+use meshwarp_core::testbed::{KernelTest, NetNs};
 use meshwarp_core::{Endpoint, EndpointPair, Hook, PluginChain, PluginManifest};
 
 const MSG: usize = 64;
 const BPF_STATS: &str = "/proc/sys/kernel/bpf_stats_enabled";
 
-fn tcp_pair(ns: &NetNs, addr: SocketAddr) -> TcpStream {
-    let l = ns.listen(addr).expect("listen");
-    let c = ns.connect(addr).expect("connect");
-    let s = accept_timeout(&l, Duration::from_secs(5)).expect("accept");
-    c.set_nodelay(true).expect("nodelay");
-    s.set_nodelay(true).expect("nodelay");
-    spawn_echo(s, MSG);
-    c
-}
-
-fn bench_rtt(c: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>, name: &str, s: &mut TcpStream) {
-    let msg = [0x42u8; MSG];
-    let mut buf = [0u8; MSG];
-    c.bench_function(name, |b| {
-        b.iter_custom(|iters| {
-            let start = Instant::now();
-            for _ in 0..iters {
-                round_trip(s, &msg, &mut buf).expect("round trip");
-            }
-            start.elapsed()
-        })
-    });
-}
-
-/// (run_time_ns, run_cnt) of a program (with bpf_stats enabled).
-fn prog_cost(id: u32) -> (u64, u64) {
-    libbpf_rs::query::ProgInfoIter::default().find(|p| p.id == id).map(|p| (p.run_time_ns, p.run_cnt)).unwrap_or((0, 0))
-}
+#[path = "common.rs"]
+mod common;
+use common::{bench_rtt, prog_cost, tcp_pair};
 
 fn noop(name: &str) -> PluginManifest {
     PluginManifest::new(name, Hook::Message)
@@ -61,23 +36,23 @@ fn plugins_rtt(c: &mut Criterion) {
     let redirected: SocketAddr = "127.0.0.1:9201".parse().expect("addr");
     let pair = EndpointPair::new(redirected.ip(), Endpoint::from(redirected)).expect("pair");
     k.dp().insert_pair(&pair, "bench").expect("register pair");
-    let mut tcp = tcp_pair(&ns, plain);
-    let mut fast = tcp_pair(&ns, redirected);
+    let mut tcp = tcp_pair(&ns, plain, MSG);
+    let mut fast = tcp_pair(&ns, redirected, MSG);
 
     let stats_enabled = std::fs::read_to_string(BPF_STATS).unwrap_or_default();
     let _ = std::fs::write(BPF_STATS, "1");
     let mut g = c.benchmark_group("rtt_64B_plugins");
     g.throughput(Throughput::Elements(1));
     g.sample_size(30).measurement_time(Duration::from_secs(4)).warm_up_time(Duration::from_secs(1));
-    bench_rtt(&mut g, "loopback_tcp", &mut tcp);
+    bench_rtt::<_, MSG>(&mut g, "loopback_tcp", &mut tcp);
     // Two rounds of 0 -> 1 -> 4 plugins: drift shows as a difference between rounds.
     let entry = k.dp().sk_msg_prog_id().expect("sk_msg prog id");
     let mut costs = Vec::new();
     let mut list = Vec::new();
     let mut measure = |g: &mut criterion::BenchmarkGroup<'_, _>, name: String, fast: &mut TcpStream| {
-        let (ns0, n0) = prog_cost(entry);
-        bench_rtt(g, &name, fast);
-        let (ns1, n1) = prog_cost(entry);
+        let (ns0, n0) = prog_cost(entry).unwrap_or_default();
+        bench_rtt::<_, MSG>(g, &name, fast);
+        let (ns1, n1) = prog_cost(entry).unwrap_or_default();
         costs.push((name, (ns1 - ns0) as f64 / (n1 - n0).max(1) as f64));
     };
     for round in ["a", "b"] {

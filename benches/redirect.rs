@@ -6,50 +6,20 @@
 //! `cargo bench -p meshwarp-benches --bench redirect` (as root).
 
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
 use std::os::unix::net::UnixStream;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use meshwarp_core::testbed::{accept_timeout, round_trip, spawn_echo, spurious_wakeups, KernelTest, NetNs};
+use meshwarp_core::testbed::{spurious_wakeups, KernelTest, NetNs};
 use meshwarp_core::{Endpoint, EndpointPair};
 
 const MSG: usize = 64;
 const BPF_STATS: &str = "/proc/sys/kernel/bpf_stats_enabled";
 
-/// (run_time_ns, run_cnt) of the loaded sk_msg program.
-fn sk_msg_cost(dp: &meshwarp_core::Dataplane) -> Option<(u64, u64)> {
-    let id = dp.sk_msg_prog_id().ok()?;
-    libbpf_rs::query::ProgInfoIter::default().find(|p| p.id == id).map(|p| (p.run_time_ns, p.run_cnt))
-}
-
-fn tcp_pair(ns: &NetNs, addr: SocketAddr) -> TcpStream {
-    let l = ns.listen(addr).expect("listen");
-    let c = ns.connect(addr).expect("connect");
-    let s = accept_timeout(&l, Duration::from_secs(5)).expect("accept");
-    c.set_nodelay(true).expect("nodelay");
-    s.set_nodelay(true).expect("nodelay");
-    spawn_echo(s, MSG);
-    c
-}
-
-fn bench_rtt<S: Read + Write>(
-    c: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
-    name: &str,
-    s: &mut S,
-) {
-    let msg = [0x42u8; MSG];
-    let mut buf = [0u8; MSG];
-    c.bench_function(name, |b| {
-        b.iter_custom(|iters| {
-            let start = Instant::now();
-            for _ in 0..iters {
-                round_trip(s, &msg, &mut buf).expect("round trip");
-            }
-            start.elapsed()
-        })
-    });
-}
+#[path = "common.rs"]
+mod common;
+use common::{bench_rtt, prog_cost, tcp_pair};
 
 fn rtt_64b(c: &mut Criterion) {
     let Some(k) = KernelTest::start(1024) else {
@@ -61,8 +31,8 @@ fn rtt_64b(c: &mut Criterion) {
     let pair = EndpointPair::new(redirected.ip(), Endpoint::from(redirected)).expect("pair");
     k.dp().insert_pair(&pair, "bench").expect("register pair");
 
-    let mut tcp = tcp_pair(&ns, plain);
-    let mut fast = tcp_pair(&ns, redirected);
+    let mut tcp = tcp_pair(&ns, plain, MSG);
+    let mut fast = tcp_pair(&ns, redirected, MSG);
     let (mut unix, peer) = UnixStream::pair().expect("unix pair");
     std::thread::spawn(move || {
         let mut peer = peer;
@@ -74,16 +44,16 @@ fn rtt_64b(c: &mut Criterion) {
     g.throughput(Throughput::Elements(1));
     g.sample_size(30).measurement_time(Duration::from_secs(4)).warm_up_time(Duration::from_secs(1));
     // Interleave the three paths across repetitions: the machine is noisy.
-    bench_rtt(&mut g, "loopback_tcp", &mut tcp);
+    bench_rtt::<_, MSG>(&mut g, "loopback_tcp", &mut tcp);
     // Per-program run time (bpf_stats) while the redirected path runs.
     let stats_enabled = std::fs::read_to_string(BPF_STATS).unwrap_or_default();
     let _ = std::fs::write(BPF_STATS, "1");
     let w0 = spurious_wakeups();
-    bench_rtt(&mut g, "sk_msg_redirect", &mut fast);
+    bench_rtt::<_, MSG>(&mut g, "sk_msg_redirect", &mut fast);
     let retried = spurious_wakeups() - w0;
-    let prog_cost = sk_msg_cost(k.dp());
+    let prog_cost = k.dp().sk_msg_prog_id().ok().and_then(prog_cost);
     let _ = std::fs::write(BPF_STATS, stats_enabled.trim());
-    bench_rtt(&mut g, "unix_socket", &mut unix);
+    bench_rtt::<_, MSG>(&mut g, "unix_socket", &mut unix);
     g.finish();
 
     let st = k.dp().pair_stats(&pair).expect("stats");

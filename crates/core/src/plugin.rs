@@ -311,7 +311,8 @@ fn io_err(path: &Path) -> impl FnOnce(io::Error) -> PluginError + '_ {
     move |source| PluginError::Io { path: path.to_path_buf(), source }
 }
 
-fn hex(b: &[u8]) -> String {
+/// Lowercase hex, as sha256 digests are shown.
+pub fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
@@ -488,8 +489,10 @@ impl FamilyMaps {
             let _ = self.clear_gen(hook, next);
             return Err(e);
         }
+        // Generation in bit 0, length from bit 8 (chain.h, mw_active_chain).
+        let active = next | ((members.len().min(CHAIN_MAX as usize) as u32) << 8);
         self.gen
-            .update(&hook.raw().to_ne_bytes(), &next.to_ne_bytes(), MapFlags::ANY)
+            .update(&hook.raw().to_ne_bytes(), &active.to_ne_bytes(), MapFlags::ANY)
             .map_err(bpf("switching the chain generation"))?;
         self.grace_period()?;
         self.clear_gen(hook, cur)

@@ -912,6 +912,39 @@ impl Drop for KernelTest {
     }
 }
 
+/// A tc data path loaded for one test in a node's namespace, with a pin root
+/// of its own; unpinned (detached) on drop.
+#[derive(Debug)]
+pub struct TcTest {
+    pub tc: Option<crate::tc::TcDataplane>,
+    pub pin_root: PathBuf,
+}
+
+impl TcTest {
+    /// Loads it for `node`; a refusal follows [`missing_feature`].
+    pub fn start(node: &NetNs) -> Option<Self> {
+        let pin_root = PathBuf::from(format!("/sys/fs/bpf/{}", unique_name("meshwarp-tctest-")));
+        let cfg = crate::tc::TcConfig { pin_root: pin_root.clone(), netns: Some(node.path()), max_routes: 64 };
+        match crate::tc::TcDataplane::open(&cfg) {
+            Ok(tc) => Some(Self { tc: Some(tc), pin_root }),
+            Err(e) => missing_feature(&format!("tc BPF: {e}")),
+        }
+    }
+
+    pub fn tc(&self) -> &crate::tc::TcDataplane {
+        self.tc.as_ref().unwrap_or_else(|| unreachable!("tc data path is present until drop"))
+    }
+}
+
+impl Drop for TcTest {
+    fn drop(&mut self) {
+        if let Some(tc) = self.tc.take() {
+            let _ = tc.teardown();
+        }
+        let _ = remove_pinned(&self.pin_root);
+    }
+}
+
 /// The policy of every kernel-facing test: a missing kernel feature fails the
 /// test when `CI=true`; elsewhere it returns `None` after saying loudly which
 /// feature is missing.

@@ -9,7 +9,6 @@
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::path::PathBuf;
 use std::thread;
 use std::time::Duration;
 
@@ -17,10 +16,9 @@ use anyhow::{ensure, Context, Result};
 use libbpf_rs::{MapCore, MapFlags, MapHandle};
 use meshwarp_bpf::plugins;
 use meshwarp_core::plugin::{PluginCounters, PluginInfo};
-use meshwarp_core::tc::{TcConfig, TcDataplane};
 use meshwarp_core::testbed::{
-    accept_timeout, echo_integrity, exchange, missing_feature, read_exact_blocking, unique_name, KernelTest,
-    NodeWithPods, OverlayEgress, StreamEcho, TwoNodes,
+    accept_timeout, echo_integrity, exchange, read_exact_blocking, KernelTest, NodeWithPods, OverlayEgress, StreamEcho,
+    TcTest, TwoNodes,
 };
 use meshwarp_core::{Endpoint, EndpointPair, FailurePolicy, Hook, Phase, PluginChain, PluginError, PluginManifest};
 
@@ -432,35 +430,11 @@ fn a_restarted_agent_adopts_loaded_plugins() -> Result<()> {
     Ok(())
 }
 
-/// A tc data path per node, removed on drop.
-struct TcNode {
-    tc: Option<TcDataplane>,
-    pin_root: PathBuf,
-}
-
-impl Drop for TcNode {
-    fn drop(&mut self) {
-        if let Some(tc) = self.tc.take() {
-            let _ = tc.teardown();
-        }
-        let _ = meshwarp_core::dataplane::remove_pinned(&self.pin_root);
-    }
-}
-
-fn tc_node(net: &NodeWithPods) -> Option<TcNode> {
-    let pin_root = PathBuf::from(format!("/sys/fs/bpf/{}", unique_name("meshwarp-plugtest-")));
-    let cfg = TcConfig { pin_root: pin_root.clone(), netns: Some(net.node.path()), max_routes: 64 };
-    match TcDataplane::open(&cfg) {
-        Ok(tc) => Some(TcNode { tc: Some(tc), pin_root }),
-        Err(e) => missing_feature(&format!("tc BPF: {e}")),
-    }
-}
-
 #[test]
 fn packet_plugin_passes_or_drops_and_unload_restores_the_fast_path() -> Result<()> {
     let nodes = TwoNodes::new(1)?;
-    let (Some(a), Some(b)) = (tc_node(&nodes.a), tc_node(&nodes.b)) else { return Ok(()) };
-    let (tc_a, tc_b) = (a.tc.as_ref().unwrap(), b.tc.as_ref().unwrap());
+    let (Some(a), Some(b)) = (TcTest::start(&nodes.a.node), TcTest::start(&nodes.b.node)) else { return Ok(()) };
+    let (tc_a, tc_b) = (a.tc(), b.tc());
     nodes.install_fast_path(tc_a, tc_b, false, OverlayEgress::Redirect)?;
     let server = SocketAddr::new(nodes.b.pods[0].addr(false), PORT);
     let listener = nodes.b.pods[0].ns.listen(server)?;

@@ -8,7 +8,6 @@
 #![allow(clippy::unwrap_used)]
 
 use std::net::{IpAddr, SocketAddr};
-use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
@@ -17,9 +16,7 @@ use meshwarp_core::registry::Outcome;
 use meshwarp_core::tc::{
     Direction, IfaceRef, InterfaceRoute, MacRewrite, Prefix, RouteAction, TcConfig, TcDataplane, TcError,
 };
-use meshwarp_core::testbed::{
-    accept_timeout, exchange, link_in, missing_feature, unique_name, NodeWithPods, OverlayEgress, TwoNodes,
-};
+use meshwarp_core::testbed::{accept_timeout, exchange, link_in, NodeWithPods, OverlayEgress, TcTest, TwoNodes};
 
 const T: Duration = Duration::from_secs(60);
 const PORT: u16 = 8080;
@@ -27,31 +24,16 @@ const PORT: u16 = 8080;
 /// A tc data path per node, removed on drop.
 struct Node<'a> {
     net: &'a NodeWithPods,
-    tc: Option<TcDataplane>,
-    pin_root: PathBuf,
-}
-
-impl Drop for Node<'_> {
-    fn drop(&mut self) {
-        if let Some(tc) = self.tc.take() {
-            let _ = tc.teardown();
-        }
-        let _ = meshwarp_core::dataplane::remove_pinned(&self.pin_root);
-    }
+    t: TcTest,
 }
 
 impl<'a> Node<'a> {
     fn open(net: &'a NodeWithPods) -> Option<Self> {
-        let pin_root = PathBuf::from(format!("/sys/fs/bpf/{}", unique_name("meshwarp-tctest-")));
-        let cfg = TcConfig { pin_root: pin_root.clone(), netns: Some(net.node.path()), max_routes: 64 };
-        match TcDataplane::open(&cfg) {
-            Ok(tc) => Some(Self { net, tc: Some(tc), pin_root }),
-            Err(e) => missing_feature(&format!("tc BPF: {e}")),
-        }
+        Some(Self { net, t: TcTest::start(&net.node)? })
     }
 
     fn tc(&self) -> &TcDataplane {
-        self.tc.as_ref().unwrap()
+        self.t.tc()
     }
 
     fn link(&self, name: &str) -> Link {
@@ -192,8 +174,11 @@ fn invalid_routes_are_refused_and_change_nothing() -> Result<()> {
     ensure!(na.tc().routes().len() == 1);
     // Adoption: a second handle on the same pins sees the same route and attachments.
     na.tc().attach(&IfaceRef::Name("vpod0".into()), Direction::Ingress)?;
-    let again =
-        TcDataplane::open(&TcConfig { pin_root: na.pin_root.clone(), netns: Some(net.a.node.path()), max_routes: 64 })?;
+    let again = TcDataplane::open(&TcConfig {
+        pin_root: na.t.pin_root.clone(),
+        netns: Some(net.a.node.path()),
+        max_routes: 64,
+    })?;
     ensure!(again.routes().len() == 1 && again.routes()[0].route.dst == base.dst);
     ensure!(again.attachments() == na.tc().attachments() && again.attachments().len() == 1);
     ensure!(again.routes()[0].owner == "test", "owners survive adoption");
@@ -257,8 +242,11 @@ fn a_deleted_pod_leaves_no_route_on_its_old_interface() -> Result<()> {
     net.a.node.ip(&["link", "add", "vpod0", "type", "veth", "peer", "name", "vpod0p"])?;
     let new_if = na.link("vpod0").index;
     ensure!(new_if != old_if);
-    let again =
-        TcDataplane::open(&TcConfig { pin_root: na.pin_root.clone(), netns: Some(net.a.node.path()), max_routes: 64 })?;
+    let again = TcDataplane::open(&TcConfig {
+        pin_root: na.t.pin_root.clone(),
+        netns: Some(net.a.node.path()),
+        max_routes: 64,
+    })?;
     ensure!(
         again.routes().iter().all(|r| r.attach_ifindex != old_if && r.attach_ifindex != new_if),
         "the maps hold no route for vpod0"

@@ -605,7 +605,7 @@ mod route_tests {
 
 // ---- plugins ----
 
-use meshwarp_core::plugin::{PluginCounters, PluginInfo};
+use meshwarp_core::plugin::{hex, PluginCounters, PluginInfo};
 use meshwarp_core::{FailurePolicy, Hook, Phase, PluginManifest};
 
 pub fn hook_to_pb(h: Hook) -> i32 {
@@ -623,10 +623,6 @@ fn phase_to_pb(p: Phase) -> i32 {
         Phase::Stats => pb::PluginPhase::Stats,
         Phase::Unspecified => pb::PluginPhase::Unspecified,
     }) as i32
-}
-
-fn hex32(b: &[u8; 32]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
 fn parse_hex32(s: &str) -> Option<[u8; 32]> {
@@ -713,7 +709,7 @@ fn manifest_to_pb(m: &PluginManifest) -> pb::PluginManifest {
             FailurePolicy::Open => pb::FailurePolicy::FailOpen,
             FailurePolicy::Closed => pb::FailurePolicy::FailClosed,
         }) as i32,
-        sha256: m.sha256.as_ref().map(hex32).unwrap_or_default(),
+        sha256: m.sha256.as_ref().map(|d| hex(d)).unwrap_or_default(),
     }
 }
 
@@ -740,7 +736,7 @@ pub fn plugin_to_pb(p: &PluginInfo) -> pb::Plugin {
         id: p.id,
         prog_id: p.prog_id,
         abi_version: format!("{}.{}", p.abi.0, p.abi.1),
-        sha256: hex32(&p.sha256),
+        sha256: hex(&p.sha256),
         config: p.config.clone(),
         position: p.position,
         counters: Some(plugin_counters_to_pb(p.manifest.hook, &p.counters)),

@@ -25,8 +25,8 @@
 		__type(value, struct mw_sock_state);             \
 	} mw_sk_state SEC(".maps")
 
-/* Chain positions of both generations, all hooks; the active generation per
- * hook; configs (two slots per plugin, so an update never tears); counters. */
+/* Chain positions of both generations, all hooks; the active generation and
+ * its length per hook (see mw_active_chain); configs (two slots per plugin, so an update never tears); counters. */
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
 	__uint(max_entries, 2 * MW_HOOKS * MW_CHAIN_MAX);
@@ -122,11 +122,16 @@ static __always_inline __u32 mw_cb_chain(__u32 gen, __u32 pos, __u32 dir)
 	return MW_CB_MAGIC | (dir << 12) | (gen << 8) | pos;
 }
 
-static __always_inline __u32 mw_active_gen(__u32 hook)
+/* The hook's active chain: its length (0: no plugins), and its generation in
+ * *gen. mw_chain_gen[hook] holds the generation in bit 0 and the length from
+ * bit 8, so a hook without plugins costs one lookup. */
+static __always_inline __u32 mw_active_chain(__u32 hook, __u32 *gen)
 {
 	__u32 *g = bpf_map_lookup_elem(&mw_chain_gen, &hook);
+	__u32 v = g ? *g : 0;
 
-	return g ? (*g & 1) : 0;
+	*gen = v & 1;
+	return v >> 8;
 }
 
 /* The plugin at a chain position; NULL (or plugin_id 0) past the chain's end. */

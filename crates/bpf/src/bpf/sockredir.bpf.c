@@ -413,12 +413,11 @@ static __always_inline void on_established(struct bpf_sock_ops *skops, const str
 static __always_inline void run_conn_chain(struct bpf_sock_ops *skops, const struct tuple *t, __u32 op,
 					   bool *declined)
 {
-	__u32 gen = mw_active_gen(MW_HOOK_CONNECTION), id;
-	const struct mw_chain_pos *p = mw_chain_at(gen, MW_HOOK_CONNECTION, 0);
 	struct bpf_sock *sk = skops->sk;
 	struct mw_sock_state *st;
+	__u32 gen, id;
 
-	if (!p || !p->plugin_id || !sk)
+	if (!mw_active_chain(MW_HOOK_CONNECTION, &gen) || !sk)
 		return;
 	id = covering_rule(skops, t, op == BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB);
 	if (id == MW_NO_ID)
@@ -530,16 +529,13 @@ SEC("sk_msg")
 int mw_sk_msg(struct sk_msg_md *msg)
 {
 	struct bpf_sock *sk = msg->sk;
-	const struct mw_chain_pos *p;
 	struct mw_sock_state *st;
 	__u32 gen;
 
 	st = msg_state(sk);
 	if (!st || !sk)
 		return SK_PASS;
-	gen = mw_active_gen(MW_HOOK_MESSAGE);
-	p = mw_chain_at(gen, MW_HOOK_MESSAGE, 0);
-	if (p && p->plugin_id) {
+	if (mw_active_chain(MW_HOOK_MESSAGE, &gen)) {
 		st->flags = mw_sock_chain_set(st->flags, gen, 0);
 		bpf_tail_call(msg, &mw_ch_msg, gen * MW_CHAIN_MAX);
 		if (mw_chain_fails_closed(gen, MW_HOOK_MESSAGE, 0))

@@ -190,10 +190,9 @@ static __always_inline int finish(struct __sk_buff *skb, __u32 dir, const struct
 static __always_inline int handle(struct __sk_buff *skb, __u32 dir)
 {
 	struct mw_route *r = lookup_route(skb, dir);
-	__u32 gen = mw_active_gen(MW_HOOK_PACKET);
-	const struct mw_chain_pos *p = mw_chain_at(gen, MW_HOOK_PACKET, 0);
+	__u32 gen;
 
-	if (p && p->plugin_id) {
+	if (mw_active_chain(MW_HOOK_PACKET, &gen)) {
 		skb->cb[MW_CB_CHAIN] = mw_cb_chain(gen, 0, dir);
 		skb->cb[MW_CB_ROUTE] = r ? r->id : MW_NO_ID;
 		bpf_tail_call(skb, &mw_ch_pkt, gen * MW_CHAIN_MAX);
