@@ -35,9 +35,8 @@
  * The object carries its ABI version in the ".mw_abi" section; the host refuses
  * another major and a newer minor than its own. This header also defines the
  * object's single program (mw_plugin), the shared maps it reuses from the host,
- * and its license ("Dual BSD/GPL", as the host's programs: tail calls into a
- * GPL program need a GPL-compatible license). A plugin may declare maps of its
- * own; they are pinned under the plugin's directory for tools to read.
+ * and its license ("Dual BSD/GPL", as the host's programs). A plugin may
+ * declare maps of its own; they are pinned under the plugin's directory for tools to read.
  */
 #ifndef MESHWARP_PLUGIN_H
 #define MESHWARP_PLUGIN_H
