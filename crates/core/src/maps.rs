@@ -129,13 +129,24 @@ impl KernelMaps {
         idx: u32,
         add: impl Fn(&mut T, &T),
     ) -> Result<T, MapError> {
-        let mut total = T::default();
-        let per_cpu = map.lookup_percpu(&idx.to_ne_bytes(), MapFlags::ANY).map_err(kernel("lookup", name))?;
-        for v in per_cpu.unwrap_or_default() {
-            add(&mut total, &decode::<T>(name, &v)?);
-        }
-        Ok(total)
+        sum_percpu(map, &idx.to_ne_bytes(), add).map_err(kernel("lookup", name))
     }
+}
+
+/// A per-CPU map entry summed over CPUs with `add`; a value of another size
+/// than `T` is an error (a map of another layout).
+pub(crate) fn sum_percpu<T: Pod>(map: &MapHandle, key: &[u8], add: impl Fn(&mut T, &T)) -> Result<T, libbpf_rs::Error> {
+    let mut total = T::default();
+    for v in map.lookup_percpu(key, MapFlags::ANY)?.unwrap_or_default() {
+        let x = T::from_bytes(&v).ok_or_else(|| {
+            libbpf_rs::Error::from(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("per-CPU value of {} bytes, expected {}", v.len(), size_of::<T>()),
+            ))
+        })?;
+        add(&mut total, &x);
+    }
+    Ok(total)
 }
 
 /// Adds `b` into `a` field by field.

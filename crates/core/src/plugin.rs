@@ -499,20 +499,23 @@ impl FamilyMaps {
     }
 
     fn counters(&self, id: u32) -> Result<PluginCounters, PluginError> {
-        let per_cpu =
-            self.stats.lookup_percpu(&id.to_ne_bytes(), MapFlags::ANY).map_err(bpf("reading mw_plug_stats"))?;
-        let mut c = PluginCounters::default();
-        for v in per_cpu.unwrap_or_default() {
-            if let Some(s) = PluginStats::from_bytes(&v) {
-                c.runs += s.runs;
-                c.continued += s.cont;
-                c.verdict1 += s.verdict1;
-                c.dropped += s.drop;
-                c.invalid += s.invalid;
-                c.missing += s.missing;
-            }
-        }
-        Ok(c)
+        let s = crate::maps::sum_percpu(&self.stats, &id.to_ne_bytes(), |a: &mut PluginStats, b| {
+            a.runs += b.runs;
+            a.cont += b.cont;
+            a.verdict1 += b.verdict1;
+            a.drop += b.drop;
+            a.invalid += b.invalid;
+            a.missing += b.missing;
+        })
+        .map_err(bpf("reading mw_plug_stats"))?;
+        Ok(PluginCounters {
+            runs: s.runs,
+            continued: s.cont,
+            verdict1: s.verdict1,
+            dropped: s.drop,
+            invalid: s.invalid,
+            missing: s.missing,
+        })
     }
 
     fn reset_counters(&self, id: u32) -> Result<(), PluginError> {

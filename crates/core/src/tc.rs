@@ -396,16 +396,6 @@ fn load_and_pin(cfg: &TcConfig, dir: &Path) -> Result<(), TcError> {
     Ok(())
 }
 
-fn sum_percpu<T: Pod>(map: &MapHandle, key: &[u8], add: impl Fn(&mut T, &T)) -> Result<T, TcError> {
-    let mut total = T::default();
-    for v in map.lookup_percpu(key, MapFlags::ANY).map_err(bpf("reading counters"))?.unwrap_or_default() {
-        if let Some(x) = T::from_bytes(&v) {
-            add(&mut total, &x);
-        }
-    }
-    Ok(total)
-}
-
 impl TcDataplane {
     /// Adopts the tc data path pinned under `cfg.pin_root`, or loads and pins it.
     pub fn open(cfg: &TcConfig) -> Result<Self, TcError> {
@@ -911,20 +901,22 @@ impl TcDataplane {
 
     /// Packets and bytes a route redirected, and redirects the kernel refused.
     pub fn route_stats(&self, r: &InstalledRoute) -> Result<RouteStats, TcError> {
-        sum_percpu(&self.rt_stats, &r.id.to_ne_bytes(), |a: &mut RouteStats, b| {
+        crate::maps::sum_percpu(&self.rt_stats, &r.id.to_ne_bytes(), |a: &mut RouteStats, b| {
             a.packets += b.packets;
             a.bytes += b.bytes;
             a.redirect_err += b.redirect_err;
         })
+        .map_err(bpf("reading route counters"))
     }
 
     /// Packets seen and misses of one attach point.
     pub fn attach_stats(&self, ifindex: u32, dir: Direction) -> Result<AttachStats, TcError> {
         let k = AttachKey { ifindex, dir: dir.raw() };
-        sum_percpu(&self.att_stats, k.as_bytes(), |a: &mut AttachStats, b| {
+        crate::maps::sum_percpu(&self.att_stats, k.as_bytes(), |a: &mut AttachStats, b| {
             a.packets += b.packets;
             a.misses += b.misses;
         })
+        .map_err(bpf("reading attachment counters"))
     }
 
     /// Detaches and unpins everything.

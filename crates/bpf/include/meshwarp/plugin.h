@@ -166,9 +166,29 @@ static __always_inline void mw__ctx_init(struct mw_ctx *c, const struct mw_chain
 		}                                                                        \
 	} while (0)
 
-#if MW_PLUGIN_HOOK == MW_HOOK_CONNECTION
+#if MW_PLUGIN_HOOK == MW_HOOK_CONNECTION || MW_PLUGIN_HOOK == MW_HOOK_MESSAGE
 
 MW_DEFINE_SK_STATE_MAP();
+
+/* The socket's chain state and the plugin at the position it reached; NULL:
+ * nothing to run (the socket is not one meshwarp handles). */
+static __always_inline const struct mw_chain_pos *mw__sock_step(struct bpf_sock *sk, struct mw_sock_state **st,
+								 __u32 *gen, __u32 *pos)
+{
+	if (!sk)
+		return NULL;
+	*st = bpf_sk_storage_get(&mw_sk_state, sk, 0, 0);
+	if (!*st)
+		return NULL;
+	*gen = mw_sock_chain_gen((*st)->flags);
+	*pos = mw_sock_chain_pos((*st)->flags);
+	return mw_chain_at(*gen, MW_PLUGIN_HOOK, *pos);
+}
+
+#endif
+
+#if MW_PLUGIN_HOOK == MW_HOOK_CONNECTION
+
 MW_DEFINE_CHAIN_PROGS(mw_ch_conn);
 
 #define MW_PLUGIN(fn)                                                                    \
@@ -183,14 +203,7 @@ MW_DEFINE_CHAIN_PROGS(mw_ch_conn);
 		__u32 gen, pos;                                                          \
 		int v;                                                                   \
                                                                                          \
-		if (!sk)                                                                 \
-			return 1;                                                        \
-		st = bpf_sk_storage_get(&mw_sk_state, sk, 0, 0);                         \
-		if (!st)                                                                 \
-			return 1;                                                        \
-		gen = mw_sock_chain_gen(st->flags);                                      \
-		pos = mw_sock_chain_pos(st->flags);                                      \
-		p = mw_chain_at(gen, MW_HOOK_CONNECTION, pos);                           \
+		p = mw__sock_step(sk, &st, &gen, &pos);                                  \
 		if (!p)                                                                  \
 			return 1;                                                        \
 		mw__ctx_init(&c, p, st->rule_id);                                        \
@@ -212,7 +225,6 @@ MW_DEFINE_CHAIN_PROGS(mw_ch_conn);
 
 #elif MW_PLUGIN_HOOK == MW_HOOK_MESSAGE
 
-MW_DEFINE_SK_STATE_MAP();
 MW_DEFINE_CHAIN_PROGS(mw_ch_msg);
 
 #define MW_PLUGIN(fn)                                                                    \
@@ -227,14 +239,7 @@ MW_DEFINE_CHAIN_PROGS(mw_ch_msg);
 		__u32 gen, pos;                                                          \
 		int v;                                                                   \
                                                                                          \
-		if (!sk)                                                                 \
-			return SK_PASS;                                                  \
-		st = bpf_sk_storage_get(&mw_sk_state, sk, 0, 0);                         \
-		if (!st)                                                                 \
-			return SK_PASS;                                                  \
-		gen = mw_sock_chain_gen(st->flags);                                      \
-		pos = mw_sock_chain_pos(st->flags);                                      \
-		p = mw_chain_at(gen, MW_HOOK_MESSAGE, pos);                              \
+		p = mw__sock_step(sk, &st, &gen, &pos);                                  \
 		if (!p)                                                                  \
 			return SK_PASS;                                                  \
 		mw__ctx_init(&c, p, st->rule_id);                                        \
