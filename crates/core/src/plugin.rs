@@ -536,7 +536,6 @@ struct Plugin {
     id: u32,
     manifest: PluginManifest,
     abi: (u16, u16),
-    sha256: [u8; 32],
     cfg_slot: u32,
     config: Vec<u8>,
     prog: ProgramHandle,
@@ -561,8 +560,13 @@ impl Plugin {
             flags: self.flags(),
             cfg_slot: self.cfg_slot,
             abi: (u32::from(self.abi.0) << 16) | u32::from(self.abi.1),
-            sha256: self.sha256,
+            sha256: self.sha256(),
         }
+    }
+
+    /// The object's digest: the manifest carries it once loaded.
+    fn sha256(&self) -> [u8; 32] {
+        self.manifest.sha256.unwrap_or_default()
     }
 
     fn order(&self) -> (Phase, Reverse<i32>, &str) {
@@ -677,7 +681,6 @@ impl PluginChain {
                 let plugin = Plugin {
                     id,
                     abi: ((meta.abi >> 16) as u16, meta.abi as u16),
-                    sha256: meta.sha256,
                     cfg_slot: meta.cfg_slot,
                     config,
                     prog,
@@ -766,7 +769,7 @@ impl PluginChain {
         let mut manifest = manifest.clone();
         manifest.sha256 = Some(sha256);
         let plugin =
-            Plugin { id, manifest, abi: (abi.major, abi.minor), sha256, cfg_slot, config: config.to_vec(), prog, maps };
+            Plugin { id, manifest, abi: (abi.major, abi.minor), cfg_slot, config: config.to_vec(), prog, maps };
         let installed = fam
             .meta
             .update(&id.to_ne_bytes(), plugin.meta().as_bytes(), MapFlags::ANY)
@@ -866,7 +869,7 @@ impl PluginChain {
             id: p.id,
             prog_id,
             abi: p.abi,
-            sha256: p.sha256,
+            sha256: p.sha256(),
             config: p.config.clone(),
             position,
             counters: fam.counters(p.id)?,
