@@ -19,7 +19,7 @@ pub fn tcp_pair(ns: &NetNs, addr: SocketAddr, msg_len: usize) -> TcpStream {
 }
 
 /// One criterion function: round trips of `MSG` bytes over `s`.
-pub fn bench_rtt<S: Read + Write, const MSG: usize>(
+pub fn bench_rtt<S: Read + Write + std::os::fd::AsFd, const MSG: usize>(
     c: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
     name: &str,
     s: &mut S,

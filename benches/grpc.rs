@@ -43,6 +43,7 @@ fn control_path(c: &mut Criterion) {
             cgroup: Some(cgroup.path.clone()),
             max_rules: 131_072,
             max_sockets: 1024,
+            ..DataplaneConfig::default()
         },
         server: ServerConfig { max_batch_size: 10_000, ..ServerConfig::default() },
         socket: Some(socket.clone()),

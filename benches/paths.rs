@@ -16,7 +16,9 @@ use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use meshwarp_core::testbed::{accept_timeout, read_exact_blocking, redirect_output, spawn_echo, KernelTest, NetNs};
+use meshwarp_core::testbed::{
+    accept_timeout, read_exact_ready, read_ready, redirect_output, spawn_echo, write_all_ready, KernelTest, NetNs,
+};
 use meshwarp_core::{CaptureRule, Endpoint, EndpointPair};
 
 const SIZES: [usize; 5] = [64, 1024, 16 * 1024, 64 * 1024, 1 << 20];
@@ -55,11 +57,11 @@ fn unix_echo(msg: usize) -> UnixStream {
     c
 }
 
-fn rtt<S: Read + Write>(s: &mut S, msg: &[u8], buf: &mut [u8], iters: u64) -> Duration {
+fn rtt<S: Read + Write + std::os::fd::AsFd>(s: &mut S, msg: &[u8], buf: &mut [u8], iters: u64) -> Duration {
     let t = Instant::now();
     for _ in 0..iters {
-        s.write_all(msg).expect("write");
-        read_exact_blocking(s, buf, None).expect("read");
+        write_all_ready(s, msg, None).expect("write");
+        read_exact_ready(s, buf, None).expect("read");
     }
     t.elapsed()
 }
@@ -171,7 +173,7 @@ fn one_stream(ns: &NetNs, addr: SocketAddr, conns: usize, nodelay: bool, write: 
                 let mut buf = vec![0u8; 64 * 1024];
                 let mut got = 0;
                 while got < each {
-                    match meshwarp_core::testbed::read_blocking(&mut s, &mut buf, Some(Duration::from_secs(30))) {
+                    match read_ready(&mut s, &mut buf, Some(Duration::from_secs(30))) {
                         Ok(0) => break,
                         Ok(n) => got += n,
                         Err(e) => panic!("stream read: {e}"),
@@ -183,7 +185,7 @@ fn one_stream(ns: &NetNs, addr: SocketAddr, conns: usize, nodelay: bool, write: 
                 let chunk = vec![0x42u8; write];
                 let mut sent = 0;
                 while sent < each {
-                    c.write_all(&chunk[..write.min(each - sent)]).expect("stream write");
+                    write_all_ready(&mut c, &chunk[..write.min(each - sent)], None).expect("stream write");
                     sent += write;
                 }
             });

@@ -11,7 +11,7 @@ use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use meshwarp_core::testbed::{spurious_wakeups, KernelTest, NetNs};
+use meshwarp_core::testbed::{KernelTest, NetNs};
 use meshwarp_core::{Endpoint, EndpointPair};
 
 const MSG: usize = 64;
@@ -48,9 +48,7 @@ fn rtt_64b(c: &mut Criterion) {
     // Per-program run time (bpf_stats) while the redirected path runs.
     let stats_enabled = std::fs::read_to_string(BPF_STATS).unwrap_or_default();
     let _ = std::fs::write(BPF_STATS, "1");
-    let w0 = spurious_wakeups();
     bench_rtt::<_, MSG>(&mut g, "sk_msg_redirect", &mut fast);
-    let retried = spurious_wakeups() - w0;
     let prog_cost = k.dp().sk_msg_prog_id().ok().and_then(prog_cost);
     let _ = std::fs::write(BPF_STATS, stats_enabled.trim());
     bench_rtt::<_, MSG>(&mut g, "unix_socket", &mut unix);
@@ -62,10 +60,6 @@ fn rtt_64b(c: &mut Criterion) {
     if let Some((ns, runs)) = prog_cost {
         eprintln!("sk_msg program: {:.0} ns per run over {runs} runs (bpf_stats)", ns as f64 / runs as f64);
     }
-    eprintln!(
-        "blocking reads retried after EAGAIN on the redirected path: {retried} ({:.3} per redirected message)",
-        retried as f64 / st.redirected_msgs as f64
-    );
 }
 
 criterion_group!(benches, rtt_64b);

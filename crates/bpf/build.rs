@@ -22,6 +22,9 @@ fn clang_args(include: &Path, bpf_dir: &Path) -> Vec<OsString> {
         bpf_dir.as_os_str().to_owned(),
         "-Wall".into(),
         "-Werror".into(),
+        // BPF ISA v3: 32-bit atomics with fetch (flags shared between
+        // programs); every kernel meshwarp supports runs it.
+        "-mcpu=v3".into(),
     ]
 }
 

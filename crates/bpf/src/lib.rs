@@ -62,7 +62,20 @@ pub mod names {
     pub const MAP_SOCKHASH: &str = "mw_sockhash";
     pub const MAP_PAIRS: &str = "mw_pairs";
     pub const MAP_CAPTURE: &str = "mw_capture";
-    pub const MAP_ORIGINS: &str = "mw_origins";
+    pub const MAP_LINKS: &str = "mw_links";
+    pub const MAP_COOKIES: &str = "mw_cookies";
+    pub const MAP_SK_OWNER: &str = "mw_sk_owner";
+    pub const MAP_EXES: &str = "mw_exes";
+    pub const MAP_EXE_CLASS: &str = "mw_exe_class";
+    pub const MAP_SERVICES: &str = "mw_services";
+    pub const MAP_CONFIG: &str = "mw_config";
+    pub const MAP_DOOMED: &str = "mw_doomed";
+    pub const MAP_EVENTS: &str = "mw_events";
+    /// The reader guard's programs (sockredir family).
+    pub const PROG_RECV_LEN: &str = "mw_recv_len";
+    pub const PROG_SYS_ENTER: &str = "mw_sys_enter";
+    pub const PROG_SETSOCKOPT: &str = "mw_setsockopt";
+    pub const PROG_DESTROY: &str = "mw_destroy";
     pub const MAP_SK_STATE: &str = "mw_sk_state";
     pub const MAP_STATS: &str = "mw_stats";
     pub const MAP_GLOBAL: &str = "mw_global";
@@ -107,12 +120,20 @@ pub mod names {
         MAP_GRACE,
     ];
     /// Every map of the sockredir family, in pin order.
-    pub const SOCKREDIR_MAPS: [&str; 16] = [
+    pub const SOCKREDIR_MAPS: [&str; 24] = [
         MAP_SOCKHASH,
         MAP_PAIRS,
         MAP_CAPTURE,
-        MAP_ORIGINS,
+        MAP_LINKS,
+        MAP_COOKIES,
         MAP_SK_STATE,
+        MAP_SK_OWNER,
+        MAP_EXES,
+        MAP_EXE_CLASS,
+        MAP_SERVICES,
+        MAP_CONFIG,
+        MAP_DOOMED,
+        MAP_EVENTS,
         MAP_STATS,
         MAP_GLOBAL,
         MAP_OWNERS,
@@ -142,6 +163,10 @@ mod tests {
             names::PROG_MSG_FIN,
             names::PROG_PKT_FIN,
             names::PROG_PLUGIN,
+            names::PROG_RECV_LEN,
+            names::PROG_SYS_ENTER,
+            names::PROG_SETSOCKOPT,
+            names::PROG_DESTROY,
         ];
         all.extend(names::SOCKREDIR_MAPS);
         all.extend(names::TCREDIR_MAPS);

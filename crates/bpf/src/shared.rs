@@ -7,15 +7,52 @@
 use std::net::IpAddr;
 
 /// `MW_SCHEMA_VERSION`: bumped whenever a pinned map's key or value changes.
-pub const SCHEMA_VERSION: u32 = 2;
+pub const SCHEMA_VERSION: u32 = 3;
 
 pub const AF_INET: u32 = 2;
 pub const AF_INET6: u32 = 10;
 
-/// `enum mw_key_kind`.
-pub const KEY_TUPLE: u32 = 1;
-pub const KEY_ORIGIN: u32 = 2;
-pub const KEY_CAPTURED: u32 = 3;
+/// `MW_END_*`: which end of a connection a socket is.
+pub const END_CLIENT: u32 = 0;
+pub const END_SERVER: u32 = 1;
+/// `MW_RULE_NO_TARGET_*` (`mw_rule.flags`).
+pub const RULE_NO_TARGET_CLIENT: u32 = 1;
+pub const RULE_NO_TARGET_SERVER: u32 = 2;
+/// `MW_LINK_*` (`mw_link.kind`).
+pub const LINK_MIRROR: u32 = 1;
+pub const LINK_CAPTURE: u32 = 2;
+/// `MW_LINK_*` (`mw_link.flags`).
+pub const LINK_CLAIMED: u32 = 1;
+pub const LINK_POISONED: u32 = 2;
+pub const LINK_HIT: u32 = 4;
+/// `MW_EF_*` (`mw_link.end_flags`).
+pub const EF_PSOCK: u32 = 1;
+pub const EF_TARGET: u32 = 2;
+pub const EF_NOSEND: u32 = 4;
+pub const EF_CLOSED: u32 = 8;
+pub const EF_R_SPLICE: u32 = 0x100;
+pub const EF_R_LOWAT: u32 = 0x200;
+pub const EF_R_ULP: u32 = 0x400;
+pub const EF_R_RULE: u32 = 0x800;
+/// `MW_EXE_*` (`mw_exe_class.flags`, `mw_exe.flags`).
+pub const EXE_CLASSIFIED: u32 = 1;
+pub const EXE_SPLICE: u32 = 2;
+pub const EXE_OPAQUE: u32 = 4;
+pub const EXE_TRUSTED: u32 = 8;
+pub const EXE_PENDING: u32 = 0x10;
+pub const EXE_SEEN_SPLICE: u32 = 0x100;
+pub const EXE_SEEN_BLOCKING: u32 = 0x200;
+pub const EXE_SEEN_NONBLOCKING: u32 = 0x400;
+pub const EXE_SEEN_FIONREAD: u32 = 0x800;
+/// `MW_CFG_*` (`mw_config.flags`).
+pub const CFG_GUARD: u32 = 1;
+pub const CFG_SPLICE_BLIND: u32 = 2;
+pub const CFG_FIONREAD_PSOCK: u32 = 4;
+pub const CFG_BLOCKING_EAGAIN: u32 = 8;
+/// `MW_EV_*` (`mw_event.type`).
+pub const EV_CLASSIFY: u32 = 1;
+pub const EV_SPLICE_HIT: u32 = 2;
+pub const EV_SPLICE_SEEN: u32 = 3;
 
 /// An address as the BPF programs store it: four words in network byte order.
 pub type RawAddr = [u32; 4];
@@ -74,17 +111,13 @@ pub unsafe trait Pod: Copy + Default + 'static {
     }
 }
 
-/// `struct mw_sock_key`: a SOCKHASH key.
+/// `struct mw_sock_key`: a SOCKHASH key, the connection's link and the end.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub struct SockKey {
-    pub local_ip: RawAddr,
-    pub remote_ip: RawAddr,
-    pub local_port: u32,
-    pub remote_port: u32,
-    pub netns: u64,
-    pub family: u32,
-    pub kind: u32,
+    pub link: u64,
+    pub end: u32,
+    pub pad: u32,
 }
 
 /// `struct mw_pair_key`: a mirror-pairing rule.
@@ -114,35 +147,120 @@ pub struct Rule {
     pub id: u32,
     pub listener_port: u32,
     pub listener_ip: RawAddr,
+    pub flags: u32,
+    pub pad: u32,
 }
 
-/// `struct mw_endpoint_key`.
+/// `struct mw_exe_key`: an executable by device (kernel encoding) and inode.
 #[repr(C)]
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
-pub struct EndpointKey {
-    pub ip: RawAddr,
-    pub port: u32,
-    pub family: u32,
-    pub netns: u64,
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ExeKey {
+    pub dev: u64,
+    pub ino: u64,
 }
 
-/// `struct mw_origin`.
+/// `struct mw_link`: a connection both of whose ends are accelerated.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Origin {
+pub struct Link {
+    pub family: u32,
+    pub kind: u32,
+    pub client_ip: RawAddr,
+    pub server_ip: RawAddr,
+    pub client_port: u32,
+    pub server_port: u32,
     pub rule_id: u32,
-    pub listener_port: u32,
-    pub listener_ip: RawAddr,
-    pub cookie: u64,
+    pub flags: u32,
+    pub end_flags: [u32; 2],
+    pub cookie: [u64; 2],
+    pub exe: [ExeKey; 2],
+}
+
+/// `struct mw_cookie_val`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CookieVal {
+    pub link: u64,
+    pub end: u32,
+    pub rule_id: u32,
 }
 
 /// `struct mw_sock_state`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct SockState {
-    pub peer: SockKey,
+    pub link: u64,
     pub rule_id: u32,
     pub flags: u32,
+    pub end: u32,
+    pub learn: u32,
+}
+
+/// `struct mw_sock_owner`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SockOwner {
+    pub exe: ExeKey,
+    pub tgid: u32,
+    pub flags: u32,
+}
+
+/// `struct mw_exe`: what the programs saw an executable do.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Exe {
+    pub flags: u32,
+    pub tgid: u32,
+    pub comm: [u8; 16],
+}
+
+/// `struct mw_exe_class`: how user space classified an executable.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ExeClass {
+    pub flags: u32,
+    pub pad: u32,
+}
+
+/// `struct mw_service_key`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct ServiceKey {
+    pub netns: u64,
+    pub port: u32,
+    pub family: u32,
+}
+
+/// `struct mw_config`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Config {
+    pub flags: u32,
+    pub pad: u32,
+}
+
+/// `struct mw_event`: what the programs tell user space.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Event {
+    pub kind: u32,
+    pub pid: u32,
+    pub tgid: u32,
+    pub rule_id: u32,
+    pub comm: [u8; 16],
+    pub exe: ExeKey,
+    pub link: u64,
+    pub cookie: u64,
+    pub peer_cookie: u64,
+    pub netns: u64,
+    pub end: u32,
+    pub pending: u32,
+    pub family: u32,
+    pub client_port: u32,
+    pub server_port: u32,
+    pub pad: u32,
+    pub client_ip: RawAddr,
+    pub server_ip: RawAddr,
 }
 
 /// `struct mw_rule_stats`: per-rule counters (one per CPU).
@@ -156,6 +274,13 @@ pub struct RuleStats {
     pub fb_tcp_path: u64,
     pub fb_map_full: u64,
     pub fb_insert_err: u64,
+    pub fb_collision: u64,
+    pub fb_reader: u64,
+    pub fb_splice: u64,
+    pub fb_lowat: u64,
+    pub fb_ulp: u64,
+    pub ulp_refused: u64,
+    pub splice_hits: u64,
 }
 
 /// `MW_OWNER_LEN`: bytes of an owner name, NUL padding included.
@@ -199,6 +324,7 @@ pub struct GlobalStats {
     pub established: u64,
     pub not_covered: u64,
     pub no_state: u64,
+    pub no_link: u64,
 }
 
 /// `enum mw_route_action`.
@@ -279,7 +405,7 @@ pub struct AttachStats {
 // SAFETY: all are repr(C), made of u32/u64 fields laid out without padding
 // (checked by the layout tests below), valid for any bit pattern.
 /// `MW_ABI_MAJOR` / `MW_ABI_MINOR`: the plugin ABI this host offers.
-pub const ABI_MAJOR: u16 = 1;
+pub const ABI_MAJOR: u16 = 2;
 pub const ABI_MINOR: u16 = 0;
 /// `MW_HOOK_*`.
 pub const HOOK_CONNECTION: u32 = 1;
@@ -413,8 +539,15 @@ unsafe impl Pod for SockKey {}
 unsafe impl Pod for PairKey {}
 unsafe impl Pod for CaptureKey {}
 unsafe impl Pod for Rule {}
-unsafe impl Pod for EndpointKey {}
-unsafe impl Pod for Origin {}
+unsafe impl Pod for ExeKey {}
+unsafe impl Pod for Link {}
+unsafe impl Pod for CookieVal {}
+unsafe impl Pod for SockOwner {}
+unsafe impl Pod for Exe {}
+unsafe impl Pod for ExeClass {}
+unsafe impl Pod for ServiceKey {}
+unsafe impl Pod for Config {}
+unsafe impl Pod for Event {}
 unsafe impl Pod for SockState {}
 unsafe impl Pod for RuleStats {}
 unsafe impl Pod for GlobalStats {}
@@ -451,19 +584,48 @@ mod tests {
 
     #[test]
     fn mirrors_match_btf_layout() {
-        same_layout!(SockKey, types::mw_sock_key, [local_ip, remote_ip, local_port, remote_port, netns, family, kind]);
+        same_layout!(SockKey, types::mw_sock_key, [link, end, pad]);
         same_layout!(PairKey, types::mw_pair_key, [client_ip, server_ip, server_port, family]);
         same_layout!(CaptureKey, types::mw_capture_key, [client_ip, dst_ip, dst_port, family]);
-        same_layout!(Rule, types::mw_rule, [id, listener_port, listener_ip]);
-        same_layout!(EndpointKey, types::mw_endpoint_key, [ip, port, family, netns]);
-        same_layout!(Origin, types::mw_origin, [rule_id, listener_port, listener_ip, cookie]);
-        same_layout!(SockState, types::mw_sock_state, [peer, rule_id, flags]);
+        same_layout!(Rule, types::mw_rule, [id, listener_port, listener_ip, flags, pad]);
+        same_layout!(ExeKey, types::mw_exe_key, [dev, ino]);
+        same_layout!(
+            Link,
+            types::mw_link,
+            [family, kind, client_ip, server_ip, client_port, server_port, rule_id, flags, end_flags, cookie, exe]
+        );
+        same_layout!(CookieVal, types::mw_cookie_val, [link, end, rule_id]);
+        same_layout!(SockState, types::mw_sock_state, [link, rule_id, flags, end, learn]);
+        same_layout!(SockOwner, types::mw_sock_owner, [exe, tgid, flags]);
+        same_layout!(Exe, types::mw_exe, [flags, tgid, comm]);
+        same_layout!(ExeClass, types::mw_exe_class, [flags, pad]);
+        same_layout!(ServiceKey, types::mw_service_key, [netns, port, family]);
+        same_layout!(Config, types::mw_config, [flags, pad]);
         same_layout!(
             RuleStats,
             types::mw_rule_stats,
-            [sockets, msgs, bytes, fb_no_peer, fb_tcp_path, fb_map_full, fb_insert_err]
+            [
+                sockets,
+                msgs,
+                bytes,
+                fb_no_peer,
+                fb_tcp_path,
+                fb_map_full,
+                fb_insert_err,
+                fb_collision,
+                fb_reader,
+                fb_splice,
+                fb_lowat,
+                fb_ulp,
+                ulp_refused,
+                splice_hits
+            ]
         );
-        same_layout!(GlobalStats, types::mw_global_stats, [established, not_covered, no_state]);
+        same_layout!(GlobalStats, types::mw_global_stats, [established, not_covered, no_state, no_link]);
+        assert_eq!(size_of::<Event>(), size_of::<types::mw_event>());
+        assert_eq!(offset_of!(Event, kind), offset_of!(types::mw_event, r#type));
+        assert_eq!(offset_of!(Event, server_ip), offset_of!(types::mw_event, server_ip));
+        assert_eq!(offset_of!(Event, pending), offset_of!(types::mw_event, pending));
         same_layout!(ChainPos, types::mw_chain_pos, [plugin_id, cfg_slot, flags, pad]);
         same_layout!(PluginConfig, types::mw_plugin_config, [len, data]);
         same_layout!(PluginStats, types::mw_plugin_stats, [runs, cont, verdict1, drop, invalid, missing]);
@@ -476,15 +638,17 @@ mod tests {
 
     #[test]
     fn no_padding() {
-        assert_eq!(size_of::<SockKey>(), 16 + 16 + 4 + 4 + 8 + 4 + 4);
+        assert_eq!(size_of::<SockKey>(), 16);
         assert_eq!(size_of::<PairKey>(), 16 + 16 + 4 + 4);
         assert_eq!(size_of::<CaptureKey>(), 16 + 16 + 4 + 4);
-        assert_eq!(size_of::<Rule>(), 4 + 4 + 16);
-        assert_eq!(size_of::<EndpointKey>(), 16 + 4 + 4 + 8);
-        assert_eq!(size_of::<Origin>(), 4 + 4 + 16 + 8);
-        assert_eq!(size_of::<SockState>(), size_of::<SockKey>() + 8);
-        assert_eq!(size_of::<RuleStats>(), 7 * 8);
-        assert_eq!(size_of::<GlobalStats>(), 3 * 8);
+        assert_eq!(size_of::<Rule>(), 4 + 4 + 16 + 8);
+        assert_eq!(size_of::<Link>(), 8 + 32 + 16 + 8 + 16 + 32);
+        assert_eq!(size_of::<SockState>(), 8 + 16);
+        assert_eq!(size_of::<SockOwner>(), 16 + 8);
+        assert_eq!(size_of::<Exe>(), 8 + 16);
+        assert_eq!(size_of::<Event>(), 16 + 16 + 16 + 32 + 24 + 32);
+        assert_eq!(size_of::<RuleStats>(), 14 * 8);
+        assert_eq!(size_of::<GlobalStats>(), 4 * 8);
         assert_eq!(size_of::<RouteKey4>(), 16);
         assert_eq!(size_of::<RouteKey6>(), 28);
         assert_eq!(size_of::<RouteValue>(), 4 * 4 + 12 + 4 + 16 + 4 + 16);
@@ -521,14 +685,7 @@ mod tests {
 
     #[test]
     fn pod_round_trip() {
-        let k = SockKey {
-            local_port: 80,
-            remote_port: 40000,
-            netns: 7,
-            family: AF_INET,
-            kind: KEY_TUPLE,
-            ..Default::default()
-        };
+        let k = SockKey { link: 0x1234_5678_9abc_def0, end: END_SERVER, pad: 0 };
         assert_eq!(SockKey::from_bytes(k.as_bytes()), Some(k));
         assert_eq!(SockKey::from_bytes(&[0u8; 3]), None);
     }

@@ -31,6 +31,27 @@ pub struct FileConfig {
     pub max_sockets: Option<u32>,
     pub max_batch_size: Option<usize>,
     pub drain_timeout_secs: Option<u64>,
+    pub reader_guard: Option<ReaderGuard>,
+    pub trusted_readers: Option<Vec<PathBuf>>,
+}
+
+/// `reader_guard`: see [`meshwarp_core::GuardMode`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum ReaderGuard {
+    /// On when the kernel probe finds a gap (splice, EAGAIN, FIONREAD, SO_RCVLOWAT).
+    Auto,
+    /// Every covered socket is a redirect target (you vouch for every reader).
+    Off,
+}
+
+impl From<ReaderGuard> for meshwarp_core::GuardMode {
+    fn from(g: ReaderGuard) -> Self {
+        match g {
+            ReaderGuard::Auto => Self::Auto,
+            ReaderGuard::Off => Self::Off,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, clap::ValueEnum)]
@@ -87,6 +108,13 @@ pub struct ServeArgs {
     /// On stop, also detach and unpin the data path (default: leave it forwarding).
     #[arg(long)]
     pub cleanup: bool,
+    /// Which sockets may receive redirected bytes [default: auto].
+    #[arg(long, env = "MESHWARP_READER_GUARD", value_enum)]
+    pub reader_guard: Option<ReaderGuard>,
+    /// An executable that never splices the sockets it reads (e.g. a proxy
+    /// without splice options); repeatable.
+    #[arg(long = "trust-reader", env = "MESHWARP_TRUSTED_READERS", value_delimiter = ',')]
+    pub trusted_readers: Vec<PathBuf>,
 }
 
 pub fn read_file(path: &Path) -> Result<FileConfig> {
@@ -116,6 +144,12 @@ pub fn resolve(args: &ServeArgs, pin_root: &Path) -> Result<(DaemonOptions, LogF
         cgroup: args.cgroup.clone().or(file.cgroup),
         max_rules: args.max_rules.or(file.max_rules).unwrap_or(dp_default.max_rules),
         max_sockets: args.max_sockets.or(file.max_sockets).unwrap_or(dp_default.max_sockets),
+        guard: args.reader_guard.or(file.reader_guard).map(Into::into).unwrap_or(dp_default.guard),
+        trusted_readers: if args.trusted_readers.is_empty() {
+            file.trusted_readers.clone().unwrap_or_default()
+        } else {
+            args.trusted_readers.clone()
+        },
     };
     o.server = ServerConfig {
         max_batch_size: args.max_batch_size.or(file.max_batch_size).unwrap_or(ServerConfig::default().max_batch_size),
@@ -161,6 +195,11 @@ mod tests {
         assert!(toml::from_str::<FileConfig>("sokcet = \"/tmp/x\"").is_err());
         assert!(toml::from_str::<FileConfig>("max_rules = \"many\"").is_err());
         assert!(toml::from_str::<FileConfig>("socket = [").is_err());
+        let g: FileConfig =
+            toml::from_str("reader_guard = \"off\"\ntrusted_readers = [\"/usr/sbin/haproxy\"]\n").unwrap();
+        assert_eq!(g.reader_guard, Some(ReaderGuard::Off));
+        assert_eq!(g.trusted_readers.unwrap(), vec![PathBuf::from("/usr/sbin/haproxy")]);
+        assert!(toml::from_str::<FileConfig>("reader_guard = \"sometimes\"").is_err());
     }
 
     #[test]

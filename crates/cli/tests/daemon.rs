@@ -795,7 +795,7 @@ fn plugins_over_the_cli_change_real_traffic_and_refusals_change_nothing() -> Res
     ensure!(counter(&pp, "runs") == 4 && counter(&pp, "declined") == 2, "ports: {pp}");
     // Only the 8080 connection was accelerated: its 20 messages met the limiter.
     ensure!(counter(&lp, "runs") == 20 && counter(&lp, "continued") == 20, "limit: {lp}");
-    ensure!(pp["abiVersion"] == "1.0" && pp["sha256"].as_str().unwrap().len() == 64, "{pp}");
+    ensure!(pp["abiVersion"] == "2.0" && pp["sha256"].as_str().unwrap().len() == 64, "{pp}");
     let table = ok(&["plugin", "ls"])?;
     ensure!(table.contains("on_connection") && table.contains("on_message"), "{table}");
     let body = http_get(metrics, "/metrics")?;
@@ -813,7 +813,7 @@ fn plugins_over_the_cli_change_real_traffic_and_refusals_change_nothing() -> Res
         &["plugin", "load", &rejected, "--name", "bad", "--hook", "message"],
         &["InvalidArgument", "verifier", "unbounded memory access"],
     )?;
-    bad(&["plugin", "load", &future, "--name", "future", "--hook", "message"], &["FailedPrecondition", "ABI 2.0"])?;
+    bad(&["plugin", "load", &future, "--name", "future", "--hook", "message"], &["FailedPrecondition", "ABI 3.0"])?;
     bad(&["plugin", "load", &ports, "--name", "ports", "--hook", "connection"], &["AlreadyExists"])?;
     bad(&["plugin", "load", &ports, "--name", "other", "--hook", "message"], &["InvalidArgument", "manifest.hook"])?;
     bad(&["plugin", "load", &ports, "--name", "Bad Name", "--hook", "connection"], &["manifest.name"])?;

@@ -6,24 +6,35 @@
 //! never adopts maps of another layout):
 //! ```text
 //! <pin_root>/v<SCHEMA>/maps/<map name>
-//! <pin_root>/v<SCHEMA>/progs/mw_sockops, mw_sk_msg
-//! <pin_root>/v<SCHEMA>/links/mw_sockops      (the cgroup attachment)
+//! <pin_root>/v<SCHEMA>/progs/mw_sockops, mw_sk_msg, mw_recv_len, mw_sys_enter, mw_setsockopt, mw_destroy
+//! <pin_root>/v<SCHEMA>/links/mw_sockops, mw_setsockopt   (the cgroup attachments)
+//! <pin_root>/v<SCHEMA>/links/mw_recv_len, mw_sys_enter   (the reader guard's tracepoints, when it is on)
 //! ```
+//!
+//! On every open the kernel is probed ([`KernelProbe`]) and the reader guard
+//! ([`GuardMode`]) configured from the answers: `mw_config` tells the programs
+//! which kernel gaps to avoid, the guard's tracepoints are attached or
+//! detached, and a guard thread ([`crate::guard`]) serves the programs.
 
 use std::fs;
 use std::mem::MaybeUninit;
-use std::os::fd::{AsFd, AsRawFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, MutexGuard, Once};
+use std::sync::{mpsc, Arc, Mutex, MutexGuard, Once};
 
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
-use libbpf_rs::{Link, MapCore, MapFlags, MapHandle, PrintLevel, ProgramHandle};
+use libbpf_rs::{libbpf_sys, Link, MapCore, MapFlags, MapHandle, PrintLevel, ProgramHandle};
 use meshwarp_bpf::names;
-use meshwarp_bpf::shared::{Pod, SockKey, CHAIN_FIN};
+use meshwarp_bpf::shared::{
+    Config, CookieVal, Link as LinkValue, Pod, SockKey, CFG_BLOCKING_EAGAIN, CFG_FIONREAD_PSOCK, CFG_GUARD,
+    CFG_SPLICE_BLIND, CHAIN_FIN,
+};
 use meshwarp_bpf::sockredir::SockredirSkelBuilder;
 
 use crate::endpoint::{CaptureRule, EndpointPair};
+use crate::guard::{GuardMode, GuardThread, Incident, Subscribers};
 use crate::maps::{KernelMaps, MapError};
+use crate::probe::KernelProbe;
 use crate::registry::{Outcome, Registry, RegistryError};
 use crate::stats::{GlobalCounters, RuleCounters};
 use crate::sys::{self, SysError};
@@ -45,11 +56,23 @@ pub struct DataplaneConfig {
     pub max_rules: u32,
     /// Sockets the SOCKHASH can hold; beyond that, connections fall back.
     pub max_sockets: u32,
+    /// Whether the reader guard decides which sockets may receive redirected bytes.
+    pub guard: GuardMode,
+    /// Executables the operator vouches never splice the sockets they read
+    /// (e.g. a proxy whose configuration has no splice option).
+    pub trusted_readers: Vec<PathBuf>,
 }
 
 impl Default for DataplaneConfig {
     fn default() -> Self {
-        Self { pin_root: DEFAULT_PIN_ROOT.into(), cgroup: None, max_rules: 16384, max_sockets: 65536 }
+        Self {
+            pin_root: DEFAULT_PIN_ROOT.into(),
+            cgroup: None,
+            max_rules: 16384,
+            max_sockets: 65536,
+            guard: GuardMode::Auto,
+            trusted_readers: Vec::new(),
+        }
     }
 }
 
@@ -94,6 +117,8 @@ pub enum DataplaneError {
     Registry(#[from] RegistryError),
     #[error(transparent)]
     Tc(#[from] crate::tc::TcError),
+    #[error(transparent)]
+    Guard(#[from] crate::guard::GuardError),
 }
 
 fn bpf_err(what: impl Into<String>) -> impl FnOnce(libbpf_rs::Error) -> DataplaneError {
@@ -129,14 +154,29 @@ impl Layout {
     }
     /// Every pin an instance has, links first (unpinned first on teardown).
     fn all_pins(&self) -> Vec<PathBuf> {
-        let mut v = vec![self.link(names::PROG_SOCKOPS), self.prog(names::PROG_SOCKOPS), self.prog(names::PROG_SK_MSG)];
+        let mut v = vec![self.link(names::PROG_SOCKOPS), self.link(names::PROG_SETSOCKOPT)];
+        v.extend(PROGS.iter().map(|p| self.prog(p)));
         v.extend(names::SOCKREDIR_MAPS.iter().map(|m| self.map(m)));
         v
+    }
+    /// The reader guard's tracepoint links: present only while it is on.
+    fn guard_links(&self) -> [PathBuf; 2] {
+        [self.link(names::PROG_RECV_LEN), self.link(names::PROG_SYS_ENTER)]
     }
     fn subdirs(&self) -> [PathBuf; 3] {
         [self.dir.join("links"), self.dir.join("progs"), self.maps()]
     }
 }
+
+/// Programs of the family, pinned.
+const PROGS: [&str; 6] = [
+    names::PROG_SOCKOPS,
+    names::PROG_SK_MSG,
+    names::PROG_RECV_LEN,
+    names::PROG_SYS_ENTER,
+    names::PROG_SETSOCKOPT,
+    names::PROG_DESTROY,
+];
 
 /// libbpf messages of warning level and above, collected while loading so a
 /// verifier rejection carries its log.
@@ -201,7 +241,15 @@ pub struct Dataplane {
     pin_root: PathBuf,
     origin: Origin,
     sockhash: MapHandle,
+    links: MapHandle,
+    cookies: MapHandle,
     registry: Mutex<Registry<KernelMaps>>,
+    kernel: KernelProbe,
+    /// What mw_config says (`CFG_*`).
+    guard_flags: u32,
+    subscribers: Arc<Subscribers>,
+    /// Dropped first: stops the guard thread.
+    guard: Option<GuardThread>,
 }
 
 impl Dataplane {
@@ -230,10 +278,85 @@ impl Dataplane {
             return Err(DataplaneError::Partial { dir: layout.dir, missing });
         };
         let maps = KernelMaps::open(&layout.maps())?;
-        let sockhash =
-            MapHandle::from_pinned_path(layout.map(names::MAP_SOCKHASH)).map_err(bpf_err("opening pinned SOCKHASH"))?;
+        let pinned = |name: &str| {
+            MapHandle::from_pinned_path(layout.map(name)).map_err(bpf_err(format!("opening pinned {name}")))
+        };
+        let (sockhash, links, cookies) =
+            (pinned(names::MAP_SOCKHASH)?, pinned(names::MAP_LINKS)?, pinned(names::MAP_COOKIES)?);
         let registry = Registry::reconcile(maps)?;
-        Ok(Self { layout, pin_root: cfg.pin_root.clone(), origin, sockhash, registry: Mutex::new(registry) })
+
+        let kernel = match KernelProbe::cached() {
+            Ok(k) => k.clone(),
+            Err(e) => {
+                tracing::warn!("kernel probe failed, assuming every gap: {e}");
+                KernelProbe::unknown()
+            }
+        };
+        let guard_flags = guard_flags(cfg.guard, &kernel);
+        let config = Config { flags: guard_flags, pad: 0 };
+        pinned(names::MAP_CONFIG)?
+            .update(&0u32.to_ne_bytes(), config.as_bytes(), MapFlags::ANY)
+            .map_err(bpf_err("writing mw_config"))?;
+        set_guard_links(&layout, guard_flags)?;
+        let subscribers = Arc::new(Subscribers::default());
+        let guard = if guard_flags & CFG_GUARD != 0 {
+            crate::guard::start(&layout.dir, &cfg.trusted_readers, Arc::clone(&subscribers))?
+        } else {
+            None
+        };
+        tracing::info!(
+            guard = guard_flags & CFG_GUARD != 0,
+            splice_blind = guard_flags & CFG_SPLICE_BLIND != 0,
+            blocking_eagain = guard_flags & CFG_BLOCKING_EAGAIN != 0,
+            fionread_psock_only = guard_flags & CFG_FIONREAD_PSOCK != 0,
+            "reader guard configured"
+        );
+        Ok(Self {
+            layout,
+            pin_root: cfg.pin_root.clone(),
+            origin,
+            sockhash,
+            links,
+            cookies,
+            registry: Mutex::new(registry),
+            kernel,
+            guard_flags,
+            subscribers,
+            guard,
+        })
+    }
+
+    /// What the kernel probe found.
+    pub fn kernel(&self) -> &KernelProbe {
+        &self.kernel
+    }
+
+    /// Whether the reader guard is on (see [`GuardMode`]).
+    pub fn guard_enabled(&self) -> bool {
+        self.guard_flags & CFG_GUARD != 0
+    }
+
+    /// Whether this instance runs the guard thread (another process may).
+    pub fn guard_running_here(&self) -> bool {
+        self.guard.is_some()
+    }
+
+    /// Incidents from now on (connections reset by the reader guard, programs
+    /// seen splicing), as the guard thread reports them.
+    pub fn incidents(&self) -> mpsc::Receiver<Incident> {
+        self.subscribers.subscribe()
+    }
+
+    /// The link and end a socket (by cookie) is accelerated under.
+    pub fn socket_link(&self, cookie: u64) -> Result<Option<CookieVal>, DataplaneError> {
+        let v = self.cookies.lookup(&cookie.to_ne_bytes(), MapFlags::ANY).map_err(bpf_err("looking up mw_cookies"))?;
+        Ok(v.and_then(|b| CookieVal::from_bytes(&b)))
+    }
+
+    /// A link by id.
+    pub fn link(&self, id: u64) -> Result<Option<LinkValue>, DataplaneError> {
+        let v = self.links.lookup(&id.to_ne_bytes(), MapFlags::ANY).map_err(bpf_err("looking up mw_links"))?;
+        Ok(v.and_then(|b| LinkValue::from_bytes(&b)))
     }
 
     /// Whether this instance loaded the programs or adopted pinned ones.
@@ -322,10 +445,72 @@ impl Dataplane {
     /// Detaches and unpins everything this data path consists of. Accelerated
     /// connections continue on the normal TCP path.
     pub fn teardown(self) -> Result<(), DataplaneError> {
-        let Self { pin_root, sockhash, registry, .. } = self;
-        drop((sockhash, registry));
+        let Self { pin_root, guard, sockhash, links, cookies, registry, .. } = self;
+        drop(guard);
+        drop((sockhash, links, cookies, registry));
         remove_pinned(&pin_root)
     }
+}
+
+/// `mw_config` flags for a guard mode on a kernel.
+fn guard_flags(mode: GuardMode, k: &KernelProbe) -> u32 {
+    if mode == GuardMode::Off || !k.needs_guard() {
+        return 0;
+    }
+    let mut f = CFG_GUARD;
+    if !k.splice_sees_redirected {
+        f |= CFG_SPLICE_BLIND;
+    }
+    if !k.fionread_counts_tcp_with_psock {
+        f |= CFG_FIONREAD_PSOCK;
+    }
+    if k.blocked_read_eagain {
+        f |= CFG_BLOCKING_EAGAIN;
+    }
+    f
+}
+
+/// Attaches the guard's tracepoints (pinned links) when `flags` turn it on,
+/// and unpins (detaches) them when not. sys_enter runs on every system call
+/// of the node, so it is attached only for a kernel gap it watches.
+fn set_guard_links(layout: &Layout, flags: u32) -> Result<(), DataplaneError> {
+    let want_recv = flags & CFG_GUARD != 0;
+    let want_sys = want_recv && flags & (CFG_SPLICE_BLIND | CFG_FIONREAD_PSOCK) != 0;
+    for (name, want) in [(names::PROG_RECV_LEN, want_recv), (names::PROG_SYS_ENTER, want_sys)] {
+        let path = layout.link(name);
+        match (want, path.exists()) {
+            (true, false) => {
+                let prog = ProgramHandle::from_pinned_path(layout.prog(name))
+                    .map_err(bpf_err(format!("opening pinned program {name}")))?;
+                // SAFETY: a tp_btf program fd; NULL name: its own BTF target.
+                let fd = unsafe { libbpf_sys::bpf_raw_tracepoint_open(std::ptr::null(), prog.as_fd().as_raw_fd()) };
+                if fd < 0 {
+                    return Err(DataplaneError::Io {
+                        path: path.clone(),
+                        source: std::io::Error::from_raw_os_error(-fd),
+                    });
+                }
+                // SAFETY: a new link fd we own; the pin keeps the link.
+                let link = unsafe { OwnedFd::from_raw_fd(fd) };
+                pin_fd(&link, &path)?;
+                tracing::debug!(link = %path.display(), "attached");
+            }
+            (false, true) => fs::remove_file(&path).map_err(io_err(&path))?,
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+fn pin_fd(fd: &OwnedFd, path: &Path) -> Result<(), DataplaneError> {
+    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())
+        .map_err(|e| DataplaneError::Io { path: path.to_path_buf(), source: std::io::Error::other(e) })?;
+    // SAFETY: a valid fd and NUL-terminated path.
+    let rc = unsafe { libbpf_sys::bpf_obj_pin(fd.as_raw_fd(), c.as_ptr()) };
+    if rc < 0 {
+        return Err(DataplaneError::Io { path: path.to_path_buf(), source: std::io::Error::from_raw_os_error(-rc) });
+    }
+    Ok(())
 }
 
 fn check_schema(pin_root: &Path) -> Result<(), DataplaneError> {
@@ -348,7 +533,7 @@ pub fn remove_pinned(pin_root: &Path) -> Result<(), DataplaneError> {
     let layout = Layout::new(pin_root);
     crate::plugin::remove_plugin_pins(&layout.dir)
         .map_err(|e| DataplaneError::Io { path: layout.dir.clone(), source: e })?;
-    for p in layout.all_pins() {
+    for p in layout.guard_links().into_iter().chain(layout.all_pins()) {
         match fs::remove_file(&p) {
             Ok(()) => tracing::debug!(pin = %p.display(), "unpinned"),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
@@ -376,10 +561,15 @@ fn load_and_pin(cfg: &DataplaneConfig, layout: &Layout) -> Result<(), DataplaneE
 
     let mut obj = MaybeUninit::uninit();
     let mut open = SockredirSkelBuilder::default().open(&mut obj).map_err(bpf_err("opening BPF object"))?;
+    if let Some(ro) = open.maps.rodata_data.as_mut() {
+        ro.nr_splice = libc::SYS_splice as u32;
+        ro.nr_ioctl = libc::SYS_ioctl as u32;
+    }
     let maps = &mut open.maps;
     let sizes = [
         (&mut maps.mw_sockhash, cfg.max_sockets),
-        (&mut maps.mw_origins, cfg.max_sockets),
+        (&mut maps.mw_links, cfg.max_sockets),
+        (&mut maps.mw_cookies, cfg.max_sockets),
         (&mut maps.mw_pairs, cfg.max_rules),
         (&mut maps.mw_capture, cfg.max_rules),
         (&mut maps.mw_stats, cfg.max_rules),
@@ -397,8 +587,16 @@ fn load_and_pin(cfg: &DataplaneConfig, layout: &Layout) -> Result<(), DataplaneE
         (names::MAP_SOCKHASH, &maps.mw_sockhash),
         (names::MAP_PAIRS, &maps.mw_pairs),
         (names::MAP_CAPTURE, &maps.mw_capture),
-        (names::MAP_ORIGINS, &maps.mw_origins),
+        (names::MAP_LINKS, &maps.mw_links),
+        (names::MAP_COOKIES, &maps.mw_cookies),
         (names::MAP_SK_STATE, &maps.mw_sk_state),
+        (names::MAP_SK_OWNER, &maps.mw_sk_owner),
+        (names::MAP_EXES, &maps.mw_exes),
+        (names::MAP_EXE_CLASS, &maps.mw_exe_class),
+        (names::MAP_SERVICES, &maps.mw_services),
+        (names::MAP_CONFIG, &maps.mw_config),
+        (names::MAP_DOOMED, &maps.mw_doomed),
+        (names::MAP_EVENTS, &maps.mw_events),
         (names::MAP_STATS, &maps.mw_stats),
         (names::MAP_GLOBAL, &maps.mw_global),
         (names::MAP_OWNERS, &maps.mw_owners),
@@ -417,7 +615,15 @@ fn load_and_pin(cfg: &DataplaneConfig, layout: &Layout) -> Result<(), DataplaneE
         handle.pin(&path).map_err(bpf_err(format!("pinning {}", path.display())))?;
         guard.paths.push(path);
     }
-    for (name, prog) in [(names::PROG_SOCKOPS, &skel.progs.mw_sockops), (names::PROG_SK_MSG, &skel.progs.mw_sk_msg)] {
+    let progs = &skel.progs;
+    for (name, prog) in [
+        (names::PROG_SOCKOPS, &progs.mw_sockops),
+        (names::PROG_SK_MSG, &progs.mw_sk_msg),
+        (names::PROG_RECV_LEN, &progs.mw_recv_len),
+        (names::PROG_SYS_ENTER, &progs.mw_sys_enter),
+        (names::PROG_SETSOCKOPT, &progs.mw_setsockopt),
+        (names::PROG_DESTROY, &progs.mw_destroy),
+    ] {
         let path = layout.prog(name);
         let handle = ProgramHandle::try_from(prog).map_err(bpf_err(format!("handle of program {name}")))?;
         handle.pin(&path).map_err(bpf_err(format!("pinning {}", path.display())))?;
@@ -448,6 +654,15 @@ fn load_and_pin(cfg: &DataplaneConfig, layout: &Layout) -> Result<(), DataplaneE
         .attach_cgroup(cg.as_raw_fd())
         .map_err(bpf_err(format!("attaching sockops to cgroup {}", cgroup.display())))?;
     let link_path = layout.link(names::PROG_SOCKOPS);
+    link.pin(&link_path).map_err(bpf_err(format!("pinning {}", link_path.display())))?;
+    guard.paths.push(link_path);
+    // setsockopt(): SO_RCVLOWAT and ULPs (kTLS) on covered sockets.
+    let mut link: Link = skel
+        .progs
+        .mw_setsockopt
+        .attach_cgroup(cg.as_raw_fd())
+        .map_err(bpf_err(format!("attaching cgroup/setsockopt to {}", cgroup.display())))?;
+    let link_path = layout.link(names::PROG_SETSOCKOPT);
     link.pin(&link_path).map_err(bpf_err(format!("pinning {}", link_path.display())))?;
     guard.done = true;
     tracing::info!(dir = %layout.dir.display(), cgroup = %cgroup.display(), "loaded and pinned data path");

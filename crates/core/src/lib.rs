@@ -16,9 +16,12 @@
 
 pub mod dataplane;
 pub mod endpoint;
+pub mod execlass;
+pub mod guard;
 pub mod maps;
 pub mod netlink;
 pub mod plugin;
+pub mod probe;
 pub mod registry;
 pub mod stats;
 pub mod sys;
@@ -27,6 +30,8 @@ pub mod testbed;
 
 pub use dataplane::{Dataplane, DataplaneConfig, DataplaneError, Origin as DataplaneOrigin};
 pub use endpoint::{CaptureRule, Endpoint, EndpointPair, ValidationError};
+pub use guard::{GuardMode, Incident, IncidentKind};
 pub use plugin::{FailurePolicy, Hook, Phase, PluginChain, PluginError, PluginManifest};
+pub use probe::{KernelFact, KernelProbe};
 pub use registry::RegistryError;
 pub use stats::{GlobalCounters, RuleCounters};

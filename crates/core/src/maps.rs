@@ -158,12 +158,20 @@ pub fn add_rule_stats(a: &mut RuleStats, b: &RuleStats) {
     a.fb_tcp_path += b.fb_tcp_path;
     a.fb_map_full += b.fb_map_full;
     a.fb_insert_err += b.fb_insert_err;
+    a.fb_collision += b.fb_collision;
+    a.fb_reader += b.fb_reader;
+    a.fb_splice += b.fb_splice;
+    a.fb_lowat += b.fb_lowat;
+    a.fb_ulp += b.fb_ulp;
+    a.ulp_refused += b.ulp_refused;
+    a.splice_hits += b.splice_hits;
 }
 
 fn add_global_stats(a: &mut GlobalStats, b: &GlobalStats) {
     a.established += b.established;
     a.not_covered += b.not_covered;
     a.no_state += b.no_state;
+    a.no_link += b.no_link;
 }
 
 impl RuleMaps for KernelMaps {

@@ -6,12 +6,9 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
-use std::net::{IpAddr, SocketAddr};
+use std::net::IpAddr;
 
-use meshwarp_bpf::shared::{
-    ip_from_raw, raw_addr, CaptureKey, OwnerName, PairKey, Rule, SockKey, KEY_CAPTURED, KEY_ORIGIN, KEY_TUPLE,
-    OWNER_LEN,
-};
+use meshwarp_bpf::shared::{ip_from_raw, raw_addr, CaptureKey, OwnerName, PairKey, Rule, OWNER_LEN};
 
 use crate::endpoint::{CaptureRule, Endpoint, EndpointPair, ValidationError};
 use crate::maps::{MapError, RuleMaps};
@@ -66,7 +63,7 @@ pub fn capture_key(rule: &CaptureRule) -> CaptureKey {
 
 fn capture_value(rule: &CaptureRule, id: u32) -> Rule {
     let (listener_ip, _) = raw_addr(rule.listener().addr);
-    Rule { id, listener_port: u32::from(rule.listener().port), listener_ip }
+    Rule { id, listener_port: u32::from(rule.listener().port), listener_ip, ..Rule::default() }
 }
 
 fn port(raw: u32, what: &str) -> Result<u16, RegistryError> {
@@ -89,53 +86,6 @@ pub fn capture_from_entry(k: &CaptureKey, v: &Rule) -> Result<CaptureRule, Regis
     let dst = Endpoint::new(ip(k.dst_ip, k.family, "capture dst")?, port(k.dst_port, "capture dst")?);
     let listener = Endpoint::new(ip(v.listener_ip, k.family, "capture listener")?, port(v.listener_port, "listener")?);
     Ok(CaptureRule::new(client, dst, listener)?)
-}
-
-/// The SOCKHASH key sockops gives the socket with local address `local` and
-/// remote address `remote` under mirror pairing; `netns` is the socket's
-/// netns cookie and is kept only when both ends are loopback.
-pub fn tuple_sock_key(local: SocketAddr, remote: SocketAddr, netns: u64) -> SockKey {
-    let (local_ip, family) = raw_addr(local.ip());
-    let (remote_ip, _) = raw_addr(remote.ip());
-    let both_loopback = local.ip().is_loopback() && remote.ip().is_loopback();
-    SockKey {
-        local_ip,
-        remote_ip,
-        local_port: u32::from(local.port()),
-        remote_port: u32::from(remote.port()),
-        netns: if both_loopback { netns } else { 0 },
-        family,
-        kind: KEY_TUPLE,
-    }
-}
-
-/// The SOCKHASH key of either end of a captured connection, by its client
-/// endpoint: `origin` for the socket that connected, else the accepted one.
-pub fn capture_sock_key(client: SocketAddr, netns: u64, origin: bool) -> SockKey {
-    let (local_ip, family) = raw_addr(client.ip());
-    SockKey {
-        local_ip,
-        local_port: u32::from(client.port()),
-        netns: if client.ip().is_loopback() { netns } else { 0 },
-        family,
-        kind: if origin { KEY_ORIGIN } else { KEY_CAPTURED },
-        ..SockKey::default()
-    }
-}
-
-/// The key the sk_msg program redirects to from a socket with key `own`.
-pub fn peer_sock_key(own: &SockKey) -> SockKey {
-    match own.kind {
-        KEY_TUPLE => SockKey {
-            local_ip: own.remote_ip,
-            remote_ip: own.local_ip,
-            local_port: own.remote_port,
-            remote_port: own.local_port,
-            ..*own
-        },
-        KEY_ORIGIN => SockKey { kind: KEY_CAPTURED, ..*own },
-        _ => SockKey { kind: KEY_ORIGIN, ..*own },
-    }
 }
 
 /// What an upsert did.
@@ -768,24 +718,6 @@ mod tests {
     }
 
     proptest! {
-        /// The two ends of one connection build keys that point at each other,
-        /// in both pairing modes, whatever the addresses and ports.
-        #[test]
-        fn peer_keys_agree(a in any_ip(), b in any_ip(), pa in 1u16.., pb in 1u16.., netns in any::<u64>()) {
-            prop_assume!(a.is_ipv4() == b.is_ipv4());
-            let client = SocketAddr::new(a, pa);
-            let server = SocketAddr::new(b, pb);
-            let client_key = tuple_sock_key(client, server, netns);
-            let server_key = tuple_sock_key(server, client, netns);
-            prop_assert_eq!(peer_sock_key(&client_key), server_key);
-            prop_assert_eq!(peer_sock_key(&server_key), client_key);
-            let origin = capture_sock_key(client, netns, true);
-            let captured = capture_sock_key(client, netns, false);
-            prop_assert_eq!(peer_sock_key(&origin), captured);
-            prop_assert_eq!(peer_sock_key(&captured), origin);
-            prop_assert_eq!(origin.local_port, u32::from(pa));
-        }
-
         /// Rules survive the round trip through their map form.
         #[test]
         fn pair_keys_round_trip(a in any_ip(), b in any_ip(), p in 1u16..) {

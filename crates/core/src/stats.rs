@@ -18,8 +18,24 @@ pub struct RuleCounters {
     pub fallback_tcp_path: u64,
     /// Fallbacks: covered sockets left on the TCP path because the SOCKHASH was full.
     pub fallback_map_full: u64,
-    /// Fallbacks: covered sockets the kernel refused to insert (e.g. a ULP such as kTLS).
+    /// Fallbacks: covered sockets the kernel refused to insert.
     pub fallback_insert_error: u64,
+    /// Fallbacks: connections not accelerated because another connection
+    /// built the same key (never a wrong peer).
+    pub fallback_collision: u64,
+    /// Fallbacks (reader guard): ends not accelerated because their reader
+    /// may block (EAGAIN) or is not classified yet.
+    pub fallback_reader: u64,
+    /// Reader guard: ends not made redirect targets because their program can splice.
+    pub fallback_splice: u64,
+    /// Ends withdrawn as redirect targets by SO_RCVLOWAT.
+    pub fallback_rcvlowat: u64,
+    /// Ends taken off the fast path by a ULP (kTLS).
+    pub fallback_ulp: u64,
+    /// ULPs refused because redirected bytes were waiting to be read.
+    pub ulp_refused: u64,
+    /// Readers that spliced with redirected bytes pending: connection reset.
+    pub splice_hits: u64,
 }
 
 impl From<RuleStats> for RuleCounters {
@@ -32,6 +48,13 @@ impl From<RuleStats> for RuleCounters {
             fallback_tcp_path: s.fb_tcp_path,
             fallback_map_full: s.fb_map_full,
             fallback_insert_error: s.fb_insert_err,
+            fallback_collision: s.fb_collision,
+            fallback_reader: s.fb_reader,
+            fallback_splice: s.fb_splice,
+            fallback_rcvlowat: s.fb_lowat,
+            fallback_ulp: s.fb_ulp,
+            ulp_refused: s.ulp_refused,
+            splice_hits: s.splice_hits,
         }
     }
 }
@@ -45,10 +68,13 @@ pub struct GlobalCounters {
     pub not_covered: u64,
     /// Messages of a SOCKHASH socket without state (passed on the TCP path).
     pub no_state: u64,
+    /// Server ends of a covered connection whose client end was not
+    /// accelerated (not covered there, its reader not safe, another node).
+    pub no_link: u64,
 }
 
 impl From<GlobalStats> for GlobalCounters {
     fn from(s: GlobalStats) -> Self {
-        Self { established: s.established, not_covered: s.not_covered, no_state: s.no_state }
+        Self { established: s.established, not_covered: s.not_covered, no_state: s.no_state, no_link: s.no_link }
     }
 }

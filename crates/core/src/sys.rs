@@ -125,7 +125,71 @@ pub fn run_in_netns<T: Send>(netns: Option<&Path>, f: impl FnOnce() -> T + Send)
     })
 }
 
+/// Runs `f` on a scoped thread moved into a new, private network namespace
+/// (only loopback, down); the namespace goes away with its last socket.
+pub fn run_in_new_netns<T: Send>(f: impl FnOnce() -> T + Send) -> Result<T, SysError> {
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET)
+                .map_err(|source| SysError::Setns { path: PathBuf::from("(new namespace)"), source })?;
+            Ok(f())
+        })
+        .join()
+        .unwrap_or_else(|p| std::panic::resume_unwind(p))
+    })
+}
+
+/// Brings `lo` up in the calling thread's network namespace.
+pub fn loopback_up() -> io::Result<()> {
+    // SAFETY: a datagram socket for interface ioctls, closed below.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: an all-zero ifreq is valid; the name fits with its NUL.
+    let mut ifr: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (d, s) in ifr.ifr_name.iter_mut().zip(b"lo") {
+        *d = *s as libc::c_char;
+    }
+    // SAFETY: SIOCGIFFLAGS/SIOCSIFFLAGS read and write the ifreq's flags.
+    let rc = unsafe {
+        if libc::ioctl(fd, libc::SIOCGIFFLAGS, &mut ifr) != 0 {
+            -1
+        } else {
+            ifr.ifr_ifru.ifru_flags |= libc::IFF_UP as libc::c_short;
+            libc::ioctl(fd, libc::SIOCSIFFLAGS, &ifr)
+        }
+    };
+    let err = io::Error::last_os_error();
+    // SAFETY: our own fd.
+    unsafe { libc::close(fd) };
+    if rc != 0 {
+        return Err(err);
+    }
+    Ok(())
+}
+
 const SO_NETNS_COOKIE: libc::c_int = 71;
+
+/// The socket cookie of `sock` (what `bpf_get_socket_cookie` returns for it).
+pub fn socket_cookie_of(sock: &impl AsRawFd) -> io::Result<u64> {
+    let mut cookie: u64 = 0;
+    let mut len = size_of::<u64>() as libc::socklen_t;
+    // SAFETY: valid fd, out pointer and length of a u64.
+    let rc = unsafe {
+        libc::getsockopt(
+            sock.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_COOKIE,
+            (&mut cookie as *mut u64).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(cookie)
+}
 
 /// The netns cookie of the namespace `sock` lives in (what
 /// `bpf_get_netns_cookie` returns for it).

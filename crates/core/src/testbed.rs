@@ -8,7 +8,7 @@
 
 use std::io::{self, Read, Write};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::os::fd::{AsFd, AsRawFd};
+use std::os::fd::{AsFd, AsRawFd, RawFd};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -113,7 +113,8 @@ impl NetNs {
         Ok(crate::sys::run_in_netns(Some(&self.path()), f)?)
     }
 
-    /// A TCP listener bound inside this namespace.
+    /// A TCP listener bound inside this namespace, non-blocking from the
+    /// start (as event-driven servers make theirs).
     pub fn listen(&self, addr: SocketAddr) -> Result<TcpListener> {
         self.enter(|| {
             let s = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
@@ -121,6 +122,7 @@ impl NetNs {
             if addr.is_ipv6() {
                 s.set_only_v6(true)?;
             }
+            s.set_nonblocking(true)?;
             s.bind(&addr.into())?;
             s.listen(1024)?;
             Ok::<_, io::Error>(TcpListener::from(s))
@@ -128,10 +130,25 @@ impl NetNs {
         .map_err(io_err(format!("listening on {addr} in {}", self.name)))
     }
 
-    /// A TCP connection made from inside this namespace.
+    /// A non-blocking TCP connection made from inside this namespace.
     pub fn connect(&self, addr: SocketAddr) -> Result<TcpStream> {
-        self.enter(|| TcpStream::connect_timeout(&addr, Duration::from_secs(5)))?
-            .map_err(io_err(format!("connecting to {addr} from {}", self.name)))
+        self.connect_from(None, addr, false)
+    }
+
+    /// As [`NetNs::connect`], bound to `local` first (with SO_REUSEADDR when
+    /// `reuse`, so a 4-tuple can be used again).
+    pub fn connect_from(&self, local: Option<SocketAddr>, addr: SocketAddr, reuse: bool) -> Result<TcpStream> {
+        self.enter(|| {
+            let s = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
+            if reuse {
+                s.set_reuse_address(true)?;
+            }
+            if let Some(l) = local {
+                s.bind(&l.into())?;
+            }
+            connect_nonblocking(s, addr, Duration::from_secs(5))
+        })?
+        .map_err(io_err(format!("connecting to {addr} from {}", self.name)))
     }
 
     /// An interface counter from /sys/class/net/IFACE/statistics.
@@ -437,38 +454,81 @@ fn chunk_len(rng: &mut Pattern, max: usize) -> usize {
     .max(1)
 }
 
-/// `read` that rides over spurious EAGAIN on a blocking socket.
-///
-/// A socket in a SOCKHASH is read through the kernel's tcp_bpf_recvmsg, which
-/// returns -EAGAIN from a *blocking* read when it is woken without redirected
-/// data (for instance by write-space wakeups of a concurrent writer on the same
-/// socket). Real timeouts still end the read: the socket's read timeout is
-/// honoured as a deadline.
-pub fn read_blocking(s: &mut impl Read, buf: &mut [u8], timeout: Option<Duration>) -> io::Result<usize> {
-    let start = Instant::now();
-    loop {
-        match s.read(buf) {
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::Interrupted => {
-                if timeout.is_some_and(|t| start.elapsed() >= t) {
-                    return Err(io::Error::new(io::ErrorKind::TimedOut, "read timed out"));
-                }
+/// Connects `s` without blocking (the socket is non-blocking before the
+/// handshake completes, as an event-driven client's is) and waits for the
+/// handshake; returns the connected, non-blocking stream.
+pub fn connect_nonblocking(s: Socket, addr: SocketAddr, timeout: Duration) -> io::Result<TcpStream> {
+    s.set_nonblocking(true)?;
+    match s.connect(&addr.into()) {
+        Ok(()) => {}
+        Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) => {
+            wait_ready(s.as_raw_fd(), libc::POLLOUT, Some(Instant::now() + timeout))?;
+            if let Some(e) = s.take_error()? {
+                return Err(e);
             }
+        }
+        Err(e) => return Err(e),
+    }
+    Ok(TcpStream::from(s))
+}
+
+/// Waits until `fd` is ready for `events` (POLLIN/POLLOUT), or the deadline.
+pub fn wait_ready(fd: RawFd, events: libc::c_short, deadline: Option<Instant>) -> io::Result<()> {
+    loop {
+        let ms = match deadline {
+            Some(d) => {
+                let left = d.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(io::Error::new(io::ErrorKind::TimedOut, "timed out waiting for the socket"));
+                }
+                i32::try_from(left.as_millis()).unwrap_or(i32::MAX).max(1)
+            }
+            None => -1,
+        };
+        let mut p = libc::pollfd { fd, events, revents: 0 };
+        // SAFETY: one valid pollfd.
+        let n = unsafe { libc::poll(&mut p, 1, ms) };
+        if n > 0 {
+            return Ok(());
+        }
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() != io::ErrorKind::Interrupted {
+                return Err(e);
+            }
+        }
+    }
+}
+
+fn is_nonblocking(fd: RawFd) -> bool {
+    // SAFETY: F_GETFL on a valid fd.
+    let fl = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    fl >= 0 && fl & libc::O_NONBLOCK != 0
+}
+
+/// One read of what is there, waiting (poll) until the socket is readable.
+/// On a non-blocking socket EAGAIN means "wait"; on a blocking one it is an
+/// error, returned as such: an application would not expect it either.
+pub fn read_ready<S: Read + AsFd>(s: &mut S, buf: &mut [u8], timeout: Option<Duration>) -> io::Result<usize> {
+    let deadline = timeout.map(|t| Instant::now() + t);
+    let fd = s.as_fd().as_raw_fd();
+    let nonblocking = is_nonblocking(fd);
+    loop {
+        if nonblocking {
+            wait_ready(fd, libc::POLLIN, deadline)?;
+        }
+        match s.read(buf) {
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock && nonblocking => {}
             other => return other,
         }
     }
 }
 
-static SPURIOUS_WAKEUPS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-
-/// How many blocking reads [`read_blocking`] had to retry (EAGAIN or EINTR).
-pub fn spurious_wakeups() -> u64 {
-    SPURIOUS_WAKEUPS.load(Ordering::Relaxed)
-}
-
-/// `read_exact` over [`read_blocking`].
-pub fn read_exact_blocking(s: &mut impl Read, mut buf: &mut [u8], timeout: Option<Duration>) -> io::Result<()> {
+/// `read_exact` over [`read_ready`].
+pub fn read_exact_ready<S: Read + AsFd>(s: &mut S, mut buf: &mut [u8], timeout: Option<Duration>) -> io::Result<()> {
     while !buf.is_empty() {
-        let n = read_blocking(s, buf, timeout)?;
+        let n = read_ready(s, buf, timeout)?;
         if n == 0 {
             return Err(io::ErrorKind::UnexpectedEof.into());
         }
@@ -477,8 +537,35 @@ pub fn read_exact_blocking(s: &mut impl Read, mut buf: &mut [u8], timeout: Optio
     Ok(())
 }
 
+/// One write of as much as the socket takes, waiting until it is writable.
+pub fn write_ready<S: Write + AsFd>(s: &mut S, data: &[u8], timeout: Option<Duration>) -> io::Result<usize> {
+    let deadline = timeout.map(|t| Instant::now() + t);
+    loop {
+        match s.write(data) {
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                wait_ready(s.as_fd().as_raw_fd(), libc::POLLOUT, deadline)?;
+            }
+            other => return other,
+        }
+    }
+}
+
+/// `write_all` over [`write_ready`].
+pub fn write_all_ready<S: Write + AsFd>(s: &mut S, mut data: &[u8], timeout: Option<Duration>) -> io::Result<()> {
+    while !data.is_empty() {
+        let n = write_ready(s, data, timeout)?;
+        if n == 0 {
+            return Err(io::Error::new(io::ErrorKind::WriteZero, "peer stopped reading"));
+        }
+        data = &data[n..];
+    }
+    Ok(())
+}
+
 /// Writes `len` bytes of stream `seed` in varied chunk sizes, then half-closes.
 pub fn send_pattern(mut s: &TcpStream, seed: u64, len: usize) -> io::Result<u64> {
+    let timeout = s.write_timeout()?;
     // Bytes are generated in 8-byte words; keep chunk boundaries word-aligned
     // relative to the stream so the generator state matches the reader's.
     let mut gen = Pattern::new(seed);
@@ -494,7 +581,7 @@ pub fn send_pattern(mut s: &TcpStream, seed: u64, len: usize) -> io::Result<u64>
             pending.extend_from_slice(&buf[..n]);
         }
         let want = chunk_len(&mut sizes, pending.len());
-        let n = s.write(&pending[..want])?;
+        let n = write_ready(&mut s, &pending[..want], timeout)?;
         if n == 0 {
             return Err(io::Error::new(io::ErrorKind::WriteZero, "peer stopped reading"));
         }
@@ -519,7 +606,7 @@ pub fn recv_pattern(mut s: &TcpStream, seed: u64, len: usize) -> std::result::Re
     let timeout = s.read_timeout().map_err(io_err("read timeout"))?;
     loop {
         let want = chunk_len(&mut sizes, buf.len());
-        let n = read_blocking(&mut s, &mut buf[..want], timeout)
+        let n = read_ready(&mut s, &mut buf[..want], timeout)
             .map_err(io_err(format!("reading stream {seed} at byte {got}")))?;
         if n == 0 {
             break;
@@ -595,14 +682,15 @@ pub fn exchange(client: TcpStream, server: TcpStream, seed: u64, len: usize, tim
     })
 }
 
-/// Accepts one connection within `timeout`.
+/// Accepts one connection within `timeout`; the socket is non-blocking.
 pub fn accept_timeout(l: &TcpListener, timeout: Duration) -> Result<TcpStream> {
     l.set_nonblocking(true).map_err(io_err("nonblocking listener"))?;
     let deadline = Instant::now() + timeout;
     loop {
         match l.accept() {
             Ok((s, _)) => {
-                s.set_nonblocking(false).map_err(io_err("blocking socket"))?;
+                // accept() does not pass O_NONBLOCK on; an event-driven server sets it.
+                s.set_nonblocking(true).map_err(io_err("non-blocking socket"))?;
                 return Ok(s);
             }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock && Instant::now() < deadline => {
@@ -619,8 +707,8 @@ pub fn spawn_echo(stream: TcpStream, msg_len: usize) -> thread::JoinHandle<io::R
         let mut s = stream;
         let mut buf = vec![0u8; msg_len];
         loop {
-            match read_exact_blocking(&mut s, &mut buf, None) {
-                Ok(()) => s.write_all(&buf)?,
+            match read_exact_ready(&mut s, &mut buf, None) {
+                Ok(()) => write_all_ready(&mut s, &buf, None)?,
                 Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(()),
                 Err(e) => return Err(e),
             }
@@ -645,7 +733,7 @@ impl StreamEcho {
             while !stop2.load(Ordering::Relaxed) {
                 match listener.accept() {
                     Ok((s, _)) => {
-                        let _ = s.set_nonblocking(false);
+                        let _ = s.set_nonblocking(true);
                         let _ = s.set_nodelay(true);
                         if let Ok(w) = s.try_clone() {
                             thread::spawn(move || pump(s, w));
@@ -689,9 +777,9 @@ pub fn echo_integrity(s: TcpStream, seed: u64, len: usize, timeout: Duration) ->
 }
 
 /// One round trip: write `msg`, read the echo back into `buf`.
-pub fn round_trip<S: Read + Write>(s: &mut S, msg: &[u8], buf: &mut [u8]) -> io::Result<()> {
-    s.write_all(msg)?;
-    read_exact_blocking(s, buf, None)
+pub fn round_trip<S: Read + Write + AsFd>(s: &mut S, msg: &[u8], buf: &mut [u8]) -> io::Result<()> {
+    write_all_ready(s, msg, None)?;
+    read_exact_ready(s, buf, None)
 }
 
 /// A proxy like a sidecar's capture listener: accepts connections, records
@@ -729,7 +817,7 @@ impl CaptureProxy {
             while !stop2.load(Ordering::Relaxed) {
                 match listener.accept() {
                     Ok((down, _)) => {
-                        let _ = down.set_nonblocking(false);
+                        let _ = down.set_nonblocking(true);
                         let _ = down.set_nodelay(true);
                         if let Some(d) = original_dst(&down) {
                             lock(&dsts).push(d);
@@ -766,9 +854,8 @@ fn connect_from(source: Option<IpAddr>, to: SocketAddr) -> io::Result<TcpStream>
     if let Some(src) = source {
         s.bind(&SocketAddr::new(src, 0).into())?;
     }
-    s.connect_timeout(&to.into(), Duration::from_secs(5))?;
     s.set_tcp_nodelay(true)?;
-    Ok(TcpStream::from(s))
+    connect_nonblocking(s, to, Duration::from_secs(5))
 }
 
 fn pump_both(a: TcpStream, b: TcpStream) {
@@ -783,10 +870,10 @@ fn pump_both(a: TcpStream, b: TcpStream) {
 fn pump(mut from: TcpStream, mut to: TcpStream) {
     let mut buf = vec![0u8; 64 * 1024];
     loop {
-        match read_blocking(&mut from, &mut buf, None) {
+        match read_ready(&mut from, &mut buf, None) {
             Ok(0) | Err(_) => break,
             Ok(n) => {
-                if to.write_all(&buf[..n]).is_err() {
+                if write_all_ready(&mut to, &buf[..n], None).is_err() {
                     break;
                 }
             }
@@ -889,6 +976,7 @@ impl KernelTest {
             cgroup: Some(cgroup.path.clone()),
             max_rules,
             max_sockets,
+            ..DataplaneConfig::default()
         };
         match Dataplane::open(&cfg) {
             Ok(dp) => Some(Self { dp: Some(dp), cfg, cgroup, _lock: lock }),

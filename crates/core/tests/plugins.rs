@@ -17,7 +17,7 @@ use libbpf_rs::{MapCore, MapFlags, MapHandle};
 use meshwarp_bpf::plugins;
 use meshwarp_core::plugin::{PluginCounters, PluginInfo};
 use meshwarp_core::testbed::{
-    accept_timeout, echo_integrity, exchange, read_exact_blocking, KernelTest, NodeWithPods, OverlayEgress, StreamEcho,
+    accept_timeout, echo_integrity, exchange, read_exact_ready, KernelTest, NodeWithPods, OverlayEgress, StreamEcho,
     TcTest, TwoNodes,
 };
 use meshwarp_core::{Endpoint, EndpointPair, FailurePolicy, Hook, Phase, PluginChain, PluginError, PluginManifest};
@@ -138,9 +138,9 @@ fn ping_pong(cl: &mut TcpStream, sv: &mut TcpStream, n: usize, size: usize) -> R
     let mut buf = vec![0; size];
     for _ in 0..n {
         cl.write_all(&msg)?;
-        read_exact_blocking(sv, &mut buf, Some(T))?;
+        read_exact_ready(sv, &mut buf, Some(T))?;
         sv.write_all(&buf)?;
-        read_exact_blocking(cl, &mut buf, Some(T))?;
+        read_exact_ready(cl, &mut buf, Some(T))?;
         ensure!(buf == msg, "echo differs");
     }
     Ok(())
@@ -194,7 +194,7 @@ fn rate_limiter_drops_beyond_its_burst() -> Result<()> {
     let err = cl.write(&msg).expect_err("the 11th message is beyond the burst");
     ensure!(err.raw_os_error() == Some(libc::EACCES), "dropped message fails with EACCES: {err}");
     let mut got = vec![0u8; 1000];
-    read_exact_blocking(&mut sv, &mut got, Some(T))?;
+    read_exact_ready(&mut sv, &mut got, Some(T))?;
     ensure!(got.iter().all(|b| *b == 7), "the first 10 messages arrive intact");
     sv.set_nonblocking(true)?;
     let mut extra = [0u8; 16];
@@ -210,7 +210,7 @@ fn rate_limiter_drops_beyond_its_burst() -> Result<()> {
     thread::sleep(Duration::from_millis(5));
     let (mut cl, mut sv) = pods.connect(0)?;
     cl.write_all(&msg).context("after refill")?;
-    read_exact_blocking(&mut sv, &mut got[..100], Some(T))?;
+    read_exact_ready(&mut sv, &mut got[..100], Some(T))?;
     Ok(())
 }
 
@@ -332,7 +332,7 @@ fn refused_objects_change_nothing() -> Result<()> {
     let before: Vec<(String, u32, u32)> = c.list()?.into_iter().map(|p| (p.manifest.name, p.id, p.prog_id)).collect();
 
     let e = c.load(&manifest("future", Hook::Message, 0), plugins::ABI_MAJOR, &[], false).unwrap_err();
-    ensure!(matches!(e, PluginError::AbiMismatch { plugin: (2, 0) }), "{e}");
+    ensure!(matches!(e, PluginError::AbiMismatch { plugin: (3, 0) }), "{e}");
     let e = c.load(&manifest("bad", Hook::Message, 0), plugins::REJECTED, &[], false).unwrap_err();
     let PluginError::Rejected { log, .. } = &e else { anyhow::bail!("expected a verifier rejection, got {e}") };
     ensure!(log.contains("unbounded memory access"), "the verifier's reason is carried: {log}");

@@ -10,12 +10,13 @@ use std::thread;
 use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
-use meshwarp_core::registry::{capture_sock_key, tuple_sock_key};
-use meshwarp_core::sys::netns_cookie_of;
+use meshwarp_bpf::shared::{Link, SockKey, END_CLIENT, END_SERVER};
+use meshwarp_core::sys::socket_cookie_of;
 use meshwarp_core::testbed::{
-    accept_timeout, exchange, redirect_output, CaptureProxy, KernelTest, NodeWithPods, SERVICE_V4, SERVICE_V6,
+    accept_timeout, exchange, read_ready, redirect_output, write_all_ready, CaptureProxy, KernelTest, NodeWithPods,
+    SERVICE_V4, SERVICE_V6,
 };
-use meshwarp_core::{CaptureRule, DataplaneConfig, DataplaneOrigin, Endpoint, EndpointPair, RegistryError};
+use meshwarp_core::{CaptureRule, Dataplane, DataplaneConfig, DataplaneOrigin, Endpoint, EndpointPair, RegistryError};
 
 const T: Duration = Duration::from_secs(60);
 const SERVER_PORT: u16 = 8080;
@@ -27,6 +28,24 @@ macro_rules! kernel_test {
             None => return Ok(()),
         }
     };
+}
+
+/// The link a socket is accelerated under, checked against the socket: the
+/// SOCKHASH holds it under {link, end}, and the link's tuple (host-order
+/// ports) is what the socket sees.
+fn accelerated(dp: &Dataplane, s: &TcpStream, end: u32) -> Result<(u64, Link)> {
+    let cookie = socket_cookie_of(s)?;
+    let cv = dp.socket_link(cookie)?.with_context(|| format!("socket {:?} not accelerated", s.local_addr()))?;
+    ensure!(cv.end == end, "end {} instead of {end}", cv.end);
+    let key = SockKey { link: cv.link, end, pad: 0 };
+    ensure!(dp.sockhash_lookup(&key)? == Some(cookie), "SOCKHASH does not hold the socket under {key:?}");
+    let link = dp.link(cv.link)?.context("link gone")?;
+    Ok((cv.link, link))
+}
+
+fn endpoint_of(l: &Link, client: bool) -> SocketAddr {
+    let (ip, port) = if client { (l.client_ip, l.client_port) } else { (l.server_ip, l.server_port) };
+    SocketAddr::new(meshwarp_bpf::shared::ip_from_raw(ip, l.family).unwrap(), port as u16)
 }
 
 fn pair_for(net: &NodeWithPods, v6: bool) -> EndpointPair {
@@ -55,11 +74,11 @@ fn mirror_pairing(v6: bool) -> Result<()> {
     k.dp().insert_pair(&pair, "test")?;
 
     let (c, s) = connect_pods(&net, &listener, v6)?;
-    // The user-space key of each socket is the one sockops stored (port byte order, netns).
-    let ck = tuple_sock_key(c.local_addr()?, c.peer_addr()?, netns_cookie_of(&c)?);
-    let sk = tuple_sock_key(s.local_addr()?, s.peer_addr()?, netns_cookie_of(&s)?);
-    ensure!(k.dp().sockhash_lookup(&ck)?.is_some(), "client socket not in SOCKHASH under {ck:?}");
-    ensure!(k.dp().sockhash_lookup(&sk)?.is_some(), "server socket not in SOCKHASH under {sk:?}");
+    // Both ends under one link whose tuple (port byte order) is what each socket sees.
+    let (cl, link) = accelerated(k.dp(), &c, END_CLIENT)?;
+    let (sl, _) = accelerated(k.dp(), &s, END_SERVER)?;
+    ensure!(cl == sl, "two links for one connection");
+    ensure!(endpoint_of(&link, true) == c.local_addr()? && endpoint_of(&link, false) == s.local_addr()?, "{link:?}");
 
     let before = net.veth_bytes(0)? + net.veth_bytes(1)?;
     let len = 4 << 20;
@@ -118,8 +137,10 @@ fn capture_pairing(v6: bool) -> Result<()> {
 
     let c = app.ns.connect(SocketAddr::new(service, 80))?;
     let s = accept_timeout(&server, T)?;
-    let origin_key = capture_sock_key(c.local_addr()?, netns_cookie_of(&c)?, true);
-    ensure!(k.dp().sockhash_lookup(&origin_key)?.is_some(), "origin socket not in SOCKHASH");
+    // The origin's link names the listener the proxy accepted on as its server end.
+    let (_, link) = accelerated(k.dp(), &c, END_CLIENT)?;
+    ensure!(endpoint_of(&link, true) == c.local_addr()?, "{link:?}");
+    ensure!(endpoint_of(&link, false) == SocketAddr::new(loopback, 15001), "{link:?}");
     let len = 2 << 20;
     exchange(c, s, 3, len, T)?;
     ensure!(
@@ -165,7 +186,6 @@ fn integrity_across_sizes_both_directions() -> Result<()> {
 
 #[test]
 fn slow_reader_with_large_writes() -> Result<()> {
-    use std::io::Write;
     let k = kernel_test!(1024);
     let (net, listener) = two_pods(false)?;
     k.dp().insert_pair(&pair_for(&net, false), "test")?;
@@ -175,13 +195,13 @@ fn slow_reader_with_large_writes() -> Result<()> {
     let len = 6 << 20;
     let writer = thread::spawn(move || -> std::io::Result<()> {
         let data: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
-        c.write_all(&data)?;
+        write_all_ready(&mut c, &data, Some(T))?;
         c.shutdown(std::net::Shutdown::Write)
     });
     let mut got = Vec::with_capacity(len);
     let mut buf = [0u8; 4096];
     loop {
-        let n = meshwarp_core::testbed::read_blocking(&mut s, &mut buf, Some(T))?;
+        let n = read_ready(&mut s, &mut buf, Some(T))?;
         if n == 0 {
             break;
         }
@@ -260,7 +280,9 @@ fn full_sockhash_falls_back_and_is_reported() -> Result<()> {
     let (c2, s2) = connect_pods(&net, &listener, false)?; // finds the map full
     let st = k.dp().pair_stats(&pair)?;
     ensure!(st.sockets == 2, "{st:?}");
-    ensure!(st.fallback_map_full == 2, "both ends of the second connection reported: {st:?}");
+    ensure!(st.fallback_map_full == 1, "the second connection's client end reported: {st:?}");
+    ensure!(k.dp().global_stats()?.no_link >= 1, "its server end found no link");
+    ensure!(k.dp().socket_link(socket_cookie_of(&c2)?)?.is_none(), "second connection not accelerated");
     exchange(c2, s2, 21, 1 << 20, T)?;
     exchange(c1, s1, 23, 1 << 20, T)?;
     Ok(())
@@ -290,12 +312,7 @@ fn loopback_tuples_in_two_namespaces_do_not_collide() -> Result<()> {
     let mut conns = Vec::new();
     for pod in &net.pods {
         let l = pod.ns.listen(lo)?;
-        let c = pod.ns.enter(|| {
-            let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
-            sock.bind(&"127.0.0.1:40123".parse::<SocketAddr>().unwrap().into())?;
-            sock.connect(&lo.into())?;
-            Ok::<_, std::io::Error>(TcpStream::from(sock))
-        })??;
+        let c = pod.ns.connect_from(Some("127.0.0.1:40123".parse()?), lo, false)?;
         let s = accept_timeout(&l, T)?;
         conns.push((c, s));
     }
@@ -345,23 +362,20 @@ fn teardown_removes_every_pin() -> Result<()> {
 }
 
 #[test]
-fn peer_absent_falls_back_in_order() -> Result<()> {
+fn server_end_refused_takes_the_client_end_back_to_tcp() -> Result<()> {
     // Three slots: the first connection takes two, the second's client the
-    // third, and its server end finds the map full. The client then has no
-    // peer: its first message goes on TCP and the direction stays there.
+    // third, and its server end finds the map full. Both ends or neither:
+    // the client leaves the SOCKHASH again and the connection is plain TCP.
     let k = kernel_test!(3);
     let (net, listener) = two_pods(false)?;
     let pair = pair_for(&net, false);
     k.dp().insert_pair(&pair, "test")?;
     let (_c1, _s1) = connect_pods(&net, &listener, false)?;
     let (c2, s2) = connect_pods(&net, &listener, false)?;
-    let ck = tuple_sock_key(c2.local_addr()?, c2.peer_addr()?, 0);
-    ensure!(k.dp().sockhash_lookup(&ck)?.is_some(), "client end inserted");
+    ensure!(k.dp().socket_link(socket_cookie_of(&c2)?)?.is_none(), "client end taken back out");
     exchange(c2, s2, 51, 2 << 20, T)?;
     let st = k.dp().pair_stats(&pair)?;
     ensure!(st.sockets == 3 && st.fallback_map_full == 1, "{st:?}");
-    ensure!(st.fallback_no_peer >= 1, "first message found no peer: {st:?}");
-    ensure!(st.fallback_tcp_path >= 1, "later messages stayed on TCP: {st:?}");
     ensure!(st.redirected_msgs == 0, "nothing of the second connection redirected: {st:?}");
     Ok(())
 }
@@ -375,13 +389,7 @@ fn four_tuple_reuse_after_close() -> Result<()> {
     let server = SocketAddr::new(net.pods[1].addr(false), SERVER_PORT);
     let client: SocketAddr = SocketAddr::new(net.pods[0].addr(false), 40555);
     for round in 0..3u64 {
-        let c = net.pods[0].ns.enter(|| {
-            let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
-            sock.set_reuse_address(true)?;
-            sock.bind(&client.into())?;
-            sock.connect_timeout(&server.into(), Duration::from_secs(5))?;
-            Ok::<_, std::io::Error>(TcpStream::from(sock))
-        })??;
+        let c = net.pods[0].ns.connect_from(Some(client), server, true)?;
         let s = accept_timeout(&listener, T)?;
         ensure!(c.local_addr()? == client, "same 4-tuple every round");
         // exchange() half-closes both ways; the server end closes first so
@@ -406,6 +414,7 @@ fn a_refused_load_leaves_nothing_pinned() -> Result<()> {
         // The kernel refuses a SOCKHASH this large when the object loads,
         // after the pin directories were made.
         max_sockets: u32::MAX,
+        ..DataplaneConfig::default()
     };
     let e = meshwarp_core::Dataplane::open(&cfg).err().context("an impossible SOCKHASH is refused")?;
     ensure!(e.to_string().contains("loading the BPF programs"), "refused at load: {e}");

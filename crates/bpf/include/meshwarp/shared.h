@@ -12,34 +12,34 @@
 #ifndef MESHWARP_SHARED_H
 #define MESHWARP_SHARED_H
 
-#define MW_SCHEMA_VERSION 2
+#define MW_SCHEMA_VERSION 3
 
 #define MW_AF_INET 2
 #define MW_AF_INET6 10
 
-/* How a socket's SOCKHASH key was built (mw_sock_key.kind). */
-enum mw_key_kind {
-	/* Mirror pairing: own (local, remote); the peer is (remote, local). */
-	MW_KEY_TUPLE = 1,
-	/* Capture pairing: the socket that opened the connection, keyed by its
-	 * own endpoint (client_ip:port). */
-	MW_KEY_ORIGIN = 2,
-	/* Capture pairing: the socket the capture listener accepted, keyed by the
-	 * remote (client) endpoint, which equals the origin's local endpoint. */
-	MW_KEY_CAPTURED = 3,
-};
+/*
+ * ---- socket redirection (sockredir.bpf.c) ----
+ *
+ * A connection both of whose ends meshwarp accelerates is a *link*. Its id is
+ * the pair of initial sequence numbers (client ISN + 1 in the high word, server
+ * ISN + 1 in the low word): both ends know it at ESTABLISHED without talking to
+ * each other, NAT does not change it, and two connections only share it if
+ * their ISNs coincide. The client end creates the link with BPF_NOEXIST; a
+ * second connection building the same id poisons it, so neither is redirected
+ * (a collision is counted, never a wrong peer). Each end is in the SOCKHASH
+ * under {link, end}, so SOCKHASH keys are unique per connection and per node,
+ * whatever the addresses, ports and namespaces.
+ */
 
-/* SOCKHASH key. For MW_KEY_TUPLE netns is the netns cookie when both ends are
- * loopback (such tuples repeat across namespaces), else 0. For the capture
- * kinds only local_* is used; netns is set when the client address is loopback. */
+/* Which end of a connection a socket is. */
+#define MW_END_CLIENT 0 /* it called connect() (capture: the origin) */
+#define MW_END_SERVER 1 /* it was accepted (capture: by the proxy's listener) */
+
+/* SOCKHASH key. */
 struct mw_sock_key {
-	__u32 local_ip[4];
-	__u32 remote_ip[4];
-	__u32 local_port;
-	__u32 remote_port;
-	__u64 netns;
-	__u32 family;
-	__u32 kind;
+	__u64 link;
+	__u32 end;
+	__u32 pad;
 };
 
 /* Mirror-pairing rule: connections from client_ip (any port) to
@@ -61,6 +61,11 @@ struct mw_capture_key {
 	__u32 family;
 };
 
+/* mw_rule.flags: ends a controller declared must never receive redirected
+ * bytes (e.g. a proxy that splices). */
+#define MW_RULE_NO_TARGET_CLIENT 1u
+#define MW_RULE_NO_TARGET_SERVER 2u
+
 /* Value of both rule maps. */
 struct mw_rule {
 	/* Index into mw_stats; allocated by user space, < max rules. */
@@ -68,31 +73,69 @@ struct mw_rule {
 	/* Capture rules only: where the captured connection is accepted. */
 	__u32 listener_port;
 	__u32 listener_ip[4];
+	__u32 flags;
+	__u32 pad;
 };
 
-/* An origin socket of a capture rule, waiting for (or paired with) the socket
- * its listener accepted. Keyed by the origin's endpoint. */
-struct mw_endpoint_key {
-	__u32 ip[4];
-	__u32 port;
+/* mw_link.kind */
+#define MW_LINK_MIRROR 1
+#define MW_LINK_CAPTURE 2
+
+/* mw_link.flags */
+#define MW_LINK_CLAIMED 1u  /* the server end found the link */
+#define MW_LINK_POISONED 2u /* another connection built the same id: neither redirects */
+#define MW_LINK_HIT 4u      /* a reader spliced with redirected bytes pending: being reset */
+
+/* mw_link.end_flags[end] */
+#define MW_EF_PSOCK 1u   /* in the SOCKHASH: its sends run sk_msg */
+#define MW_EF_TARGET 2u  /* its reader may be given redirected bytes */
+#define MW_EF_NOSEND 4u  /* its own sends stay on TCP (a ULP such as kTLS) */
+#define MW_EF_CLOSED 8u
+/* Why an end is not, or no longer, a target. */
+#define MW_EF_R_SPLICE 0x100u /* its reader can splice (program), or was seen splicing */
+#define MW_EF_R_LOWAT 0x200u  /* SO_RCVLOWAT: the fast path ignores it */
+#define MW_EF_R_ULP 0x400u    /* a ULP (kTLS) was set on it */
+#define MW_EF_R_RULE 0x800u   /* the rule says never redirect into this end */
+
+/* An executable, as the kernel names it: device and inode of its file. */
+struct mw_exe_key {
+	__u64 dev; /* super_block s_dev (kernel encoding) */
+	__u64 ino;
+};
+
+/* The connection both accelerated ends share (mw_links, keyed by link id). */
+struct mw_link {
 	__u32 family;
-	__u64 netns;
-};
-
-struct mw_origin {
-	__u32 rule_id;
-	__u32 listener_port;
-	__u32 listener_ip[4];
-	/* Socket cookie of the origin, so a closing socket only removes its own
-	 * entry after the 4-tuple was reused. */
-	__u64 cookie;
-};
-
-/* Per-socket state set by sockops (socket local storage), read by sk_msg. */
-struct mw_sock_state {
-	struct mw_sock_key peer;
+	__u32 kind;
+	__u32 client_ip[4];
+	/* Mirror: the server; capture: the listener that accepts the captured
+	 * connection. What the server end sees as its local endpoint. */
+	__u32 server_ip[4];
+	__u32 client_port;
+	__u32 server_port;
 	__u32 rule_id;
 	__u32 flags;
+	__u32 end_flags[2];
+	__u64 cookie[2];
+	struct mw_exe_key exe[2]; /* who reads each end (owner stamp), for sweeps */
+};
+
+/* What mw_cookies maps a socket cookie to (found from a file descriptor). */
+struct mw_cookie_val {
+	__u64 link;
+	__u32 end;
+	__u32 rule_id;
+};
+
+/* Per-socket state set by sockops (socket local storage), read by sk_msg and
+ * by on_connection / on_message plugins. Also kept for covered sockets that
+ * are not accelerated, so their reads can be observed. */
+struct mw_sock_state {
+	__u64 link; /* 0: not accelerated */
+	__u32 rule_id;
+	__u32 flags; /* sk_msg and plugins, under the socket lock */
+	__u32 end;
+	__u32 learn; /* 1: an unstamped server end; its reader names the service's exe */
 };
 
 /* mw_sock_state.flags */
@@ -103,15 +146,106 @@ struct mw_sock_state {
 #define MW_SOCK_CHAIN_POS_SHIFT 8
 #define MW_SOCK_CHAIN_GEN_SHIFT 16
 
+/* Who owns a socket: stamped at connect() and listen() in the caller's
+ * context, inherited by accepted sockets (the map is BPF_F_CLONE). */
+struct mw_sock_owner {
+	struct mw_exe_key exe;
+	__u32 tgid;
+	__u32 flags;
+};
+
+/* mw_sock_owner.flags */
+#define MW_OWN_NONBLOCK 1u /* O_NONBLOCK on the file at listen()/connect() */
+#define MW_OWN_KNOWN 2u
+
+/* What the programs saw an executable do (mw_exes, written by BPF only). */
+struct mw_exe {
+	__u32 flags;
+	__u32 tgid; /* a process that ran it */
+	char comm[16];
+};
+
+/* How user space classified an executable from its ELF (mw_exe_class,
+ * written by user space only). */
+struct mw_exe_class {
+	__u32 flags;
+	__u32 pad;
+};
+
+/* Flags of both. */
+#define MW_EXE_CLASSIFIED 1u     /* its ELF (and libraries) were read */
+#define MW_EXE_SPLICE 2u         /* it can call splice(2): imports it, or a Go binary */
+#define MW_EXE_OPAQUE 4u         /* unreadable (stripped static): treated as able to splice */
+#define MW_EXE_TRUSTED 8u        /* the operator vouches its readers never splice */
+/* Seen at run time by the programs (mw_exes; the flags above are mw_exe_class). */
+#define MW_EXE_PENDING 0x10u     /* classification was requested */
+#define MW_EXE_SEEN_SPLICE 0x100u
+#define MW_EXE_SEEN_BLOCKING 0x200u    /* read a covered socket in blocking mode */
+#define MW_EXE_SEEN_NONBLOCKING 0x400u /* read a covered socket without blocking */
+#define MW_EXE_SEEN_FIONREAD 0x800u    /* asked FIONREAD/SIOCINQ on a covered socket */
+
+/* A listening service whose listener was not stamped (it predates meshwarp):
+ * the reader of its first covered connection names the executable. */
+struct mw_service_key {
+	__u64 netns;
+	__u32 port;
+	__u32 family;
+};
+
+/* Node configuration written by user space (mw_config[0]). */
+struct mw_config {
+	__u32 flags;
+	__u32 pad;
+};
+
+/* mw_config.flags */
+#define MW_CFG_GUARD 1u             /* the reader guard decides which ends are targets */
+#define MW_CFG_SPLICE_BLIND 2u      /* kernel: splice() does not see redirected bytes */
+#define MW_CFG_FIONREAD_PSOCK 4u    /* kernel: FIONREAD counts only redirected bytes */
+#define MW_CFG_BLOCKING_EAGAIN 8u   /* kernel: a blocked read of a psock can return EAGAIN */
+
+/* Events for user space (mw_events ring buffer). */
+#define MW_EV_CLASSIFY 1     /* an executable meshwarp has not read yet */
+#define MW_EV_SPLICE_HIT 2   /* a reader spliced with redirected bytes pending */
+#define MW_EV_SPLICE_SEEN 3  /* an executable was seen splicing a covered socket */
+
+struct mw_event {
+	__u32 type;
+	__u32 pid;
+	__u32 tgid;
+	__u32 rule_id;
+	char comm[16];
+	struct mw_exe_key exe;
+	__u64 link;
+	__u64 cookie;      /* the socket the event is about */
+	__u64 peer_cookie;
+	__u64 netns;
+	__u32 end;
+	__u32 pending;     /* redirected bytes splice could not see */
+	__u32 family;
+	__u32 client_port;
+	__u32 server_port;
+	__u32 pad;
+	__u32 client_ip[4];
+	__u32 server_ip[4];
+};
+
 /* Per-rule counters, one slot per rule id in a per-CPU array. */
 struct mw_rule_stats {
 	__u64 sockets;          /* sockets inserted into the SOCKHASH */
 	__u64 msgs;             /* messages redirected */
 	__u64 bytes;            /* bytes redirected */
-	__u64 fb_no_peer;       /* messages sent on the TCP path: peer absent */
+	__u64 fb_no_peer;       /* messages sent on the TCP path: peer absent or not a target */
 	__u64 fb_tcp_path;      /* messages sent on the TCP path: this direction already used it */
-	__u64 fb_map_full;      /* covered sockets not inserted: SOCKHASH full */
-	__u64 fb_insert_err;    /* covered sockets not inserted: other error (ULP, ...) */
+	__u64 fb_map_full;      /* covered sockets not inserted: a map is full */
+	__u64 fb_insert_err;    /* covered sockets not inserted: other error */
+	__u64 fb_collision;     /* connections not accelerated: another one built the same key */
+	__u64 fb_reader;        /* connections not accelerated: a reader that may block, or not classified yet */
+	__u64 fb_splice;        /* ends not made targets: the reader can splice */
+	__u64 fb_lowat;         /* ends withdrawn as targets: SO_RCVLOWAT */
+	__u64 fb_ulp;           /* ends withdrawn: a ULP (kTLS) was set */
+	__u64 ulp_refused;      /* ULP refused: redirected bytes were waiting to be read */
+	__u64 splice_hits;      /* readers spliced with redirected bytes pending (connection reset) */
 };
 
 /* Owner of a rule slot: a NUL-padded controller name. */
@@ -125,6 +259,7 @@ struct mw_global_stats {
 	__u64 established;      /* ESTABLISHED callbacks seen */
 	__u64 not_covered;      /* connections no rule covers: left alone */
 	__u64 no_state;         /* sk_msg without socket state: passed */
+	__u64 no_link;          /* server ends of a covered connection whose client end was not accelerated */
 };
 
 /* ---- tc redirection (tcredir.bpf.c) ---- */
@@ -194,7 +329,7 @@ struct mw_attach_stats {
 
 /* Plugin ABI offered by this host: a plugin of the same major and an equal or
  * older minor is accepted. */
-#define MW_ABI_MAJOR 1
+#define MW_ABI_MAJOR 2
 #define MW_ABI_MINOR 0
 
 /* Hooks a plugin attaches to (mw_plugin_abi.hook, chain rows); macros so that

@@ -1,20 +1,68 @@
 // SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause)
 /*
- * Socket redirection: sockops inserts covered sockets into a SOCKHASH, sk_msg
- * moves each message straight into the peer socket's receive queue.
+ * Socket redirection: sockops pairs the two ends of a covered connection into a
+ * link and inserts them into a SOCKHASH, sk_msg moves each message straight
+ * into the peer socket's receive queue.
  *
  * Fallback is the law: anything unexpected returns SK_PASS without a redirect,
  * so the message takes the normal TCP path.
+ *
+ * The reader guard: redirected bytes land in a queue that only recvmsg()
+ * reads. On a kernel whose splice() cannot see that queue, whose FIONREAD
+ * counts only it, or whose blocked reads of it return EAGAIN when woken
+ * without data, redirecting into a socket is only safe if its reader is known
+ * not to do those things. Which executable reads a socket is stamped at
+ * connect()/listen() (accepted sockets inherit the listener's stamp); user
+ * space classifies executables from their ELF (mw_exe_class), and the
+ * programs below record what executables are seen doing (mw_exes):
+ *   - sockops decides per end: not accelerated, a sender only, or also a
+ *     redirect target; the server end decides for the connection, so both
+ *     ends are accelerated or neither;
+ *   - tp_btf/sock_recv_length sees blocking and non-blocking reads;
+ *   - tp_btf/sys_enter sees splice() and FIONREAD before the kernel runs
+ *     them; a splice on a target withdraws it, and one that finds redirected
+ *     bytes waiting is a hit: the sender's next send fails and user space
+ *     resets the connection (loud, never a silent truncation);
+ *   - cgroup/setsockopt withdraws a target on SO_RCVLOWAT, and both
+ *     directions on a ULP (kTLS), refusing the ULP if redirected bytes wait;
+ *   - iter/tcp (mw_destroy) lets user space reset a hit connection.
  */
 #include "vmlinux.h"
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_endian.h>
+#include <bpf/bpf_tracing.h>
+#include <bpf/bpf_core_read.h>
 #include "meshwarp/shared.h"
 #include "meshwarp/chain.h"
 
 #define TCP_CLOSE_STATE 7 /* enum tcp_state TCP_CLOSE */
+#define EPERM 1
 #define ENOMEM 12
 #define E2BIG 7
+#define EEXIST 17
+#define EAGAIN 11
+#define O_NONBLOCK 04000
+#define MSG_DONTWAIT 0x40
+#define SOL_SOCKET 1
+#define SO_RCVLOWAT 18
+#define SOL_TCP 6
+#define TCP_ULP 31
+#define FIONREAD 0x541B
+#define S_IFMT 00170000
+#define S_IFSOCK 0140000
+#define PAGE_SIZE 4096
+
+enum level { LV_NONE = 0, LV_SEND = 1, LV_FULL = 2 };
+
+/* Syscall numbers of this architecture, set by user space before load. */
+const volatile __u32 nr_splice = 0;
+const volatile __u32 nr_ioctl = 0;
+/* Never read: keeps struct mw_event in the object's BTF, where the layout
+ * test of its Rust mirror finds it. */
+const volatile struct mw_event mw_event_btf __attribute__((used)) = {};
+
+extern void *bpf_rdonly_cast(const void *obj, __u32 btf_id) __ksym __weak;
+extern int bpf_sock_destroy(struct sock_common *sk) __ksym __weak;
 
 /* Sizes are placeholders: user space sets max_entries before load. */
 struct {
@@ -40,14 +88,72 @@ struct {
 	__type(value, struct mw_rule);
 } mw_capture SEC(".maps");
 
+/* Links, keyed by link id (preallocated: created in softirq context). */
 struct {
-	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(type, BPF_MAP_TYPE_HASH);
 	__uint(max_entries, 65536);
-	__type(key, struct mw_endpoint_key);
-	__type(value, struct mw_origin);
-} mw_origins SEC(".maps");
+	__type(key, __u64);
+	__type(value, struct mw_link);
+} mw_links SEC(".maps");
+
+/* Socket cookie -> link and end, for programs that only hold a file. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 65536);
+	__type(key, __u64);
+	__type(value, struct mw_cookie_val);
+} mw_cookies SEC(".maps");
 
 MW_DEFINE_SK_STATE_MAP();
+
+struct {
+	__uint(type, BPF_MAP_TYPE_SK_STORAGE);
+	__uint(map_flags, BPF_F_NO_PREALLOC | BPF_F_CLONE);
+	__type(key, int);
+	__type(value, struct mw_sock_owner);
+} mw_sk_owner SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 4096);
+	__type(key, struct mw_exe_key);
+	__type(value, struct mw_exe);
+} mw_exes SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 4096);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, struct mw_exe_key);
+	__type(value, struct mw_exe_class);
+} mw_exe_class SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 4096);
+	__type(key, struct mw_service_key);
+	__type(value, struct mw_exe_key);
+} mw_services SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct mw_config);
+} mw_config SEC(".maps");
+
+/* Cookies of sockets user space asked mw_destroy to reset. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 1024);
+	__type(key, __u64);
+	__type(value, __u32);
+} mw_doomed SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_RINGBUF);
+	__uint(max_entries, 256 * 1024);
+} mw_events SEC(".maps");
 
 /* Plugin chains of on_connection (sockops) and on_message (sk_msg). */
 MW_DEFINE_CHAIN_PROGS(mw_ch_conn);
@@ -100,6 +206,14 @@ static __always_inline struct mw_rule_stats *rule_stats(__u32 id)
 	return bpf_map_lookup_elem(&mw_stats, &id);
 }
 
+static __always_inline __u32 config_flags(void)
+{
+	__u32 zero = 0;
+	struct mw_config *c = bpf_map_lookup_elem(&mw_config, &zero);
+
+	return c ? c->flags : 0;
+}
+
 static __always_inline void copy_ip(__u32 *dst, const __u32 *src)
 {
 	dst[0] = src[0];
@@ -111,13 +225,6 @@ static __always_inline void copy_ip(__u32 *dst, const __u32 *src)
 static __always_inline bool ip_eq(const __u32 *a, const __u32 *b)
 {
 	return ((a[0] ^ b[0]) | (a[1] ^ b[1]) | (a[2] ^ b[2]) | (a[3] ^ b[3])) == 0;
-}
-
-static __always_inline bool ip_is_loopback(__u32 family, const __u32 *ip)
-{
-	if (family == MW_AF_INET)
-		return (bpf_ntohl(ip[0]) >> 24) == 127;
-	return ip[0] == 0 && ip[1] == 0 && ip[2] == 0 && ip[3] == bpf_htonl(1);
 }
 
 /* Reads the socket's tuple; an IPv4-mapped IPv6 socket is reported as IPv4 so
@@ -162,9 +269,10 @@ static __always_inline bool load_tuple(struct bpf_sock_ops *skops, struct tuple 
 	return true;
 }
 
-/* Covered by a mirror pair: own key (local, remote), peer key (remote, local). */
-static __always_inline struct mw_rule *match_pair(struct bpf_sock_ops *skops,
-						  const struct tuple *t, bool active)
+/* ---- rules ---- */
+
+/* Covered by a mirror pair: the client is the active end's local address. */
+static __always_inline struct mw_rule *match_pair(const struct tuple *t, bool active)
 {
 	struct mw_pair_key pk = {};
 
@@ -179,88 +287,6 @@ static __always_inline struct mw_rule *match_pair(struct bpf_sock_ops *skops,
 		pk.server_port = t->local_port;
 	}
 	return bpf_map_lookup_elem(&mw_pairs, &pk);
-}
-
-static __always_inline void tuple_keys(struct bpf_sock_ops *skops, const struct tuple *t,
-				       struct mw_sock_key *own, struct mw_sock_key *peer)
-{
-	__u64 netns = 0;
-
-	if (ip_is_loopback(t->family, t->local_ip) && ip_is_loopback(t->family, t->remote_ip))
-		netns = bpf_get_netns_cookie(skops);
-
-	own->family = peer->family = t->family;
-	own->kind = peer->kind = MW_KEY_TUPLE;
-	own->netns = peer->netns = netns;
-	copy_ip(own->local_ip, t->local_ip);
-	copy_ip(own->remote_ip, t->remote_ip);
-	own->local_port = t->local_port;
-	own->remote_port = t->remote_port;
-	copy_ip(peer->local_ip, t->remote_ip);
-	copy_ip(peer->remote_ip, t->local_ip);
-	peer->local_port = t->remote_port;
-	peer->remote_port = t->local_port;
-}
-
-/* Capture keys carry only the client endpoint; both ends build the same one and
- * differ in kind. */
-static __always_inline void capture_keys(struct bpf_sock_ops *skops, __u32 family,
-					 const __u32 *client_ip, __u32 client_port,
-					 __u64 netns, bool origin,
-					 struct mw_sock_key *own, struct mw_sock_key *peer)
-{
-	own->family = peer->family = family;
-	own->netns = peer->netns = netns;
-	copy_ip(own->local_ip, client_ip);
-	copy_ip(peer->local_ip, client_ip);
-	own->local_port = peer->local_port = client_port;
-	own->kind = origin ? MW_KEY_ORIGIN : MW_KEY_CAPTURED;
-	peer->kind = origin ? MW_KEY_CAPTURED : MW_KEY_ORIGIN;
-}
-
-static __always_inline void count_insert_failure(__u32 rule_id, long err)
-{
-	struct mw_rule_stats *rs = rule_stats(rule_id);
-
-	if (!rs)
-		return;
-	if (err == -E2BIG || err == -ENOMEM)
-		rs->fb_map_full++;
-	else
-		rs->fb_insert_err++;
-}
-
-/* Stores the socket's state first, then makes it visible in the SOCKHASH, so
- * sk_msg never sees a socket without state. */
-static __always_inline bool insert_socket(struct bpf_sock_ops *skops, struct mw_sock_key *own,
-					  const struct mw_sock_key *peer, __u32 rule_id)
-{
-	struct bpf_sock *sk = skops->sk;
-	struct mw_sock_state *st;
-	struct mw_rule_stats *rs;
-	long err;
-
-	if (!sk)
-		return false;
-	st = bpf_sk_storage_get(&mw_sk_state, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
-	if (!st) {
-		count_insert_failure(rule_id, -ENOMEM);
-		return false;
-	}
-	__builtin_memcpy(&st->peer, peer, sizeof(*peer));
-	st->rule_id = rule_id;
-	st->flags = MW_SOCK_NEEDS_SYNC;
-
-	err = bpf_sock_hash_update(skops, &mw_sockhash, own, BPF_ANY);
-	if (err) {
-		count_insert_failure(rule_id, err);
-		bpf_sk_storage_delete(&mw_sk_state, sk);
-		return false;
-	}
-	rs = rule_stats(rule_id);
-	if (rs)
-		rs->sockets++;
-	return true;
 }
 
 static __always_inline struct mw_rule *match_capture(const struct tuple *t)
@@ -280,123 +306,519 @@ static __always_inline struct mw_rule *match_capture(const struct tuple *t)
 	return bpf_map_lookup_elem(&mw_capture, &ck);
 }
 
-static __always_inline __u64 client_netns(struct bpf_sock_ops *skops, __u32 family,
-					  const __u32 *client_ip)
+/* The rule covering an active end (pair first, then capture), and its kind. */
+static __always_inline struct mw_rule *match_active(const struct tuple *t, __u32 *kind)
 {
-	return ip_is_loopback(family, client_ip) ? bpf_get_netns_cookie(skops) : 0;
+	struct mw_rule *rule = match_pair(t, true);
+
+	if (rule) {
+		*kind = MW_LINK_MIRROR;
+		return rule;
+	}
+	*kind = MW_LINK_CAPTURE;
+	return match_capture(t);
 }
 
-static __always_inline void on_active_established(struct bpf_sock_ops *skops, const struct tuple *t)
-{
-	struct mw_sock_key own = {}, peer = {};
-	struct mw_endpoint_key ek = {};
-	struct mw_origin origin = {};
-	struct mw_global_stats *gs;
-	struct mw_rule *rule;
+/* ---- who reads a socket ---- */
 
-	rule = match_pair(skops, t, true);
-	if (rule) {
-		tuple_keys(skops, t, &own, &peer);
-		insert_socket(skops, &own, &peer, rule->id);
+/* The current task's executable (false for kernel threads). */
+static __always_inline bool current_exe(struct mw_exe_key *k)
+{
+	struct task_struct *task = bpf_get_current_task_btf();
+	struct mm_struct *mm;
+	struct file *exe;
+	struct inode *inode;
+
+	mm = task->mm;
+	if (!mm)
+		return false;
+	exe = mm->exe_file;
+	if (!exe)
+		return false;
+	inode = exe->f_inode;
+	if (!inode)
+		return false;
+	k->ino = inode->i_ino;
+	k->dev = inode->i_sb->s_dev;
+	return true;
+}
+
+/* The file flags (O_NONBLOCK...) of the file a socket belongs to; 0 if none. */
+static __always_inline __u32 sock_file_flags(struct sock *sk)
+{
+	struct socket *sock = sk->sk_socket;
+	struct file *file;
+
+	if (!sock)
+		return 0;
+	file = sock->file;
+	if (!file)
+		return 0;
+	return file->f_flags;
+}
+
+static __always_inline void emit(struct mw_event *ev)
+{
+	bpf_ringbuf_output(&mw_events, ev, sizeof(*ev), 0);
+}
+
+/* Asks user space, once per executable, to classify it. */
+static __always_inline void request_classify(const struct mw_exe_key *k, __u32 tgid)
+{
+	struct mw_exe e = {};
+	struct mw_event ev = {};
+
+	e.flags = MW_EXE_PENDING;
+	e.tgid = tgid;
+	bpf_get_current_comm(e.comm, sizeof(e.comm));
+	if (bpf_map_update_elem(&mw_exes, k, &e, BPF_NOEXIST))
+		return;
+	ev.type = MW_EV_CLASSIFY;
+	ev.tgid = tgid;
+	ev.exe = *k;
+	emit(&ev);
+}
+
+/* Records that an executable did something (MW_EXE_SEEN_*). */
+static __always_inline void exe_seen(const struct mw_exe_key *k, __u32 bit)
+{
+	struct mw_exe *e = bpf_map_lookup_elem(&mw_exes, k);
+	struct mw_exe fresh = {};
+
+	if (e) {
+		if (!(e->flags & bit))
+			__sync_fetch_and_or(&e->flags, bit);
 		return;
 	}
-	rule = match_capture(t);
+	fresh.flags = bit;
+	fresh.tgid = bpf_get_current_pid_tgid() >> 32;
+	bpf_get_current_comm(fresh.comm, sizeof(fresh.comm));
+	bpf_map_update_elem(&mw_exes, k, &fresh, BPF_NOEXIST);
+	e = bpf_map_lookup_elem(&mw_exes, k);
+	if (e && !(e->flags & bit))
+		__sync_fetch_and_or(&e->flags, bit);
+}
+
+/* Stamps the socket with the executable of the task calling connect() or
+ * listen(), and asks for its classification. */
+static __always_inline void stamp_owner(struct bpf_sock_ops *skops)
+{
+	struct bpf_sock *sk = skops->sk;
+	struct mw_sock_owner *o;
+	struct tcp_sock *tp;
+	struct mw_exe_key k = {};
+
+	if (!sk || !current_exe(&k))
+		return;
+	tp = bpf_skc_to_tcp_sock(sk);
+	if (!tp)
+		return;
+	o = bpf_sk_storage_get(&mw_sk_owner, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
+	if (!o)
+		return;
+	o->exe = k;
+	o->tgid = bpf_get_current_pid_tgid() >> 32;
+	o->flags = MW_OWN_KNOWN;
+	if (sock_file_flags(&tp->inet_conn.icsk_inet.sk) & O_NONBLOCK)
+		o->flags |= MW_OWN_NONBLOCK;
+	if (!bpf_map_lookup_elem(&mw_exe_class, &k))
+		request_classify(&k, o->tgid);
+}
+
+/* How far one end may be accelerated. *why gets the mw_rule_stats reason
+ * bit for what held it back (MW_EF_R_* for a refused target). */
+struct end_decision {
+	int level;
+	__u32 reason;       /* MW_EF_R_* when not a target */
+	bool reader;        /* NONE because of the reader (unknown, blocking) */
+	struct mw_exe_key exe;
+};
+
+static __always_inline void decide_end(struct bpf_sock_ops *skops, struct tcp_sock *tp, bool active,
+				       __u32 rule_flags, __u32 cfg, struct mw_sock_state *st,
+				       struct end_decision *d)
+{
+	struct bpf_sock *sk = skops->sk;
+	struct sock *s = &tp->inet_conn.icsk_inet.sk;
+	struct mw_sock_owner *o = NULL;
+	struct mw_exe_class *cls;
+	struct mw_exe *seen;
+	struct mw_exe_key *learned;
+	struct mw_service_key svc = {};
+	__u32 sflags = 0, eflags;
+	bool nonblock, target = true;
+
+	d->level = LV_NONE;
+	d->reason = 0;
+	d->reader = false;
+	if (s->sk_rcvlowat > 1) {
+		target = false;
+		d->reason = MW_EF_R_LOWAT;
+	}
+	if (rule_flags & (active ? MW_RULE_NO_TARGET_CLIENT : MW_RULE_NO_TARGET_SERVER)) {
+		target = false;
+		d->reason = MW_EF_R_RULE;
+	}
+	if (!(cfg & MW_CFG_GUARD)) {
+		d->level = target ? LV_FULL : LV_SEND;
+		return;
+	}
+
+	if (sk)
+		o = bpf_sk_storage_get(&mw_sk_owner, sk, 0, 0);
+	if (o && (o->flags & MW_OWN_KNOWN)) {
+		d->exe = o->exe;
+	} else if (!active) {
+		/* A listener that predates meshwarp: what its readers were. */
+		svc.netns = bpf_get_netns_cookie(skops);
+		svc.port = skops->local_port;
+		svc.family = skops->family;
+		learned = bpf_map_lookup_elem(&mw_services, &svc);
+		if (!learned) {
+			st->learn = 1;
+			d->reader = true;
+			return;
+		}
+		d->exe = *learned;
+	} else {
+		d->reader = true;
+		return;
+	}
+	cls = bpf_map_lookup_elem(&mw_exe_class, &d->exe);
+	if (!cls || !(cls->flags & MW_EXE_CLASSIFIED)) {
+		if (o)
+			request_classify(&d->exe, o->tgid);
+		d->reader = true;
+		return;
+	}
+	seen = bpf_map_lookup_elem(&mw_exes, &d->exe);
+	if (seen)
+		sflags = seen->flags;
+	eflags = cls->flags | sflags;
+
+	if (cfg & MW_CFG_BLOCKING_EAGAIN) {
+		/* A blocked read of a psock socket can return EAGAIN: only
+		 * sockets read without blocking get one. */
+		if (active)
+			nonblock = sock_file_flags(s) & O_NONBLOCK;
+		else
+			nonblock = (o && (o->flags & MW_OWN_NONBLOCK)) || (sflags & MW_EXE_SEEN_NONBLOCKING);
+		if (!nonblock || (sflags & MW_EXE_SEEN_BLOCKING)) {
+			d->reader = true;
+			return;
+		}
+	}
+	if (cfg & MW_CFG_SPLICE_BLIND) {
+		bool may_splice = (sflags & MW_EXE_SEEN_SPLICE) ||
+				  ((cls->flags & (MW_EXE_SPLICE | MW_EXE_OPAQUE)) && !(cls->flags & MW_EXE_TRUSTED));
+		if (may_splice) {
+			target = false;
+			d->reason = MW_EF_R_SPLICE;
+		}
+	}
+	/* A sender whose own incoming bytes come on TCP: FIONREAD would miss them. */
+	if (!target && (cfg & MW_CFG_FIONREAD_PSOCK) && (eflags & MW_EXE_SEEN_FIONREAD)) {
+		d->reader = true;
+		return;
+	}
+	d->level = target ? LV_FULL : LV_SEND;
+}
+
+static __always_inline void count_reason(struct mw_rule_stats *rs, const struct end_decision *d)
+{
+	if (!rs)
+		return;
+	if (d->reader)
+		rs->fb_reader++;
+	else if (d->level == LV_SEND && d->reason == MW_EF_R_SPLICE)
+		rs->fb_splice++;
+	else if (d->level == LV_SEND && d->reason == MW_EF_R_LOWAT)
+		rs->fb_lowat++;
+}
+
+static __always_inline void count_insert_failure(struct mw_rule_stats *rs, long err)
+{
+	if (!rs)
+		return;
+	if (err == -E2BIG || err == -ENOMEM)
+		rs->fb_map_full++;
+	else if (err == -EEXIST)
+		rs->fb_collision++;
+	else
+		rs->fb_insert_err++;
+}
+
+static __always_inline void watch_close(struct bpf_sock_ops *skops)
+{
+	bpf_sock_ops_cb_flags_set(skops, skops->bpf_sock_ops_cb_flags | BPF_SOCK_OPS_STATE_CB_FLAG);
+}
+
+/* ---- ESTABLISHED ---- */
+
+/* The client end: creates the link (if it may be accelerated at all) and
+ * enters the SOCKHASH. The server end decides the rest. */
+static __always_inline void on_active_established(struct bpf_sock_ops *skops, const struct tuple *t)
+{
+	struct bpf_sock *sk = skops->sk;
+	struct mw_global_stats *gs;
+	struct mw_rule_stats *rs;
+	struct mw_sock_state *st;
+	struct mw_cookie_val cv = {};
+	struct mw_sock_key key = {};
+	struct end_decision d = {};
+	struct mw_link link = {};
+	struct mw_link *existing;
+	struct tcp_sock *tp;
+	struct mw_rule *rule;
+	__u32 kind = 0;
+	__u64 id, cookie;
+	long err;
+
+	rule = match_active(t, &kind);
 	if (!rule) {
 		gs = global_stats();
 		if (gs)
 			gs->not_covered++;
 		return;
 	}
-	ek.family = t->family;
-	copy_ip(ek.ip, t->local_ip);
-	ek.port = t->local_port;
-	ek.netns = client_netns(skops, t->family, t->local_ip);
-	origin.rule_id = rule->id;
-	origin.listener_port = rule->listener_port;
-	copy_ip(origin.listener_ip, rule->listener_ip);
-	origin.cookie = bpf_get_socket_cookie(skops);
-	capture_keys(skops, t->family, t->local_ip, t->local_port, ek.netns, true, &own, &peer);
-	if (!insert_socket(skops, &own, &peer, rule->id))
+	if (!sk)
 		return;
-	/* Announce the origin to the listener side, and forget it on close. */
-	bpf_map_update_elem(&mw_origins, &ek, &origin, BPF_ANY);
-	bpf_sock_ops_cb_flags_set(skops, skops->bpf_sock_ops_cb_flags | BPF_SOCK_OPS_STATE_CB_FLAG);
+	tp = bpf_skc_to_tcp_sock(sk);
+	if (!tp)
+		return;
+	rs = rule_stats(rule->id);
+	st = bpf_sk_storage_get(&mw_sk_state, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
+	if (!st) {
+		count_insert_failure(rs, -ENOMEM);
+		return;
+	}
+	st->link = 0;
+	st->rule_id = rule->id;
+	st->end = MW_END_CLIENT;
+	st->flags = MW_SOCK_NEEDS_SYNC;
+	/* Data in the SYN (Fast Open) already took the TCP path. */
+	if (tp->syn_data)
+		return;
+	decide_end(skops, tp, true, rule->flags, config_flags(), st, &d);
+	count_reason(rs, &d);
+	if (d.level == LV_NONE)
+		return;
+
+	id = ((__u64)skops->snd_una << 32) | skops->rcv_nxt;
+	cookie = bpf_get_socket_cookie(skops);
+	link.family = t->family;
+	link.kind = kind;
+	copy_ip(link.client_ip, t->local_ip);
+	link.client_port = t->local_port;
+	if (kind == MW_LINK_CAPTURE) {
+		copy_ip(link.server_ip, rule->listener_ip);
+		link.server_port = rule->listener_port;
+	} else {
+		copy_ip(link.server_ip, t->remote_ip);
+		link.server_port = t->remote_port;
+	}
+	link.rule_id = rule->id;
+	link.flags = 0;
+	link.end_flags[MW_END_CLIENT] = MW_EF_PSOCK | (d.level == LV_FULL ? MW_EF_TARGET : d.reason);
+	/* Until the server end claims the link, nothing is redirected into it. */
+	link.end_flags[MW_END_SERVER] = (rule->flags & MW_RULE_NO_TARGET_SERVER) ? MW_EF_R_RULE : 0;
+	link.cookie[MW_END_CLIENT] = cookie;
+	link.exe[MW_END_CLIENT] = d.exe;
+	err = bpf_map_update_elem(&mw_links, &id, &link, BPF_NOEXIST);
+	if (err == -EEXIST) {
+		/* Another connection built this id: neither may redirect. */
+		existing = bpf_map_lookup_elem(&mw_links, &id);
+		if (existing)
+			__sync_fetch_and_or(&existing->flags, MW_LINK_POISONED);
+		if (rs)
+			rs->fb_collision++;
+		return;
+	}
+	if (err) {
+		count_insert_failure(rs, err);
+		return;
+	}
+	key.link = id;
+	key.end = MW_END_CLIENT;
+	err = bpf_sock_hash_update(skops, &mw_sockhash, &key, BPF_NOEXIST);
+	if (err) {
+		bpf_map_delete_elem(&mw_links, &id);
+		count_insert_failure(rs, err);
+		return;
+	}
+	cv.link = id;
+	cv.end = MW_END_CLIENT;
+	cv.rule_id = rule->id;
+	bpf_map_update_elem(&mw_cookies, &cookie, &cv, BPF_ANY);
+	st->link = id;
+	if (rs)
+		rs->sockets++;
+	watch_close(skops);
+}
+
+/* Takes the client end back out of the SOCKHASH: the connection stays on TCP
+ * at both ends (nothing was redirected into the client yet, since the server
+ * end was never in the map). */
+static __always_inline void release_client(__u64 id, struct mw_link *link)
+{
+	struct mw_sock_key key = {};
+
+	key.link = id;
+	key.end = MW_END_CLIENT;
+	bpf_map_delete_elem(&mw_sockhash, &key);
+	bpf_map_delete_elem(&mw_cookies, &link->cookie[MW_END_CLIENT]);
+	bpf_map_delete_elem(&mw_links, &id);
 }
 
 static __always_inline void on_passive_established(struct bpf_sock_ops *skops, const struct tuple *t)
 {
-	struct mw_sock_key own = {}, peer = {};
-	struct mw_endpoint_key ek = {};
+	struct bpf_sock *sk = skops->sk;
 	struct mw_global_stats *gs;
-	struct mw_origin *origin;
+	struct mw_rule_stats *rs;
+	struct mw_sock_state *st;
+	struct mw_cookie_val cv = {};
+	struct mw_sock_key key = {};
+	struct end_decision d = {};
+	struct tcp_sock *tp;
+	struct mw_link *link;
 	struct mw_rule *rule;
+	__u32 old, client_flags, rule_flags;
+	__u64 id, cookie;
+	bool to_server, to_client;
+	long err;
 
-	rule = match_pair(skops, t, false);
-	if (rule) {
-		tuple_keys(skops, t, &own, &peer);
-		insert_socket(skops, &own, &peer, rule->id);
+	id = ((__u64)skops->rcv_nxt << 32) | skops->snd_una;
+	link = bpf_map_lookup_elem(&mw_links, &id);
+	if (!link) {
+		/* Covered, but its client end is not accelerated (not covered
+		 * there, not a classified reader, on another node, ...). */
+		rule = match_pair(t, false);
+		gs = global_stats();
+		if (gs) {
+			if (rule)
+				gs->no_link++;
+			else
+				gs->not_covered++;
+		}
 		return;
 	}
-	/* Accepted by a capture listener from a known origin? */
-	ek.family = t->family;
-	copy_ip(ek.ip, t->remote_ip);
-	ek.port = t->remote_port;
-	ek.netns = client_netns(skops, t->family, t->remote_ip);
-	origin = bpf_map_lookup_elem(&mw_origins, &ek);
-	if (origin && origin->listener_port == t->local_port &&
-	    ip_eq(origin->listener_ip, t->local_ip)) {
-		capture_keys(skops, t->family, t->remote_ip, t->remote_port, ek.netns, false,
-			     &own, &peer);
-		insert_socket(skops, &own, &peer, origin->rule_id);
+	rs = rule_stats(link->rule_id);
+	/* The link must describe this very connection. */
+	if (link->family != t->family || link->client_port != t->remote_port ||
+	    link->server_port != t->local_port || !ip_eq(link->client_ip, t->remote_ip) ||
+	    !ip_eq(link->server_ip, t->local_ip)) {
+		if (rs)
+			rs->fb_collision++;
 		return;
 	}
-	gs = global_stats();
-	if (gs)
-		gs->not_covered++;
+	old = __sync_fetch_and_or(&link->flags, MW_LINK_CLAIMED);
+	if (old & (MW_LINK_CLAIMED | MW_LINK_POISONED)) {
+		__sync_fetch_and_or(&link->flags, MW_LINK_POISONED);
+		if (rs)
+			rs->fb_collision++;
+		return;
+	}
+	if (!sk)
+		return;
+	tp = bpf_skc_to_tcp_sock(sk);
+	if (!tp)
+		return;
+	st = bpf_sk_storage_get(&mw_sk_state, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
+	if (!st) {
+		count_insert_failure(rs, -ENOMEM);
+		release_client(id, link);
+		return;
+	}
+	st->link = 0;
+	st->rule_id = link->rule_id;
+	st->end = MW_END_SERVER;
+	st->flags = MW_SOCK_NEEDS_SYNC;
+	st->learn = 0;
+	rule_flags = (link->end_flags[MW_END_SERVER] & MW_EF_R_RULE) ? MW_RULE_NO_TARGET_SERVER : 0;
+	decide_end(skops, tp, false, rule_flags, config_flags(), st, &d);
+	count_reason(rs, &d);
+
+	/* Both ends accelerated, or neither: a socket with a psock whose
+	 * incoming bytes all come on TCP gains nothing and loses FIONREAD. */
+	client_flags = link->end_flags[MW_END_CLIENT];
+	to_client = client_flags & MW_EF_TARGET;
+	to_server = d.level == LV_FULL;
+	if (d.level == LV_NONE || (!to_client && !to_server)) {
+		release_client(id, link);
+		return;
+	}
+	key.link = id;
+	key.end = MW_END_SERVER;
+	err = bpf_sock_hash_update(skops, &mw_sockhash, &key, BPF_NOEXIST);
+	if (err) {
+		count_insert_failure(rs, err);
+		release_client(id, link);
+		return;
+	}
+	cookie = bpf_get_socket_cookie(skops);
+	cv.link = id;
+	cv.end = MW_END_SERVER;
+	cv.rule_id = link->rule_id;
+	bpf_map_update_elem(&mw_cookies, &cookie, &cv, BPF_ANY);
+	link->cookie[MW_END_SERVER] = cookie;
+	link->exe[MW_END_SERVER] = d.exe;
+	/* Published last: the client redirects only once this end is in the map. */
+	__sync_fetch_and_or(&link->end_flags[MW_END_SERVER],
+			    MW_EF_PSOCK | (to_server ? MW_EF_TARGET : d.reason));
+	st->link = id;
+	if (rs)
+		rs->sockets++;
+	watch_close(skops);
 }
 
+/* A socket closed: forget its cookie; the last end (or a client whose server
+ * end never came) removes the link. */
 static __always_inline void on_state_change(struct bpf_sock_ops *skops)
 {
-	struct mw_endpoint_key ek = {};
-	struct mw_origin *origin;
-	struct tuple t;
+	struct bpf_sock *sk = skops->sk;
+	struct mw_sock_state *st;
+	struct mw_link *link;
+	__u64 cookie, id;
+	__u32 end, old, other;
 
-	if (skops->args[1] != TCP_CLOSE_STATE)
+	if (skops->args[1] != TCP_CLOSE_STATE || !sk)
 		return;
-	if (!load_tuple(skops, &t))
+	st = bpf_sk_storage_get(&mw_sk_state, sk, 0, 0);
+	if (!st || !st->link)
 		return;
-	ek.family = t.family;
-	copy_ip(ek.ip, t.local_ip);
-	ek.port = t.local_port;
-	ek.netns = client_netns(skops, t.family, t.local_ip);
-	origin = bpf_map_lookup_elem(&mw_origins, &ek);
-	if (origin && origin->cookie == bpf_get_socket_cookie(skops))
-		bpf_map_delete_elem(&mw_origins, &ek);
+	id = st->link;
+	end = st->end & 1;
+	cookie = bpf_get_socket_cookie(skops);
+	bpf_map_delete_elem(&mw_cookies, &cookie);
+	link = bpf_map_lookup_elem(&mw_links, &id);
+	if (!link || link->cookie[end] != cookie)
+		return;
+	old = __sync_fetch_and_or(&link->end_flags[end], MW_EF_CLOSED);
+	other = link->end_flags[end ^ 1];
+	if ((other & MW_EF_CLOSED) || !(link->flags & MW_LINK_CLAIMED) || !(other & MW_EF_PSOCK))
+		bpf_map_delete_elem(&mw_links, &id);
+	(void)old;
 }
 
 /* The rule id covering a connection, without changing anything; MW_NO_ID if
  * none does. What on_connection plugins are told before the host decides. */
 static __always_inline __u32 covering_rule(struct bpf_sock_ops *skops, const struct tuple *t, bool active)
 {
-	struct mw_endpoint_key ek = {};
-	struct mw_origin *origin;
 	struct mw_rule *rule;
+	struct mw_link *link;
+	__u32 kind;
+	__u64 id;
 
-	rule = match_pair(skops, t, active);
-	if (rule)
-		return rule->id;
 	if (active) {
-		rule = match_capture(t);
+		rule = match_active(t, &kind);
 		return rule ? rule->id : MW_NO_ID;
 	}
-	ek.family = t->family;
-	copy_ip(ek.ip, t->remote_ip);
-	ek.port = t->remote_port;
-	ek.netns = client_netns(skops, t->family, t->remote_ip);
-	origin = bpf_map_lookup_elem(&mw_origins, &ek);
-	if (origin && origin->listener_port == t->local_port && ip_eq(origin->listener_ip, t->local_ip))
-		return origin->rule_id;
-	return MW_NO_ID;
+	id = ((__u64)skops->rcv_nxt << 32) | skops->snd_una;
+	link = bpf_map_lookup_elem(&mw_links, &id);
+	if (link)
+		return link->rule_id;
+	rule = match_pair(t, false);
+	return rule ? rule->id : MW_NO_ID;
 }
 
 static __always_inline void on_established(struct bpf_sock_ops *skops, const struct tuple *t, __u32 op)
@@ -431,6 +853,18 @@ static __always_inline void run_conn_chain(struct bpf_sock_ops *skops, const str
 	*declined = mw_chain_fails_closed(gen, MW_HOOK_CONNECTION, 0);
 }
 
+/* connect() of a covered connection, or listen(): stamp the owner. */
+static __always_inline void on_connect(struct bpf_sock_ops *skops)
+{
+	struct tuple t;
+	__u32 kind;
+
+	if (!(config_flags() & MW_CFG_GUARD) || !load_tuple(skops, &t))
+		return;
+	if (match_active(&t, &kind))
+		stamp_owner(skops);
+}
+
 SEC("sockops")
 int mw_sockops(struct bpf_sock_ops *skops)
 {
@@ -441,6 +875,15 @@ int mw_sockops(struct bpf_sock_ops *skops)
 
 	if (op == BPF_SOCK_OPS_STATE_CB) {
 		on_state_change(skops);
+		return 1;
+	}
+	if (op == BPF_SOCK_OPS_TCP_CONNECT_CB) {
+		on_connect(skops);
+		return 1;
+	}
+	if (op == BPF_SOCK_OPS_TCP_LISTEN_CB) {
+		if (config_flags() & MW_CFG_GUARD)
+			stamp_owner(skops);
 		return 1;
 	}
 	if (op != BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB && op != BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB)
@@ -470,6 +913,8 @@ int mw_conn_fin(struct bpf_sock_ops *skops)
 	return 1;
 }
 
+/* ---- sk_msg ---- */
+
 /*
  * Redirected bytes land in the peer's psock queue, which a reader drains before
  * its TCP receive queue. So a direction may be redirected only if it has never
@@ -488,13 +933,29 @@ static __always_inline bool tcp_path_unused(struct bpf_sock *sk)
 static __always_inline int finish_msg(struct sk_msg_md *msg, struct bpf_sock *sk, struct mw_sock_state *st)
 {
 	struct mw_rule_stats *rs = rule_stats(st->rule_id);
+	struct mw_sock_key key = {};
+	struct mw_link *link;
+	__u32 end = st->end & 1, peer = end ^ 1;
+	__u64 id = st->link;
 
+	link = bpf_map_lookup_elem(&mw_links, &id);
+	if (link && (link->flags & MW_LINK_HIT))
+		return SK_DROP; /* being reset: more bytes would only be lost */
+	if (!link || (link->flags & MW_LINK_POISONED) || !(link->end_flags[peer] & MW_EF_TARGET) ||
+	    (link->end_flags[end] & MW_EF_NOSEND)) {
+		st->flags |= MW_SOCK_NEEDS_SYNC;
+		if (rs)
+			rs->fb_no_peer++;
+		return SK_PASS;
+	}
 	if ((st->flags & MW_SOCK_NEEDS_SYNC) && !tcp_path_unused(sk)) {
 		if (rs)
 			rs->fb_tcp_path++;
 		return SK_PASS;
 	}
-	if (bpf_msg_redirect_hash(msg, &mw_sockhash, &st->peer, BPF_F_INGRESS) != SK_PASS) {
+	key.link = id;
+	key.end = peer;
+	if (bpf_msg_redirect_hash(msg, &mw_sockhash, &key, BPF_F_INGRESS) != SK_PASS) {
 		/* Peer absent: this message takes the TCP path. */
 		st->flags |= MW_SOCK_NEEDS_SYNC;
 		if (rs)
@@ -517,10 +978,11 @@ static __always_inline struct mw_sock_state *msg_state(struct bpf_sock *sk)
 	if (!sk)
 		return NULL;
 	st = bpf_sk_storage_get(&mw_sk_state, sk, 0, 0);
-	if (!st) {
+	if (!st || !st->link) {
 		gs = global_stats();
 		if (gs)
 			gs->no_state++;
+		return NULL;
 	}
 	return st;
 }
@@ -554,6 +1016,259 @@ int mw_msg_fin(struct sk_msg_md *msg)
 	if (!st || !sk)
 		return SK_PASS;
 	return finish_msg(msg, sk, st);
+}
+
+/* ---- the reader guard at run time ---- */
+
+/* Withdraws an end as a redirect target (atomically: senders read the flags
+ * without locks); returns the end's flags before. */
+static __always_inline __u32 withdraw(struct mw_link *link, __u32 end, __u32 reason)
+{
+	__u32 old = __sync_fetch_and_and(&link->end_flags[end & 1], ~MW_EF_TARGET);
+
+	__sync_fetch_and_or(&link->end_flags[end & 1], reason);
+	return old;
+}
+
+/* Bytes redirected into a socket and not read yet (psock queue). */
+static __always_inline __u32 psock_pending(struct sock *sk)
+{
+	struct sk_psock *psock;
+
+	psock = bpf_rdonly_cast(sk->sk_user_data, bpf_core_type_id_kernel(struct sk_psock));
+	if (!psock)
+		return 0;
+	return psock->msg_tot_len;
+}
+
+/* Every read of a covered socket: blocking or not, and by which executable. */
+SEC("tp_btf/sock_recv_length")
+int BPF_PROG(mw_recv_len, struct sock *sk, int ret, int flags)
+{
+	struct mw_service_key svc = {};
+	struct mw_sock_state *st;
+	struct mw_exe_key exe = {};
+	bool blocking;
+
+	st = bpf_sk_storage_get(&mw_sk_state, sk, 0, 0);
+	if (!st)
+		return 0;
+	if (ret < 0 && ret != -EAGAIN)
+		return 0;
+	if (!current_exe(&exe))
+		return 0;
+	blocking = !(flags & MSG_DONTWAIT) && !(sock_file_flags(sk) & O_NONBLOCK);
+	exe_seen(&exe, blocking ? MW_EXE_SEEN_BLOCKING : MW_EXE_SEEN_NONBLOCKING);
+	if (!bpf_map_lookup_elem(&mw_exe_class, &exe))
+		request_classify(&exe, bpf_get_current_pid_tgid() >> 32);
+	if (st->learn) {
+		svc.netns = sk->__sk_common.skc_net.net->net_cookie;
+		svc.port = sk->__sk_common.skc_num;
+		svc.family = sk->__sk_common.skc_family;
+		bpf_map_update_elem(&mw_services, &svc, &exe, BPF_ANY);
+		st->learn = 0;
+	}
+	return 0;
+}
+
+/* The socket behind a file descriptor of the current task (read-only view),
+ * or NULL if the descriptor is not a socket. */
+static __always_inline struct sock *fd_sock(__u32 fd)
+{
+	struct task_struct *task = bpf_get_current_task_btf();
+	struct files_struct *files = task->files;
+	struct fdtable *fdt;
+	struct file **fds;
+	struct file *f = NULL;
+	struct inode *inode;
+	struct socket *sock;
+
+	if (!files)
+		return NULL;
+	fdt = files->fdt;
+	if (!fdt || fd >= fdt->max_fds)
+		return NULL;
+	fds = fdt->fd;
+	if (bpf_probe_read_kernel(&f, sizeof(f), &fds[fd]) || !f)
+		return NULL;
+	f = bpf_rdonly_cast(f, bpf_core_type_id_kernel(struct file));
+	inode = f->f_inode;
+	if (!inode || (inode->i_mode & S_IFMT) != S_IFSOCK)
+		return NULL;
+	sock = bpf_rdonly_cast(f->private_data, bpf_core_type_id_kernel(struct socket));
+	if (!sock)
+		return NULL;
+	return sock->sk;
+}
+
+static __always_inline void fill_event_link(struct mw_event *ev, const struct mw_link *link)
+{
+	ev->rule_id = link->rule_id;
+	ev->family = link->family;
+	ev->client_port = link->client_port;
+	ev->server_port = link->server_port;
+	copy_ip(ev->client_ip, link->client_ip);
+	copy_ip(ev->server_ip, link->server_ip);
+}
+
+/* splice(fd_in = a socket): the executable splices. If fd_in is a covered
+ * socket, it stops being a target before the kernel reads it; redirected
+ * bytes already waiting there are invisible to splice: a hit. */
+static __always_inline void on_splice(__u32 fd)
+{
+	struct mw_cookie_val *cv;
+	struct mw_exe_key exe = {};
+	struct mw_rule_stats *rs;
+	struct mw_event ev = {};
+	struct mw_link *link;
+	struct sock *sk;
+	__u64 cookie, id;
+	__u32 pending, old, end;
+
+	sk = fd_sock(fd);
+	if (!sk)
+		return;
+	if (current_exe(&exe)) {
+		struct mw_exe *e = bpf_map_lookup_elem(&mw_exes, &exe);
+
+		if (!e || !(e->flags & MW_EXE_SEEN_SPLICE)) {
+			exe_seen(&exe, MW_EXE_SEEN_SPLICE);
+			ev.type = MW_EV_SPLICE_SEEN;
+			ev.exe = exe;
+			ev.pid = (__u32)bpf_get_current_pid_tgid();
+			ev.tgid = bpf_get_current_pid_tgid() >> 32;
+			bpf_get_current_comm(ev.comm, sizeof(ev.comm));
+			emit(&ev);
+		}
+	}
+	cookie = sk->__sk_common.skc_cookie.counter;
+	cv = bpf_map_lookup_elem(&mw_cookies, &cookie);
+	if (!cv)
+		return;
+	id = cv->link;
+	end = cv->end & 1;
+	link = bpf_map_lookup_elem(&mw_links, &id);
+	if (!link)
+		return;
+	old = withdraw(link, end, MW_EF_R_SPLICE);
+	pending = psock_pending(sk);
+	if (!pending)
+		return;
+	__sync_fetch_and_or(&link->flags, MW_LINK_HIT);
+	rs = rule_stats(link->rule_id);
+	if (rs)
+		rs->splice_hits++;
+	__builtin_memset(&ev, 0, sizeof(ev));
+	ev.type = MW_EV_SPLICE_HIT;
+	ev.pid = (__u32)bpf_get_current_pid_tgid();
+	ev.tgid = bpf_get_current_pid_tgid() >> 32;
+	bpf_get_current_comm(ev.comm, sizeof(ev.comm));
+	ev.exe = exe;
+	ev.link = id;
+	ev.end = end;
+	ev.cookie = cookie;
+	ev.peer_cookie = link->cookie[end ^ 1];
+	ev.netns = sk->__sk_common.skc_net.net->net_cookie;
+	ev.pending = pending;
+	fill_event_link(&ev, link);
+	emit(&ev);
+	(void)old;
+}
+
+/* ioctl(FIONREAD) on a socket: remembered per executable. */
+static __always_inline void on_fionread(__u32 fd)
+{
+	struct mw_exe_key exe = {};
+	struct sock *sk = fd_sock(fd);
+	__u64 cookie;
+
+	if (!sk)
+		return;
+	cookie = sk->__sk_common.skc_cookie.counter;
+	if (!bpf_map_lookup_elem(&mw_cookies, &cookie))
+		return;
+	if (current_exe(&exe))
+		exe_seen(&exe, MW_EXE_SEEN_FIONREAD);
+}
+
+SEC("tp_btf/sys_enter")
+int BPF_PROG(mw_sys_enter, struct pt_regs *regs, long id)
+{
+	if (id == nr_splice)
+		on_splice((__u32)PT_REGS_PARM1_CORE_SYSCALL(regs));
+	else if (id == nr_ioctl && (__u32)PT_REGS_PARM2_CORE_SYSCALL(regs) == FIONREAD)
+		on_fionread((__u32)PT_REGS_PARM1_CORE_SYSCALL(regs));
+	return 0;
+}
+
+/* setsockopt() on a covered socket, before the kernel applies it. */
+SEC("cgroup/setsockopt")
+int mw_setsockopt(struct bpf_sockopt *ctx)
+{
+	struct bpf_sock *sk = ctx->sk;
+	struct mw_rule_stats *rs;
+	struct mw_sock_state *st;
+	struct mw_link *link;
+	struct sock *s;
+	__u64 id;
+	__u32 end;
+	int *val;
+
+	if (!sk)
+		goto pass;
+	st = bpf_sk_storage_get(&mw_sk_state, sk, 0, 0);
+	if (!st || !st->link)
+		goto pass;
+	id = st->link;
+	end = st->end & 1;
+	link = bpf_map_lookup_elem(&mw_links, &id);
+	if (!link)
+		goto pass;
+	rs = rule_stats(link->rule_id);
+	if (ctx->level == SOL_SOCKET && ctx->optname == SO_RCVLOWAT) {
+		val = ctx->optval;
+		if ((void *)(val + 1) > ctx->optval_end)
+			goto pass;
+		if (*val > 1 && (withdraw(link, end, MW_EF_R_LOWAT) & MW_EF_TARGET) && rs)
+			rs->fb_lowat++;
+	} else if (ctx->level == SOL_TCP && ctx->optname == TCP_ULP) {
+		/* A ULP (kTLS) reads and writes the stream itself: both
+		 * directions of this socket go back to TCP. */
+		withdraw(link, end, MW_EF_R_ULP);
+		__sync_fetch_and_or(&link->end_flags[end], MW_EF_NOSEND);
+		if (rs)
+			rs->fb_ulp++;
+		s = bpf_rdonly_cast(sk, bpf_core_type_id_kernel(struct sock));
+		if (psock_pending(s)) {
+			/* kTLS would read them as records: refuse; the
+			 * application keeps its user-space TLS. */
+			if (rs)
+				rs->ulp_refused++;
+			return 0;
+		}
+	}
+pass:
+	/* Larger options: let the kernel use the caller's buffer. */
+	if (ctx->optlen > PAGE_SIZE)
+		ctx->optlen = 0;
+	return 1;
+}
+
+/* Resets the sockets user space put in mw_doomed (a hit connection). */
+SEC("iter/tcp")
+int mw_destroy(struct bpf_iter__tcp *ctx)
+{
+	struct sock_common *skc = ctx->sk_common;
+	__u64 cookie;
+
+	if (!skc)
+		return 0;
+	cookie = bpf_get_socket_cookie(skc);
+	if (!bpf_map_lookup_elem(&mw_doomed, &cookie))
+		return 0;
+	bpf_sock_destroy(skc);
+	bpf_map_delete_elem(&mw_doomed, &cookie);
+	return 0;
 }
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";

@@ -1,0 +1,524 @@
+//! The reader guard's user-space half: a thread beside the data path that
+//! classifies executables the programs ask about (their ELF, see
+//! [`crate::execlass`]), turns what the programs saw into [`Incident`]s, and
+//! resets a connection whose reader spliced while redirected bytes were
+//! waiting for it (`mw_destroy`, an `iter/tcp` program calling
+//! `bpf_sock_destroy`, run in the socket's network namespace), so that the
+//! application sees an error instead of a silently truncated stream.
+//!
+//! Only one guard runs per pin root (a lock file under /run/meshwarp); a
+//! second process adopting the same data path leaves it to the first.
+
+use std::cell::RefCell;
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs;
+use std::io::Read;
+use std::net::{IpAddr, SocketAddr};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::rc::Rc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use libbpf_rs::{libbpf_sys, MapCore, MapFlags, MapHandle, ProgramHandle, RingBufferBuilder};
+use meshwarp_bpf::names;
+use meshwarp_bpf::shared::{
+    ip_from_raw, str_of, Event, Exe, ExeClass, ExeKey, Pod, EV_CLASSIFY, EV_SPLICE_HIT, EV_SPLICE_SEEN, EXE_CLASSIFIED,
+    EXE_OPAQUE, EXE_PENDING, EXE_SPLICE, EXE_TRUSTED,
+};
+
+use crate::execlass::{self, ExeFacts};
+
+#[derive(Debug, thiserror::Error)]
+pub enum GuardError {
+    #[error("{what}: {source}")]
+    Bpf {
+        what: String,
+        #[source]
+        source: libbpf_rs::Error,
+    },
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Classify(#[from] execlass::ClassifyError),
+    #[error(transparent)]
+    Sys(#[from] crate::sys::SysError),
+}
+
+fn bpf_err(what: impl Into<String>) -> impl FnOnce(libbpf_rs::Error) -> GuardError {
+    let what = what.into();
+    move |source| GuardError::Bpf { what, source }
+}
+
+/// Whether the reader guard decides which sockets are redirect targets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum GuardMode {
+    /// On when the kernel probe finds a gap the fast path must avoid
+    /// (splice blind to redirected bytes, blocked reads returning EAGAIN,
+    /// FIONREAD or SO_RCVLOWAT not honoured); off on a kernel without gaps.
+    #[default]
+    Auto,
+    /// Every covered socket is a redirect target: the operator vouches that
+    /// no reader splices, blocks while its own socket is shut down, or relies
+    /// on SO_RCVLOWAT/FIONREAD. SO_RCVLOWAT and kTLS are still handled.
+    Off,
+}
+
+/// What happened to a connection or a program that the operator should know.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Incident {
+    pub kind: IncidentKind,
+    /// The thread that did it, its process, and its name.
+    pub pid: u32,
+    pub tgid: u32,
+    pub comm: String,
+    pub exe: Option<PathBuf>,
+    /// The rule covering the connection (counter slot), if any.
+    pub rule_id: Option<u32>,
+    pub client: Option<SocketAddr>,
+    /// Mirror pairing: the server; capture pairing: the proxy's listener.
+    pub server: Option<SocketAddr>,
+    /// Redirected bytes splice() could not see.
+    pub pending_bytes: u32,
+    /// Whether the connection was reset.
+    pub reset: bool,
+    pub detail: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IncidentKind {
+    /// A reader spliced a socket while redirected bytes waited in it: the
+    /// connection is reset (never truncated silently).
+    SpliceHit,
+    /// A program was first seen splicing a covered socket; its sockets are
+    /// not redirect targets from now on.
+    SpliceSeen,
+}
+
+/// Subscribers to incidents.
+#[derive(Debug, Default)]
+pub(crate) struct Subscribers {
+    txs: Mutex<Vec<mpsc::Sender<Incident>>>,
+}
+
+impl Subscribers {
+    pub(crate) fn subscribe(&self) -> mpsc::Receiver<Incident> {
+        let (tx, rx) = mpsc::channel();
+        lock(&self.txs).push(tx);
+        rx
+    }
+
+    fn publish(&self, i: &Incident) {
+        lock(&self.txs).retain(|tx| tx.send(i.clone()).is_ok());
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The maps and program the guard works with, opened from the pins.
+struct GuardMaps {
+    events: MapHandle,
+    exes: MapHandle,
+    class: MapHandle,
+    doomed: MapHandle,
+    /// An iter/tcp link of mw_destroy; iterators are created from it in the
+    /// namespace whose sockets are to be reset.
+    destroy_link: OwnedFd,
+}
+
+impl GuardMaps {
+    fn open(pin_dir: &Path) -> Result<Self, GuardError> {
+        let map = |n: &str| {
+            MapHandle::from_pinned_path(pin_dir.join("maps").join(n)).map_err(bpf_err(format!("opening pinned {n}")))
+        };
+        let prog = ProgramHandle::from_pinned_path(pin_dir.join("progs").join(names::PROG_DESTROY))
+            .map_err(bpf_err("opening pinned mw_destroy"))?;
+        // SAFETY: a valid program fd; NULL opts create a plain iter link.
+        let fd = unsafe {
+            libbpf_sys::bpf_link_create(prog.as_fd().as_raw_fd(), 0, libbpf_sys::BPF_TRACE_ITER, std::ptr::null())
+        };
+        if fd < 0 {
+            return Err(GuardError::Io {
+                what: "creating the mw_destroy iterator link".into(),
+                source: std::io::Error::from_raw_os_error(-fd),
+            });
+        }
+        // SAFETY: a new fd we own.
+        let destroy_link = unsafe { OwnedFd::from_raw_fd(fd) };
+        Ok(Self {
+            events: map(names::MAP_EVENTS)?,
+            exes: map(names::MAP_EXES)?,
+            class: map(names::MAP_EXE_CLASS)?,
+            doomed: map(names::MAP_DOOMED)?,
+            destroy_link,
+        })
+    }
+
+    fn write_class(&self, key: &ExeKey, flags: u32) -> Result<(), GuardError> {
+        self.class
+            .update(key.as_bytes(), ExeClass { flags, pad: 0 }.as_bytes(), MapFlags::ANY)
+            .map_err(bpf_err("writing mw_exe_class"))
+    }
+
+    fn classified(&self, key: &ExeKey) -> bool {
+        self.class.lookup(key.as_bytes(), MapFlags::ANY).ok().flatten().is_some()
+    }
+}
+
+fn class_flags(f: &ExeFacts, trusted: bool) -> u32 {
+    let mut flags = EXE_CLASSIFIED;
+    if f.splice {
+        flags |= EXE_SPLICE;
+    }
+    if f.opaque {
+        flags |= EXE_OPAQUE;
+    }
+    if trusted {
+        flags |= EXE_TRUSTED;
+    }
+    flags
+}
+
+/// The running guard; stopped (and joined) on drop.
+#[derive(Debug)]
+pub(crate) struct GuardThread {
+    stop: Arc<AtomicBool>,
+    handle: Option<JoinHandle<()>>,
+    _lock: nix::fcntl::Flock<fs::File>,
+}
+
+impl Drop for GuardThread {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+/// The lock that makes one guard per pin root; `None` if another holds it.
+fn guard_lock(pin_dir: &Path) -> Result<Option<nix::fcntl::Flock<fs::File>>, GuardError> {
+    let dir = Path::new("/run/meshwarp");
+    fs::create_dir_all(dir).map_err(|source| GuardError::Io { what: "creating /run/meshwarp".into(), source })?;
+    // FNV-1a of the pin directory: one lock per data path.
+    let hash = pin_dir
+        .as_os_str()
+        .as_encoded_bytes()
+        .iter()
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3));
+    let path = dir.join(format!("guard-{hash:016x}.lock"));
+    let file = fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(|source| GuardError::Io { what: format!("opening {}", path.display()), source })?;
+    match nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock) {
+        Ok(l) => Ok(Some(l)),
+        Err((_, nix::errno::Errno::EWOULDBLOCK)) => Ok(None),
+        Err((_, e)) => Err(GuardError::Io { what: format!("locking {}", path.display()), source: e.into() }),
+    }
+}
+
+/// Starts the guard for the data path pinned at `pin_dir`, unless another
+/// process's guard serves it. Classifies this process's executable and the
+/// trusted ones before returning, the rest of the running processes in the
+/// background.
+pub(crate) fn start(
+    pin_dir: &Path,
+    trusted: &[PathBuf],
+    subscribers: Arc<Subscribers>,
+) -> Result<Option<GuardThread>, GuardError> {
+    let Some(lock_file) = guard_lock(pin_dir)? else {
+        tracing::info!(dir = %pin_dir.display(), "another process guards this data path");
+        return Ok(None);
+    };
+    let maps = GuardMaps::open(pin_dir)?;
+    let mut trusted_keys = BTreeSet::new();
+    for t in trusted {
+        let key = execlass::exe_key(t)?;
+        let facts = execlass::classify_file(t)?;
+        maps.write_class(&key, class_flags(&facts, true))?;
+        trusted_keys.insert(key);
+        tracing::info!(exe = %t.display(), "trusted reader: {}", facts.reason);
+    }
+    // Every running program, before the first connection can need it.
+    let mut libs = execlass::LibCache::new();
+    classify_running(&maps, &trusted_keys, &mut libs);
+    drop(maps);
+    let stop = Arc::new(AtomicBool::new(false));
+    let (stop2, dir) = (Arc::clone(&stop), pin_dir.to_path_buf());
+    let handle = std::thread::Builder::new()
+        .name("meshwarp-guard".into())
+        .spawn(move || {
+            if let Err(e) = run(&dir, &stop2, &trusted_keys, &subscribers) {
+                tracing::error!("reader guard stopped: {e}");
+            }
+        })
+        .map_err(|source| GuardError::Io { what: "spawning the guard thread".into(), source })?;
+    Ok(Some(GuardThread { stop, handle: Some(handle), _lock: lock_file }))
+}
+
+fn run(pin_dir: &Path, stop: &AtomicBool, trusted: &BTreeSet<ExeKey>, subs: &Subscribers) -> Result<(), GuardError> {
+    let maps = GuardMaps::open(pin_dir)?;
+    let queue: Rc<RefCell<Vec<Event>>> = Rc::default();
+    let q = Rc::clone(&queue);
+    let mut builder = RingBufferBuilder::new();
+    builder
+        .add(&maps.events, move |data: &[u8]| {
+            if let Some(ev) = Event::from_bytes(data) {
+                q.borrow_mut().push(ev);
+            }
+            0
+        })
+        .map_err(bpf_err("ring buffer"))?;
+    let rb = builder.build().map_err(bpf_err("ring buffer"))?;
+    let mut guard = Guard { maps: &maps, trusted, subs, tries: BTreeMap::new(), libs: execlass::LibCache::new() };
+    let mut last_retry = Instant::now();
+    while !stop.load(Ordering::Relaxed) {
+        if let Err(e) = rb.poll(Duration::from_millis(50)) {
+            tracing::warn!("polling mw_events: {e}");
+        }
+        let events: Vec<Event> = queue.borrow_mut().drain(..).collect();
+        for ev in events {
+            guard.handle(&ev);
+        }
+        if last_retry.elapsed() > Duration::from_millis(500) {
+            guard.retry_pending();
+            last_retry = Instant::now();
+        }
+    }
+    Ok(())
+}
+
+struct Guard<'a> {
+    maps: &'a GuardMaps,
+    trusted: &'a BTreeSet<ExeKey>,
+    subs: &'a Subscribers,
+    /// Classification attempts per pending executable.
+    tries: BTreeMap<ExeKey, u32>,
+    libs: execlass::LibCache,
+}
+
+/// Classifies `pid`'s executable, stored under the key the kernel uses.
+fn classify_one(
+    maps: &GuardMaps,
+    trusted: &BTreeSet<ExeKey>,
+    libs: &mut execlass::LibCache,
+    pid: u32,
+    kernel_key: Option<ExeKey>,
+) -> Result<ExeKey, GuardError> {
+    let (key, facts) = execlass::classify_process_cached(pid, kernel_key.map(|k| k.ino), libs)?;
+    let key = kernel_key.unwrap_or(key);
+    if trusted.contains(&key) {
+        return Ok(key);
+    }
+    maps.write_class(&key, class_flags(&facts, false))?;
+    tracing::debug!(pid, exe = ?fs::read_link(format!("/proc/{pid}/exe")).ok(), "classified: {}", facts.reason);
+    Ok(key)
+}
+
+/// Every running process's executable, so that their next connections
+/// need not wait for a classification.
+fn classify_running(maps: &GuardMaps, trusted: &BTreeSet<ExeKey>, libs: &mut execlass::LibCache) {
+    let Ok(dir) = fs::read_dir("/proc") else { return };
+    let mut seen = BTreeSet::new();
+    for e in dir.flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else { continue };
+        let Ok(key) = execlass::exe_key(&e.path().join("exe")) else { continue };
+        if !seen.insert(key) || maps.classified(&key) {
+            continue;
+        }
+        let _ = classify_one(maps, trusted, libs, pid, None);
+    }
+}
+
+impl Guard<'_> {
+    fn classify(&mut self, pid: u32, kernel_key: Option<ExeKey>) -> Result<ExeKey, GuardError> {
+        classify_one(self.maps, self.trusted, &mut self.libs, pid, kernel_key)
+    }
+
+    fn handle(&mut self, ev: &Event) {
+        match ev.kind {
+            EV_CLASSIFY => {
+                if let Err(e) = self.classify(ev.tgid, Some(ev.exe)) {
+                    tracing::debug!(tgid = ev.tgid, "classification deferred: {e}");
+                }
+            }
+            EV_SPLICE_SEEN => {
+                let i = incident(
+                    ev,
+                    IncidentKind::SpliceSeen,
+                    false,
+                    "splices a covered socket: no longer a redirect target".into(),
+                );
+                tracing::info!(pid = ev.pid, comm = %i.comm, exe = ?i.exe, "reader guard: program seen splicing; its sockets are not redirect targets");
+                self.subs.publish(&i);
+            }
+            EV_SPLICE_HIT => {
+                let (reset, detail) = match self.reset(ev) {
+                    Ok(true) => (true, "connection reset".to_string()),
+                    Ok(false) => (false, "socket already gone".to_string()),
+                    Err(e) => (false, format!("reset failed: {e}")),
+                };
+                let i = incident(ev, IncidentKind::SpliceHit, reset, detail);
+                tracing::error!(
+                    pid = ev.pid,
+                    comm = %i.comm,
+                    exe = ?i.exe,
+                    client = ?i.client,
+                    server = ?i.server,
+                    pending = ev.pending,
+                    reset,
+                    "reader guard: splice() on a socket holding {} redirected bytes it cannot see; {}",
+                    ev.pending,
+                    i.detail
+                );
+                self.subs.publish(&i);
+            }
+            other => tracing::debug!("unknown guard event {other}"),
+        }
+    }
+
+    /// Resets the spliced socket (and its peer, when it lives in the same
+    /// namespace): the splicer gets ECONNABORTED, its peer a RST.
+    fn reset(&self, ev: &Event) -> Result<bool, GuardError> {
+        for c in [ev.cookie, ev.peer_cookie].into_iter().filter(|c| *c != 0) {
+            self.maps
+                .doomed
+                .update(&c.to_ne_bytes(), &1u32.to_ne_bytes(), MapFlags::ANY)
+                .map_err(bpf_err("writing mw_doomed"))?;
+        }
+        let ns = PathBuf::from(format!("/proc/{}/ns/net", ev.pid));
+        let link = self.maps.destroy_link.as_raw_fd();
+        crate::sys::run_in_netns(Some(&ns), || run_iterator(link))??;
+        let gone = self.maps.doomed.lookup(&ev.cookie.to_ne_bytes(), MapFlags::ANY).ok().flatten().is_none();
+        // Whatever was not found (a peer in another namespace) is not kept.
+        for c in [ev.cookie, ev.peer_cookie] {
+            let _ = self.maps.doomed.delete(&c.to_ne_bytes());
+        }
+        Ok(gone)
+    }
+
+    /// Executables the programs asked about whose process was gone before
+    /// the request was served: any process running them will do.
+    fn retry_pending(&mut self) {
+        let keys: Vec<Vec<u8>> = self.maps.exes.keys().collect();
+        for k in keys {
+            let Some(key) = ExeKey::from_bytes(&k) else { continue };
+            if self.maps.classified(&key) {
+                continue;
+            }
+            let Some(exe) = self.maps.exes.lookup(&k, MapFlags::ANY).ok().flatten().and_then(|v| Exe::from_bytes(&v))
+            else {
+                continue;
+            };
+            if exe.flags & EXE_PENDING == 0 {
+                continue;
+            }
+            let n = self.tries.entry(key).or_default();
+            *n += 1;
+            if *n > 20 {
+                continue;
+            }
+            if self.classify(exe.tgid, Some(key)).is_ok() {
+                continue;
+            }
+            if let Some(pid) = find_process_running(key.ino) {
+                let _ = self.classify(pid, Some(key));
+            }
+        }
+    }
+}
+
+/// Reads an iterator of `link` to its end (running its program on every
+/// socket of the calling thread's namespace).
+fn run_iterator(link: i32) -> Result<(), GuardError> {
+    // SAFETY: a valid iter link fd.
+    let fd = unsafe { libbpf_sys::bpf_iter_create(link) };
+    if fd < 0 {
+        return Err(GuardError::Io {
+            what: "creating the mw_destroy iterator".into(),
+            source: std::io::Error::from_raw_os_error(-fd),
+        });
+    }
+    // SAFETY: a new fd we own.
+    let mut f = fs::File::from(unsafe { OwnedFd::from_raw_fd(fd) });
+    let mut buf = [0u8; 512];
+    loop {
+        match f.read(&mut buf) {
+            Ok(0) => return Ok(()),
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(source) => return Err(GuardError::Io { what: "reading the mw_destroy iterator".into(), source }),
+        }
+    }
+}
+
+fn find_process_running(ino: u64) -> Option<u32> {
+    use std::os::unix::fs::MetadataExt;
+    fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+        let pid = e.file_name().to_str()?.parse::<u32>().ok()?;
+        (fs::metadata(e.path().join("exe")).ok()?.ino() == ino).then_some(pid)
+    })
+}
+
+fn incident(ev: &Event, kind: IncidentKind, reset: bool, detail: String) -> Incident {
+    let ep = |ip: [u32; 4], port: u32| -> Option<SocketAddr> {
+        let ip: IpAddr = ip_from_raw(ip, ev.family)?;
+        Some(SocketAddr::new(ip, u16::try_from(port).ok()?))
+    };
+    let has_link = ev.link != 0 || ev.family != 0;
+    Incident {
+        kind,
+        pid: ev.pid,
+        tgid: ev.tgid,
+        comm: str_of(&ev.comm),
+        exe: fs::read_link(format!("/proc/{}/exe", ev.tgid)).ok(),
+        rule_id: has_link.then_some(ev.rule_id),
+        client: if has_link { ep(ev.client_ip, ev.client_port) } else { None },
+        server: if has_link { ep(ev.server_ip, ev.server_port) } else { None },
+        pending_bytes: ev.pending,
+        reset,
+        detail,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flags_of_a_classification() {
+        let f = ExeFacts { splice: true, opaque: false, reason: String::new() };
+        assert_eq!(class_flags(&f, false), EXE_CLASSIFIED | EXE_SPLICE);
+        assert_eq!(class_flags(&f, true), EXE_CLASSIFIED | EXE_SPLICE | EXE_TRUSTED);
+        let o = ExeFacts { splice: true, opaque: true, reason: String::new() };
+        assert_eq!(class_flags(&o, false), EXE_CLASSIFIED | EXE_SPLICE | EXE_OPAQUE);
+    }
+
+    #[test]
+    fn incidents_name_the_connection() {
+        let mut ev = Event { kind: EV_SPLICE_HIT, pid: 7, tgid: 7, family: 2, pending: 4000, ..Default::default() };
+        ev.client_ip[0] = u32::from_ne_bytes([127, 0, 0, 1]);
+        ev.server_ip[0] = u32::from_ne_bytes([127, 0, 0, 1]);
+        ev.client_port = 40000;
+        ev.server_port = 7003;
+        ev.link = 1;
+        ev.comm[..7].copy_from_slice(b"haproxy");
+        let i = incident(&ev, IncidentKind::SpliceHit, true, "x".into());
+        assert_eq!(i.comm, "haproxy");
+        assert_eq!(i.client, Some("127.0.0.1:40000".parse().unwrap()));
+        assert_eq!(i.server, Some("127.0.0.1:7003".parse().unwrap()));
+        assert_eq!(i.pending_bytes, 4000);
+    }
+}
