@@ -4,6 +4,8 @@
 set -euo pipefail
 
 PKGS=(clang llvm libelf-dev zlib1g-dev pkg-config make iproute2 iptables bpftool procps)
+# The compatibility suite drives real programs through the fast path.
+PKGS+=(haproxy nginx-light socat redis-server redis-tools curl openssl python3)
 # Extra packages named on the command line (e.g. the mesh benchmark's nginx, haproxy, wrk).
 PKGS+=("$@")
 
@@ -17,6 +19,16 @@ if [ "${#missing[@]}" -gt 0 ]; then
   SUDO=""
   [ "$(id -u)" -eq 0 ] || SUDO="sudo"
   export DEBIAN_FRONTEND=noninteractive
+  # Packages such as nginx and redis-server would start their services on the
+  # host's ports; the tests start their own copies inside namespaces.
+  policy=/usr/sbin/policy-rc.d
+  made_policy=""
+  if [ ! -e "$policy" ]; then
+    printf '#!/bin/sh\nexit 101\n' | $SUDO tee "$policy" >/dev/null
+    $SUDO chmod +x "$policy"
+    made_policy=1
+    trap '$SUDO rm -f "$policy"' EXIT
+  fi
   $SUDO apt-get update -qq
   $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi

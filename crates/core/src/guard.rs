@@ -398,7 +398,11 @@ impl Guard<'_> {
                 .update(&c.to_ne_bytes(), &1u32.to_ne_bytes(), MapFlags::ANY)
                 .map_err(bpf_err("writing mw_doomed"))?;
         }
-        let ns = PathBuf::from(format!("/proc/{}/ns/net", ev.pid));
+        // The socket's namespace is not necessarily the splicing thread's.
+        let ns = find_netns(ev.netns, ev.pid).ok_or_else(|| GuardError::Io {
+            what: format!("finding network namespace {} of the hit socket", ev.netns),
+            source: std::io::ErrorKind::NotFound.into(),
+        })?;
         let link = self.maps.destroy_link.as_raw_fd();
         crate::sys::run_in_netns(Some(&ns), || run_iterator(link))??;
         let gone = self.maps.doomed.lookup(&ev.cookie.to_ne_bytes(), MapFlags::ANY).ok().flatten().is_none();
@@ -462,6 +466,38 @@ fn run_iterator(link: i32) -> Result<(), GuardError> {
             Err(source) => return Err(GuardError::Io { what: "reading the mw_destroy iterator".into(), source }),
         }
     }
+}
+
+/// A path to the network namespace with cookie `cookie`: the thread's own
+/// first, then named namespaces, then every process's and thread's.
+fn find_netns(cookie: u64, tid: u32) -> Option<PathBuf> {
+    use std::os::unix::fs::MetadataExt;
+    let mut candidates = vec![PathBuf::from(format!("/proc/{tid}/ns/net"))];
+    if let Ok(d) = fs::read_dir("/run/netns") {
+        candidates.extend(d.flatten().map(|e| e.path()));
+    }
+    if let Ok(d) = fs::read_dir("/proc") {
+        for p in d.flatten().filter(|e| e.file_name().to_str().is_some_and(|n| n.parse::<u32>().is_ok())) {
+            candidates.push(p.path().join("ns/net"));
+            if let Ok(t) = fs::read_dir(p.path().join("task")) {
+                candidates.extend(t.flatten().map(|e| e.path().join("ns/net")));
+            }
+        }
+    }
+    let mut seen = BTreeSet::new();
+    candidates.into_iter().find(|path| {
+        let Ok(m) = fs::metadata(path) else { return false };
+        if !seen.insert((m.dev(), m.ino())) {
+            return false;
+        }
+        crate::sys::run_in_netns(Some(path), netns_cookie_here).ok().flatten() == Some(cookie)
+    })
+}
+
+/// The cookie of the calling thread's network namespace.
+fn netns_cookie_here() -> Option<u64> {
+    let s = std::net::UdpSocket::bind("127.0.0.1:0").or_else(|_| std::net::UdpSocket::bind("[::1]:0")).ok()?;
+    crate::sys::netns_cookie_of(&s).ok()
 }
 
 fn find_process_running(ino: u64) -> Option<u32> {

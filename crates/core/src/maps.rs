@@ -149,22 +149,23 @@ pub(crate) fn sum_percpu<T: Pod>(map: &MapHandle, key: &[u8], add: impl Fn(&mut 
     Ok(total)
 }
 
-/// Adds `b` into `a` field by field.
+/// Adds `b` into `a` field by field (wrapping: a socket counted in on one
+/// CPU may be counted out on another, leaving one CPU's slot "negative").
 pub fn add_rule_stats(a: &mut RuleStats, b: &RuleStats) {
-    a.sockets += b.sockets;
-    a.msgs += b.msgs;
-    a.bytes += b.bytes;
-    a.fb_no_peer += b.fb_no_peer;
-    a.fb_tcp_path += b.fb_tcp_path;
-    a.fb_map_full += b.fb_map_full;
-    a.fb_insert_err += b.fb_insert_err;
-    a.fb_collision += b.fb_collision;
-    a.fb_reader += b.fb_reader;
-    a.fb_splice += b.fb_splice;
-    a.fb_lowat += b.fb_lowat;
-    a.fb_ulp += b.fb_ulp;
-    a.ulp_refused += b.ulp_refused;
-    a.splice_hits += b.splice_hits;
+    a.sockets = a.sockets.wrapping_add(b.sockets);
+    a.msgs = a.msgs.wrapping_add(b.msgs);
+    a.bytes = a.bytes.wrapping_add(b.bytes);
+    a.fb_no_peer = a.fb_no_peer.wrapping_add(b.fb_no_peer);
+    a.fb_tcp_path = a.fb_tcp_path.wrapping_add(b.fb_tcp_path);
+    a.fb_map_full = a.fb_map_full.wrapping_add(b.fb_map_full);
+    a.fb_insert_err = a.fb_insert_err.wrapping_add(b.fb_insert_err);
+    a.fb_collision = a.fb_collision.wrapping_add(b.fb_collision);
+    a.fb_reader = a.fb_reader.wrapping_add(b.fb_reader);
+    a.fb_splice = a.fb_splice.wrapping_add(b.fb_splice);
+    a.fb_lowat = a.fb_lowat.wrapping_add(b.fb_lowat);
+    a.fb_ulp = a.fb_ulp.wrapping_add(b.fb_ulp);
+    a.ulp_refused = a.ulp_refused.wrapping_add(b.ulp_refused);
+    a.splice_hits = a.splice_hits.wrapping_add(b.splice_hits);
 }
 
 fn add_global_stats(a: &mut GlobalStats, b: &GlobalStats) {

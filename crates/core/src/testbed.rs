@@ -900,6 +900,118 @@ pub fn original_dst(s: &TcpStream) -> Option<SocketAddr> {
 }
 
 // ---------------------------------------------------------------------------
+// Real programs
+
+/// A program started inside a namespace, in a process group of its own; the
+/// whole group (workers too) is killed on drop.
+#[derive(Debug)]
+pub struct Program {
+    child: std::process::Child,
+    pub what: String,
+}
+
+impl Program {
+    /// Starts `args` in `ns` (`ip netns exec`), output discarded.
+    pub fn spawn(ns: &NetNs, args: &[&str]) -> Result<Self> {
+        Self::spawn_with(ns, args, std::process::Stdio::null(), std::process::Stdio::null())
+    }
+
+    /// As [`Program::spawn`] with the given stdin and stdout.
+    pub fn spawn_with(
+        ns: &NetNs,
+        args: &[&str],
+        stdin: impl Into<std::process::Stdio>,
+        stdout: impl Into<std::process::Stdio>,
+    ) -> Result<Self> {
+        use std::os::unix::process::CommandExt;
+        let what = args.join(" ");
+        let child = Command::new("ip")
+            .args(["netns", "exec", ns.name()])
+            .args(args)
+            .stdin(stdin)
+            .stdout(stdout)
+            .stderr(std::process::Stdio::null())
+            .process_group(0)
+            .spawn()
+            .map_err(io_err(format!("starting {what} (scripts/install-deps.sh installs it)")))?;
+        Ok(Self { child, what })
+    }
+
+    pub fn child(&mut self) -> &mut std::process::Child {
+        &mut self.child
+    }
+
+    /// Waits for the program to exit within `timeout`.
+    pub fn wait_timeout(&mut self, timeout: Duration) -> Result<std::process::ExitStatus> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(st) = self.child.try_wait().map_err(io_err(format!("waiting for {}", self.what)))? {
+                return Ok(st);
+            }
+            if Instant::now() > deadline {
+                return Err(TestbedError::Integrity(format!("{} did not exit within {timeout:?}", self.what)));
+            }
+            thread::sleep(Duration::from_millis(5));
+        }
+    }
+}
+
+impl Drop for Program {
+    fn drop(&mut self) {
+        let pgid = nix::unistd::Pid::from_raw(self.child.id() as i32);
+        let _ = nix::sys::signal::killpg(pgid, nix::sys::signal::Signal::SIGKILL);
+        let _ = self.child.wait();
+    }
+}
+
+/// Where `tool` is on PATH.
+pub fn which(tool: &str) -> Option<PathBuf> {
+    std::env::var_os("PATH")?.to_str()?.split(':').map(|d| Path::new(d).join(tool)).find(|p| p.is_file())
+}
+
+/// Waits until something accepts TCP connections on `addr` in `ns`.
+pub fn wait_listening(ns: &NetNs, addr: SocketAddr, timeout: Duration) -> Result<()> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let up = ns.enter(|| TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok())?;
+        if up {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            return Err(TestbedError::Integrity(format!("nothing listens on {addr} in {}", ns.name())));
+        }
+        thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A private scratch directory (mode 0700, unpredictable name), removed on drop.
+#[derive(Debug)]
+pub struct ScratchDir(pub PathBuf);
+
+impl ScratchDir {
+    pub fn new(prefix: &str) -> Result<Self> {
+        use std::os::unix::fs::DirBuilderExt;
+        let mut seed = [0u8; 8];
+        std::fs::File::open("/dev/urandom")
+            .and_then(|mut f| f.read_exact(&mut seed))
+            .map_err(io_err("reading /dev/urandom"))?;
+        let dir = std::env::temp_dir().join(format!("{prefix}{:016x}", u64::from_ne_bytes(seed)));
+        std::fs::DirBuilder::new().mode(0o700).create(&dir).map_err(io_err(format!("creating {}", dir.display())))?;
+        Ok(Self(dir))
+    }
+
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
+}
+
+impl Drop for ScratchDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+// ---------------------------------------------------------------------------
 // Kernel test harness
 
 /// One kernel test at a time per process: each moves the process into its own
@@ -966,18 +1078,29 @@ impl KernelTest {
 
     /// As [`KernelTest::start`], with room for `max_rules` rules.
     pub fn start_sized(max_sockets: u32, max_rules: u32) -> Option<Self> {
+        Self::start_with(max_sockets, max_rules, |_| {})
+    }
+
+    /// As [`KernelTest::start_sized`], with the configuration adjusted by `f`
+    /// (e.g. the reader guard off).
+    pub fn start_with(max_sockets: u32, max_rules: u32, f: impl FnOnce(&mut DataplaneConfig)) -> Option<Self> {
         let lock = KERNEL_LOCK.lock().unwrap_or_else(|p| p.into_inner());
         let cgroup = match TestCgroup::new() {
             Ok(c) => c,
             Err(e) => return missing_feature(&format!("cgroup v2 (for sockops): {e}")),
         };
-        let cfg = DataplaneConfig {
+        // The tests vouch for their own traffic code (event-driven, no
+        // splice): their first connections need not wait for the guard to
+        // observe how this program reads. Guard tests clear this.
+        let mut cfg = DataplaneConfig {
             pin_root: PathBuf::from(format!("/sys/fs/bpf/{}", unique_name("meshwarp-test-"))),
             cgroup: Some(cgroup.path.clone()),
             max_rules,
             max_sockets,
+            trusted_readers: std::env::current_exe().into_iter().collect(),
             ..DataplaneConfig::default()
         };
+        f(&mut cfg);
         match Dataplane::open(&cfg) {
             Ok(dp) => Some(Self { dp: Some(dp), cfg, cgroup, _lock: lock }),
             Err(e) => missing_feature(&format!("BPF sockops/sk_msg/SOCKHASH: {e}")),

@@ -155,8 +155,7 @@ struct mw_sock_owner {
 };
 
 /* mw_sock_owner.flags */
-#define MW_OWN_NONBLOCK 1u /* O_NONBLOCK on the file at listen()/connect() */
-#define MW_OWN_KNOWN 2u
+#define MW_OWN_KNOWN 1u
 
 /* What the programs saw an executable do (mw_exes, written by BPF only). */
 struct mw_exe {
@@ -176,7 +175,7 @@ struct mw_exe_class {
 #define MW_EXE_CLASSIFIED 1u     /* its ELF (and libraries) were read */
 #define MW_EXE_SPLICE 2u         /* it can call splice(2): imports it, or a Go binary */
 #define MW_EXE_OPAQUE 4u         /* unreadable (stripped static): treated as able to splice */
-#define MW_EXE_TRUSTED 8u        /* the operator vouches its readers never splice */
+#define MW_EXE_TRUSTED 8u        /* the operator vouches for its readers (no splice, no blocking reads) */
 /* Seen at run time by the programs (mw_exes; the flags above are mw_exe_class). */
 #define MW_EXE_PENDING 0x10u     /* classification was requested */
 #define MW_EXE_SEEN_SPLICE 0x100u
@@ -232,7 +231,7 @@ struct mw_event {
 
 /* Per-rule counters, one slot per rule id in a per-CPU array. */
 struct mw_rule_stats {
-	__u64 sockets;          /* sockets inserted into the SOCKHASH */
+	__u64 sockets;          /* sockets in the SOCKHASH (a per-CPU slot may wrap: sum them) */
 	__u64 msgs;             /* messages redirected */
 	__u64 bytes;            /* bytes redirected */
 	__u64 fb_no_peer;       /* messages sent on the TCP path: peer absent or not a target */

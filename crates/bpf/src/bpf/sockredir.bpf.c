@@ -51,6 +51,7 @@
 #define S_IFMT 00170000
 #define S_IFSOCK 0140000
 #define PAGE_SIZE 4096
+#define SK_USER_DATA_FLAGS 7UL
 
 enum level { LV_NONE = 0, LV_SEND = 1, LV_FULL = 2 };
 
@@ -405,13 +406,9 @@ static __always_inline void stamp_owner(struct bpf_sock_ops *skops)
 {
 	struct bpf_sock *sk = skops->sk;
 	struct mw_sock_owner *o;
-	struct tcp_sock *tp;
 	struct mw_exe_key k = {};
 
 	if (!sk || !current_exe(&k))
-		return;
-	tp = bpf_skc_to_tcp_sock(sk);
-	if (!tp)
 		return;
 	o = bpf_sk_storage_get(&mw_sk_owner, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
 	if (!o)
@@ -419,8 +416,6 @@ static __always_inline void stamp_owner(struct bpf_sock_ops *skops)
 	o->exe = k;
 	o->tgid = bpf_get_current_pid_tgid() >> 32;
 	o->flags = MW_OWN_KNOWN;
-	if (sock_file_flags(&tp->inet_conn.icsk_inet.sk) & O_NONBLOCK)
-		o->flags |= MW_OWN_NONBLOCK;
 	if (!bpf_map_lookup_elem(&mw_exe_class, &k))
 		request_classify(&k, o->tgid);
 }
@@ -446,7 +441,7 @@ static __always_inline void decide_end(struct bpf_sock_ops *skops, struct tcp_so
 	struct mw_exe_key *learned;
 	struct mw_service_key svc = {};
 	__u32 sflags = 0, eflags;
-	bool nonblock, target = true;
+	bool trusted, target = true;
 
 	d->level = LV_NONE;
 	d->reason = 0;
@@ -496,21 +491,21 @@ static __always_inline void decide_end(struct bpf_sock_ops *skops, struct tcp_so
 		sflags = seen->flags;
 	eflags = cls->flags | sflags;
 
-	if (cfg & MW_CFG_BLOCKING_EAGAIN) {
-		/* A blocked read of a psock socket can return EAGAIN: only
-		 * sockets read without blocking get one. */
-		if (active)
-			nonblock = sock_file_flags(s) & O_NONBLOCK;
-		else
-			nonblock = (o && (o->flags & MW_OWN_NONBLOCK)) || (sflags & MW_EXE_SEEN_NONBLOCKING);
-		if (!nonblock || (sflags & MW_EXE_SEEN_BLOCKING)) {
+	trusted = cls->flags & MW_EXE_TRUSTED;
+	if ((cfg & MW_CFG_BLOCKING_EAGAIN) && !trusted) {
+		/* A blocked read of a psock socket can return EAGAIN. How a
+		 * socket will be read is only known from its program's reads
+		 * (O_NONBLOCK at connect() is not: connect-with-timeout helpers
+		 * switch back to blocking): a psock only for programs seen
+		 * reading without blocking, and never blocking. */
+		if (!(sflags & MW_EXE_SEEN_NONBLOCKING) || (sflags & MW_EXE_SEEN_BLOCKING)) {
 			d->reader = true;
 			return;
 		}
 	}
 	if (cfg & MW_CFG_SPLICE_BLIND) {
 		bool may_splice = (sflags & MW_EXE_SEEN_SPLICE) ||
-				  ((cls->flags & (MW_EXE_SPLICE | MW_EXE_OPAQUE)) && !(cls->flags & MW_EXE_TRUSTED));
+				  ((cls->flags & (MW_EXE_SPLICE | MW_EXE_OPAQUE)) && !trusted);
 		if (may_splice) {
 			target = false;
 			d->reason = MW_EF_R_SPLICE;
@@ -661,6 +656,7 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, co
  * end was never in the map). */
 static __always_inline void release_client(__u64 id, struct mw_link *link)
 {
+	struct mw_rule_stats *rs = rule_stats(link->rule_id);
 	struct mw_sock_key key = {};
 
 	key.link = id;
@@ -668,6 +664,8 @@ static __always_inline void release_client(__u64 id, struct mw_link *link)
 	bpf_map_delete_elem(&mw_sockhash, &key);
 	bpf_map_delete_elem(&mw_cookies, &link->cookie[MW_END_CLIENT]);
 	bpf_map_delete_elem(&mw_links, &id);
+	if (rs)
+		rs->sockets--;
 }
 
 static __always_inline void on_passive_established(struct bpf_sock_ops *skops, const struct tuple *t)
@@ -1030,12 +1028,14 @@ static __always_inline __u32 withdraw(struct mw_link *link, __u32 end, __u32 rea
 	return old;
 }
 
-/* Bytes redirected into a socket and not read yet (psock queue). */
+/* Bytes redirected into a socket and not read yet (psock queue). The low
+ * bits of sk_user_data are flags (SK_USER_DATA_NOCOPY/BPF/PSOCK). */
 static __always_inline __u32 psock_pending(struct sock *sk)
 {
+	unsigned long ud = (unsigned long)sk->sk_user_data & ~SK_USER_DATA_FLAGS;
 	struct sk_psock *psock;
 
-	psock = bpf_rdonly_cast(sk->sk_user_data, bpf_core_type_id_kernel(struct sk_psock));
+	psock = bpf_rdonly_cast((void *)ud, bpf_core_type_id_kernel(struct sk_psock));
 	if (!psock)
 		return 0;
 	return psock->msg_tot_len;
@@ -1123,7 +1123,7 @@ static __always_inline void on_splice(__u32 fd)
 	struct mw_link *link;
 	struct sock *sk;
 	__u64 cookie, id;
-	__u32 pending, old, end;
+	__u32 pending, old, end, hit;
 
 	sk = fd_sock(fd);
 	if (!sk)
@@ -1150,11 +1150,14 @@ static __always_inline void on_splice(__u32 fd)
 	link = bpf_map_lookup_elem(&mw_links, &id);
 	if (!link)
 		return;
-	old = withdraw(link, end, MW_EF_R_SPLICE);
+	/* With bytes waiting, senders must stop before the target is
+	 * withdrawn: in between they would send on TCP, and splice would
+	 * return those later bytes first. */
 	pending = psock_pending(sk);
-	if (!pending)
-		return;
-	__sync_fetch_and_or(&link->flags, MW_LINK_HIT);
+	hit = pending ? __sync_fetch_and_or(&link->flags, MW_LINK_HIT) : MW_LINK_HIT;
+	old = withdraw(link, end, MW_EF_R_SPLICE);
+	if (hit & MW_LINK_HIT)
+		return; /* no bytes waiting, or this hit is already reported */
 	rs = rule_stats(link->rule_id);
 	if (rs)
 		rs->splice_hits++;

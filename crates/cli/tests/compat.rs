@@ -1,0 +1,975 @@
+//! The compatibility suite: real programs (haproxy, socat, nginx, redis, curl,
+//! openssl, python) through registered pairs and capture rules on a real
+//! kernel, checksummed both ways, 100 connections each, the first one after
+//! the data path starts included. A program that loses, duplicates or
+//! reorders a byte, or hangs, fails its test; so does a missing program or
+//! kernel feature under CI=true.
+//!
+//! Each scenario loads a fresh data path (reader guard on, as a node runs it)
+//! before its programs start, and reports what was accelerated.
+
+#![allow(clippy::unwrap_used)]
+
+use std::io::{Read, Write};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::path::Path;
+use std::process::Stdio;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, ensure, Context, Result};
+use meshwarp_core::testbed::{
+    accept_timeout, echo_integrity, missing_feature, read_exact_ready, read_ready, redirect_output, wait_listening,
+    which, write_all_ready, Fnv, KernelTest, NetNs, NodeWithPods, Pattern, Program, ScratchDir, StreamEcho, SERVICE_V4,
+};
+use meshwarp_core::{CaptureRule, Endpoint, EndpointPair, GuardMode, RuleCounters};
+
+const CONNS: usize = 100;
+const CONCURRENT: usize = 10;
+const T: Duration = Duration::from_secs(60);
+const OWNER: &str = "compat";
+
+/// Bytes each way of connection `i`: mostly small and medium, every tenth large.
+fn size_of_conn(i: usize) -> usize {
+    match i % 10 {
+        0 => 8 << 20,
+        1 | 2 => 1 << 20,
+        3..=5 => 64 << 10,
+        6 => 1,
+        _ => 4096 + i * 37,
+    }
+}
+
+/// Runs `CONNS` checksummed full-duplex exchanges, `CONCURRENT` at a time;
+/// `one(i)` does connection `i` and fails on any byte out of place.
+fn run_connections(one: impl Fn(usize) -> Result<()> + Sync) -> Result<()> {
+    for batch in (0..CONNS).collect::<Vec<_>>().chunks(CONCURRENT) {
+        thread::scope(|s| {
+            let one = &one;
+            let hs: Vec<_> = batch.iter().map(|&i| (i, s.spawn(move || one(i)))).collect();
+            for (i, h) in hs {
+                h.join().unwrap().with_context(|| format!("connection {i} ({} bytes each way)", size_of_conn(i)))?;
+            }
+            Ok::<_, anyhow::Error>(())
+        })?;
+    }
+    Ok(())
+}
+
+/// A fresh data path with the reader guard as a node runs it: nothing
+/// trusted, every program judged by its ELF and what it is seen doing.
+fn node() -> Option<KernelTest> {
+    let guard = if std::env::var("COMPAT_GUARD_OFF").is_ok() { GuardMode::Off } else { GuardMode::Auto };
+    KernelTest::start_with(4096, 64, |c| {
+        c.trusted_readers.clear();
+        c.guard = guard;
+    })
+}
+
+/// The tools a scenario needs; a missing one fails under CI, else skips loudly.
+fn tools(names: &[&str]) -> bool {
+    for n in names {
+        if which(n).is_none() {
+            return missing_feature::<()>(&format!("{n} (scripts/install-deps.sh installs it)")).is_some();
+        }
+    }
+    true
+}
+
+fn report(what: &str, counters: &[(&str, RuleCounters)]) {
+    for (rule, c) in counters {
+        eprintln!(
+            "[compat] {what}: {rule}: sockets {} redirected {} B ({} msgs); fallbacks: reader {} splice {} no_peer {} tcp_path {} collision {}; splice hits {}",
+            c.sockets,
+            c.redirected_bytes,
+            c.redirected_msgs,
+            c.fallback_reader,
+            c.fallback_splice,
+            c.fallback_no_peer,
+            c.fallback_tcp_path,
+            c.fallback_collision,
+            c.splice_hits
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------
+// haproxy
+
+#[derive(Debug, Clone, Copy)]
+enum Splice {
+    None,
+    Auto,
+    Request,
+    Response,
+}
+
+impl Splice {
+    fn option(self) -> &'static str {
+        match self {
+            Splice::None => "",
+            Splice::Auto => "option splice-auto",
+            Splice::Request => "option splice-request",
+            Splice::Response => "option splice-response",
+        }
+    }
+}
+
+fn haproxy_config(
+    dir: &ScratchDir,
+    name: &str,
+    listen: SocketAddr,
+    upstream: SocketAddr,
+    splice: Splice,
+) -> Result<String> {
+    let cfg = format!(
+        "global\n maxconn 4096\ndefaults\n mode tcp\n timeout connect 5s\n timeout client 120s\n timeout server 120s\n\
+         listen sidecar\n bind {listen}\n {}\n server app {upstream}\n",
+        splice.option()
+    );
+    let path = dir.path(name);
+    std::fs::write(&path, cfg)?;
+    Ok(path.display().to_string())
+}
+
+/// The issue's report: pods A and B on a bridge; in B haproxy listens on
+/// B:7102 and proxies to an echo on 127.0.0.1:7003; the pairs A -> B:7102 and
+/// 127.0.0.1 -> 127.0.0.1:7003 are registered. A streams full duplex through it.
+fn haproxy_inbound(splice: Splice) -> Result<()> {
+    if !tools(&["haproxy"]) {
+        return Ok(());
+    }
+    let Some(k) = node() else { return Ok(()) };
+    let net = NodeWithPods::new(2)?;
+    let (a, b) = (&net.pods[0], &net.pods[1]);
+    let lo: IpAddr = "127.0.0.1".parse()?;
+    let app = SocketAddr::new(lo, 7003);
+    let front = SocketAddr::new(b.v4.into(), 7102);
+    let _echo = StreamEcho::start(b.ns.listen(app)?)?;
+    let dir = ScratchDir::new("meshwarp-compat-")?;
+    let cfg = haproxy_config(&dir, "inbound.cfg", front, app, splice)?;
+    let inner = EndpointPair::new(lo, Endpoint::new(lo, 7003))?;
+    let outer = EndpointPair::new(a.v4.into(), Endpoint::new(front.ip(), front.port()))?;
+    k.dp().insert_pair(&inner, OWNER)?;
+    k.dp().insert_pair(&outer, OWNER)?;
+    let _haproxy = Program::spawn(&b.ns, &["haproxy", "-db", "-f", &cfg])?;
+    wait_listening(&a.ns, front, T)?;
+
+    run_connections(|i| {
+        let c = a.ns.connect(front)?;
+        echo_integrity(c, 1000 + i as u64, size_of_conn(i), T)?;
+        Ok(())
+    })?;
+    report(
+        &format!("haproxy inbound {splice:?}"),
+        &[("outer", k.dp().pair_stats(&outer)?), ("inner", k.dp().pair_stats(&inner)?)],
+    );
+    let inner_st = k.dp().pair_stats(&inner)?;
+    ensure!(inner_st.splice_hits == 0, "haproxy spliced a socket holding redirected bytes: {inner_st:?}");
+    // haproxy can splice: its sockets are never redirect targets, but what it
+    // sends to the echo is.
+    ensure!(inner_st.redirected_bytes > 0, "haproxy -> app was accelerated: {inner_st:?}");
+    Ok(())
+}
+
+#[test]
+fn haproxy_inbound_without_splice() -> Result<()> {
+    haproxy_inbound(Splice::None)
+}
+
+#[test]
+fn haproxy_inbound_splice_auto() -> Result<()> {
+    haproxy_inbound(Splice::Auto)
+}
+
+#[test]
+fn haproxy_inbound_splice_request() -> Result<()> {
+    haproxy_inbound(Splice::Request)
+}
+
+#[test]
+fn haproxy_inbound_splice_response() -> Result<()> {
+    haproxy_inbound(Splice::Response)
+}
+
+/// Outbound, as Istio's 15001: the app in pod A connects to a service
+/// address, iptables captures it to haproxy on 127.0.0.1:15001 in A, which
+/// connects to the app in pod B. Registered: the capture rule and A -> B:8080.
+fn haproxy_outbound(splice: Splice) -> Result<()> {
+    if !tools(&["haproxy", "iptables"]) {
+        return Ok(());
+    }
+    let Some(k) = node() else { return Ok(()) };
+    let net = NodeWithPods::new(2)?;
+    let (a, b) = (&net.pods[0], &net.pods[1]);
+    let upstream = SocketAddr::new(b.v4.into(), 8080);
+    let listener = SocketAddr::from(([127, 0, 0, 1], 15001));
+    let service = SocketAddr::new(SERVICE_V4.into(), 80);
+    let _echo = StreamEcho::start(b.ns.listen(upstream)?)?;
+    redirect_output(&a.ns, service.ip(), 80, 15001)?;
+    let dir = ScratchDir::new("meshwarp-compat-")?;
+    let cfg = haproxy_config(&dir, "outbound.cfg", listener, upstream, splice)?;
+    let capture = CaptureRule::new(Some(a.v4.into()), service.into(), listener.into())?;
+    let pair = EndpointPair::new(a.v4.into(), upstream.into())?;
+    k.dp().insert_capture(&capture, OWNER)?;
+    k.dp().insert_pair(&pair, OWNER)?;
+    let _haproxy = Program::spawn(&a.ns, &["haproxy", "-db", "-f", &cfg])?;
+    wait_listening(&a.ns, listener, T)?;
+
+    run_connections(|i| {
+        let c = a.ns.connect(service)?;
+        echo_integrity(c, 3000 + i as u64, size_of_conn(i), T)?;
+        Ok(())
+    })?;
+    let (cst, pst) = (k.dp().capture_stats(&capture)?, k.dp().pair_stats(&pair)?);
+    report(&format!("haproxy outbound {splice:?}"), &[("capture", cst), ("pair", pst)]);
+    ensure!(cst.splice_hits == 0 && pst.splice_hits == 0, "hits: {cst:?} {pst:?}");
+    ensure!(cst.redirected_bytes > 0, "app -> haproxy was accelerated: {cst:?}");
+    Ok(())
+}
+
+#[test]
+fn haproxy_outbound_without_splice() -> Result<()> {
+    haproxy_outbound(Splice::None)
+}
+
+#[test]
+fn haproxy_outbound_splice_auto() -> Result<()> {
+    haproxy_outbound(Splice::Auto)
+}
+
+#[test]
+fn haproxy_outbound_splice_request() -> Result<()> {
+    haproxy_outbound(Splice::Request)
+}
+
+#[test]
+fn haproxy_outbound_splice_response() -> Result<()> {
+    haproxy_outbound(Splice::Response)
+}
+
+// ---------------------------------------------------------------------------
+// socat
+
+/// socat as the inbound proxy (a process per connection, blocking reads).
+#[test]
+fn socat_proxy() -> Result<()> {
+    if !tools(&["socat"]) {
+        return Ok(());
+    }
+    let Some(k) = node() else { return Ok(()) };
+    let net = NodeWithPods::new(2)?;
+    let (a, b) = (&net.pods[0], &net.pods[1]);
+    let lo: IpAddr = "127.0.0.1".parse()?;
+    let front = SocketAddr::new(b.v4.into(), 7102);
+    let _echo = StreamEcho::start(b.ns.listen(SocketAddr::new(lo, 7003))?)?;
+    let (inner, outer) =
+        (EndpointPair::new(lo, Endpoint::new(lo, 7003))?, EndpointPair::new(a.v4.into(), front.into())?);
+    k.dp().insert_pair(&inner, OWNER)?;
+    k.dp().insert_pair(&outer, OWNER)?;
+    let listen = format!("TCP4-LISTEN:7102,bind={},reuseaddr,fork,backlog=128", b.v4);
+    let _socat = Program::spawn(&b.ns, &["socat", &listen, "TCP4:127.0.0.1:7003"])?;
+    wait_listening(&a.ns, front, T)?;
+    run_connections(|i| echo_integrity(a.ns.connect(front)?, 5000 + i as u64, size_of_conn(i), T).map_err(Into::into))?;
+    report("socat", &[("outer", k.dp().pair_stats(&outer)?), ("inner", k.dp().pair_stats(&inner)?)]);
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// nginx proxy_pass + curl
+
+/// A minimal HTTP/1.1 server that answers every request with its body
+/// (Content-Length requests, one per connection); stops when dropped.
+struct HttpEcho {
+    stop: Arc<AtomicBool>,
+    handle: Option<thread::JoinHandle<()>>,
+}
+
+impl HttpEcho {
+    fn start(listener: TcpListener) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let stop2 = Arc::clone(&stop);
+        let handle = thread::spawn(move || {
+            while !stop2.load(Ordering::Relaxed) {
+                match accept_timeout(&listener, Duration::from_millis(100)) {
+                    Ok(s) => {
+                        thread::spawn(move || {
+                            if let Err(e) = http_echo_one(s) {
+                                eprintln!("[compat] http echo: {e}");
+                            }
+                        });
+                    }
+                    Err(_) => continue,
+                }
+            }
+        });
+        Self { stop, handle: Some(handle) }
+    }
+}
+
+impl Drop for HttpEcho {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+fn http_echo_one(mut s: TcpStream) -> Result<()> {
+    let mut head = Vec::new();
+    let mut b = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        ensure!(read_ready(&mut s, &mut b, Some(T))? == 1, "request ended in its head");
+        head.push(b[0]);
+    }
+    let head = String::from_utf8_lossy(&head).to_ascii_lowercase();
+    let len: usize = head
+        .lines()
+        .find_map(|l| l.strip_prefix("content-length:"))
+        .map(|v| v.trim().parse())
+        .transpose()?
+        .unwrap_or(0);
+    let mut body = vec![0u8; len];
+    read_exact_ready(&mut s, &mut body, Some(T))?;
+    let resp = format!("HTTP/1.1 200 OK\r\nContent-Length: {len}\r\nConnection: close\r\n\r\n");
+    write_all_ready(&mut s, resp.as_bytes(), Some(T))?;
+    write_all_ready(&mut s, &body, Some(T))?;
+    s.shutdown(std::net::Shutdown::Write)?;
+    Ok(())
+}
+
+/// Deterministic bytes of stream `seed` in a file.
+fn pattern_file(path: &Path, seed: u64, len: usize) -> Result<u64> {
+    let mut data = vec![0u8; len.div_ceil(8) * 8];
+    Pattern::new(seed).fill(&mut data);
+    data.truncate(len);
+    std::fs::write(path, &data)?;
+    Ok(fnv(&data))
+}
+
+fn fnv(data: &[u8]) -> u64 {
+    let mut h = Fnv::default();
+    h.update(data);
+    h.0
+}
+
+/// curl in pod A posts a body through nginx (proxy_pass) in pod B to an HTTP
+/// echo and checks the answer byte for byte. nginx reads with FIONREAD.
+#[test]
+fn nginx_proxy_pass_with_curl() -> Result<()> {
+    if !tools(&["nginx", "curl"]) {
+        return Ok(());
+    }
+    let Some(k) = node() else { return Ok(()) };
+    let net = NodeWithPods::new(2)?;
+    let (a, b) = (&net.pods[0], &net.pods[1]);
+    let lo: IpAddr = "127.0.0.1".parse()?;
+    let front = SocketAddr::new(b.v4.into(), 7102);
+    let _app = HttpEcho::start(b.ns.listen(SocketAddr::new(lo, 7003))?);
+    let (inner, outer) =
+        (EndpointPair::new(lo, Endpoint::new(lo, 7003))?, EndpointPair::new(a.v4.into(), front.into())?);
+    k.dp().insert_pair(&inner, OWNER)?;
+    k.dp().insert_pair(&outer, OWNER)?;
+    let dir = ScratchDir::new("meshwarp-compat-")?;
+    let d = dir.0.display();
+    let conf = format!(
+        "user root;\nworker_processes 2;\ndaemon off;\npid {d}/nginx.pid;\nerror_log {d}/error.log;\n\
+         events {{ worker_connections 1024; }}\n\
+         http {{\n access_log off;\n client_body_temp_path {d}/cb; proxy_temp_path {d}/px; fastcgi_temp_path {d}/fc;\n \
+         uwsgi_temp_path {d}/uw; scgi_temp_path {d}/sc;\n client_max_body_size 0;\n \
+         server {{ listen {front}; location / {{ proxy_pass http://127.0.0.1:7003; }} }}\n}}\n"
+    );
+    std::fs::write(dir.path("nginx.conf"), conf)?;
+    let _nginx = Program::spawn(&b.ns, &["nginx", "-c", &dir.path("nginx.conf").display().to_string()])?;
+    wait_listening(&a.ns, front, T)?;
+    let url = format!("http://{front}/echo");
+    run_connections(|i| {
+        let (body, out) = (dir.path(&format!("body{i}")), dir.path(&format!("out{i}")));
+        let sent = pattern_file(&body, 7000 + i as u64, size_of_conn(i))?;
+        let mut curl = Program::spawn(
+            &a.ns,
+            &[
+                "curl",
+                "-sS",
+                "--fail",
+                "--max-time",
+                "60",
+                "-H",
+                "Expect:",
+                "--data-binary",
+                &format!("@{}", body.display()),
+                "-o",
+                &out.display().to_string(),
+                &url,
+            ],
+        )?;
+        ensure!(curl.wait_timeout(T)?.success(), "curl failed");
+        let got = std::fs::read(&out)?;
+        ensure!(got.len() == size_of_conn(i), "{} of {} bytes came back", got.len(), size_of_conn(i));
+        ensure!(fnv(&got) == sent, "the echoed body differs");
+        let _ = std::fs::remove_file(body);
+        let _ = std::fs::remove_file(out);
+        Ok(())
+    })?;
+    let (ist, ost) = (k.dp().pair_stats(&inner)?, k.dp().pair_stats(&outer)?);
+    report("nginx + curl", &[("outer", ost), ("inner", ist)]);
+    ensure!(ost.redirected_bytes > 0 && ist.redirected_bytes > 0, "curl <-> nginx <-> app accelerated");
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// redis
+
+/// A RESP bulk-string command.
+fn resp(args: &[&[u8]]) -> Vec<u8> {
+    let mut v = format!("*{}\r\n", args.len()).into_bytes();
+    for a in args {
+        v.extend(format!("${}\r\n", a.len()).as_bytes());
+        v.extend(*a);
+        v.extend(b"\r\n");
+    }
+    v
+}
+
+fn read_line(s: &mut TcpStream) -> Result<String> {
+    let mut line = Vec::new();
+    let mut b = [0u8; 1];
+    while !line.ends_with(b"\r\n") {
+        ensure!(read_ready(s, &mut b, Some(T))? == 1, "connection closed mid-reply");
+        line.push(b[0]);
+    }
+    Ok(String::from_utf8_lossy(&line[..line.len() - 2]).into_owned())
+}
+
+/// redis-server in pod B; from pod A, redis-benchmark (50 connections) and
+/// 100 connections that SET a value of up to 8 MiB and GET it back.
+#[test]
+fn redis_server_benchmark_and_values() -> Result<()> {
+    if !tools(&["redis-server", "redis-benchmark"]) {
+        return Ok(());
+    }
+    let Some(k) = node() else { return Ok(()) };
+    let net = NodeWithPods::new(2)?;
+    let (a, b) = (&net.pods[0], &net.pods[1]);
+    let server = SocketAddr::new(b.v4.into(), 6379);
+    let pair = EndpointPair::new(a.v4.into(), server.into())?;
+    k.dp().insert_pair(&pair, OWNER)?;
+    let dir = ScratchDir::new("meshwarp-compat-")?;
+    let bind = b.v4.to_string();
+    let _redis = Program::spawn(
+        &b.ns,
+        &[
+            "redis-server",
+            "--bind",
+            &bind,
+            "--port",
+            "6379",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--protected-mode",
+            "no",
+            "--dir",
+            &dir.0.display().to_string(),
+        ],
+    )?;
+    wait_listening(&a.ns, server, T)?;
+    run_connections(|i| {
+        let mut c = a.ns.connect(server)?;
+        let key = format!("compat:{i}");
+        let mut value = vec![0u8; size_of_conn(i).div_ceil(8) * 8];
+        Pattern::new(9000 + i as u64).fill(&mut value);
+        value.truncate(size_of_conn(i));
+        write_all_ready(&mut c, &resp(&[b"SET", key.as_bytes(), &value]), Some(T))?;
+        ensure!(read_line(&mut c)? == "+OK", "SET refused");
+        write_all_ready(&mut c, &resp(&[b"GET", key.as_bytes()]), Some(T))?;
+        let n: usize = read_line(&mut c)?.trim_start_matches('$').parse()?;
+        ensure!(n == value.len(), "GET returned {n} bytes, {} were set", value.len());
+        let mut got = vec![0u8; n + 2];
+        read_exact_ready(&mut c, &mut got, Some(T))?;
+        ensure!(got[..n] == value[..], "GET returned other bytes");
+        Ok(())
+    })?;
+    let mut bench = Program::spawn_with(
+        &a.ns,
+        &["redis-benchmark", "-h", &bind, "-p", "6379", "-c", "50", "-n", "20000", "-d", "1024", "-t", "set,get", "-q"],
+        Stdio::null(),
+        Stdio::piped(),
+    )?;
+    let mut out = String::new();
+    bench.child().stdout.take().context("stdout")?.read_to_string(&mut out)?;
+    ensure!(bench.wait_timeout(T)?.success(), "redis-benchmark failed: {out}");
+    ensure!(out.contains("SET") && out.contains("GET"), "redis-benchmark: {out}");
+    let st = k.dp().pair_stats(&pair)?;
+    report("redis", &[("pair", st)]);
+    ensure!(st.redirected_bytes > 0, "redis traffic accelerated: {st:?}");
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// openssl
+
+/// openssl s_server in pod B and s_client in pod A, with kernel TLS asked for
+/// (OPENSSL_CONF Options = KTLS: both try TCP_ULP "tls"), 100 connections, a
+/// stream each way checked byte for byte.
+#[test]
+fn openssl_s_server_s_client_with_ktls_asked() -> Result<()> {
+    if !tools(&["openssl"]) {
+        return Ok(());
+    }
+    let Some(k) = node() else { return Ok(()) };
+    let net = NodeWithPods::new(2)?;
+    let (a, b) = (&net.pods[0], &net.pods[1]);
+    let server = SocketAddr::new(b.v4.into(), 4433);
+    let pair = EndpointPair::new(a.v4.into(), server.into())?;
+    k.dp().insert_pair(&pair, OWNER)?;
+    let dir = ScratchDir::new("meshwarp-compat-")?;
+    let (cert, key, conf) = (dir.path("cert.pem"), dir.path("key.pem"), dir.path("openssl.cnf"));
+    let st = std::process::Command::new("openssl")
+        .args(["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=compat", "-keyout"])
+        .arg(&key)
+        .arg("-out")
+        .arg(&cert)
+        .stderr(Stdio::null())
+        .status()?;
+    ensure!(st.success(), "openssl req failed");
+    std::fs::write(
+        &conf,
+        "openssl_conf = init\n[init]\nssl_conf = ssl\n[ssl]\nsystem_default = tls\n[tls]\nOptions = KTLS\n",
+    )?;
+    let addr = server.to_string();
+    // One connection at a time: one s_server per connection.
+    for i in 0..CONNS {
+        let len = size_of_conn(i).min(1 << 20);
+        openssl_one(a, b, &addr, [&cert, &key, &conf], i as u64, len)
+            .with_context(|| format!("connection {i} ({len} B)"))?;
+    }
+    let st = k.dp().pair_stats(&pair)?;
+    report("openssl", &[("pair", st)]);
+    eprintln!("[compat] openssl: kTLS offered by this kernel: {}", k.dp().kernel().ktls);
+    Ok(())
+}
+
+fn openssl_one(
+    a: &meshwarp_core::testbed::Pod,
+    b: &meshwarp_core::testbed::Pod,
+    addr: &str,
+    [cert, key, conf]: [&Path; 3],
+    i: u64,
+    len: usize,
+) -> Result<()> {
+    let env = format!("OPENSSL_CONF={}", conf.display());
+    let (cert, key) = (cert.display().to_string(), key.display().to_string());
+    let mut srv = Program::spawn_with(
+        &b.ns,
+        &["env", &env, "openssl", "s_server", "-quiet", "-naccept", "1", "-accept", addr, "-cert", &cert, "-key", &key],
+        Stdio::piped(),
+        Stdio::piped(),
+    )?;
+    wait_for_port(&b.ns, addr.parse()?)?;
+    let mut cli = Program::spawn_with(
+        &a.ns,
+        &["env", &env, "openssl", "s_client", "-quiet", "-nocommands", "-no_ign_eof", "-connect", addr],
+        Stdio::piped(),
+        Stdio::piped(),
+    )?;
+    // Each side's stdin carries its stream; stdin stays open until both
+    // streams arrived (an EOF would end the session early).
+    type Sender = thread::JoinHandle<Result<(u64, std::process::ChildStdin)>>;
+    type Receiver = thread::JoinHandle<Result<(usize, u64)>>;
+    let pump = |p: &mut Program, seed: u64| -> Result<(Sender, Receiver)> {
+        let mut stdin = p.child().stdin.take().context("stdin")?;
+        let mut stdout = p.child().stdout.take().context("stdout")?;
+        let tx = thread::spawn(move || {
+            // Digits only: s_server reads command letters (q, r, ...) on stdin.
+            let mut data = vec![0u8; len.div_ceil(8) * 8];
+            Pattern::new(seed).fill(&mut data);
+            data.truncate(len);
+            data.iter_mut().for_each(|b| *b = b'0' + *b % 10);
+            stdin.write_all(&data)?;
+            Ok((fnv(&data), stdin))
+        });
+        let rx = thread::spawn(move || {
+            let mut got = Vec::with_capacity(len);
+            let mut buf = vec![0u8; 64 << 10];
+            while got.len() < len {
+                let n = stdout.read(&mut buf)?;
+                if n == 0 {
+                    break;
+                }
+                got.extend_from_slice(&buf[..n]);
+            }
+            Ok((got.len(), fnv(&got)))
+        });
+        Ok((tx, rx))
+    };
+    let (stx, srx) = pump(&mut srv, 20_000 + 2 * i)?;
+    let (ctx, crx) = pump(&mut cli, 20_001 + 2 * i)?;
+    let ((s_sent, s_in), (c_sent, c_in)) = (stx.join().unwrap()?, ctx.join().unwrap()?);
+    let (c_got, s_got) = (crx.join().unwrap()?, srx.join().unwrap()?);
+    drop((s_in, c_in));
+    ensure!(c_got == (len, s_sent), "client received {} of {len} bytes (or other bytes)", c_got.0);
+    ensure!(s_got == (len, c_sent), "server received {} of {len} bytes (or other bytes)", s_got.0);
+    Ok(())
+}
+
+/// Waits until a server accepts on `addr` without connecting to it (openssl
+/// s_server -naccept 1 would take the probe as its one connection).
+fn wait_for_port(ns: &NetNs, addr: SocketAddr) -> Result<()> {
+    let deadline = Instant::now() + T;
+    let hex = format!(":{:04X}", addr.port());
+    loop {
+        let tcp = ns.exec(&["cat", "/proc/net/tcp"])?;
+        if tcp.lines().any(|l| {
+            l.split_whitespace().nth(1).is_some_and(|a| a.ends_with(&hex)) && l.split_whitespace().nth(3) == Some("0A")
+        }) {
+            return Ok(());
+        }
+        ensure!(Instant::now() < deadline, "nothing listens on {addr}");
+        thread::sleep(Duration::from_millis(10));
+    }
+}
+
+// ---------------------------------------------------------------------------
+// splice readers
+
+/// A real program that reads its sockets with splice(2): a python echo
+/// (non-blocking sockets, os.splice socket -> pipe -> socket). python
+/// imports splice, so the guard knows before its first connection.
+const PY_SPLICE_ECHO: &str = r#"
+import os, select, socket, sys, threading
+ls = socket.socket()
+ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+ls.setblocking(False)
+ls.bind((sys.argv[1], int(sys.argv[2])))
+ls.listen(128)
+def serve(c):
+    c.setblocking(False)
+    r, w = os.pipe()
+    while True:
+        select.select([c], [], [])
+        try:
+            n = os.splice(c.fileno(), w, 65536)
+        except BlockingIOError:
+            continue
+        if n == 0:
+            break
+        while n:
+            select.select([], [c], [])
+            try:
+                n -= os.splice(r, c.fileno(), n)
+            except BlockingIOError:
+                pass
+    c.shutdown(socket.SHUT_WR)
+    c.close()
+while True:
+    select.select([ls], [], [])
+    try:
+        c, _ = ls.accept()
+    except BlockingIOError:
+        continue
+    threading.Thread(target=serve, args=(c,), daemon=True).start()
+"#;
+
+#[test]
+fn python_splice_echo() -> Result<()> {
+    if !tools(&["python3"]) {
+        return Ok(());
+    }
+    let Some(k) = node() else { return Ok(()) };
+    let net = NodeWithPods::new(2)?;
+    let (a, b) = (&net.pods[0], &net.pods[1]);
+    let server = SocketAddr::new(b.v4.into(), 7200);
+    let pair = EndpointPair::new(a.v4.into(), server.into())?;
+    k.dp().insert_pair(&pair, OWNER)?;
+    let bind = b.v4.to_string();
+    let _py = Program::spawn(&b.ns, &["python3", "-c", PY_SPLICE_ECHO, &bind, "7200"])?;
+    wait_listening(&a.ns, server, T)?;
+    run_connections(|i| {
+        echo_integrity(a.ns.connect(server)?, 11_000 + i as u64, size_of_conn(i), T).map_err(Into::into)
+    })?;
+    let st = k.dp().pair_stats(&pair)?;
+    report("python splice echo", &[("pair", st)]);
+    ensure!(st.splice_hits == 0, "{st:?}");
+    // python imports splice, and never reads with recv(): the guard keeps
+    // every connection of it off the redirect path.
+    ensure!(st.redirected_bytes == 0 && st.fallback_reader + st.fallback_splice >= CONNS as u64, "{st:?}");
+    Ok(())
+}
+
+/// One non-blocking splice of up to `len` bytes from `fd` into `pipe_w`:
+/// by system call number, so the test binary does not import splice.
+fn raw_splice(fd: i32, pipe_w: i32, len: usize) -> std::io::Result<usize> {
+    // SAFETY: valid fds, null offsets.
+    let n = unsafe {
+        libc::syscall(
+            libc::SYS_splice,
+            fd,
+            std::ptr::null_mut::<libc::loff_t>(),
+            pipe_w,
+            std::ptr::null_mut::<libc::loff_t>(),
+            len,
+            libc::SPLICE_F_NONBLOCK,
+        )
+    };
+    if n < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(n as usize)
+}
+
+/// An echo that reads with splice(2) issued by raw system call: nothing in
+/// its ELF says it splices. Returns how its connection ended.
+fn raw_splice_echo(mut s: TcpStream) -> Result<()> {
+    use std::os::fd::AsRawFd;
+    let mut p = [0i32; 2];
+    // SAFETY: two ints for the pipe.
+    ensure!(unsafe { libc::pipe2(p.as_mut_ptr(), libc::O_CLOEXEC) } == 0, "pipe2");
+    let (r, w) = (p[0], p[1]);
+    // SAFETY: the pipe's read end, closed when dropped.
+    let mut pipe_r = unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(r) };
+    let _pipe_w = unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(w) };
+    let mut buf = vec![0u8; 65536];
+    let deadline = Instant::now() + T;
+    loop {
+        ensure!(Instant::now() < deadline, "splice echo timed out");
+        meshwarp_core::testbed::wait_ready(s.as_raw_fd(), libc::POLLIN, Some(deadline))?;
+        let n = match raw_splice(s.as_raw_fd(), w, buf.len()) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                thread::sleep(Duration::from_millis(1));
+                continue;
+            }
+            Err(e) => return Err(e.into()),
+        };
+        pipe_r.read_exact(&mut buf[..n])?;
+        write_all_ready(&mut s, &buf[..n], Some(T))?;
+    }
+    s.shutdown(std::net::Shutdown::Write)?;
+    Ok(())
+}
+
+/// A program that splices by raw system call cannot be known before it
+/// splices. This one first serves a connection with recv() (so the guard has
+/// seen it read without blocking and makes its sockets redirect targets),
+/// then switches to splice. That first spliced connection, hit while
+/// redirected bytes wait for it, must fail loudly (reset, an incident) and
+/// never deliver a short or reordered stream; from then on its sockets are
+/// not redirect targets and every connection is intact.
+#[test]
+fn raw_syscall_splice_reader_fails_loudly_once_then_is_safe() -> Result<()> {
+    let Some(k) = node() else { return Ok(()) };
+    if k.dp().kernel().splice_sees_redirected {
+        eprintln!("[compat] this kernel's splice sees redirected bytes: nothing to guard");
+        return Ok(());
+    }
+    let incidents = k.dp().incidents();
+    let net = NodeWithPods::new(2)?;
+    let (a, b) = (&net.pods[0], &net.pods[1]);
+    let server = SocketAddr::new(b.v4.into(), 7300);
+    let pair = EndpointPair::new(a.v4.into(), server.into())?;
+    k.dp().insert_pair(&pair, OWNER)?;
+    let l = b.ns.listen(server)?;
+    let mut failed_loudly = Vec::new();
+    for i in 0..=CONNS {
+        let c = a.ns.connect(server)?;
+        let s = accept_timeout(&l, T)?;
+        let len = if i == 1 { 8 << 20 } else { size_of_conn(i) };
+        let srv = if i == 0 {
+            let (s, w) = (s.try_clone()?, s);
+            thread::spawn(move || -> Result<()> {
+                let mut s = s;
+                let mut w = w;
+                let mut buf = vec![0u8; 65536];
+                loop {
+                    let n = read_ready(&mut s, &mut buf, Some(T))?;
+                    if n == 0 {
+                        return Ok(w.shutdown(std::net::Shutdown::Write)?);
+                    }
+                    write_all_ready(&mut w, &buf[..n], Some(T))?;
+                }
+            })
+        } else {
+            thread::spawn(move || raw_splice_echo(s))
+        };
+        let (sent, got) = exchange_both(c, 13_000 + i as u64, len);
+        let server_end = srv.join().unwrap();
+        match (&sent, &got, &server_end) {
+            (Ok(_), Ok(_), Ok(())) => {}
+            _ => {
+                // Loud: an error the application sees (EACCES on send,
+                // ECONNRESET/ECONNABORTED on receive or splice), never a
+                // stream that ends early without one, nor other bytes.
+                let os_error = |e: &std::io::Error| e.raw_os_error().is_some();
+                let loud = sent.as_ref().err().is_some_and(os_error)
+                    || got.as_ref().err().is_some_and(|e| matches!(e, Received::Io(e) if os_error(e)));
+                ensure!(loud, "connection {i} failed quietly: sent {sent:?}, received {got:?}, server {server_end:?}");
+                ensure!(!matches!(got, Err(Received::Wrong(_))), "connection {i} delivered other bytes: {got:?}");
+                eprintln!("[compat] raw splice reader, connection {i} failed loudly: sent {sent:?}, received {got:?}");
+                failed_loudly.push(i);
+            }
+        }
+    }
+    ensure!(failed_loudly == [1], "only the first spliced connection failed, loudly: {failed_loudly:?}");
+    let st = k.dp().pair_stats(&pair)?;
+    report("raw syscall splice reader", &[("pair", st)]);
+    ensure!(st.splice_hits == 1, "one hit: {st:?}");
+    let hit = loop {
+        let i = incidents.recv_timeout(T).context("no incident for the hit")?;
+        if i.kind == meshwarp_core::IncidentKind::SpliceHit {
+            break i;
+        }
+    };
+    ensure!(hit.reset && hit.pending_bytes > 0, "{hit:?}");
+    ensure!(hit.server == Some(server) && hit.tgid == std::process::id(), "names the connection and process: {hit:?}");
+    Ok(())
+}
+
+#[derive(Debug)]
+#[allow(dead_code)] // the fields are read through Debug in failure messages
+enum Received {
+    Io(std::io::Error),
+    /// The stream ended early (`got` of the bytes sent).
+    Short(usize),
+    /// A byte differs (its offset).
+    Wrong(usize),
+}
+
+/// Sends stream `seed` and reads its echo at once; the outcome of each side.
+fn exchange_both(s: TcpStream, seed: u64, len: usize) -> (std::io::Result<u64>, std::result::Result<usize, Received>) {
+    let r = match s.try_clone() {
+        Ok(r) => r,
+        Err(e) => return (Err(e), Err(Received::Short(0))),
+    };
+    thread::scope(|scope| {
+        let tx = scope.spawn(|| meshwarp_core::testbed::send_pattern(&s, seed, len));
+        let mut r = r;
+        let mut all = Vec::with_capacity(len);
+        let mut buf = vec![0u8; 65536];
+        let ended = loop {
+            match read_ready(&mut r, &mut buf, Some(T)) {
+                Ok(0) => break None,
+                Ok(n) => all.extend_from_slice(&buf[..n]),
+                Err(e) => break Some(e),
+            }
+        };
+        let mut expect = vec![0u8; len.div_ceil(8) * 8];
+        Pattern::new(seed).fill(&mut expect);
+        expect.truncate(len);
+        let rx = if let Some(at) = all.iter().zip(&expect).position(|(a, b)| a != b) {
+            Err(Received::Wrong(at))
+        } else if all.len() > len {
+            Err(Received::Wrong(len))
+        } else if let Some(e) = ended {
+            Err(Received::Io(e))
+        } else if all.len() < len {
+            Err(Received::Short(all.len()))
+        } else {
+            Ok(all.len())
+        };
+        (tx.join().unwrap(), rx)
+    })
+}
+
+// ---------------------------------------------------------------------------
+// blocking readers
+
+/// A blocking full-duplex program: a reader thread and a writer thread per
+/// socket, the writer half-closes while the reader is blocked; an EAGAIN
+/// from a blocking read is an error, as for any such application.
+fn blocking_duplex(s: TcpStream, seed: u64, len: usize, echo: bool) -> Result<()> {
+    let r = s.try_clone()?;
+    let mut w = s;
+    let (tx, rx) = std::sync::mpsc::channel::<Vec<u8>>();
+    let reader = thread::spawn(move || -> Result<(usize, u64)> {
+        let mut r = r;
+        let mut buf = vec![0u8; 65536];
+        let (mut got, mut h) = (0usize, Fnv::default());
+        loop {
+            let n = r.read(&mut buf).context("blocking read")?;
+            if n == 0 {
+                return Ok((got, h.0));
+            }
+            h.update(&buf[..n]);
+            got += n;
+            if echo && tx.send(buf[..n].to_vec()).is_err() {
+                bail!("echo writer gone");
+            }
+        }
+    });
+    let sent = if echo {
+        let mut h = Fnv::default();
+        for chunk in rx {
+            w.write_all(&chunk)?;
+            h.update(&chunk);
+        }
+        h.0
+    } else {
+        let mut data = vec![0u8; len.div_ceil(8) * 8];
+        Pattern::new(seed).fill(&mut data);
+        data.truncate(len);
+        for c in data.chunks(4096 + (seed as usize % 60_000)) {
+            w.write_all(c)?;
+        }
+        fnv(&data)
+    };
+    w.shutdown(std::net::Shutdown::Write)?;
+    let (got, h) = reader.join().unwrap()?;
+    if !echo {
+        ensure!(got == len && h == sent, "{got} of {len} bytes echoed (or other bytes)");
+    }
+    Ok(())
+}
+
+fn blocking_socket(ns: &NetNs, to: Option<SocketAddr>, listen: Option<SocketAddr>) -> Result<socket2::Socket> {
+    Ok(ns.enter(|| -> std::io::Result<socket2::Socket> {
+        let addr = to.or(listen).unwrap();
+        let s = socket2::Socket::new(socket2::Domain::for_address(addr), socket2::Type::STREAM, None)?;
+        if let Some(l) = listen {
+            s.set_reuse_address(true)?;
+            s.bind(&l.into())?;
+            s.listen(128)?;
+        } else {
+            s.connect_timeout(&addr.into(), Duration::from_secs(5))?;
+        }
+        Ok(s)
+    })??)
+}
+
+#[test]
+fn blocking_full_duplex_reader() -> Result<()> {
+    let Some(k) = node() else { return Ok(()) };
+    let net = NodeWithPods::new(2)?;
+    let (a, b) = (&net.pods[0], &net.pods[1]);
+    let server = SocketAddr::new(b.v4.into(), 7400);
+    let pair = EndpointPair::new(a.v4.into(), server.into())?;
+    k.dp().insert_pair(&pair, OWNER)?;
+    let l: TcpListener = blocking_socket(&b.ns, None, Some(server))?.into();
+    let srv = thread::spawn(move || -> Result<()> {
+        for _ in 0..CONNS {
+            let (s, _) = l.accept()?;
+            thread::spawn(move || {
+                if let Err(e) = blocking_duplex(s, 0, 0, true) {
+                    eprintln!("[compat] blocking echo: {e:#}");
+                }
+            });
+        }
+        Ok(())
+    });
+    run_connections(|i| {
+        let c: TcpStream = blocking_socket(&a.ns, Some(server), None)?.into();
+        blocking_duplex(c, 15_000 + i as u64, size_of_conn(i), false)
+    })?;
+    srv.join().unwrap()?;
+    let st = k.dp().pair_stats(&pair)?;
+    report("blocking full-duplex reader", &[("pair", st)]);
+    if k.dp().kernel().blocked_read_eagain {
+        ensure!(st.sockets == 0, "blocking readers kept off the fast path on this kernel: {st:?}");
+    }
+    Ok(())
+}
