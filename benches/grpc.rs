@@ -23,7 +23,7 @@ fn nth_pair(n: u32) -> pb::EndpointPair {
     pb::EndpointPair {
         client_ip: client.to_string(),
         server: Some(pb::Endpoint { ip: "198.19.0.1".into(), port: 1 + n % 60_000 }),
-        owner: String::new(),
+        ..Default::default()
     }
 }
 

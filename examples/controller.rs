@@ -57,7 +57,7 @@ fn to_pb(p: &Pair) -> pb::EndpointPair {
     pb::EndpointPair {
         client_ip: p.0.clone(),
         server: Some(pb::Endpoint { ip: p.1.clone(), port: p.2 }),
-        owner: String::new(),
+        ..Default::default()
     }
 }
 

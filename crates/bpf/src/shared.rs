@@ -49,6 +49,7 @@ pub const CFG_GUARD: u32 = 1;
 pub const CFG_SPLICE_BLIND: u32 = 2;
 pub const CFG_FIONREAD_PSOCK: u32 = 4;
 pub const CFG_BLOCKING_EAGAIN: u32 = 8;
+pub const CFG_SYSCALL_WATCH: u32 = 16;
 /// `MW_EV_*` (`mw_event.type`).
 pub const EV_CLASSIFY: u32 = 1;
 pub const EV_SPLICE_HIT: u32 = 2;

@@ -122,15 +122,21 @@ fn register(node: &mut EmbeddedNode, pod_a: IpAddr, pod_b: IpAddr) -> Result<()>
         original_dst: ep(IpAddr::V4(SERVICE_V4), SERVICE_PORT),
         listener: ep(IpAddr::V4(Ipv4Addr::LOCALHOST), 15001),
         owner: String::new(),
+        ..Default::default()
     };
     let sidecar_to_sidecar = pb::CaptureRule {
         client_ip: pod_a.to_string(),
         original_dst: ep(pod_b, SERVICE_PORT),
         listener: ep(pod_b, 15006),
         owner: String::new(),
+        ..Default::default()
     };
-    let inbound =
-        pb::EndpointPair { client_ip: passthrough.to_string(), server: ep(pod_b, APP_PORT), owner: String::new() };
+    let inbound = pb::EndpointPair {
+        client_ip: passthrough.to_string(),
+        server: ep(pod_b, APP_PORT),
+        owner: String::new(),
+        ..Default::default()
+    };
     let mut c = node.client.clone();
     node.block_on(async {
         c.batch_upsert_capture_rules(pb::BatchUpsertCaptureRulesRequest {

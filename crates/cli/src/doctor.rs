@@ -30,6 +30,21 @@ fn helper(p: libbpf_sys::bpf_prog_type, h: libbpf_sys::bpf_func_id) -> bool {
     unsafe { libbpf_sys::libbpf_probe_bpf_helper(p, h, std::ptr::null()) == 1 }
 }
 
+/// Whether the kernel's BTF has `name` of `kind` (a kfunc, a tracepoint type).
+fn kernel_btf_has(name: &str, kind: u32) -> bool {
+    let Ok(c) = std::ffi::CString::new(name) else { return false };
+    // SAFETY: libbpf loads the kernel's BTF; freed below; NULL-checked.
+    unsafe {
+        let btf = libbpf_sys::btf__load_vmlinux_btf();
+        if btf.is_null() {
+            return false;
+        }
+        let found = libbpf_sys::btf__find_by_name_kind(btf, c.as_ptr(), kind) > 0;
+        libbpf_sys::btf__free(btf);
+        found
+    }
+}
+
 fn runs(cmd: &str, args: &[&str]) -> bool {
     Command::new(cmd).args(args).output().map(|o| o.status.success()).unwrap_or(false)
 }
@@ -37,10 +52,6 @@ fn runs(cmd: &str, args: &[&str]) -> bool {
 pub fn run(pin_root: &Path) -> Result<()> {
     let cg = meshwarp_core::sys::mounts_of("cgroup2");
     let bpffs = meshwarp_core::sys::mounts_of("bpf");
-    let tracefs = ["/sys/kernel/tracing", "/sys/kernel/debug/tracing"]
-        .iter()
-        .find(|p| Path::new(p).join("events").exists())
-        .map(|p| Path::new(p).join("events/sock/sock_send_length").exists());
     let root = nix::unistd::geteuid().is_root();
     let checks = [
         Check { name: "root", ok: root, detail: "CAP_BPF, CAP_NET_ADMIN, CAP_SYS_ADMIN".into(), fix: "run as root" },
@@ -96,10 +107,23 @@ pub fn run(pin_root: &Path) -> Result<()> {
             fix: "kernel needs CONFIG_NET_CLS_BPF",
         },
         Check {
-            name: "tracepoints",
-            ok: tracefs.unwrap_or(false),
-            detail: "sock:sock_send_length (latency monitor)".into(),
-            fix: "mount tracefs: mount -t tracefs nodev /sys/kernel/tracing",
+            name: "guard tracepoints",
+            ok: kernel_btf_has("btf_trace_sock_recv_length", libbpf_sys::BTF_KIND_TYPEDEF)
+                && kernel_btf_has("btf_trace_sys_enter", libbpf_sys::BTF_KIND_TYPEDEF),
+            detail: "tp_btf sock_recv_length and sys_enter (BTF-typed: no tracefs needed)".into(),
+            fix: "kernel needs CONFIG_BPF_EVENTS and CONFIG_FTRACE_SYSCALLS",
+        },
+        Check {
+            name: "cgroup sockopt",
+            ok: prog_type(libbpf_sys::BPF_PROG_TYPE_CGROUP_SOCKOPT),
+            detail: "cgroup/setsockopt: SO_RCVLOWAT and TCP_ULP on accelerated sockets".into(),
+            fix: "kernel 5.3 or newer with CONFIG_CGROUP_BPF",
+        },
+        Check {
+            name: "socket reset",
+            ok: kernel_btf_has("bpf_sock_destroy", libbpf_sys::BTF_KIND_FUNC),
+            detail: "iter/tcp + bpf_sock_destroy: a connection the fast path cannot serve fails loudly".into(),
+            fix: "kernel 6.5 or newer",
         },
         Check {
             name: "iptables",
@@ -120,6 +144,23 @@ pub fn run(pin_root: &Path) -> Result<()> {
         if !c.ok {
             missing += 1;
             println!("    fix: {}", c.fix);
+        }
+    }
+    // What the kernel does with redirected bytes: found by experiment.
+    match meshwarp_core::KernelProbe::run() {
+        Ok(k) => {
+            println!("    kernel probe ({}): what the fast path's safety depends on", k.release);
+            for f in k.facts() {
+                let mark = if f.safe { "ok " } else { "gap" };
+                println!("{mark} {:<32} {:<3}  {}", f.name, if f.value { "yes" } else { "no" }, f.detail);
+            }
+            if k.needs_guard() {
+                println!("    the reader guard works around the gaps (meshwarp serve --reader-guard auto)");
+            }
+        }
+        Err(e) => {
+            missing += 1;
+            println!("NO  kernel probe               {e}");
         }
     }
     let pinned = pin_root.join(format!("v{}", meshwarp_bpf_schema()));

@@ -111,13 +111,20 @@ enum Cmd {
 #[derive(Debug, Subcommand)]
 pub enum PairCmd {
     /// Create a pair (fails if it exists).
-    Add { client: IpAddr, server: SocketAddr },
+    Add {
+        client: IpAddr,
+        server: SocketAddr,
+        #[command(flatten)]
+        never: NeverInto,
+    },
     /// Update a pair; with --allow-missing create it if absent.
     Update {
         client: IpAddr,
         server: SocketAddr,
         #[arg(long)]
         allow_missing: bool,
+        #[command(flatten)]
+        never: NeverInto,
     },
     /// Delete a pair.
     Rm {
@@ -136,6 +143,23 @@ pub enum PairCmd {
     },
 }
 
+/// An end of a covered connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum RuleEndArg {
+    /// The end that connected (capture: the application).
+    Client,
+    /// The end that accepted (capture: the proxy's accepted socket).
+    Server,
+}
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct NeverInto {
+    /// Never give this end redirected bytes (e.g. a proxy configured to
+    /// splice); what it sends is still accelerated. Repeatable.
+    #[arg(long = "never-redirect-into", value_enum)]
+    pub ends: Vec<RuleEndArg>,
+}
+
 #[derive(Debug, Subcommand)]
 pub enum CaptureCmd {
     /// Create a capture rule.
@@ -149,6 +173,8 @@ pub enum CaptureCmd {
         /// Only connections from this client (default: any).
         #[arg(long)]
         client: Option<IpAddr>,
+        #[command(flatten)]
+        never: NeverInto,
     },
     /// Delete the capture rule of (client, dst).
     Rm {

@@ -11,7 +11,7 @@ use tokio_stream::StreamExt;
 use tonic::transport::Channel;
 use tonic_types::StatusExt;
 
-use crate::{CaptureCmd, ConfigArg, HookArg, PairCmd, PhaseArg, PluginCmd, RouteAt, RouteCmd};
+use crate::{CaptureCmd, ConfigArg, HookArg, NeverInto, PairCmd, PhaseArg, PluginCmd, RouteAt, RouteCmd, RuleEndArg};
 
 fn iface(name: &str) -> Option<pb::Interface> {
     let r = match name.parse::<u32>() {
@@ -103,9 +103,27 @@ fn show_ep(e: &Option<pb::Endpoint>) -> String {
     }
 }
 
+fn never_into(n: &NeverInto) -> Vec<i32> {
+    n.ends
+        .iter()
+        .map(|e| match e {
+            RuleEndArg::Client => pb::RuleEnd::Client as i32,
+            RuleEndArg::Server => pb::RuleEnd::Server as i32,
+        })
+        .collect()
+}
+
 fn counters_cols(c: Option<pb::RuleCounters>) -> String {
     let c = c.unwrap_or_default();
-    let fb = c.fallback_no_peer + c.fallback_tcp_path + c.fallback_map_full + c.fallback_insert_error;
+    let fb = c.fallback_no_peer
+        + c.fallback_tcp_path
+        + c.fallback_map_full
+        + c.fallback_insert_error
+        + c.fallback_collision
+        + c.fallback_reader
+        + c.fallback_splice
+        + c.fallback_rcvlowat
+        + c.fallback_ulp;
     format!("{:>8} {:>12} {:>14} {:>10}", c.sockets, c.redirected_msgs, c.redirected_bytes, fb)
 }
 
@@ -142,17 +160,23 @@ impl Remote {
 
     pub async fn pair(&mut self, cmd: &PairCmd) -> Result<()> {
         let owner = self.owner.clone();
-        let pair = |client: &IpAddr, server: &SocketAddr| {
-            Some(pb::EndpointPair { client_ip: client.to_string(), server: ep(*server), owner: String::new() })
+        let pair = |client: &IpAddr, server: &SocketAddr, never: &NeverInto| {
+            Some(pb::EndpointPair {
+                client_ip: client.to_string(),
+                server: ep(*server),
+                owner: String::new(),
+                never_redirect_into: never_into(never),
+            })
         };
         match cmd {
-            PairCmd::Add { client, server } => {
-                let r =
-                    self.c.create_pair(pb::CreatePairRequest { pair: pair(client, server), owner }).await?.into_inner();
+            PairCmd::Add { client, server, never } => {
+                let req = pb::CreatePairRequest { pair: pair(client, server, never), owner };
+                let r = self.c.create_pair(req).await?.into_inner();
                 self.emit(&r, || println!("created pair {client} -> {server} (revision {})", r.revision))
             }
-            PairCmd::Update { client, server, allow_missing } => {
-                let req = pb::UpdatePairRequest { pair: pair(client, server), owner, allow_missing: *allow_missing };
+            PairCmd::Update { client, server, allow_missing, never } => {
+                let req =
+                    pb::UpdatePairRequest { pair: pair(client, server, never), owner, allow_missing: *allow_missing };
                 let r = self.c.update_pair(req).await?.into_inner();
                 let verb = if r.created { "created" } else { "updated" };
                 self.emit(&r, || println!("{verb} pair {client} -> {server} (revision {})", r.revision))
@@ -197,12 +221,13 @@ impl Remote {
     pub async fn capture(&mut self, cmd: &CaptureCmd) -> Result<()> {
         let owner = self.owner.clone();
         match cmd {
-            CaptureCmd::Add { dst, listener, client } => {
+            CaptureCmd::Add { dst, listener, client, never } => {
                 let rule = pb::CaptureRule {
                     client_ip: client.map(|c| c.to_string()).unwrap_or_default(),
                     original_dst: ep(*dst),
                     listener: ep(*listener),
                     owner: String::new(),
+                    never_redirect_into: never_into(never),
                 };
                 let r = self
                     .c
@@ -343,7 +368,10 @@ impl Remote {
         let r = self.c.get_stats(pb::GetStatsRequest {}).await?.into_inner();
         self.emit(&r, || {
             let g = r.global.unwrap_or_default();
-            println!("established {}  not covered {}  no state {}", g.established, g.not_covered, g.no_state);
+            println!(
+                "established {}  not covered {}  no state {}  server end without client end {}",
+                g.established, g.not_covered, g.no_state, g.no_link
+            );
             println!("{:<48} {:>8} {:>12} {:>14} {:>10}", "RULE", "SOCKETS", "MSGS", "BYTES", "FALLBACKS");
             for p in &r.pairs {
                 let pair = p.pair.clone().unwrap_or_default();
@@ -355,6 +383,36 @@ impl Remote {
                 let name = format!("capture -> {} at {}", show_ep(&rule.original_dst), show_ep(&rule.listener));
                 println!("{name:<48} {}", counters_cols(c.counters));
             }
+            let rules = r.pairs.iter().map(|p| p.counters).chain(r.capture_rules.iter().map(|c| c.counters));
+            let t = rules.flatten().fold(pb::RuleCounters::default(), |mut a, c| {
+                a.fallback_no_peer += c.fallback_no_peer;
+                a.fallback_tcp_path += c.fallback_tcp_path;
+                a.fallback_map_full += c.fallback_map_full;
+                a.fallback_insert_error += c.fallback_insert_error;
+                a.fallback_collision += c.fallback_collision;
+                a.fallback_reader += c.fallback_reader;
+                a.fallback_splice += c.fallback_splice;
+                a.fallback_rcvlowat += c.fallback_rcvlowat;
+                a.fallback_ulp += c.fallback_ulp;
+                a.ulp_refused += c.ulp_refused;
+                a.splice_hits += c.splice_hits;
+                a
+            });
+            println!(
+                "fallbacks: no peer {}  tcp path {}  map full {}  insert error {}  collision {}  reader {}  splice {}  \
+                 rcvlowat {}  ulp {} (refused {})  splice hits {}",
+                t.fallback_no_peer,
+                t.fallback_tcp_path,
+                t.fallback_map_full,
+                t.fallback_insert_error,
+                t.fallback_collision,
+                t.fallback_reader,
+                t.fallback_splice,
+                t.fallback_rcvlowat,
+                t.fallback_ulp,
+                t.ulp_refused,
+                t.splice_hits
+            );
         })
     }
 
@@ -374,6 +432,19 @@ impl Remote {
                     Some(Resource::Plugin(p)) => {
                         let m = p.manifest.clone().unwrap_or_default();
                         format!("plugin {} {} at {} (#{})", m.name, m.version, hook_name(m.hook), p.position)
+                    }
+                    Some(Resource::Incident(i)) => {
+                        let kind = pb::IncidentKind::try_from(i.kind).map(|k| k.as_str_name()).unwrap_or("?");
+                        format!(
+                            "{kind} {} -> {} by {} (pid {}, {}): {} B unseen, {}",
+                            show_ep(&i.client),
+                            show_ep(&i.server),
+                            i.comm,
+                            i.tgid,
+                            i.exe,
+                            i.pending_bytes,
+                            i.detail
+                        )
                     }
                     None => "-".into(),
                 };
@@ -476,7 +547,21 @@ impl Remote {
             println!("rules        {} of {}  (batches up to {})", r.rules_used, r.rules_capacity, r.max_batch_size);
             println!("revision     {}", r.revision);
             for f in &r.features {
-                println!("feature      {:<24} {}  {}", f.name, if f.available { "yes" } else { "NO " }, f.detail);
+                println!("feature      {:<32} {}  {}", f.name, if f.available { "yes" } else { "no " }, f.detail);
+            }
+            let g = r.reader_guard.clone().unwrap_or_default();
+            if g.enabled {
+                println!(
+                    "reader guard on ({}), working around: {}; syscall watch {}",
+                    if g.running_here { "this daemon" } else { "another process" },
+                    g.gaps.join(", "),
+                    if g.syscall_watch { "on" } else { "off" }
+                );
+            } else {
+                println!("reader guard off");
+            }
+            for t in &g.trusted_readers {
+                println!("trusted      {t}");
             }
         })
     }

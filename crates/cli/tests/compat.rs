@@ -21,8 +21,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
 use meshwarp_core::testbed::{
-    accept_timeout, echo_integrity, missing_feature, read_exact_ready, read_ready, redirect_output, wait_listening,
-    which, write_all_ready, Fnv, KernelTest, NetNs, NodeWithPods, Pattern, Program, ScratchDir, StreamEcho, SERVICE_V4,
+    accept_timeout, echo_integrity, missing_feature, read_exact_ready, read_ready, redirect_output, splice_echo,
+    wait_listening, which, write_all_ready, Fnv, KernelTest, NetNs, NodeWithPods, Pattern, Program, ScratchDir,
+    StreamEcho, SERVICE_V4,
 };
 use meshwarp_core::{CaptureRule, Endpoint, EndpointPair, GuardMode, RuleCounters};
 
@@ -731,59 +732,6 @@ fn python_splice_echo() -> Result<()> {
     Ok(())
 }
 
-/// One non-blocking splice of up to `len` bytes from `fd` into `pipe_w`:
-/// by system call number, so the test binary does not import splice.
-fn raw_splice(fd: i32, pipe_w: i32, len: usize) -> std::io::Result<usize> {
-    // SAFETY: valid fds, null offsets.
-    let n = unsafe {
-        libc::syscall(
-            libc::SYS_splice,
-            fd,
-            std::ptr::null_mut::<libc::loff_t>(),
-            pipe_w,
-            std::ptr::null_mut::<libc::loff_t>(),
-            len,
-            libc::SPLICE_F_NONBLOCK,
-        )
-    };
-    if n < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(n as usize)
-}
-
-/// An echo that reads with splice(2) issued by raw system call: nothing in
-/// its ELF says it splices. Returns how its connection ended.
-fn raw_splice_echo(mut s: TcpStream) -> Result<()> {
-    use std::os::fd::AsRawFd;
-    let mut p = [0i32; 2];
-    // SAFETY: two ints for the pipe.
-    ensure!(unsafe { libc::pipe2(p.as_mut_ptr(), libc::O_CLOEXEC) } == 0, "pipe2");
-    let (r, w) = (p[0], p[1]);
-    // SAFETY: the pipe's read end, closed when dropped.
-    let mut pipe_r = unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(r) };
-    let _pipe_w = unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(w) };
-    let mut buf = vec![0u8; 65536];
-    let deadline = Instant::now() + T;
-    loop {
-        ensure!(Instant::now() < deadline, "splice echo timed out");
-        meshwarp_core::testbed::wait_ready(s.as_raw_fd(), libc::POLLIN, Some(deadline))?;
-        let n = match raw_splice(s.as_raw_fd(), w, buf.len()) {
-            Ok(0) => break,
-            Ok(n) => n,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                thread::sleep(Duration::from_millis(1));
-                continue;
-            }
-            Err(e) => return Err(e.into()),
-        };
-        pipe_r.read_exact(&mut buf[..n])?;
-        write_all_ready(&mut s, &buf[..n], Some(T))?;
-    }
-    s.shutdown(std::net::Shutdown::Write)?;
-    Ok(())
-}
-
 /// A program that splices by raw system call cannot be known before it
 /// splices. This one first serves a connection with recv() (so the guard has
 /// seen it read without blocking and makes its sockets redirect targets),
@@ -825,7 +773,7 @@ fn raw_syscall_splice_reader_fails_loudly_once_then_is_safe() -> Result<()> {
                 }
             })
         } else {
-            thread::spawn(move || raw_splice_echo(s))
+            thread::spawn(move || splice_echo(s, T).map_err(anyhow::Error::from))
         };
         let (sent, got) = exchange_both(c, 13_000 + i as u64, len);
         let server_end = srv.join().unwrap();

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
 use meshwarp_core::testbed::{
-    accept_timeout, missing_feature, round_trip, spawn_echo, unique_name, NodeWithPods, TestCgroup,
+    accept_timeout, missing_feature, round_trip, spawn_echo, splice_echo, unique_name, NodeWithPods, TestCgroup,
 };
 use meshwarp_grpc_api::pb::node_service_client::NodeServiceClient;
 use meshwarp_grpc_api::pb::{self, watch_response::Resource};
@@ -162,7 +162,7 @@ fn ep(ip: &str, port: u32) -> Option<pb::Endpoint> {
 }
 
 fn pair(client: &str, server: &str, port: u32) -> pb::EndpointPair {
-    pb::EndpointPair { client_ip: client.into(), server: ep(server, port), owner: String::new() }
+    pb::EndpointPair { client_ip: client.into(), server: ep(server, port), owner: String::new(), ..Default::default() }
 }
 
 fn key(client: &str, server: &str, port: u32) -> pb::PairKey {
@@ -185,7 +185,15 @@ fn every_rpc_happy_path() -> Result<()> {
     rt().block_on(async {
         let mut c = env.client().await;
         let info = c.get_node_info(pb::GetNodeInfoRequest {}).await?.into_inner();
-        ensure!(!info.adopted && info.sockops_prog_id != 0 && info.features.iter().all(|f| f.available), "{info:?}");
+        let base = ["btf", "cgroup2", "bpffs", "sockops+sk_msg+sockhash"];
+        let feature = |n: &str| info.features.iter().find(|f| f.name == n);
+        ensure!(!info.adopted && info.sockops_prog_id != 0, "{info:?}");
+        ensure!(base.iter().all(|b| feature(b).is_some_and(|f| f.available)), "{:?}", info.features);
+        // What the probe found is reported, and the guard follows it.
+        let splice = feature("splice_sees_redirected").context("probe results in GetNodeInfo")?;
+        let guard = info.reader_guard.clone().context("reader guard")?;
+        ensure!(guard.enabled && guard.running_here, "{guard:?}");
+        ensure!(guard.gaps.contains(&"splice_sees_redirected".to_string()) != splice.available, "{guard:?}");
         let mut watch = c.watch(pb::WatchRequest::default()).await?.into_inner();
 
         let r = c.create_pair(create(pair("198.18.0.2", "198.18.0.3", 80), OWNER)).await?.into_inner();
@@ -222,6 +230,7 @@ fn every_rpc_happy_path() -> Result<()> {
             original_dst: ep("198.19.0.10", 80),
             listener: ep("127.0.0.1", 15001),
             owner: String::new(),
+            ..Default::default()
         };
         c.create_capture_rule(pb::CreateCaptureRuleRequest { rule: Some(rule.clone()), owner: OWNER.into() }).await?;
         let moved = pb::CaptureRule { listener: ep("127.0.0.1", 15002), ..rule.clone() };
@@ -302,12 +311,77 @@ fn every_rpc_happy_path() -> Result<()> {
         "meshwarp_endpoint_pairs 51",
         "meshwarp_rpc_requests_total{method=\"CreatePair\",code=\"Ok\"} 1",
         "meshwarp_fallbacks{reason=\"map_full\"}",
+        "meshwarp_fallbacks{reason=\"reader\"}",
         "meshwarp_rpc_duration_seconds_bucket",
+        "meshwarp_kernel_feature{feature=\"splice_sees_redirected\"}",
+        "meshwarp_kernel_feature{feature=\"blocked_read_eagain\"}",
+        "meshwarp_reader_guard_enabled 1",
+        "meshwarp_splice_hits",
     ] {
         ensure!(body.contains(want), "/metrics lacks {want:?}:\n{body}");
     }
     let out = env.cli(&["node", "info"]);
     ensure!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    ensure!(text.contains("splice_sees_redirected") && text.contains("reader guard on"), "{text}");
+    Ok(())
+}
+
+/// A reader that splices a socket holding redirected bytes: the daemon's
+/// guard resets the connection and tells controllers (a Watch INCIDENT
+/// naming the rule and the process) and /metrics.
+#[test]
+fn a_splice_hit_is_a_watch_incident_and_a_metric() -> Result<()> {
+    let env = env_or_skip!();
+    let metrics = free_loopback_port()?;
+    let _d = env.start(&["--metrics-listen", &metrics.to_string()])?;
+    let net = NodeWithPods::new(2)?;
+    let server = SocketAddr::new(net.pods[1].v4.into(), 8090);
+    let listener = net.pods[1].ns.listen(server)?;
+    let rt = rt();
+    let mut watch = rt.block_on(async {
+        let mut c = env.client().await;
+        let info = c.get_node_info(pb::GetNodeInfoRequest {}).await?.into_inner();
+        if info.features.iter().any(|f| f.name == "splice_sees_redirected" && f.available) {
+            return Ok(None);
+        }
+        let w = c.watch(pb::WatchRequest::default()).await?.into_inner();
+        c.create_pair(create(pair(&net.pods[0].v4.to_string(), &net.pods[1].v4.to_string(), 8090), OWNER)).await?;
+        Ok::<_, anyhow::Error>(Some(w))
+    })?;
+    let Some(w) = watch.as_mut() else {
+        eprintln!("this kernel's splice sees redirected bytes: no hit to report");
+        return Ok(());
+    };
+    let c = net.pods[0].ns.connect(server)?;
+    let s = accept_timeout(&listener, Duration::from_secs(5))?;
+    let splicer = std::thread::spawn(move || splice_echo(s, Duration::from_secs(20)));
+    // Redirected into the splicer's socket, where splice() cannot see it.
+    let sent = meshwarp_core::testbed::echo_integrity(c, 1, 4 << 20, Duration::from_secs(20));
+    ensure!(sent.is_err(), "the hit connection fails loudly");
+    ensure!(splicer.join().unwrap().is_err(), "the splicer sees an error, not EOF");
+    let ev = rt.block_on(async {
+        loop {
+            let ev = tokio::time::timeout(Duration::from_secs(10), w.next()).await?.context("watch ended")??;
+            if let Some(Resource::Incident(i)) = &ev.resource {
+                if i.kind == pb::IncidentKind::SpliceHit as i32 {
+                    return Ok::<_, anyhow::Error>(ev);
+                }
+                // First the program is seen splicing.
+                ensure!(i.kind == pb::IncidentKind::SpliceSeen as i32 && ev.r#type == pb::EventType::Incident as i32);
+            }
+        }
+    })?;
+    let Some(Resource::Incident(i)) = ev.resource else { bail!("{ev:?}") };
+    ensure!(i.kind == pb::IncidentKind::SpliceHit as i32 && i.reset && i.pending_bytes > 0, "{i:?}");
+    ensure!(i.tgid == std::process::id() && !i.exe.is_empty(), "names the process: {i:?}");
+    ensure!(
+        matches!(&i.rule, Some(pb::incident::Rule::Pair(p)) if p.owner == OWNER),
+        "names the rule and its owner: {i:?}"
+    );
+    let body = http_get(metrics, "/metrics")?;
+    ensure!(body.contains("meshwarp_splice_hits 1"), "{body}");
+    ensure!(body.contains("meshwarp_guard_incidents_total{kind=\"splice_hit\",reset=\"true\"} 1"), "{body}");
     Ok(())
 }
 

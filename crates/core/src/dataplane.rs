@@ -27,7 +27,7 @@ use libbpf_rs::{libbpf_sys, Link, MapCore, MapFlags, MapHandle, PrintLevel, Prog
 use meshwarp_bpf::names;
 use meshwarp_bpf::shared::{
     Config, CookieVal, Link as LinkValue, Pod, SockKey, CFG_BLOCKING_EAGAIN, CFG_FIONREAD_PSOCK, CFG_GUARD,
-    CFG_SPLICE_BLIND, CHAIN_FIN,
+    CFG_SPLICE_BLIND, CFG_SYSCALL_WATCH, CHAIN_FIN,
 };
 use meshwarp_bpf::sockredir::SockredirSkelBuilder;
 
@@ -61,6 +61,13 @@ pub struct DataplaneConfig {
     /// Executables the operator vouches never splice the sockets they read
     /// (e.g. a proxy whose configuration has no splice option).
     pub trusted_readers: Vec<PathBuf>,
+    /// With the reader guard on a kernel whose splice cannot see redirected
+    /// bytes: watch splice() and FIONREAD at system call entry, so that a
+    /// program nothing in its ELF said could splice fails loudly (reset)
+    /// instead of losing bytes. Costs about 50-70 ns on every system call of
+    /// the node (benches/README.md); off, such a program's first spliced
+    /// connection can lose bytes silently.
+    pub syscall_watch: bool,
 }
 
 impl Default for DataplaneConfig {
@@ -72,6 +79,7 @@ impl Default for DataplaneConfig {
             max_sockets: 65536,
             guard: GuardMode::Auto,
             trusted_readers: Vec::new(),
+            syscall_watch: true,
         }
     }
 }
@@ -247,6 +255,7 @@ pub struct Dataplane {
     kernel: KernelProbe,
     /// What mw_config says (`CFG_*`).
     guard_flags: u32,
+    trusted_readers: Vec<PathBuf>,
     subscribers: Arc<Subscribers>,
     /// Dropped first: stops the guard thread.
     guard: Option<GuardThread>,
@@ -292,7 +301,7 @@ impl Dataplane {
                 KernelProbe::unknown()
             }
         };
-        let guard_flags = guard_flags(cfg.guard, &kernel);
+        let guard_flags = guard_flags(cfg.guard, &kernel, cfg.syscall_watch);
         let config = Config { flags: guard_flags, pad: 0 };
         pinned(names::MAP_CONFIG)?
             .update(&0u32.to_ne_bytes(), config.as_bytes(), MapFlags::ANY)
@@ -321,9 +330,26 @@ impl Dataplane {
             registry: Mutex::new(registry),
             kernel,
             guard_flags,
+            trusted_readers: cfg.trusted_readers.clone(),
             subscribers,
             guard,
         })
+    }
+
+    /// The kernel behaviours the reader guard works around on this node
+    /// (names of [`KernelProbe::facts`]); empty when it is off.
+    pub fn guard_gaps(&self) -> Vec<&'static str> {
+        const HANDLED: [&str; 4] =
+            ["splice_sees_redirected", "fionread_counts_tcp_with_psock", "rcvlowat_honoured", "blocked_read_eagain"];
+        if !self.guard_enabled() {
+            return Vec::new();
+        }
+        self.kernel.facts().into_iter().filter(|f| !f.safe && HANDLED.contains(&f.name)).map(|f| f.name).collect()
+    }
+
+    /// Executables the operator vouched for.
+    pub fn trusted_readers(&self) -> &[PathBuf] {
+        &self.trusted_readers
     }
 
     /// What the kernel probe found.
@@ -334,6 +360,11 @@ impl Dataplane {
     /// Whether the reader guard is on (see [`GuardMode`]).
     pub fn guard_enabled(&self) -> bool {
         self.guard_flags & CFG_GUARD != 0
+    }
+
+    /// Whether the guard watches splice()/FIONREAD at system call entry.
+    pub fn syscall_watch(&self) -> bool {
+        self.guard_flags & CFG_SYSCALL_WATCH != 0
     }
 
     /// Whether this instance runs the guard thread (another process may).
@@ -453,11 +484,14 @@ impl Dataplane {
 }
 
 /// `mw_config` flags for a guard mode on a kernel.
-fn guard_flags(mode: GuardMode, k: &KernelProbe) -> u32 {
+fn guard_flags(mode: GuardMode, k: &KernelProbe, syscall_watch: bool) -> u32 {
     if mode == GuardMode::Off || !k.needs_guard() {
         return 0;
     }
     let mut f = CFG_GUARD;
+    if syscall_watch && (!k.splice_sees_redirected || !k.fionread_counts_tcp_with_psock) {
+        f |= CFG_SYSCALL_WATCH;
+    }
     if !k.splice_sees_redirected {
         f |= CFG_SPLICE_BLIND;
     }
@@ -475,7 +509,7 @@ fn guard_flags(mode: GuardMode, k: &KernelProbe) -> u32 {
 /// of the node, so it is attached only for a kernel gap it watches.
 fn set_guard_links(layout: &Layout, flags: u32) -> Result<(), DataplaneError> {
     let want_recv = flags & CFG_GUARD != 0;
-    let want_sys = want_recv && flags & (CFG_SPLICE_BLIND | CFG_FIONREAD_PSOCK) != 0;
+    let want_sys = want_recv && flags & CFG_SYSCALL_WATCH != 0;
     for (name, want) in [(names::PROG_RECV_LEN, want_recv), (names::PROG_SYS_ENTER, want_sys)] {
         let path = layout.link(name);
         match (want, path.exists()) {

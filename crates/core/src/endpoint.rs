@@ -83,6 +83,33 @@ impl fmt::Display for Endpoint {
     }
 }
 
+/// Ends of a connection that must never be given redirected bytes. A
+/// controller declares it for a reader it knows the fast path cannot serve
+/// (e.g. a proxy configured to splice on a kernel whose splice cannot see
+/// redirected bytes); what that end sends is still accelerated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct NeverRedirectInto {
+    /// The end that connected (capture: the application).
+    pub client: bool,
+    /// The end that accepted (capture: the proxy's accepted socket).
+    pub server: bool,
+}
+
+impl NeverRedirectInto {
+    pub const NONE: Self = Self { client: false, server: false };
+}
+
+impl fmt::Display for NeverRedirectInto {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match (self.client, self.server) {
+            (false, false) => Ok(()),
+            (true, false) => write!(f, " (never redirect into the client)"),
+            (false, true) => write!(f, " (never redirect into the server)"),
+            (true, true) => write!(f, " (never redirect into either end)"),
+        }
+    }
+}
+
 /// Mirror pairing: every TCP connection from `client` (any source port) to
 /// `server` is accelerated at both ends, on one node. The peer of the socket
 /// (L -> R) is the socket (R -> L).
@@ -90,6 +117,7 @@ impl fmt::Display for Endpoint {
 pub struct EndpointPair {
     client: IpAddr,
     server: Endpoint,
+    never_into: NeverRedirectInto,
 }
 
 impl EndpointPair {
@@ -98,7 +126,12 @@ impl EndpointPair {
         check_unicast("client", client)?;
         server.validate("server")?;
         check_same_family("client", client, "server", server.addr)?;
-        Ok(Self { client, server })
+        Ok(Self { client, server, never_into: NeverRedirectInto::NONE })
+    }
+
+    /// The same pair with ends that must never receive redirected bytes.
+    pub fn never_redirect_into(self, never_into: NeverRedirectInto) -> Self {
+        Self { never_into, ..self }
     }
 
     pub fn client(&self) -> IpAddr {
@@ -108,11 +141,20 @@ impl EndpointPair {
     pub fn server(&self) -> Endpoint {
         self.server
     }
+
+    pub fn never_into(&self) -> NeverRedirectInto {
+        self.never_into
+    }
+
+    /// Two pairs with the same key cover the same connections.
+    pub fn key(&self) -> (IpAddr, Endpoint) {
+        (self.client, self.server)
+    }
 }
 
 impl fmt::Display for EndpointPair {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} -> {}", self.client, self.server)
+        write!(f, "{} -> {}{}", self.client, self.server, self.never_into)
     }
 }
 
@@ -126,6 +168,7 @@ pub struct CaptureRule {
     client: Option<IpAddr>,
     original_dst: Endpoint,
     listener: Endpoint,
+    never_into: NeverRedirectInto,
 }
 
 impl CaptureRule {
@@ -138,7 +181,16 @@ impl CaptureRule {
             check_unicast("client", c)?;
             check_same_family("client", c, "original_dst", original_dst.addr)?;
         }
-        Ok(Self { client, original_dst, listener })
+        Ok(Self { client, original_dst, listener, never_into: NeverRedirectInto::NONE })
+    }
+
+    /// The same rule with ends that must never receive redirected bytes.
+    pub fn never_redirect_into(self, never_into: NeverRedirectInto) -> Self {
+        Self { never_into, ..self }
+    }
+
+    pub fn never_into(&self) -> NeverRedirectInto {
+        self.never_into
     }
 
     pub fn client(&self) -> Option<IpAddr> {
@@ -162,9 +214,10 @@ impl CaptureRule {
 impl fmt::Display for CaptureRule {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self.client {
-            Some(c) => write!(f, "{c} -> {} captured at {}", self.original_dst, self.listener),
-            None => write!(f, "* -> {} captured at {}", self.original_dst, self.listener),
+            Some(c) => write!(f, "{c} -> {} captured at {}", self.original_dst, self.listener)?,
+            None => write!(f, "* -> {} captured at {}", self.original_dst, self.listener)?,
         }
+        self.never_into.fmt(f)
     }
 }
 

@@ -378,36 +378,14 @@ fn readable(fd: RawFd, ms: i32) -> Result<bool, ProbeError> {
 }
 
 /// One non-blocking splice of up to `len` bytes from `fd` into a fresh pipe:
-/// bytes moved, 0 at EOF, -1 on EAGAIN. By system call number, so that
-/// meshwarp never imports splice (its own reader guard would flag it).
+/// bytes moved, 0 at EOF, -1 on EAGAIN.
 fn splice_once(fd: RawFd, len: usize) -> Result<i64, ProbeError> {
-    let mut p = [0 as libc::c_int; 2];
-    // SAFETY: two ints for the pipe.
-    if unsafe { libc::pipe2(p.as_mut_ptr(), libc::O_CLOEXEC | libc::O_NONBLOCK) } != 0 {
-        return Err(last_err("pipe2"));
+    let (_r, w) = crate::sys::pipe().map_err(io_err("pipe"))?;
+    match crate::sys::splice(fd, w.as_raw_fd(), len, libc::SPLICE_F_NONBLOCK) {
+        Ok(n) => Ok(n as i64),
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(-1),
+        Err(source) => Err(ProbeError::Io { what: "splice".into(), source }),
     }
-    // SAFETY: valid fds, null offsets.
-    let n = unsafe {
-        libc::syscall(
-            libc::SYS_splice,
-            fd,
-            std::ptr::null_mut::<libc::loff_t>(),
-            p[1],
-            std::ptr::null_mut::<libc::loff_t>(),
-            len,
-            libc::SPLICE_F_NONBLOCK,
-        )
-    };
-    let err = io::Error::last_os_error();
-    // SAFETY: closing our own pipe.
-    unsafe {
-        libc::close(p[0]);
-        libc::close(p[1]);
-    }
-    if n < 0 && err.kind() != io::ErrorKind::WouldBlock {
-        return Err(ProbeError::Io { what: "splice".into(), source: err });
-    }
-    Ok(n)
 }
 
 /// A thread blocks reading `s`; the socket's own write side is shut down.

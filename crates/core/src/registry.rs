@@ -8,9 +8,12 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::net::IpAddr;
 
-use meshwarp_bpf::shared::{ip_from_raw, raw_addr, CaptureKey, OwnerName, PairKey, Rule, OWNER_LEN};
+use meshwarp_bpf::shared::{
+    ip_from_raw, raw_addr, CaptureKey, OwnerName, PairKey, Rule, OWNER_LEN, RULE_NO_TARGET_CLIENT,
+    RULE_NO_TARGET_SERVER,
+};
 
-use crate::endpoint::{CaptureRule, Endpoint, EndpointPair, ValidationError};
+use crate::endpoint::{CaptureRule, Endpoint, EndpointPair, NeverRedirectInto, ValidationError};
 use crate::maps::{MapError, RuleMaps};
 use crate::stats::{GlobalCounters, RuleCounters};
 
@@ -61,9 +64,27 @@ pub fn capture_key(rule: &CaptureRule) -> CaptureKey {
     CaptureKey { client_ip, dst_ip, dst_port: u32::from(rule.original_dst().port), family }
 }
 
+fn rule_flags(n: NeverRedirectInto) -> u32 {
+    (if n.client { RULE_NO_TARGET_CLIENT } else { 0 }) | (if n.server { RULE_NO_TARGET_SERVER } else { 0 })
+}
+
+fn never_into(flags: u32) -> NeverRedirectInto {
+    NeverRedirectInto { client: flags & RULE_NO_TARGET_CLIENT != 0, server: flags & RULE_NO_TARGET_SERVER != 0 }
+}
+
+fn pair_value(pair: &EndpointPair, id: u32) -> Rule {
+    Rule { id, flags: rule_flags(pair.never_into()), ..Rule::default() }
+}
+
 fn capture_value(rule: &CaptureRule, id: u32) -> Rule {
     let (listener_ip, _) = raw_addr(rule.listener().addr);
-    Rule { id, listener_port: u32::from(rule.listener().port), listener_ip, ..Rule::default() }
+    Rule {
+        id,
+        listener_port: u32::from(rule.listener().port),
+        listener_ip,
+        flags: rule_flags(rule.never_into()),
+        ..Rule::default()
+    }
 }
 
 fn port(raw: u32, what: &str) -> Result<u16, RegistryError> {
@@ -74,10 +95,10 @@ fn ip(raw: [u32; 4], family: u32, what: &str) -> Result<IpAddr, RegistryError> {
     ip_from_raw(raw, family).ok_or_else(|| RegistryError::Inconsistent(format!("{what} family {family}")))
 }
 
-/// Reads a mirror pair back from its map key.
-pub fn pair_from_key(k: &PairKey) -> Result<EndpointPair, RegistryError> {
+/// Reads a mirror pair back from its map entry.
+pub fn pair_from_entry(k: &PairKey, v: &Rule) -> Result<EndpointPair, RegistryError> {
     let server = Endpoint::new(ip(k.server_ip, k.family, "pair server")?, port(k.server_port, "pair server")?);
-    Ok(EndpointPair::new(ip(k.client_ip, k.family, "pair client")?, server)?)
+    Ok(EndpointPair::new(ip(k.client_ip, k.family, "pair client")?, server)?.never_redirect_into(never_into(v.flags)))
 }
 
 /// Reads a capture rule back from its map entry.
@@ -85,7 +106,14 @@ pub fn capture_from_entry(k: &CaptureKey, v: &Rule) -> Result<CaptureRule, Regis
     let client = if k.client_ip == [0; 4] { None } else { Some(ip(k.client_ip, k.family, "capture client")?) };
     let dst = Endpoint::new(ip(k.dst_ip, k.family, "capture dst")?, port(k.dst_port, "capture dst")?);
     let listener = Endpoint::new(ip(v.listener_ip, k.family, "capture listener")?, port(v.listener_port, "listener")?);
-    Ok(CaptureRule::new(client, dst, listener)?)
+    Ok(CaptureRule::new(client, dst, listener)?.never_redirect_into(never_into(v.flags)))
+}
+
+/// A rule of either kind.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RuleRef {
+    Pair(EndpointPair),
+    Capture(CaptureRule),
 }
 
 /// What an upsert did.
@@ -109,13 +137,13 @@ pub trait RuleKind: Copy + Eq + fmt::Display {
 }
 
 impl RuleKind for EndpointPair {
-    type Key = EndpointPair;
+    type Key = (IpAddr, Endpoint);
     const WHAT: &'static str = "pair";
     fn rule_key(&self) -> Self::Key {
-        *self
+        self.key()
     }
     fn write<M: RuleMaps>(&self, maps: &mut M, id: u32) -> Result<(), MapError> {
-        maps.put_pair(&pair_key(self), &Rule { id, ..Rule::default() })
+        maps.put_pair(&pair_key(self), &pair_value(self, id))
     }
     fn erase<M: RuleMaps>(&self, maps: &mut M) -> Result<(), MapError> {
         maps.delete_pair(&pair_key(self))
@@ -410,7 +438,7 @@ impl<M: RuleMaps> Registry<M> {
         };
         let mut pairs = Table::default();
         for (k, v) in maps.pairs()? {
-            let rule = pair_from_key(&k)?;
+            let rule = pair_from_entry(&k, &v)?;
             let e = claim(v.id, &rule)?;
             pairs.entries.insert(rule.rule_key(), Entry { rule, id: e.id, owner: e.owner });
         }
@@ -459,6 +487,14 @@ impl<M: RuleMaps> Registry<M> {
 
     pub fn pairs(&self) -> Vec<Registered<EndpointPair>> {
         self.pairs.list()
+    }
+
+    /// The rule that owns counter slot `id` (what the data path reports), and its owner.
+    pub fn rule_by_id(&self, id: u32) -> Option<(RuleRef, String)> {
+        let pair = self.pairs.entries.values().find(|e| e.id == id).map(|e| (RuleRef::Pair(e.rule), e.owner.clone()));
+        pair.or_else(|| {
+            self.captures.entries.values().find(|e| e.id == id).map(|e| (RuleRef::Capture(e.rule), e.owner.clone()))
+        })
     }
 
     pub fn pair_stats(&self, pair: &EndpointPair) -> Result<RuleCounters, RegistryError> {
@@ -710,6 +746,20 @@ mod tests {
         assert_eq!(reg.pairs().len(), 1);
     }
 
+    #[test]
+    fn never_redirect_into_is_in_the_value_not_the_key() {
+        let mut reg = Registry::reconcile(MemoryMaps::with_capacity(4)).unwrap();
+        let p = pair("198.18.0.2", "198.18.0.3", 80);
+        reg.insert_pair(&p, "ctl").unwrap();
+        let q = p.never_redirect_into(NeverRedirectInto { client: false, server: true });
+        assert_eq!(reg.upsert_pair(&q, "ctl").unwrap(), Outcome::Updated);
+        assert_eq!(reg.pairs().len(), 1);
+        assert!(reg.get_pair(&p).unwrap().rule.never_into().server);
+        assert_eq!(reg.maps().pairs.values().next().unwrap().flags, RULE_NO_TARGET_SERVER);
+        let again = Registry::reconcile(std::mem::take(&mut reg.maps)).unwrap();
+        assert_eq!(again.pairs()[0].rule, q, "read back from the maps");
+    }
+
     fn any_ip() -> impl Strategy<Value = IpAddr> {
         prop_oneof![
             any::<u32>().prop_map(|v| IpAddr::V4(Ipv4Addr::from(v))),
@@ -720,9 +770,10 @@ mod tests {
     proptest! {
         /// Rules survive the round trip through their map form.
         #[test]
-        fn pair_keys_round_trip(a in any_ip(), b in any_ip(), p in 1u16..) {
+        fn pair_keys_round_trip(a in any_ip(), b in any_ip(), p in 1u16.., c: bool, s: bool) {
             if let Ok(pair) = EndpointPair::new(a, Endpoint::new(b, p)) {
-                prop_assert_eq!(pair_from_key(&pair_key(&pair)).unwrap(), pair);
+                let pair = pair.never_redirect_into(NeverRedirectInto { client: c, server: s });
+                prop_assert_eq!(pair_from_entry(&pair_key(&pair), &pair_value(&pair, 3)).unwrap(), pair);
                 prop_assert_eq!(pair_key(&pair).server_port, u32::from(p));
             }
         }

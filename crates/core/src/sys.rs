@@ -3,7 +3,7 @@
 
 use std::fs;
 use std::io;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, RawFd};
 use std::path::{Path, PathBuf};
 
 use nix::mount::{mount, MsFlags};
@@ -167,6 +167,33 @@ pub fn loopback_up() -> io::Result<()> {
         return Err(err);
     }
     Ok(())
+}
+
+/// splice(2) of up to `len` bytes from `fd_in` to `fd_out`, made by system
+/// call number: meshwarp must never import `splice`, or its own reader guard
+/// would class every program linking it as one that splices.
+pub fn splice(fd_in: RawFd, fd_out: RawFd, len: usize, flags: libc::c_uint) -> io::Result<usize> {
+    // SAFETY: the caller's fds; null offsets (sockets and pipes have none).
+    let n = unsafe {
+        libc::syscall(
+            libc::SYS_splice,
+            fd_in,
+            std::ptr::null_mut::<libc::loff_t>(),
+            fd_out,
+            std::ptr::null_mut::<libc::loff_t>(),
+            len,
+            flags,
+        )
+    };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(n as usize)
+}
+
+/// A pipe (read end, write end), close-on-exec.
+pub fn pipe() -> io::Result<(std::os::fd::OwnedFd, std::os::fd::OwnedFd)> {
+    Ok(nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?)
 }
 
 const SO_NETNS_COOKIE: libc::c_int = 71;

@@ -782,6 +782,36 @@ pub fn round_trip<S: Read + Write + AsFd>(s: &mut S, msg: &[u8], buf: &mut [u8])
     read_exact_ready(s, buf, None)
 }
 
+/// Echoes a connection back, reading it with splice(2) into a pipe (by
+/// system call number: nothing in this program's ELF says it splices), until
+/// EOF; then half-closes. An error ends it (a reset connection, a timeout).
+pub fn splice_echo(mut s: TcpStream, timeout: Duration) -> Result<()> {
+    let (r, w) = crate::sys::pipe().map_err(io_err("pipe"))?;
+    let mut pipe_r = std::fs::File::from(r);
+    let mut buf = vec![0u8; 65536];
+    let deadline = Instant::now() + timeout;
+    loop {
+        wait_ready(s.as_raw_fd(), libc::POLLIN, Some(deadline)).map_err(io_err("waiting to splice"))?;
+        let n = match crate::sys::splice(s.as_raw_fd(), w.as_raw_fd(), buf.len(), libc::SPLICE_F_NONBLOCK) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                // Readable, yet nothing to splice: bytes only recv() sees.
+                if Instant::now() > deadline {
+                    return Err(io_err("splice")(io::ErrorKind::TimedOut.into()));
+                }
+                thread::sleep(Duration::from_millis(1));
+                continue;
+            }
+            Err(e) => return Err(io_err("splice")(e)),
+        };
+        pipe_r.read_exact(&mut buf[..n]).map_err(io_err("reading the pipe"))?;
+        write_all_ready(&mut s, &buf[..n], Some(timeout)).map_err(io_err("echoing"))?;
+    }
+    s.shutdown(Shutdown::Write).map_err(io_err("half-close"))?;
+    Ok(())
+}
+
 /// A proxy like a sidecar's capture listener: accepts connections, records
 /// each one's original destination (SO_ORIGINAL_DST), connects to `upstream`
 /// and copies both ways, passing half-closes through.

@@ -409,3 +409,49 @@ fn without_the_guard_a_blocked_read_returns_eagain() -> Result<()> {
     );
     Ok(())
 }
+
+/// A controller may declare that one end must never be a redirect target
+/// (e.g. a proxy it configured to splice): what that end sends is still
+/// accelerated, what it receives comes on TCP.
+#[test]
+fn a_rule_can_keep_redirected_bytes_out_of_one_end() -> Result<()> {
+    let k = kernel_test!();
+    let net = NodeWithPods::new(2)?;
+    let addr = SocketAddr::new(net.pods[1].addr(false), 8088);
+    let l = net.pods[1].ns.listen(addr)?;
+    let pair = EndpointPair::new(net.pods[0].addr(false), addr.into())?
+        .never_redirect_into(meshwarp_core::NeverRedirectInto { client: false, server: true });
+    k.dp().insert_pair(&pair, "test")?;
+    let (c, s) = (net.pods[0].ns.connect(addr)?, accept_timeout(&l, T)?);
+    let link = k.dp().socket_link(socket_cookie_of(&c)?)?.context("accelerated")?;
+    let l = k.dp().link(link.link)?.context("link")?;
+    ensure!(l.end_flags[1] & meshwarp_bpf::shared::EF_R_RULE != 0, "{l:?}");
+    exchange(c, s, 23, 1 << 20, T)?;
+    let st = k.dp().pair_stats(&pair)?;
+    ensure!(st.redirected_bytes == 1 << 20, "only server -> client redirected: {st:?}");
+    Ok(())
+}
+
+/// Without the syscall watch nothing runs at system call entry; FIONREAD
+/// readers cannot be seen then, so no socket gets a psock whose incoming
+/// bytes would all come on TCP (one-sided acceleration is not used).
+#[test]
+fn without_the_syscall_watch_no_one_sided_psock() -> Result<()> {
+    let k = kernel_test!(|c| c.syscall_watch = false);
+    ensure!(!k.dp().syscall_watch());
+    ensure!(!k.dp().pin_dir().join("links/mw_sys_enter").exists(), "sys_enter not attached");
+    if k.dp().kernel().fionread_counts_tcp_with_psock {
+        return Ok(());
+    }
+    let net = NodeWithPods::new(2)?;
+    let addr = SocketAddr::new(net.pods[1].addr(false), 8089);
+    let l = net.pods[1].ns.listen(addr)?;
+    let pair = EndpointPair::new(net.pods[0].addr(false), addr.into())?
+        .never_redirect_into(meshwarp_core::NeverRedirectInto { client: false, server: true });
+    k.dp().insert_pair(&pair, "test")?;
+    let (c, s) = (net.pods[0].ns.connect(addr)?, accept_timeout(&l, T)?);
+    exchange(c, s, 25, 256 << 10, T)?;
+    let st = k.dp().pair_stats(&pair)?;
+    ensure!(st.sockets == 0 && st.redirected_bytes == 0, "{st:?}");
+    Ok(())
+}

@@ -3,8 +3,11 @@
 
 use std::net::IpAddr;
 
-use meshwarp_core::registry::Registered;
-use meshwarp_core::{CaptureRule, Endpoint, EndpointPair, GlobalCounters, RuleCounters, ValidationError};
+use meshwarp_core::registry::{Registered, RuleRef};
+use meshwarp_core::{
+    CaptureRule, Endpoint, EndpointPair, GlobalCounters, Incident, IncidentKind, NeverRedirectInto, RuleCounters,
+    ValidationError,
+};
 
 use crate::pb;
 
@@ -112,6 +115,30 @@ fn pair_parts(
     }
 }
 
+/// `never_redirect_into` from its proto form.
+fn never_into(v: &mut Violations, field: String, ends: &[i32]) -> NeverRedirectInto {
+    let mut n = NeverRedirectInto::NONE;
+    for (i, e) in ends.iter().enumerate() {
+        match pb::RuleEnd::try_from(*e) {
+            Ok(pb::RuleEnd::Client) => n.client = true,
+            Ok(pb::RuleEnd::Server) => n.server = true,
+            _ => v.add(format!("{field}[{i}]"), format!("{e} is not RULE_END_CLIENT or RULE_END_SERVER")),
+        }
+    }
+    n
+}
+
+fn never_into_to_pb(n: NeverRedirectInto) -> Vec<i32> {
+    let mut v = Vec::new();
+    if n.client {
+        v.push(pb::RuleEnd::Client as i32);
+    }
+    if n.server {
+        v.push(pb::RuleEnd::Server as i32);
+    }
+    v
+}
+
 /// A pair from its proto form; `prefix` is its path in the request.
 pub fn pair_from_pb(prefix: &str, p: Option<&pb::EndpointPair>) -> Result<EndpointPair, Violations> {
     let mut v = Violations::default();
@@ -120,8 +147,9 @@ pub fn pair_from_pb(prefix: &str, p: Option<&pb::EndpointPair>) -> Result<Endpoi
         return Err(v);
     };
     let pair = pair_parts(&mut v, prefix, &p.client_ip, p.server.as_ref());
+    let never = never_into(&mut v, join(prefix, "never_redirect_into"), &p.never_redirect_into);
     match pair {
-        Some(pair) if v.is_empty() => Ok(pair),
+        Some(pair) if v.is_empty() => Ok(pair.never_redirect_into(never)),
         _ => Err(v),
     }
 }
@@ -164,8 +192,10 @@ pub fn capture_from_pb(prefix: &str, r: Option<&pb::CaptureRule>) -> Result<Capt
         v.add(prefix, "required");
         return Err(v);
     };
-    match capture_parts(&mut v, prefix, &r.client_ip, r.original_dst.as_ref(), r.listener.as_ref()) {
-        Some(rule) if v.is_empty() => Ok(rule),
+    let rule = capture_parts(&mut v, prefix, &r.client_ip, r.original_dst.as_ref(), r.listener.as_ref());
+    let never = never_into(&mut v, join(prefix, "never_redirect_into"), &r.never_redirect_into);
+    match rule {
+        Some(rule) if v.is_empty() => Ok(rule.never_redirect_into(never)),
         _ => Err(v),
     }
 }
@@ -206,6 +236,7 @@ pub fn pair_to_pb(r: &Registered<EndpointPair>) -> pb::EndpointPair {
         client_ip: r.rule.client().to_string(),
         server: Some(endpoint_to_pb(r.rule.server())),
         owner: r.owner.clone(),
+        never_redirect_into: never_into_to_pb(r.rule.never_into()),
     }
 }
 
@@ -219,6 +250,7 @@ pub fn capture_to_pb(r: &Registered<CaptureRule>) -> pb::CaptureRule {
         original_dst: Some(endpoint_to_pb(r.rule.original_dst())),
         listener: Some(endpoint_to_pb(r.rule.listener())),
         owner: r.owner.clone(),
+        never_redirect_into: never_into_to_pb(r.rule.never_into()),
     }
 }
 
@@ -238,11 +270,48 @@ pub fn counters_to_pb(c: &RuleCounters) -> pb::RuleCounters {
         fallback_tcp_path: c.fallback_tcp_path,
         fallback_map_full: c.fallback_map_full,
         fallback_insert_error: c.fallback_insert_error,
+        fallback_collision: c.fallback_collision,
+        fallback_reader: c.fallback_reader,
+        fallback_splice: c.fallback_splice,
+        fallback_rcvlowat: c.fallback_rcvlowat,
+        fallback_ulp: c.fallback_ulp,
+        ulp_refused: c.ulp_refused,
+        splice_hits: c.splice_hits,
     }
 }
 
 pub fn global_to_pb(g: &GlobalCounters) -> pb::GlobalCounters {
-    pb::GlobalCounters { established: g.established, not_covered: g.not_covered, no_state: g.no_state }
+    pb::GlobalCounters {
+        established: g.established,
+        not_covered: g.not_covered,
+        no_state: g.no_state,
+        no_link: g.no_link,
+    }
+}
+
+/// An incident, with the rule that covers its connection (and its owner)
+/// when that is still registered.
+pub fn incident_to_pb(i: &Incident, rule: Option<(RuleRef, String)>) -> pb::Incident {
+    let kind = match i.kind {
+        IncidentKind::SpliceHit => pb::IncidentKind::SpliceHit,
+        IncidentKind::SpliceSeen => pb::IncidentKind::SpliceSeen,
+    };
+    pb::Incident {
+        kind: kind as i32,
+        pid: i.pid,
+        tgid: i.tgid,
+        comm: i.comm.clone(),
+        exe: i.exe.as_ref().map(|p| p.display().to_string()).unwrap_or_default(),
+        client: i.client.map(|a| endpoint_to_pb(a.into())),
+        server: i.server.map(|a| endpoint_to_pb(a.into())),
+        pending_bytes: i.pending_bytes,
+        reset: i.reset,
+        detail: i.detail.clone(),
+        rule: rule.map(|(r, owner)| match r {
+            RuleRef::Pair(p) => pb::incident::Rule::Pair(pair_to_pb(&Registered { rule: p, owner })),
+            RuleRef::Capture(c) => pb::incident::Rule::CaptureRule(capture_to_pb(&Registered { rule: c, owner })),
+        }),
+    }
 }
 
 #[cfg(test)]
@@ -259,11 +328,20 @@ mod tests {
 
     #[test]
     fn pair_round_trip() {
-        let p = pb::EndpointPair { client_ip: "198.18.0.2".into(), server: ep("198.18.0.3", 80), owner: "o".into() };
+        let p = pb::EndpointPair {
+            client_ip: "198.18.0.2".into(),
+            server: ep("198.18.0.3", 80),
+            owner: "o".into(),
+            never_redirect_into: vec![pb::RuleEnd::Server as i32],
+        };
         let pair = pair_from_pb("pair", Some(&p)).unwrap();
+        assert!(pair.never_into().server && !pair.never_into().client);
         let back = pair_to_pb(&Registered { rule: pair, owner: "o".into() });
         assert_eq!(back, p);
-        assert_eq!(pair_from_key("key", Some(&pair_key_to_pb(&pair))).unwrap(), pair);
+        assert_eq!(pair_from_key("key", Some(&pair_key_to_pb(&pair))).unwrap().key(), pair.key());
+        let bad = pb::EndpointPair { never_redirect_into: vec![0, 7], ..p };
+        let v = pair_from_pb("pair", Some(&bad)).unwrap_err();
+        assert_eq!(fields(&v), vec!["pair.never_redirect_into[0]", "pair.never_redirect_into[1]"]);
     }
 
     #[test]
@@ -316,6 +394,7 @@ mod tests {
             original_dst: ep("198.19.0.10", 80),
             listener: ep("127.0.0.1", 15001),
             owner: "o".into(),
+            never_redirect_into: vec![],
         };
         let rule = capture_from_pb("rule", Some(&r)).unwrap();
         assert_eq!(rule.client(), None);

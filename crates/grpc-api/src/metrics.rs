@@ -41,6 +41,17 @@ pub struct ReasonLabel {
     pub reason: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct FeatureLabel {
+    pub feature: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct IncidentLabels {
+    pub kind: String,
+    pub reset: String,
+}
+
 /// Every metric the node service exports.
 #[derive(Debug)]
 pub struct Metrics {
@@ -54,6 +65,10 @@ pub struct Metrics {
     fallbacks: Family<ReasonLabel, Gauge>,
     plugin_runs: Family<PluginLabels, Gauge>,
     plugin_verdicts: Family<VerdictLabels, Gauge>,
+    kernel: Family<FeatureLabel, Gauge>,
+    reader_guard: Gauge,
+    splice_hits: Gauge,
+    incidents: Family<IncidentLabels, Counter>,
 }
 
 impl Default for Metrics {
@@ -95,6 +110,29 @@ impl Metrics {
             "Verdicts of each loaded plugin (continue, decline/bypass/pass, drop, invalid, missing)",
             plugin_verdicts.clone(),
         );
+        let kernel = Family::<FeatureLabel, Gauge>::default();
+        let (reader_guard, splice_hits) = (Gauge::default(), Gauge::default());
+        let incidents = Family::<IncidentLabels, Counter>::default();
+        registry.register(
+            "kernel_feature",
+            "What the kernel does with redirected bytes, as probed at start (1: yes)",
+            kernel.clone(),
+        );
+        registry.register(
+            "reader_guard_enabled",
+            "Whether the reader guard decides which sockets may receive redirected bytes",
+            reader_guard.clone(),
+        );
+        registry.register(
+            "splice_hits",
+            "Readers that spliced a socket holding redirected bytes (connections reset)",
+            splice_hits.clone(),
+        );
+        registry.register(
+            "guard_incidents",
+            "Reader guard incidents by kind and whether the connection was reset",
+            incidents.clone(),
+        );
         Self {
             registry: Mutex::new(registry),
             rpcs,
@@ -106,7 +144,20 @@ impl Metrics {
             fallbacks,
             plugin_runs,
             plugin_verdicts,
+            kernel,
+            reader_guard,
+            splice_hits,
+            incidents,
         }
+    }
+
+    /// Counts one reader guard incident.
+    pub fn incident(&self, i: &meshwarp_core::Incident) {
+        let kind = match i.kind {
+            meshwarp_core::IncidentKind::SpliceHit => "splice_hit",
+            meshwarp_core::IncidentKind::SpliceSeen => "splice_seen",
+        };
+        self.incidents.get_or_create(&IncidentLabels { kind: kind.into(), reset: i.reset.to_string() }).inc();
     }
 
     /// Records one RPC.
@@ -120,15 +171,29 @@ impl Metrics {
         self.render_plugins(plugins);
         let reg = dp.registry();
         let as_i64 = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
-        let (mut msgs, mut bytes) = (0u64, 0u64);
-        let mut fb = [0u64; 4];
+        let (mut msgs, mut bytes, mut hits) = (0u64, 0u64, 0u64);
+        let mut fb = [0u64; 10];
         let mut add = |c: meshwarp_core::RuleCounters| {
             msgs += c.redirected_msgs;
             bytes += c.redirected_bytes;
-            fb[0] += c.fallback_no_peer;
-            fb[1] += c.fallback_tcp_path;
-            fb[2] += c.fallback_map_full;
-            fb[3] += c.fallback_insert_error;
+            hits += c.splice_hits;
+            for (i, v) in [
+                c.fallback_no_peer,
+                c.fallback_tcp_path,
+                c.fallback_map_full,
+                c.fallback_insert_error,
+                c.fallback_collision,
+                c.fallback_reader,
+                c.fallback_splice,
+                c.fallback_rcvlowat,
+                c.fallback_ulp,
+                c.ulp_refused,
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                fb[i] += v;
+            }
         };
         let pairs = reg.pairs();
         for p in &pairs {
@@ -148,11 +213,22 @@ impl Metrics {
         self.captures.set(captures.len() as i64);
         self.redirected_msgs.set(as_i64(msgs));
         self.redirected_bytes.set(as_i64(bytes));
+        self.splice_hits.set(as_i64(hits));
+        self.reader_guard.set(i64::from(dp.guard_enabled()));
+        for f in dp.kernel().facts() {
+            self.kernel.get_or_create(&FeatureLabel { feature: f.name.into() }).set(i64::from(f.value));
+        }
         for (reason, v) in [
             ("no_peer", fb[0]),
             ("tcp_path", fb[1]),
             ("map_full", fb[2]),
             ("insert_error", fb[3]),
+            ("collision", fb[4]),
+            ("reader", fb[5]),
+            ("splice", fb[6]),
+            ("rcvlowat", fb[7]),
+            ("ulp", fb[8]),
+            ("ulp_refused", fb[9]),
             ("not_covered", not_covered),
         ] {
             self.fallbacks.get_or_create(&ReasonLabel { reason: reason.into() }).set(as_i64(v));

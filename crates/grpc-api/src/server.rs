@@ -97,6 +97,25 @@ impl EventLog {
     }
 }
 
+/// Turns the reader guard's incidents into Watch events (with the rule that
+/// covers the connection) and metrics, for as long as the data path lives.
+fn forward_incidents(dp: &Arc<Dataplane>, log: &Arc<EventLog>, metrics: &Arc<Metrics>) {
+    let rx = dp.incidents();
+    let (dp, log, metrics) = (Arc::downgrade(dp), Arc::clone(log), Arc::clone(metrics));
+    let spawned = std::thread::Builder::new().name("meshwarp-incidents".into()).spawn(move || {
+        for i in rx {
+            let Some(dp) = dp.upgrade() else { return };
+            let rule = i.rule_id.and_then(|id| dp.registry().rule_by_id(id));
+            metrics.incident(&i);
+            let mut inner = log.lock();
+            log.push(&mut inner, EventType::Incident, Resource::Incident(convert::incident_to_pb(&i, rule)));
+        }
+    });
+    if let Err(e) = spawned {
+        tracing::error!("incidents will not reach Watch: {e}");
+    }
+}
+
 /// The gRPC service.
 #[derive(Debug, Clone)]
 pub struct NodeServer {
@@ -154,6 +173,7 @@ impl NodeServer {
             tracing::warn!("plugins unavailable: {e}");
             e.to_string()
         });
+        forward_incidents(&dp, &log, &metrics);
         Self { dp, tc, log, cfg, draining: Arc::new(AtomicBool::new(false)), metrics, plugins }
     }
 
@@ -759,6 +779,17 @@ impl NodeServer {
             available: sockops != 0,
             detail: "loaded and attached".into(),
         });
+        // What the kernel does with redirected bytes (probed at start).
+        for f in dp.kernel().facts() {
+            features.push(pb::KernelFeature { name: f.name.into(), available: f.value, detail: f.detail.into() });
+        }
+        let reader_guard = pb::ReaderGuard {
+            enabled: dp.guard_enabled(),
+            gaps: dp.guard_gaps().into_iter().map(String::from).collect(),
+            trusted_readers: dp.trusted_readers().iter().map(|p| p.display().to_string()).collect(),
+            running_here: dp.guard_running_here(),
+            syscall_watch: dp.syscall_watch(),
+        };
         Ok(pb::GetNodeInfoResponse {
             instance_id: self.log.instance_id.clone(),
             version: self.cfg.version.clone(),
@@ -773,6 +804,7 @@ impl NodeServer {
             rules_capacity: capacity,
             max_batch_size: u32::try_from(self.cfg.max_batch_size).unwrap_or(u32::MAX),
             revision: self.log.revision(),
+            reader_guard: Some(reader_guard),
         })
     }
 }

@@ -202,6 +202,7 @@ struct mw_config {
 #define MW_CFG_SPLICE_BLIND 2u      /* kernel: splice() does not see redirected bytes */
 #define MW_CFG_FIONREAD_PSOCK 4u    /* kernel: FIONREAD counts only redirected bytes */
 #define MW_CFG_BLOCKING_EAGAIN 8u   /* kernel: a blocked read of a psock can return EAGAIN */
+#define MW_CFG_SYSCALL_WATCH 16u    /* sys_enter watches splice() and FIONREAD */
 
 /* Events for user space (mw_events ring buffer). */
 #define MW_EV_CLASSIFY 1     /* an executable meshwarp has not read yet */

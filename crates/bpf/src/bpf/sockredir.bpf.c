@@ -511,8 +511,10 @@ static __always_inline void decide_end(struct bpf_sock_ops *skops, struct tcp_so
 			d->reason = MW_EF_R_SPLICE;
 		}
 	}
-	/* A sender whose own incoming bytes come on TCP: FIONREAD would miss them. */
-	if (!target && (cfg & MW_CFG_FIONREAD_PSOCK) && (eflags & MW_EXE_SEEN_FIONREAD)) {
+	/* A sender whose own incoming bytes come on TCP: FIONREAD would miss
+	 * them. Without the syscall watch, FIONREAD readers are not known. */
+	if (!target && (cfg & MW_CFG_FIONREAD_PSOCK) &&
+	    ((eflags & MW_EXE_SEEN_FIONREAD) || !(cfg & MW_CFG_SYSCALL_WATCH))) {
 		d->reader = true;
 		return;
 	}
