@@ -25,6 +25,7 @@ pub const LINK_CAPTURE: u32 = 2;
 pub const LINK_CLAIMED: u32 = 1;
 pub const LINK_POISONED: u32 = 2;
 pub const LINK_HIT: u32 = 4;
+pub const LINK_OBSERVE: u32 = 8;
 /// `MW_EF_*` (`mw_link.end_flags`).
 pub const EF_PSOCK: u32 = 1;
 pub const EF_TARGET: u32 = 2;

@@ -229,6 +229,16 @@ pub fn run(args: &DemoArgs) -> Result<()> {
     let plain = run_phase("kernel path (no meshwarp)", &net, &mut node, args, &stop)?;
     eprintln!("      registering 2 capture rules and 1 pair through the gRPC API...");
     register(&mut node, pod_a, pod_b)?;
+    // A node's programs are known after their first connection: the reader
+    // guard accelerates a program once it has seen how it reads its sockets.
+    eprintln!("      one warm-up connection: the reader guard sees how the app and sidecars read...");
+    echo_integrity(
+        net.pods[0].ns.connect(SocketAddr::new(IpAddr::V4(SERVICE_V4), SERVICE_PORT))?,
+        3,
+        4096,
+        Duration::from_secs(10),
+    )
+    .context("warm-up connection")?;
     eprintln!("[4/5] {} requests of {} B with meshwarp", args.requests, args.size);
     let fast = run_phase("meshwarp (sk_msg redirect)", &net, &mut node, args, &stop)?;
 

@@ -455,3 +455,30 @@ fn without_the_syscall_watch_no_one_sided_psock() -> Result<()> {
     ensure!(st.sockets == 0 && st.redirected_bytes == 0, "{st:?}");
     Ok(())
 }
+
+/// A listener that predates the data path carries no owner stamp: its first
+/// connection teaches the guard which program reads it (even though that
+/// connection is not accelerated), and the next one is accelerated.
+#[test]
+fn a_listener_older_than_the_data_path_is_learned() -> Result<()> {
+    let mut k = kernel_test!(|c| c.trusted_readers.clear());
+    if !k.dp().kernel().blocked_read_eagain {
+        return Ok(());
+    }
+    let net = NodeWithPods::new(2)?;
+    let addr = SocketAddr::new(net.pods[1].addr(false), 8091);
+    let l = net.pods[1].ns.listen(addr)?;
+    // A new data path (as after `meshwarp uninstall` and a fresh start): the
+    // listener, in the same cgroup, was never stamped by it.
+    k.dp.take().unwrap().teardown()?;
+    k.dp = Some(meshwarp_core::Dataplane::open(&k.cfg)?);
+    let pair = EndpointPair::new(net.pods[0].addr(false), addr.into())?;
+    k.dp().insert_pair(&pair, "test")?;
+    for (i, accelerated) in [(0u64, false), (1, true)] {
+        let (c, s) = (net.pods[0].ns.connect(addr)?, accept_timeout(&l, T)?);
+        let got = k.dp().socket_link(socket_cookie_of(&s)?)?.is_some();
+        exchange(c, s, 27 + 2 * i, 64 << 10, T)?;
+        ensure!(got == accelerated, "connection {i}: accelerated {got}: {:?}", k.dp().pair_stats(&pair)?);
+    }
+    Ok(())
+}

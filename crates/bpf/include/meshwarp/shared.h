@@ -85,6 +85,7 @@ struct mw_rule {
 #define MW_LINK_CLAIMED 1u  /* the server end found the link */
 #define MW_LINK_POISONED 2u /* another connection built the same id: neither redirects */
 #define MW_LINK_HIT 4u      /* a reader spliced with redirected bytes pending: being reset */
+#define MW_LINK_OBSERVE 8u  /* the client end is not accelerated: the server end only learns its reader */
 
 /* mw_link.end_flags[end] */
 #define MW_EF_PSOCK 1u   /* in the SOCKHASH: its sends run sk_msg */

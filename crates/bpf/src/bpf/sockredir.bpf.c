@@ -598,8 +598,6 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, co
 		return;
 	decide_end(skops, tp, true, rule->flags, config_flags(), st, &d);
 	count_reason(rs, &d);
-	if (d.level == LV_NONE)
-		return;
 
 	id = ((__u64)skops->snd_una << 32) | skops->rcv_nxt;
 	cookie = bpf_get_socket_cookie(skops);
@@ -621,6 +619,17 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, co
 	link.end_flags[MW_END_SERVER] = (rule->flags & MW_RULE_NO_TARGET_SERVER) ? MW_EF_R_RULE : 0;
 	link.cookie[MW_END_CLIENT] = cookie;
 	link.exe[MW_END_CLIENT] = d.exe;
+	if (d.level == LV_NONE) {
+		/* Not accelerated; the server end still learns who reads it
+		 * (its listener may predate meshwarp), then drops the link. */
+		link.flags = MW_LINK_OBSERVE;
+		link.end_flags[MW_END_CLIENT] = 0;
+		if (!bpf_map_update_elem(&mw_links, &id, &link, BPF_NOEXIST)) {
+			st->link = id;
+			watch_close(skops);
+		}
+		return;
+	}
 	err = bpf_map_update_elem(&mw_links, &id, &link, BPF_NOEXIST);
 	if (err == -EEXIST) {
 		/* Another connection built this id: neither may redirect. */
@@ -736,6 +745,11 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, c
 	st->learn = 0;
 	rule_flags = (link->end_flags[MW_END_SERVER] & MW_EF_R_RULE) ? MW_RULE_NO_TARGET_SERVER : 0;
 	decide_end(skops, tp, false, rule_flags, config_flags(), st, &d);
+	if (old & MW_LINK_OBSERVE) {
+		/* Its reader is observed (st); nothing is accelerated. */
+		bpf_map_delete_elem(&mw_links, &id);
+		return;
+	}
 	count_reason(rs, &d);
 
 	/* Both ends accelerated, or neither: a socket with a psock whose
@@ -1227,7 +1241,7 @@ int mw_setsockopt(struct bpf_sockopt *ctx)
 	id = st->link;
 	end = st->end & 1;
 	link = bpf_map_lookup_elem(&mw_links, &id);
-	if (!link)
+	if (!link || (link->flags & MW_LINK_OBSERVE))
 		goto pass;
 	rs = rule_stats(link->rule_id);
 	if (ctx->level == SOL_SOCKET && ctx->optname == SO_RCVLOWAT) {
