@@ -14,6 +14,11 @@ pub fn tcp_pair(ns: &NetNs, addr: SocketAddr, msg_len: usize) -> TcpStream {
     let s = accept_timeout(&l, Duration::from_secs(5)).expect("accept");
     c.set_nodelay(true).expect("nodelay");
     s.set_nodelay(true).expect("nodelay");
+    // Blocking round trips, as before the reader guard: this bench vouches
+    // for its own reads (its KernelTest trusts it), and poll() would add a
+    // system call per message to every path alike.
+    c.set_nonblocking(false).expect("blocking");
+    s.set_nonblocking(false).expect("blocking");
     spawn_echo(s, msg_len);
     c
 }

@@ -44,6 +44,9 @@ fn echo_conn(ns: &NetNs, listen: SocketAddr, connect: SocketAddr, msg: usize, no
     let s = accept_timeout(&l, Duration::from_secs(5)).expect("accept");
     c.set_nodelay(nodelay).expect("nodelay");
     s.set_nodelay(nodelay).expect("nodelay");
+    // Blocking round trips (see common.rs).
+    c.set_nonblocking(false).expect("blocking");
+    s.set_nonblocking(false).expect("blocking");
     spawn_echo(s, msg);
     c
 }
