@@ -135,43 +135,64 @@ fn haproxy_config(
     Ok(path.display().to_string())
 }
 
-/// The report: pods A and B on a bridge; in B haproxy listens on
-/// B:7102 and proxies to an echo on 127.0.0.1:7003; the pairs A -> B:7102 and
-/// 127.0.0.1 -> 127.0.0.1:7003 are registered. A streams full duplex through it.
+/// The shape of the report: pods A and B on a bridge; in B a proxy
+/// (the program under test) listens on B:7102 and forwards to an echo on
+/// 127.0.0.1:7003; registered: A -> B:7102 and 127.0.0.1 -> 127.0.0.1:7003.
+struct Inbound {
+    k: KernelTest,
+    net: NodeWithPods,
+    front: SocketAddr,
+    app: SocketAddr,
+    inner: EndpointPair,
+    outer: EndpointPair,
+    dir: ScratchDir,
+    _echo: StreamEcho,
+}
+
+impl Inbound {
+    fn new(k: KernelTest) -> Result<Self> {
+        let net = NodeWithPods::new(2)?;
+        let lo: IpAddr = "127.0.0.1".parse()?;
+        let (app, front) = (SocketAddr::new(lo, 7003), SocketAddr::new(net.pods[1].v4.into(), 7102));
+        let _echo = StreamEcho::start(net.pods[1].ns.listen(app)?)?;
+        let inner = EndpointPair::new(lo, app.into())?;
+        let outer = EndpointPair::new(net.pods[0].v4.into(), front.into())?;
+        k.dp().insert_pair(&inner, OWNER)?;
+        k.dp().insert_pair(&outer, OWNER)?;
+        Ok(Self { k, net, front, app, inner, outer, dir: ScratchDir::new("meshwarp-compat-")?, _echo })
+    }
+
+    /// The proxy's namespace (pod B).
+    fn pod(&self) -> &NetNs {
+        &self.net.pods[1].ns
+    }
+
+    /// Runs the connections through the proxy; the counters of (outer, inner).
+    fn run(&self, what: &str, seed: u64) -> Result<(RuleCounters, RuleCounters)> {
+        let client = &self.net.pods[0].ns;
+        wait_listening(client, self.front, T)?;
+        run_connections(|i| {
+            echo_integrity(client.connect(self.front)?, seed + i as u64, size_of_conn(i), T).map_err(Into::into)
+        })?;
+        let (o, i) = (self.k.dp().pair_stats(&self.outer)?, self.k.dp().pair_stats(&self.inner)?);
+        report(what, &[("outer", o), ("inner", i)]);
+        Ok((o, i))
+    }
+}
+
 fn haproxy_inbound(splice: Splice) -> Result<()> {
     if !tools(&["haproxy"]) {
         return Ok(());
     }
     let Some(k) = node() else { return Ok(()) };
-    let net = NodeWithPods::new(2)?;
-    let (a, b) = (&net.pods[0], &net.pods[1]);
-    let lo: IpAddr = "127.0.0.1".parse()?;
-    let app = SocketAddr::new(lo, 7003);
-    let front = SocketAddr::new(b.v4.into(), 7102);
-    let _echo = StreamEcho::start(b.ns.listen(app)?)?;
-    let dir = ScratchDir::new("meshwarp-compat-")?;
-    let cfg = haproxy_config(&dir, "inbound.cfg", front, app, splice)?;
-    let inner = EndpointPair::new(lo, Endpoint::new(lo, 7003))?;
-    let outer = EndpointPair::new(a.v4.into(), Endpoint::new(front.ip(), front.port()))?;
-    k.dp().insert_pair(&inner, OWNER)?;
-    k.dp().insert_pair(&outer, OWNER)?;
-    let _haproxy = Program::spawn(&b.ns, &["haproxy", "-db", "-f", &cfg])?;
-    wait_listening(&a.ns, front, T)?;
-
-    run_connections(|i| {
-        let c = a.ns.connect(front)?;
-        echo_integrity(c, 1000 + i as u64, size_of_conn(i), T)?;
-        Ok(())
-    })?;
-    report(
-        &format!("haproxy inbound {splice:?}"),
-        &[("outer", k.dp().pair_stats(&outer)?), ("inner", k.dp().pair_stats(&inner)?)],
-    );
-    let inner_st = k.dp().pair_stats(&inner)?;
-    ensure!(inner_st.splice_hits == 0, "haproxy spliced a socket holding redirected bytes: {inner_st:?}");
+    let t = Inbound::new(k)?;
+    let cfg = haproxy_config(&t.dir, "inbound.cfg", t.front, t.app, splice)?;
+    let _haproxy = Program::spawn(t.pod(), &["haproxy", "-db", "-f", &cfg])?;
+    let (_, inner) = t.run(&format!("haproxy inbound {splice:?}"), 1000)?;
+    ensure!(inner.splice_hits == 0, "haproxy spliced a socket holding redirected bytes: {inner:?}");
     // haproxy can splice: its sockets are never redirect targets, but what it
     // sends to the echo is.
-    ensure!(inner_st.redirected_bytes > 0, "haproxy -> app was accelerated: {inner_st:?}");
+    ensure!(inner.redirected_bytes > 0, "haproxy -> app was accelerated: {inner:?}");
     Ok(())
 }
 
@@ -184,19 +205,13 @@ fn without_the_guard_haproxy_splice_request_breaks_streams() -> Result<()> {
         return Ok(());
     }
     let Some(k) = KernelTest::start_with(4096, 64, |c| c.guard = GuardMode::Off) else { return Ok(()) };
-    let net = NodeWithPods::new(2)?;
-    let (a, b) = (&net.pods[0], &net.pods[1]);
-    let lo: IpAddr = "127.0.0.1".parse()?;
-    let (app, front) = (SocketAddr::new(lo, 7003), SocketAddr::new(b.v4.into(), 7102));
-    let _echo = StreamEcho::start(b.ns.listen(app)?)?;
-    let dir = ScratchDir::new("meshwarp-compat-")?;
-    let cfg = haproxy_config(&dir, "inbound.cfg", front, app, Splice::Request)?;
-    k.dp().insert_pair(&EndpointPair::new(lo, Endpoint::new(lo, 7003))?, OWNER)?;
-    k.dp().insert_pair(&EndpointPair::new(a.v4.into(), front.into())?, OWNER)?;
-    let _haproxy = Program::spawn(&b.ns, &["haproxy", "-db", "-f", &cfg])?;
-    wait_listening(&a.ns, front, T)?;
-    let r = echo_integrity(a.ns.connect(front)?, 1, 8 << 20, Duration::from_secs(10));
-    if k.dp().kernel().splice_sees_redirected {
+    let t = Inbound::new(k)?;
+    let cfg = haproxy_config(&t.dir, "inbound.cfg", t.front, t.app, Splice::Request)?;
+    let _haproxy = Program::spawn(t.pod(), &["haproxy", "-db", "-f", &cfg])?;
+    let a = &t.net.pods[0].ns;
+    wait_listening(a, t.front, T)?;
+    let r = echo_integrity(a.connect(t.front)?, 1, 8 << 20, Duration::from_secs(10));
+    if t.k.dp().kernel().splice_sees_redirected {
         r?;
     } else {
         ensure!(r.is_err(), "expected the splice gap to break the stream");
@@ -291,20 +306,10 @@ fn socat_proxy() -> Result<()> {
         return Ok(());
     }
     let Some(k) = node() else { return Ok(()) };
-    let net = NodeWithPods::new(2)?;
-    let (a, b) = (&net.pods[0], &net.pods[1]);
-    let lo: IpAddr = "127.0.0.1".parse()?;
-    let front = SocketAddr::new(b.v4.into(), 7102);
-    let _echo = StreamEcho::start(b.ns.listen(SocketAddr::new(lo, 7003))?)?;
-    let (inner, outer) =
-        (EndpointPair::new(lo, Endpoint::new(lo, 7003))?, EndpointPair::new(a.v4.into(), front.into())?);
-    k.dp().insert_pair(&inner, OWNER)?;
-    k.dp().insert_pair(&outer, OWNER)?;
-    let listen = format!("TCP4-LISTEN:7102,bind={},reuseaddr,fork,backlog=128", b.v4);
-    let _socat = Program::spawn(&b.ns, &["socat", &listen, "TCP4:127.0.0.1:7003"])?;
-    wait_listening(&a.ns, front, T)?;
-    run_connections(|i| echo_integrity(a.ns.connect(front)?, 5000 + i as u64, size_of_conn(i), T).map_err(Into::into))?;
-    report("socat", &[("outer", k.dp().pair_stats(&outer)?), ("inner", k.dp().pair_stats(&inner)?)]);
+    let t = Inbound::new(k)?;
+    let listen = format!("TCP4-LISTEN:7102,bind={},reuseaddr,fork,backlog=128", t.front.ip());
+    let _socat = Program::spawn(t.pod(), &["socat", &listen, "TCP4:127.0.0.1:7003"])?;
+    t.run("socat", 5000)?;
     Ok(())
 }
 

@@ -198,45 +198,28 @@ pub fn pipe() -> io::Result<(std::os::fd::OwnedFd, std::os::fd::OwnedFd)> {
 
 const SO_NETNS_COOKIE: libc::c_int = 71;
 
-/// The socket cookie of `sock` (what `bpf_get_socket_cookie` returns for it).
-pub fn socket_cookie_of(sock: &impl AsRawFd) -> io::Result<u64> {
-    let mut cookie: u64 = 0;
+/// A u64 SOL_SOCKET option.
+fn getsockopt_u64(sock: &impl AsRawFd, opt: libc::c_int) -> io::Result<u64> {
+    let mut v: u64 = 0;
     let mut len = size_of::<u64>() as libc::socklen_t;
     // SAFETY: valid fd, out pointer and length of a u64.
-    let rc = unsafe {
-        libc::getsockopt(
-            sock.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_COOKIE,
-            (&mut cookie as *mut u64).cast(),
-            &mut len,
-        )
-    };
+    let rc =
+        unsafe { libc::getsockopt(sock.as_raw_fd(), libc::SOL_SOCKET, opt, (&mut v as *mut u64).cast(), &mut len) };
     if rc != 0 {
         return Err(io::Error::last_os_error());
     }
-    Ok(cookie)
+    Ok(v)
+}
+
+/// The socket cookie of `sock` (what `bpf_get_socket_cookie` returns for it).
+pub fn socket_cookie_of(sock: &impl AsRawFd) -> io::Result<u64> {
+    getsockopt_u64(sock, libc::SO_COOKIE)
 }
 
 /// The netns cookie of the namespace `sock` lives in (what
 /// `bpf_get_netns_cookie` returns for it).
 pub fn netns_cookie_of(sock: &impl AsRawFd) -> Result<u64, SysError> {
-    let mut cookie: u64 = 0;
-    let mut len = size_of::<u64>() as libc::socklen_t;
-    // SAFETY: valid fd, out pointer and length of a u64.
-    let rc = unsafe {
-        libc::getsockopt(
-            sock.as_raw_fd(),
-            libc::SOL_SOCKET,
-            SO_NETNS_COOKIE,
-            (&mut cookie as *mut u64).cast(),
-            &mut len,
-        )
-    };
-    if rc != 0 {
-        return Err(SysError::NetnsCookie(io::Error::last_os_error()));
-    }
-    Ok(cookie)
+    getsockopt_u64(sock, SO_NETNS_COOKIE).map_err(SysError::NetnsCookie)
 }
 
 #[cfg(test)]
