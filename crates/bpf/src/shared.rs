@@ -195,6 +195,7 @@ pub struct SockState {
     pub rule_id: u32,
     pub flags: u32,
     pub end: u32,
+    /// `MW_LEARN | port` on an unstamped server end whose reader names its service.
     pub learn: u32,
 }
 

@@ -18,8 +18,8 @@ use anyhow::{ensure, Context, Result};
 use meshwarp_bpf::shared::LINK_POISONED;
 use meshwarp_core::sys::socket_cookie_of;
 use meshwarp_core::testbed::{
-    accept_timeout, exchange, read_exact_ready, redirect_output, wait_ready, write_all_ready, CaptureProxy, KernelTest,
-    NetNs, NodeWithPods, SERVICE_V4,
+    accept_timeout, exchange, read_exact_ready, recv_pattern, redirect_output, send_pattern, wait_ready,
+    write_all_ready, CaptureProxy, KernelTest, NetNs, NodeWithPods, SERVICE_V4,
 };
 use meshwarp_core::{CaptureRule, Endpoint, EndpointPair, GuardMode};
 
@@ -458,7 +458,9 @@ fn without_the_syscall_watch_no_one_sided_psock() -> Result<()> {
 
 /// A listener that predates the data path carries no owner stamp: its first
 /// connection teaches the guard which program reads it (even though that
-/// connection is not accelerated), and the next one is accelerated.
+/// connection is not accelerated), and the next one is accelerated. The
+/// first server reads last, after its socket closed and left the port table
+/// (the service is still learned under its port).
 #[test]
 fn a_listener_older_than_the_data_path_is_learned() -> Result<()> {
     let mut k = kernel_test!(|c| c.trusted_readers.clear());
@@ -474,11 +476,50 @@ fn a_listener_older_than_the_data_path_is_learned() -> Result<()> {
     k.dp = Some(meshwarp_core::Dataplane::open(&k.cfg)?);
     let pair = EndpointPair::new(net.pods[0].addr(false), addr.into())?;
     k.dp().insert_pair(&pair, "test")?;
-    for (i, accelerated) in [(0u64, false), (1, true)] {
-        let (c, s) = (net.pods[0].ns.connect(addr)?, accept_timeout(&l, T)?);
-        let got = k.dp().socket_link(socket_cookie_of(&s)?)?.is_some();
-        exchange(c, s, 27 + 2 * i, 64 << 10, T)?;
-        ensure!(got == accelerated, "connection {i}: accelerated {got}: {:?}", k.dp().pair_stats(&pair)?);
+
+    let (c, s) = (net.pods[0].ns.connect(addr)?, accept_timeout(&l, T)?);
+    ensure!(k.dp().socket_link(socket_cookie_of(&s)?)?.is_none(), "first connection not accelerated");
+    for x in [&c, &s] {
+        x.set_read_timeout(Some(T))?;
+        x.set_write_timeout(Some(T))?;
     }
+    let sent_c = send_pattern(&c, 27, 16 << 10)?;
+    let sent_s = send_pattern(&s, 28, 16 << 10)?;
+    ensure!(recv_pattern(&c, 28, 16 << 10)? == sent_s);
+    drop(c);
+    let deadline = std::time::Instant::now() + T;
+    while tcp_state(&s)? != TCP_CLOSE {
+        ensure!(std::time::Instant::now() < deadline, "server end never closed");
+        thread::sleep(Duration::from_millis(1));
+    }
+    ensure!(recv_pattern(&s, 27, 16 << 10)? == sent_c);
+    drop(s);
+
+    let (c, s) = (net.pods[0].ns.connect(addr)?, accept_timeout(&l, T)?);
+    let got = k.dp().socket_link(socket_cookie_of(&s)?)?.is_some();
+    exchange(c, s, 29, 64 << 10, T)?;
+    ensure!(got, "second connection accelerated: {:?}", k.dp().pair_stats(&pair)?);
     Ok(())
+}
+
+/// include/net/tcp_states.h
+const TCP_CLOSE: u8 = 7;
+
+fn tcp_state(s: &impl AsRawFd) -> std::io::Result<u8> {
+    // SAFETY: tcp_info is plain data; the kernel writes at most `len` bytes.
+    let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+    let rc = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            (&mut info as *mut libc::tcp_info).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(info.tcpi_state)
 }

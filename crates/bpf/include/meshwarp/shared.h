@@ -136,8 +136,12 @@ struct mw_sock_state {
 	__u32 rule_id;
 	__u32 flags; /* sk_msg and plugins, under the socket lock */
 	__u32 end;
-	__u32 learn; /* 1: an unstamped server end; its reader names the service's exe */
+	__u32 learn; /* an unstamped server end: MW_LEARN | its listening port */
 };
+
+/* mw_sock_state.learn: the port is kept from the handshake because a socket
+ * read after it closed (a server that reads last) has left the port table. */
+#define MW_LEARN 0x10000u
 
 /* mw_sock_state.flags */
 #define MW_SOCK_NEEDS_SYNC 1u /* redirect only if the TCP path carried no payload */

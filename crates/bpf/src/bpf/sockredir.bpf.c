@@ -470,7 +470,7 @@ static __always_inline void decide_end(struct bpf_sock_ops *skops, struct tcp_so
 		svc.family = skops->family;
 		learned = bpf_map_lookup_elem(&mw_services, &svc);
 		if (!learned) {
-			st->learn = 1;
+			st->learn = MW_LEARN | svc.port;
 			d->reader = true;
 			return;
 		}
@@ -1079,7 +1079,7 @@ int BPF_PROG(mw_recv_len, struct sock *sk, int ret, int flags)
 		request_classify(&exe, bpf_get_current_pid_tgid() >> 32);
 	if (st->learn) {
 		svc.netns = sk->__sk_common.skc_net.net->net_cookie;
-		svc.port = sk->__sk_common.skc_num;
+		svc.port = st->learn & 0xffff;
 		svc.family = sk->__sk_common.skc_family;
 		bpf_map_update_elem(&mw_services, &svc, &exe, BPF_ANY);
 		st->learn = 0;
