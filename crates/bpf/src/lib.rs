@@ -71,6 +71,7 @@ pub mod names {
     pub const MAP_CONFIG: &str = "mw_config";
     pub const MAP_DOOMED: &str = "mw_doomed";
     pub const MAP_EVENTS: &str = "mw_events";
+    pub const MAP_SCRATCH: &str = "mw_scratch";
     /// The reader guard's programs (sockredir family).
     pub const PROG_RECV_LEN: &str = "mw_recv_len";
     pub const PROG_SYS_ENTER: &str = "mw_sys_enter";
@@ -120,7 +121,7 @@ pub mod names {
         MAP_GRACE,
     ];
     /// Every map of the sockredir family, in pin order.
-    pub const SOCKREDIR_MAPS: [&str; 24] = [
+    pub const SOCKREDIR_MAPS: [&str; 25] = [
         MAP_SOCKHASH,
         MAP_PAIRS,
         MAP_CAPTURE,
@@ -134,6 +135,7 @@ pub mod names {
         MAP_CONFIG,
         MAP_DOOMED,
         MAP_EVENTS,
+        MAP_SCRATCH,
         MAP_STATS,
         MAP_GLOBAL,
         MAP_OWNERS,

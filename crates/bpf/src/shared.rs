@@ -18,6 +18,9 @@ pub const END_SERVER: u32 = 1;
 /// `MW_RULE_NO_TARGET_*` (`mw_rule.flags`).
 pub const RULE_NO_TARGET_CLIENT: u32 = 1;
 pub const RULE_NO_TARGET_SERVER: u32 = 2;
+/// `MW_RULE_MODE_*` (`mw_rule.flags`); neither bit: adaptive.
+pub const RULE_MODE_ALWAYS: u32 = 4;
+pub const RULE_MODE_NEVER: u32 = 8;
 /// `MW_LINK_*` (`mw_link.kind`).
 pub const LINK_MIRROR: u32 = 1;
 pub const LINK_CAPTURE: u32 = 2;
@@ -26,6 +29,9 @@ pub const LINK_CLAIMED: u32 = 1;
 pub const LINK_POISONED: u32 = 2;
 pub const LINK_HIT: u32 = 4;
 pub const LINK_OBSERVE: u32 = 8;
+pub const LINK_FIXED: u32 = 16;
+/// `MW_DIR_*` (`mw_dir.flags`).
+pub const DIR_TCP: u32 = 1;
 /// `MW_EF_*` (`mw_link.end_flags`).
 pub const EF_PSOCK: u32 = 1;
 pub const EF_TARGET: u32 = 2;
@@ -176,6 +182,17 @@ pub struct Link {
     pub end_flags: [u32; 2],
     pub cookie: [u64; 2],
     pub exe: [ExeKey; 2],
+    pub dir: [Dir; 2],
+}
+
+/// `struct mw_dir`: one direction of a link (the adaptive policy), by sending end.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Dir {
+    pub flags: u32,
+    pub run: u32,
+    pub run_bytes: u32,
+    pub tcp_read: u32,
 }
 
 /// `struct mw_cookie_val`.
@@ -197,6 +214,12 @@ pub struct SockState {
     pub end: u32,
     /// `MW_LEARN | port` on an unstamped server end whose reader names its service.
     pub learn: u32,
+    pub rd_pub: u32,
+    pub rd_tgid: u32,
+    pub rd_seen: u32,
+    pub skipped: u32,
+    pub read: u32,
+    pub pad: u32,
 }
 
 /// `struct mw_sock_owner`.
@@ -284,6 +307,10 @@ pub struct RuleStats {
     pub fb_ulp: u64,
     pub ulp_refused: u64,
     pub splice_hits: u64,
+    pub demotions: u64,
+    pub promotions: u64,
+    pub policy_tcp_msgs: u64,
+    pub fb_mode_never: u64,
 }
 
 /// `MW_OWNER_LEN`: bytes of an owner name, NUL padding included.
@@ -595,10 +622,15 @@ mod tests {
         same_layout!(
             Link,
             types::mw_link,
-            [family, kind, client_ip, server_ip, client_port, server_port, rule_id, flags, end_flags, cookie, exe]
+            [family, kind, client_ip, server_ip, client_port, server_port, rule_id, flags, end_flags, cookie, exe, dir]
         );
         same_layout!(CookieVal, types::mw_cookie_val, [link, end, rule_id]);
-        same_layout!(SockState, types::mw_sock_state, [link, rule_id, flags, end, learn]);
+        same_layout!(Dir, types::mw_dir, [flags, run, run_bytes, tcp_read]);
+        same_layout!(
+            SockState,
+            types::mw_sock_state,
+            [link, rule_id, flags, end, learn, rd_pub, rd_tgid, rd_seen, skipped, read, pad]
+        );
         same_layout!(SockOwner, types::mw_sock_owner, [exe, tgid, flags]);
         same_layout!(Exe, types::mw_exe, [flags, tgid, comm]);
         same_layout!(ExeClass, types::mw_exe_class, [flags, pad]);
@@ -621,7 +653,11 @@ mod tests {
                 fb_lowat,
                 fb_ulp,
                 ulp_refused,
-                splice_hits
+                splice_hits,
+                demotions,
+                promotions,
+                policy_tcp_msgs,
+                fb_mode_never
             ]
         );
         same_layout!(GlobalStats, types::mw_global_stats, [established, not_covered, no_state, no_link]);
@@ -645,12 +681,12 @@ mod tests {
         assert_eq!(size_of::<PairKey>(), 16 + 16 + 4 + 4);
         assert_eq!(size_of::<CaptureKey>(), 16 + 16 + 4 + 4);
         assert_eq!(size_of::<Rule>(), 4 + 4 + 16 + 8);
-        assert_eq!(size_of::<Link>(), 8 + 32 + 16 + 8 + 16 + 32);
-        assert_eq!(size_of::<SockState>(), 8 + 16);
+        assert_eq!(size_of::<Link>(), 8 + 32 + 16 + 8 + 16 + 32 + 32);
+        assert_eq!(size_of::<SockState>(), 8 + 16 + 24);
         assert_eq!(size_of::<SockOwner>(), 16 + 8);
         assert_eq!(size_of::<Exe>(), 8 + 16);
         assert_eq!(size_of::<Event>(), 16 + 16 + 16 + 32 + 24 + 32);
-        assert_eq!(size_of::<RuleStats>(), 14 * 8);
+        assert_eq!(size_of::<RuleStats>(), 18 * 8);
         assert_eq!(size_of::<GlobalStats>(), 4 * 8);
         assert_eq!(size_of::<RouteKey4>(), 16);
         assert_eq!(size_of::<RouteKey6>(), 28);

@@ -115,7 +115,7 @@ pub enum PairCmd {
         client: IpAddr,
         server: SocketAddr,
         #[command(flatten)]
-        never: NeverInto,
+        opts: RuleOptions,
     },
     /// Update a pair; with --allow-missing create it if absent.
     Update {
@@ -124,7 +124,7 @@ pub enum PairCmd {
         #[arg(long)]
         allow_missing: bool,
         #[command(flatten)]
-        never: NeverInto,
+        opts: RuleOptions,
     },
     /// Delete a pair.
     Rm {
@@ -152,12 +152,28 @@ pub enum RuleEndArg {
     Server,
 }
 
+/// How a rule's connections use the fast path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum ModeArg {
+    /// Per connection and direction: streams of small writes that TCP
+    /// coalesces (Nagle/cork) move to TCP, and come back when safe.
+    #[default]
+    Adaptive,
+    /// Redirect every message the reader guard allows.
+    Always,
+    /// Covered, but every connection stays on TCP.
+    Never,
+}
+
 #[derive(Debug, Clone, clap::Args)]
-pub struct NeverInto {
+pub struct RuleOptions {
     /// Never give this end redirected bytes (e.g. a proxy configured to
     /// splice); what it sends is still accelerated. Repeatable.
     #[arg(long = "never-redirect-into", value_enum)]
     pub ends: Vec<RuleEndArg>,
+    /// How the rule's connections use the fast path.
+    #[arg(long, value_enum, default_value_t)]
+    pub mode: ModeArg,
 }
 
 #[derive(Debug, Subcommand)]
@@ -174,7 +190,7 @@ pub enum CaptureCmd {
         #[arg(long)]
         client: Option<IpAddr>,
         #[command(flatten)]
-        never: NeverInto,
+        opts: RuleOptions,
     },
     /// Delete the capture rule of (client, dst).
     Rm {

@@ -11,7 +11,9 @@ use tokio_stream::StreamExt;
 use tonic::transport::Channel;
 use tonic_types::StatusExt;
 
-use crate::{CaptureCmd, ConfigArg, HookArg, NeverInto, PairCmd, PhaseArg, PluginCmd, RouteAt, RouteCmd, RuleEndArg};
+use crate::{
+    CaptureCmd, ConfigArg, HookArg, ModeArg, PairCmd, PhaseArg, PluginCmd, RouteAt, RouteCmd, RuleEndArg, RuleOptions,
+};
 
 fn iface(name: &str) -> Option<pb::Interface> {
     let r = match name.parse::<u32>() {
@@ -103,7 +105,24 @@ fn show_ep(e: &Option<pb::Endpoint>) -> String {
     }
 }
 
-fn never_into(n: &NeverInto) -> Vec<i32> {
+fn mode_to_pb(m: ModeArg) -> i32 {
+    (match m {
+        ModeArg::Adaptive => pb::FastPathMode::Adaptive,
+        ModeArg::Always => pb::FastPathMode::Always,
+        ModeArg::Never => pb::FastPathMode::Never,
+    }) as i32
+}
+
+fn show_mode(m: i32) -> &'static str {
+    match pb::FastPathMode::try_from(m) {
+        Ok(pb::FastPathMode::Always) => "always",
+        Ok(pb::FastPathMode::Never) => "never",
+        Ok(_) => "adaptive",
+        Err(_) => "?",
+    }
+}
+
+fn never_into(n: &RuleOptions) -> Vec<i32> {
     n.ends
         .iter()
         .map(|e| match e {
@@ -160,23 +179,24 @@ impl Remote {
 
     pub async fn pair(&mut self, cmd: &PairCmd) -> Result<()> {
         let owner = self.owner.clone();
-        let pair = |client: &IpAddr, server: &SocketAddr, never: &NeverInto| {
+        let pair = |client: &IpAddr, server: &SocketAddr, opts: &RuleOptions| {
             Some(pb::EndpointPair {
                 client_ip: client.to_string(),
                 server: ep(*server),
                 owner: String::new(),
-                never_redirect_into: never_into(never),
+                never_redirect_into: never_into(opts),
+                mode: mode_to_pb(opts.mode),
             })
         };
         match cmd {
-            PairCmd::Add { client, server, never } => {
-                let req = pb::CreatePairRequest { pair: pair(client, server, never), owner };
+            PairCmd::Add { client, server, opts } => {
+                let req = pb::CreatePairRequest { pair: pair(client, server, opts), owner };
                 let r = self.c.create_pair(req).await?.into_inner();
                 self.emit(&r, || println!("created pair {client} -> {server} (revision {})", r.revision))
             }
-            PairCmd::Update { client, server, allow_missing, never } => {
+            PairCmd::Update { client, server, allow_missing, opts } => {
                 let req =
-                    pb::UpdatePairRequest { pair: pair(client, server, never), owner, allow_missing: *allow_missing };
+                    pb::UpdatePairRequest { pair: pair(client, server, opts), owner, allow_missing: *allow_missing };
                 let r = self.c.update_pair(req).await?.into_inner();
                 let verb = if r.created { "created" } else { "updated" };
                 self.emit(&r, || println!("{verb} pair {client} -> {server} (revision {})", r.revision))
@@ -193,24 +213,32 @@ impl Remote {
                 self.emit(&r, || {
                     let p = r.pair.clone().unwrap_or_default();
                     println!(
-                        "{:<20} {:<24} {:<16} {:>8} {:>12} {:>14} {:>10}",
-                        "CLIENT", "SERVER", "OWNER", "SOCKETS", "MSGS", "BYTES", "FALLBACKS"
+                        "{:<20} {:<24} {:<16} {:<9} {:>8} {:>12} {:>14} {:>10}",
+                        "CLIENT", "SERVER", "OWNER", "MODE", "SOCKETS", "MSGS", "BYTES", "FALLBACKS"
                     );
                     println!(
-                        "{:<20} {:<24} {:<16} {}",
+                        "{:<20} {:<24} {:<16} {:<9} {}",
                         p.client_ip,
                         show_ep(&p.server),
                         p.owner,
+                        show_mode(p.mode),
                         counters_cols(r.counters)
+                    );
+                    let c = r.counters.unwrap_or_default();
+                    println!(
+                        "policy: demoted (coalesce) {}  promoted {}  messages on TCP {}  connections kept on TCP \
+                         (mode never) {}",
+                        c.demotions_coalesce, c.promotions, c.policy_tcp_msgs, c.fallback_mode_never
                     );
                 })
             }
             PairCmd::Ls { owned_by } => {
                 let r = self.c.list_pairs(pb::ListPairsRequest { owner: owned_by.clone() }).await?.into_inner();
                 self.emit(&r, || {
-                    println!("{:<20} {:<24} {:<16}", "CLIENT", "SERVER", "OWNER");
+                    println!("{:<20} {:<24} {:<16} {:<9}", "CLIENT", "SERVER", "OWNER", "MODE");
                     for p in &r.pairs {
-                        println!("{:<20} {:<24} {:<16}", p.client_ip, show_ep(&p.server), p.owner);
+                        let mode = show_mode(p.mode);
+                        println!("{:<20} {:<24} {:<16} {mode:<9}", p.client_ip, show_ep(&p.server), p.owner);
                     }
                     println!("({} pairs, revision {})", r.pairs.len(), r.revision);
                 })
@@ -221,13 +249,14 @@ impl Remote {
     pub async fn capture(&mut self, cmd: &CaptureCmd) -> Result<()> {
         let owner = self.owner.clone();
         match cmd {
-            CaptureCmd::Add { dst, listener, client, never } => {
+            CaptureCmd::Add { dst, listener, client, opts } => {
                 let rule = pb::CaptureRule {
                     client_ip: client.map(|c| c.to_string()).unwrap_or_default(),
                     original_dst: ep(*dst),
                     listener: ep(*listener),
                     owner: String::new(),
-                    never_redirect_into: never_into(never),
+                    never_redirect_into: never_into(opts),
+                    mode: mode_to_pb(opts.mode),
                 };
                 let r = self
                     .c
@@ -253,14 +282,18 @@ impl Remote {
                     .await?
                     .into_inner();
                 self.emit(&r, || {
-                    println!("{:<20} {:<24} {:<24} {:<16}", "CLIENT", "ORIGINAL DST", "LISTENER", "OWNER");
+                    println!(
+                        "{:<20} {:<24} {:<24} {:<16} {:<9}",
+                        "CLIENT", "ORIGINAL DST", "LISTENER", "OWNER", "MODE"
+                    );
                     for c in &r.rules {
                         let client = if c.client_ip.is_empty() { "*" } else { &c.client_ip };
                         println!(
-                            "{client:<20} {:<24} {:<24} {:<16}",
+                            "{client:<20} {:<24} {:<24} {:<16} {:<9}",
                             show_ep(&c.original_dst),
                             show_ep(&c.listener),
-                            c.owner
+                            c.owner,
+                            show_mode(c.mode)
                         );
                     }
                     println!("({} rules, revision {})", r.rules.len(), r.revision);
@@ -396,6 +429,10 @@ impl Remote {
                 a.fallback_ulp += c.fallback_ulp;
                 a.ulp_refused += c.ulp_refused;
                 a.splice_hits += c.splice_hits;
+                a.demotions_coalesce += c.demotions_coalesce;
+                a.promotions += c.promotions;
+                a.policy_tcp_msgs += c.policy_tcp_msgs;
+                a.fallback_mode_never += c.fallback_mode_never;
                 a
             });
             println!(
@@ -412,6 +449,11 @@ impl Remote {
                 t.fallback_ulp,
                 t.ulp_refused,
                 t.splice_hits
+            );
+            println!(
+                "adaptive policy: demoted (coalesce) {}  promoted {}  messages on TCP {}  connections kept on TCP \
+                 (mode never) {}",
+                t.demotions_coalesce, t.promotions, t.policy_tcp_msgs, t.fallback_mode_never
             );
         })
     }

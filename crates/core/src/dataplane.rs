@@ -8,7 +8,7 @@
 //! <pin_root>/v<SCHEMA>/maps/<map name>
 //! <pin_root>/v<SCHEMA>/progs/mw_sockops, mw_sk_msg, mw_recv_len, mw_sys_enter, mw_setsockopt, mw_destroy
 //! <pin_root>/v<SCHEMA>/links/mw_sockops, mw_setsockopt   (the cgroup attachments)
-//! <pin_root>/v<SCHEMA>/links/mw_recv_len, mw_sys_enter   (the reader guard's tracepoints, when it is on)
+//! <pin_root>/v<SCHEMA>/links/mw_recv_len, mw_sys_enter   (reads of covered sockets; system calls, when the guard watches them)
 //! ```
 //!
 //! On every open the kernel is probed ([`KernelProbe`]) and the reader guard
@@ -504,12 +504,15 @@ fn guard_flags(mode: GuardMode, k: &KernelProbe, syscall_watch: bool) -> u32 {
     f
 }
 
-/// Attaches the guard's tracepoints (pinned links) when `flags` turn it on,
-/// and unpins (detaches) them when not. sys_enter runs on every system call
-/// of the node, so it is attached only for a kernel gap it watches.
+/// Attaches the tracepoints (pinned links) `flags` need and unpins
+/// (detaches) the others. sock_recv_length is always on: covered readers
+/// publish how far they read, which the adaptive policy needs to promote a
+/// direction again (and the guard observes readers there). sys_enter runs on
+/// every system call of the node, so it is attached only for a kernel gap it
+/// watches.
 fn set_guard_links(layout: &Layout, flags: u32) -> Result<(), DataplaneError> {
-    let want_recv = flags & CFG_GUARD != 0;
-    let want_sys = want_recv && flags & CFG_SYSCALL_WATCH != 0;
+    let want_recv = true;
+    let want_sys = flags & CFG_GUARD != 0 && flags & CFG_SYSCALL_WATCH != 0;
     for (name, want) in [(names::PROG_RECV_LEN, want_recv), (names::PROG_SYS_ENTER, want_sys)] {
         let path = layout.link(name);
         match (want, path.exists()) {
@@ -631,6 +634,7 @@ fn load_and_pin(cfg: &DataplaneConfig, layout: &Layout) -> Result<(), DataplaneE
         (names::MAP_CONFIG, &maps.mw_config),
         (names::MAP_DOOMED, &maps.mw_doomed),
         (names::MAP_EVENTS, &maps.mw_events),
+        (names::MAP_SCRATCH, &maps.mw_scratch),
         (names::MAP_STATS, &maps.mw_stats),
         (names::MAP_GLOBAL, &maps.mw_global),
         (names::MAP_OWNERS, &maps.mw_owners),

@@ -19,6 +19,8 @@ pub enum ValidationError {
     MixedFamilies { a_field: &'static str, a: IpAddr, b_field: &'static str, b: IpAddr },
     #[error("{field}: IPv4-mapped IPv6 address {addr}; give the plain IPv4 address")]
     V4Mapped { field: &'static str, addr: IpAddr },
+    #[error("mode: {0:?} is not a fast-path mode; use adaptive, always or never")]
+    Mode(String),
 }
 
 fn check_unicast(field: &'static str, addr: IpAddr) -> Result<(), ValidationError> {
@@ -110,6 +112,46 @@ impl fmt::Display for NeverRedirectInto {
     }
 }
 
+/// How a rule's connections use the fast path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub enum FastPathMode {
+    /// Per connection and direction, in the kernel: a direction that streams
+    /// small writes TCP would coalesce (Nagle or cork) moves to TCP, and
+    /// comes back when a new exchange starts and the peer read every TCP byte.
+    #[default]
+    Adaptive,
+    /// Every message the reader guard allows is redirected.
+    Always,
+    /// Covered, but every connection stays on the TCP path.
+    Never,
+}
+
+impl FastPathMode {
+    pub const ALL: [Self; 3] = [Self::Adaptive, Self::Always, Self::Never];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Adaptive => "adaptive",
+            Self::Always => "always",
+            Self::Never => "never",
+        }
+    }
+}
+
+impl fmt::Display for FastPathMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for FastPathMode {
+    type Err = ValidationError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::ALL.into_iter().find(|m| m.as_str() == s).ok_or_else(|| ValidationError::Mode(s.to_owned()))
+    }
+}
+
 /// Mirror pairing: every TCP connection from `client` (any source port) to
 /// `server` is accelerated at both ends, on one node. The peer of the socket
 /// (L -> R) is the socket (R -> L).
@@ -118,6 +160,7 @@ pub struct EndpointPair {
     client: IpAddr,
     server: Endpoint,
     never_into: NeverRedirectInto,
+    mode: FastPathMode,
 }
 
 impl EndpointPair {
@@ -126,7 +169,7 @@ impl EndpointPair {
         check_unicast("client", client)?;
         server.validate("server")?;
         check_same_family("client", client, "server", server.addr)?;
-        Ok(Self { client, server, never_into: NeverRedirectInto::NONE })
+        Ok(Self { client, server, never_into: NeverRedirectInto::NONE, mode: FastPathMode::Adaptive })
     }
 
     /// The same pair with ends that must never receive redirected bytes.
@@ -146,6 +189,15 @@ impl EndpointPair {
         self.never_into
     }
 
+    /// The same rule with another fast-path mode.
+    pub fn with_mode(self, mode: FastPathMode) -> Self {
+        Self { mode, ..self }
+    }
+
+    pub fn mode(&self) -> FastPathMode {
+        self.mode
+    }
+
     /// Two pairs with the same key cover the same connections.
     pub fn key(&self) -> (IpAddr, Endpoint) {
         (self.client, self.server)
@@ -154,7 +206,8 @@ impl EndpointPair {
 
 impl fmt::Display for EndpointPair {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} -> {}{}", self.client, self.server, self.never_into)
+        write!(f, "{} -> {}{}", self.client, self.server, self.never_into)?;
+        mode_suffix(self.mode, f)
     }
 }
 
@@ -169,6 +222,7 @@ pub struct CaptureRule {
     original_dst: Endpoint,
     listener: Endpoint,
     never_into: NeverRedirectInto,
+    mode: FastPathMode,
 }
 
 impl CaptureRule {
@@ -181,7 +235,7 @@ impl CaptureRule {
             check_unicast("client", c)?;
             check_same_family("client", c, "original_dst", original_dst.addr)?;
         }
-        Ok(Self { client, original_dst, listener, never_into: NeverRedirectInto::NONE })
+        Ok(Self { client, original_dst, listener, never_into: NeverRedirectInto::NONE, mode: FastPathMode::Adaptive })
     }
 
     /// The same rule with ends that must never receive redirected bytes.
@@ -191,6 +245,15 @@ impl CaptureRule {
 
     pub fn never_into(&self) -> NeverRedirectInto {
         self.never_into
+    }
+
+    /// The same rule with another fast-path mode.
+    pub fn with_mode(self, mode: FastPathMode) -> Self {
+        Self { mode, ..self }
+    }
+
+    pub fn mode(&self) -> FastPathMode {
+        self.mode
     }
 
     pub fn client(&self) -> Option<IpAddr> {
@@ -217,7 +280,15 @@ impl fmt::Display for CaptureRule {
             Some(c) => write!(f, "{c} -> {} captured at {}", self.original_dst, self.listener)?,
             None => write!(f, "* -> {} captured at {}", self.original_dst, self.listener)?,
         }
-        self.never_into.fmt(f)
+        self.never_into.fmt(f)?;
+        mode_suffix(self.mode, f)
+    }
+}
+
+fn mode_suffix(mode: FastPathMode, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+    match mode {
+        FastPathMode::Adaptive => Ok(()),
+        m => write!(f, " (mode {m})"),
     }
 }
 

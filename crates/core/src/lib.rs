@@ -29,7 +29,7 @@ pub mod tc;
 pub mod testbed;
 
 pub use dataplane::{Dataplane, DataplaneConfig, DataplaneError, Origin as DataplaneOrigin};
-pub use endpoint::{CaptureRule, Endpoint, EndpointPair, NeverRedirectInto, ValidationError};
+pub use endpoint::{CaptureRule, Endpoint, EndpointPair, FastPathMode, NeverRedirectInto, ValidationError};
 pub use guard::{GuardMode, Incident, IncidentKind};
 pub use plugin::{FailurePolicy, Hook, Phase, PluginChain, PluginError, PluginManifest};
 pub use probe::{KernelFact, KernelProbe};

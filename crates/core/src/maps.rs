@@ -166,6 +166,10 @@ pub fn add_rule_stats(a: &mut RuleStats, b: &RuleStats) {
     a.fb_ulp = a.fb_ulp.wrapping_add(b.fb_ulp);
     a.ulp_refused = a.ulp_refused.wrapping_add(b.ulp_refused);
     a.splice_hits = a.splice_hits.wrapping_add(b.splice_hits);
+    a.demotions = a.demotions.wrapping_add(b.demotions);
+    a.promotions = a.promotions.wrapping_add(b.promotions);
+    a.policy_tcp_msgs = a.policy_tcp_msgs.wrapping_add(b.policy_tcp_msgs);
+    a.fb_mode_never = a.fb_mode_never.wrapping_add(b.fb_mode_never);
 }
 
 fn add_global_stats(a: &mut GlobalStats, b: &GlobalStats) {

@@ -9,11 +9,11 @@ use std::fmt;
 use std::net::IpAddr;
 
 use meshwarp_bpf::shared::{
-    ip_from_raw, raw_addr, CaptureKey, OwnerName, PairKey, Rule, OWNER_LEN, RULE_NO_TARGET_CLIENT,
-    RULE_NO_TARGET_SERVER,
+    ip_from_raw, raw_addr, CaptureKey, OwnerName, PairKey, Rule, OWNER_LEN, RULE_MODE_ALWAYS, RULE_MODE_NEVER,
+    RULE_NO_TARGET_CLIENT, RULE_NO_TARGET_SERVER,
 };
 
-use crate::endpoint::{CaptureRule, Endpoint, EndpointPair, NeverRedirectInto, ValidationError};
+use crate::endpoint::{CaptureRule, Endpoint, EndpointPair, FastPathMode, NeverRedirectInto, ValidationError};
 use crate::maps::{MapError, RuleMaps};
 use crate::stats::{GlobalCounters, RuleCounters};
 
@@ -64,8 +64,23 @@ pub fn capture_key(rule: &CaptureRule) -> CaptureKey {
     CaptureKey { client_ip, dst_ip, dst_port: u32::from(rule.original_dst().port), family }
 }
 
-fn rule_flags(n: NeverRedirectInto) -> u32 {
-    (if n.client { RULE_NO_TARGET_CLIENT } else { 0 }) | (if n.server { RULE_NO_TARGET_SERVER } else { 0 })
+fn rule_flags(n: NeverRedirectInto, mode: FastPathMode) -> u32 {
+    let mode = match mode {
+        FastPathMode::Adaptive => 0,
+        FastPathMode::Always => RULE_MODE_ALWAYS,
+        FastPathMode::Never => RULE_MODE_NEVER,
+    };
+    (if n.client { RULE_NO_TARGET_CLIENT } else { 0 }) | (if n.server { RULE_NO_TARGET_SERVER } else { 0 }) | mode
+}
+
+fn mode_of(flags: u32) -> FastPathMode {
+    if flags & RULE_MODE_NEVER != 0 {
+        FastPathMode::Never
+    } else if flags & RULE_MODE_ALWAYS != 0 {
+        FastPathMode::Always
+    } else {
+        FastPathMode::Adaptive
+    }
 }
 
 fn never_into(flags: u32) -> NeverRedirectInto {
@@ -73,7 +88,7 @@ fn never_into(flags: u32) -> NeverRedirectInto {
 }
 
 fn pair_value(pair: &EndpointPair, id: u32) -> Rule {
-    Rule { id, flags: rule_flags(pair.never_into()), ..Rule::default() }
+    Rule { id, flags: rule_flags(pair.never_into(), pair.mode()), ..Rule::default() }
 }
 
 fn capture_value(rule: &CaptureRule, id: u32) -> Rule {
@@ -82,7 +97,7 @@ fn capture_value(rule: &CaptureRule, id: u32) -> Rule {
         id,
         listener_port: u32::from(rule.listener().port),
         listener_ip,
-        flags: rule_flags(rule.never_into()),
+        flags: rule_flags(rule.never_into(), rule.mode()),
         ..Rule::default()
     }
 }
@@ -98,7 +113,9 @@ fn ip(raw: [u32; 4], family: u32, what: &str) -> Result<IpAddr, RegistryError> {
 /// Reads a mirror pair back from its map entry.
 pub fn pair_from_entry(k: &PairKey, v: &Rule) -> Result<EndpointPair, RegistryError> {
     let server = Endpoint::new(ip(k.server_ip, k.family, "pair server")?, port(k.server_port, "pair server")?);
-    Ok(EndpointPair::new(ip(k.client_ip, k.family, "pair client")?, server)?.never_redirect_into(never_into(v.flags)))
+    Ok(EndpointPair::new(ip(k.client_ip, k.family, "pair client")?, server)?
+        .never_redirect_into(never_into(v.flags))
+        .with_mode(mode_of(v.flags)))
 }
 
 /// Reads a capture rule back from its map entry.
@@ -106,7 +123,7 @@ pub fn capture_from_entry(k: &CaptureKey, v: &Rule) -> Result<CaptureRule, Regis
     let client = if k.client_ip == [0; 4] { None } else { Some(ip(k.client_ip, k.family, "capture client")?) };
     let dst = Endpoint::new(ip(k.dst_ip, k.family, "capture dst")?, port(k.dst_port, "capture dst")?);
     let listener = Endpoint::new(ip(v.listener_ip, k.family, "capture listener")?, port(v.listener_port, "listener")?);
-    Ok(CaptureRule::new(client, dst, listener)?.never_redirect_into(never_into(v.flags)))
+    Ok(CaptureRule::new(client, dst, listener)?.never_redirect_into(never_into(v.flags)).with_mode(mode_of(v.flags)))
 }
 
 /// A rule of either kind.

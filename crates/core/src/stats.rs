@@ -36,6 +36,16 @@ pub struct RuleCounters {
     pub ulp_refused: u64,
     /// Readers that spliced with redirected bytes pending: connection reset.
     pub splice_hits: u64,
+    /// Adaptive policy: directions moved to the TCP path because they stream
+    /// small writes that TCP coalesces (Nagle or cork on).
+    pub demotions_coalesce: u64,
+    /// Adaptive policy: directions moved back to the fast path (a new
+    /// exchange began and the peer had read every byte sent on TCP).
+    pub promotions: u64,
+    /// Adaptive policy: messages demoted directions sent on the TCP path.
+    pub policy_tcp_msgs: u64,
+    /// Connections left on the TCP path because the rule's mode is `never`.
+    pub fallback_mode_never: u64,
 }
 
 impl From<RuleStats> for RuleCounters {
@@ -55,6 +65,10 @@ impl From<RuleStats> for RuleCounters {
             fallback_ulp: s.fb_ulp,
             ulp_refused: s.ulp_refused,
             splice_hits: s.splice_hits,
+            demotions_coalesce: s.demotions,
+            promotions: s.promotions,
+            policy_tcp_msgs: s.policy_tcp_msgs,
+            fallback_mode_never: s.fb_mode_never,
         }
     }
 }

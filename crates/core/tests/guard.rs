@@ -21,7 +21,7 @@ use meshwarp_core::testbed::{
     accept_timeout, exchange, read_exact_ready, recv_pattern, redirect_output, send_pattern, wait_ready,
     write_all_ready, CaptureProxy, KernelTest, NetNs, NodeWithPods, SERVICE_V4,
 };
-use meshwarp_core::{CaptureRule, Endpoint, EndpointPair, GuardMode};
+use meshwarp_core::{CaptureRule, Endpoint, EndpointPair, FastPathMode, GuardMode};
 
 const T: Duration = Duration::from_secs(60);
 
@@ -73,7 +73,8 @@ fn client_port_reused_towards_two_captured_destinations() -> Result<()> {
         redirect_output(&app.ns, svc, 80, listener)?;
         let l = SocketAddr::from(([127, 0, 0, 1], listener));
         proxies.push(CaptureProxy::start(&app.ns, l, upstream)?);
-        let rule = CaptureRule::new(Some(app.v4.into()), Endpoint::new(svc, 80), l.into())?;
+        let rule =
+            CaptureRule::new(Some(app.v4.into()), Endpoint::new(svc, 80), l.into())?.with_mode(FastPathMode::Always);
         k.dp().insert_capture(&rule, "test")?;
         rules.push(rule);
     }
@@ -108,7 +109,7 @@ fn same_addresses_in_two_pod_namespaces() -> Result<()> {
     let (client, server) = (nets[0].pods[0].v4, nets[0].pods[1].v4);
     ensure!(nets[1].pods[0].v4 == client && nets[1].pods[1].v4 == server, "same addresses");
     let addr = SocketAddr::new(server.into(), 8080);
-    let pair = EndpointPair::new(client.into(), addr.into())?;
+    let pair = EndpointPair::new(client.into(), addr.into())?.with_mode(FastPathMode::Always);
     k.dp().insert_pair(&pair, "test")?;
     let local = SocketAddr::new(client.into(), 41777);
     let mut conns = Vec::new();

@@ -20,7 +20,9 @@ use meshwarp_core::testbed::{
     accept_timeout, echo_integrity, exchange, read_exact_ready, KernelTest, NodeWithPods, OverlayEgress, StreamEcho,
     TcTest, TwoNodes,
 };
-use meshwarp_core::{Endpoint, EndpointPair, FailurePolicy, Hook, Phase, PluginChain, PluginError, PluginManifest};
+use meshwarp_core::{
+    Endpoint, EndpointPair, FailurePolicy, FastPathMode, Hook, Phase, PluginChain, PluginError, PluginManifest,
+};
 
 const T: Duration = Duration::from_secs(60);
 const PORT: u16 = 8080;
@@ -61,7 +63,8 @@ impl Pods {
         let listeners =
             [net.pods[1].ns.listen(SocketAddr::new(b, PORT))?, net.pods[1].ns.listen(SocketAddr::new(b, OTHER_PORT))?];
         let pairs =
-            [EndpointPair::new(a, Endpoint::new(b, PORT))?, EndpointPair::new(a, Endpoint::new(b, OTHER_PORT))?];
+            [EndpointPair::new(a, Endpoint::new(b, PORT))?, EndpointPair::new(a, Endpoint::new(b, OTHER_PORT))?]
+                .map(|p| p.with_mode(FastPathMode::Always));
         for p in &pairs {
             k.dp().insert_pair(p, "test")?;
         }
@@ -271,7 +274,8 @@ fn hot_swap_under_traffic_loses_nothing() -> Result<()> {
     c.load(&manifest("noop", Hook::Message, 0), plugins::NOOP_MSG, &[], false)?;
     c.load(&manifest("sampler", Hook::Message, -1), plugins::BYTE_SAMPLER, &[], false)?;
     let listener = pods.net.pods[1].ns.listen(SocketAddr::new(pods.net.pods[1].addr(false), 7070))?;
-    let pair = EndpointPair::new(pods.net.pods[0].addr(false), Endpoint::new(pods.net.pods[1].addr(false), 7070))?;
+    let pair = EndpointPair::new(pods.net.pods[0].addr(false), Endpoint::new(pods.net.pods[1].addr(false), 7070))?
+        .with_mode(FastPathMode::Always);
     k.dp().insert_pair(&pair, "test")?;
     let _echo = StreamEcho::start(listener)?;
 

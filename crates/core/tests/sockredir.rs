@@ -16,7 +16,9 @@ use meshwarp_core::testbed::{
     accept_timeout, exchange, read_ready, redirect_output, write_all_ready, CaptureProxy, KernelTest, NodeWithPods,
     SERVICE_V4, SERVICE_V6,
 };
-use meshwarp_core::{CaptureRule, Dataplane, DataplaneConfig, DataplaneOrigin, Endpoint, EndpointPair, RegistryError};
+use meshwarp_core::{
+    CaptureRule, Dataplane, DataplaneConfig, DataplaneOrigin, Endpoint, EndpointPair, FastPathMode, RegistryError,
+};
 
 const T: Duration = Duration::from_secs(60);
 const SERVER_PORT: u16 = 8080;
@@ -48,8 +50,12 @@ fn endpoint_of(l: &Link, client: bool) -> SocketAddr {
     SocketAddr::new(meshwarp_bpf::shared::ip_from_raw(ip, l.family).unwrap(), port as u16)
 }
 
+/// Mode `always`: these tests check the redirect itself (the adaptive policy
+/// would move their small-write streams to TCP; tests/policy.rs covers it).
 fn pair_for(net: &NodeWithPods, v6: bool) -> EndpointPair {
-    EndpointPair::new(net.pods[0].addr(v6), Endpoint::new(net.pods[1].addr(v6), SERVER_PORT)).unwrap()
+    EndpointPair::new(net.pods[0].addr(v6), Endpoint::new(net.pods[1].addr(v6), SERVER_PORT))
+        .unwrap()
+        .with_mode(FastPathMode::Always)
 }
 
 /// Two pods on a node, pod1 listening on SERVER_PORT.
@@ -132,7 +138,8 @@ fn capture_pairing(v6: bool) -> Result<()> {
     // The sidecar: iptables captures app -> service:80 to the proxy on 15001.
     redirect_output(&app.ns, service, 80, 15001)?;
     let proxy = CaptureProxy::start(&app.ns, SocketAddr::new(loopback, 15001), upstream)?;
-    let rule = CaptureRule::new(Some(app.addr(v6)), Endpoint::new(service, 80), Endpoint::new(loopback, 15001))?;
+    let rule = CaptureRule::new(Some(app.addr(v6)), Endpoint::new(service, 80), Endpoint::new(loopback, 15001))?
+        .with_mode(FastPathMode::Always);
     k.dp().insert_capture(&rule, "test")?;
 
     let c = app.ns.connect(SocketAddr::new(service, 80))?;

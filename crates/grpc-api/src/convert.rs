@@ -5,8 +5,8 @@ use std::net::IpAddr;
 
 use meshwarp_core::registry::{Registered, RuleRef};
 use meshwarp_core::{
-    CaptureRule, Endpoint, EndpointPair, GlobalCounters, Incident, IncidentKind, NeverRedirectInto, RuleCounters,
-    ValidationError,
+    CaptureRule, Endpoint, EndpointPair, FastPathMode, GlobalCounters, Incident, IncidentKind, NeverRedirectInto,
+    RuleCounters, ValidationError,
 };
 
 use crate::pb;
@@ -94,6 +94,7 @@ fn validation(v: &mut Violations, prefix: &str, e: &ValidationError) {
         | ValidationError::Broadcast { field, .. }
         | ValidationError::V4Mapped { field, .. } => addr_field(field),
         ValidationError::MixedFamilies { b_field, .. } => addr_field(b_field),
+        ValidationError::Mode(_) => "mode".to_string(),
     };
     v.add(join(prefix, &field), e.to_string());
 }
@@ -128,6 +129,27 @@ fn never_into(v: &mut Violations, field: String, ends: &[i32]) -> NeverRedirectI
     n
 }
 
+/// `mode` from its proto form (unspecified: adaptive).
+fn mode_from_pb(v: &mut Violations, field: String, m: i32) -> FastPathMode {
+    match pb::FastPathMode::try_from(m) {
+        Ok(pb::FastPathMode::Unspecified | pb::FastPathMode::Adaptive) => FastPathMode::Adaptive,
+        Ok(pb::FastPathMode::Always) => FastPathMode::Always,
+        Ok(pb::FastPathMode::Never) => FastPathMode::Never,
+        Err(_) => {
+            v.add(field, format!("{m} is not a FastPathMode"));
+            FastPathMode::Adaptive
+        }
+    }
+}
+
+fn mode_to_pb(m: FastPathMode) -> i32 {
+    (match m {
+        FastPathMode::Adaptive => pb::FastPathMode::Adaptive,
+        FastPathMode::Always => pb::FastPathMode::Always,
+        FastPathMode::Never => pb::FastPathMode::Never,
+    }) as i32
+}
+
 fn never_into_to_pb(n: NeverRedirectInto) -> Vec<i32> {
     let mut v = Vec::new();
     if n.client {
@@ -148,8 +170,9 @@ pub fn pair_from_pb(prefix: &str, p: Option<&pb::EndpointPair>) -> Result<Endpoi
     };
     let pair = pair_parts(&mut v, prefix, &p.client_ip, p.server.as_ref());
     let never = never_into(&mut v, join(prefix, "never_redirect_into"), &p.never_redirect_into);
+    let mode = mode_from_pb(&mut v, join(prefix, "mode"), p.mode);
     match pair {
-        Some(pair) if v.is_empty() => Ok(pair.never_redirect_into(never)),
+        Some(pair) if v.is_empty() => Ok(pair.never_redirect_into(never).with_mode(mode)),
         _ => Err(v),
     }
 }
@@ -194,8 +217,9 @@ pub fn capture_from_pb(prefix: &str, r: Option<&pb::CaptureRule>) -> Result<Capt
     };
     let rule = capture_parts(&mut v, prefix, &r.client_ip, r.original_dst.as_ref(), r.listener.as_ref());
     let never = never_into(&mut v, join(prefix, "never_redirect_into"), &r.never_redirect_into);
+    let mode = mode_from_pb(&mut v, join(prefix, "mode"), r.mode);
     match rule {
-        Some(rule) if v.is_empty() => Ok(rule.never_redirect_into(never)),
+        Some(rule) if v.is_empty() => Ok(rule.never_redirect_into(never).with_mode(mode)),
         _ => Err(v),
     }
 }
@@ -237,6 +261,7 @@ pub fn pair_to_pb(r: &Registered<EndpointPair>) -> pb::EndpointPair {
         server: Some(endpoint_to_pb(r.rule.server())),
         owner: r.owner.clone(),
         never_redirect_into: never_into_to_pb(r.rule.never_into()),
+        mode: mode_to_pb(r.rule.mode()),
     }
 }
 
@@ -251,6 +276,7 @@ pub fn capture_to_pb(r: &Registered<CaptureRule>) -> pb::CaptureRule {
         listener: Some(endpoint_to_pb(r.rule.listener())),
         owner: r.owner.clone(),
         never_redirect_into: never_into_to_pb(r.rule.never_into()),
+        mode: mode_to_pb(r.rule.mode()),
     }
 }
 
@@ -277,6 +303,10 @@ pub fn counters_to_pb(c: &RuleCounters) -> pb::RuleCounters {
         fallback_ulp: c.fallback_ulp,
         ulp_refused: c.ulp_refused,
         splice_hits: c.splice_hits,
+        demotions_coalesce: c.demotions_coalesce,
+        promotions: c.promotions,
+        policy_tcp_msgs: c.policy_tcp_msgs,
+        fallback_mode_never: c.fallback_mode_never,
     }
 }
 
@@ -333,15 +363,19 @@ mod tests {
             server: ep("198.18.0.3", 80),
             owner: "o".into(),
             never_redirect_into: vec![pb::RuleEnd::Server as i32],
+            mode: pb::FastPathMode::Always as i32,
         };
         let pair = pair_from_pb("pair", Some(&p)).unwrap();
         assert!(pair.never_into().server && !pair.never_into().client);
+        assert_eq!(pair.mode(), FastPathMode::Always);
         let back = pair_to_pb(&Registered { rule: pair, owner: "o".into() });
         assert_eq!(back, p);
         assert_eq!(pair_from_key("key", Some(&pair_key_to_pb(&pair))).unwrap().key(), pair.key());
-        let bad = pb::EndpointPair { never_redirect_into: vec![0, 7], ..p };
+        let unspecified = pb::EndpointPair { mode: 0, ..p.clone() };
+        assert_eq!(pair_from_pb("pair", Some(&unspecified)).unwrap().mode(), FastPathMode::Adaptive);
+        let bad = pb::EndpointPair { never_redirect_into: vec![0, 7], mode: 9, ..p };
         let v = pair_from_pb("pair", Some(&bad)).unwrap_err();
-        assert_eq!(fields(&v), vec!["pair.never_redirect_into[0]", "pair.never_redirect_into[1]"]);
+        assert_eq!(fields(&v), vec!["pair.never_redirect_into[0]", "pair.never_redirect_into[1]", "pair.mode"]);
     }
 
     #[test]
@@ -395,6 +429,7 @@ mod tests {
             listener: ep("127.0.0.1", 15001),
             owner: "o".into(),
             never_redirect_into: vec![],
+            mode: pb::FastPathMode::Adaptive as i32,
         };
         let rule = capture_from_pb("rule", Some(&r)).unwrap();
         assert_eq!(rule.client(), None);

@@ -42,6 +42,12 @@ pub struct ReasonLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TransitionLabels {
+    pub transition: String,
+    pub reason: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct FeatureLabel {
     pub feature: String,
 }
@@ -69,6 +75,8 @@ pub struct Metrics {
     reader_guard: Gauge,
     splice_hits: Gauge,
     incidents: Family<IncidentLabels, Counter>,
+    policy: Family<TransitionLabels, Gauge>,
+    policy_tcp_msgs: Gauge,
 }
 
 impl Default for Metrics {
@@ -133,6 +141,17 @@ impl Metrics {
             "Reader guard incidents by kind and whether the connection was reset",
             incidents.clone(),
         );
+        let (policy, policy_tcp_msgs) = (Family::<TransitionLabels, Gauge>::default(), Gauge::default());
+        registry.register(
+            "policy_transitions",
+            "Adaptive policy: directions demoted to TCP or promoted back, by reason (all rules)",
+            policy.clone(),
+        );
+        registry.register(
+            "policy_tcp_messages",
+            "Adaptive policy: messages demoted directions sent on the TCP path (all rules)",
+            policy_tcp_msgs.clone(),
+        );
         Self {
             registry: Mutex::new(registry),
             rpcs,
@@ -148,6 +167,8 @@ impl Metrics {
             reader_guard,
             splice_hits,
             incidents,
+            policy,
+            policy_tcp_msgs,
         }
     }
 
@@ -172,11 +193,15 @@ impl Metrics {
         let reg = dp.registry();
         let as_i64 = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
         let (mut msgs, mut bytes, mut hits) = (0u64, 0u64, 0u64);
-        let mut fb = [0u64; 10];
+        let (mut demoted, mut promoted, mut tcp_msgs) = (0u64, 0u64, 0u64);
+        let mut fb = [0u64; 11];
         let mut add = |c: meshwarp_core::RuleCounters| {
             msgs += c.redirected_msgs;
             bytes += c.redirected_bytes;
             hits += c.splice_hits;
+            demoted += c.demotions_coalesce;
+            promoted += c.promotions;
+            tcp_msgs += c.policy_tcp_msgs;
             for (i, v) in [
                 c.fallback_no_peer,
                 c.fallback_tcp_path,
@@ -188,6 +213,7 @@ impl Metrics {
                 c.fallback_rcvlowat,
                 c.fallback_ulp,
                 c.ulp_refused,
+                c.fallback_mode_never,
             ]
             .into_iter()
             .enumerate()
@@ -229,10 +255,16 @@ impl Metrics {
             ("rcvlowat", fb[7]),
             ("ulp", fb[8]),
             ("ulp_refused", fb[9]),
+            ("mode_never", fb[10]),
             ("not_covered", not_covered),
         ] {
             self.fallbacks.get_or_create(&ReasonLabel { reason: reason.into() }).set(as_i64(v));
         }
+        for (transition, reason, v) in [("demotion", "coalesce", demoted), ("promotion", "drained", promoted)] {
+            let l = TransitionLabels { transition: transition.into(), reason: reason.into() };
+            self.policy.get_or_create(&l).set(as_i64(v));
+        }
+        self.policy_tcp_msgs.set(as_i64(tcp_msgs));
         self.encode()
     }
 

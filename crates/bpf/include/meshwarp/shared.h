@@ -12,7 +12,7 @@
 #ifndef MESHWARP_SHARED_H
 #define MESHWARP_SHARED_H
 
-#define MW_SCHEMA_VERSION 3
+#define MW_SCHEMA_VERSION 4
 
 #define MW_AF_INET 2
 #define MW_AF_INET6 10
@@ -65,6 +65,9 @@ struct mw_capture_key {
  * bytes (e.g. a proxy that splices). */
 #define MW_RULE_NO_TARGET_CLIENT 1u
 #define MW_RULE_NO_TARGET_SERVER 2u
+/* mw_rule.flags: the rule's mode (neither bit: adaptive, the default). */
+#define MW_RULE_MODE_ALWAYS 4u /* redirect every message the guard allows; no policy */
+#define MW_RULE_MODE_NEVER 8u  /* covered, but every connection stays on TCP */
 
 /* Value of both rule maps. */
 struct mw_rule {
@@ -86,6 +89,7 @@ struct mw_rule {
 #define MW_LINK_POISONED 2u /* another connection built the same id: neither redirects */
 #define MW_LINK_HIT 4u      /* a reader spliced with redirected bytes pending: being reset */
 #define MW_LINK_OBSERVE 8u  /* the client end is not accelerated: the server end only learns its reader */
+#define MW_LINK_FIXED 16u   /* the rule's mode is always: the policy never demotes */
 
 /* mw_link.end_flags[end] */
 #define MW_EF_PSOCK 1u   /* in the SOCKHASH: its sends run sk_msg */
@@ -104,6 +108,39 @@ struct mw_exe_key {
 	__u64 ino;
 };
 
+/*
+ * One direction of a link, indexed by its sending end: the adaptive policy.
+ * A direction is demoted to the TCP path when it streams small writes that
+ * TCP would coalesce (Nagle or cork on): bytes already redirected sit in the
+ * peer's psock queue, which tcp_bpf reads before its TCP queue, so demoting
+ * never reorders. It is promoted back only when every byte it sent on TCP has
+ * been read by the peer (tcp_read == the sender's write_seq): only then can
+ * new redirected bytes not overtake older TCP ones.
+ */
+struct mw_dir {
+	__u32 flags;     /* MW_DIR_* */
+	__u32 run;       /* messages sent since the other end last sent */
+	__u32 run_bytes; /* their bytes (counted up to MW_POLICY_RUN messages) */
+	/* The peer's copied_seq as its reads publish it: how far its reader
+	 * consumed this direction's TCP bytes. Starts at this end's ISN + 1. */
+	__u32 tcp_read;
+};
+
+/* mw_dir.flags */
+#define MW_DIR_TCP 1u /* demoted by the policy */
+
+/* The policy: after MW_POLICY_RUN messages without a reply, a direction whose
+ * sender lets TCP coalesce (Nagle or cork) and whose messages averaged under
+ * MW_POLICY_SMALL bytes moves to TCP. Larger writes stay: redirecting them
+ * beats TCP (benches/README.md); sk_msg sees a large write in chunks (as
+ * send buffer space allows), so the bar sits well below the chunk size. */
+#define MW_POLICY_RUN 8
+#define MW_POLICY_SMALL 4096
+/* A demoted direction looks at its link on its first send after it read
+ * something (a new exchange may have started) and otherwise once per
+ * MW_POLICY_CHECK messages; the others cost one storage lookup. */
+#define MW_POLICY_CHECK 16
+
 /* The connection both accelerated ends share (mw_links, keyed by link id). */
 struct mw_link {
 	__u32 family;
@@ -119,6 +156,7 @@ struct mw_link {
 	__u32 end_flags[2];
 	__u64 cookie[2];
 	struct mw_exe_key exe[2]; /* who reads each end (owner stamp), for sweeps */
+	struct mw_dir dir[2];
 };
 
 /* What mw_cookies maps a socket cookie to (found from a file descriptor). */
@@ -137,6 +175,12 @@ struct mw_sock_state {
 	__u32 flags; /* sk_msg and plugins, under the socket lock */
 	__u32 end;
 	__u32 learn; /* an unstamped server end: MW_LEARN | its listening port */
+	__u32 rd_pub;   /* the copied_seq last published to mw_link.dir[peer].tcp_read */
+	__u32 rd_tgid;  /* the process whose reads were last recorded ... */
+	__u32 rd_seen;  /* ... and which MW_EXE_SEEN_* bits they set (reads skip known ones) */
+	__u32 skipped;  /* messages a demoted direction sent since its last policy check */
+	__u32 read;     /* a demoted end read since that check: its next send checks */
+	__u32 pad;
 };
 
 /* mw_sock_state.learn: the port is kept from the handshake because a socket
@@ -145,6 +189,7 @@ struct mw_sock_state {
 
 /* mw_sock_state.flags */
 #define MW_SOCK_NEEDS_SYNC 1u /* redirect only if the TCP path carried no payload */
+#define MW_SOCK_DEMOTED 2u    /* the policy moved this end's sends to TCP (mirrors mw_dir) */
 /* Plugin chain position of the message (or connection) being handled: bits 8-15
  * the next chain position, bit 16 the chain generation it started on. Only the
  * programs of one socket's hook touch them, under the socket's lock. */
@@ -251,6 +296,10 @@ struct mw_rule_stats {
 	__u64 fb_ulp;           /* ends withdrawn: a ULP (kTLS) was set */
 	__u64 ulp_refused;      /* ULP refused: redirected bytes were waiting to be read */
 	__u64 splice_hits;      /* readers spliced with redirected bytes pending (connection reset) */
+	__u64 demotions;        /* directions moved to TCP: small writes TCP coalesces (Nagle/cork) */
+	__u64 promotions;       /* directions moved back: a new exchange, TCP bytes all read */
+	__u64 policy_tcp_msgs;  /* messages a demoted direction sent on TCP */
+	__u64 fb_mode_never;    /* connections left on TCP: the rule's mode is never */
 };
 
 /* Owner of a rule slot: a NUL-padded controller name. */

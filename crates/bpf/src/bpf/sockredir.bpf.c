@@ -42,6 +42,7 @@
 #define EEXIST 17
 #define EAGAIN 11
 #define O_NONBLOCK 04000
+#define MSG_PEEK 0x2
 #define MSG_DONTWAIT 0x40
 #define SOL_SOCKET 1
 #define SO_RCVLOWAT 18
@@ -176,6 +177,14 @@ struct {
 	__type(key, __u32);
 	__type(value, struct mw_global_stats);
 } mw_global SEC(".maps");
+
+/* Room to build a link in (too large for the sockops stack with the rest). */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct mw_link);
+} mw_scratch SEC(".maps");
 
 /* Owner (controller name) of each rule slot. Read only by user space; pinned
  * with the data path so a restarted agent keeps ownership. */
@@ -563,11 +572,11 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, co
 	struct mw_cookie_val cv = {};
 	struct mw_sock_key key = {};
 	struct end_decision d = {};
-	struct mw_link link = {};
+	struct mw_link *link;
 	struct mw_link *existing;
 	struct tcp_sock *tp;
 	struct mw_rule *rule;
-	__u32 kind = 0;
+	__u32 kind = 0, zero = 0;
 	__u64 id, cookie;
 	long err;
 
@@ -593,44 +602,62 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, co
 	st->rule_id = rule->id;
 	st->end = MW_END_CLIENT;
 	st->flags = MW_SOCK_NEEDS_SYNC;
+	st->skipped = 0;
+	st->read = 0;
+	st->rd_pub = skops->rcv_nxt;
+	st->rd_tgid = 0;
+	st->rd_seen = 0;
 	/* Data in the SYN (Fast Open) already took the TCP path. */
 	if (tp->syn_data)
 		return;
-	decide_end(skops, tp, true, rule->flags, config_flags(), st, &d);
-	count_reason(rs, &d);
+	if (rule->flags & MW_RULE_MODE_NEVER) {
+		d.level = LV_NONE;
+		if (rs)
+			rs->fb_mode_never++;
+	} else {
+		decide_end(skops, tp, true, rule->flags, config_flags(), st, &d);
+		count_reason(rs, &d);
+	}
 
 	id = ((__u64)skops->snd_una << 32) | skops->rcv_nxt;
 	cookie = bpf_get_socket_cookie(skops);
-	link.family = t->family;
-	link.kind = kind;
-	copy_ip(link.client_ip, t->local_ip);
-	link.client_port = t->local_port;
+	link = bpf_map_lookup_elem(&mw_scratch, &zero);
+	if (!link)
+		return;
+	__builtin_memset(link, 0, sizeof(*link));
+	link->family = t->family;
+	link->kind = kind;
+	copy_ip(link->client_ip, t->local_ip);
+	link->client_port = t->local_port;
 	if (kind == MW_LINK_CAPTURE) {
-		copy_ip(link.server_ip, rule->listener_ip);
-		link.server_port = rule->listener_port;
+		copy_ip(link->server_ip, rule->listener_ip);
+		link->server_port = rule->listener_port;
 	} else {
-		copy_ip(link.server_ip, t->remote_ip);
-		link.server_port = t->remote_port;
+		copy_ip(link->server_ip, t->remote_ip);
+		link->server_port = t->remote_port;
 	}
-	link.rule_id = rule->id;
-	link.flags = 0;
-	link.end_flags[MW_END_CLIENT] = MW_EF_PSOCK | (d.level == LV_FULL ? MW_EF_TARGET : d.reason);
+	link->rule_id = rule->id;
+	link->flags = (rule->flags & MW_RULE_MODE_ALWAYS) ? MW_LINK_FIXED : 0;
+	/* Nothing read yet: each direction's reader is at its sender's ISN + 1. */
+	link->dir[MW_END_CLIENT].tcp_read = skops->snd_una;
+	link->dir[MW_END_SERVER].tcp_read = skops->rcv_nxt;
+	link->end_flags[MW_END_CLIENT] = MW_EF_PSOCK | (d.level == LV_FULL ? MW_EF_TARGET : d.reason);
 	/* Until the server end claims the link, nothing is redirected into it. */
-	link.end_flags[MW_END_SERVER] = (rule->flags & MW_RULE_NO_TARGET_SERVER) ? MW_EF_R_RULE : 0;
-	link.cookie[MW_END_CLIENT] = cookie;
-	link.exe[MW_END_CLIENT] = d.exe;
+	link->end_flags[MW_END_SERVER] = (rule->flags & MW_RULE_NO_TARGET_SERVER) ? MW_EF_R_RULE : 0;
+	link->cookie[MW_END_CLIENT] = cookie;
+	link->exe[MW_END_CLIENT] = d.exe;
 	if (d.level == LV_NONE) {
 		/* Not accelerated; the server end still learns who reads it
 		 * (its listener may predate meshwarp), then drops the link. */
-		link.flags = MW_LINK_OBSERVE;
-		link.end_flags[MW_END_CLIENT] = 0;
-		if (!bpf_map_update_elem(&mw_links, &id, &link, BPF_NOEXIST)) {
+		link->flags = MW_LINK_OBSERVE;
+		link->end_flags[MW_END_CLIENT] = 0;
+		if (!bpf_map_update_elem(&mw_links, &id, link, BPF_NOEXIST)) {
 			st->link = id;
 			watch_close(skops);
 		}
 		return;
 	}
-	err = bpf_map_update_elem(&mw_links, &id, &link, BPF_NOEXIST);
+	err = bpf_map_update_elem(&mw_links, &id, link, BPF_NOEXIST);
 	if (err == -EEXIST) {
 		/* Another connection built this id: neither may redirect. */
 		existing = bpf_map_lookup_elem(&mw_links, &id);
@@ -742,7 +769,12 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, c
 	st->rule_id = link->rule_id;
 	st->end = MW_END_SERVER;
 	st->flags = MW_SOCK_NEEDS_SYNC;
+	st->skipped = 0;
+	st->read = 0;
 	st->learn = 0;
+	st->rd_pub = skops->rcv_nxt;
+	st->rd_tgid = 0;
+	st->rd_seen = 0;
 	rule_flags = (link->end_flags[MW_END_SERVER] & MW_EF_R_RULE) ? MW_RULE_NO_TARGET_SERVER : 0;
 	decide_end(skops, tp, false, rule_flags, config_flags(), st, &d);
 	if (old & MW_LINK_OBSERVE) {
@@ -931,27 +963,97 @@ int mw_conn_fin(struct bpf_sock_ops *skops)
 
 /*
  * Redirected bytes land in the peer's psock queue, which a reader drains before
- * its TCP receive queue. So a direction may be redirected only if it has never
- * carried payload on the TCP path (written before the peer was in the map, or
- * while it was absent): otherwise bytes would reorder. sk_msg cannot inspect the
- * peer (bpf_sk_release is not offered to it), so such a direction stays on TCP.
+ * its TCP receive queue. So a direction that carried payload on the TCP path
+ * (written before the peer was in the map, while it was absent, or demoted by
+ * the policy) may be redirected again only once the peer's reader consumed all
+ * of it: the peer's reads publish its copied_seq (mw_dir.tcp_read, see
+ * mw_recv_len), compared with this end's write_seq. Reads that bypass
+ * recvmsg (splice, zero-copy receive) publish nothing: that direction then
+ * stays on TCP.
  */
-static __always_inline bool tcp_path_unused(struct bpf_sock *sk)
-{
-	struct tcp_sock *tp = bpf_skc_to_tcp_sock(sk);
 
-	return tp && tp->bytes_sent == 0 && tp->write_seq == tp->snd_una;
+/* include/net/tcp.h */
+#define TCP_NAGLE_OFF 1
+#define TCP_NAGLE_CORK 2
+
+/* Whether the sender lets TCP coalesce its small writes (Nagle, or cork). */
+static __always_inline bool coalescing(struct tcp_sock *tp)
+{
+	__u8 nonagle = BPF_CORE_READ_BITFIELD(tp, nonagle);
+
+	return !(nonagle & TCP_NAGLE_OFF) || (nonagle & TCP_NAGLE_CORK);
+}
+
+/* The adaptive policy for one message of a direction that may be redirected
+ * (mw_dir). Returns false when the message takes the TCP path. Only this
+ * end's sk_msg writes its own mw_dir (under its socket lock); the peer only
+ * resets `run`, a race that at worst delays one decision. */
+static __always_inline bool policy_allows(struct mw_link *link, struct mw_sock_state *st, struct tcp_sock *tp,
+					  __u32 size, struct mw_rule_stats *rs)
+{
+	struct mw_dir *d = &link->dir[st->end & 1];
+	struct mw_dir *o = &link->dir[(st->end ^ 1) & 1];
+	__u32 run, skipped;
+
+	if (o->run)
+		o->run = 0; /* this message answers the peer's */
+	run = d->run + 1;
+	d->run = run;
+	if (d->flags & MW_DIR_TCP) {
+		/* Messages sent on TCP without a check (this one may be in the count). */
+		skipped = st->skipped % MW_POLICY_CHECK ? st->skipped : st->skipped - 1;
+		if (st->skipped == 0)
+			skipped = 0;
+		st->skipped = 0;
+		/* The peer sent since the last check (a new exchange), and read
+		 * every TCP byte: promote. */
+		if (run == 1 && d->tcp_read == tp->write_seq) {
+			d->flags &= ~MW_DIR_TCP;
+			st->flags &= ~MW_SOCK_DEMOTED;
+			if (rs) {
+				rs->promotions++;
+				rs->policy_tcp_msgs += skipped;
+			}
+			return true;
+		}
+		st->flags |= MW_SOCK_DEMOTED;
+		if (rs)
+			rs->policy_tcp_msgs += skipped + 1;
+		return false;
+	}
+	if (run == 1)
+		d->run_bytes = 0;
+	if (run > MW_POLICY_RUN || (link->flags & MW_LINK_FIXED))
+		return true;
+	d->run_bytes += size;
+	if (run == MW_POLICY_RUN && d->run_bytes < MW_POLICY_RUN * MW_POLICY_SMALL && coalescing(tp)) {
+		d->flags |= MW_DIR_TCP;
+		st->flags |= MW_SOCK_DEMOTED;
+		st->skipped = 0;
+		if (rs) {
+			rs->demotions++;
+			rs->policy_tcp_msgs++;
+		}
+		return false;
+	}
+	return true;
 }
 
 /* The host's decision for a message every plugin continued. */
 static __always_inline int finish_msg(struct sk_msg_md *msg, struct bpf_sock *sk, struct mw_sock_state *st)
 {
-	struct mw_rule_stats *rs = rule_stats(st->rule_id);
+	struct mw_rule_stats *rs;
 	struct mw_sock_key key = {};
+	struct tcp_sock *tp;
 	struct mw_link *link;
 	__u32 end = st->end & 1, peer = end ^ 1;
 	__u64 id = st->link;
 
+	/* A demoted direction: TCP, and only now and then a look at the link. */
+	if ((st->flags & MW_SOCK_DEMOTED) && !st->read && (++st->skipped % MW_POLICY_CHECK))
+		return SK_PASS;
+	st->read = 0;
+	rs = rule_stats(st->rule_id);
 	link = bpf_map_lookup_elem(&mw_links, &id);
 	if (link && (link->flags & MW_LINK_HIT))
 		return SK_DROP; /* being reset: more bytes would only be lost */
@@ -962,7 +1064,14 @@ static __always_inline int finish_msg(struct sk_msg_md *msg, struct bpf_sock *sk
 			rs->fb_no_peer++;
 		return SK_PASS;
 	}
-	if ((st->flags & MW_SOCK_NEEDS_SYNC) && !tcp_path_unused(sk)) {
+	tp = bpf_skc_to_tcp_sock(sk);
+	if (!tp)
+		return SK_PASS;
+	if (!policy_allows(link, st, tp, msg->size, rs))
+		return SK_PASS;
+	/* This direction used TCP (the peer was not ready): redirect again only
+	 * once the peer read all of it. */
+	if ((st->flags & MW_SOCK_NEEDS_SYNC) && link->dir[end].tcp_read != tp->write_seq) {
 		if (rs)
 			rs->fb_tcp_path++;
 		return SK_PASS;
@@ -1064,19 +1173,49 @@ int BPF_PROG(mw_recv_len, struct sock *sk, int ret, int flags)
 	struct mw_service_key svc = {};
 	struct mw_sock_state *st;
 	struct mw_exe_key exe = {};
-	bool blocking;
+	struct tcp_sock *tp;
+	struct mw_link *link;
+	__u32 bit, tgid, seq;
 
 	st = bpf_sk_storage_get(&mw_sk_state, sk, 0, 0);
 	if (!st)
 		return 0;
 	if (ret < 0 && ret != -EAGAIN)
 		return 0;
-	if (!current_exe(&exe))
+	/* How far this end's reader consumed its TCP queue: the peer's policy
+	 * promotes its direction only once it is all read. Reads of redirected
+	 * bytes do not move copied_seq, so the fast path publishes nothing. */
+	if (st->link && ret > 0 && !(flags & MSG_PEEK)) {
+		tp = bpf_skc_to_tcp_sock(sk);
+		if (tp) {
+			seq = tp->copied_seq;
+			barrier_var(seq);
+			if (seq != st->rd_pub) {
+				link = bpf_map_lookup_elem(&mw_links, &st->link);
+				if (link)
+					link->dir[(st->end ^ 1) & 1].tcp_read = seq;
+				st->rd_pub = seq;
+			}
+		}
+	}
+	if ((st->flags & MW_SOCK_DEMOTED) && ret > 0 && !st->read)
+		st->read = 1;
+	/* Who reads, and how: once per process and way of reading. */
+	bit = (!(flags & MSG_DONTWAIT) && !(sock_file_flags(sk) & O_NONBLOCK)) ? MW_EXE_SEEN_BLOCKING
+										  : MW_EXE_SEEN_NONBLOCKING;
+	tgid = bpf_get_current_pid_tgid() >> 32;
+	if (st->rd_tgid == tgid && (st->rd_seen & bit) && !st->learn)
 		return 0;
-	blocking = !(flags & MSG_DONTWAIT) && !(sock_file_flags(sk) & O_NONBLOCK);
-	exe_seen(&exe, blocking ? MW_EXE_SEEN_BLOCKING : MW_EXE_SEEN_NONBLOCKING);
+	if (!(config_flags() & MW_CFG_GUARD) || !current_exe(&exe))
+		return 0;
+	if (st->rd_tgid != tgid) {
+		st->rd_tgid = tgid;
+		st->rd_seen = 0;
+	}
+	st->rd_seen |= bit;
+	exe_seen(&exe, bit);
 	if (!bpf_map_lookup_elem(&mw_exe_class, &exe))
-		request_classify(&exe, bpf_get_current_pid_tgid() >> 32);
+		request_classify(&exe, tgid);
 	if (st->learn) {
 		svc.netns = sk->__sk_common.skc_net.net->net_cookie;
 		svc.port = st->learn & 0xffff;
