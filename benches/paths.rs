@@ -2,10 +2,11 @@
 //! plain TCP in any cell"):
 //! - `rr/<size>`: request/response round trips of 64 B .. 1 MiB over plain
 //!   loopback TCP with no programs attached, TCP seen by sockops but not
-//!   covered, mirror-paired redirect, capture-paired redirect through iptables
-//!   REDIRECT, and a Unix socket pair;
-//! - `stream/<conns>x<write>/<nagle>`: one-way bulk throughput with 1, 8 and 64
-//!   connections, 1 KiB writes, TCP_NODELAY on and off;
+//!   covered, mirror-paired redirect (mode always, and mode adaptive),
+//!   capture-paired redirect through iptables REDIRECT, and a Unix socket pair;
+//! - `stream/<conns>x<write>_<nagle>`: one-way bulk throughput, 64 B .. 64 KiB
+//!   writes, 1, 8 and 64 connections, TCP_NODELAY on and off: TCP, mode
+//!   always, mode adaptive (`MESHWARP_BENCH_QUICK=1`: 1 and 8 connections);
 //! - `control`: registering pairs one by one vs in one batch (library).
 //!
 //! `cargo bench -p meshwarp-benches --bench paths` (as root).
@@ -19,7 +20,7 @@ use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Through
 use meshwarp_core::testbed::{
     accept_timeout, read_exact_ready, read_ready, redirect_output, spawn_echo, write_all_ready, KernelTest, NetNs,
 };
-use meshwarp_core::{CaptureRule, Endpoint, EndpointPair};
+use meshwarp_core::{CaptureRule, Endpoint, EndpointPair, FastPathMode};
 
 const SIZES: [usize; 5] = [64, 1024, 16 * 1024, 64 * 1024, 1 << 20];
 const VIP: &str = "198.19.0.10";
@@ -74,8 +75,11 @@ fn paths(c: &mut Criterion) {
     let ns = bench_ns();
     let lo = |p: u16| SocketAddr::new(IpAddr::from([127, 0, 0, 1]), p);
     // Pairs and the capture rule, registered once.
-    let mirror = EndpointPair::new(lo(0).ip(), Endpoint::new(lo(0).ip(), 9301)).expect("pair");
+    let mirror =
+        EndpointPair::new(lo(0).ip(), Endpoint::new(lo(0).ip(), 9301)).expect("pair").with_mode(FastPathMode::Always);
     k.dp().insert_pair(&mirror, "bench").expect("pair");
+    let adaptive = EndpointPair::new(lo(0).ip(), Endpoint::new(lo(0).ip(), 9302)).expect("pair");
+    k.dp().insert_pair(&adaptive, "bench").expect("pair");
     let vip: IpAddr = VIP.parse().expect("vip");
     redirect_output(&ns, vip, 80, 15001).expect("iptables");
     let capture = CaptureRule::new(
@@ -102,6 +106,7 @@ fn paths(c: &mut Criterion) {
         let p = next_port();
         let mut seen = echo_conn(&ns, lo(p), lo(p), size, true);
         let mut redir = echo_conn(&ns, lo(9301), lo(9301), size, true);
+        let mut adapt = echo_conn(&ns, lo(9302), lo(9302), size, true);
         let mut captured = echo_conn(&ns, lo(15001), SocketAddr::new(vip, 80), size, true);
         let mut unix = unix_echo(size);
         g.bench_with_input(BenchmarkId::new("tcp", size), &size, |b, _| {
@@ -113,6 +118,9 @@ fn paths(c: &mut Criterion) {
         g.bench_with_input(BenchmarkId::new("redirect_mirror", size), &size, |b, _| {
             b.iter_custom(|n| rtt(&mut redir, &msg, &mut buf, n))
         });
+        g.bench_with_input(BenchmarkId::new("redirect_adaptive", size), &size, |b, _| {
+            b.iter_custom(|n| rtt(&mut adapt, &msg, &mut buf, n))
+        });
         g.bench_with_input(BenchmarkId::new("redirect_capture", size), &size, |b, _| {
             b.iter_custom(|n| rtt(&mut captured, &msg, &mut buf, n))
         });
@@ -120,44 +128,52 @@ fn paths(c: &mut Criterion) {
             b.iter_custom(|n| rtt(&mut unix, &msg, &mut buf, n))
         });
         // Each listener served one connection; drop them before the next size.
-        drop((plain, seen, redir, captured, unix));
+        drop((plain, seen, redir, adapt, captured, unix));
     }
     g.finish();
     let st = k.dp().pair_stats(&mirror).expect("stats");
     let cs = k.dp().capture_stats(&capture).expect("stats");
     assert!(st.redirected_msgs > 0 && cs.redirected_msgs > 0, "redirected paths were not redirected: {st:?} {cs:?}");
     eprintln!("mirror pair: {st:?}\ncapture rule: {cs:?}");
-    stream(c, &k, &ns, &mirror);
+    stream(c, &k, &ns, &mirror, &adaptive);
     control(c, &k);
 }
 
-/// One-way bulk: `conns` connections each write `total / conns` bytes in 1 KiB writes.
-fn stream(c: &mut Criterion, k: &KernelTest, ns: &NetNs, mirror: &EndpointPair) {
-    const WRITE: usize = 1024;
-    const TOTAL: usize = 32 << 20;
+/// One-way bulk: `conns` connections each write `total / conns` bytes in
+/// `write`-byte writes (a small-write total is smaller: they are slow).
+fn stream(c: &mut Criterion, k: &KernelTest, ns: &NetNs, always: &EndpointPair, adaptive: &EndpointPair) {
+    let quick = std::env::var_os("MESHWARP_BENCH_QUICK").is_some();
     let mut g = c.benchmark_group("stream");
-    g.sample_size(10).measurement_time(Duration::from_secs(3)).warm_up_time(Duration::from_millis(500));
-    g.throughput(Throughput::Bytes(TOTAL as u64));
+    g.sample_size(10).measurement_time(Duration::from_secs(2)).warm_up_time(Duration::from_millis(300));
     let lo = |p: u16| SocketAddr::new(IpAddr::from([127, 0, 0, 1]), p);
-    for conns in [1usize, 8, 64] {
-        for nodelay in [true, false] {
-            let nagle = if nodelay { "nodelay" } else { "nagle" };
-            for (path, port) in [("tcp_not_covered", 9501u16), ("redirect_mirror", mirror.server().port)] {
-                let id = BenchmarkId::new(format!("{conns}x{WRITE}B_{nagle}"), path);
-                g.bench_function(id, |b| {
-                    b.iter_custom(|iters| {
-                        let mut total = Duration::ZERO;
-                        for _ in 0..iters {
-                            total += one_stream(ns, lo(port), conns, nodelay, WRITE, TOTAL / conns);
-                        }
-                        total
-                    })
-                });
+    let conns_list: &[usize] = if quick { &[1, 8] } else { &[1, 8, 64] };
+    for write in [64usize, 1024, 16 << 10, 64 << 10] {
+        let total: usize = if write < 1024 { 4 << 20 } else { 32 << 20 };
+        g.throughput(Throughput::Bytes(total as u64));
+        for &conns in conns_list {
+            for nodelay in [true, false] {
+                let nagle = if nodelay { "nodelay" } else { "nagle" };
+                for (path, port) in [
+                    ("tcp_not_covered", 9501u16),
+                    ("redirect_always", always.server().port),
+                    ("redirect_adaptive", adaptive.server().port),
+                ] {
+                    let id = BenchmarkId::new(format!("{conns}x{write}B_{nagle}"), path);
+                    g.bench_function(id, |b| {
+                        b.iter_custom(|iters| {
+                            let mut t = Duration::ZERO;
+                            for _ in 0..iters {
+                                t += one_stream(ns, lo(port), conns, nodelay, write, total / conns);
+                            }
+                            t
+                        })
+                    });
+                }
             }
         }
     }
     g.finish();
-    let _ = k;
+    eprintln!("adaptive pair: {:?}", k.dp().pair_stats(adaptive).expect("stats"));
 }
 
 fn one_stream(ns: &NetNs, addr: SocketAddr, conns: usize, nodelay: bool, write: usize, each: usize) -> Duration {

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Prints markdown tables from criterion's estimates (target/criterion) of the
 paths suite: medians, and each path's ratio to plain TCP in the same run.
-A ratio on the wrong side of 1.0 is marked SLOWER."""
+A cell below 0.95x TCP throughput or above 1.05x its latency is marked SLOWER."""
 import json
 import pathlib
 import sys
@@ -17,7 +17,7 @@ def median_ns(group, fn, param):
 
 
 def rr():
-    paths = ["tcp", "tcp_not_covered", "redirect_mirror", "redirect_capture", "unix"]
+    paths = ["tcp", "tcp_not_covered", "redirect_mirror", "redirect_adaptive", "redirect_capture", "unix"]
     print("| size | " + " | ".join(paths) + " |")
     print("|---:|" + "---:|" * len(paths))
     for size in ["64", "1024", "16384", "65536", "1048576"]:
@@ -29,25 +29,31 @@ def rr():
                 cells.append("-")
                 continue
             ratio = m / base
-            flag = " SLOWER" if ratio > 1.0 and p != "tcp" and p != "unix" else ""
+            flag = " SLOWER" if ratio > 1.05 and p != "tcp" and p != "unix" else ""
             cells.append(f"{m / 1000:.1f} us ({ratio:.2f}x){flag}")
         print(f"| {size} B | " + " | ".join(cells) + " |")
 
 
 def stream():
-    print("| connections x write, Nagle | tcp (not covered) | redirect (mirror) | ratio |")
-    print("|---|---:|---:|---:|")
-    for conns in ["1", "8", "64"]:
-        for nagle in ["nodelay", "nagle"]:
-            g = f"{conns}x1024B_{nagle}"
-            a = median_ns("stream", g, "tcp_not_covered")
-            b = median_ns("stream", g, "redirect_mirror")
-            if a is None or b is None:
-                continue
-            mib = 32.0  # bytes per iteration: 32 MiB
-            ta, tb = mib / (a / 1e9), mib / (b / 1e9)
-            flag = " SLOWER" if tb < ta else ""
-            print(f"| {conns} x 1 KiB, {nagle} | {ta:.0f} MiB/s | {tb:.0f} MiB/s | {tb / ta:.2f}x{flag} |")
+    print("| connections x write, Nagle | tcp (not covered) | always | adaptive | always / tcp | adaptive / tcp |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for write in ["64", "1024", "16384", "65536"]:
+        mib = 4.0 if int(write) < 1024 else 32.0  # MiB per iteration
+        for conns in ["1", "8", "64"]:
+            for nagle in ["nodelay", "nagle"]:
+                g = f"{conns}x{write}B_{nagle}"
+                t = median_ns("stream", g, "tcp_not_covered")
+                a = median_ns("stream", g, "redirect_always")
+                d = median_ns("stream", g, "redirect_adaptive")
+                if t is None or a is None or d is None:
+                    continue
+                tt, ta, td = (mib / (x / 1e9) for x in (t, a, d))
+                cells = []
+                for v in (ta, td):
+                    flag = " SLOWER" if v < 0.95 * tt else ""
+                    cells.append(f"{v / tt:.2f}x{flag}")
+                print(f"| {conns} x {write} B, {nagle} | {tt:.0f} MiB/s | {ta:.0f} MiB/s | {td:.0f} MiB/s | "
+                      + " | ".join(cells) + " |")
 
 
 def control():
