@@ -13,8 +13,8 @@ pub struct RuleCounters {
     pub redirected_bytes: u64,
     /// Fallbacks: messages sent on the TCP path because the peer was absent.
     pub fallback_no_peer: u64,
-    /// Fallbacks: messages sent on the TCP path because that direction had
-    /// already carried TCP payload (redirecting would reorder bytes).
+    /// Fallbacks: messages sent on the TCP path because TCP bytes of that
+    /// direction were not read by the peer yet (redirecting would reorder).
     pub fallback_tcp_path: u64,
     /// Fallbacks: covered sockets left on the TCP path because the SOCKHASH was full.
     pub fallback_map_full: u64,

@@ -24,8 +24,8 @@
  *   MW_HOOK_MESSAGE     int fn(struct sk_msg_md *, const struct mw_ctx *)
  *       a message sent on an accelerated socket: MW_CONTINUE, MW_BYPASS (the
  *       message takes the normal TCP path; to keep bytes in order, this
- *       direction of the connection stays there), or MW_DROP (the send fails
- *       with EACCES).
+ *       direction comes back to the fast path only once the peer has read
+ *       every byte it sent on TCP), or MW_DROP (the send fails with EACCES).
  *   MW_HOOK_PACKET      int fn(struct __sk_buff *, const struct mw_ctx *)
  *       a packet on an interface meshwarp is attached to: MW_CONTINUE, MW_PASS
  *       (the normal path, meshwarp's routes not applied), or MW_DROP.
@@ -248,10 +248,8 @@ MW_DEFINE_CHAIN_PROGS(mw_ch_msg);
 		v = mw__account(p, fn(msg, &c), MW_DROP, MW_DROP);                       \
 		if (v == MW_DROP)                                                        \
 			return SK_DROP;                                                  \
-		if (v == MW_BYPASS) {                                                    \
-			st->flags |= MW_SOCK_NEEDS_SYNC;                                 \
+		if (v == MW_BYPASS)                                                      \
 			return SK_PASS;                                                  \
-		}                                                                        \
 		pos++;                                                                   \
 		st->flags = mw_sock_chain_set(st->flags, gen, pos);                      \
 		if (pos < MW_CHAIN_MAX)                                                  \

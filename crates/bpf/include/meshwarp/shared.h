@@ -188,7 +188,6 @@ struct mw_sock_state {
 #define MW_LEARN 0x10000u
 
 /* mw_sock_state.flags */
-#define MW_SOCK_NEEDS_SYNC 1u /* redirect only if the TCP path carried no payload */
 #define MW_SOCK_DEMOTED 2u    /* the policy moved this end's sends to TCP (mirrors mw_dir) */
 /* Plugin chain position of the message (or connection) being handled: bits 8-15
  * the next chain position, bit 16 the chain generation it started on. Only the

@@ -601,7 +601,7 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, co
 	st->link = 0;
 	st->rule_id = rule->id;
 	st->end = MW_END_CLIENT;
-	st->flags = MW_SOCK_NEEDS_SYNC;
+	st->flags = 0;
 	st->skipped = 0;
 	st->read = 0;
 	st->rd_pub = skops->rcv_nxt;
@@ -768,7 +768,7 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, c
 	st->link = 0;
 	st->rule_id = link->rule_id;
 	st->end = MW_END_SERVER;
-	st->flags = MW_SOCK_NEEDS_SYNC;
+	st->flags = 0;
 	st->skipped = 0;
 	st->read = 0;
 	st->learn = 0;
@@ -1059,7 +1059,6 @@ static __always_inline int finish_msg(struct sk_msg_md *msg, struct bpf_sock *sk
 		return SK_DROP; /* being reset: more bytes would only be lost */
 	if (!link || (link->flags & MW_LINK_POISONED) || !(link->end_flags[peer] & MW_EF_TARGET) ||
 	    (link->end_flags[end] & MW_EF_NOSEND)) {
-		st->flags |= MW_SOCK_NEEDS_SYNC;
 		if (rs)
 			rs->fb_no_peer++;
 		return SK_PASS;
@@ -1069,9 +1068,10 @@ static __always_inline int finish_msg(struct sk_msg_md *msg, struct bpf_sock *sk
 		return SK_PASS;
 	if (!policy_allows(link, st, tp, msg->size, rs))
 		return SK_PASS;
-	/* This direction used TCP (the peer was not ready): redirect again only
-	 * once the peer read all of it. */
-	if ((st->flags & MW_SOCK_NEEDS_SYNC) && link->dir[end].tcp_read != tp->write_seq) {
+	/* Whatever sent this direction's bytes on TCP (the peer not ready yet,
+	 * the policy, a plugin's MW_BYPASS): redirect again only once the peer
+	 * read all of them. */
+	if (link->dir[end].tcp_read != tp->write_seq) {
 		if (rs)
 			rs->fb_tcp_path++;
 		return SK_PASS;
@@ -1080,12 +1080,10 @@ static __always_inline int finish_msg(struct sk_msg_md *msg, struct bpf_sock *sk
 	key.end = peer;
 	if (bpf_msg_redirect_hash(msg, &mw_sockhash, &key, BPF_F_INGRESS) != SK_PASS) {
 		/* Peer absent: this message takes the TCP path. */
-		st->flags |= MW_SOCK_NEEDS_SYNC;
 		if (rs)
 			rs->fb_no_peer++;
 		return SK_PASS;
 	}
-	st->flags &= ~MW_SOCK_NEEDS_SYNC;
 	if (rs) {
 		rs->msgs++;
 		rs->bytes += msg->size;
