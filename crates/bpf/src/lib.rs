@@ -70,6 +70,7 @@ pub mod names {
     pub const MAP_SERVICES: &str = "mw_services";
     pub const MAP_CONFIG: &str = "mw_config";
     pub const MAP_DOOMED: &str = "mw_doomed";
+    pub const MAP_PARK_REQ: &str = "mw_park_req";
     pub const MAP_EVENTS: &str = "mw_events";
     pub const MAP_SCRATCH: &str = "mw_scratch";
     /// The reader guard's programs (sockredir family).
@@ -77,6 +78,7 @@ pub mod names {
     pub const PROG_SYS_ENTER: &str = "mw_sys_enter";
     pub const PROG_SETSOCKOPT: &str = "mw_setsockopt";
     pub const PROG_DESTROY: &str = "mw_destroy";
+    pub const PROG_PARK: &str = "mw_park";
     pub const MAP_SK_STATE: &str = "mw_sk_state";
     pub const MAP_STATS: &str = "mw_stats";
     pub const MAP_GLOBAL: &str = "mw_global";
@@ -121,7 +123,7 @@ pub mod names {
         MAP_GRACE,
     ];
     /// Every map of the sockredir family, in pin order.
-    pub const SOCKREDIR_MAPS: [&str; 25] = [
+    pub const SOCKREDIR_MAPS: [&str; 26] = [
         MAP_SOCKHASH,
         MAP_PAIRS,
         MAP_CAPTURE,
@@ -134,6 +136,7 @@ pub mod names {
         MAP_SERVICES,
         MAP_CONFIG,
         MAP_DOOMED,
+        MAP_PARK_REQ,
         MAP_EVENTS,
         MAP_SCRATCH,
         MAP_STATS,
@@ -169,6 +172,7 @@ mod tests {
             names::PROG_SYS_ENTER,
             names::PROG_SETSOCKOPT,
             names::PROG_DESTROY,
+            names::PROG_PARK,
         ];
         all.extend(names::SOCKREDIR_MAPS);
         all.extend(names::TCREDIR_MAPS);

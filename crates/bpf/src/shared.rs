@@ -7,7 +7,7 @@
 use std::net::IpAddr;
 
 /// `MW_SCHEMA_VERSION`: bumped whenever a pinned map's key or value changes.
-pub const SCHEMA_VERSION: u32 = 3;
+pub const SCHEMA_VERSION: u32 = 5;
 
 pub const AF_INET: u32 = 2;
 pub const AF_INET6: u32 = 10;
@@ -32,11 +32,15 @@ pub const LINK_OBSERVE: u32 = 8;
 pub const LINK_FIXED: u32 = 16;
 /// `MW_DIR_*` (`mw_dir.flags`).
 pub const DIR_TCP: u32 = 1;
+pub const DIR_UNLINK_REQ: u32 = 2;
+pub const DIR_UNLINKED: u32 = 4;
+pub const DIR_RELINK_REQ: u32 = 8;
 /// `MW_EF_*` (`mw_link.end_flags`).
 pub const EF_PSOCK: u32 = 1;
 pub const EF_TARGET: u32 = 2;
 pub const EF_NOSEND: u32 = 4;
 pub const EF_CLOSED: u32 = 8;
+pub const EF_PARKED: u32 = 0x10;
 pub const EF_R_SPLICE: u32 = 0x100;
 pub const EF_R_LOWAT: u32 = 0x200;
 pub const EF_R_ULP: u32 = 0x400;
@@ -61,6 +65,20 @@ pub const CFG_SYSCALL_WATCH: u32 = 16;
 pub const EV_CLASSIFY: u32 = 1;
 pub const EV_SPLICE_HIT: u32 = 2;
 pub const EV_SPLICE_SEEN: u32 = 3;
+pub const EV_UNLINK: u32 = 4;
+pub const EV_RELINK: u32 = 5;
+/// `MW_PARK_*` (`mw_park_req.op`).
+pub const PARK_UNLINK: u32 = 1;
+pub const PARK_RELINK: u32 = 2;
+pub const PARK_UNPARK: u32 = 3;
+/// `MW_PARK_*` (`mw_park_req.result`).
+pub const PARK_PENDING: u32 = 0;
+pub const PARK_DONE: u32 = 1;
+pub const PARK_BUSY: u32 = 2;
+pub const PARK_MOOT: u32 = 3;
+pub const PARK_FAILED: u32 = 4;
+/// `MW_RD_SHARED` (`mw_sock_state.rd_pid`).
+pub const RD_SHARED: u32 = u32::MAX;
 
 /// An address as the BPF programs store it: four words in network byte order.
 pub type RawAddr = [u32; 4];
@@ -182,6 +200,8 @@ pub struct Link {
     pub end_flags: [u32; 2],
     pub cookie: [u64; 2],
     pub exe: [ExeKey; 2],
+    /// Each end's network namespace (cookie).
+    pub netns: [u64; 2],
     pub dir: [Dir; 2],
 }
 
@@ -193,6 +213,16 @@ pub struct Dir {
     pub run: u32,
     pub run_bytes: u32,
     pub tcp_read: u32,
+    pub redir: u32,
+    pub pad: u32,
+}
+
+/// `struct mw_park_req`: one request to the mw_park iterator.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ParkReq {
+    pub op: u32,
+    pub result: u32,
 }
 
 /// `struct mw_cookie_val`.
@@ -219,6 +249,8 @@ pub struct SockState {
     pub rd_seen: u32,
     pub skipped: u32,
     pub read: u32,
+    pub psock_rd: u32,
+    pub rd_pid: u32,
     pub pad: u32,
 }
 
@@ -311,6 +343,8 @@ pub struct RuleStats {
     pub promotions: u64,
     pub policy_tcp_msgs: u64,
     pub fb_mode_never: u64,
+    pub unlinks: u64,
+    pub relinks: u64,
 }
 
 /// `MW_OWNER_LEN`: bytes of an owner name, NUL padding included.
@@ -579,6 +613,7 @@ unsafe impl Pod for ServiceKey {}
 unsafe impl Pod for Config {}
 unsafe impl Pod for Event {}
 unsafe impl Pod for SockState {}
+unsafe impl Pod for ParkReq {}
 unsafe impl Pod for RuleStats {}
 unsafe impl Pod for GlobalStats {}
 unsafe impl Pod for u32 {}
@@ -601,6 +636,13 @@ mod tests {
     use crate::sockredir::types;
     use std::mem::{align_of, offset_of, size_of};
 
+    #[test]
+    fn schema_version_matches_the_header() {
+        let header = include_str!("../include/meshwarp/shared.h");
+        let line = header.lines().find(|l| l.starts_with("#define MW_SCHEMA_VERSION ")).expect("MW_SCHEMA_VERSION");
+        assert_eq!(line.rsplit(' ').next(), Some(SCHEMA_VERSION.to_string().as_str()));
+    }
+
     /// Checks size, alignment and every field offset against the skeleton's
     /// types, which libbpf-cargo generates from the BPF object's BTF.
     macro_rules! same_layout {
@@ -622,14 +664,29 @@ mod tests {
         same_layout!(
             Link,
             types::mw_link,
-            [family, kind, client_ip, server_ip, client_port, server_port, rule_id, flags, end_flags, cookie, exe, dir]
+            [
+                family,
+                kind,
+                client_ip,
+                server_ip,
+                client_port,
+                server_port,
+                rule_id,
+                flags,
+                end_flags,
+                cookie,
+                exe,
+                netns,
+                dir
+            ]
         );
         same_layout!(CookieVal, types::mw_cookie_val, [link, end, rule_id]);
-        same_layout!(Dir, types::mw_dir, [flags, run, run_bytes, tcp_read]);
+        same_layout!(Dir, types::mw_dir, [flags, run, run_bytes, tcp_read, redir, pad]);
+        same_layout!(ParkReq, types::mw_park_req, [op, result]);
         same_layout!(
             SockState,
             types::mw_sock_state,
-            [link, rule_id, flags, end, learn, rd_pub, rd_tgid, rd_seen, skipped, read, pad]
+            [link, rule_id, flags, end, learn, rd_pub, rd_tgid, rd_seen, skipped, read, psock_rd, rd_pid, pad]
         );
         same_layout!(SockOwner, types::mw_sock_owner, [exe, tgid, flags]);
         same_layout!(Exe, types::mw_exe, [flags, tgid, comm]);
@@ -657,7 +714,9 @@ mod tests {
                 demotions,
                 promotions,
                 policy_tcp_msgs,
-                fb_mode_never
+                fb_mode_never,
+                unlinks,
+                relinks
             ]
         );
         same_layout!(GlobalStats, types::mw_global_stats, [established, not_covered, no_state, no_link]);
@@ -681,12 +740,14 @@ mod tests {
         assert_eq!(size_of::<PairKey>(), 16 + 16 + 4 + 4);
         assert_eq!(size_of::<CaptureKey>(), 16 + 16 + 4 + 4);
         assert_eq!(size_of::<Rule>(), 4 + 4 + 16 + 8);
-        assert_eq!(size_of::<Link>(), 8 + 32 + 16 + 8 + 16 + 32 + 32);
-        assert_eq!(size_of::<SockState>(), 8 + 16 + 24);
+        assert_eq!(size_of::<Link>(), 8 + 32 + 16 + 8 + 16 + 32 + 16 + 48);
+        assert_eq!(size_of::<Dir>(), 24);
+        assert_eq!(size_of::<ParkReq>(), 8);
+        assert_eq!(size_of::<SockState>(), 8 + 16 + 32);
         assert_eq!(size_of::<SockOwner>(), 16 + 8);
         assert_eq!(size_of::<Exe>(), 8 + 16);
         assert_eq!(size_of::<Event>(), 16 + 16 + 16 + 32 + 24 + 32);
-        assert_eq!(size_of::<RuleStats>(), 18 * 8);
+        assert_eq!(size_of::<RuleStats>(), 20 * 8);
         assert_eq!(size_of::<GlobalStats>(), 4 * 8);
         assert_eq!(size_of::<RouteKey4>(), 16);
         assert_eq!(size_of::<RouteKey6>(), 28);

@@ -35,6 +35,34 @@ pub struct MeshArgs {
     /// Only the one-node or the two-node topology.
     #[arg(long, value_enum)]
     only: Option<Topo>,
+    /// Response body sizes (nginx serves a file of each; k and m suffixes are KiB and MiB).
+    #[arg(long, value_delimiter = ',', default_value = "1k,1m,16m", value_parser = parse_size)]
+    body: Vec<u64>,
+}
+
+/// `1k`, `16m`, `512`: a byte count.
+fn parse_size(v: &str) -> Result<u64, String> {
+    let v = v.trim().to_ascii_lowercase();
+    let (num, mult) = match v.strip_suffix('k') {
+        Some(n) => (n, 1u64 << 10),
+        None => match v.strip_suffix('m') {
+            Some(n) => (n, 1 << 20),
+            None => (v.as_str(), 1),
+        },
+    };
+    let n: u64 = num.parse().map_err(|_| format!("{v:?} is not a size like 1k or 16m"))?;
+    n.checked_mul(mult).filter(|b| *b > 0).ok_or_else(|| format!("{v:?} is out of range"))
+}
+
+/// How a body size is shown and named: 1 KiB, 16 MiB.
+fn show_size(b: u64) -> String {
+    if b >= 1 << 20 && b % (1 << 20) == 0 {
+        format!("{} MiB", b >> 20)
+    } else if b >= 1 << 10 && b % (1 << 10) == 0 {
+        format!("{} KiB", b >> 10)
+    } else {
+        format!("{b} B")
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -84,14 +112,19 @@ fn need(tool: &str) -> Result<()> {
     }
 }
 
-/// Writes the configs and starts the app and both sidecars.
-fn start_mesh(dir: &Path, client_pod: &NetNs, server_pod: &NetNs, pod_b: IpAddr) -> Result<Vec<Proc>> {
-    let body = "x".repeat(1024);
+/// Writes the configs and the bodies (`<dir>/www/<size>`), and starts the
+/// app and both sidecars.
+fn start_mesh(dir: &Path, client_pod: &NetNs, server_pod: &NetNs, pod_b: IpAddr, bodies: &[u64]) -> Result<Vec<Proc>> {
+    let www = dir.join("www");
+    std::fs::create_dir_all(&www)?;
+    for &b in bodies {
+        std::fs::write(www.join(b.to_string()), vec![b'x'; usize::try_from(b)?])?;
+    }
     let nginx = format!(
         "worker_processes 1;\npid {d}/nginx.pid;\nerror_log {d}/nginx-error.log;\nevents {{ worker_connections 4096; }}\n\
          http {{\n access_log off;\n client_body_temp_path {d}/cb; proxy_temp_path {d}/px; fastcgi_temp_path {d}/fc;\n \
          uwsgi_temp_path {d}/uw; scgi_temp_path {d}/sc;\n keepalive_requests 1000000;\n \
-         server {{ listen {pod_b}:{APP_PORT}; location / {{ return 200 \"{body}\"; }} }}\n}}\n",
+         server {{ listen {pod_b}:{APP_PORT}; location / {{ root {d}/www; }} }}\n}}\n",
         d = dir.display()
     );
     std::fs::write(dir.join("nginx.conf"), nginx)?;
@@ -155,8 +188,8 @@ fn busy_cpu_us() -> Result<f64> {
     Ok(ticks / hz * 1e6)
 }
 
-fn wrk(client_pod: &NetNs, conns: usize, secs: u64) -> Result<Run> {
-    let url = format!("http://{SERVICE_V4}:{SERVICE_PORT}/");
+fn wrk(client_pod: &NetNs, conns: usize, secs: u64, body: u64) -> Result<Run> {
+    let url = format!("http://{SERVICE_V4}:{SERVICE_PORT}/{body}");
     let cpu0 = busy_cpu_us()?;
     let out = Command::new("ip")
         .args([
@@ -268,6 +301,7 @@ fn socket_rules(dp: &Dataplane, pod_a: IpAddr, pod_b: IpAddr, cross_node: bool) 
 
 struct Row {
     topo: &'static str,
+    body: u64,
     conns: usize,
     plain: Run,
     fast: Run,
@@ -280,14 +314,14 @@ fn measure(
     args: &MeshArgs,
     rows: &mut Vec<Row>,
 ) -> Result<()> {
-    for &c in &args.concurrency {
+    for (&body, &c) in args.body.iter().flat_map(|b| args.concurrency.iter().map(move |c| (b, c))) {
         let (mut plain, mut fast) = (Vec::new(), Vec::new());
         for rep in 0..args.repeat {
-            eprintln!("  {topo} c={c} repetition {}/{}", rep + 1, args.repeat);
+            eprintln!("  {topo} body={} c={c} repetition {}/{}", show_size(body), rep + 1, args.repeat);
             accel.disable()?;
-            plain.push(wrk(client_pod, c, args.duration)?);
+            plain.push(wrk(client_pod, c, args.duration, body)?);
             accel.enable()?;
-            fast.push(wrk(client_pod, c, args.duration)?);
+            fast.push(wrk(client_pod, c, args.duration, body)?);
         }
         accel.disable()?;
         let med = |runs: &[Run]| Run {
@@ -297,7 +331,7 @@ fn measure(
             rps: median(runs.iter().map(|r| r.rps).collect()),
             cpu_us_per_req: median(runs.iter().map(|r| r.cpu_us_per_req).collect()),
         };
-        rows.push(Row { topo, conns: c, plain: med(&plain), fast: med(&fast) });
+        rows.push(Row { topo, body, conns: c, plain: med(&plain), fast: med(&fast) });
     }
     Ok(())
 }
@@ -339,7 +373,7 @@ fn run_in(args: &MeshArgs, dir: &Path) -> Result<Vec<Row>> {
             let (pod_a, pod_b) = (IpAddr::V4(a.v4), IpAddr::V4(b.v4));
             redirect_output(&a.ns, IpAddr::V4(SERVICE_V4), SERVICE_PORT, 15001)?;
             redirect_prerouting(&b.ns, pod_b, SERVICE_PORT, 15006)?;
-            let _procs = start_mesh(dir, &a.ns, &b.ns, pod_b)?;
+            let _procs = start_mesh(dir, &a.ns, &b.ns, pod_b, &args.body)?;
             let accel = socket_rules(&dp, pod_a, pod_b, false)?;
             measure("one node", &a.ns, &accel, args, &mut rows)?;
         }
@@ -350,7 +384,7 @@ fn run_in(args: &MeshArgs, dir: &Path) -> Result<Vec<Row>> {
             let (pod_a, pod_b) = (IpAddr::V4(a.v4), IpAddr::V4(b.v4));
             redirect_output(&a.ns, IpAddr::V4(SERVICE_V4), SERVICE_PORT, 15001)?;
             redirect_prerouting(&b.ns, pod_b, SERVICE_PORT, 15006)?;
-            let _procs = start_mesh(dir, &a.ns, &b.ns, pod_b)?;
+            let _procs = start_mesh(dir, &a.ns, &b.ns, pod_b, &args.body)?;
             let tc_cfg =
                 |ns: &NetNs, n: &str| TcConfig { pin_root: pin_root.join(n), netns: Some(ns.path()), max_routes: 64 };
             let tc_a = TcDataplane::open(&tc_cfg(&net.a.node, "a"))?;
@@ -376,12 +410,12 @@ fn table(rows: &[Row], args: &MeshArgs) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "\nwrk -> haproxy (15001) -> haproxy (15006) -> nginx (1 KiB body); {} s runs, medians of {} interleaved repetitions",
+        "\nwrk -> haproxy (15001) -> haproxy (15006) -> nginx (static file); {} s runs, medians of {} interleaved repetitions",
         args.duration, args.repeat
     );
     let _ = writeln!(
         s,
-        "| topology | conns | path | p50 us | p90 us | p99 us | req/s | CPU us/req | p50 ratio | req/s ratio |\n|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"
+        "| topology | body | conns | path | p50 us | p90 us | p99 us | req/s | CPU us/req | p50 ratio | req/s ratio |\n|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"
     );
     for r in rows {
         for (name, x) in [("plain", r.plain), ("meshwarp", r.fast)] {
@@ -392,8 +426,15 @@ fn table(rows: &[Row], args: &MeshArgs) -> String {
             };
             let _ = writeln!(
                 s,
-                "| {} | {} | {name} | {:.0} | {:.0} | {:.0} | {:.0} | {:.1} | {lat} | {tput} |",
-                r.topo, r.conns, x.p50, x.p90, x.p99, x.rps, x.cpu_us_per_req
+                "| {} | {} | {} | {name} | {:.0} | {:.0} | {:.0} | {:.0} | {:.1} | {lat} | {tput} |",
+                r.topo,
+                show_size(r.body),
+                r.conns,
+                x.p50,
+                x.p90,
+                x.p99,
+                x.rps,
+                x.cpu_us_per_req
             );
         }
     }
@@ -410,5 +451,15 @@ mod tests {
         assert_eq!(parse_latency("1.50ms"), Some(1500.0));
         assert_eq!(parse_latency("2.00s"), Some(2_000_000.0));
         assert_eq!(parse_latency("abc"), None);
+    }
+
+    #[test]
+    fn body_sizes() {
+        assert_eq!(parse_size("1k"), Ok(1024));
+        assert_eq!(parse_size("16M"), Ok(16 << 20));
+        assert_eq!(parse_size("512"), Ok(512));
+        assert!(parse_size("0").is_err() && parse_size("big").is_err());
+        assert_eq!(show_size(16 << 20), "16 MiB");
+        assert_eq!(show_size(1024), "1 KiB");
     }
 }

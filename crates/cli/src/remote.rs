@@ -226,9 +226,14 @@ impl Remote {
                     );
                     let c = r.counters.unwrap_or_default();
                     println!(
-                        "policy: demoted (coalesce) {}  promoted {}  messages on TCP {}  connections kept on TCP \
-                         (mode never) {}",
-                        c.demotions_coalesce, c.promotions, c.policy_tcp_msgs, c.fallback_mode_never
+                        "policy: demoted (coalesce) {}  promoted {}  messages on TCP {}  unlinked {}  relinked {}  \
+                         connections kept on TCP (mode never) {}",
+                        c.demotions_coalesce,
+                        c.promotions,
+                        c.policy_tcp_msgs,
+                        c.unlinks,
+                        c.relinks,
+                        c.fallback_mode_never
                     );
                 })
             }
@@ -433,6 +438,8 @@ impl Remote {
                 a.promotions += c.promotions;
                 a.policy_tcp_msgs += c.policy_tcp_msgs;
                 a.fallback_mode_never += c.fallback_mode_never;
+                a.unlinks += c.unlinks;
+                a.relinks += c.relinks;
                 a
             });
             println!(
@@ -451,9 +458,9 @@ impl Remote {
                 t.splice_hits
             );
             println!(
-                "adaptive policy: demoted (coalesce) {}  promoted {}  messages on TCP {}  connections kept on TCP \
-                 (mode never) {}",
-                t.demotions_coalesce, t.promotions, t.policy_tcp_msgs, t.fallback_mode_never
+                "adaptive policy: demoted (coalesce) {}  promoted {}  messages on TCP {}  unlinked {}  relinked {}  \
+                 connections kept on TCP (mode never) {}",
+                t.demotions_coalesce, t.promotions, t.policy_tcp_msgs, t.unlinks, t.relinks, t.fallback_mode_never
             );
         })
     }

@@ -6,7 +6,7 @@
 //! never adopts maps of another layout):
 //! ```text
 //! <pin_root>/v<SCHEMA>/maps/<map name>
-//! <pin_root>/v<SCHEMA>/progs/mw_sockops, mw_sk_msg, mw_recv_len, mw_sys_enter, mw_setsockopt, mw_destroy
+//! <pin_root>/v<SCHEMA>/progs/mw_sockops, mw_sk_msg, mw_recv_len, mw_sys_enter, mw_setsockopt, mw_destroy, mw_park
 //! <pin_root>/v<SCHEMA>/links/mw_sockops, mw_setsockopt   (the cgroup attachments)
 //! <pin_root>/v<SCHEMA>/links/mw_recv_len, mw_sys_enter   (reads of covered sockets; system calls, when the guard watches them)
 //! ```
@@ -177,13 +177,14 @@ impl Layout {
 }
 
 /// Programs of the family, pinned.
-const PROGS: [&str; 6] = [
+const PROGS: [&str; 7] = [
     names::PROG_SOCKOPS,
     names::PROG_SK_MSG,
     names::PROG_RECV_LEN,
     names::PROG_SYS_ENTER,
     names::PROG_SETSOCKOPT,
     names::PROG_DESTROY,
+    names::PROG_PARK,
 ];
 
 /// libbpf messages of warning level and above, collected while loading so a
@@ -308,11 +309,14 @@ impl Dataplane {
             .map_err(bpf_err("writing mw_config"))?;
         set_guard_links(&layout, guard_flags)?;
         let subscribers = Arc::new(Subscribers::default());
-        let guard = if guard_flags & CFG_GUARD != 0 {
-            crate::guard::start(&layout.dir, &cfg.trusted_readers, Arc::clone(&subscribers))?
-        } else {
-            None
-        };
+        // Its thread also serves the policy's unlink requests: it runs with
+        // the guard off too, without classifying anything.
+        let guard = crate::guard::start(
+            &layout.dir,
+            &cfg.trusted_readers,
+            Arc::clone(&subscribers),
+            guard_flags & CFG_GUARD != 0,
+        )?;
         tracing::info!(
             guard = guard_flags & CFG_GUARD != 0,
             splice_blind = guard_flags & CFG_SPLICE_BLIND != 0,
@@ -633,6 +637,7 @@ fn load_and_pin(cfg: &DataplaneConfig, layout: &Layout) -> Result<(), DataplaneE
         (names::MAP_SERVICES, &maps.mw_services),
         (names::MAP_CONFIG, &maps.mw_config),
         (names::MAP_DOOMED, &maps.mw_doomed),
+        (names::MAP_PARK_REQ, &maps.mw_park_req),
         (names::MAP_EVENTS, &maps.mw_events),
         (names::MAP_SCRATCH, &maps.mw_scratch),
         (names::MAP_STATS, &maps.mw_stats),
@@ -661,6 +666,7 @@ fn load_and_pin(cfg: &DataplaneConfig, layout: &Layout) -> Result<(), DataplaneE
         (names::PROG_SYS_ENTER, &progs.mw_sys_enter),
         (names::PROG_SETSOCKOPT, &progs.mw_setsockopt),
         (names::PROG_DESTROY, &progs.mw_destroy),
+        (names::PROG_PARK, &progs.mw_park),
     ] {
         let path = layout.prog(name);
         let handle = ProgramHandle::try_from(prog).map_err(bpf_err(format!("handle of program {name}")))?;

@@ -6,15 +6,18 @@
 //! `bpf_sock_destroy`, run in the socket's network namespace), so that the
 //! application sees an error instead of a silently truncated stream.
 //!
+//! The same thread serves the adaptive policy's requests to take streaming
+//! ends out of the SOCKHASH and back ([`crate::park`]), with or without the
+//! guard's classification.
+//!
 //! Only one guard runs per pin root (a lock file under /run/meshwarp); a
 //! second process adopting the same data path leaves it to the first.
 
 use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
-use std::io::Read;
 use std::net::{IpAddr, SocketAddr};
-use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -23,7 +26,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use libbpf_rs::{libbpf_sys, MapCore, MapFlags, MapHandle, ProgramHandle, RingBufferBuilder};
+use libbpf_rs::{MapCore, MapFlags, MapHandle, ProgramHandle, RingBufferBuilder};
 use meshwarp_bpf::names;
 use meshwarp_bpf::shared::{
     ip_from_raw, str_of, Event, Exe, ExeClass, ExeKey, Pod, EV_CLASSIFY, EV_SPLICE_HIT, EV_SPLICE_SEEN, EXE_CLASSIFIED,
@@ -31,6 +34,7 @@ use meshwarp_bpf::shared::{
 };
 
 use crate::execlass::{self, ExeFacts};
+use crate::park::{self, Parker};
 
 #[derive(Debug, thiserror::Error)]
 pub enum GuardError {
@@ -142,18 +146,8 @@ impl GuardMaps {
         };
         let prog = ProgramHandle::from_pinned_path(pin_dir.join("progs").join(names::PROG_DESTROY))
             .map_err(bpf_err("opening pinned mw_destroy"))?;
-        // SAFETY: a valid program fd; NULL opts create a plain iter link.
-        let fd = unsafe {
-            libbpf_sys::bpf_link_create(prog.as_fd().as_raw_fd(), 0, libbpf_sys::BPF_TRACE_ITER, std::ptr::null())
-        };
-        if fd < 0 {
-            return Err(GuardError::Io {
-                what: "creating the mw_destroy iterator link".into(),
-                source: std::io::Error::from_raw_os_error(-fd),
-            });
-        }
-        // SAFETY: a new fd we own.
-        let destroy_link = unsafe { OwnedFd::from_raw_fd(fd) };
+        let destroy_link = crate::sys::iter_link(&prog)
+            .map_err(|source| GuardError::Io { what: "creating the mw_destroy iterator link".into(), source })?;
         Ok(Self {
             events: map(names::MAP_EVENTS)?,
             exes: map(names::MAP_EXES)?,
@@ -237,6 +231,7 @@ pub(crate) fn start(
     pin_dir: &Path,
     trusted: &[PathBuf],
     subscribers: Arc<Subscribers>,
+    classify: bool,
 ) -> Result<Option<GuardThread>, GuardError> {
     let Some(lock_file) = guard_lock(pin_dir)? else {
         tracing::info!(dir = %pin_dir.display(), "another process guards this data path");
@@ -244,7 +239,7 @@ pub(crate) fn start(
     };
     let maps = GuardMaps::open(pin_dir)?;
     let mut trusted_keys = BTreeSet::new();
-    for t in trusted {
+    for t in trusted.iter().filter(|_| classify) {
         let key = execlass::exe_key(t)?;
         let facts = execlass::classify_file(t)?;
         maps.write_class(&key, class_flags(&facts, true))?;
@@ -253,7 +248,9 @@ pub(crate) fn start(
     }
     // Every running program, before the first connection can need it.
     let mut libs = execlass::LibCache::new();
-    classify_running(&maps, &trusted_keys, &mut libs);
+    if classify {
+        classify_running(&maps, &trusted_keys, &mut libs);
+    }
     drop(maps);
     let stop = Arc::new(AtomicBool::new(false));
     let (stop2, dir) = (Arc::clone(&stop), pin_dir.to_path_buf());
@@ -283,14 +280,28 @@ fn run(pin_dir: &Path, stop: &AtomicBool, trusted: &BTreeSet<ExeKey>, subs: &Sub
         .map_err(bpf_err("ring buffer"))?;
     let rb = builder.build().map_err(bpf_err("ring buffer"))?;
     let mut guard = Guard { maps: &maps, trusted, subs, tries: BTreeMap::new(), libs: execlass::LibCache::new() };
+    let mut parker = match Parker::open(pin_dir) {
+        Ok(p) => Some(p),
+        Err(e) => {
+            tracing::warn!("demoted connections stay in the SOCKHASH: {e}");
+            None
+        }
+    };
     let mut last_retry = Instant::now();
     while !stop.load(Ordering::Relaxed) {
-        if let Err(e) = rb.poll(Duration::from_millis(50)) {
+        let wait =
+            if parker.as_ref().is_some_and(Parker::waiting) { park::RETRY_EVERY } else { Duration::from_millis(50) };
+        if let Err(e) = rb.poll(wait) {
             tracing::warn!("polling mw_events: {e}");
         }
         let events: Vec<Event> = queue.borrow_mut().drain(..).collect();
         for ev in events {
-            guard.handle(&ev);
+            if !parker.as_mut().is_some_and(|p| p.accept(&ev)) {
+                guard.handle(&ev);
+            }
+        }
+        if let Some(p) = parker.as_mut() {
+            p.run_due();
         }
         if last_retry.elapsed() > Duration::from_millis(500) {
             guard.retry_pending();
@@ -399,12 +410,13 @@ impl Guard<'_> {
                 .map_err(bpf_err("writing mw_doomed"))?;
         }
         // The socket's namespace is not necessarily the splicing thread's.
-        let ns = find_netns(ev.netns, ev.pid).ok_or_else(|| GuardError::Io {
+        let ns = crate::sys::find_netns(ev.netns, ev.pid).ok_or_else(|| GuardError::Io {
             what: format!("finding network namespace {} of the hit socket", ev.netns),
             source: std::io::ErrorKind::NotFound.into(),
         })?;
-        let link = self.maps.destroy_link.as_raw_fd();
-        crate::sys::run_in_netns(Some(&ns), || run_iterator(link))??;
+        let link = self.maps.destroy_link.as_fd();
+        crate::sys::run_in_netns(Some(&ns), || crate::sys::drain_iterator(link))?
+            .map_err(|source| GuardError::Io { what: "reading the mw_destroy iterator".into(), source })?;
         let gone = self.maps.doomed.lookup(&ev.cookie.to_ne_bytes(), MapFlags::ANY).ok().flatten().is_none();
         // Whatever was not found (a peer in another namespace) is not kept.
         for c in [ev.cookie, ev.peer_cookie] {
@@ -442,62 +454,6 @@ impl Guard<'_> {
             }
         }
     }
-}
-
-/// Reads an iterator of `link` to its end (running its program on every
-/// socket of the calling thread's namespace).
-fn run_iterator(link: i32) -> Result<(), GuardError> {
-    // SAFETY: a valid iter link fd.
-    let fd = unsafe { libbpf_sys::bpf_iter_create(link) };
-    if fd < 0 {
-        return Err(GuardError::Io {
-            what: "creating the mw_destroy iterator".into(),
-            source: std::io::Error::from_raw_os_error(-fd),
-        });
-    }
-    // SAFETY: a new fd we own.
-    let mut f = fs::File::from(unsafe { OwnedFd::from_raw_fd(fd) });
-    let mut buf = [0u8; 512];
-    loop {
-        match f.read(&mut buf) {
-            Ok(0) => return Ok(()),
-            Ok(_) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(source) => return Err(GuardError::Io { what: "reading the mw_destroy iterator".into(), source }),
-        }
-    }
-}
-
-/// A path to the network namespace with cookie `cookie`: the thread's own
-/// first, then named namespaces, then every process's and thread's.
-fn find_netns(cookie: u64, tid: u32) -> Option<PathBuf> {
-    use std::os::unix::fs::MetadataExt;
-    let mut candidates = vec![PathBuf::from(format!("/proc/{tid}/ns/net"))];
-    if let Ok(d) = fs::read_dir("/run/netns") {
-        candidates.extend(d.flatten().map(|e| e.path()));
-    }
-    if let Ok(d) = fs::read_dir("/proc") {
-        for p in d.flatten().filter(|e| e.file_name().to_str().is_some_and(|n| n.parse::<u32>().is_ok())) {
-            candidates.push(p.path().join("ns/net"));
-            if let Ok(t) = fs::read_dir(p.path().join("task")) {
-                candidates.extend(t.flatten().map(|e| e.path().join("ns/net")));
-            }
-        }
-    }
-    let mut seen = BTreeSet::new();
-    candidates.into_iter().find(|path| {
-        let Ok(m) = fs::metadata(path) else { return false };
-        if !seen.insert((m.dev(), m.ino())) {
-            return false;
-        }
-        crate::sys::run_in_netns(Some(path), netns_cookie_here).ok().flatten() == Some(cookie)
-    })
-}
-
-/// The cookie of the calling thread's network namespace.
-fn netns_cookie_here() -> Option<u64> {
-    let s = std::net::UdpSocket::bind("127.0.0.1:0").or_else(|_| std::net::UdpSocket::bind("[::1]:0")).ok()?;
-    crate::sys::netns_cookie_of(&s).ok()
 }
 
 fn find_process_running(ino: u64) -> Option<u32> {

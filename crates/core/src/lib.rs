@@ -20,6 +20,7 @@ pub mod execlass;
 pub mod guard;
 pub mod maps;
 pub mod netlink;
+mod park;
 pub mod plugin;
 pub mod probe;
 pub mod registry;

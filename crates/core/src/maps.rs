@@ -170,6 +170,8 @@ pub fn add_rule_stats(a: &mut RuleStats, b: &RuleStats) {
     a.promotions = a.promotions.wrapping_add(b.promotions);
     a.policy_tcp_msgs = a.policy_tcp_msgs.wrapping_add(b.policy_tcp_msgs);
     a.fb_mode_never = a.fb_mode_never.wrapping_add(b.fb_mode_never);
+    a.unlinks = a.unlinks.wrapping_add(b.unlinks);
+    a.relinks = a.relinks.wrapping_add(b.relinks);
 }
 
 fn add_global_stats(a: &mut GlobalStats, b: &GlobalStats) {

@@ -46,6 +46,11 @@ pub struct RuleCounters {
     pub policy_tcp_msgs: u64,
     /// Connections left on the TCP path because the rule's mode is `never`.
     pub fallback_mode_never: u64,
+    /// Adaptive policy: demoted ends taken out of the SOCKHASH after they kept
+    /// streaming (their TCP path is plain TCP again, without tcp_bpf).
+    pub unlinks: u64,
+    /// Adaptive policy: unlinked ends put back because their peer sent.
+    pub relinks: u64,
 }
 
 impl From<RuleStats> for RuleCounters {
@@ -69,6 +74,8 @@ impl From<RuleStats> for RuleCounters {
             promotions: s.promotions,
             policy_tcp_msgs: s.policy_tcp_msgs,
             fallback_mode_never: s.fb_mode_never,
+            unlinks: s.unlinks,
+            relinks: s.relinks,
         }
     }
 }

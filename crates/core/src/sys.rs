@@ -222,6 +222,81 @@ pub fn netns_cookie_of(sock: &impl AsRawFd) -> Result<u64, SysError> {
     getsockopt_u64(sock, SO_NETNS_COOKIE).map_err(SysError::NetnsCookie)
 }
 
+/// A BPF iterator link of `prog` (an iter program), from which iterators
+/// are created in whatever namespace the caller is in.
+pub fn iter_link(prog: &libbpf_rs::ProgramHandle) -> io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::{AsFd, FromRawFd};
+    // SAFETY: a valid program fd; NULL opts create a plain iter link.
+    let fd = unsafe {
+        libbpf_rs::libbpf_sys::bpf_link_create(
+            prog.as_fd().as_raw_fd(),
+            0,
+            libbpf_rs::libbpf_sys::BPF_TRACE_ITER,
+            std::ptr::null(),
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::from_raw_os_error(-fd));
+    }
+    // SAFETY: a new fd we own.
+    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
+}
+
+/// Reads a new iterator of `link` to its end, running its program on every
+/// object (for iter/tcp: every TCP socket of the calling thread's namespace).
+pub fn drain_iterator(link: std::os::fd::BorrowedFd<'_>) -> io::Result<()> {
+    use std::io::Read;
+    use std::os::fd::FromRawFd;
+    // SAFETY: a valid iter link fd.
+    let fd = unsafe { libbpf_rs::libbpf_sys::bpf_iter_create(link.as_raw_fd()) };
+    if fd < 0 {
+        return Err(io::Error::from_raw_os_error(-fd));
+    }
+    // SAFETY: a new fd we own.
+    let mut f = fs::File::from(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) });
+    let mut buf = [0u8; 512];
+    loop {
+        match f.read(&mut buf) {
+            Ok(0) => return Ok(()),
+            Ok(_) => {}
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// A path to the network namespace with cookie `cookie`: thread `tid`'s own
+/// first, then named namespaces, then every process's and thread's.
+pub fn find_netns(cookie: u64, tid: u32) -> Option<PathBuf> {
+    use std::os::unix::fs::MetadataExt;
+    let mut candidates = vec![PathBuf::from(format!("/proc/{tid}/ns/net"))];
+    if let Ok(d) = fs::read_dir("/run/netns") {
+        candidates.extend(d.flatten().map(|e| e.path()));
+    }
+    if let Ok(d) = fs::read_dir("/proc") {
+        for p in d.flatten().filter(|e| e.file_name().to_str().is_some_and(|n| n.parse::<u32>().is_ok())) {
+            candidates.push(p.path().join("ns/net"));
+            if let Ok(t) = fs::read_dir(p.path().join("task")) {
+                candidates.extend(t.flatten().map(|e| e.path().join("ns/net")));
+            }
+        }
+    }
+    let mut seen = std::collections::BTreeSet::new();
+    candidates.into_iter().find(|path| {
+        let Ok(m) = fs::metadata(path) else { return false };
+        if !seen.insert((m.dev(), m.ino())) {
+            return false;
+        }
+        run_in_netns(Some(path), netns_cookie_here).ok().flatten() == Some(cookie)
+    })
+}
+
+/// The cookie of the calling thread's network namespace.
+fn netns_cookie_here() -> Option<u64> {
+    let s = std::net::UdpSocket::bind("127.0.0.1:0").or_else(|_| std::net::UdpSocket::bind("[::1]:0")).ok()?;
+    netns_cookie_of(&s).ok()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -101,6 +101,7 @@ fn stream_one_way(
 /// Nagle on, 512-byte writes, no reply: the client's direction moves to
 /// TCP. After the server answers, the next request goes on the fast path
 /// again, since the server had read every TCP byte. Every byte checked.
+/// (Short enough that the client stays in the SOCKHASH: see the unlink tests.)
 #[test]
 fn a_small_write_stream_is_demoted_then_promoted() -> Result<()> {
     let k = kernel_test!();
@@ -112,12 +113,12 @@ fn a_small_write_stream_is_demoted_then_promoted() -> Result<()> {
     let (mut up_w, mut up_r) = (Stream::new(1), Stream::new(1));
     let (mut down_w, mut down_r) = (Stream::new(2), Stream::new(2));
 
-    stream_one_way(&c, &s, &mut up_w, &mut up_r, 2 << 20, 512)?;
+    stream_one_way(&c, &s, &mut up_w, &mut up_r, 96 * 512, 512)?;
     let st = k.dp().pair_stats(&pair)?;
-    ensure!(st.demotions_coalesce == 1, "the stream was demoted once: {st:?}");
+    ensure!(st.demotions_coalesce == 1 && st.unlinks == 0, "the stream was demoted once: {st:?}");
     ensure!(st.policy_tcp_msgs > 0 && st.redirected_msgs >= 7, "{st:?}");
     // Bytes sent on TCP after the demotion: most of the stream.
-    ensure!(st.redirected_bytes < 1 << 20, "{st:?}");
+    ensure!(st.redirected_bytes <= 8 * 512, "{st:?}");
 
     // The server answers; the client's next request starts a new exchange.
     down_w.write(&s, 64, 64)?;
@@ -128,6 +129,107 @@ fn a_small_write_stream_is_demoted_then_promoted() -> Result<()> {
     let after = k.dp().pair_stats(&pair)?;
     ensure!(after.promotions == 1, "promoted once the server read every TCP byte: {after:?}");
     ensure!(after.redirected_bytes == before.redirected_bytes + 100, "the request was redirected: {after:?}");
+    Ok(())
+}
+
+/// Polls the pair's counters until `cond` holds (the unlink and relink are
+/// served by the data path's thread, a few milliseconds later).
+fn wait_counters(
+    k: &KernelTest,
+    pair: &EndpointPair,
+    what: &str,
+    cond: impl Fn(&RuleCounters) -> bool,
+) -> Result<RuleCounters> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let st = k.dp().pair_stats(pair)?;
+        if cond(&st) {
+            return Ok(st);
+        }
+        ensure!(std::time::Instant::now() < deadline, "{what}: {st:?}");
+        thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// A direction that keeps streaming small writes leaves the SOCKHASH (its
+/// sends no longer run sk_msg at all); when the server answers, the client
+/// is put back, and its next request is redirected again. Every byte checked.
+#[test]
+fn a_streaming_end_leaves_the_sockhash_and_comes_back() -> Result<()> {
+    let k = kernel_test!();
+    let (net, l, pair) = pods_pair(&k, 8206, FastPathMode::Adaptive)?;
+    let to = SocketAddr::new(net.pods[1].addr(false), 8206);
+    let (c, s) = (net.pods[0].ns.connect(to)?, accept_timeout(&l, Duration::from_secs(60))?);
+    c.set_nodelay(false)?;
+    let (mut up_w, mut up_r) = (Stream::new(11), Stream::new(11));
+    let (mut down_w, mut down_r) = (Stream::new(12), Stream::new(12));
+
+    stream_one_way(&c, &s, &mut up_w, &mut up_r, 1 << 20, 512)?;
+    let st = wait_counters(&k, &pair, "the streaming client end was unlinked", |c| c.unlinks == 1)?;
+    ensure!(st.demotions_coalesce == 1 && st.relinks == 0, "{st:?}");
+    // Out of the map: more streaming runs no sk_msg (plain TCP).
+    stream_one_way(&c, &s, &mut up_w, &mut up_r, 2 << 20, 512)?;
+    let after = k.dp().pair_stats(&pair)?;
+    ensure!(after.policy_tcp_msgs == st.policy_tcp_msgs, "no sk_msg ran once unlinked: {st:?} then {after:?}");
+
+    // The server answers (on TCP: the client is parked): the client goes back.
+    down_w.write(&s, 64, 64)?;
+    down_r.read(&c, 64)?;
+    let st = wait_counters(&k, &pair, "the client end was relinked", |c| c.relinks == 1)?;
+    // A new exchange: the request is redirected again, and so is the reply.
+    for _ in 0..3 {
+        up_w.write(&c, 100, 100)?;
+        up_r.read(&s, 100)?;
+        down_w.write(&s, 100, 100)?;
+        down_r.read(&c, 100)?;
+    }
+    let after = k.dp().pair_stats(&pair)?;
+    ensure!(after.promotions >= 1, "promoted after the relink: {after:?}");
+    ensure!(after.redirected_bytes >= st.redirected_bytes + 500, "requests and replies redirected: {after:?}");
+    Ok(())
+}
+
+/// The client streams small writes for seconds while the server sends it a
+/// short message every 20 ms: the client leaves the SOCKHASH, comes back at
+/// the server's next message, leaves again, many times, with redirected and
+/// TCP bytes racing into it. Both streams arrive whole and in order.
+#[test]
+fn unlink_and_relink_under_two_way_traffic_lose_nothing() -> Result<()> {
+    let k = kernel_test!();
+    let (net, l, pair) = pods_pair(&k, 8207, FastPathMode::Adaptive)?;
+    let to = SocketAddr::new(net.pods[1].addr(false), 8207);
+    let mut conns = Vec::new();
+    for _ in 0..4 {
+        let c = net.pods[0].ns.connect(to)?;
+        c.set_nodelay(false)?;
+        conns.push((c, accept_timeout(&l, Duration::from_secs(60))?));
+    }
+    thread::scope(|scope| -> Result<()> {
+        let mut handles = Vec::new();
+        for (n, (c, s)) in conns.iter().enumerate() {
+            let seed = 300 + 2 * n as u64;
+            let (up_len, down_msgs) = (12 << 20, 120usize);
+            // Client -> server: one long stream of 256-byte writes.
+            handles.push(scope.spawn(move || Stream::new(seed).write(c, up_len, 256)));
+            handles.push(scope.spawn(move || Stream::new(seed).read(s, up_len)));
+            // Server -> client: 37-byte messages, 20 ms apart.
+            handles.push(scope.spawn(move || -> Result<()> {
+                let mut w = Stream::new(seed + 1);
+                for _ in 0..down_msgs {
+                    w.write(s, 37, 37)?;
+                    thread::sleep(Duration::from_millis(20));
+                }
+                Ok(())
+            }));
+            handles.push(scope.spawn(move || Stream::new(seed + 1).read(c, 37 * down_msgs)));
+        }
+        for h in handles {
+            h.join().unwrap()?;
+        }
+        Ok(())
+    })?;
+    let st = k.dp().pair_stats(&pair)?;
+    ensure!(st.unlinks >= 2 && st.relinks >= 1, "ends left the SOCKHASH and came back: {st:?}");
     Ok(())
 }
 

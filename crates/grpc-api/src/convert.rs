@@ -307,6 +307,8 @@ pub fn counters_to_pb(c: &RuleCounters) -> pb::RuleCounters {
         promotions: c.promotions,
         policy_tcp_msgs: c.policy_tcp_msgs,
         fallback_mode_never: c.fallback_mode_never,
+        unlinks: c.unlinks,
+        relinks: c.relinks,
     }
 }
 

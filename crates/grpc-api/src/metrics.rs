@@ -144,7 +144,7 @@ impl Metrics {
         let (policy, policy_tcp_msgs) = (Family::<TransitionLabels, Gauge>::default(), Gauge::default());
         registry.register(
             "policy_transitions",
-            "Adaptive policy: directions demoted to TCP or promoted back, by reason (all rules)",
+            "Adaptive policy: directions demoted to TCP or promoted back, ends unlinked from the SOCKHASH or relinked, by reason (all rules)",
             policy.clone(),
         );
         registry.register(
@@ -194,6 +194,7 @@ impl Metrics {
         let as_i64 = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
         let (mut msgs, mut bytes, mut hits) = (0u64, 0u64, 0u64);
         let (mut demoted, mut promoted, mut tcp_msgs) = (0u64, 0u64, 0u64);
+        let (mut unlinked, mut relinked) = (0u64, 0u64);
         let mut fb = [0u64; 11];
         let mut add = |c: meshwarp_core::RuleCounters| {
             msgs += c.redirected_msgs;
@@ -202,6 +203,8 @@ impl Metrics {
             demoted += c.demotions_coalesce;
             promoted += c.promotions;
             tcp_msgs += c.policy_tcp_msgs;
+            unlinked += c.unlinks;
+            relinked += c.relinks;
             for (i, v) in [
                 c.fallback_no_peer,
                 c.fallback_tcp_path,
@@ -260,7 +263,12 @@ impl Metrics {
         ] {
             self.fallbacks.get_or_create(&ReasonLabel { reason: reason.into() }).set(as_i64(v));
         }
-        for (transition, reason, v) in [("demotion", "coalesce", demoted), ("promotion", "drained", promoted)] {
+        for (transition, reason, v) in [
+            ("demotion", "coalesce", demoted),
+            ("promotion", "drained", promoted),
+            ("unlink", "streaming", unlinked),
+            ("relink", "peer_sent", relinked),
+        ] {
             let l = TransitionLabels { transition: transition.into(), reason: reason.into() };
             self.policy.get_or_create(&l).set(as_i64(v));
         }

@@ -12,7 +12,7 @@
 #ifndef MESHWARP_SHARED_H
 #define MESHWARP_SHARED_H
 
-#define MW_SCHEMA_VERSION 4
+#define MW_SCHEMA_VERSION 5
 
 #define MW_AF_INET 2
 #define MW_AF_INET6 10
@@ -96,6 +96,9 @@ struct mw_rule {
 #define MW_EF_TARGET 2u  /* its reader may be given redirected bytes */
 #define MW_EF_NOSEND 4u  /* its own sends stay on TCP (a ULP such as kTLS) */
 #define MW_EF_CLOSED 8u
+/* Not a target while its socket leaves the SOCKHASH, or is out of it (the
+ * policy unlinked it, see mw_dir); cleared when it is back. */
+#define MW_EF_PARKED 0x10u
 /* Why an end is not, or no longer, a target. */
 #define MW_EF_R_SPLICE 0x100u /* its reader can splice (program), or was seen splicing */
 #define MW_EF_R_LOWAT 0x200u  /* SO_RCVLOWAT: the fast path ignores it */
@@ -124,10 +127,18 @@ struct mw_dir {
 	/* The peer's copied_seq as its reads publish it: how far its reader
 	 * consumed this direction's TCP bytes. Starts at this end's ISN + 1. */
 	__u32 tcp_read;
+	/* Bytes this end's sender handed to the peer's psock, counted before
+	 * each redirect: the peer may leave the SOCKHASH only once its reads
+	 * of redirected bytes (mw_sock_state.psock_rd) caught up with them. */
+	__u32 redir;
+	__u32 pad;
 };
 
 /* mw_dir.flags */
-#define MW_DIR_TCP 1u /* demoted by the policy */
+#define MW_DIR_TCP 1u        /* demoted by the policy */
+#define MW_DIR_UNLINK_REQ 2u /* user space was asked to take this end out of the SOCKHASH */
+#define MW_DIR_UNLINKED 4u   /* out of the SOCKHASH: plain tcp_prot, its sends cost nothing */
+#define MW_DIR_RELINK_REQ 8u /* user space was asked to put it back */
 
 /* The policy: after MW_POLICY_RUN messages without a reply, a direction whose
  * sender lets TCP coalesce (Nagle or cork) and whose messages averaged under
@@ -140,6 +151,12 @@ struct mw_dir {
  * something (a new exchange may have started) and otherwise once per
  * MW_POLICY_CHECK messages; the others cost one storage lookup. */
 #define MW_POLICY_CHECK 16
+/* A demoted direction that kept streaming for MW_POLICY_UNLINK checks after
+ * its demotion (about MW_POLICY_UNLINK * MW_POLICY_CHECK messages without a
+ * reply) asks to leave
+ * the SOCKHASH: a psock socket pays tcp_bpf on every send and read even on the
+ * TCP path. Its peer's next message asks to put it back. */
+#define MW_POLICY_UNLINK 8
 
 /* The connection both accelerated ends share (mw_links, keyed by link id). */
 struct mw_link {
@@ -156,6 +173,7 @@ struct mw_link {
 	__u32 end_flags[2];
 	__u64 cookie[2];
 	struct mw_exe_key exe[2]; /* who reads each end (owner stamp), for sweeps */
+	__u64 netns[2];           /* each end's network namespace (cookie) */
 	struct mw_dir dir[2];
 };
 
@@ -180,8 +198,13 @@ struct mw_sock_state {
 	__u32 rd_seen;  /* ... and which MW_EXE_SEEN_* bits they set (reads skip known ones) */
 	__u32 skipped;  /* messages a demoted direction sent since its last policy check */
 	__u32 read;     /* a demoted end read since that check: its next send checks */
+	__u32 psock_rd; /* bytes its reader took from the psock queue (redirected ones) */
+	__u32 rd_pid;   /* the thread that reads it, MW_RD_SHARED once several did */
 	__u32 pad;
 };
+
+/* mw_sock_state.rd_pid: more than one thread read this socket. */
+#define MW_RD_SHARED 0xffffffffu
 
 /* mw_sock_state.learn: the port is kept from the handshake because a socket
  * read after it closed (a server that reads last) has left the port table. */
@@ -257,6 +280,25 @@ struct mw_config {
 #define MW_EV_CLASSIFY 1     /* an executable meshwarp has not read yet */
 #define MW_EV_SPLICE_HIT 2   /* a reader spliced with redirected bytes pending */
 #define MW_EV_SPLICE_SEEN 3  /* an executable was seen splicing a covered socket */
+#define MW_EV_UNLINK 4       /* a demoted direction streams: take its socket out of the SOCKHASH */
+#define MW_EV_RELINK 5       /* the peer of an unlinked end sent: put it back */
+
+/* A request to mw_park (iter/tcp) for one socket, keyed by its cookie in
+ * mw_park_req: user space writes op, the iterator writes result. */
+struct mw_park_req {
+	__u32 op;
+	__u32 result;
+};
+
+#define MW_PARK_UNLINK 1 /* leave the SOCKHASH once nothing redirected to it is unread */
+#define MW_PARK_RELINK 2 /* enter it again */
+#define MW_PARK_UNPARK 3 /* give up an unlink: a target again */
+
+#define MW_PARK_PENDING 0
+#define MW_PARK_DONE 1
+#define MW_PARK_BUSY 2   /* redirected bytes unread or in flight: ask again later */
+#define MW_PARK_MOOT 3   /* nothing to do: promoted meanwhile, closing, or not a target */
+#define MW_PARK_FAILED 4 /* the SOCKHASH refused */
 
 struct mw_event {
 	__u32 type;
@@ -299,6 +341,8 @@ struct mw_rule_stats {
 	__u64 promotions;       /* directions moved back: a new exchange, TCP bytes all read */
 	__u64 policy_tcp_msgs;  /* messages a demoted direction sent on TCP */
 	__u64 fb_mode_never;    /* connections left on TCP: the rule's mode is never */
+	__u64 unlinks;          /* demoted ends taken out of the SOCKHASH (plain TCP, no tcp_bpf) */
+	__u64 relinks;          /* unlinked ends put back when their peer sent */
 };
 
 /* Owner of a rule slot: a NUL-padded controller name. */

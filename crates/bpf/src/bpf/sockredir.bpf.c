@@ -36,6 +36,7 @@
 #include "meshwarp/chain.h"
 
 #define TCP_CLOSE_STATE 7 /* enum tcp_state TCP_CLOSE */
+#define TCP_ESTABLISHED_STATE 1
 #define EPERM 1
 #define ENOMEM 12
 #define E2BIG 7
@@ -151,6 +152,15 @@ struct {
 	__type(key, __u64);
 	__type(value, __u32);
 } mw_doomed SEC(".maps");
+
+/* Sockets user space asked mw_park to take out of the SOCKHASH or put back
+ * (keyed by cookie; the iterator writes the result). */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 1024);
+	__type(key, __u64);
+	__type(value, struct mw_park_req);
+} mw_park_req SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_RINGBUF);
@@ -370,6 +380,39 @@ static __always_inline __u32 sock_file_flags(struct sock *sk)
 static __always_inline void emit(struct mw_event *ev)
 {
 	bpf_ringbuf_output(&mw_events, ev, sizeof(*ev), 0);
+}
+
+static __always_inline void fill_event_link(struct mw_event *ev, const struct mw_link *link)
+{
+	ev->rule_id = link->rule_id;
+	ev->family = link->family;
+	ev->client_port = link->client_port;
+	ev->server_port = link->server_port;
+	copy_ip(ev->client_ip, link->client_ip);
+	copy_ip(ev->server_ip, link->server_ip);
+}
+
+/* Asks user space to run mw_park for one end of a link (MW_EV_UNLINK or
+ * MW_EV_RELINK); false if the ring buffer is full (ask again later). */
+static __always_inline bool request_park(__u32 type, const struct mw_link *link, __u64 id, __u32 end)
+{
+	struct mw_event *ev = bpf_ringbuf_reserve(&mw_events, sizeof(*ev), 0);
+	__u64 pid_tgid = bpf_get_current_pid_tgid();
+
+	if (!ev)
+		return false;
+	__builtin_memset(ev, 0, sizeof(*ev));
+	ev->type = type;
+	ev->pid = (__u32)pid_tgid;
+	ev->tgid = pid_tgid >> 32;
+	ev->link = id;
+	ev->end = end & 1;
+	ev->cookie = link->cookie[end & 1];
+	ev->peer_cookie = link->cookie[(end ^ 1) & 1];
+	ev->netns = link->netns[end & 1];
+	fill_event_link(ev, link);
+	bpf_ringbuf_submit(ev, 0);
+	return true;
 }
 
 /* Asks user space, once per executable, to classify it. */
@@ -607,6 +650,8 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, co
 	st->rd_pub = skops->rcv_nxt;
 	st->rd_tgid = 0;
 	st->rd_seen = 0;
+	st->rd_pid = 0;
+	st->psock_rd = 0;
 	/* Data in the SYN (Fast Open) already took the TCP path. */
 	if (tp->syn_data)
 		return;
@@ -646,6 +691,7 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, co
 	link->end_flags[MW_END_SERVER] = (rule->flags & MW_RULE_NO_TARGET_SERVER) ? MW_EF_R_RULE : 0;
 	link->cookie[MW_END_CLIENT] = cookie;
 	link->exe[MW_END_CLIENT] = d.exe;
+	link->netns[MW_END_CLIENT] = bpf_get_netns_cookie(skops);
 	if (d.level == LV_NONE) {
 		/* Not accelerated; the server end still learns who reads it
 		 * (its listener may predate meshwarp), then drops the link. */
@@ -775,6 +821,8 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, c
 	st->rd_pub = skops->rcv_nxt;
 	st->rd_tgid = 0;
 	st->rd_seen = 0;
+	st->rd_pid = 0;
+	st->psock_rd = 0;
 	rule_flags = (link->end_flags[MW_END_SERVER] & MW_EF_R_RULE) ? MW_RULE_NO_TARGET_SERVER : 0;
 	decide_end(skops, tp, false, rule_flags, config_flags(), st, &d);
 	if (old & MW_LINK_OBSERVE) {
@@ -808,6 +856,7 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, c
 	bpf_map_update_elem(&mw_cookies, &cookie, &cv, BPF_ANY);
 	link->cookie[MW_END_SERVER] = cookie;
 	link->exe[MW_END_SERVER] = d.exe;
+	link->netns[MW_END_SERVER] = bpf_get_netns_cookie(skops);
 	/* Published last: the client redirects only once this end is in the map. */
 	__sync_fetch_and_or(&link->end_flags[MW_END_SERVER],
 			    MW_EF_PSOCK | (to_server ? MW_EF_TARGET : d.reason));
@@ -988,9 +1037,10 @@ static __always_inline bool coalescing(struct tcp_sock *tp)
  * (mw_dir). Returns false when the message takes the TCP path. Only this
  * end's sk_msg writes its own mw_dir (under its socket lock); the peer only
  * resets `run`, a race that at worst delays one decision. */
-static __always_inline bool policy_allows(struct mw_link *link, struct mw_sock_state *st, struct tcp_sock *tp,
-					  __u32 size, struct mw_rule_stats *rs)
+static __always_inline bool policy_allows(struct sk_msg_md *msg, struct mw_link *link, struct mw_sock_state *st,
+					  struct tcp_sock *tp, struct mw_rule_stats *rs)
 {
+	__u32 size = msg->size;
 	struct mw_dir *d = &link->dir[st->end & 1];
 	struct mw_dir *o = &link->dir[(st->end ^ 1) & 1];
 	__u32 run, skipped;
@@ -1019,6 +1069,12 @@ static __always_inline bool policy_allows(struct mw_link *link, struct mw_sock_s
 		st->flags |= MW_SOCK_DEMOTED;
 		if (rs)
 			rs->policy_tcp_msgs += skipped + 1;
+		/* Still streaming after MW_POLICY_UNLINK checks: leave the
+		 * SOCKHASH, so that TCP is plain TCP again. */
+		if (run >= MW_POLICY_RUN + MW_POLICY_UNLINK && !(d->flags & (MW_DIR_UNLINK_REQ | MW_DIR_UNLINKED)) &&
+		    st->rd_pid != MW_RD_SHARED &&
+		    request_park(MW_EV_UNLINK, link, st->link, st->end))
+			__sync_fetch_and_or(&d->flags, MW_DIR_UNLINK_REQ);
 		return false;
 	}
 	if (run == 1)
@@ -1046,7 +1102,7 @@ static __always_inline int finish_msg(struct sk_msg_md *msg, struct bpf_sock *sk
 	struct mw_sock_key key = {};
 	struct tcp_sock *tp;
 	struct mw_link *link;
-	__u32 end = st->end & 1, peer = end ^ 1;
+	__u32 end = st->end & 1, peer = end ^ 1, size = msg->size;
 	__u64 id = st->link;
 
 	/* A demoted direction: TCP, and only now and then a look at the link. */
@@ -1066,8 +1122,19 @@ static __always_inline int finish_msg(struct sk_msg_md *msg, struct bpf_sock *sk
 	tp = bpf_skc_to_tcp_sock(sk);
 	if (!tp)
 		return SK_PASS;
-	if (!policy_allows(link, st, tp, msg->size, rs))
+	if (!policy_allows(msg, link, st, tp, rs))
 		return SK_PASS;
+	/* The peer is leaving the SOCKHASH or out of it: this message is
+	 * its cue to come back (the other end talks again). */
+	if (*(volatile __u32 *)&link->end_flags[peer] & MW_EF_PARKED) {
+		if ((link->dir[peer].flags & (MW_DIR_UNLINKED | MW_DIR_RELINK_REQ)) == MW_DIR_UNLINKED &&
+		    !(__sync_fetch_and_or(&link->dir[peer].flags, MW_DIR_RELINK_REQ) & MW_DIR_RELINK_REQ) &&
+		    !request_park(MW_EV_RELINK, link, id, peer))
+			__sync_fetch_and_and(&link->dir[peer].flags, ~MW_DIR_RELINK_REQ);
+		if (rs)
+			rs->fb_no_peer++;
+		return SK_PASS;
+	}
 	/* Whatever sent this direction's bytes on TCP (the peer not ready yet,
 	 * the policy, a plugin's MW_BYPASS): redirect again only once the peer
 	 * read all of them. */
@@ -1076,17 +1143,23 @@ static __always_inline int finish_msg(struct sk_msg_md *msg, struct bpf_sock *sk
 			rs->fb_tcp_path++;
 		return SK_PASS;
 	}
+	/* Claim the bytes, then look again whether the peer is leaving: mw_park
+	 * sets MW_EF_PARKED, then reads `redir` (both locked instructions, so
+	 * either it sees this claim and waits, or this sees the flag). */
+	__sync_fetch_and_add(&link->dir[end].redir, size);
 	key.link = id;
 	key.end = peer;
-	if (bpf_msg_redirect_hash(msg, &mw_sockhash, &key, BPF_F_INGRESS) != SK_PASS) {
-		/* Peer absent: this message takes the TCP path. */
+	if ((*(volatile __u32 *)&link->end_flags[peer] & MW_EF_PARKED) ||
+	    bpf_msg_redirect_hash(msg, &mw_sockhash, &key, BPF_F_INGRESS) != SK_PASS) {
+		/* Peer absent or leaving: this message takes the TCP path. */
+		__sync_fetch_and_sub(&link->dir[end].redir, size);
 		if (rs)
 			rs->fb_no_peer++;
 		return SK_PASS;
 	}
 	if (rs) {
 		rs->msgs++;
-		rs->bytes += msg->size;
+		rs->bytes += size;
 	}
 	return SK_PASS;
 }
@@ -1173,7 +1246,7 @@ int BPF_PROG(mw_recv_len, struct sock *sk, int ret, int flags)
 	struct mw_exe_key exe = {};
 	struct tcp_sock *tp;
 	struct mw_link *link;
-	__u32 bit, tgid, seq;
+	__u32 bit, tgid, seq, pid;
 
 	st = bpf_sk_storage_get(&mw_sk_state, sk, 0, 0);
 	if (!st)
@@ -1185,9 +1258,19 @@ int BPF_PROG(mw_recv_len, struct sock *sk, int ret, int flags)
 	 * bytes do not move copied_seq, so the fast path publishes nothing. */
 	if (st->link && ret > 0 && !(flags & MSG_PEEK)) {
 		tp = bpf_skc_to_tcp_sock(sk);
+		pid = (__u32)bpf_get_current_pid_tgid();
+		/* Counting psock reads needs one reader at a time (below). */
+		if (st->rd_pid != pid && st->rd_pid != MW_RD_SHARED)
+			st->rd_pid = st->rd_pid ? MW_RD_SHARED : pid;
 		if (tp) {
 			seq = tp->copied_seq;
 			barrier_var(seq);
+			/* tcp_bpf_recvmsg reads either the psock queue or the TCP
+			 * queue: a read that left copied_seq alone took redirected
+			 * bytes. Two concurrent readers could miscount; such a
+			 * socket (MW_RD_SHARED) never leaves the SOCKHASH. */
+			if (seq == st->rd_pub)
+				st->psock_rd += ret;
 			if (seq != st->rd_pub) {
 				link = bpf_map_lookup_elem(&mw_links, &st->link);
 				if (link)
@@ -1252,16 +1335,6 @@ static __always_inline struct sock *fd_sock(__u32 fd)
 	if (!sock)
 		return NULL;
 	return sock->sk;
-}
-
-static __always_inline void fill_event_link(struct mw_event *ev, const struct mw_link *link)
-{
-	ev->rule_id = link->rule_id;
-	ev->family = link->family;
-	ev->client_port = link->client_port;
-	ev->server_port = link->server_port;
-	copy_ip(ev->client_ip, link->client_ip);
-	copy_ip(ev->server_ip, link->server_ip);
 }
 
 /* splice(fd_in = a socket): the executable splices. If fd_in is a covered
@@ -1424,6 +1497,114 @@ int mw_destroy(struct bpf_iter__tcp *ctx)
 		return 0;
 	bpf_sock_destroy(skc);
 	bpf_map_delete_elem(&mw_doomed, &cookie);
+	return 0;
+}
+
+/* Gives an end back its place as a target (an unlink that did not happen). */
+static __always_inline void unpark(struct mw_link *link, __u32 end)
+{
+	link->dir[end & 1].run = 0; /* a new count before it asks again */
+	__sync_fetch_and_and(&link->dir[end & 1].flags, ~MW_DIR_UNLINK_REQ);
+	__sync_fetch_and_and(&link->end_flags[end & 1], ~MW_EF_PARKED);
+}
+
+/*
+ * Takes a demoted end out of the SOCKHASH, or puts it back (mw_park_req).
+ * The iterator holds the socket's lock, as does every redirect that queues
+ * into it (bpf_tcp_ingress), so "nothing pending" cannot change under it once
+ * no redirect is in flight: the peer's claimed bytes (mw_dir.redir) must all
+ * have been read (psock_rd) and the psock queue be empty. Dropping a psock
+ * with bytes in its queue would lose them.
+ */
+SEC("iter/tcp")
+int mw_park(struct bpf_iter__tcp *ctx)
+{
+	struct sock_common *skc = ctx->sk_common;
+	struct mw_sock_key key = {};
+	struct mw_rule_stats *rs;
+	struct mw_park_req *req;
+	struct mw_sock_state *st;
+	struct mw_link *link;
+	struct tcp_sock *tp;
+	struct sock *sk;
+	__u32 end, peer, dflags, redir;
+	__u64 cookie;
+
+	if (!skc)
+		return 0;
+	cookie = bpf_get_socket_cookie(skc);
+	req = bpf_map_lookup_elem(&mw_park_req, &cookie);
+	if (!req || req->result != MW_PARK_PENDING)
+		return 0;
+	tp = bpf_skc_to_tcp_sock(skc);
+	if (!tp) {
+		req->result = MW_PARK_MOOT;
+		return 0;
+	}
+	sk = (struct sock *)tp;
+	st = bpf_sk_storage_get(&mw_sk_state, sk, 0, 0);
+	if (!st || !st->link) {
+		req->result = MW_PARK_MOOT;
+		return 0;
+	}
+	link = bpf_map_lookup_elem(&mw_links, &st->link);
+	end = st->end & 1;
+	peer = end ^ 1;
+	if (!link || link->cookie[end] != cookie) {
+		req->result = MW_PARK_MOOT;
+		return 0;
+	}
+	rs = rule_stats(link->rule_id);
+	dflags = link->dir[end].flags;
+	key.link = st->link;
+	key.end = end;
+	if (req->op == MW_PARK_UNLINK) {
+		if (!(dflags & MW_DIR_TCP) || (dflags & MW_DIR_UNLINKED) || st->rd_pid == MW_RD_SHARED ||
+		    skc->skc_state != TCP_ESTABLISHED_STATE) {
+			unpark(link, end);
+			req->result = MW_PARK_MOOT;
+			return 0;
+		}
+		__sync_fetch_and_or(&link->end_flags[end], MW_EF_PARKED);
+		redir = *(volatile __u32 *)&link->dir[peer].redir;
+		if (psock_pending(sk) || redir != st->psock_rd) {
+			req->result = MW_PARK_BUSY;
+			return 0;
+		}
+		if (bpf_map_delete_elem(&mw_sockhash, &key)) {
+			unpark(link, end);
+			req->result = MW_PARK_FAILED;
+			return 0;
+		}
+		__sync_fetch_and_or(&link->dir[end].flags, MW_DIR_UNLINKED);
+		__sync_fetch_and_and(&link->dir[end].flags, ~MW_DIR_UNLINK_REQ);
+		if (rs)
+			rs->unlinks++;
+		req->result = MW_PARK_DONE;
+		return 0;
+	}
+	if (req->op == MW_PARK_RELINK) {
+		if (!(dflags & MW_DIR_UNLINKED) || skc->skc_state != TCP_ESTABLISHED_STATE) {
+			__sync_fetch_and_and(&link->dir[end].flags, ~MW_DIR_RELINK_REQ);
+			req->result = MW_PARK_MOOT;
+			return 0;
+		}
+		/* On failure MW_DIR_RELINK_REQ stays: it is not asked again. */
+		if (bpf_map_update_elem(&mw_sockhash, &key, sk, BPF_NOEXIST)) {
+			req->result = MW_PARK_FAILED;
+			return 0;
+		}
+		__sync_fetch_and_and(&link->dir[end].flags, ~(MW_DIR_UNLINKED | MW_DIR_RELINK_REQ | MW_DIR_UNLINK_REQ));
+		link->dir[end].run = 0;
+		__sync_fetch_and_and(&link->end_flags[end], ~MW_EF_PARKED);
+		if (rs)
+			rs->relinks++;
+		req->result = MW_PARK_DONE;
+		return 0;
+	}
+	if (req->op == MW_PARK_UNPARK && !(dflags & MW_DIR_UNLINKED))
+		unpark(link, end);
+	req->result = MW_PARK_DONE;
 	return 0;
 }
 
