@@ -184,7 +184,14 @@ impl Parker {
                 v.map_or(PARK_PENDING, |v| v.result)
             })
             .collect();
-        ran?.map_err(|source| ParkError::Io { what: "reading the mw_park iterator".into(), source })?;
+        // The results stand even if the walk failed part-way: a request it
+        // served must not be retried as if it had not been.
+        if let Err(e) = ran
+            .map_err(ParkError::from)
+            .and_then(|r| r.map_err(|source| ParkError::Io { what: "reading the mw_park iterator".into(), source }))
+        {
+            tracing::debug!(netns = ns, "mw_park: {e}");
+        }
         Ok(results)
     }
 }

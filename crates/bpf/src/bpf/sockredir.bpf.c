@@ -45,6 +45,8 @@
 #define O_NONBLOCK 04000
 #define MSG_PEEK 0x2
 #define MSG_DONTWAIT 0x40
+#define MSG_OOB 0x1
+#define MSG_ERRQUEUE 0x2000
 #define SOL_SOCKET 1
 #define SO_RCVLOWAT 18
 #define SOL_TCP 6
@@ -1102,7 +1104,7 @@ static __always_inline int finish_msg(struct sk_msg_md *msg, struct bpf_sock *sk
 	struct mw_sock_key key = {};
 	struct tcp_sock *tp;
 	struct mw_link *link;
-	__u32 end = st->end & 1, peer = end ^ 1, size = msg->size;
+	__u32 end = st->end & 1, peer = end ^ 1, size = msg->size, claimed;
 	__u64 id = st->link;
 
 	/* A demoted direction: TCP, and only now and then a look at the link. */
@@ -1146,10 +1148,13 @@ static __always_inline int finish_msg(struct sk_msg_md *msg, struct bpf_sock *sk
 	/* Claim the bytes, then look again whether the peer is leaving: mw_park
 	 * sets MW_EF_PARKED, then reads `redir` (both locked instructions, so
 	 * either it sees this claim and waits, or this sees the flag). */
-	__sync_fetch_and_add(&link->dir[end].redir, size);
+	/* Fetch forms (results used): fully ordered on every JIT, unlike the
+	 * plain atomic add/or (arm64 STADD/STSET are unordered). */
+	claimed = __sync_fetch_and_add(&link->dir[end].redir, size);
+	barrier_var(claimed);
 	key.link = id;
 	key.end = peer;
-	if ((*(volatile __u32 *)&link->end_flags[peer] & MW_EF_PARKED) ||
+	if ((__sync_fetch_and_or(&link->end_flags[peer], 0) & MW_EF_PARKED) ||
 	    bpf_msg_redirect_hash(msg, &mw_sockhash, &key, BPF_F_INGRESS) != SK_PASS) {
 		/* Peer absent or leaving: this message takes the TCP path. */
 		__sync_fetch_and_sub(&link->dir[end].redir, size);
@@ -1246,7 +1251,7 @@ int BPF_PROG(mw_recv_len, struct sock *sk, int ret, int flags)
 	struct mw_exe_key exe = {};
 	struct tcp_sock *tp;
 	struct mw_link *link;
-	__u32 bit, tgid, seq, pid;
+	__u32 bit, tgid, seq, pid, old;
 
 	st = bpf_sk_storage_get(&mw_sk_state, sk, 0, 0);
 	if (!st)
@@ -1259,9 +1264,15 @@ int BPF_PROG(mw_recv_len, struct sock *sk, int ret, int flags)
 	if (st->link && ret > 0 && !(flags & MSG_PEEK)) {
 		tp = bpf_skc_to_tcp_sock(sk);
 		pid = (__u32)bpf_get_current_pid_tgid();
-		/* Counting psock reads needs one reader at a time (below). */
-		if (st->rd_pid != pid && st->rd_pid != MW_RD_SHARED)
-			st->rd_pid = st->rd_pid ? MW_RD_SHARED : pid;
+		/* Counting psock reads needs one reader at a time (below); out of
+		 * band and error-queue reads move no copied_seq either: ambiguous. */
+		if (flags & (MSG_OOB | MSG_ERRQUEUE)) {
+			st->rd_pid = MW_RD_SHARED;
+		} else if (st->rd_pid != pid && st->rd_pid != MW_RD_SHARED) {
+			old = __sync_val_compare_and_swap(&st->rd_pid, 0, pid);
+			if (old && old != pid)
+				st->rd_pid = MW_RD_SHARED;
+		}
 		if (tp) {
 			seq = tp->copied_seq;
 			barrier_var(seq);
@@ -1269,7 +1280,7 @@ int BPF_PROG(mw_recv_len, struct sock *sk, int ret, int flags)
 			 * queue: a read that left copied_seq alone took redirected
 			 * bytes. Two concurrent readers could miscount; such a
 			 * socket (MW_RD_SHARED) never leaves the SOCKHASH. */
-			if (seq == st->rd_pub)
+			if (seq == st->rd_pub && st->rd_pid != MW_RD_SHARED)
 				st->psock_rd += ret;
 			if (seq != st->rd_pub) {
 				link = bpf_map_lookup_elem(&mw_links, &st->link);
@@ -1559,14 +1570,19 @@ int mw_park(struct bpf_iter__tcp *ctx)
 	key.link = st->link;
 	key.end = end;
 	if (req->op == MW_PARK_UNLINK) {
-		if (!(dflags & MW_DIR_TCP) || (dflags & MW_DIR_UNLINKED) || st->rd_pid == MW_RD_SHARED ||
+		if (dflags & MW_DIR_UNLINKED) {
+			req->result = MW_PARK_MOOT; /* already out: stays parked */
+			return 0;
+		}
+		if (!(dflags & MW_DIR_TCP) || st->rd_pid == MW_RD_SHARED ||
 		    skc->skc_state != TCP_ESTABLISHED_STATE) {
 			unpark(link, end);
 			req->result = MW_PARK_MOOT;
 			return 0;
 		}
-		__sync_fetch_and_or(&link->end_flags[end], MW_EF_PARKED);
-		redir = *(volatile __u32 *)&link->dir[peer].redir;
+		redir = __sync_fetch_and_or(&link->end_flags[end], MW_EF_PARKED);
+		barrier_var(redir);
+		redir = __sync_fetch_and_add(&link->dir[peer].redir, 0);
 		if (psock_pending(sk) || redir != st->psock_rd) {
 			req->result = MW_PARK_BUSY;
 			return 0;
