@@ -81,6 +81,19 @@ fn pods_pair(k: &KernelTest, port: u16, mode: FastPathMode) -> Result<(NodeWithP
     Ok((net, l, pair))
 }
 
+/// `n` connections from pod 0 to pod 1's listener `l` on `port`, Nagle on
+/// (client end, server end).
+fn connections(net: &NodeWithPods, l: &TcpListener, port: u16, n: usize) -> Result<Vec<(TcpStream, TcpStream)>> {
+    let to = SocketAddr::new(net.pods[1].addr(false), port);
+    (0..n)
+        .map(|_| {
+            let c = net.pods[0].ns.connect(to)?;
+            c.set_nodelay(false)?;
+            Ok((c, accept_timeout(l, Duration::from_secs(60))?))
+        })
+        .collect()
+}
+
 /// A one-way stream of `len` bytes in `chunk`-byte writes (Nagle on), read
 /// concurrently by the other end.
 fn stream_one_way(
@@ -106,9 +119,7 @@ fn stream_one_way(
 fn a_small_write_stream_is_demoted_then_promoted() -> Result<()> {
     let k = kernel_test!();
     let (net, l, pair) = pods_pair(&k, 8201, FastPathMode::Adaptive)?;
-    let to = SocketAddr::new(net.pods[1].addr(false), 8201);
-    let (c, s) = (net.pods[0].ns.connect(to)?, accept_timeout(&l, Duration::from_secs(60))?);
-    c.set_nodelay(false)?;
+    let (c, s) = connections(&net, &l, 8201, 1)?.remove(0);
     ensure!(k.dp().socket_link(meshwarp_core::sys::socket_cookie_of(&c)?)?.is_some(), "accelerated");
     let (mut up_w, mut up_r) = (Stream::new(1), Stream::new(1));
     let (mut down_w, mut down_r) = (Stream::new(2), Stream::new(2));
@@ -158,9 +169,7 @@ fn wait_counters(
 fn a_streaming_end_leaves_the_sockhash_and_comes_back() -> Result<()> {
     let k = kernel_test!();
     let (net, l, pair) = pods_pair(&k, 8206, FastPathMode::Adaptive)?;
-    let to = SocketAddr::new(net.pods[1].addr(false), 8206);
-    let (c, s) = (net.pods[0].ns.connect(to)?, accept_timeout(&l, Duration::from_secs(60))?);
-    c.set_nodelay(false)?;
+    let (c, s) = connections(&net, &l, 8206, 1)?.remove(0);
     let (mut up_w, mut up_r) = (Stream::new(11), Stream::new(11));
     let (mut down_w, mut down_r) = (Stream::new(12), Stream::new(12));
 
@@ -197,13 +206,7 @@ fn a_streaming_end_leaves_the_sockhash_and_comes_back() -> Result<()> {
 fn unlink_and_relink_under_two_way_traffic_lose_nothing() -> Result<()> {
     let k = kernel_test!();
     let (net, l, pair) = pods_pair(&k, 8207, FastPathMode::Adaptive)?;
-    let to = SocketAddr::new(net.pods[1].addr(false), 8207);
-    let mut conns = Vec::new();
-    for _ in 0..4 {
-        let c = net.pods[0].ns.connect(to)?;
-        c.set_nodelay(false)?;
-        conns.push((c, accept_timeout(&l, Duration::from_secs(60))?));
-    }
+    let conns = connections(&net, &l, 8207, 4)?;
     thread::scope(|scope| -> Result<()> {
         let mut handles = Vec::new();
         for (n, (c, s)) in conns.iter().enumerate() {
@@ -240,8 +243,7 @@ fn unlink_and_relink_under_two_way_traffic_lose_nothing() -> Result<()> {
 fn no_promotion_while_tcp_bytes_are_unread() -> Result<()> {
     let k = kernel_test!();
     let (net, l, pair) = pods_pair(&k, 8202, FastPathMode::Adaptive)?;
-    let to = SocketAddr::new(net.pods[1].addr(false), 8202);
-    let (c, s) = (net.pods[0].ns.connect(to)?, accept_timeout(&l, Duration::from_secs(60))?);
+    let (c, s) = connections(&net, &l, 8202, 1)?.remove(0);
     let (mut up_w, mut up_r) = (Stream::new(3), Stream::new(3));
     let (mut down_w, mut down_r) = (Stream::new(4), Stream::new(4));
     // 32 small writes, not read yet: 8 redirected, then TCP.
@@ -271,8 +273,7 @@ fn no_promotion_while_tcp_bytes_are_unread() -> Result<()> {
 fn modes_always_and_never() -> Result<()> {
     let k = kernel_test!();
     let (net, l, always) = pods_pair(&k, 8203, FastPathMode::Always)?;
-    let to = SocketAddr::new(net.pods[1].addr(false), 8203);
-    let (c, s) = (net.pods[0].ns.connect(to)?, accept_timeout(&l, Duration::from_secs(60))?);
+    let (c, s) = connections(&net, &l, 8203, 1)?.remove(0);
     stream_one_way(&c, &s, &mut Stream::new(5), &mut Stream::new(5), 1 << 20, 512)?;
     let st = k.dp().pair_stats(&always)?;
     ensure!(st.demotions_coalesce == 0 && st.redirected_bytes == 1 << 20, "{st:?}");
@@ -297,13 +298,7 @@ fn modes_always_and_never() -> Result<()> {
 fn streams_survive_demotions_and_promotions() -> Result<()> {
     let k = kernel_test!();
     let (net, l, pair) = pods_pair(&k, 8205, FastPathMode::Adaptive)?;
-    let to = SocketAddr::new(net.pods[1].addr(false), 8205);
-    let mut conns = Vec::new();
-    for _ in 0..16 {
-        let c = net.pods[0].ns.connect(to)?;
-        c.set_nodelay(false)?;
-        conns.push((c, accept_timeout(&l, Duration::from_secs(60))?));
-    }
+    let conns = connections(&net, &l, 8205, 16)?;
     thread::scope(|scope| -> Result<()> {
         let mut handles = Vec::new();
         for (n, (c, s)) in conns.iter().enumerate() {
