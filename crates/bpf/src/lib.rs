@@ -59,7 +59,8 @@ pub mod plugins {
 pub mod names {
     pub const PROG_SOCKOPS: &str = "mw_sockops";
     pub const PROG_SK_MSG: &str = "mw_sk_msg";
-    pub const MAP_SOCKHASH: &str = "mw_sockhash";
+    pub const MAP_SOCKMAP: &str = "mw_sockmap";
+    pub const MAP_SLOTS: &str = "mw_slots";
     pub const MAP_PAIRS: &str = "mw_pairs";
     pub const MAP_CAPTURE: &str = "mw_capture";
     pub const MAP_LINKS: &str = "mw_links";
@@ -123,8 +124,9 @@ pub mod names {
         MAP_GRACE,
     ];
     /// Every map of the sockredir family, in pin order.
-    pub const SOCKREDIR_MAPS: [&str; 26] = [
-        MAP_SOCKHASH,
+    pub const SOCKREDIR_MAPS: [&str; 27] = [
+        MAP_SOCKMAP,
+        MAP_SLOTS,
         MAP_PAIRS,
         MAP_CAPTURE,
         MAP_LINKS,

@@ -7,7 +7,7 @@
 use std::net::IpAddr;
 
 /// `MW_SCHEMA_VERSION`: bumped whenever a pinned map's key or value changes.
-pub const SCHEMA_VERSION: u32 = 5;
+pub const SCHEMA_VERSION: u32 = 6;
 
 pub const AF_INET: u32 = 2;
 pub const AF_INET6: u32 = 10;
@@ -30,6 +30,7 @@ pub const LINK_POISONED: u32 = 2;
 pub const LINK_HIT: u32 = 4;
 pub const LINK_OBSERVE: u32 = 8;
 pub const LINK_FIXED: u32 = 16;
+pub const LINK_SLOT: u32 = 32;
 /// `MW_DIR_*` (`mw_dir.flags`).
 pub const DIR_TCP: u32 = 1;
 pub const DIR_UNLINK_REQ: u32 = 2;
@@ -41,6 +42,7 @@ pub const EF_TARGET: u32 = 2;
 pub const EF_NOSEND: u32 = 4;
 pub const EF_CLOSED: u32 = 8;
 pub const EF_PARKED: u32 = 0x10;
+pub const EF_GONE: u32 = 0x20;
 pub const EF_R_SPLICE: u32 = 0x100;
 pub const EF_R_LOWAT: u32 = 0x200;
 pub const EF_R_ULP: u32 = 0x400;
@@ -67,6 +69,7 @@ pub const EV_SPLICE_HIT: u32 = 2;
 pub const EV_SPLICE_SEEN: u32 = 3;
 pub const EV_UNLINK: u32 = 4;
 pub const EV_RELINK: u32 = 5;
+pub const EV_SLOT_STALE: u32 = 6;
 /// `MW_PARK_*` (`mw_park_req.op`).
 pub const PARK_UNLINK: u32 = 1;
 pub const PARK_RELINK: u32 = 2;
@@ -137,13 +140,21 @@ pub unsafe trait Pod: Copy + Default + 'static {
     }
 }
 
-/// `struct mw_sock_key`: a SOCKHASH key, the connection's link and the end.
+/// `struct mw_slot`: which link owns a pair of SOCKMAP entries
+/// (`2 * slot + end`).
 #[repr(C)]
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
-pub struct SockKey {
-    pub link: u64,
-    pub end: u32,
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Slot {
+    /// The owning link's id; 0: free.
+    pub owner: u64,
+    /// The link is gone; user space frees the slot once both entries are empty.
+    pub stale: u32,
     pub pad: u32,
+}
+
+/// The SOCKMAP index of one end of the link owning `slot`.
+pub fn sockmap_index(slot: u32, end: u32) -> u32 {
+    slot * 2 + (end & 1)
 }
 
 /// `struct mw_pair_key`: a mirror-pairing rule.
@@ -203,6 +214,9 @@ pub struct Link {
     /// Each end's network namespace (cookie).
     pub netns: [u64; 2],
     pub dir: [Dir; 2],
+    /// `mw_slots` index (with `LINK_SLOT`): the ends' SOCKMAP entries.
+    pub slot: u32,
+    pub pad: u32,
 }
 
 /// `struct mw_dir`: one direction of a link (the adaptive policy), by sending end.
@@ -316,7 +330,8 @@ pub struct Event {
     pub family: u32,
     pub client_port: u32,
     pub server_port: u32,
-    pub pad: u32,
+    /// `EV_SLOT_STALE`: the `mw_slots` index.
+    pub slot: u32,
     pub client_ip: RawAddr,
     pub server_ip: RawAddr,
 }
@@ -389,6 +404,10 @@ pub struct GlobalStats {
     pub not_covered: u64,
     pub no_state: u64,
     pub no_link: u64,
+    /// Covered connections left on TCP: no free slot among the probed ones.
+    pub no_slot: u64,
+    /// Slots left to user space to free (an end closed with bytes unread).
+    pub slots_stale: u64,
 }
 
 /// `enum mw_route_action`.
@@ -599,7 +618,7 @@ pub fn str_of(field: &[u8]) -> String {
     String::from_utf8_lossy(&field[..end]).into_owned()
 }
 
-unsafe impl Pod for SockKey {}
+unsafe impl Pod for Slot {}
 unsafe impl Pod for PairKey {}
 unsafe impl Pod for CaptureKey {}
 unsafe impl Pod for Rule {}
@@ -656,7 +675,7 @@ mod tests {
 
     #[test]
     fn mirrors_match_btf_layout() {
-        same_layout!(SockKey, types::mw_sock_key, [link, end, pad]);
+        same_layout!(Slot, types::mw_slot, [owner, stale, pad]);
         same_layout!(PairKey, types::mw_pair_key, [client_ip, server_ip, server_port, family]);
         same_layout!(CaptureKey, types::mw_capture_key, [client_ip, dst_ip, dst_port, family]);
         same_layout!(Rule, types::mw_rule, [id, listener_port, listener_ip, flags, pad]);
@@ -677,7 +696,9 @@ mod tests {
                 cookie,
                 exe,
                 netns,
-                dir
+                dir,
+                slot,
+                pad
             ]
         );
         same_layout!(CookieVal, types::mw_cookie_val, [link, end, rule_id]);
@@ -719,11 +740,16 @@ mod tests {
                 relinks
             ]
         );
-        same_layout!(GlobalStats, types::mw_global_stats, [established, not_covered, no_state, no_link]);
+        same_layout!(
+            GlobalStats,
+            types::mw_global_stats,
+            [established, not_covered, no_state, no_link, no_slot, slots_stale]
+        );
         assert_eq!(size_of::<Event>(), size_of::<types::mw_event>());
         assert_eq!(offset_of!(Event, kind), offset_of!(types::mw_event, r#type));
         assert_eq!(offset_of!(Event, server_ip), offset_of!(types::mw_event, server_ip));
         assert_eq!(offset_of!(Event, pending), offset_of!(types::mw_event, pending));
+        assert_eq!(offset_of!(Event, slot), offset_of!(types::mw_event, slot));
         same_layout!(ChainPos, types::mw_chain_pos, [plugin_id, cfg_slot, flags, pad]);
         same_layout!(PluginConfig, types::mw_plugin_config, [len, data]);
         same_layout!(PluginStats, types::mw_plugin_stats, [runs, cont, verdict1, drop, invalid, missing]);
@@ -736,11 +762,11 @@ mod tests {
 
     #[test]
     fn no_padding() {
-        assert_eq!(size_of::<SockKey>(), 16);
+        assert_eq!(size_of::<Slot>(), 16);
         assert_eq!(size_of::<PairKey>(), 16 + 16 + 4 + 4);
         assert_eq!(size_of::<CaptureKey>(), 16 + 16 + 4 + 4);
         assert_eq!(size_of::<Rule>(), 4 + 4 + 16 + 8);
-        assert_eq!(size_of::<Link>(), 8 + 32 + 16 + 8 + 16 + 32 + 16 + 48);
+        assert_eq!(size_of::<Link>(), 8 + 32 + 16 + 8 + 16 + 32 + 16 + 48 + 8);
         assert_eq!(size_of::<Dir>(), 24);
         assert_eq!(size_of::<ParkReq>(), 8);
         assert_eq!(size_of::<SockState>(), 8 + 16 + 32);
@@ -748,7 +774,7 @@ mod tests {
         assert_eq!(size_of::<Exe>(), 8 + 16);
         assert_eq!(size_of::<Event>(), 16 + 16 + 16 + 32 + 24 + 32);
         assert_eq!(size_of::<RuleStats>(), 20 * 8);
-        assert_eq!(size_of::<GlobalStats>(), 4 * 8);
+        assert_eq!(size_of::<GlobalStats>(), 6 * 8);
         assert_eq!(size_of::<RouteKey4>(), 16);
         assert_eq!(size_of::<RouteKey6>(), 28);
         assert_eq!(size_of::<RouteValue>(), 4 * 4 + 12 + 4 + 16 + 4 + 16);
@@ -785,8 +811,9 @@ mod tests {
 
     #[test]
     fn pod_round_trip() {
-        let k = SockKey { link: 0x1234_5678_9abc_def0, end: END_SERVER, pad: 0 };
-        assert_eq!(SockKey::from_bytes(k.as_bytes()), Some(k));
-        assert_eq!(SockKey::from_bytes(&[0u8; 3]), None);
+        let k = Slot { owner: 0x1234_5678_9abc_def0, stale: 1, pad: 0 };
+        assert_eq!(Slot::from_bytes(k.as_bytes()), Some(k));
+        assert_eq!(Slot::from_bytes(&[0u8; 3]), None);
+        assert_eq!(sockmap_index(7, END_SERVER), 15);
     }
 }

@@ -80,9 +80,9 @@ pub fn run(pin_root: &Path) -> Result<()> {
             fix: "kernel needs CONFIG_CGROUP_BPF=y",
         },
         Check {
-            name: "sk_msg + sockhash",
-            ok: prog_type(libbpf_sys::BPF_PROG_TYPE_SK_MSG) && map_type(libbpf_sys::BPF_MAP_TYPE_SOCKHASH),
-            detail: "BPF_PROG_TYPE_SK_MSG, BPF_MAP_TYPE_SOCKHASH".into(),
+            name: "sk_msg + sockmap",
+            ok: prog_type(libbpf_sys::BPF_PROG_TYPE_SK_MSG) && map_type(libbpf_sys::BPF_MAP_TYPE_SOCKMAP),
+            detail: "BPF_PROG_TYPE_SK_MSG, BPF_MAP_TYPE_SOCKMAP".into(),
             fix: "kernel needs CONFIG_BPF_STREAM_PARSER=y",
         },
         Check {

@@ -407,8 +407,9 @@ impl Remote {
         self.emit(&r, || {
             let g = r.global.unwrap_or_default();
             println!(
-                "established {}  not covered {}  no state {}  server end without client end {}",
-                g.established, g.not_covered, g.no_state, g.no_link
+                "established {}  not covered {}  no state {}  server end without client end {}  no slot {}  \
+                 stale slots {}",
+                g.established, g.not_covered, g.no_state, g.no_link, g.no_slot, g.slots_stale
             );
             println!("{:<48} {:>8} {:>12} {:>14} {:>10}", "RULE", "SOCKETS", "MSGS", "BYTES", "FALLBACKS");
             for p in &r.pairs {

@@ -185,7 +185,7 @@ fn every_rpc_happy_path() -> Result<()> {
     rt().block_on(async {
         let mut c = env.client().await;
         let info = c.get_node_info(pb::GetNodeInfoRequest {}).await?.into_inner();
-        let base = ["btf", "cgroup2", "bpffs", "sockops+sk_msg+sockhash"];
+        let base = ["btf", "cgroup2", "bpffs", "sockops+sk_msg+sockmap"];
         let feature = |n: &str| info.features.iter().find(|f| f.name == n);
         ensure!(!info.adopted && info.sockops_prog_id != 0, "{info:?}");
         ensure!(base.iter().all(|b| feature(b).is_some_and(|f| f.available)), "{:?}", info.features);

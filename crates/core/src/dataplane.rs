@@ -1,5 +1,5 @@
 //! The [`Dataplane`]: loads the socket-redirection programs, attaches sockops to
-//! a cgroup v2 and sk_msg to the SOCKHASH, pins everything under a bpffs root,
+//! a cgroup v2 and sk_msg to the SOCKMAP, pins everything under a bpffs root,
 //! adopts an instance that is already pinned, and removes exactly what it made.
 //!
 //! Pinned layout (the directory name carries the schema version, so an agent
@@ -26,8 +26,8 @@ use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::{libbpf_sys, Link, MapCore, MapFlags, MapHandle, PrintLevel, ProgramHandle};
 use meshwarp_bpf::names;
 use meshwarp_bpf::shared::{
-    Config, CookieVal, Link as LinkValue, Pod, SockKey, CFG_BLOCKING_EAGAIN, CFG_FIONREAD_PSOCK, CFG_GUARD,
-    CFG_SPLICE_BLIND, CFG_SYSCALL_WATCH, CHAIN_FIN,
+    Config, CookieVal, Link as LinkValue, Pod, CFG_BLOCKING_EAGAIN, CFG_FIONREAD_PSOCK, CFG_GUARD, CFG_SPLICE_BLIND,
+    CFG_SYSCALL_WATCH, CHAIN_FIN,
 };
 use meshwarp_bpf::sockredir::SockredirSkelBuilder;
 
@@ -54,7 +54,10 @@ pub struct DataplaneConfig {
     pub cgroup: Option<PathBuf>,
     /// Pairs + capture rules the data path has room for.
     pub max_rules: u32,
-    /// Sockets the SOCKHASH can hold; beyond that, connections fall back.
+    /// Sockets the SOCKMAP can hold (as `max_sockets / 2` link slots, each
+    /// with an entry per end); beyond that, connections fall back. A new link
+    /// probes 16 slots from its hash, so a nearly full map may turn
+    /// connections away a little earlier.
     pub max_sockets: u32,
     /// Whether the reader guard decides which sockets may receive redirected bytes.
     pub guard: GuardMode,
@@ -249,7 +252,7 @@ pub struct Dataplane {
     layout: Layout,
     pin_root: PathBuf,
     origin: Origin,
-    sockhash: MapHandle,
+    sockmap: MapHandle,
     links: MapHandle,
     cookies: MapHandle,
     registry: Mutex<Registry<KernelMaps>>,
@@ -291,8 +294,8 @@ impl Dataplane {
         let pinned = |name: &str| {
             MapHandle::from_pinned_path(layout.map(name)).map_err(bpf_err(format!("opening pinned {name}")))
         };
-        let (sockhash, links, cookies) =
-            (pinned(names::MAP_SOCKHASH)?, pinned(names::MAP_LINKS)?, pinned(names::MAP_COOKIES)?);
+        let (sockmap, links, cookies) =
+            (pinned(names::MAP_SOCKMAP)?, pinned(names::MAP_LINKS)?, pinned(names::MAP_COOKIES)?);
         let registry = Registry::reconcile(maps)?;
 
         let kernel = match KernelProbe::cached() {
@@ -328,7 +331,7 @@ impl Dataplane {
             layout,
             pin_root: cfg.pin_root.clone(),
             origin,
-            sockhash,
+            sockmap,
             links,
             cookies,
             registry: Mutex::new(registry),
@@ -471,20 +474,26 @@ impl Dataplane {
         self.registry().global_stats()
     }
 
-    /// The socket cookie stored in the SOCKHASH under `key`, if any.
-    pub fn sockhash_lookup(&self, key: &SockKey) -> Result<Option<u64>, DataplaneError> {
-        let v = self.sockhash.lookup(key.as_bytes(), MapFlags::ANY).map_err(bpf_err("looking up the SOCKHASH"))?;
+    /// The cookie of the socket in the SOCKMAP at `index` (see
+    /// [`sockmap_index`](meshwarp_bpf::shared::sockmap_index)), if any.
+    pub fn sockmap_lookup(&self, index: u32) -> Result<Option<u64>, DataplaneError> {
+        let v = self.sockmap.lookup(&index.to_ne_bytes(), MapFlags::ANY).map_err(bpf_err("looking up the SOCKMAP"))?;
         Ok(v.and_then(|b| <[u8; 8]>::try_from(b.as_slice()).ok()).map(u64::from_ne_bytes))
     }
 
     /// Detaches and unpins everything this data path consists of. Accelerated
     /// connections continue on the normal TCP path.
     pub fn teardown(self) -> Result<(), DataplaneError> {
-        let Self { pin_root, guard, sockhash, links, cookies, registry, .. } = self;
+        let Self { pin_root, guard, sockmap, links, cookies, registry, .. } = self;
         drop(guard);
-        drop((sockhash, links, cookies, registry));
+        drop((sockmap, links, cookies, registry));
         remove_pinned(&pin_root)
     }
+}
+
+/// Slots (links, two SOCKMAP entries each) for `max_sockets` sockets.
+fn slots(max_sockets: u32) -> u32 {
+    (max_sockets / 2).max(1)
 }
 
 /// `mw_config` flags for a guard mode on a kernel.
@@ -605,10 +614,13 @@ fn load_and_pin(cfg: &DataplaneConfig, layout: &Layout) -> Result<(), DataplaneE
     if let Some(ro) = open.maps.rodata_data.as_mut() {
         ro.nr_splice = libc::SYS_splice as u32;
         ro.nr_ioctl = libc::SYS_ioctl as u32;
+        ro.nr_slots = slots(cfg.max_sockets);
     }
+    let sockmap_entries = slots(cfg.max_sockets) * 2;
     let maps = &mut open.maps;
     let sizes = [
-        (&mut maps.mw_sockhash, cfg.max_sockets),
+        (&mut maps.mw_sockmap, sockmap_entries),
+        (&mut maps.mw_slots, slots(cfg.max_sockets)),
         (&mut maps.mw_links, cfg.max_sockets),
         (&mut maps.mw_cookies, cfg.max_sockets),
         (&mut maps.mw_pairs, cfg.max_rules),
@@ -625,7 +637,8 @@ fn load_and_pin(cfg: &DataplaneConfig, layout: &Layout) -> Result<(), DataplaneE
     let mut guard = PinGuard { paths: Vec::new(), done: false };
     let maps = &skel.maps;
     let all_maps = [
-        (names::MAP_SOCKHASH, &maps.mw_sockhash),
+        (names::MAP_SOCKMAP, &maps.mw_sockmap),
+        (names::MAP_SLOTS, &maps.mw_slots),
         (names::MAP_PAIRS, &maps.mw_pairs),
         (names::MAP_CAPTURE, &maps.mw_capture),
         (names::MAP_LINKS, &maps.mw_links),
@@ -685,11 +698,11 @@ fn load_and_pin(cfg: &DataplaneConfig, layout: &Layout) -> Result<(), DataplaneE
         map.update(&fin, &fd, MapFlags::ANY).map_err(bpf_err(format!("installing {what}")))?;
     }
 
-    // sk_msg hangs off the SOCKHASH: the attachment lives as long as the map.
+    // sk_msg hangs off the SOCKMAP: the attachment lives as long as the map.
     skel.progs
         .mw_sk_msg
-        .attach_sockmap(maps.mw_sockhash.as_fd().as_raw_fd())
-        .map_err(bpf_err("attaching sk_msg to the SOCKHASH"))?;
+        .attach_sockmap(maps.mw_sockmap.as_fd().as_raw_fd())
+        .map_err(bpf_err("attaching sk_msg to the SOCKMAP"))?;
 
     let cg = fs::File::open(&cgroup).map_err(io_err(&cgroup))?;
     let mut link: Link = skel

@@ -7,7 +7,7 @@
 //! application sees an error instead of a silently truncated stream.
 //!
 //! The same thread serves the adaptive policy's requests to take streaming
-//! ends out of the SOCKHASH and back ([`crate::park`]), with or without the
+//! ends out of the SOCKMAP and back ([`crate::park`]), with or without the
 //! guard's classification.
 //!
 //! Only one guard runs per pin root (a lock file under /run/meshwarp); a
@@ -35,6 +35,7 @@ use meshwarp_bpf::shared::{
 
 use crate::execlass::{self, ExeFacts};
 use crate::park::{self, Parker};
+use crate::slots::SlotSweeper;
 
 #[derive(Debug, thiserror::Error)]
 pub enum GuardError {
@@ -283,7 +284,14 @@ fn run(pin_dir: &Path, stop: &AtomicBool, trusted: &BTreeSet<ExeKey>, subs: &Sub
     let mut parker = match Parker::open(pin_dir) {
         Ok(p) => Some(p),
         Err(e) => {
-            tracing::warn!("demoted connections stay in the SOCKHASH: {e}");
+            tracing::warn!("demoted connections stay in the SOCKMAP: {e}");
+            None
+        }
+    };
+    let mut sweeper = match SlotSweeper::open(pin_dir) {
+        Ok(s) => Some(s),
+        Err(e) => {
+            tracing::warn!("stale SOCKMAP slots are not freed: {e}");
             None
         }
     };
@@ -296,7 +304,7 @@ fn run(pin_dir: &Path, stop: &AtomicBool, trusted: &BTreeSet<ExeKey>, subs: &Sub
         }
         let events: Vec<Event> = queue.borrow_mut().drain(..).collect();
         for ev in events {
-            if !parker.as_mut().is_some_and(|p| p.accept(&ev)) {
+            if !parker.as_mut().is_some_and(|p| p.accept(&ev)) && !sweeper.as_mut().is_some_and(|s| s.accept(&ev)) {
                 guard.handle(&ev);
             }
         }
@@ -305,6 +313,9 @@ fn run(pin_dir: &Path, stop: &AtomicBool, trusted: &BTreeSet<ExeKey>, subs: &Sub
         }
         if last_retry.elapsed() > Duration::from_millis(500) {
             guard.retry_pending();
+            if let Some(s) = sweeper.as_mut() {
+                s.sweep();
+            }
             last_retry = Instant::now();
         }
     }

@@ -24,6 +24,7 @@ mod park;
 pub mod plugin;
 pub mod probe;
 pub mod registry;
+mod slots;
 pub mod stats;
 pub mod sys;
 pub mod tc;

@@ -179,6 +179,8 @@ fn add_global_stats(a: &mut GlobalStats, b: &GlobalStats) {
     a.not_covered += b.not_covered;
     a.no_state += b.no_state;
     a.no_link += b.no_link;
+    a.no_slot += b.no_slot;
+    a.slots_stale += b.slots_stale;
 }
 
 impl RuleMaps for KernelMaps {

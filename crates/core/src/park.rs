@@ -1,4 +1,4 @@
-//! Takes demoted connection ends out of the SOCKHASH and puts them back, at
+//! Takes demoted connection ends out of the SOCKMAP and puts them back, at
 //! the programs' request (`MW_EV_UNLINK`, `MW_EV_RELINK`; see `mw_dir` in
 //! shared.h). A psock socket pays tcp_bpf on every send and read even when its
 //! bytes take the TCP path, so an end that keeps streaming small writes leaves
@@ -129,7 +129,7 @@ impl Parker {
         match result {
             PARK_DONE | PARK_MOOT => tracing::debug!(cookie = r.cookie, op = r.op, "mw_park: {name}"),
             PARK_FAILED => {
-                tracing::info!(cookie = r.cookie, op = r.op, "mw_park: the SOCKHASH refused; the end stays on TCP")
+                tracing::info!(cookie = r.cookie, op = r.op, "mw_park: the SOCKMAP refused; the end stays on TCP")
             }
             // Not met in that namespace: closed, or a stale path (once more).
             PARK_PENDING => {

@@ -196,9 +196,11 @@ fn probe_in_netns(release: String) -> Result<KernelProbe, ProbeError> {
     if let Some(ro) = open.maps.rodata_data.as_mut() {
         ro.nr_splice = libc::SYS_splice as u32;
         ro.nr_ioctl = libc::SYS_ioctl as u32;
+        ro.nr_slots = 64;
     }
     for (map, n) in [
-        (&mut open.maps.mw_sockhash, 64),
+        (&mut open.maps.mw_sockmap, 128),
+        (&mut open.maps.mw_slots, 64),
         (&mut open.maps.mw_links, 64),
         (&mut open.maps.mw_cookies, 64),
         (&mut open.maps.mw_pairs, 4),
@@ -216,7 +218,7 @@ fn probe_in_netns(release: String) -> Result<KernelProbe, ProbeError> {
     maps.mw_pairs.update(key.as_bytes(), Rule::default().as_bytes(), MapFlags::ANY).map_err(bpf_err("probe rule"))?;
     skel.progs
         .mw_sk_msg
-        .attach_sockmap(maps.mw_sockhash.as_fd().as_raw_fd())
+        .attach_sockmap(maps.mw_sockmap.as_fd().as_raw_fd())
         .map_err(bpf_err("attaching probe sk_msg"))?;
     let cgroup = own_cgroup()?;
     let cg = std::fs::File::open(&cgroup).map_err(io_err(format!("opening {}", cgroup.display())))?;

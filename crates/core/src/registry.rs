@@ -491,7 +491,7 @@ impl<M: RuleMaps> Registry<M> {
 
     /// Removes a pair (checking the owner when given): new connections take the
     /// normal path. Connections it already accelerates stay accelerated until
-    /// they close, because removing a socket from the SOCKHASH would drop bytes
+    /// they close, because removing a socket from the SOCKMAP would drop bytes
     /// queued for its reader.
     pub fn remove_pair(&mut self, pair: &EndpointPair, owner: Option<&str>) -> Result<(), RegistryError> {
         self.pairs.delete(&mut self.maps, &mut self.slots, pair, owner)

@@ -5,7 +5,7 @@ use meshwarp_bpf::shared::{GlobalStats, RuleStats};
 /// Counters of one pair or capture rule.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct RuleCounters {
-    /// Sockets inserted into the SOCKHASH under this rule.
+    /// Sockets inserted into the SOCKMAP under this rule.
     pub sockets: u64,
     /// Messages moved straight into the peer's receive queue.
     pub redirected_msgs: u64,
@@ -16,7 +16,7 @@ pub struct RuleCounters {
     /// Fallbacks: messages sent on the TCP path because TCP bytes of that
     /// direction were not read by the peer yet (redirecting would reorder).
     pub fallback_tcp_path: u64,
-    /// Fallbacks: covered sockets left on the TCP path because the SOCKHASH was full.
+    /// Fallbacks: covered sockets left on the TCP path because the SOCKMAP was full.
     pub fallback_map_full: u64,
     /// Fallbacks: covered sockets the kernel refused to insert.
     pub fallback_insert_error: u64,
@@ -46,7 +46,7 @@ pub struct RuleCounters {
     pub policy_tcp_msgs: u64,
     /// Connections left on the TCP path because the rule's mode is `never`.
     pub fallback_mode_never: u64,
-    /// Adaptive policy: demoted ends taken out of the SOCKHASH after they kept
+    /// Adaptive policy: demoted ends taken out of the SOCKMAP after they kept
     /// streaming (their TCP path is plain TCP again, without tcp_bpf).
     pub unlinks: u64,
     /// Adaptive policy: unlinked ends put back because their peer sent.
@@ -87,15 +87,28 @@ pub struct GlobalCounters {
     pub established: u64,
     /// Of those, connections no rule covers (left entirely alone).
     pub not_covered: u64,
-    /// Messages of a SOCKHASH socket without state (passed on the TCP path).
+    /// Messages of a SOCKMAP socket without state (passed on the TCP path).
     pub no_state: u64,
     /// Server ends of a covered connection whose client end was not
     /// accelerated (not covered there, its reader not safe, another node).
     pub no_link: u64,
+    /// Covered connections left on TCP: no free SOCKMAP slot near their hash
+    /// (more sockets than `max_sockets`).
+    pub no_slot: u64,
+    /// Slots whose link closed with redirected bytes unread (its socket still
+    /// in the SOCKMAP): freed by the guard thread once both entries are empty.
+    pub slots_stale: u64,
 }
 
 impl From<GlobalStats> for GlobalCounters {
     fn from(s: GlobalStats) -> Self {
-        Self { established: s.established, not_covered: s.not_covered, no_state: s.no_state, no_link: s.no_link }
+        Self {
+            established: s.established,
+            not_covered: s.not_covered,
+            no_state: s.no_state,
+            no_link: s.no_link,
+            no_slot: s.no_slot,
+            slots_stale: s.slots_stale,
+        }
     }
 }

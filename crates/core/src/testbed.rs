@@ -1098,7 +1098,7 @@ pub struct KernelTest {
 }
 
 impl KernelTest {
-    /// Loads a fresh data path with `max_sockets` SOCKHASH slots.
+    /// Loads a fresh data path with `max_sockets` SOCKMAP slots.
     ///
     /// If the kernel refuses BPF: fails under `CI=true`; elsewhere returns
     /// `None` after printing which feature is missing.
@@ -1133,7 +1133,7 @@ impl KernelTest {
         f(&mut cfg);
         match Dataplane::open(&cfg) {
             Ok(dp) => Some(Self { dp: Some(dp), cfg, cgroup, _lock: lock }),
-            Err(e) => missing_feature(&format!("BPF sockops/sk_msg/SOCKHASH: {e}")),
+            Err(e) => missing_feature(&format!("BPF sockops/sk_msg/SOCKMAP: {e}")),
         }
     }
 

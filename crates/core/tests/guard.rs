@@ -176,7 +176,7 @@ fn identical_connection_ids_poison_both() -> Result<()> {
     let b = repaired(&nets[1].pods[0].ns, local, remote, 0x1111_0000, 0x2222_0000)?;
     let st = k.dp().pair_stats(&pair)?;
     ensure!(st.fallback_collision == 1, "the second collided: {st:?}");
-    ensure!(k.dp().socket_link(socket_cookie_of(&b)?)?.is_none(), "the second is not in the SOCKHASH");
+    ensure!(k.dp().socket_link(socket_cookie_of(&b)?)?.is_none(), "the second is not in the SOCKMAP");
     let link = k.dp().link(la.unwrap().link)?.context("link")?;
     ensure!(link.flags & LINK_POISONED != 0, "the first's link is poisoned: {link:?}");
     Ok(())

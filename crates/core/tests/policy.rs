@@ -114,7 +114,7 @@ fn stream_one_way(
 /// Nagle on, 512-byte writes, no reply: the client's direction moves to
 /// TCP. After the server answers, the next request goes on the fast path
 /// again, since the server had read every TCP byte. Every byte checked.
-/// (Short enough that the client stays in the SOCKHASH: see the unlink tests.)
+/// (Short enough that the client stays in the SOCKMAP: see the unlink tests.)
 #[test]
 fn a_small_write_stream_is_demoted_then_promoted() -> Result<()> {
     let k = kernel_test!();
@@ -162,11 +162,11 @@ fn wait_counters(
     }
 }
 
-/// A direction that keeps streaming small writes leaves the SOCKHASH (its
+/// A direction that keeps streaming small writes leaves the SOCKMAP (its
 /// sends no longer run sk_msg at all); when the server answers, the client
 /// is put back, and its next request is redirected again. Every byte checked.
 #[test]
-fn a_streaming_end_leaves_the_sockhash_and_comes_back() -> Result<()> {
+fn a_streaming_end_leaves_the_sockmap_and_comes_back() -> Result<()> {
     let k = kernel_test!();
     let (net, l, pair) = pods_pair(&k, 8206, FastPathMode::Adaptive)?;
     let (c, s) = connections(&net, &l, 8206, 1)?.remove(0);
@@ -199,7 +199,7 @@ fn a_streaming_end_leaves_the_sockhash_and_comes_back() -> Result<()> {
 }
 
 /// The client streams small writes for seconds while the server sends it a
-/// short message every 20 ms: the client leaves the SOCKHASH, comes back at
+/// short message every 20 ms: the client leaves the SOCKMAP, comes back at
 /// the server's next message, leaves again, many times, with redirected and
 /// TCP bytes racing into it. Both streams arrive whole and in order.
 #[test]
@@ -232,7 +232,7 @@ fn unlink_and_relink_under_two_way_traffic_lose_nothing() -> Result<()> {
         Ok(())
     })?;
     let st = k.dp().pair_stats(&pair)?;
-    ensure!(st.unlinks >= 2 && st.relinks >= 1, "ends left the SOCKHASH and came back: {st:?}");
+    ensure!(st.unlinks >= 2 && st.relinks >= 1, "ends left the SOCKMAP and came back: {st:?}");
     Ok(())
 }
 

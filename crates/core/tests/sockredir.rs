@@ -5,12 +5,13 @@
 
 #![allow(clippy::unwrap_used)]
 
+use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpStream};
 use std::thread;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context, Result};
-use meshwarp_bpf::shared::{Link, SockKey, END_CLIENT, END_SERVER};
+use meshwarp_bpf::shared::{sockmap_index, Link, END_CLIENT, END_SERVER, LINK_SLOT};
 use meshwarp_core::sys::socket_cookie_of;
 use meshwarp_core::testbed::{
     accept_timeout, exchange, read_ready, redirect_output, write_all_ready, CaptureProxy, KernelTest, NodeWithPods,
@@ -33,16 +34,27 @@ macro_rules! kernel_test {
 }
 
 /// The link a socket is accelerated under, checked against the socket: the
-/// SOCKHASH holds it under {link, end}, and the link's tuple (host-order
-/// ports) is what the socket sees.
+/// SOCKMAP holds it at 2 * slot + end of its link's slot, and the link's
+/// tuple (host-order ports) is what the socket sees.
 fn accelerated(dp: &Dataplane, s: &TcpStream, end: u32) -> Result<(u64, Link)> {
     let cookie = socket_cookie_of(s)?;
     let cv = dp.socket_link(cookie)?.with_context(|| format!("socket {:?} not accelerated", s.local_addr()))?;
     ensure!(cv.end == end, "end {} instead of {end}", cv.end);
-    let key = SockKey { link: cv.link, end, pad: 0 };
-    ensure!(dp.sockhash_lookup(&key)? == Some(cookie), "SOCKHASH does not hold the socket under {key:?}");
     let link = dp.link(cv.link)?.context("link gone")?;
+    ensure!(link.flags & LINK_SLOT != 0, "link {:#x} owns no slot", cv.link);
+    let index = sockmap_index(link.slot, end);
+    ensure!(dp.sockmap_lookup(index)? == Some(cookie), "SOCKMAP does not hold the socket at {index}");
     Ok((cv.link, link))
+}
+
+/// Polls `f` every 20 ms until it holds; an error after `t`.
+fn wait_until(t: Duration, mut f: impl FnMut() -> Result<bool>) -> Result<()> {
+    let deadline = Instant::now() + t;
+    while !f()? {
+        ensure!(Instant::now() < deadline, "condition not met within {t:?}");
+        thread::sleep(Duration::from_millis(20));
+    }
+    Ok(())
 }
 
 fn endpoint_of(l: &Link, client: bool) -> SocketAddr {
@@ -278,16 +290,17 @@ fn removing_a_pair_returns_new_connections_to_tcp() -> Result<()> {
 }
 
 #[test]
-fn full_sockhash_falls_back_and_is_reported() -> Result<()> {
+fn no_free_slot_falls_back_and_is_reported() -> Result<()> {
     let k = kernel_test!(2);
     let (net, listener) = two_pods(false)?;
     let pair = pair_for(&net, false);
     k.dp().insert_pair(&pair, "test")?;
-    let (c1, s1) = connect_pods(&net, &listener, false)?; // fills both slots
-    let (c2, s2) = connect_pods(&net, &listener, false)?; // finds the map full
+    let (c1, s1) = connect_pods(&net, &listener, false)?; // takes the one slot
+    let (c2, s2) = connect_pods(&net, &listener, false)?; // finds none free
     let st = k.dp().pair_stats(&pair)?;
     ensure!(st.sockets == 2, "{st:?}");
     ensure!(st.fallback_map_full == 1, "the second connection's client end reported: {st:?}");
+    ensure!(k.dp().global_stats()?.no_slot == 1, "counted node-wide");
     ensure!(k.dp().global_stats()?.no_link >= 1, "its server end found no link");
     ensure!(k.dp().socket_link(socket_cookie_of(&c2)?)?.is_none(), "second connection not accelerated");
     exchange(c2, s2, 21, 1 << 20, T)?;
@@ -368,22 +381,74 @@ fn teardown_removes_every_pin() -> Result<()> {
     Ok(())
 }
 
+/// Room for one link: each connection in turn gets the slot the previous
+/// one gave back when it closed (at once, or through the guard thread when
+/// an end closed with its psock not yet empty).
 #[test]
-fn server_end_refused_takes_the_client_end_back_to_tcp() -> Result<()> {
-    // Three slots: the first connection takes two, the second's client the
-    // third, and its server end finds the map full. Both ends or neither:
-    // the client leaves the SOCKHASH again and the connection is plain TCP.
-    let k = kernel_test!(3);
+fn a_closed_links_slot_is_used_again() -> Result<()> {
+    let k = kernel_test!(2);
     let (net, listener) = two_pods(false)?;
     let pair = pair_for(&net, false);
     k.dp().insert_pair(&pair, "test")?;
-    let (_c1, _s1) = connect_pods(&net, &listener, false)?;
-    let (c2, s2) = connect_pods(&net, &listener, false)?;
-    ensure!(k.dp().socket_link(socket_cookie_of(&c2)?)?.is_none(), "client end taken back out");
-    exchange(c2, s2, 51, 2 << 20, T)?;
+    let mut redirected = 0;
+    for round in 0..4u64 {
+        // A connection that finds the slot still held stays on TCP, whole.
+        let mut conn = None;
+        wait_until(T, || {
+            let (c, s) = connect_pods(&net, &listener, false)?;
+            if k.dp().socket_link(socket_cookie_of(&c)?)?.is_some() {
+                conn = Some((c, s));
+                return Ok(true);
+            }
+            exchange(c, s, 41 + round, 4096, T)?;
+            Ok(false)
+        })
+        .with_context(|| format!("round {round}: the slot never came back"))?;
+        let (c, s) = conn.context("connection")?;
+        let cookie = socket_cookie_of(&c)?;
+        let (id, _) = accelerated(k.dp(), &c, END_CLIENT).with_context(|| format!("round {round}"))?;
+        exchange(c, s, 51 + round, 256 * 1024, T)?;
+        redirected += 2 * 256 * 1024;
+        wait_until(T, || Ok(k.dp().link(id)?.is_none() && k.dp().socket_link(cookie)?.is_none()))
+            .with_context(|| format!("round {round}: link {id:#x} not removed"))?;
+    }
     let st = k.dp().pair_stats(&pair)?;
-    ensure!(st.sockets == 2 && st.fallback_map_full == 1, "only the first connection counts: {st:?}");
-    ensure!(st.redirected_msgs == 0, "nothing of the second connection redirected: {st:?}");
+    ensure!(st.redirected_bytes == redirected, "every accelerated round redirected: {st:?}");
+    Ok(())
+}
+
+/// A server end reset with redirected bytes unread keeps its SOCKMAP entry
+/// (and the bytes) until its file is closed; its slot is only free after
+/// that, and the next connection gets it.
+#[test]
+fn a_slot_left_with_unread_bytes_is_freed_once_the_socket_closes() -> Result<()> {
+    let k = kernel_test!(2);
+    let (net, listener) = two_pods(false)?;
+    let pair = pair_for(&net, false);
+    k.dp().insert_pair(&pair, "test")?;
+    let (c, mut s) = connect_pods(&net, &listener, false)?;
+    accelerated(k.dp(), &c, END_CLIENT)?;
+    let mut c = c;
+    c.write_all(&[7u8; 1000])?;
+    wait_until(T, || Ok(k.dp().pair_stats(&pair)?.redirected_bytes == 1000))?;
+    // Reset: the server end reaches CLOSE with 1000 redirected bytes unread.
+    socket2::SockRef::from(&c).set_linger(Some(Duration::ZERO))?;
+    drop(c);
+    wait_until(T, || Ok(k.dp().global_stats()?.slots_stale == 1))?;
+    let (c2, s2) = connect_pods(&net, &listener, false)?;
+    ensure!(k.dp().socket_link(socket_cookie_of(&c2)?)?.is_none(), "no slot while the old one is held");
+    exchange(c2, s2, 57, 64 * 1024, T)?;
+    // The bytes are still there to read.
+    let mut buf = [0u8; 1000];
+    s.set_read_timeout(Some(T))?;
+    let n = s.read(&mut buf)?;
+    ensure!(n > 0 && buf[..n].iter().all(|&b| b == 7), "the unread bytes survived the reset ({n} read)");
+    drop(s);
+    // The guard thread frees the slot (every 500 ms).
+    wait_until(T, || {
+        let (c3, s3) = connect_pods(&net, &listener, false)?;
+        Ok(k.dp().socket_link(socket_cookie_of(&c3)?)?.is_some() && exchange(c3, s3, 59, 4096, T).is_ok())
+    })?;
     Ok(())
 }
 
@@ -418,12 +483,12 @@ fn a_refused_load_leaves_nothing_pinned() -> Result<()> {
         pin_root: pin_root.clone(),
         cgroup: Some(k.cgroup.path.clone()),
         max_rules: 16,
-        // The kernel refuses a SOCKHASH this large when the object loads,
+        // The kernel refuses a SOCKMAP this large when the object loads,
         // after the pin directories were made.
         max_sockets: u32::MAX,
         ..DataplaneConfig::default()
     };
-    let e = meshwarp_core::Dataplane::open(&cfg).err().context("an impossible SOCKHASH is refused")?;
+    let e = meshwarp_core::Dataplane::open(&cfg).err().context("an impossible SOCKMAP is refused")?;
     ensure!(e.to_string().contains("loading the BPF programs"), "refused at load: {e}");
     ensure!(!pin_root.exists(), "{} left behind", pin_root.display());
     Ok(())

@@ -318,6 +318,8 @@ pub fn global_to_pb(g: &GlobalCounters) -> pb::GlobalCounters {
         not_covered: g.not_covered,
         no_state: g.no_state,
         no_link: g.no_link,
+        no_slot: g.no_slot,
+        slots_stale: g.slots_stale,
     }
 }
 

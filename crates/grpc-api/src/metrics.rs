@@ -144,7 +144,7 @@ impl Metrics {
         let (policy, policy_tcp_msgs) = (Family::<TransitionLabels, Gauge>::default(), Gauge::default());
         registry.register(
             "policy_transitions",
-            "Adaptive policy: directions demoted to TCP or promoted back, ends unlinked from the SOCKHASH or relinked, by reason (all rules)",
+            "Adaptive policy: directions demoted to TCP or promoted back, ends unlinked from the SOCKMAP or relinked, by reason (all rules)",
             policy.clone(),
         );
         registry.register(

@@ -775,7 +775,7 @@ impl NodeServer {
         }
         let sockops = dp.sockops_prog_id().unwrap_or(0);
         features.push(pb::KernelFeature {
-            name: "sockops+sk_msg+sockhash".into(),
+            name: "sockops+sk_msg+sockmap".into(),
             available: sockops != 0,
             detail: "loaded and attached".into(),
         });

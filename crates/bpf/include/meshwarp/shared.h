@@ -12,7 +12,7 @@
 #ifndef MESHWARP_SHARED_H
 #define MESHWARP_SHARED_H
 
-#define MW_SCHEMA_VERSION 5
+#define MW_SCHEMA_VERSION 6
 
 #define MW_AF_INET 2
 #define MW_AF_INET6 10
@@ -26,21 +26,31 @@
  * each other, NAT does not change it, and two connections only share it if
  * their ISNs coincide. The client end creates the link with BPF_NOEXIST; a
  * second connection building the same id poisons it, so neither is redirected
- * (a collision is counted, never a wrong peer). Each end is in the SOCKHASH
- * under {link, end}, so SOCKHASH keys are unique per connection and per node,
- * whatever the addresses, ports and namespaces.
+ * (a collision is counted, never a wrong peer).
+ *
+ * Each accelerated link owns a *slot* (mw_slots, claimed with a compare and
+ * swap): its ends sit in the SOCKMAP at 2 * slot + end, so a message finds its
+ * peer by array index instead of hashing a key (SOCKHASH). A slot is free
+ * again once neither end can still be in the SOCKMAP: an end closed with
+ * redirected bytes unread keeps its entry until its file is closed, so its
+ * slot is marked stale and user space frees it once both entries are empty.
  */
 
 /* Which end of a connection a socket is. */
 #define MW_END_CLIENT 0 /* it called connect() (capture: the origin) */
 #define MW_END_SERVER 1 /* it was accepted (capture: by the proxy's listener) */
 
-/* SOCKHASH key. */
-struct mw_sock_key {
-	__u64 link;
-	__u32 end;
+/* mw_slots value: the link id that owns the slot (0: free). */
+struct mw_slot {
+	__u64 owner;
+	/* The link is gone but an end may still be in the SOCKMAP (closed with
+	 * redirected bytes unread, its file still open): user space frees it. */
+	__u32 stale;
 	__u32 pad;
 };
+
+/* Positions a new link's client end tries in mw_slots, from its id's hash. */
+#define MW_SLOT_PROBES 16
 
 /* Mirror-pairing rule: connections from client_ip (any port) to
  * server_ip:server_port are covered, both ends. */
@@ -90,15 +100,18 @@ struct mw_rule {
 #define MW_LINK_HIT 4u      /* a reader spliced with redirected bytes pending: being reset */
 #define MW_LINK_OBSERVE 8u  /* the client end is not accelerated: the server end only learns its reader */
 #define MW_LINK_FIXED 16u   /* the rule's mode is always: the policy never demotes */
+#define MW_LINK_SLOT 32u    /* owns mw_slots[slot] (every accelerated link) */
 
 /* mw_link.end_flags[end] */
-#define MW_EF_PSOCK 1u   /* in the SOCKHASH: its sends run sk_msg */
+#define MW_EF_PSOCK 1u   /* in the SOCKMAP: its sends run sk_msg */
 #define MW_EF_TARGET 2u  /* its reader may be given redirected bytes */
 #define MW_EF_NOSEND 4u  /* its own sends stay on TCP (a ULP such as kTLS) */
 #define MW_EF_CLOSED 8u
-/* Not a target while its socket leaves the SOCKHASH, or is out of it (the
+/* Not a target while its socket leaves the SOCKMAP, or is out of it (the
  * policy unlinked it, see mw_dir); cleared when it is back. */
 #define MW_EF_PARKED 0x10u
+/* Out of the SOCKMAP for good: it closed with nothing redirected left unread. */
+#define MW_EF_GONE 0x20u
 /* Why an end is not, or no longer, a target. */
 #define MW_EF_R_SPLICE 0x100u /* its reader can splice (program), or was seen splicing */
 #define MW_EF_R_LOWAT 0x200u  /* SO_RCVLOWAT: the fast path ignores it */
@@ -128,7 +141,7 @@ struct mw_dir {
 	 * consumed this direction's TCP bytes. Starts at this end's ISN + 1. */
 	__u32 tcp_read;
 	/* Bytes this end's sender handed to the peer's psock, counted before
-	 * each redirect: the peer may leave the SOCKHASH only once its reads
+	 * each redirect: the peer may leave the SOCKMAP only once its reads
 	 * of redirected bytes (mw_sock_state.psock_rd) caught up with them. */
 	__u32 redir;
 	__u32 pad;
@@ -136,8 +149,8 @@ struct mw_dir {
 
 /* mw_dir.flags */
 #define MW_DIR_TCP 1u        /* demoted by the policy */
-#define MW_DIR_UNLINK_REQ 2u /* user space was asked to take this end out of the SOCKHASH */
-#define MW_DIR_UNLINKED 4u   /* out of the SOCKHASH: plain tcp_prot, its sends cost nothing */
+#define MW_DIR_UNLINK_REQ 2u /* user space was asked to take this end out of the SOCKMAP */
+#define MW_DIR_UNLINKED 4u   /* out of the SOCKMAP: plain tcp_prot, its sends cost nothing */
 #define MW_DIR_RELINK_REQ 8u /* user space was asked to put it back */
 
 /* The policy: after MW_POLICY_RUN messages without a reply, a direction whose
@@ -154,7 +167,7 @@ struct mw_dir {
 /* A demoted direction that kept streaming for MW_POLICY_UNLINK checks after
  * its demotion (about MW_POLICY_UNLINK * MW_POLICY_CHECK messages without a
  * reply) asks to leave
- * the SOCKHASH: a psock socket pays tcp_bpf on every send and read even on the
+ * the SOCKMAP: a psock socket pays tcp_bpf on every send and read even on the
  * TCP path. Its peer's next message asks to put it back. */
 #define MW_POLICY_UNLINK 8
 
@@ -175,6 +188,8 @@ struct mw_link {
 	struct mw_exe_key exe[2]; /* who reads each end (owner stamp), for sweeps */
 	__u64 netns[2];           /* each end's network namespace (cookie) */
 	struct mw_dir dir[2];
+	__u32 slot; /* mw_slots index: the ends are at 2 * slot + end in the SOCKMAP */
+	__u32 pad;
 };
 
 /* What mw_cookies maps a socket cookie to (found from a file descriptor). */
@@ -280,8 +295,9 @@ struct mw_config {
 #define MW_EV_CLASSIFY 1     /* an executable meshwarp has not read yet */
 #define MW_EV_SPLICE_HIT 2   /* a reader spliced with redirected bytes pending */
 #define MW_EV_SPLICE_SEEN 3  /* an executable was seen splicing a covered socket */
-#define MW_EV_UNLINK 4       /* a demoted direction streams: take its socket out of the SOCKHASH */
+#define MW_EV_UNLINK 4       /* a demoted direction streams: take its socket out of the SOCKMAP */
 #define MW_EV_RELINK 5       /* the peer of an unlinked end sent: put it back */
+#define MW_EV_SLOT_STALE 6   /* a link's slot waits for its SOCKMAP entries to empty */
 
 /* A request to mw_park (iter/tcp) for one socket, keyed by its cookie in
  * mw_park_req: user space writes op, the iterator writes result. */
@@ -290,7 +306,7 @@ struct mw_park_req {
 	__u32 result;
 };
 
-#define MW_PARK_UNLINK 1 /* leave the SOCKHASH once nothing redirected to it is unread */
+#define MW_PARK_UNLINK 1 /* leave the SOCKMAP once nothing redirected to it is unread */
 #define MW_PARK_RELINK 2 /* enter it again */
 #define MW_PARK_UNPARK 3 /* give up an unlink: a target again */
 
@@ -298,7 +314,7 @@ struct mw_park_req {
 #define MW_PARK_DONE 1
 #define MW_PARK_BUSY 2   /* redirected bytes unread or in flight: ask again later */
 #define MW_PARK_MOOT 3   /* nothing to do: promoted meanwhile, closing, or not a target */
-#define MW_PARK_FAILED 4 /* the SOCKHASH refused */
+#define MW_PARK_FAILED 4 /* the SOCKMAP refused */
 
 struct mw_event {
 	__u32 type;
@@ -316,14 +332,14 @@ struct mw_event {
 	__u32 family;
 	__u32 client_port;
 	__u32 server_port;
-	__u32 pad;
+	__u32 slot;        /* MW_EV_SLOT_STALE: the mw_slots index */
 	__u32 client_ip[4];
 	__u32 server_ip[4];
 };
 
 /* Per-rule counters, one slot per rule id in a per-CPU array. */
 struct mw_rule_stats {
-	__u64 sockets;          /* sockets in the SOCKHASH (a per-CPU slot may wrap: sum them) */
+	__u64 sockets;          /* sockets in the SOCKMAP (a per-CPU slot may wrap: sum them) */
 	__u64 msgs;             /* messages redirected */
 	__u64 bytes;            /* bytes redirected */
 	__u64 fb_no_peer;       /* messages sent on the TCP path: peer absent or not a target */
@@ -341,7 +357,7 @@ struct mw_rule_stats {
 	__u64 promotions;       /* directions moved back: a new exchange, TCP bytes all read */
 	__u64 policy_tcp_msgs;  /* messages a demoted direction sent on TCP */
 	__u64 fb_mode_never;    /* connections left on TCP: the rule's mode is never */
-	__u64 unlinks;          /* demoted ends taken out of the SOCKHASH (plain TCP, no tcp_bpf) */
+	__u64 unlinks;          /* demoted ends taken out of the SOCKMAP (plain TCP, no tcp_bpf) */
 	__u64 relinks;          /* unlinked ends put back when their peer sent */
 };
 
@@ -357,6 +373,8 @@ struct mw_global_stats {
 	__u64 not_covered;      /* connections no rule covers: left alone */
 	__u64 no_state;         /* sk_msg without socket state: passed */
 	__u64 no_link;          /* server ends of a covered connection whose client end was not accelerated */
+	__u64 no_slot;          /* covered connections left on TCP: no free slot within MW_SLOT_PROBES */
+	__u64 slots_stale;      /* slots left to user space to free (an end closed with bytes unread) */
 };
 
 /* ---- tc redirection (tcredir.bpf.c) ---- */

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause)
 /*
  * Socket redirection: sockops pairs the two ends of a covered connection into a
- * link and inserts them into a SOCKHASH, sk_msg moves each message straight
+ * link and inserts them into a SOCKMAP, sk_msg moves each message straight
  * into the peer socket's receive queue.
  *
  * Fallback is the law: anything unexpected returns SK_PASS without a redirect,
@@ -42,6 +42,9 @@
 #define E2BIG 7
 #define EEXIST 17
 #define EAGAIN 11
+#define ENOENT 2
+#define EINVAL 22
+#define ENOSPC 28
 #define O_NONBLOCK 04000
 #define MSG_PEEK 0x2
 #define MSG_DONTWAIT 0x40
@@ -69,13 +72,25 @@ const volatile struct mw_event mw_event_btf __attribute__((used)) = {};
 extern void *bpf_rdonly_cast(const void *obj, __u32 btf_id) __ksym __weak;
 extern int bpf_sock_destroy(struct sock_common *sk) __ksym __weak;
 
+/* Entries of mw_slots, set by user space before load (mw_sockmap has twice
+ * as many: one per end). */
+const volatile __u32 nr_slots = 1;
+
 /* Sizes are placeholders: user space sets max_entries before load. */
 struct {
-	__uint(type, BPF_MAP_TYPE_SOCKHASH);
+	__uint(type, BPF_MAP_TYPE_SOCKMAP);
 	__uint(max_entries, 65536);
-	__type(key, struct mw_sock_key);
+	__type(key, __u32);
 	__type(value, __u64);
-} mw_sockhash SEC(".maps");
+} mw_sockmap SEC(".maps");
+
+/* Which link owns each pair of SOCKMAP entries (struct mw_slot). */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 32768);
+	__type(key, __u32);
+	__type(value, struct mw_slot);
+} mw_slots SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
@@ -155,7 +170,7 @@ struct {
 	__type(value, __u32);
 } mw_doomed SEC(".maps");
 
-/* Sockets user space asked mw_park to take out of the SOCKHASH or put back
+/* Sockets user space asked mw_park to take out of the SOCKMAP or put back
  * (keyed by cookie; the iterator writes the result). */
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
@@ -599,6 +614,97 @@ static __always_inline void count_insert_failure(struct mw_rule_stats *rs, long 
 		rs->fb_insert_err++;
 }
 
+/* Bytes redirected into a socket and not read yet (psock queue). The low
+ * bits of sk_user_data are flags (SK_USER_DATA_NOCOPY/BPF/PSOCK). */
+static __always_inline __u32 psock_pending(struct sock *sk)
+{
+	unsigned long ud = (unsigned long)sk->sk_user_data & ~SK_USER_DATA_FLAGS;
+	struct sk_psock *psock;
+
+	psock = bpf_rdonly_cast((void *)ud, bpf_core_type_id_kernel(struct sk_psock));
+	if (!psock)
+		return 0;
+	return psock->msg_tot_len;
+}
+
+/* ---- slots: where a link's ends sit in the SOCKMAP ---- */
+
+/* Claims a free slot for link `id`, probing from its hash; -ENOSPC when
+ * MW_SLOT_PROBES positions are taken. */
+static __always_inline long slot_claim(__u64 id, __u32 *slot)
+{
+	__u32 h = (__u32)(id ^ (id >> 32)) * 2654435761u;
+	struct mw_slot *s;
+	__u32 i, idx;
+
+	for (i = 0; i < MW_SLOT_PROBES; i++) {
+		idx = nr_slots ? (h + i) % nr_slots : 0;
+		s = bpf_map_lookup_elem(&mw_slots, &idx);
+		if (!s)
+			return -ENOENT;
+		if (s->owner)
+			continue;
+		if (__sync_val_compare_and_swap(&s->owner, 0, id) == 0) {
+			*slot = idx;
+			return 0;
+		}
+	}
+	return -ENOSPC;
+}
+
+/* Gives a slot back: neither end of link `id` is in the SOCKMAP. */
+static __always_inline void slot_free(__u32 slot, __u64 id)
+{
+	struct mw_slot *s = bpf_map_lookup_elem(&mw_slots, &slot);
+
+	if (s)
+		__sync_val_compare_and_swap(&s->owner, id, 0);
+}
+
+/* Whether an end can no longer be in the SOCKMAP: never entered, left for
+ * good at close, or unlinked by the policy. */
+static __always_inline bool end_out(const struct mw_link *link, __u32 end)
+{
+	__u32 ef = link->end_flags[end & 1];
+
+	return !(ef & MW_EF_PSOCK) || (ef & MW_EF_GONE) || (link->dir[end & 1].flags & MW_DIR_UNLINKED);
+}
+
+/* A link is going away: free its slot, or, if an end may still be in the
+ * SOCKMAP (closed with redirected bytes unread, its file open), leave the
+ * slot to user space, which frees it once both entries are empty. */
+static __always_inline void slot_retire(const struct mw_link *link, __u64 id)
+{
+	struct mw_global_stats *gs;
+	struct mw_event *ev;
+	struct mw_slot *s;
+	__u32 slot = link->slot;
+
+	if (!(link->flags & MW_LINK_SLOT))
+		return;
+	if (end_out(link, MW_END_CLIENT) && end_out(link, MW_END_SERVER)) {
+		slot_free(slot, id);
+		return;
+	}
+	s = bpf_map_lookup_elem(&mw_slots, &slot);
+	if (!s || s->owner != id)
+		return;
+	s->stale = 1;
+	gs = global_stats();
+	if (gs)
+		gs->slots_stale++;
+	/* Lost if the ring buffer is full: user space also scans at start. */
+	ev = bpf_ringbuf_reserve(&mw_events, sizeof(*ev), 0);
+	if (!ev)
+		return;
+	__builtin_memset(ev, 0, sizeof(*ev));
+	ev->type = MW_EV_SLOT_STALE;
+	ev->link = id;
+	ev->slot = slot;
+	fill_event_link(ev, link);
+	bpf_ringbuf_submit(ev, 0);
+}
+
 static __always_inline void watch_close(struct bpf_sock_ops *skops)
 {
 	bpf_sock_ops_cb_flags_set(skops, skops->bpf_sock_ops_cb_flags | BPF_SOCK_OPS_STATE_CB_FLAG);
@@ -607,7 +713,7 @@ static __always_inline void watch_close(struct bpf_sock_ops *skops)
 /* ---- ESTABLISHED ---- */
 
 /* The client end: creates the link (if it may be accelerated at all) and
- * enters the SOCKHASH. The server end decides the rest. */
+ * enters the SOCKMAP. The server end decides the rest. */
 static __always_inline void on_active_established(struct bpf_sock_ops *skops, const struct tuple *t)
 {
 	struct bpf_sock *sk = skops->sk;
@@ -615,13 +721,12 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, co
 	struct mw_rule_stats *rs;
 	struct mw_sock_state *st;
 	struct mw_cookie_val cv = {};
-	struct mw_sock_key key = {};
 	struct end_decision d = {};
 	struct mw_link *link;
 	struct mw_link *existing;
 	struct tcp_sock *tp;
 	struct mw_rule *rule;
-	__u32 kind = 0, zero = 0;
+	__u32 kind = 0, zero = 0, slot = 0, pos;
 	__u64 id, cookie;
 	long err;
 
@@ -705,9 +810,19 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, co
 		}
 		return;
 	}
+	if (slot_claim(id, &slot)) {
+		gs = global_stats();
+		if (gs)
+			gs->no_slot++;
+		count_insert_failure(rs, -E2BIG);
+		return;
+	}
+	link->slot = slot;
+	link->flags |= MW_LINK_SLOT;
 	err = bpf_map_update_elem(&mw_links, &id, link, BPF_NOEXIST);
 	if (err == -EEXIST) {
 		/* Another connection built this id: neither may redirect. */
+		slot_free(slot, id);
 		existing = bpf_map_lookup_elem(&mw_links, &id);
 		if (existing)
 			__sync_fetch_and_or(&existing->flags, MW_LINK_POISONED);
@@ -716,14 +831,15 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, co
 		return;
 	}
 	if (err) {
+		slot_free(slot, id);
 		count_insert_failure(rs, err);
 		return;
 	}
-	key.link = id;
-	key.end = MW_END_CLIENT;
-	err = bpf_sock_hash_update(skops, &mw_sockhash, &key, BPF_NOEXIST);
+	pos = slot * 2 + MW_END_CLIENT;
+	err = bpf_sock_map_update(skops, &mw_sockmap, &pos, BPF_NOEXIST);
 	if (err) {
 		bpf_map_delete_elem(&mw_links, &id);
+		slot_free(slot, id);
 		count_insert_failure(rs, err);
 		return;
 	}
@@ -737,18 +853,17 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, co
 	watch_close(skops);
 }
 
-/* Takes the client end back out of the SOCKHASH: the connection stays on TCP
+/* Takes the client end back out of the SOCKMAP: the connection stays on TCP
  * at both ends (nothing was redirected into the client yet, since the server
  * end was never in the map). */
 static __always_inline void release_client(__u64 id, struct mw_link *link)
 {
 	struct mw_rule_stats *rs = rule_stats(link->rule_id);
-	struct mw_sock_key key = {};
+	__u32 pos = link->slot * 2 + MW_END_CLIENT;
 
-	key.link = id;
-	key.end = MW_END_CLIENT;
-	bpf_map_delete_elem(&mw_sockhash, &key);
+	bpf_map_delete_elem(&mw_sockmap, &pos);
 	bpf_map_delete_elem(&mw_cookies, &link->cookie[MW_END_CLIENT]);
+	slot_free(link->slot, id);
 	bpf_map_delete_elem(&mw_links, &id);
 	if (rs)
 		rs->sockets--;
@@ -761,12 +876,11 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, c
 	struct mw_rule_stats *rs;
 	struct mw_sock_state *st;
 	struct mw_cookie_val cv = {};
-	struct mw_sock_key key = {};
 	struct end_decision d = {};
 	struct tcp_sock *tp;
 	struct mw_link *link;
 	struct mw_rule *rule;
-	__u32 old, client_flags, rule_flags;
+	__u32 old, client_flags, rule_flags, pos;
 	__u64 id, cookie;
 	bool to_server, to_client;
 	long err;
@@ -843,9 +957,8 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, c
 		release_client(id, link);
 		return;
 	}
-	key.link = id;
-	key.end = MW_END_SERVER;
-	err = bpf_sock_hash_update(skops, &mw_sockhash, &key, BPF_NOEXIST);
+	pos = link->slot * 2 + MW_END_SERVER;
+	err = bpf_sock_map_update(skops, &mw_sockmap, &pos, BPF_NOEXIST);
 	if (err) {
 		count_insert_failure(rs, err);
 		release_client(id, link);
@@ -869,14 +982,15 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, c
 }
 
 /* A socket closed: forget its cookie; the last end (or a client whose server
- * end never came) removes the link. */
+ * end never came) removes the link and retires its slot. */
 static __always_inline void on_state_change(struct bpf_sock_ops *skops)
 {
 	struct bpf_sock *sk = skops->sk;
 	struct mw_sock_state *st;
 	struct mw_link *link;
+	struct tcp_sock *tp;
 	__u64 cookie, id;
-	__u32 end, old, other;
+	__u32 end, old, other, pos;
 
 	if (skops->args[1] != TCP_CLOSE_STATE || !sk)
 		return;
@@ -890,10 +1004,25 @@ static __always_inline void on_state_change(struct bpf_sock_ops *skops)
 	link = bpf_map_lookup_elem(&mw_links, &id);
 	if (!link || link->cookie[end] != cookie)
 		return;
+	/* Its entry can go unless the reader has redirected bytes left to
+	 * read (the file is still open then; closing it empties the entry).
+	 * A closed socket takes no more bytes, on TCP or redirected. */
+	tp = bpf_skc_to_tcp_sock(sk);
+	pos = link->slot * 2 + end;
+	if ((link->flags & MW_LINK_SLOT) && tp && !psock_pending((struct sock *)tp)) {
+		long err = bpf_map_delete_elem(&mw_sockmap, &pos);
+
+		/* -EINVAL: the entry was empty already (closing its file took
+		 * it out before the socket reached CLOSE). */
+		if (!err || err == -EINVAL || err == -ENOENT)
+			__sync_fetch_and_or(&link->end_flags[end], MW_EF_GONE);
+	}
 	old = __sync_fetch_and_or(&link->end_flags[end], MW_EF_CLOSED);
 	other = link->end_flags[end ^ 1];
-	if ((other & MW_EF_CLOSED) || !(link->flags & MW_LINK_CLAIMED) || !(other & MW_EF_PSOCK))
+	if ((other & MW_EF_CLOSED) || !(link->flags & MW_LINK_CLAIMED) || !(other & MW_EF_PSOCK)) {
+		slot_retire(link, id);
 		bpf_map_delete_elem(&mw_links, &id);
+	}
 	(void)old;
 }
 
@@ -1072,7 +1201,7 @@ static __always_inline bool policy_allows(struct sk_msg_md *msg, struct mw_link 
 		if (rs)
 			rs->policy_tcp_msgs += skipped + 1;
 		/* Still streaming after MW_POLICY_UNLINK checks: leave the
-		 * SOCKHASH, so that TCP is plain TCP again. */
+		 * SOCKMAP, so that TCP is plain TCP again. */
 		if (run >= MW_POLICY_RUN + MW_POLICY_UNLINK && !(d->flags & (MW_DIR_UNLINK_REQ | MW_DIR_UNLINKED)) &&
 		    st->rd_pid != MW_RD_SHARED &&
 		    request_park(MW_EV_UNLINK, link, st->link, st->end))
@@ -1101,10 +1230,9 @@ static __always_inline bool policy_allows(struct sk_msg_md *msg, struct mw_link 
 static __always_inline int finish_msg(struct sk_msg_md *msg, struct bpf_sock *sk, struct mw_sock_state *st)
 {
 	struct mw_rule_stats *rs;
-	struct mw_sock_key key = {};
 	struct tcp_sock *tp;
 	struct mw_link *link;
-	__u32 end = st->end & 1, peer = end ^ 1, size = msg->size, claimed;
+	__u32 end = st->end & 1, peer = end ^ 1, size = msg->size, claimed, pos;
 	__u64 id = st->link;
 
 	/* A demoted direction: TCP, and only now and then a look at the link. */
@@ -1126,7 +1254,7 @@ static __always_inline int finish_msg(struct sk_msg_md *msg, struct bpf_sock *sk
 		return SK_PASS;
 	if (!policy_allows(msg, link, st, tp, rs))
 		return SK_PASS;
-	/* The peer is leaving the SOCKHASH or out of it: this message is
+	/* The peer is leaving the SOCKMAP or out of it: this message is
 	 * its cue to come back (the other end talks again). */
 	if (*(volatile __u32 *)&link->end_flags[peer] & MW_EF_PARKED) {
 		if ((link->dir[peer].flags & (MW_DIR_UNLINKED | MW_DIR_RELINK_REQ)) == MW_DIR_UNLINKED &&
@@ -1152,10 +1280,9 @@ static __always_inline int finish_msg(struct sk_msg_md *msg, struct bpf_sock *sk
 	 * plain atomic add/or (arm64 STADD/STSET are unordered). */
 	claimed = __sync_fetch_and_add(&link->dir[end].redir, size);
 	barrier_var(claimed);
-	key.link = id;
-	key.end = peer;
+	pos = link->slot * 2 + peer;
 	if ((__sync_fetch_and_or(&link->end_flags[peer], 0) & MW_EF_PARKED) ||
-	    bpf_msg_redirect_hash(msg, &mw_sockhash, &key, BPF_F_INGRESS) != SK_PASS) {
+	    bpf_msg_redirect_map(msg, &mw_sockmap, pos, BPF_F_INGRESS) != SK_PASS) {
 		/* Peer absent or leaving: this message takes the TCP path. */
 		__sync_fetch_and_sub(&link->dir[end].redir, size);
 		if (rs)
@@ -1229,19 +1356,6 @@ static __always_inline __u32 withdraw(struct mw_link *link, __u32 end, __u32 rea
 	return old;
 }
 
-/* Bytes redirected into a socket and not read yet (psock queue). The low
- * bits of sk_user_data are flags (SK_USER_DATA_NOCOPY/BPF/PSOCK). */
-static __always_inline __u32 psock_pending(struct sock *sk)
-{
-	unsigned long ud = (unsigned long)sk->sk_user_data & ~SK_USER_DATA_FLAGS;
-	struct sk_psock *psock;
-
-	psock = bpf_rdonly_cast((void *)ud, bpf_core_type_id_kernel(struct sk_psock));
-	if (!psock)
-		return 0;
-	return psock->msg_tot_len;
-}
-
 /* Every read of a covered socket: blocking or not, and by which executable. */
 SEC("tp_btf/sock_recv_length")
 int BPF_PROG(mw_recv_len, struct sock *sk, int ret, int flags)
@@ -1279,7 +1393,7 @@ int BPF_PROG(mw_recv_len, struct sock *sk, int ret, int flags)
 			/* tcp_bpf_recvmsg reads either the psock queue or the TCP
 			 * queue: a read that left copied_seq alone took redirected
 			 * bytes. Two concurrent readers could miscount; such a
-			 * socket (MW_RD_SHARED) never leaves the SOCKHASH. */
+			 * socket (MW_RD_SHARED) never leaves the SOCKMAP. */
 			if (seq == st->rd_pub && st->rd_pid != MW_RD_SHARED)
 				st->psock_rd += ret;
 			if (seq != st->rd_pub) {
@@ -1520,7 +1634,7 @@ static __always_inline void unpark(struct mw_link *link, __u32 end)
 }
 
 /*
- * Takes a demoted end out of the SOCKHASH, or puts it back (mw_park_req).
+ * Takes a demoted end out of the SOCKMAP, or puts it back (mw_park_req).
  * The iterator holds the socket's lock, as does every redirect that queues
  * into it (bpf_tcp_ingress), so "nothing pending" cannot change under it once
  * no redirect is in flight: the peer's claimed bytes (mw_dir.redir) must all
@@ -1531,14 +1645,13 @@ SEC("iter/tcp")
 int mw_park(struct bpf_iter__tcp *ctx)
 {
 	struct sock_common *skc = ctx->sk_common;
-	struct mw_sock_key key = {};
 	struct mw_rule_stats *rs;
 	struct mw_park_req *req;
 	struct mw_sock_state *st;
 	struct mw_link *link;
 	struct tcp_sock *tp;
 	struct sock *sk;
-	__u32 end, peer, dflags, redir;
+	__u32 end, peer, dflags, redir, pos;
 	__u64 cookie;
 
 	if (!skc)
@@ -1567,8 +1680,7 @@ int mw_park(struct bpf_iter__tcp *ctx)
 	}
 	rs = rule_stats(link->rule_id);
 	dflags = link->dir[end].flags;
-	key.link = st->link;
-	key.end = end;
+	pos = link->slot * 2 + end;
 	if (req->op == MW_PARK_UNLINK) {
 		if (dflags & MW_DIR_UNLINKED) {
 			req->result = MW_PARK_MOOT; /* already out: stays parked */
@@ -1587,7 +1699,7 @@ int mw_park(struct bpf_iter__tcp *ctx)
 			req->result = MW_PARK_BUSY;
 			return 0;
 		}
-		if (bpf_map_delete_elem(&mw_sockhash, &key)) {
+		if (bpf_map_delete_elem(&mw_sockmap, &pos)) {
 			unpark(link, end);
 			req->result = MW_PARK_FAILED;
 			return 0;
@@ -1606,7 +1718,7 @@ int mw_park(struct bpf_iter__tcp *ctx)
 			return 0;
 		}
 		/* On failure MW_DIR_RELINK_REQ stays: it is not asked again. */
-		if (bpf_map_update_elem(&mw_sockhash, &key, sk, BPF_NOEXIST)) {
+		if (bpf_map_update_elem(&mw_sockmap, &pos, sk, BPF_NOEXIST)) {
 			req->result = MW_PARK_FAILED;
 			return 0;
 		}

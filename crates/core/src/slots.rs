@@ -1,0 +1,106 @@
+//! Frees SOCKMAP slots the programs could not free themselves.
+//!
+//! Each accelerated link owns a slot of `mw_slots`; its ends sit in the
+//! SOCKMAP at `2 * slot + end`. The programs free a slot when its link goes
+//! away, unless an end closed with redirected bytes still unread: that socket
+//! stays in the SOCKMAP until its file is closed (dropping it earlier would
+//! lose the bytes), and no program runs then. Such slots are marked stale
+//! (`MW_EV_SLOT_STALE`); this module frees each once both of its SOCKMAP
+//! entries are empty. It also picks up the stale slots it finds at start (an
+//! event lost to a full ring buffer, or a restart of the agent).
+
+use std::collections::BTreeSet;
+use std::path::Path;
+
+use libbpf_rs::{MapCore, MapFlags, MapHandle};
+use meshwarp_bpf::names;
+use meshwarp_bpf::shared::{sockmap_index, Event, Pod, Slot, END_CLIENT, END_SERVER, EV_SLOT_STALE};
+
+#[derive(Debug, thiserror::Error)]
+#[error("{what}: {source}")]
+pub struct SlotError {
+    what: String,
+    #[source]
+    source: libbpf_rs::Error,
+}
+
+fn bpf_err(what: impl Into<String>) -> impl FnOnce(libbpf_rs::Error) -> SlotError {
+    let what = what.into();
+    move |source| SlotError { what, source }
+}
+
+/// The stale slots waiting for their sockets to close.
+pub(crate) struct SlotSweeper {
+    slots: MapHandle,
+    sockmap: MapHandle,
+    stale: BTreeSet<u32>,
+}
+
+impl SlotSweeper {
+    pub(crate) fn open(pin_dir: &Path) -> Result<Self, SlotError> {
+        let pinned = |name: &str| {
+            MapHandle::from_pinned_path(pin_dir.join("maps").join(name))
+                .map_err(bpf_err(format!("opening pinned {name}")))
+        };
+        let (slots, sockmap) = (pinned(names::MAP_SLOTS)?, pinned(names::MAP_SOCKMAP)?);
+        let mut stale = BTreeSet::new();
+        let entries = slots.info().map_err(bpf_err("mw_slots info"))?.info.max_entries;
+        for i in 0..entries {
+            if read_slot(&slots, i)?.is_some_and(|s| s.stale != 0) {
+                stale.insert(i);
+            }
+        }
+        let mut s = Self { slots, sockmap, stale };
+        s.sweep();
+        Ok(s)
+    }
+
+    /// Takes a stale slot from an event; false if `ev` is not one.
+    pub(crate) fn accept(&mut self, ev: &Event) -> bool {
+        if ev.kind != EV_SLOT_STALE {
+            return false;
+        }
+        self.stale.insert(ev.slot);
+        true
+    }
+
+    /// Frees every stale slot whose SOCKMAP entries are both empty.
+    pub(crate) fn sweep(&mut self) {
+        let stale = std::mem::take(&mut self.stale);
+        for slot in stale {
+            match self.try_free(slot) {
+                Ok(true) => tracing::debug!(slot, "freed a stale SOCKMAP slot"),
+                Ok(false) => {
+                    self.stale.insert(slot);
+                }
+                Err(e) => {
+                    tracing::warn!(slot, "stale SOCKMAP slot: {e}");
+                    self.stale.insert(slot);
+                }
+            }
+        }
+    }
+
+    fn try_free(&self, slot: u32) -> Result<bool, SlotError> {
+        for end in [END_CLIENT, END_SERVER] {
+            let index = sockmap_index(slot, end);
+            if self.sockmap.lookup(&index.to_ne_bytes(), MapFlags::ANY).map_err(bpf_err("SOCKMAP lookup"))?.is_some() {
+                return Ok(false);
+            }
+        }
+        // Only user space writes a stale slot (programs claim free ones only),
+        // and its entries can only empty further: no race to lose.
+        if read_slot(&self.slots, slot)?.is_none_or(|s| s.stale == 0) {
+            return Ok(true);
+        }
+        self.slots
+            .update(&slot.to_ne_bytes(), Slot::default().as_bytes(), MapFlags::ANY)
+            .map_err(bpf_err("freeing a slot"))?;
+        Ok(true)
+    }
+}
+
+fn read_slot(slots: &MapHandle, i: u32) -> Result<Option<Slot>, SlotError> {
+    let v = slots.lookup(&i.to_ne_bytes(), MapFlags::ANY).map_err(bpf_err("reading mw_slots"))?;
+    Ok(v.and_then(|b| Slot::from_bytes(&b)))
+}
