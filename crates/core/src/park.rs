@@ -46,6 +46,12 @@ pub enum ParkError {
     Sys(#[from] crate::sys::SysError),
 }
 
+/// Maps a libbpf error to [`ParkError::Bpf`], saying what was being done.
+pub(crate) fn bpf_err(what: impl Into<String>) -> impl FnOnce(libbpf_rs::Error) -> ParkError {
+    let what = what.into();
+    move |source| ParkError::Bpf { what, source }
+}
+
 /// One socket waiting for `mw_park`.
 #[derive(Debug, Clone, Copy)]
 struct Request {
@@ -70,9 +76,9 @@ pub(crate) struct Parker {
 impl Parker {
     pub(crate) fn open(pin_dir: &Path) -> Result<Self, ParkError> {
         let req = MapHandle::from_pinned_path(pin_dir.join("maps").join(names::MAP_PARK_REQ))
-            .map_err(|source| ParkError::Bpf { what: "opening pinned mw_park_req".into(), source })?;
+            .map_err(bpf_err("opening pinned mw_park_req"))?;
         let prog = ProgramHandle::from_pinned_path(pin_dir.join("progs").join(names::PROG_PARK))
-            .map_err(|source| ParkError::Bpf { what: "opening pinned mw_park".into(), source })?;
+            .map_err(bpf_err("opening pinned mw_park"))?;
         let link = crate::sys::iter_link(&prog)
             .map_err(|source| ParkError::Io { what: "creating the mw_park iterator link".into(), source })?;
         Ok(Self { req, link, netns: BTreeMap::new(), queue: Vec::new() })
@@ -171,7 +177,7 @@ impl Parker {
             let v = ParkReq { op: r.op, result: PARK_PENDING };
             self.req
                 .update(&r.cookie.to_ne_bytes(), v.as_bytes(), MapFlags::ANY)
-                .map_err(|source| ParkError::Bpf { what: "writing mw_park_req".into(), source })?;
+                .map_err(bpf_err("writing mw_park_req"))?;
         }
         let link = self.link.as_fd();
         let ran = crate::sys::run_in_netns(Some(&path), || crate::sys::drain_iterator(link));

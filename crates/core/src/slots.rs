@@ -16,18 +16,8 @@ use libbpf_rs::{MapCore, MapFlags, MapHandle};
 use meshwarp_bpf::names;
 use meshwarp_bpf::shared::{sockmap_index, Event, Pod, Slot, END_CLIENT, END_SERVER, EV_SLOT_STALE};
 
-#[derive(Debug, thiserror::Error)]
-#[error("{what}: {source}")]
-pub struct SlotError {
-    what: String,
-    #[source]
-    source: libbpf_rs::Error,
-}
-
-fn bpf_err(what: impl Into<String>) -> impl FnOnce(libbpf_rs::Error) -> SlotError {
-    let what = what.into();
-    move |source| SlotError { what, source }
-}
+// SOCKMAP membership, as parking: the same error type.
+use crate::park::{bpf_err, ParkError};
 
 /// The stale slots waiting for their sockets to close.
 pub(crate) struct SlotSweeper {
@@ -37,7 +27,7 @@ pub(crate) struct SlotSweeper {
 }
 
 impl SlotSweeper {
-    pub(crate) fn open(pin_dir: &Path) -> Result<Self, SlotError> {
+    pub(crate) fn open(pin_dir: &Path) -> Result<Self, ParkError> {
         let pinned = |name: &str| {
             MapHandle::from_pinned_path(pin_dir.join("maps").join(name))
                 .map_err(bpf_err(format!("opening pinned {name}")))
@@ -81,7 +71,7 @@ impl SlotSweeper {
         }
     }
 
-    fn try_free(&self, slot: u32) -> Result<bool, SlotError> {
+    fn try_free(&self, slot: u32) -> Result<bool, ParkError> {
         for end in [END_CLIENT, END_SERVER] {
             let index = sockmap_index(slot, end);
             if self.sockmap.lookup(&index.to_ne_bytes(), MapFlags::ANY).map_err(bpf_err("SOCKMAP lookup"))?.is_some() {
@@ -100,7 +90,7 @@ impl SlotSweeper {
     }
 }
 
-fn read_slot(slots: &MapHandle, i: u32) -> Result<Option<Slot>, SlotError> {
+fn read_slot(slots: &MapHandle, i: u32) -> Result<Option<Slot>, ParkError> {
     let v = slots.lookup(&i.to_ne_bytes(), MapFlags::ANY).map_err(bpf_err("reading mw_slots"))?;
     Ok(v.and_then(|b| Slot::from_bytes(&b)))
 }

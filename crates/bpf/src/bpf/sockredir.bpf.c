@@ -705,6 +705,16 @@ static __always_inline void slot_retire(const struct mw_link *link, __u64 id)
 	bpf_ringbuf_submit(ev, 0);
 }
 
+/* A socket's state at ESTABLISHED: not accelerated yet (link 0), its reads
+ * published from rcv_nxt (nothing read). */
+static __always_inline void init_state(struct mw_sock_state *st, __u32 rule_id, __u32 end, __u32 rcv_nxt)
+{
+	__builtin_memset(st, 0, sizeof(*st));
+	st->rule_id = rule_id;
+	st->end = end;
+	st->rd_pub = rcv_nxt;
+}
+
 static __always_inline void watch_close(struct bpf_sock_ops *skops)
 {
 	bpf_sock_ops_cb_flags_set(skops, skops->bpf_sock_ops_cb_flags | BPF_SOCK_OPS_STATE_CB_FLAG);
@@ -748,17 +758,7 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, co
 		count_insert_failure(rs, -ENOMEM);
 		return;
 	}
-	st->link = 0;
-	st->rule_id = rule->id;
-	st->end = MW_END_CLIENT;
-	st->flags = 0;
-	st->skipped = 0;
-	st->read = 0;
-	st->rd_pub = skops->rcv_nxt;
-	st->rd_tgid = 0;
-	st->rd_seen = 0;
-	st->rd_pid = 0;
-	st->psock_rd = 0;
+	init_state(st, rule->id, MW_END_CLIENT, skops->rcv_nxt);
 	/* Data in the SYN (Fast Open) already took the TCP path. */
 	if (tp->syn_data)
 		return;
@@ -927,18 +927,7 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, c
 		release_client(id, link);
 		return;
 	}
-	st->link = 0;
-	st->rule_id = link->rule_id;
-	st->end = MW_END_SERVER;
-	st->flags = 0;
-	st->skipped = 0;
-	st->read = 0;
-	st->learn = 0;
-	st->rd_pub = skops->rcv_nxt;
-	st->rd_tgid = 0;
-	st->rd_seen = 0;
-	st->rd_pid = 0;
-	st->psock_rd = 0;
+	init_state(st, link->rule_id, MW_END_SERVER, skops->rcv_nxt);
 	rule_flags = (link->end_flags[MW_END_SERVER] & MW_EF_R_RULE) ? MW_RULE_NO_TARGET_SERVER : 0;
 	decide_end(skops, tp, false, rule_flags, config_flags(), st, &d);
 	if (old & MW_LINK_OBSERVE) {
