@@ -1202,17 +1202,19 @@ static __always_inline bool policy_allows(struct sk_msg_md *msg, struct mw_link 
 	if (run > MW_POLICY_RUN || (link->flags & MW_LINK_FIXED))
 		return true;
 	d->run_bytes += size;
-	if (run == MW_POLICY_RUN && d->run_bytes < MW_POLICY_RUN * MW_POLICY_SMALL && coalescing(tp)) {
-		d->flags |= MW_DIR_TCP;
-		st->flags |= MW_SOCK_DEMOTED;
-		st->skipped = 0;
-		if (rs) {
+	if (run < MW_POLICY_RUN || d->run_bytes >= MW_POLICY_RUN * MW_POLICY_SMALL)
+		return true;
+	if (rs) {
+		if (coalescing(tp))
 			rs->demotions++;
-			rs->policy_tcp_msgs++;
-		}
-		return false;
+		else
+			rs->demotions_nodelay++;
+		rs->policy_tcp_msgs++;
 	}
-	return true;
+	d->flags |= MW_DIR_TCP;
+	st->flags |= MW_SOCK_DEMOTED;
+	st->skipped = 0;
+	return false;
 }
 
 /* The host's decision for a message every plugin continued. */
@@ -1265,12 +1267,13 @@ static __always_inline int finish_msg(struct sk_msg_md *msg, struct bpf_sock *sk
 	/* Claim the bytes, then look again whether the peer is leaving: mw_park
 	 * sets MW_EF_PARKED, then reads `redir` (both locked instructions, so
 	 * either it sees this claim and waits, or this sees the flag). */
-	/* Fetch forms (results used): fully ordered on every JIT, unlike the
-	 * plain atomic add/or (arm64 STADD/STSET are unordered). */
+	/* A fetch form (result used): fully ordered on every JIT, unlike the
+	 * plain atomic add (arm64 STADD is unordered), so the plain load of the
+	 * flags after it cannot be satisfied before the claim is visible. */
 	claimed = __sync_fetch_and_add(&link->dir[end].redir, size);
 	barrier_var(claimed);
 	pos = link->slot * 2 + peer;
-	if ((__sync_fetch_and_or(&link->end_flags[peer], 0) & MW_EF_PARKED) ||
+	if ((*(volatile __u32 *)&link->end_flags[peer] & MW_EF_PARKED) ||
 	    bpf_msg_redirect_map(msg, &mw_sockmap, pos, BPF_F_INGRESS) != SK_PASS) {
 		/* Peer absent or leaving: this message takes the TCP path. */
 		__sync_fetch_and_sub(&link->dir[end].redir, size);
