@@ -7,7 +7,7 @@
 use std::net::IpAddr;
 
 /// `MW_SCHEMA_VERSION`: bumped whenever a pinned map's key or value changes.
-pub const SCHEMA_VERSION: u32 = 7;
+pub const SCHEMA_VERSION: u32 = 6;
 
 pub const AF_INET: u32 = 2;
 pub const AF_INET6: u32 = 10;
@@ -360,7 +360,6 @@ pub struct RuleStats {
     pub fb_mode_never: u64,
     pub unlinks: u64,
     pub relinks: u64,
-    pub demotions_nodelay: u64,
 }
 
 /// `MW_OWNER_LEN`: bytes of an owner name, NUL padding included.
@@ -738,8 +737,7 @@ mod tests {
                 policy_tcp_msgs,
                 fb_mode_never,
                 unlinks,
-                relinks,
-                demotions_nodelay
+                relinks
             ]
         );
         same_layout!(
@@ -775,7 +773,7 @@ mod tests {
         assert_eq!(size_of::<SockOwner>(), 16 + 8);
         assert_eq!(size_of::<Exe>(), 8 + 16);
         assert_eq!(size_of::<Event>(), 16 + 16 + 16 + 32 + 24 + 32);
-        assert_eq!(size_of::<RuleStats>(), 21 * 8);
+        assert_eq!(size_of::<RuleStats>(), 20 * 8);
         assert_eq!(size_of::<GlobalStats>(), 6 * 8);
         assert_eq!(size_of::<RouteKey4>(), 16);
         assert_eq!(size_of::<RouteKey6>(), 28);

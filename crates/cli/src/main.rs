@@ -394,15 +394,19 @@ fn run(cli: Cli) -> Result<()> {
             init_logs(&cli.log, fmt == config::LogFormat::Json);
             let rt = tokio::runtime::Runtime::new()?;
             rt.block_on(async move {
-                let shutdown = async {
-                    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-                        .expect("SIGTERM handler");
+                use tokio::signal::unix::{signal, SignalKind};
+                // Registered before the daemon starts: a SIGTERM that arrives
+                // while it comes up (its socket may already answer) must
+                // stop it gracefully, not kill it.
+                let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+                let mut int = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+                let shutdown = async move {
                     tokio::select! {
                         _ = term.recv() => {}
-                        _ = tokio::signal::ctrl_c() => {}
+                        _ = int.recv() => {}
                     }
                 };
-                meshwarp_grpc_api::daemon::run(opts, shutdown).await
+                meshwarp_grpc_api::daemon::run(opts, shutdown).await.map_err(anyhow::Error::from)
             })?;
             Ok(())
         }

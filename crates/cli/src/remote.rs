@@ -226,10 +226,9 @@ impl Remote {
                     );
                     let c = r.counters.unwrap_or_default();
                     println!(
-                        "policy: demoted (coalesce) {}  demoted (nodelay) {}  promoted {}  messages on TCP {}  \
-                         unlinked {}  relinked {}  connections kept on TCP (mode never) {}",
+                        "policy: demoted (coalesce) {}  promoted {}  messages on TCP {}  unlinked {}  relinked {}  \
+                         connections kept on TCP (mode never) {}",
                         c.demotions_coalesce,
-                        c.demotions_nodelay,
                         c.promotions,
                         c.policy_tcp_msgs,
                         c.unlinks,
@@ -442,7 +441,6 @@ impl Remote {
                 a.fallback_mode_never += c.fallback_mode_never;
                 a.unlinks += c.unlinks;
                 a.relinks += c.relinks;
-                a.demotions_nodelay += c.demotions_nodelay;
                 a
             });
             println!(
@@ -461,15 +459,9 @@ impl Remote {
                 t.splice_hits
             );
             println!(
-                "adaptive policy: demoted (coalesce) {}  demoted (nodelay) {}  promoted {}  messages on TCP {}  \
-                 unlinked {}  relinked {}  connections kept on TCP (mode never) {}",
-                t.demotions_coalesce,
-                t.demotions_nodelay,
-                t.promotions,
-                t.policy_tcp_msgs,
-                t.unlinks,
-                t.relinks,
-                t.fallback_mode_never
+                "adaptive policy: demoted (coalesce) {}  promoted {}  messages on TCP {}  unlinked {}  relinked {}  \
+                 connections kept on TCP (mode never) {}",
+                t.demotions_coalesce, t.promotions, t.policy_tcp_msgs, t.unlinks, t.relinks, t.fallback_mode_never
             );
         })
     }

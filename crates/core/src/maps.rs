@@ -172,7 +172,6 @@ pub fn add_rule_stats(a: &mut RuleStats, b: &RuleStats) {
     a.fb_mode_never = a.fb_mode_never.wrapping_add(b.fb_mode_never);
     a.unlinks = a.unlinks.wrapping_add(b.unlinks);
     a.relinks = a.relinks.wrapping_add(b.relinks);
-    a.demotions_nodelay = a.demotions_nodelay.wrapping_add(b.demotions_nodelay);
 }
 
 fn add_global_stats(a: &mut GlobalStats, b: &GlobalStats) {

@@ -51,9 +51,6 @@ pub struct RuleCounters {
     pub unlinks: u64,
     /// Adaptive policy: unlinked ends put back because their peer sent.
     pub relinks: u64,
-    /// Adaptive policy: directions moved to the TCP path because they stream
-    /// small writes with Nagle off (TCP batches them under load).
-    pub demotions_nodelay: u64,
 }
 
 impl From<RuleStats> for RuleCounters {
@@ -79,7 +76,6 @@ impl From<RuleStats> for RuleCounters {
             fallback_mode_never: s.fb_mode_never,
             unlinks: s.unlinks,
             relinks: s.relinks,
-            demotions_nodelay: s.demotions_nodelay,
         }
     }
 }

@@ -267,40 +267,6 @@ fn no_promotion_while_tcp_bytes_are_unread() -> Result<()> {
     Ok(())
 }
 
-/// Nagle off, 256-byte writes, no reply: demoted too (counted apart), and a
-/// request/response exchange that follows is promoted; 8 KiB writes stay on
-/// the fast path. Every byte checked.
-#[test]
-fn a_nodelay_small_write_stream_is_demoted_large_writes_stay() -> Result<()> {
-    let k = kernel_test!();
-    let (net, l, pair) = pods_pair(&k, 8207, FastPathMode::Adaptive)?;
-    let (c, s) = connections(&net, &l, 8207, 1)?.remove(0);
-    c.set_nodelay(true)?;
-    let (mut up_w, mut up_r) = (Stream::new(11), Stream::new(11));
-    let (mut down_w, mut down_r) = (Stream::new(12), Stream::new(12));
-    stream_one_way(&c, &s, &mut up_w, &mut up_r, 64 * 256, 256)?;
-    let st = k.dp().pair_stats(&pair)?;
-    ensure!(st.demotions_nodelay == 1 && st.demotions_coalesce == 0, "demoted once, as nodelay: {st:?}");
-    ensure!(st.redirected_bytes <= 8 * 256, "the rest of the stream took TCP: {st:?}");
-    // An exchange: the server answers, the client asks again: promoted.
-    down_w.write(&s, 10, 10)?;
-    down_r.read(&c, 10)?;
-    up_w.write(&c, 100, 100)?;
-    up_r.read(&s, 100)?;
-    let st = k.dp().pair_stats(&pair)?;
-    ensure!(st.promotions == 1, "promoted by the exchange: {st:?}");
-
-    // Large writes with Nagle off are never demoted.
-    let (c, s) = connections(&net, &l, 8207, 1)?.remove(0);
-    c.set_nodelay(true)?;
-    let before = k.dp().pair_stats(&pair)?;
-    stream_one_way(&c, &s, &mut Stream::new(13), &mut Stream::new(13), 4 << 20, 8 << 10)?;
-    let st = k.dp().pair_stats(&pair)?;
-    ensure!(st.demotions_nodelay == before.demotions_nodelay, "8 KiB writes stay: {st:?}");
-    ensure!(st.redirected_bytes - before.redirected_bytes == 4 << 20, "all redirected: {st:?}");
-    Ok(())
-}
-
 /// Mode `always`: the same stream is never demoted, every byte redirected.
 /// Mode `never`: covered, but nothing is redirected, and it is counted.
 #[test]

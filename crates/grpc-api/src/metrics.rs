@@ -194,7 +194,7 @@ impl Metrics {
         let as_i64 = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
         let (mut msgs, mut bytes, mut hits) = (0u64, 0u64, 0u64);
         let (mut demoted, mut promoted, mut tcp_msgs) = (0u64, 0u64, 0u64);
-        let (mut unlinked, mut relinked, mut nodelay) = (0u64, 0u64, 0u64);
+        let (mut unlinked, mut relinked) = (0u64, 0u64);
         let mut fb = [0u64; 11];
         let mut add = |c: meshwarp_core::RuleCounters| {
             msgs += c.redirected_msgs;
@@ -205,7 +205,6 @@ impl Metrics {
             tcp_msgs += c.policy_tcp_msgs;
             unlinked += c.unlinks;
             relinked += c.relinks;
-            nodelay += c.demotions_nodelay;
             for (i, v) in [
                 c.fallback_no_peer,
                 c.fallback_tcp_path,
@@ -266,7 +265,6 @@ impl Metrics {
         }
         for (transition, reason, v) in [
             ("demotion", "coalesce", demoted),
-            ("demotion", "nodelay", nodelay),
             ("promotion", "drained", promoted),
             ("unlink", "streaming", unlinked),
             ("relink", "peer_sent", relinked),

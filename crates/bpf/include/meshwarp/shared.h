@@ -12,7 +12,7 @@
 #ifndef MESHWARP_SHARED_H
 #define MESHWARP_SHARED_H
 
-#define MW_SCHEMA_VERSION 7
+#define MW_SCHEMA_VERSION 6
 
 #define MW_AF_INET 2
 #define MW_AF_INET6 10
@@ -154,13 +154,10 @@ struct mw_dir {
 #define MW_DIR_RELINK_REQ 8u /* user space was asked to put it back */
 
 /* The policy: after MW_POLICY_RUN messages without a reply, a direction whose
- * messages averaged under MW_POLICY_SMALL bytes moves to TCP. With Nagle or
- * cork TCP coalesces such writes; with Nagle off it still batches them under
- * load (autocork, a reader that drains many segments per read) while every
- * redirect is one message queued under the reader's socket lock: on several
- * busy connections TCP wins (benches/README.md). Larger writes stay:
- * redirecting them beats TCP; sk_msg sees a large write in chunks (as send
- * buffer space allows), so the bar sits well below the chunk size. */
+ * sender lets TCP coalesce (Nagle or cork) and whose messages averaged under
+ * MW_POLICY_SMALL bytes moves to TCP. Larger writes stay: redirecting them
+ * beats TCP (benches/README.md); sk_msg sees a large write in chunks (as
+ * send buffer space allows), so the bar sits well below the chunk size. */
 #define MW_POLICY_RUN 8
 #define MW_POLICY_SMALL 4096
 /* A demoted direction looks at its link on its first send after it read
@@ -362,7 +359,6 @@ struct mw_rule_stats {
 	__u64 fb_mode_never;    /* connections left on TCP: the rule's mode is never */
 	__u64 unlinks;          /* demoted ends taken out of the SOCKMAP (plain TCP, no tcp_bpf) */
 	__u64 relinks;          /* unlinked ends put back when their peer sent */
-	__u64 demotions_nodelay; /* directions moved to TCP: small writes, Nagle off, no reply */
 };
 
 /* Owner of a rule slot: a NUL-padded controller name. */

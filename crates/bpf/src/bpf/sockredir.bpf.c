@@ -1202,19 +1202,17 @@ static __always_inline bool policy_allows(struct sk_msg_md *msg, struct mw_link 
 	if (run > MW_POLICY_RUN || (link->flags & MW_LINK_FIXED))
 		return true;
 	d->run_bytes += size;
-	if (run < MW_POLICY_RUN || d->run_bytes >= MW_POLICY_RUN * MW_POLICY_SMALL)
-		return true;
-	if (rs) {
-		if (coalescing(tp))
+	if (run == MW_POLICY_RUN && d->run_bytes < MW_POLICY_RUN * MW_POLICY_SMALL && coalescing(tp)) {
+		d->flags |= MW_DIR_TCP;
+		st->flags |= MW_SOCK_DEMOTED;
+		st->skipped = 0;
+		if (rs) {
 			rs->demotions++;
-		else
-			rs->demotions_nodelay++;
-		rs->policy_tcp_msgs++;
+			rs->policy_tcp_msgs++;
+		}
+		return false;
 	}
-	d->flags |= MW_DIR_TCP;
-	st->flags |= MW_SOCK_DEMOTED;
-	st->skipped = 0;
-	return false;
+	return true;
 }
 
 /* The host's decision for a message every plugin continued. */
@@ -1265,11 +1263,12 @@ static __always_inline int finish_msg(struct sk_msg_md *msg, struct bpf_sock *sk
 		return SK_PASS;
 	}
 	/* Claim the bytes, then look again whether the peer is leaving: mw_park
-	 * sets MW_EF_PARKED, then reads `redir` (both locked instructions, so
-	 * either it sees this claim and waits, or this sees the flag). */
-	/* A fetch form (result used): fully ordered on every JIT, unlike the
-	 * plain atomic add (arm64 STADD is unordered), so the plain load of the
-	 * flags after it cannot be satisfied before the claim is visible. */
+	 * sets MW_EF_PARKED, then reads `redir`, both with fetch-form atomics;
+	 * so either it sees this claim and waits, or this sees the flag. The
+	 * claim is a fetch form too (barrier_var keeps its result used, so
+	 * clang does not emit the plain BPF_ADD, unordered on arm64): fully
+	 * ordered on every JIT, so the plain load of the flags after it cannot
+	 * be satisfied before the claim is visible. */
 	claimed = __sync_fetch_and_add(&link->dir[end].redir, size);
 	barrier_var(claimed);
 	pos = link->slot * 2 + peer;
