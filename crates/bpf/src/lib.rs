@@ -80,6 +80,7 @@ pub mod names {
     pub const PROG_SETSOCKOPT: &str = "mw_setsockopt";
     pub const PROG_DESTROY: &str = "mw_destroy";
     pub const PROG_PARK: &str = "mw_park";
+    pub const PROG_UNLINK: &str = "mw_unlink";
     pub const MAP_SK_STATE: &str = "mw_sk_state";
     pub const MAP_STATS: &str = "mw_stats";
     pub const MAP_GLOBAL: &str = "mw_global";
@@ -175,6 +176,7 @@ mod tests {
             names::PROG_SETSOCKOPT,
             names::PROG_DESTROY,
             names::PROG_PARK,
+            names::PROG_UNLINK,
         ];
         all.extend(names::SOCKREDIR_MAPS);
         all.extend(names::TCREDIR_MAPS);

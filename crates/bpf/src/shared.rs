@@ -7,7 +7,7 @@
 use std::net::IpAddr;
 
 /// `MW_SCHEMA_VERSION`: bumped whenever a pinned map's key or value changes.
-pub const SCHEMA_VERSION: u32 = 6;
+pub const SCHEMA_VERSION: u32 = 7;
 
 pub const AF_INET: u32 = 2;
 pub const AF_INET6: u32 = 10;
@@ -71,9 +71,7 @@ pub const EV_UNLINK: u32 = 4;
 pub const EV_RELINK: u32 = 5;
 pub const EV_SLOT_STALE: u32 = 6;
 /// `MW_PARK_*` (`mw_park_req.op`).
-pub const PARK_UNLINK: u32 = 1;
 pub const PARK_RELINK: u32 = 2;
-pub const PARK_UNPARK: u32 = 3;
 /// `MW_PARK_*` (`mw_park_req.result`).
 pub const PARK_PENDING: u32 = 0;
 pub const PARK_DONE: u32 = 1;
@@ -649,6 +647,29 @@ unsafe impl Pod for PluginConfig {}
 unsafe impl Pod for PluginStats {}
 unsafe impl Pod for PluginMeta {}
 
+/// The head of `struct __sk_buff` (uapi/linux/bpf.h) up to `cb[]`: the
+/// context user space gives `mw_unlink` under BPF_PROG_TEST_RUN, with the
+/// socket cookie in `cb[0]` (low half) and `cb[1]` (high half). The kernel
+/// accepts a shorter context and zeroes the rest; every field before `cb`
+/// must stay zero.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct UnlinkCtx {
+    pub head: [u32; 12],
+    pub cb: [u32; 5],
+}
+
+impl UnlinkCtx {
+    pub fn for_cookie(cookie: u64) -> Self {
+        let mut c = Self::default();
+        c.cb[0] = cookie as u32;
+        c.cb[1] = (cookie >> 32) as u32;
+        c
+    }
+}
+
+unsafe impl Pod for UnlinkCtx {}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -704,6 +725,8 @@ mod tests {
         same_layout!(CookieVal, types::mw_cookie_val, [link, end, rule_id]);
         same_layout!(Dir, types::mw_dir, [flags, run, run_bytes, tcp_read, redir, pad]);
         same_layout!(ParkReq, types::mw_park_req, [op, result]);
+        assert_eq!(offset_of!(UnlinkCtx, cb), offset_of!(types::__sk_buff, cb));
+        assert_eq!(size_of::<[u32; 5]>(), size_of_val(&types::__sk_buff::default().cb));
         same_layout!(
             SockState,
             types::mw_sock_state,

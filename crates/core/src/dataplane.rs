@@ -6,7 +6,8 @@
 //! never adopts maps of another layout):
 //! ```text
 //! <pin_root>/v<SCHEMA>/maps/<map name>
-//! <pin_root>/v<SCHEMA>/progs/mw_sockops, mw_sk_msg, mw_recv_len, mw_sys_enter, mw_setsockopt, mw_destroy, mw_park
+//! <pin_root>/v<SCHEMA>/progs/mw_sockops, mw_sk_msg, mw_recv_len, mw_sys_enter, mw_setsockopt, mw_destroy, mw_park,
+//!                           mw_unlink
 //! <pin_root>/v<SCHEMA>/links/mw_sockops, mw_setsockopt   (the cgroup attachments)
 //! <pin_root>/v<SCHEMA>/links/mw_recv_len, mw_sys_enter   (reads of covered sockets; system calls, when the guard watches them)
 //! ```
@@ -180,7 +181,7 @@ impl Layout {
 }
 
 /// Programs of the family, pinned.
-const PROGS: [&str; 7] = [
+const PROGS: [&str; 8] = [
     names::PROG_SOCKOPS,
     names::PROG_SK_MSG,
     names::PROG_RECV_LEN,
@@ -188,6 +189,7 @@ const PROGS: [&str; 7] = [
     names::PROG_SETSOCKOPT,
     names::PROG_DESTROY,
     names::PROG_PARK,
+    names::PROG_UNLINK,
 ];
 
 /// libbpf messages of warning level and above, collected while loading so a
@@ -680,6 +682,7 @@ fn load_and_pin(cfg: &DataplaneConfig, layout: &Layout) -> Result<(), DataplaneE
         (names::PROG_SETSOCKOPT, &progs.mw_setsockopt),
         (names::PROG_DESTROY, &progs.mw_destroy),
         (names::PROG_PARK, &progs.mw_park),
+        (names::PROG_UNLINK, &progs.mw_unlink),
     ] {
         let path = layout.prog(name);
         let handle = ProgramHandle::try_from(prog).map_err(bpf_err(format!("handle of program {name}")))?;

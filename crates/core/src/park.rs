@@ -4,12 +4,16 @@
 //! bytes take the TCP path, so an end that keeps streaming small writes leaves
 //! the map and is plain TCP again; its peer's next message brings it back.
 //!
-//! The work is the `mw_park` iter/tcp program: it runs in the socket's network
-//! namespace, under the socket's lock, and refuses (busy) while bytes
-//! redirected into the socket are unread or in flight. This module feeds it
-//! requests, batched per namespace, retries busy ones, and after
-//! [`MAX_TRIES`] gives up: the end is a target again and stays a psock on the
-//! TCP path, as before the request.
+//! Unlinking: the end's own sk_msg program, under the socket's lock, parks it
+//! and checks that nothing redirected into it is unread or in flight; only
+//! the delete is left, which sk_msg may not do. This module runs `mw_unlink`
+//! (a tc program, never attached) with BPF_PROG_TEST_RUN at once: no
+//! namespace switch, no walk of the TCP hash.
+//!
+//! Relinking needs the socket itself: the `mw_park` iter/tcp program finds it
+//! in its network namespace, under its lock. This module feeds it requests,
+//! batched per namespace, and retries those a failed walk did not serve, up to
+//! [`MAX_TRIES`] times.
 
 use std::collections::BTreeMap;
 use std::os::fd::{AsFd, OwnedFd};
@@ -19,13 +23,13 @@ use std::time::{Duration, Instant};
 use libbpf_rs::{MapCore, MapFlags, MapHandle, ProgramHandle};
 use meshwarp_bpf::names;
 use meshwarp_bpf::shared::{
-    Event, ParkReq, Pod, EV_RELINK, EV_UNLINK, PARK_BUSY, PARK_DONE, PARK_FAILED, PARK_MOOT, PARK_PENDING, PARK_RELINK,
-    PARK_UNLINK, PARK_UNPARK,
+    Event, ParkReq, Pod, UnlinkCtx, EV_RELINK, EV_UNLINK, PARK_BUSY, PARK_DONE, PARK_FAILED, PARK_MOOT, PARK_PENDING,
+    PARK_RELINK,
 };
 
-/// Attempts of a busy unlink before it is given up (one per [`RETRY_EVERY`]).
+/// Attempts of a relink a failed walk did not serve (one per [`RETRY_EVERY`]).
 pub const MAX_TRIES: u32 = 100;
-/// How long a busy request waits before its next attempt.
+/// How long an unserved relink waits before its next attempt.
 pub const RETRY_EVERY: Duration = Duration::from_millis(5);
 
 #[derive(Debug, thiserror::Error)]
@@ -64,9 +68,11 @@ struct Request {
     due: Instant,
 }
 
-/// The user-space half of unlinking: owns the iterator link and the queue.
+/// The user-space half of unlinking and relinking: owns `mw_unlink`, the
+/// iterator link and the relink queue.
 pub(crate) struct Parker {
     req: MapHandle,
+    unlink: ProgramHandle,
     link: OwnedFd,
     /// Namespace cookie -> a path that enters it (found once, re-found when stale).
     netns: BTreeMap<u64, PathBuf>,
@@ -79,22 +85,38 @@ impl Parker {
             .map_err(bpf_err("opening pinned mw_park_req"))?;
         let prog = ProgramHandle::from_pinned_path(pin_dir.join("progs").join(names::PROG_PARK))
             .map_err(bpf_err("opening pinned mw_park"))?;
+        let unlink = ProgramHandle::from_pinned_path(pin_dir.join("progs").join(names::PROG_UNLINK))
+            .map_err(bpf_err("opening pinned mw_unlink"))?;
         let link = crate::sys::iter_link(&prog)
             .map_err(|source| ParkError::Io { what: "creating the mw_park iterator link".into(), source })?;
-        Ok(Self { req, link, netns: BTreeMap::new(), queue: Vec::new() })
+        Ok(Self { req, unlink, link, netns: BTreeMap::new(), queue: Vec::new() })
     }
 
-    /// Queues a program's request; false if `ev` is not one.
+    /// Serves or queues a program's request; false if `ev` is not one.
     pub(crate) fn accept(&mut self, ev: &Event) -> bool {
-        let op = match ev.kind {
-            EV_UNLINK => PARK_UNLINK,
-            EV_RELINK => PARK_RELINK,
+        match ev.kind {
+            EV_UNLINK => {
+                self.unlink(ev.cookie);
+                return true;
+            }
+            EV_RELINK => {}
             _ => return false,
-        };
+        }
+        let op = PARK_RELINK;
         // A newer request for the same socket replaces an older one.
         self.queue.retain(|r| r.cookie != ev.cookie);
         self.queue.push(Request { cookie: ev.cookie, netns: ev.netns, tid: ev.pid, op, tries: 0, due: Instant::now() });
         true
+    }
+
+    /// Deletes a parked, drained end's SOCKMAP entry (`mw_unlink`). On
+    /// failure the end stays parked in the map: its peer's bytes take TCP.
+    fn unlink(&self, cookie: u64) {
+        let ctx = UnlinkCtx::for_cookie(cookie);
+        match crate::sys::test_run(self.unlink.as_fd(), ctx.as_bytes()) {
+            Ok(r) => tracing::debug!(cookie, "mw_unlink: {}", result_name(r)),
+            Err(e) => tracing::warn!(cookie, "mw_unlink could not run; the end stays parked: {e}"),
+        }
     }
 
     /// Whether requests wait for a retry (the caller polls sooner).
@@ -150,10 +172,8 @@ impl Parker {
                 if r.tries < MAX_TRIES {
                     r.due = Instant::now() + RETRY_EVERY;
                     self.queue.push(*r);
-                } else if r.op == PARK_UNLINK {
-                    // Its reader does not drain: a target again, on TCP.
-                    tracing::debug!(cookie = r.cookie, "mw_park: unlink given up");
-                    self.queue.push(Request { op: PARK_UNPARK, tries: MAX_TRIES - 1, due: Instant::now(), ..*r });
+                } else {
+                    tracing::debug!(cookie = r.cookie, "mw_park: relink given up; the end stays on TCP");
                 }
             }
         }

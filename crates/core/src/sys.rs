@@ -242,6 +242,28 @@ pub fn iter_link(prog: &libbpf_rs::ProgramHandle) -> io::Result<std::os::fd::Own
     Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
 }
 
+/// Runs `prog` once with BPF_PROG_TEST_RUN on a minimal Ethernet frame and
+/// context `ctx` (a prefix of the program type's context); its return value.
+pub fn test_run(prog: std::os::fd::BorrowedFd<'_>, ctx: &[u8]) -> io::Result<u32> {
+    // Zeroes: an Ethernet header is all tc programs are guaranteed.
+    let frame = [0u8; 14];
+    let mut opts = libbpf_rs::libbpf_sys::bpf_test_run_opts {
+        sz: std::mem::size_of::<libbpf_rs::libbpf_sys::bpf_test_run_opts>() as _,
+        data_in: frame.as_ptr().cast(),
+        data_size_in: frame.len() as u32,
+        ctx_in: ctx.as_ptr().cast(),
+        ctx_size_in: ctx.len() as u32,
+        ..Default::default()
+    };
+    // SAFETY: a valid program fd; the buffers outlive the call and the
+    // kernel only reads them (no output buffers are given).
+    let rc = unsafe { libbpf_rs::libbpf_sys::bpf_prog_test_run_opts(prog.as_raw_fd(), &mut opts) };
+    if rc < 0 {
+        return Err(io::Error::from_raw_os_error(-rc));
+    }
+    Ok(opts.retval)
+}
+
 /// Reads a new iterator of `link` to its end, running its program on every
 /// object (for iter/tcp: every TCP socket of the calling thread's namespace).
 pub fn drain_iterator(link: std::os::fd::BorrowedFd<'_>) -> io::Result<()> {

@@ -12,7 +12,7 @@
 #ifndef MESHWARP_SHARED_H
 #define MESHWARP_SHARED_H
 
-#define MW_SCHEMA_VERSION 6
+#define MW_SCHEMA_VERSION 7
 
 #define MW_AF_INET 2
 #define MW_AF_INET6 10
@@ -149,7 +149,7 @@ struct mw_dir {
 
 /* mw_dir.flags */
 #define MW_DIR_TCP 1u        /* demoted by the policy */
-#define MW_DIR_UNLINK_REQ 2u /* user space was asked to take this end out of the SOCKMAP */
+#define MW_DIR_UNLINK_REQ 2u /* parked and drained: user space was asked to delete its entry */
 #define MW_DIR_UNLINKED 4u   /* out of the SOCKMAP: plain tcp_prot, its sends cost nothing */
 #define MW_DIR_RELINK_REQ 8u /* user space was asked to put it back */
 
@@ -295,24 +295,23 @@ struct mw_config {
 #define MW_EV_CLASSIFY 1     /* an executable meshwarp has not read yet */
 #define MW_EV_SPLICE_HIT 2   /* a reader spliced with redirected bytes pending */
 #define MW_EV_SPLICE_SEEN 3  /* an executable was seen splicing a covered socket */
-#define MW_EV_UNLINK 4       /* a demoted direction streams: take its socket out of the SOCKMAP */
+#define MW_EV_UNLINK 4       /* a parked, drained end streams: delete its SOCKMAP entry (mw_unlink) */
 #define MW_EV_RELINK 5       /* the peer of an unlinked end sent: put it back */
 #define MW_EV_SLOT_STALE 6   /* a link's slot waits for its SOCKMAP entries to empty */
 
 /* A request to mw_park (iter/tcp) for one socket, keyed by its cookie in
- * mw_park_req: user space writes op, the iterator writes result. */
+ * mw_park_req: user space writes op, the iterator writes result. mw_unlink
+ * (run by BPF_PROG_TEST_RUN) returns the same results. */
 struct mw_park_req {
 	__u32 op;
 	__u32 result;
 };
 
-#define MW_PARK_UNLINK 1 /* leave the SOCKMAP once nothing redirected to it is unread */
-#define MW_PARK_RELINK 2 /* enter it again */
-#define MW_PARK_UNPARK 3 /* give up an unlink: a target again */
+#define MW_PARK_RELINK 2 /* enter the SOCKMAP again (1 and 3: retired) */
 
 #define MW_PARK_PENDING 0
 #define MW_PARK_DONE 1
-#define MW_PARK_BUSY 2   /* redirected bytes unread or in flight: ask again later */
+#define MW_PARK_BUSY 2   /* not served (the walk failed): ask again later */
 #define MW_PARK_MOOT 3   /* nothing to do: promoted meanwhile, closing, or not a target */
 #define MW_PARK_FAILED 4 /* the SOCKMAP refused */
 

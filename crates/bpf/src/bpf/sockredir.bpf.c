@@ -409,8 +409,8 @@ static __always_inline void fill_event_link(struct mw_event *ev, const struct mw
 	copy_ip(ev->server_ip, link->server_ip);
 }
 
-/* Asks user space to run mw_park for one end of a link (MW_EV_UNLINK or
- * MW_EV_RELINK); false if the ring buffer is full (ask again later). */
+/* Asks user space to unlink (mw_unlink) or relink (mw_park) one end of a
+ * link; false if the ring buffer is full (ask again later). */
 static __always_inline bool request_park(__u32 type, const struct mw_link *link, __u64 id, __u32 end)
 {
 	struct mw_event *ev = bpf_ringbuf_reserve(&mw_events, sizeof(*ev), 0);
@@ -1153,6 +1153,33 @@ static __always_inline bool coalescing(struct tcp_sock *tp)
 	return !(nonagle & TCP_NAGLE_OFF) || (nonagle & TCP_NAGLE_CORK);
 }
 
+/*
+ * A demoted end that keeps streaming asks to leave the SOCKMAP. Its sk_msg
+ * runs under its socket's lock, as does every redirect that queues into it
+ * (bpf_tcp_ingress), so its psock queue cannot grow under this check. Park it
+ * first (senders claim their bytes in mw_dir.redir, then keep off a parked
+ * end; both sides use fetch-form atomics, so either the claim shows here or
+ * the sender sees the flag); if every byte its peer claimed for it was read
+ * (psock_rd) and its queue is empty, no redirected byte can reach its psock
+ * any more and user space may delete its entry (mw_unlink), which sk_msg
+ * itself may not. Otherwise unpark: a later check tries again.
+ */
+static __always_inline void park_self(struct mw_link *link, struct mw_sock_state *st, struct tcp_sock *tp)
+{
+	__u32 end = st->end & 1, peer = end ^ 1, redir;
+
+	redir = __sync_fetch_and_or(&link->end_flags[end], MW_EF_PARKED);
+	barrier_var(redir);
+	redir = __sync_fetch_and_add(&link->dir[peer].redir, 0);
+	if (!psock_pending((struct sock *)tp) && redir == st->psock_rd) {
+		__sync_fetch_and_or(&link->dir[end].flags, MW_DIR_UNLINK_REQ);
+		if (request_park(MW_EV_UNLINK, link, st->link, end))
+			return;
+		__sync_fetch_and_and(&link->dir[end].flags, ~MW_DIR_UNLINK_REQ);
+	}
+	__sync_fetch_and_and(&link->end_flags[end], ~MW_EF_PARKED);
+}
+
 /* The adaptive policy for one message of a direction that may be redirected
  * (mw_dir). Returns false when the message takes the TCP path. Only this
  * end's sk_msg writes its own mw_dir (under its socket lock); the peer only
@@ -1192,9 +1219,8 @@ static __always_inline bool policy_allows(struct sk_msg_md *msg, struct mw_link 
 		/* Still streaming after MW_POLICY_UNLINK checks: leave the
 		 * SOCKMAP, so that TCP is plain TCP again. */
 		if (run >= MW_POLICY_RUN + MW_POLICY_UNLINK && !(d->flags & (MW_DIR_UNLINK_REQ | MW_DIR_UNLINKED)) &&
-		    st->rd_pid != MW_RD_SHARED &&
-		    request_park(MW_EV_UNLINK, link, st->link, st->end))
-			__sync_fetch_and_or(&d->flags, MW_DIR_UNLINK_REQ);
+		    st->rd_pid != MW_RD_SHARED)
+			park_self(link, st, tp);
 		return false;
 	}
 	if (run == 1)
@@ -1617,20 +1643,72 @@ int mw_destroy(struct bpf_iter__tcp *ctx)
 }
 
 /* Gives an end back its place as a target (an unlink that did not happen). */
+/* An unlink that cannot happen: the end is a target again and counts a new
+ * run before it asks again. */
 static __always_inline void unpark(struct mw_link *link, __u32 end)
 {
-	link->dir[end & 1].run = 0; /* a new count before it asks again */
+	link->dir[end & 1].run = 0;
 	__sync_fetch_and_and(&link->dir[end & 1].flags, ~MW_DIR_UNLINK_REQ);
 	__sync_fetch_and_and(&link->end_flags[end & 1], ~MW_EF_PARKED);
 }
 
 /*
- * Takes a demoted end out of the SOCKMAP, or puts it back (mw_park_req).
- * The iterator holds the socket's lock, as does every redirect that queues
- * into it (bpf_tcp_ingress), so "nothing pending" cannot change under it once
- * no redirect is in flight: the peer's claimed bytes (mw_dir.redir) must all
- * have been read (psock_rd) and the psock queue be empty. Dropping a psock
- * with bytes in its queue would lose them.
+ * Deletes a parked end's SOCKMAP entry (MW_EV_UNLINK): user space runs this
+ * with BPF_PROG_TEST_RUN, the socket's cookie in cb[0] (low) and cb[1]
+ * (high); it is never attached. The end's own sk_msg parked it and found it
+ * drained (park_self), so nothing redirected can reach its psock any more;
+ * the entry must still belong to that socket: the link is the one its cookie
+ * names, it owns its slot and the end has not closed. Returns MW_PARK_*.
+ */
+SEC("tc")
+int mw_unlink(struct __sk_buff *skb)
+{
+	__u64 cookie = ((__u64)skb->cb[1] << 32) | skb->cb[0];
+	struct mw_cookie_val *cv;
+	struct mw_rule_stats *rs;
+	struct mw_link *link;
+	struct mw_slot *sl;
+	__u32 end, pos, slot, dflags;
+
+	cv = bpf_map_lookup_elem(&mw_cookies, &cookie);
+	if (!cv)
+		return MW_PARK_MOOT;
+	link = bpf_map_lookup_elem(&mw_links, &cv->link);
+	end = cv->end & 1;
+	if (!link || link->cookie[end] != cookie || !(link->flags & MW_LINK_SLOT))
+		return MW_PARK_MOOT;
+	dflags = link->dir[end].flags;
+	if ((dflags & (MW_DIR_UNLINK_REQ | MW_DIR_UNLINKED)) != MW_DIR_UNLINK_REQ)
+		return MW_PARK_MOOT;
+	slot = link->slot;
+	sl = bpf_map_lookup_elem(&mw_slots, &slot);
+	if (!sl || sl->owner != cv->link || (link->end_flags[end] & (MW_EF_CLOSED | MW_EF_GONE))) {
+		/* Closing: its close takes the entry out. */
+		__sync_fetch_and_and(&link->dir[end].flags, ~MW_DIR_UNLINK_REQ);
+		return MW_PARK_MOOT;
+	}
+	if (!(dflags & MW_DIR_TCP)) {
+		/* Promoted meanwhile: it stays, a target again. */
+		unpark(link, end);
+		return MW_PARK_MOOT;
+	}
+	pos = slot * 2 + end;
+	if (bpf_map_delete_elem(&mw_sockmap, &pos)) {
+		unpark(link, end);
+		return MW_PARK_FAILED;
+	}
+	__sync_fetch_and_or(&link->dir[end].flags, MW_DIR_UNLINKED);
+	__sync_fetch_and_and(&link->dir[end].flags, ~MW_DIR_UNLINK_REQ);
+	rs = rule_stats(link->rule_id);
+	if (rs)
+		rs->unlinks++;
+	return MW_PARK_DONE;
+}
+
+/*
+ * Puts an unlinked end back into the SOCKMAP (mw_park_req, MW_PARK_RELINK):
+ * its peer sent, so a new exchange may start. Inserting a socket needs the
+ * socket: an iterator in its network namespace has it, under its lock.
  */
 SEC("iter/tcp")
 int mw_park(struct bpf_iter__tcp *ctx)
@@ -1641,8 +1719,7 @@ int mw_park(struct bpf_iter__tcp *ctx)
 	struct mw_sock_state *st;
 	struct mw_link *link;
 	struct tcp_sock *tp;
-	struct sock *sk;
-	__u32 end, peer, dflags, redir, pos;
+	__u32 end, pos;
 	__u64 cookie;
 
 	if (!skc)
@@ -1652,77 +1729,38 @@ int mw_park(struct bpf_iter__tcp *ctx)
 	if (!req || req->result != MW_PARK_PENDING)
 		return 0;
 	tp = bpf_skc_to_tcp_sock(skc);
-	if (!tp) {
+	if (!tp || req->op != MW_PARK_RELINK) {
 		req->result = MW_PARK_MOOT;
 		return 0;
 	}
-	sk = (struct sock *)tp;
-	st = bpf_sk_storage_get(&mw_sk_state, sk, 0, 0);
+	st = bpf_sk_storage_get(&mw_sk_state, (struct sock *)tp, 0, 0);
 	if (!st || !st->link) {
 		req->result = MW_PARK_MOOT;
 		return 0;
 	}
 	link = bpf_map_lookup_elem(&mw_links, &st->link);
 	end = st->end & 1;
-	peer = end ^ 1;
 	if (!link || link->cookie[end] != cookie) {
 		req->result = MW_PARK_MOOT;
 		return 0;
 	}
-	rs = rule_stats(link->rule_id);
-	dflags = link->dir[end].flags;
+	if (!(link->dir[end].flags & MW_DIR_UNLINKED) || skc->skc_state != TCP_ESTABLISHED_STATE) {
+		__sync_fetch_and_and(&link->dir[end].flags, ~MW_DIR_RELINK_REQ);
+		req->result = MW_PARK_MOOT;
+		return 0;
+	}
+	/* On failure MW_DIR_RELINK_REQ stays: it is not asked again. */
 	pos = link->slot * 2 + end;
-	if (req->op == MW_PARK_UNLINK) {
-		if (dflags & MW_DIR_UNLINKED) {
-			req->result = MW_PARK_MOOT; /* already out: stays parked */
-			return 0;
-		}
-		if (!(dflags & MW_DIR_TCP) || st->rd_pid == MW_RD_SHARED ||
-		    skc->skc_state != TCP_ESTABLISHED_STATE) {
-			unpark(link, end);
-			req->result = MW_PARK_MOOT;
-			return 0;
-		}
-		redir = __sync_fetch_and_or(&link->end_flags[end], MW_EF_PARKED);
-		barrier_var(redir);
-		redir = __sync_fetch_and_add(&link->dir[peer].redir, 0);
-		if (psock_pending(sk) || redir != st->psock_rd) {
-			req->result = MW_PARK_BUSY;
-			return 0;
-		}
-		if (bpf_map_delete_elem(&mw_sockmap, &pos)) {
-			unpark(link, end);
-			req->result = MW_PARK_FAILED;
-			return 0;
-		}
-		__sync_fetch_and_or(&link->dir[end].flags, MW_DIR_UNLINKED);
-		__sync_fetch_and_and(&link->dir[end].flags, ~MW_DIR_UNLINK_REQ);
-		if (rs)
-			rs->unlinks++;
-		req->result = MW_PARK_DONE;
+	if (bpf_map_update_elem(&mw_sockmap, &pos, (struct sock *)tp, BPF_NOEXIST)) {
+		req->result = MW_PARK_FAILED;
 		return 0;
 	}
-	if (req->op == MW_PARK_RELINK) {
-		if (!(dflags & MW_DIR_UNLINKED) || skc->skc_state != TCP_ESTABLISHED_STATE) {
-			__sync_fetch_and_and(&link->dir[end].flags, ~MW_DIR_RELINK_REQ);
-			req->result = MW_PARK_MOOT;
-			return 0;
-		}
-		/* On failure MW_DIR_RELINK_REQ stays: it is not asked again. */
-		if (bpf_map_update_elem(&mw_sockmap, &pos, sk, BPF_NOEXIST)) {
-			req->result = MW_PARK_FAILED;
-			return 0;
-		}
-		__sync_fetch_and_and(&link->dir[end].flags, ~(MW_DIR_UNLINKED | MW_DIR_RELINK_REQ | MW_DIR_UNLINK_REQ));
-		link->dir[end].run = 0;
-		__sync_fetch_and_and(&link->end_flags[end], ~MW_EF_PARKED);
-		if (rs)
-			rs->relinks++;
-		req->result = MW_PARK_DONE;
-		return 0;
-	}
-	if (req->op == MW_PARK_UNPARK && !(dflags & MW_DIR_UNLINKED))
-		unpark(link, end);
+	__sync_fetch_and_and(&link->dir[end].flags, ~(MW_DIR_UNLINKED | MW_DIR_RELINK_REQ | MW_DIR_UNLINK_REQ));
+	link->dir[end].run = 0;
+	__sync_fetch_and_and(&link->end_flags[end], ~MW_EF_PARKED);
+	rs = rule_stats(link->rule_id);
+	if (rs)
+		rs->relinks++;
 	req->result = MW_PARK_DONE;
 	return 0;
 }
