@@ -284,7 +284,10 @@ fn run(pin_dir: &Path, stop: &AtomicBool, trusted: &BTreeSet<ExeKey>, subs: &Sub
     let mut parker = match Parker::open(pin_dir) {
         Ok(p) => Some(p),
         Err(e) => {
-            tracing::warn!("demoted connections stay in the SOCKMAP: {e}");
+            tracing::warn!(
+                "demoted connections stay in the SOCKMAP, and one that asked to leave stays parked (its peer \
+                 sends on TCP) until a data path process can serve it: {e}"
+            );
             None
         }
     };
@@ -313,6 +316,9 @@ fn run(pin_dir: &Path, stop: &AtomicBool, trusted: &BTreeSet<ExeKey>, subs: &Sub
         }
         if last_retry.elapsed() > Duration::from_millis(500) {
             guard.retry_pending();
+            if let Some(p) = parker.as_mut().filter(|p| p.rescan_due()) {
+                p.rescan();
+            }
             if let Some(s) = sweeper.as_mut() {
                 s.sweep();
             }

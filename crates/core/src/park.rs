@@ -23,8 +23,8 @@ use std::time::{Duration, Instant};
 use libbpf_rs::{MapCore, MapFlags, MapHandle, ProgramHandle};
 use meshwarp_bpf::names;
 use meshwarp_bpf::shared::{
-    Event, ParkReq, Pod, UnlinkCtx, EV_RELINK, EV_UNLINK, PARK_BUSY, PARK_DONE, PARK_FAILED, PARK_MOOT, PARK_PENDING,
-    PARK_RELINK,
+    Event, Link, ParkReq, Pod, UnlinkCtx, DIR_UNLINKED, DIR_UNLINKING, DIR_UNLINK_REQ, EV_RELINK, EV_UNLINK, PARK_BUSY,
+    PARK_DONE, PARK_FAILED, PARK_MOOT, PARK_PENDING, PARK_RELINK,
 };
 
 /// Attempts of a relink a failed walk did not serve (one per [`RETRY_EVERY`]).
@@ -72,11 +72,14 @@ struct Request {
 /// iterator link and the relink queue.
 pub(crate) struct Parker {
     req: MapHandle,
+    links: MapHandle,
     unlink: ProgramHandle,
     link: OwnedFd,
     /// Namespace cookie -> a path that enters it (found once, re-found when stale).
     netns: BTreeMap<u64, PathBuf>,
     queue: Vec<Request>,
+    /// An `mw_unlink` run failed: look for unserved ends again.
+    rescan_due: bool,
 }
 
 impl Parker {
@@ -87,9 +90,32 @@ impl Parker {
             .map_err(bpf_err("opening pinned mw_park"))?;
         let unlink = ProgramHandle::from_pinned_path(pin_dir.join("progs").join(names::PROG_UNLINK))
             .map_err(bpf_err("opening pinned mw_unlink"))?;
+        let links = MapHandle::from_pinned_path(pin_dir.join("maps").join(names::MAP_LINKS))
+            .map_err(bpf_err("opening pinned mw_links"))?;
         let link = crate::sys::iter_link(&prog)
             .map_err(|source| ParkError::Io { what: "creating the mw_park iterator link".into(), source })?;
-        Ok(Self { req, unlink, link, netns: BTreeMap::new(), queue: Vec::new() })
+        let mut parker =
+            Self { req, links, unlink, link, netns: BTreeMap::new(), queue: Vec::new(), rescan_due: false };
+        // Requests made while no process served them (or before a restart).
+        parker.rescan();
+        Ok(parker)
+    }
+
+    /// Unlinks every end that asked and was not served: its request was
+    /// lost (no process ran, the ring buffer was read by another) or the
+    /// run failed. Such an end stays parked, so its peer sends on TCP.
+    pub(crate) fn rescan(&mut self) {
+        self.rescan_due = false;
+        let keys: Vec<Vec<u8>> = self.links.keys().collect();
+        for key in keys {
+            let Ok(Some(v)) = self.links.lookup(&key, MapFlags::ANY) else { continue };
+            let Some(l) = Link::from_bytes(&v) else { continue };
+            for end in 0..2 {
+                if l.dir[end].flags & (DIR_UNLINK_REQ | DIR_UNLINKED | DIR_UNLINKING) == DIR_UNLINK_REQ {
+                    self.unlink(l.cookie[end]);
+                }
+            }
+        }
     }
 
     /// Serves or queues a program's request; false if `ev` is not one.
@@ -109,14 +135,23 @@ impl Parker {
         true
     }
 
-    /// Deletes a parked, drained end's SOCKMAP entry (`mw_unlink`). On
-    /// failure the end stays parked in the map: its peer's bytes take TCP.
-    fn unlink(&self, cookie: u64) {
+    /// Deletes a parked, drained end's SOCKMAP entry (`mw_unlink`). If it
+    /// cannot run, the end stays parked in the map (its peer's bytes take
+    /// TCP) until a later rescan.
+    fn unlink(&mut self, cookie: u64) {
         let ctx = UnlinkCtx::for_cookie(cookie);
         match crate::sys::test_run(self.unlink.as_fd(), ctx.as_bytes()) {
             Ok(r) => tracing::debug!(cookie, "mw_unlink: {}", result_name(r)),
-            Err(e) => tracing::warn!(cookie, "mw_unlink could not run; the end stays parked: {e}"),
+            Err(e) => {
+                tracing::warn!(cookie, "mw_unlink could not run; the end stays parked until a rescan: {e}");
+                self.rescan_due = true;
+            }
         }
+    }
+
+    /// Whether a failed run asked for a rescan.
+    pub(crate) fn rescan_due(&self) -> bool {
+        self.rescan_due
     }
 
     /// Whether requests wait for a retry (the caller polls sooner).

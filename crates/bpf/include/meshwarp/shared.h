@@ -152,6 +152,9 @@ struct mw_dir {
 #define MW_DIR_UNLINK_REQ 2u /* parked and drained: user space was asked to delete its entry */
 #define MW_DIR_UNLINKED 4u   /* out of the SOCKMAP: plain tcp_prot, its sends cost nothing */
 #define MW_DIR_RELINK_REQ 8u /* user space was asked to put it back */
+/* mw_unlink is deleting its entry: until it is done the end counts as in the
+ * SOCKMAP, so its slot cannot be freed and reused under the delete. */
+#define MW_DIR_UNLINKING 16u
 
 /* The policy: after MW_POLICY_RUN messages without a reply, a direction whose
  * sender lets TCP coalesce (Nagle or cork) and whose messages averaged under

@@ -170,8 +170,8 @@ struct {
 	__type(value, __u32);
 } mw_doomed SEC(".maps");
 
-/* Sockets user space asked mw_park to take out of the SOCKMAP or put back
- * (keyed by cookie; the iterator writes the result). */
+/* Sockets user space asked mw_park to put back into the SOCKMAP (keyed by
+ * cookie; the iterator writes the result). */
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
 	__uint(max_entries, 1024);
@@ -665,9 +665,11 @@ static __always_inline void slot_free(__u32 slot, __u64 id)
  * good at close, or unlinked by the policy. */
 static __always_inline bool end_out(const struct mw_link *link, __u32 end)
 {
-	__u32 ef = link->end_flags[end & 1];
+	__u32 ef = link->end_flags[end & 1], df = link->dir[end & 1].flags;
 
-	return !(ef & MW_EF_PSOCK) || (ef & MW_EF_GONE) || (link->dir[end & 1].flags & MW_DIR_UNLINKED);
+	if (df & MW_DIR_UNLINKING)
+		return false;
+	return !(ef & MW_EF_PSOCK) || (ef & MW_EF_GONE) || (df & MW_DIR_UNLINKED);
 }
 
 /* A link is going away: free its slot, or, if an end may still be in the
@@ -1181,9 +1183,10 @@ static __always_inline void park_self(struct mw_link *link, struct mw_sock_state
 }
 
 /* The adaptive policy for one message of a direction that may be redirected
- * (mw_dir). Returns false when the message takes the TCP path. Only this
- * end's sk_msg writes its own mw_dir (under its socket lock); the peer only
- * resets `run`, a race that at worst delays one decision. */
+ * (mw_dir). Returns false when the message takes the TCP path. This end's
+ * sk_msg (under its socket lock) decides its own mw_dir; the peer resets
+ * `run` (a race that at worst delays one decision), and mw_unlink and
+ * mw_park change flags too, so flags change only by atomic operations. */
 static __always_inline bool policy_allows(struct sk_msg_md *msg, struct mw_link *link, struct mw_sock_state *st,
 					  struct tcp_sock *tp, struct mw_rule_stats *rs)
 {
@@ -1205,7 +1208,7 @@ static __always_inline bool policy_allows(struct sk_msg_md *msg, struct mw_link 
 		/* The peer sent since the last check (a new exchange), and read
 		 * every TCP byte: promote. */
 		if (run == 1 && d->tcp_read == tp->write_seq) {
-			d->flags &= ~MW_DIR_TCP;
+			__sync_fetch_and_and(&d->flags, ~MW_DIR_TCP);
 			st->flags &= ~MW_SOCK_DEMOTED;
 			if (rs) {
 				rs->promotions++;
@@ -1229,7 +1232,7 @@ static __always_inline bool policy_allows(struct sk_msg_md *msg, struct mw_link 
 		return true;
 	d->run_bytes += size;
 	if (run == MW_POLICY_RUN && d->run_bytes < MW_POLICY_RUN * MW_POLICY_SMALL && coalescing(tp)) {
-		d->flags |= MW_DIR_TCP;
+		__sync_fetch_and_or(&d->flags, MW_DIR_TCP);
 		st->flags |= MW_SOCK_DEMOTED;
 		st->skipped = 0;
 		if (rs) {
@@ -1288,9 +1291,9 @@ static __always_inline int finish_msg(struct sk_msg_md *msg, struct bpf_sock *sk
 			rs->fb_tcp_path++;
 		return SK_PASS;
 	}
-	/* Claim the bytes, then look again whether the peer is leaving: mw_park
-	 * sets MW_EF_PARKED, then reads `redir`, both with fetch-form atomics;
-	 * so either it sees this claim and waits, or this sees the flag. The
+	/* Claim the bytes, then look again whether the peer is leaving: its
+	 * park_self sets MW_EF_PARKED, then reads `redir`, both with fetch-form
+	 * atomics; so either it sees this claim and waits, or this sees the flag. The
 	 * claim is a fetch form too (barrier_var keeps its result used, so
 	 * clang does not emit the plain BPF_ADD, unordered on arm64): fully
 	 * ordered on every JIT, so the plain load of the flags after it cannot
@@ -1642,7 +1645,6 @@ int mw_destroy(struct bpf_iter__tcp *ctx)
 	return 0;
 }
 
-/* Gives an end back its place as a target (an unlink that did not happen). */
 /* An unlink that cannot happen: the end is a target again and counts a new
  * run before it asks again. */
 static __always_inline void unpark(struct mw_link *link, __u32 end)
@@ -1656,9 +1658,11 @@ static __always_inline void unpark(struct mw_link *link, __u32 end)
  * Deletes a parked end's SOCKMAP entry (MW_EV_UNLINK): user space runs this
  * with BPF_PROG_TEST_RUN, the socket's cookie in cb[0] (low) and cb[1]
  * (high); it is never attached. The end's own sk_msg parked it and found it
- * drained (park_self), so nothing redirected can reach its psock any more;
- * the entry must still belong to that socket: the link is the one its cookie
- * names, it owns its slot and the end has not closed. Returns MW_PARK_*.
+ * drained (park_self), so nothing redirected can reach its psock while it
+ * stays parked. MW_DIR_UNLINKING first: from then on its slot cannot be
+ * freed (end_out), so the entry at 2 * slot + end stays this socket's while
+ * the link still names it (cookie, slot owner) and it has not closed.
+ * Returns MW_PARK_*.
  */
 SEC("tc")
 int mw_unlink(struct __sk_buff *skb)
@@ -1668,37 +1672,48 @@ int mw_unlink(struct __sk_buff *skb)
 	struct mw_rule_stats *rs;
 	struct mw_link *link;
 	struct mw_slot *sl;
-	__u32 end, pos, slot, dflags;
+	__u32 end, pos, slot, old;
+	__u64 id;
 
 	cv = bpf_map_lookup_elem(&mw_cookies, &cookie);
 	if (!cv)
 		return MW_PARK_MOOT;
-	link = bpf_map_lookup_elem(&mw_links, &cv->link);
+	id = cv->link;
 	end = cv->end & 1;
-	if (!link || link->cookie[end] != cookie || !(link->flags & MW_LINK_SLOT))
+	link = bpf_map_lookup_elem(&mw_links, &id);
+	if (!link)
 		return MW_PARK_MOOT;
-	dflags = link->dir[end].flags;
-	if ((dflags & (MW_DIR_UNLINK_REQ | MW_DIR_UNLINKED)) != MW_DIR_UNLINK_REQ)
-		return MW_PARK_MOOT;
+	old = __sync_fetch_and_or(&link->dir[end].flags, MW_DIR_UNLINKING);
+	if (old & MW_DIR_UNLINKING)
+		return MW_PARK_MOOT; /* another run is at it */
 	slot = link->slot;
 	sl = bpf_map_lookup_elem(&mw_slots, &slot);
-	if (!sl || sl->owner != cv->link || (link->end_flags[end] & (MW_EF_CLOSED | MW_EF_GONE))) {
-		/* Closing: its close takes the entry out. */
-		__sync_fetch_and_and(&link->dir[end].flags, ~MW_DIR_UNLINK_REQ);
+	/* Checked after the flag: a link element reused meanwhile, or a slot
+	 * freed before it, shows here. */
+	if (link->cookie[end] != cookie || !(link->flags & MW_LINK_SLOT) || !sl || sl->owner != id ||
+	    (old & (MW_DIR_UNLINK_REQ | MW_DIR_UNLINKED)) != MW_DIR_UNLINK_REQ) {
+		__sync_fetch_and_and(&link->dir[end].flags, ~MW_DIR_UNLINKING);
 		return MW_PARK_MOOT;
 	}
-	if (!(dflags & MW_DIR_TCP)) {
+	if (link->end_flags[end] & (MW_EF_CLOSED | MW_EF_GONE)) {
+		/* Closing: its close takes the entry out. */
+		__sync_fetch_and_and(&link->dir[end].flags, ~(MW_DIR_UNLINKING | MW_DIR_UNLINK_REQ));
+		return MW_PARK_MOOT;
+	}
+	if (!(old & MW_DIR_TCP) || !(link->end_flags[end] & MW_EF_PARKED)) {
 		/* Promoted meanwhile: it stays, a target again. */
+		__sync_fetch_and_and(&link->dir[end].flags, ~MW_DIR_UNLINKING);
 		unpark(link, end);
 		return MW_PARK_MOOT;
 	}
 	pos = slot * 2 + end;
 	if (bpf_map_delete_elem(&mw_sockmap, &pos)) {
+		__sync_fetch_and_and(&link->dir[end].flags, ~MW_DIR_UNLINKING);
 		unpark(link, end);
 		return MW_PARK_FAILED;
 	}
 	__sync_fetch_and_or(&link->dir[end].flags, MW_DIR_UNLINKED);
-	__sync_fetch_and_and(&link->dir[end].flags, ~MW_DIR_UNLINK_REQ);
+	__sync_fetch_and_and(&link->dir[end].flags, ~(MW_DIR_UNLINK_REQ | MW_DIR_UNLINKING));
 	rs = rule_stats(link->rule_id);
 	if (rs)
 		rs->unlinks++;
