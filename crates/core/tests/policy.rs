@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
 use meshwarp_core::testbed::{accept_timeout, read_exact_ready, write_all_ready, KernelTest, NodeWithPods};
-use meshwarp_core::{EndpointPair, FastPathMode, RuleCounters};
+use meshwarp_core::{Dataplane, EndpointPair, FastPathMode, RuleCounters};
 
 const T: Option<Duration> = Some(Duration::from_secs(60));
 
@@ -264,6 +264,38 @@ fn no_promotion_while_tcp_bytes_are_unread() -> Result<()> {
     up_r.read(&s, 300)?;
     let st = k.dp().pair_stats(&pair)?;
     ensure!(st.promotions == 1, "promoted once read: {st:?}");
+    Ok(())
+}
+
+/// An end that asks to leave the SOCKMAP while no process serves the data
+/// path (programs pinned and attached, no guard thread), and whose request
+/// is lost (read off the ring buffer by someone else), stays parked, its
+/// stream going on over TCP; the next process that opens the data path finds
+/// it and unlinks it. Every byte checked.
+#[test]
+fn an_unlink_asked_while_no_process_serves_is_done_at_the_next_open() -> Result<()> {
+    let mut k = kernel_test!();
+    let (net, l, pair) = pods_pair(&k, 8207, FastPathMode::Adaptive)?;
+    let (c, s) = connections(&net, &l, 8207, 1)?.remove(0);
+    let (mut up_w, mut up_r) = (Stream::new(21), Stream::new(21));
+    drop(k.dp.take());
+    stream_one_way(&c, &s, &mut up_w, &mut up_r, 1 << 20, 512)?;
+    let events = k
+        .cfg
+        .pin_root
+        .join(format!("v{}", meshwarp_bpf::shared::SCHEMA_VERSION))
+        .join("maps")
+        .join(meshwarp_bpf::names::MAP_EVENTS);
+    let events = libbpf_rs::MapHandle::from_pinned_path(events)?;
+    let mut rb = libbpf_rs::RingBufferBuilder::new();
+    rb.add(&events, |_| 0)?;
+    rb.build()?.consume()?;
+    k.dp = Some(Dataplane::open(&k.cfg)?);
+    let st = wait_counters(&k, &pair, "unlinked by the next process", |c| c.unlinks == 1)?;
+    ensure!(st.demotions_coalesce == 1, "{st:?}");
+    stream_one_way(&c, &s, &mut up_w, &mut up_r, 1 << 20, 512)?;
+    let after = k.dp().pair_stats(&pair)?;
+    ensure!(after.policy_tcp_msgs == st.policy_tcp_msgs, "out of the map: {st:?} then {after:?}");
     Ok(())
 }
 
