@@ -216,6 +216,8 @@ pub struct Link {
     /// `mw_slots` index (with `LINK_SLOT`): the ends' SOCKMAP entries.
     pub slot: u32,
     pub pad: u32,
+    /// The link id (0: the element is free).
+    pub id: u64,
 }
 
 /// `struct mw_dir`: one direction of a link (the adaptive policy), by sending end.
@@ -245,6 +247,9 @@ pub struct CookieVal {
     pub link: u64,
     pub end: u32,
     pub rule_id: u32,
+    /// The link's `mw_links` index.
+    pub slot: u32,
+    pub pad: u32,
 }
 
 /// `struct mw_sock_state`.
@@ -264,7 +269,8 @@ pub struct SockState {
     pub read: u32,
     pub psock_rd: u32,
     pub rd_pid: u32,
-    pub pad: u32,
+    /// The link's `mw_links` index (with `link`).
+    pub slot: u32,
 }
 
 /// `struct mw_sock_owner`.
@@ -720,10 +726,11 @@ mod tests {
                 netns,
                 dir,
                 slot,
-                pad
+                pad,
+                id
             ]
         );
-        same_layout!(CookieVal, types::mw_cookie_val, [link, end, rule_id]);
+        same_layout!(CookieVal, types::mw_cookie_val, [link, end, rule_id, slot, pad]);
         same_layout!(Dir, types::mw_dir, [flags, run, run_bytes, tcp_read, redir, pad]);
         same_layout!(ParkReq, types::mw_park_req, [op, result]);
         assert_eq!(offset_of!(UnlinkCtx, cb), offset_of!(types::__sk_buff, cb));
@@ -731,7 +738,7 @@ mod tests {
         same_layout!(
             SockState,
             types::mw_sock_state,
-            [link, rule_id, flags, end, learn, rd_pub, rd_tgid, rd_seen, skipped, read, psock_rd, rd_pid, pad]
+            [link, rule_id, flags, end, learn, rd_pub, rd_tgid, rd_seen, skipped, read, psock_rd, rd_pid, slot]
         );
         same_layout!(SockOwner, types::mw_sock_owner, [exe, tgid, flags]);
         same_layout!(Exe, types::mw_exe, [flags, tgid, comm]);
@@ -790,7 +797,7 @@ mod tests {
         assert_eq!(size_of::<PairKey>(), 16 + 16 + 4 + 4);
         assert_eq!(size_of::<CaptureKey>(), 16 + 16 + 4 + 4);
         assert_eq!(size_of::<Rule>(), 4 + 4 + 16 + 8);
-        assert_eq!(size_of::<Link>(), 8 + 32 + 16 + 8 + 16 + 32 + 16 + 48 + 8);
+        assert_eq!(size_of::<Link>(), 8 + 32 + 16 + 8 + 16 + 32 + 16 + 48 + 8 + 8);
         assert_eq!(size_of::<Dir>(), 24);
         assert_eq!(size_of::<ParkReq>(), 8);
         assert_eq!(size_of::<SockState>(), 8 + 16 + 32);

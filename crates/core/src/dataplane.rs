@@ -393,10 +393,11 @@ impl Dataplane {
         Ok(v.and_then(|b| CookieVal::from_bytes(&b)))
     }
 
-    /// A link by id.
-    pub fn link(&self, id: u64) -> Result<Option<LinkValue>, DataplaneError> {
-        let v = self.links.lookup(&id.to_ne_bytes(), MapFlags::ANY).map_err(bpf_err("looking up mw_links"))?;
-        Ok(v.and_then(|b| LinkValue::from_bytes(&b)))
+    /// The link a socket's entry (from [`Dataplane::socket_link`]) names,
+    /// if it still holds that link.
+    pub fn link(&self, at: &CookieVal) -> Result<Option<LinkValue>, DataplaneError> {
+        let v = self.links.lookup(&at.slot.to_ne_bytes(), MapFlags::ANY).map_err(bpf_err("looking up mw_links"))?;
+        Ok(v.and_then(|b| LinkValue::from_bytes(&b)).filter(|l| l.id != 0 && l.id == at.link))
     }
 
     /// Whether this instance loaded the programs or adopted pinned ones.
@@ -623,7 +624,7 @@ fn load_and_pin(cfg: &DataplaneConfig, layout: &Layout) -> Result<(), DataplaneE
     let sizes = [
         (&mut maps.mw_sockmap, sockmap_entries),
         (&mut maps.mw_slots, slots(cfg.max_sockets)),
-        (&mut maps.mw_links, cfg.max_sockets),
+        (&mut maps.mw_links, slots(cfg.max_sockets)),
         (&mut maps.mw_cookies, cfg.max_sockets),
         (&mut maps.mw_pairs, cfg.max_rules),
         (&mut maps.mw_capture, cfg.max_rules),

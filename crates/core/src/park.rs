@@ -109,7 +109,7 @@ impl Parker {
         let keys: Vec<Vec<u8>> = self.links.keys().collect();
         for key in keys {
             let Ok(Some(v)) = self.links.lookup(&key, MapFlags::ANY) else { continue };
-            let Some(l) = Link::from_bytes(&v) else { continue };
+            let Some(l) = Link::from_bytes(&v).filter(|l| l.id != 0) else { continue };
             for end in 0..2 {
                 if l.dir[end].flags & (DIR_UNLINK_REQ | DIR_UNLINKED | DIR_UNLINKING) == DIR_UNLINK_REQ {
                     self.unlink(l.cookie[end]);

@@ -288,13 +288,18 @@ fn probe_in_netns(release: String) -> Result<KernelProbe, ProbeError> {
 
     // FIONREAD of TCP bytes on a socket that has a psock: stop redirecting
     // into the server end, then send.
-    let link_key = maps.mw_links.keys().next().ok_or_else(|| ProbeError::NotRedirected("no link".into()))?;
-    if let Some(v) = maps.mw_links.lookup(&link_key, MapFlags::ANY).map_err(bpf_err("probe link"))? {
-        if let Some(mut l) = LinkValue::from_bytes(&v) {
-            l.end_flags[END_SERVER as usize] &= !EF_TARGET;
-            maps.mw_links.update(&link_key, l.as_bytes(), MapFlags::EXIST).map_err(bpf_err("probe link"))?;
-        }
-    }
+    // mw_links is an array by slot: the probe's one link is its only
+    // element with an id.
+    let (link_key, mut l) = maps
+        .mw_links
+        .keys()
+        .find_map(|k| {
+            let v = maps.mw_links.lookup(&k, MapFlags::ANY).ok().flatten()?;
+            LinkValue::from_bytes(&v).filter(|l| l.id != 0).map(|l| (k, l))
+        })
+        .ok_or_else(|| ProbeError::NotRedirected("no link".into()))?;
+    l.end_flags[END_SERVER as usize] &= !EF_TARGET;
+    maps.mw_links.update(&link_key, l.as_bytes(), MapFlags::ANY).map_err(bpf_err("probe link"))?;
     write_all(&c, &[1u8; 100])?;
     let deadline = Instant::now() + T;
     while !readable(s.as_raw_fd(), 10)? && Instant::now() < deadline {}

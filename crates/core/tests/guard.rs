@@ -177,7 +177,7 @@ fn identical_connection_ids_poison_both() -> Result<()> {
     let st = k.dp().pair_stats(&pair)?;
     ensure!(st.fallback_collision == 1, "the second collided: {st:?}");
     ensure!(k.dp().socket_link(socket_cookie_of(&b)?)?.is_none(), "the second is not in the SOCKMAP");
-    let link = k.dp().link(la.unwrap().link)?.context("link")?;
+    let link = k.dp().link(&la.context("the first is accelerated")?)?.context("link")?;
     ensure!(link.flags & LINK_POISONED != 0, "the first's link is poisoned: {link:?}");
     Ok(())
 }
@@ -425,7 +425,7 @@ fn a_rule_can_keep_redirected_bytes_out_of_one_end() -> Result<()> {
     k.dp().insert_pair(&pair, "test")?;
     let (c, s) = (net.pods[0].ns.connect(addr)?, accept_timeout(&l, T)?);
     let link = k.dp().socket_link(socket_cookie_of(&c)?)?.context("accelerated")?;
-    let l = k.dp().link(link.link)?.context("link")?;
+    let l = k.dp().link(&link)?.context("link")?;
     ensure!(l.end_flags[1] & meshwarp_bpf::shared::EF_R_RULE != 0, "{l:?}");
     exchange(c, s, 23, 1 << 20, T)?;
     let st = k.dp().pair_stats(&pair)?;

@@ -40,7 +40,7 @@ fn accelerated(dp: &Dataplane, s: &TcpStream, end: u32) -> Result<(u64, Link)> {
     let cookie = socket_cookie_of(s)?;
     let cv = dp.socket_link(cookie)?.with_context(|| format!("socket {:?} not accelerated", s.local_addr()))?;
     ensure!(cv.end == end, "end {} instead of {end}", cv.end);
-    let link = dp.link(cv.link)?.context("link gone")?;
+    let link = dp.link(&cv)?.context("link gone")?;
     ensure!(link.flags & LINK_SLOT != 0, "link {:#x} owns no slot", cv.link);
     let index = sockmap_index(link.slot, end);
     ensure!(dp.sockmap_lookup(index)? == Some(cookie), "SOCKMAP does not hold the socket at {index}");
@@ -407,9 +407,10 @@ fn a_closed_links_slot_is_used_again() -> Result<()> {
         let (c, s) = conn.context("connection")?;
         let cookie = socket_cookie_of(&c)?;
         let (id, _) = accelerated(k.dp(), &c, END_CLIENT).with_context(|| format!("round {round}"))?;
+        let cv = k.dp().socket_link(cookie)?.context("accelerated")?;
         exchange(c, s, 51 + round, 256 * 1024, T)?;
         redirected += 2 * 256 * 1024;
-        wait_until(T, || Ok(k.dp().link(id)?.is_none() && k.dp().socket_link(cookie)?.is_none()))
+        wait_until(T, || Ok(k.dp().link(&cv)?.is_none() && k.dp().socket_link(cookie)?.is_none()))
             .with_context(|| format!("round {round}: link {id:#x} not removed"))?;
     }
     let st = k.dp().pair_stats(&pair)?;

@@ -174,7 +174,8 @@ struct mw_dir {
  * TCP path. Its peer's next message asks to put it back. */
 #define MW_POLICY_UNLINK 8
 
-/* The connection both accelerated ends share (mw_links, keyed by link id). */
+/* The connection both accelerated ends share (mw_links, indexed by its slot;
+ * found from the id alone by probing the slots the id hashes to). */
 struct mw_link {
 	__u32 family;
 	__u32 kind;
@@ -193,6 +194,10 @@ struct mw_link {
 	struct mw_dir dir[2];
 	__u32 slot; /* mw_slots index: the ends are at 2 * slot + end in the SOCKMAP */
 	__u32 pad;
+	/* The link id (0: the element is free). mw_links is an array indexed
+	 * by the slot: a program that knows the slot finds the link by index
+	 * and checks the id, instead of hashing it on every message. */
+	__u64 id;
 };
 
 /* What mw_cookies maps a socket cookie to (found from a file descriptor). */
@@ -200,6 +205,8 @@ struct mw_cookie_val {
 	__u64 link;
 	__u32 end;
 	__u32 rule_id;
+	__u32 slot; /* the link's mw_links index */
+	__u32 pad;
 };
 
 /* Per-socket state set by sockops (socket local storage), read by sk_msg and
@@ -218,7 +225,7 @@ struct mw_sock_state {
 	__u32 read;     /* a demoted end read since that check: its next send checks */
 	__u32 psock_rd; /* bytes its reader took from the psock queue (redirected ones) */
 	__u32 rd_pid;   /* the thread that reads it, MW_RD_SHARED once several did */
-	__u32 pad;
+	__u32 slot;     /* the link's mw_links index (with link) */
 };
 
 /* mw_sock_state.rd_pid: more than one thread read this socket. */

@@ -108,11 +108,12 @@ struct {
 	__type(value, struct mw_rule);
 } mw_capture SEC(".maps");
 
-/* Links, keyed by link id (preallocated: created in softirq context). */
+/* Links, indexed by their slot (as many as mw_slots); mw_link.id says which
+ * link an element holds (0: none). */
 struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, 65536);
-	__type(key, __u64);
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 32768);
+	__type(key, __u32);
 	__type(value, struct mw_link);
 } mw_links SEC(".maps");
 
@@ -672,19 +673,54 @@ static __always_inline bool end_out(const struct mw_link *link, __u32 end)
 	return !(ef & MW_EF_PSOCK) || (ef & MW_EF_GONE) || (df & MW_DIR_UNLINKED);
 }
 
-/* A link is going away: free its slot, or, if an end may still be in the
- * SOCKMAP (closed with redirected bytes unread, its file open), leave the
- * slot to user space, which frees it once both entries are empty. */
-static __always_inline void slot_retire(const struct mw_link *link, __u64 id)
+/* The link in slot `slot`, if it is still link `id`. */
+static __always_inline struct mw_link *link_at(__u32 slot, __u64 id)
+{
+	struct mw_link *link = bpf_map_lookup_elem(&mw_links, &slot);
+
+	return (link && id && link->id == id) ? link : NULL;
+}
+
+/* Link `id` from its id alone: the slot it claimed is one of the
+ * MW_SLOT_PROBES its hash starts from (slot_claim). */
+static __always_inline struct mw_link *link_find(__u64 id, __u32 *slot)
+{
+	__u32 h = (__u32)(id ^ (id >> 32)) * 2654435761u;
+	struct mw_slot *s;
+	__u32 i, idx;
+
+	if (!id)
+		return NULL;
+	for (i = 0; i < MW_SLOT_PROBES; i++) {
+		idx = nr_slots ? (h + i) % nr_slots : 0;
+		s = bpf_map_lookup_elem(&mw_slots, &idx);
+		if (!s)
+			return NULL;
+		if (s->owner == id) {
+			*slot = idx;
+			return link_at(idx, id);
+		}
+	}
+	return NULL;
+}
+
+/* A link is going away: its element is cleared first (readers check the
+ * id), then its slot freed, or, if an end may still be in the SOCKMAP
+ * (closed with redirected bytes unread, its file open), left to user space,
+ * which frees it once both entries are empty. */
+static __always_inline void link_drop(struct mw_link *link, __u64 id)
 {
 	struct mw_global_stats *gs;
 	struct mw_event *ev;
 	struct mw_slot *s;
 	__u32 slot = link->slot;
+	bool out;
 
-	if (!(link->flags & MW_LINK_SLOT))
+	if (link->id != id)
 		return;
-	if (end_out(link, MW_END_CLIENT) && end_out(link, MW_END_SERVER)) {
+	out = end_out(link, MW_END_CLIENT) && end_out(link, MW_END_SERVER);
+	link->id = 0;
+	if (out) {
 		slot_free(slot, id);
 		return;
 	}
@@ -695,7 +731,8 @@ static __always_inline void slot_retire(const struct mw_link *link, __u64 id)
 	gs = global_stats();
 	if (gs)
 		gs->slots_stale++;
-	/* Lost if the ring buffer is full: user space also scans at start. */
+	/* Lost if the ring buffer is full: user space also scans at start. The
+	 * element's other fields stay until the slot is freed. */
 	ev = bpf_ringbuf_reserve(&mw_events, sizeof(*ev), 0);
 	if (!ev)
 		return;
@@ -726,9 +763,9 @@ static __always_inline void watch_close(struct bpf_sock_ops *skops)
 
 /* The client end: creates the link (if it may be accelerated at all) and
  * enters the SOCKMAP. The server end decides the rest. */
-static __always_inline void on_active_established(struct bpf_sock_ops *skops, const struct tuple *t)
+static __always_inline void on_active_established(struct bpf_sock_ops *skops, struct bpf_sock *sk,
+						  const struct tuple *t)
 {
-	struct bpf_sock *sk = skops->sk;
 	struct mw_global_stats *gs;
 	struct mw_rule_stats *rs;
 	struct mw_sock_state *st;
@@ -806,41 +843,45 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, co
 		 * (its listener may predate meshwarp), then drops the link. */
 		link->flags = MW_LINK_OBSERVE;
 		link->end_flags[MW_END_CLIENT] = 0;
-		if (!bpf_map_update_elem(&mw_links, &id, link, BPF_NOEXIST)) {
-			st->link = id;
-			watch_close(skops);
-		}
+	}
+	/* Another connection built this id: neither may redirect. */
+	existing = link_find(id, &slot);
+	if (existing) {
+		__sync_fetch_and_or(&existing->flags, MW_LINK_POISONED);
+		if (rs)
+			rs->fb_collision++;
 		return;
 	}
 	if (slot_claim(id, &slot)) {
 		gs = global_stats();
 		if (gs)
 			gs->no_slot++;
-		count_insert_failure(rs, -E2BIG);
+		if (d.level != LV_NONE)
+			count_insert_failure(rs, -E2BIG);
 		return;
 	}
 	link->slot = slot;
 	link->flags |= MW_LINK_SLOT;
-	err = bpf_map_update_elem(&mw_links, &id, link, BPF_NOEXIST);
-	if (err == -EEXIST) {
-		/* Another connection built this id: neither may redirect. */
-		slot_free(slot, id);
-		existing = bpf_map_lookup_elem(&mw_links, &id);
-		if (existing)
-			__sync_fetch_and_or(&existing->flags, MW_LINK_POISONED);
-		if (rs)
-			rs->fb_collision++;
-		return;
-	}
+	link->id = id;
+	err = bpf_map_update_elem(&mw_links, &slot, link, BPF_ANY);
 	if (err) {
 		slot_free(slot, id);
-		count_insert_failure(rs, err);
+		if (d.level != LV_NONE)
+			count_insert_failure(rs, err);
+		return;
+	}
+	if (d.level == LV_NONE) {
+		st->link = id;
+		st->slot = slot;
+		watch_close(skops);
 		return;
 	}
 	pos = slot * 2 + MW_END_CLIENT;
 	err = bpf_sock_map_update(skops, &mw_sockmap, &pos, BPF_NOEXIST);
 	if (err) {
-		bpf_map_delete_elem(&mw_links, &id);
+		existing = link_at(slot, id);
+		if (existing)
+			existing->id = 0;
 		slot_free(slot, id);
 		count_insert_failure(rs, err);
 		return;
@@ -848,8 +889,10 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, co
 	cv.link = id;
 	cv.end = MW_END_CLIENT;
 	cv.rule_id = rule->id;
+	cv.slot = slot;
 	bpf_map_update_elem(&mw_cookies, &cookie, &cv, BPF_ANY);
 	st->link = id;
+	st->slot = slot;
 	if (rs)
 		rs->sockets++;
 	watch_close(skops);
@@ -865,15 +908,15 @@ static __always_inline void release_client(__u64 id, struct mw_link *link)
 
 	bpf_map_delete_elem(&mw_sockmap, &pos);
 	bpf_map_delete_elem(&mw_cookies, &link->cookie[MW_END_CLIENT]);
+	link->id = 0;
 	slot_free(link->slot, id);
-	bpf_map_delete_elem(&mw_links, &id);
 	if (rs)
 		rs->sockets--;
 }
 
-static __always_inline void on_passive_established(struct bpf_sock_ops *skops, const struct tuple *t)
+static __always_inline void on_passive_established(struct bpf_sock_ops *skops, struct bpf_sock *sk,
+						   const struct tuple *t)
 {
-	struct bpf_sock *sk = skops->sk;
 	struct mw_global_stats *gs;
 	struct mw_rule_stats *rs;
 	struct mw_sock_state *st;
@@ -882,13 +925,13 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, c
 	struct tcp_sock *tp;
 	struct mw_link *link;
 	struct mw_rule *rule;
-	__u32 old, client_flags, rule_flags, pos;
+	__u32 old, client_flags, rule_flags, pos, slot = 0;
 	__u64 id, cookie;
 	bool to_server, to_client;
 	long err;
 
 	id = ((__u64)skops->rcv_nxt << 32) | skops->snd_una;
-	link = bpf_map_lookup_elem(&mw_links, &id);
+	link = link_find(id, &slot);
 	if (!link) {
 		/* Covered, but its client end is not accelerated (not covered
 		 * there, not a classified reader, on another node, ...). */
@@ -934,7 +977,8 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, c
 	decide_end(skops, tp, false, rule_flags, config_flags(), st, &d);
 	if (old & MW_LINK_OBSERVE) {
 		/* Its reader is observed (st); nothing is accelerated. */
-		bpf_map_delete_elem(&mw_links, &id);
+		link->id = 0;
+		slot_free(slot, id);
 		return;
 	}
 	count_reason(rs, &d);
@@ -959,6 +1003,7 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, c
 	cv.link = id;
 	cv.end = MW_END_SERVER;
 	cv.rule_id = link->rule_id;
+	cv.slot = slot;
 	bpf_map_update_elem(&mw_cookies, &cookie, &cv, BPF_ANY);
 	link->cookie[MW_END_SERVER] = cookie;
 	link->exe[MW_END_SERVER] = d.exe;
@@ -967,6 +1012,7 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, c
 	__sync_fetch_and_or(&link->end_flags[MW_END_SERVER],
 			    MW_EF_PSOCK | (to_server ? MW_EF_TARGET : d.reason));
 	st->link = id;
+	st->slot = slot;
 	if (rs)
 		rs->sockets++;
 	watch_close(skops);
@@ -992,7 +1038,7 @@ static __always_inline void on_state_change(struct bpf_sock_ops *skops)
 	end = st->end & 1;
 	cookie = bpf_get_socket_cookie(skops);
 	bpf_map_delete_elem(&mw_cookies, &cookie);
-	link = bpf_map_lookup_elem(&mw_links, &id);
+	link = link_at(st->slot, id);
 	if (!link || link->cookie[end] != cookie)
 		return;
 	/* Its entry can go unless the reader has redirected bytes left to
@@ -1011,8 +1057,7 @@ static __always_inline void on_state_change(struct bpf_sock_ops *skops)
 	old = __sync_fetch_and_or(&link->end_flags[end], MW_EF_CLOSED);
 	other = link->end_flags[end ^ 1];
 	if ((other & MW_EF_CLOSED) || !(link->flags & MW_LINK_CLAIMED) || !(other & MW_EF_PSOCK)) {
-		slot_retire(link, id);
-		bpf_map_delete_elem(&mw_links, &id);
+		link_drop(link, id);
 	}
 	(void)old;
 }
@@ -1023,7 +1068,7 @@ static __always_inline __u32 covering_rule(struct bpf_sock_ops *skops, const str
 {
 	struct mw_rule *rule;
 	struct mw_link *link;
-	__u32 kind;
+	__u32 kind, slot;
 	__u64 id;
 
 	if (active) {
@@ -1031,7 +1076,7 @@ static __always_inline __u32 covering_rule(struct bpf_sock_ops *skops, const str
 		return rule ? rule->id : MW_NO_ID;
 	}
 	id = ((__u64)skops->rcv_nxt << 32) | skops->snd_una;
-	link = bpf_map_lookup_elem(&mw_links, &id);
+	link = link_find(id, &slot);
 	if (link)
 		return link->rule_id;
 	rule = match_pair(t, false);
@@ -1040,10 +1085,14 @@ static __always_inline __u32 covering_rule(struct bpf_sock_ops *skops, const str
 
 static __always_inline void on_established(struct bpf_sock_ops *skops, const struct tuple *t, __u32 op)
 {
+	/* One load of skops->sk for both: clang would otherwise hoist the
+	 * context address and the verifier refuses a modified context pointer. */
+	struct bpf_sock *sk = skops->sk;
+
 	if (op == BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB)
-		on_active_established(skops, t);
+		on_active_established(skops, sk, t);
 	else
-		on_passive_established(skops, t);
+		on_passive_established(skops, sk, t);
 }
 
 /* Runs the on_connection chain for a covered connection. Returns only when
@@ -1258,7 +1307,7 @@ static __always_inline int finish_msg(struct sk_msg_md *msg, struct bpf_sock *sk
 		return SK_PASS;
 	st->read = 0;
 	rs = rule_stats(st->rule_id);
-	link = bpf_map_lookup_elem(&mw_links, &id);
+	link = link_at(st->slot, id);
 	if (link && (link->flags & MW_LINK_HIT))
 		return SK_DROP; /* being reset: more bytes would only be lost */
 	if (!link || (link->flags & MW_LINK_POISONED) || !(link->end_flags[peer] & MW_EF_TARGET) ||
@@ -1417,7 +1466,7 @@ int BPF_PROG(mw_recv_len, struct sock *sk, int ret, int flags)
 			if (seq == st->rd_pub && st->rd_pid != MW_RD_SHARED)
 				st->psock_rd += ret;
 			if (seq != st->rd_pub) {
-				link = bpf_map_lookup_elem(&mw_links, &st->link);
+				link = link_at(st->slot, st->link);
 				if (link)
 					link->dir[(st->end ^ 1) & 1].tcp_read = seq;
 				st->rd_pub = seq;
@@ -1518,7 +1567,7 @@ static __always_inline void on_splice(__u32 fd)
 		return;
 	id = cv->link;
 	end = cv->end & 1;
-	link = bpf_map_lookup_elem(&mw_links, &id);
+	link = link_at(cv->slot, id);
 	if (!link)
 		return;
 	/* With bytes waiting, senders must stop before the target is
@@ -1595,7 +1644,7 @@ int mw_setsockopt(struct bpf_sockopt *ctx)
 		goto pass;
 	id = st->link;
 	end = st->end & 1;
-	link = bpf_map_lookup_elem(&mw_links, &id);
+	link = link_at(st->slot, id);
 	if (!link || (link->flags & MW_LINK_OBSERVE))
 		goto pass;
 	rs = rule_stats(link->rule_id);
@@ -1680,7 +1729,7 @@ int mw_unlink(struct __sk_buff *skb)
 		return MW_PARK_MOOT;
 	id = cv->link;
 	end = cv->end & 1;
-	link = bpf_map_lookup_elem(&mw_links, &id);
+	link = link_at(cv->slot, id);
 	if (!link)
 		return MW_PARK_MOOT;
 	old = __sync_fetch_and_or(&link->dir[end].flags, MW_DIR_UNLINKING);
@@ -1753,7 +1802,7 @@ int mw_park(struct bpf_iter__tcp *ctx)
 		req->result = MW_PARK_MOOT;
 		return 0;
 	}
-	link = bpf_map_lookup_elem(&mw_links, &st->link);
+	link = link_at(st->slot, st->link);
 	end = st->end & 1;
 	if (!link || link->cookie[end] != cookie) {
 		req->result = MW_PARK_MOOT;
