@@ -64,6 +64,7 @@ pub mod names {
     pub const MAP_PAIRS: &str = "mw_pairs";
     pub const MAP_CAPTURE: &str = "mw_capture";
     pub const MAP_LINKS: &str = "mw_links";
+    pub const MAP_OBSERVE: &str = "mw_observe";
     pub const MAP_COOKIES: &str = "mw_cookies";
     pub const MAP_SK_OWNER: &str = "mw_sk_owner";
     pub const MAP_EXES: &str = "mw_exes";
@@ -125,12 +126,13 @@ pub mod names {
         MAP_GRACE,
     ];
     /// Every map of the sockredir family, in pin order.
-    pub const SOCKREDIR_MAPS: [&str; 27] = [
+    pub const SOCKREDIR_MAPS: [&str; 28] = [
         MAP_SOCKMAP,
         MAP_SLOTS,
         MAP_PAIRS,
         MAP_CAPTURE,
         MAP_LINKS,
+        MAP_OBSERVE,
         MAP_COOKIES,
         MAP_SK_STATE,
         MAP_SK_OWNER,

@@ -202,6 +202,7 @@ fn probe_in_netns(release: String) -> Result<KernelProbe, ProbeError> {
         (&mut open.maps.mw_sockmap, 128),
         (&mut open.maps.mw_slots, 64),
         (&mut open.maps.mw_links, 64),
+        (&mut open.maps.mw_observe, 64),
         (&mut open.maps.mw_cookies, 64),
         (&mut open.maps.mw_pairs, 4),
         (&mut open.maps.mw_capture, 4),

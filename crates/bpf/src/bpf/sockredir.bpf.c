@@ -72,6 +72,9 @@ const volatile struct mw_event mw_event_btf __attribute__((used)) = {};
 extern void *bpf_rdonly_cast(const void *obj, __u32 btf_id) __ksym __weak;
 extern int bpf_sock_destroy(struct sock_common *sk) __ksym __weak;
 
+/* mw_sock_state.slot of an observe-only client end (its link is in mw_observe). */
+#define MW_NO_SLOT 0xffffffffu
+
 /* Entries of mw_slots, set by user space before load (mw_sockmap has twice
  * as many: one per end). */
 const volatile __u32 nr_slots = 1;
@@ -124,6 +127,17 @@ struct {
 	__type(key, __u64);
 	__type(value, struct mw_cookie_val);
 } mw_cookies SEC(".maps");
+
+/* Links whose client end is not accelerated (MW_LINK_OBSERVE): the server
+ * end only learns who reads it. Kept apart from the slots, which they would
+ * hold for a whole connection whose server is elsewhere; LRU, so such links
+ * never fill it for good. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 65536);
+	__type(key, __u64);
+	__type(value, struct mw_link);
+} mw_observe SEC(".maps");
 
 MW_DEFINE_SK_STATE_MAP();
 
@@ -631,26 +645,47 @@ static __always_inline __u32 psock_pending(struct sock *sk)
 /* ---- slots: where a link's ends sit in the SOCKMAP ---- */
 
 /* Claims a free slot for link `id`, probing from its hash; -ENOSPC when
- * MW_SLOT_PROBES positions are taken. */
+ * MW_SLOT_PROBES positions are taken, -EEXIST when `id` owns one of them
+ * already (another connection built the same id; *slot says which). After
+ * its compare and swap it looks at the whole window again: two connections
+ * with the same id claiming at once see each other there. */
 static __always_inline long slot_claim(__u64 id, __u32 *slot)
 {
 	__u32 h = (__u32)(id ^ (id >> 32)) * 2654435761u;
-	struct mw_slot *s;
-	__u32 i, idx;
+	struct mw_slot *s, *mine = NULL;
+	__u32 i, idx, at = 0;
 
 	for (i = 0; i < MW_SLOT_PROBES; i++) {
 		idx = nr_slots ? (h + i) % nr_slots : 0;
 		s = bpf_map_lookup_elem(&mw_slots, &idx);
-		if (!s)
-			return -ENOENT;
-		if (s->owner)
-			continue;
-		if (__sync_val_compare_and_swap(&s->owner, 0, id) == 0) {
+		if (s && s->owner == id) {
 			*slot = idx;
-			return 0;
+			return -EEXIST;
 		}
 	}
-	return -ENOSPC;
+	for (i = 0; i < MW_SLOT_PROBES && !mine; i++) {
+		idx = nr_slots ? (h + i) % nr_slots : 0;
+		s = bpf_map_lookup_elem(&mw_slots, &idx);
+		if (!s)
+			return -ENOENT;
+		if (!s->owner && __sync_val_compare_and_swap(&s->owner, 0, id) == 0) {
+			mine = s;
+			at = idx;
+		}
+	}
+	if (!mine)
+		return -ENOSPC;
+	for (i = 0; i < MW_SLOT_PROBES; i++) {
+		idx = nr_slots ? (h + i) % nr_slots : 0;
+		s = bpf_map_lookup_elem(&mw_slots, &idx);
+		if (s && idx != at && s->owner == id) {
+			__sync_val_compare_and_swap(&mine->owner, id, 0);
+			*slot = idx;
+			return -EEXIST;
+		}
+	}
+	*slot = at;
+	return 0;
 }
 
 /* Gives a slot back: neither end of link `id` is in the SOCKMAP. */
@@ -686,6 +721,7 @@ static __always_inline struct mw_link *link_at(__u32 slot, __u64 id)
 static __always_inline struct mw_link *link_find(__u64 id, __u32 *slot)
 {
 	__u32 h = (__u32)(id ^ (id >> 32)) * 2654435761u;
+	struct mw_link *link;
 	struct mw_slot *s;
 	__u32 i, idx;
 
@@ -694,11 +730,14 @@ static __always_inline struct mw_link *link_find(__u64 id, __u32 *slot)
 	for (i = 0; i < MW_SLOT_PROBES; i++) {
 		idx = nr_slots ? (h + i) % nr_slots : 0;
 		s = bpf_map_lookup_elem(&mw_slots, &idx);
-		if (!s)
-			return NULL;
-		if (s->owner == id) {
+		if (!s || s->owner != id)
+			continue;
+		/* A stale slot (element cleared) or one still being filled
+		 * does not hold it: look on. */
+		link = link_at(idx, id);
+		if (link) {
 			*slot = idx;
-			return link_at(idx, id);
+			return link;
 		}
 	}
 	return NULL;
@@ -716,10 +755,10 @@ static __always_inline void link_drop(struct mw_link *link, __u64 id)
 	__u32 slot = link->slot;
 	bool out;
 
-	if (link->id != id)
-		return;
 	out = end_out(link, MW_END_CLIENT) && end_out(link, MW_END_SERVER);
-	link->id = 0;
+	/* Once: both ends may drop it at the same time. */
+	if (__sync_val_compare_and_swap(&link->id, id, 0) != id)
+		return;
 	if (out) {
 		slot_free(slot, id);
 		return;
@@ -843,21 +882,29 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 		 * (its listener may predate meshwarp), then drops the link. */
 		link->flags = MW_LINK_OBSERVE;
 		link->end_flags[MW_END_CLIENT] = 0;
+		link->id = id;
+		if (!bpf_map_update_elem(&mw_observe, &id, link, BPF_NOEXIST)) {
+			st->link = id;
+			st->slot = MW_NO_SLOT;
+			watch_close(skops);
+		}
+		return;
 	}
-	/* Another connection built this id: neither may redirect. */
-	existing = link_find(id, &slot);
-	if (existing) {
-		__sync_fetch_and_or(&existing->flags, MW_LINK_POISONED);
+	err = slot_claim(id, &slot);
+	if (err == -EEXIST) {
+		/* Another connection built this id: neither may redirect. */
+		existing = link_at(slot, id);
+		if (existing)
+			__sync_fetch_and_or(&existing->flags, MW_LINK_POISONED);
 		if (rs)
 			rs->fb_collision++;
 		return;
 	}
-	if (slot_claim(id, &slot)) {
+	if (err) {
 		gs = global_stats();
 		if (gs)
 			gs->no_slot++;
-		if (d.level != LV_NONE)
-			count_insert_failure(rs, -E2BIG);
+		count_insert_failure(rs, -E2BIG);
 		return;
 	}
 	link->slot = slot;
@@ -866,23 +913,15 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 	err = bpf_map_update_elem(&mw_links, &slot, link, BPF_ANY);
 	if (err) {
 		slot_free(slot, id);
-		if (d.level != LV_NONE)
-			count_insert_failure(rs, err);
-		return;
-	}
-	if (d.level == LV_NONE) {
-		st->link = id;
-		st->slot = slot;
-		watch_close(skops);
+		count_insert_failure(rs, err);
 		return;
 	}
 	pos = slot * 2 + MW_END_CLIENT;
 	err = bpf_sock_map_update(skops, &mw_sockmap, &pos, BPF_NOEXIST);
 	if (err) {
 		existing = link_at(slot, id);
-		if (existing)
-			existing->id = 0;
-		slot_free(slot, id);
+		if (existing && __sync_val_compare_and_swap(&existing->id, id, 0) == id)
+			slot_free(slot, id);
 		count_insert_failure(rs, err);
 		return;
 	}
@@ -906,9 +945,14 @@ static __always_inline void release_client(__u64 id, struct mw_link *link)
 	struct mw_rule_stats *rs = rule_stats(link->rule_id);
 	__u32 pos = link->slot * 2 + MW_END_CLIENT;
 
+	if (!(link->flags & MW_LINK_SLOT)) {
+		bpf_map_delete_elem(&mw_observe, &id); /* observe-only: nothing else to undo */
+		return;
+	}
+	if (__sync_val_compare_and_swap(&link->id, id, 0) != id)
+		return;
 	bpf_map_delete_elem(&mw_sockmap, &pos);
 	bpf_map_delete_elem(&mw_cookies, &link->cookie[MW_END_CLIENT]);
-	link->id = 0;
 	slot_free(link->slot, id);
 	if (rs)
 		rs->sockets--;
@@ -932,6 +976,8 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 
 	id = ((__u64)skops->rcv_nxt << 32) | skops->snd_una;
 	link = link_find(id, &slot);
+	if (!link)
+		link = bpf_map_lookup_elem(&mw_observe, &id);
 	if (!link) {
 		/* Covered, but its client end is not accelerated (not covered
 		 * there, not a classified reader, on another node, ...). */
@@ -977,8 +1023,7 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 	decide_end(skops, tp, false, rule_flags, config_flags(), st, &d);
 	if (old & MW_LINK_OBSERVE) {
 		/* Its reader is observed (st); nothing is accelerated. */
-		link->id = 0;
-		slot_free(slot, id);
+		bpf_map_delete_elem(&mw_observe, &id);
 		return;
 	}
 	count_reason(rs, &d);
@@ -1038,6 +1083,11 @@ static __always_inline void on_state_change(struct bpf_sock_ops *skops)
 	end = st->end & 1;
 	cookie = bpf_get_socket_cookie(skops);
 	bpf_map_delete_elem(&mw_cookies, &cookie);
+	if (st->slot == MW_NO_SLOT) {
+		/* An observe-only client end whose server end never came. */
+		bpf_map_delete_elem(&mw_observe, &id);
+		return;
+	}
 	link = link_at(st->slot, id);
 	if (!link || link->cookie[end] != cookie)
 		return;
@@ -1077,6 +1127,8 @@ static __always_inline __u32 covering_rule(struct bpf_sock_ops *skops, const str
 	}
 	id = ((__u64)skops->rcv_nxt << 32) | skops->snd_una;
 	link = link_find(id, &slot);
+	if (!link)
+		link = bpf_map_lookup_elem(&mw_observe, &id);
 	if (link)
 		return link->rule_id;
 	rule = match_pair(t, false);
