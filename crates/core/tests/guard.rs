@@ -159,8 +159,8 @@ fn repaired(ns: &NetNs, local: SocketAddr, remote: SocketAddr, snd: u32, rcv: u3
 
 /// Two connections that build the same id (same tuple and the same initial
 /// sequence numbers, in two namespaces; forced with TCP_REPAIR): the second
-/// is refused (BPF_NOEXIST) and poisons the first, so neither redirects and
-/// the collision is counted, never a wrong peer.
+/// finds the first's slot in its window, is refused and poisons the first, so
+/// neither redirects and the collision is counted, never a wrong peer.
 #[test]
 fn identical_connection_ids_poison_both() -> Result<()> {
     let k = kernel_test!();

@@ -100,7 +100,7 @@ struct mw_rule {
 #define MW_LINK_HIT 4u      /* a reader spliced with redirected bytes pending: being reset */
 #define MW_LINK_OBSERVE 8u  /* the client end is not accelerated: the server end only learns its reader */
 #define MW_LINK_FIXED 16u   /* the rule's mode is always: the policy never demotes */
-#define MW_LINK_SLOT 32u    /* owns mw_slots[slot] (every accelerated link) */
+#define MW_LINK_SLOT 32u    /* owns mw_slots[slot] (every accelerated link; not observe-only ones) */
 
 /* mw_link.end_flags[end] */
 #define MW_EF_PSOCK 1u   /* in the SOCKMAP: its sends run sk_msg */
