@@ -56,14 +56,13 @@ pub(crate) fn bpf_err(what: impl Into<String>) -> impl FnOnce(libbpf_rs::Error) 
     move |source| ParkError::Bpf { what, source }
 }
 
-/// One socket waiting for `mw_park`.
+/// One socket waiting for `mw_park` to put it back.
 #[derive(Debug, Clone, Copy)]
 struct Request {
     cookie: u64,
     netns: u64,
     /// The thread that asked (its namespace is tried first).
     tid: u32,
-    op: u32,
     tries: u32,
     due: Instant,
 }
@@ -128,10 +127,9 @@ impl Parker {
             EV_RELINK => {}
             _ => return false,
         }
-        let op = PARK_RELINK;
         // A newer request for the same socket replaces an older one.
         self.queue.retain(|r| r.cookie != ev.cookie);
-        self.queue.push(Request { cookie: ev.cookie, netns: ev.netns, tid: ev.pid, op, tries: 0, due: Instant::now() });
+        self.queue.push(Request { cookie: ev.cookie, netns: ev.netns, tid: ev.pid, tries: 0, due: Instant::now() });
         true
     }
 
@@ -190,9 +188,9 @@ impl Parker {
     fn settle(&mut self, r: &mut Request, result: u32) {
         let name = result_name(result);
         match result {
-            PARK_DONE | PARK_MOOT => tracing::debug!(cookie = r.cookie, op = r.op, "mw_park: {name}"),
+            PARK_DONE | PARK_MOOT => tracing::debug!(cookie = r.cookie, "mw_park: {name}"),
             PARK_FAILED => {
-                tracing::info!(cookie = r.cookie, op = r.op, "mw_park: the SOCKMAP refused; the end stays on TCP")
+                tracing::info!(cookie = r.cookie, "mw_park: the SOCKMAP refused; the end stays on TCP")
             }
             // Not met in that namespace: closed, or a stale path (once more).
             PARK_PENDING => {
@@ -229,7 +227,7 @@ impl Parker {
             }
         };
         for r in reqs {
-            let v = ParkReq { op: r.op, result: PARK_PENDING };
+            let v = ParkReq { op: PARK_RELINK, result: PARK_PENDING };
             self.req
                 .update(&r.cookie.to_ne_bytes(), v.as_bytes(), MapFlags::ANY)
                 .map_err(bpf_err("writing mw_park_req"))?;

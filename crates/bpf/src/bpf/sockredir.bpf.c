@@ -644,27 +644,25 @@ static __always_inline __u32 psock_pending(struct sock *sk)
 
 /* ---- slots: where a link's ends sit in the SOCKMAP ---- */
 
-/* Claims a free slot for link `id`, probing from its hash; -ENOSPC when
- * MW_SLOT_PROBES positions are taken, -EEXIST when `id` owns one of them
- * already (another connection built the same id; *slot says which). After
- * its compare and swap it looks at the whole window again: two connections
- * with the same id claiming at once see each other there. */
-static __always_inline long slot_claim(__u64 id, __u32 *slot)
+/* Position `i` of the MW_SLOT_PROBES window link `id` claims its slot in. */
+static __always_inline __u32 slot_probe(__u64 id, __u32 i)
 {
 	__u32 h = (__u32)(id ^ (id >> 32)) * 2654435761u;
+
+	return nr_slots ? (h + i) % nr_slots : 0;
+}
+
+/* Claims a free slot for link `id` in its window; -ENOSPC when every
+ * position is taken, -EEXIST when `id` owns one of them too (another
+ * connection built the same id, earlier or at this very moment; *slot says
+ * which): the claim is given back. */
+static __always_inline long slot_claim(__u64 id, __u32 *slot)
+{
 	struct mw_slot *s, *mine = NULL;
 	__u32 i, idx, at = 0;
 
-	for (i = 0; i < MW_SLOT_PROBES; i++) {
-		idx = nr_slots ? (h + i) % nr_slots : 0;
-		s = bpf_map_lookup_elem(&mw_slots, &idx);
-		if (s && s->owner == id) {
-			*slot = idx;
-			return -EEXIST;
-		}
-	}
 	for (i = 0; i < MW_SLOT_PROBES && !mine; i++) {
-		idx = nr_slots ? (h + i) % nr_slots : 0;
+		idx = slot_probe(id, i);
 		s = bpf_map_lookup_elem(&mw_slots, &idx);
 		if (!s)
 			return -ENOENT;
@@ -676,7 +674,7 @@ static __always_inline long slot_claim(__u64 id, __u32 *slot)
 	if (!mine)
 		return -ENOSPC;
 	for (i = 0; i < MW_SLOT_PROBES; i++) {
-		idx = nr_slots ? (h + i) % nr_slots : 0;
+		idx = slot_probe(id, i);
 		s = bpf_map_lookup_elem(&mw_slots, &idx);
 		if (s && idx != at && s->owner == id) {
 			__sync_val_compare_and_swap(&mine->owner, id, 0);
@@ -720,7 +718,6 @@ static __always_inline struct mw_link *link_at(__u32 slot, __u64 id)
  * MW_SLOT_PROBES its hash starts from (slot_claim). */
 static __always_inline struct mw_link *link_find(__u64 id, __u32 *slot)
 {
-	__u32 h = (__u32)(id ^ (id >> 32)) * 2654435761u;
 	struct mw_link *link;
 	struct mw_slot *s;
 	__u32 i, idx;
@@ -728,7 +725,7 @@ static __always_inline struct mw_link *link_find(__u64 id, __u32 *slot)
 	if (!id)
 		return NULL;
 	for (i = 0; i < MW_SLOT_PROBES; i++) {
-		idx = nr_slots ? (h + i) % nr_slots : 0;
+		idx = slot_probe(id, i);
 		s = bpf_map_lookup_elem(&mw_slots, &idx);
 		if (!s || s->owner != id)
 			continue;
@@ -741,6 +738,15 @@ static __always_inline struct mw_link *link_find(__u64 id, __u32 *slot)
 		}
 	}
 	return NULL;
+}
+
+/* Link `id` wherever it is: in its slot, or observe-only (mw_observe, no
+ * slot). What a server end looks for at ESTABLISHED. */
+static __always_inline struct mw_link *link_any(__u64 id, __u32 *slot)
+{
+	struct mw_link *link = link_find(id, slot);
+
+	return link ? link : bpf_map_lookup_elem(&mw_observe, &id);
 }
 
 /* A link is going away: its element is cleared first (readers check the
@@ -975,9 +981,7 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 	long err;
 
 	id = ((__u64)skops->rcv_nxt << 32) | skops->snd_una;
-	link = link_find(id, &slot);
-	if (!link)
-		link = bpf_map_lookup_elem(&mw_observe, &id);
+	link = link_any(id, &slot);
 	if (!link) {
 		/* Covered, but its client end is not accelerated (not covered
 		 * there, not a classified reader, on another node, ...). */
@@ -1126,9 +1130,7 @@ static __always_inline __u32 covering_rule(struct bpf_sock_ops *skops, const str
 		return rule ? rule->id : MW_NO_ID;
 	}
 	id = ((__u64)skops->rcv_nxt << 32) | skops->snd_una;
-	link = link_find(id, &slot);
-	if (!link)
-		link = bpf_map_lookup_elem(&mw_observe, &id);
+	link = link_any(id, &slot);
 	if (link)
 		return link->rule_id;
 	rule = match_pair(t, false);
@@ -1774,6 +1776,7 @@ int mw_unlink(struct __sk_buff *skb)
 	struct mw_link *link;
 	struct mw_slot *sl;
 	__u32 end, pos, slot, old;
+	int res;
 	__u64 id;
 
 	cv = bpf_map_lookup_elem(&mw_cookies, &cookie);
@@ -1789,36 +1792,34 @@ int mw_unlink(struct __sk_buff *skb)
 		return MW_PARK_MOOT; /* another run is at it */
 	slot = link->slot;
 	sl = bpf_map_lookup_elem(&mw_slots, &slot);
+	pos = slot * 2 + end;
 	/* Checked after the flag: a link element reused meanwhile, or a slot
 	 * freed before it, shows here. */
 	if (link->cookie[end] != cookie || !(link->flags & MW_LINK_SLOT) || !sl || sl->owner != id ||
 	    (old & (MW_DIR_UNLINK_REQ | MW_DIR_UNLINKED)) != MW_DIR_UNLINK_REQ) {
-		__sync_fetch_and_and(&link->dir[end].flags, ~MW_DIR_UNLINKING);
-		return MW_PARK_MOOT;
-	}
-	if (link->end_flags[end] & (MW_EF_CLOSED | MW_EF_GONE)) {
+		res = MW_PARK_MOOT;
+	} else if (link->end_flags[end] & (MW_EF_CLOSED | MW_EF_GONE)) {
 		/* Closing: its close takes the entry out. */
-		__sync_fetch_and_and(&link->dir[end].flags, ~(MW_DIR_UNLINKING | MW_DIR_UNLINK_REQ));
-		return MW_PARK_MOOT;
-	}
-	if (!(old & MW_DIR_TCP) || !(link->end_flags[end] & MW_EF_PARKED)) {
+		__sync_fetch_and_and(&link->dir[end].flags, ~MW_DIR_UNLINK_REQ);
+		res = MW_PARK_MOOT;
+	} else if (!(old & MW_DIR_TCP) || !(link->end_flags[end] & MW_EF_PARKED)) {
 		/* Promoted meanwhile: it stays, a target again. */
-		__sync_fetch_and_and(&link->dir[end].flags, ~MW_DIR_UNLINKING);
 		unpark(link, end);
-		return MW_PARK_MOOT;
-	}
-	pos = slot * 2 + end;
-	if (bpf_map_delete_elem(&mw_sockmap, &pos)) {
-		__sync_fetch_and_and(&link->dir[end].flags, ~MW_DIR_UNLINKING);
+		res = MW_PARK_MOOT;
+	} else if (bpf_map_delete_elem(&mw_sockmap, &pos)) {
 		unpark(link, end);
-		return MW_PARK_FAILED;
+		res = MW_PARK_FAILED;
+	} else {
+		/* Out before UNLINKING goes: end_out must never see neither. */
+		__sync_fetch_and_or(&link->dir[end].flags, MW_DIR_UNLINKED);
+		__sync_fetch_and_and(&link->dir[end].flags, ~MW_DIR_UNLINK_REQ);
+		rs = rule_stats(link->rule_id);
+		if (rs)
+			rs->unlinks++;
+		res = MW_PARK_DONE;
 	}
-	__sync_fetch_and_or(&link->dir[end].flags, MW_DIR_UNLINKED);
-	__sync_fetch_and_and(&link->dir[end].flags, ~(MW_DIR_UNLINK_REQ | MW_DIR_UNLINKING));
-	rs = rule_stats(link->rule_id);
-	if (rs)
-		rs->unlinks++;
-	return MW_PARK_DONE;
+	__sync_fetch_and_and(&link->dir[end].flags, ~MW_DIR_UNLINKING);
+	return res;
 }
 
 /*
