@@ -7,7 +7,7 @@
 use std::net::IpAddr;
 
 /// `MW_SCHEMA_VERSION`: bumped whenever a pinned map's key or value changes.
-pub const SCHEMA_VERSION: u32 = 7;
+pub const SCHEMA_VERSION: u32 = 8;
 
 pub const AF_INET: u32 = 2;
 pub const AF_INET6: u32 = 10;
@@ -229,7 +229,7 @@ pub struct Dir {
     pub run_bytes: u32,
     pub tcp_read: u32,
     pub redir: u32,
-    pub pad: u32,
+    pub psock_read: u32,
 }
 
 /// `struct mw_park_req`: one request to the mw_park iterator.
@@ -365,6 +365,7 @@ pub struct RuleStats {
     pub fb_mode_never: u64,
     pub unlinks: u64,
     pub relinks: u64,
+    pub demotions_behind: u64,
 }
 
 /// `MW_OWNER_LEN`: bytes of an owner name, NUL padding included.
@@ -731,7 +732,7 @@ mod tests {
             ]
         );
         same_layout!(CookieVal, types::mw_cookie_val, [link, end, rule_id, slot, pad]);
-        same_layout!(Dir, types::mw_dir, [flags, run, run_bytes, tcp_read, redir, pad]);
+        same_layout!(Dir, types::mw_dir, [flags, run, run_bytes, tcp_read, redir, psock_read]);
         same_layout!(ParkReq, types::mw_park_req, [op, result]);
         assert_eq!(offset_of!(UnlinkCtx, cb), offset_of!(types::__sk_buff, cb));
         assert_eq!(size_of::<[u32; 5]>(), size_of_val(&types::__sk_buff::default().cb));
@@ -768,7 +769,8 @@ mod tests {
                 policy_tcp_msgs,
                 fb_mode_never,
                 unlinks,
-                relinks
+                relinks,
+                demotions_behind
             ]
         );
         same_layout!(
@@ -804,7 +806,7 @@ mod tests {
         assert_eq!(size_of::<SockOwner>(), 16 + 8);
         assert_eq!(size_of::<Exe>(), 8 + 16);
         assert_eq!(size_of::<Event>(), 16 + 16 + 16 + 32 + 24 + 32);
-        assert_eq!(size_of::<RuleStats>(), 20 * 8);
+        assert_eq!(size_of::<RuleStats>(), 21 * 8);
         assert_eq!(size_of::<GlobalStats>(), 6 * 8);
         assert_eq!(size_of::<RouteKey4>(), 16);
         assert_eq!(size_of::<RouteKey6>(), 28);

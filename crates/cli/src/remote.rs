@@ -226,9 +226,10 @@ impl Remote {
                     );
                     let c = r.counters.unwrap_or_default();
                     println!(
-                        "policy: demoted (coalesce) {}  promoted {}  messages on TCP {}  unlinked {}  relinked {}  \
+                        "policy: demoted (coalesce) {}  demoted (reader behind) {}  promoted {}  messages on TCP {}  unlinked {}  relinked {}  \
                          connections kept on TCP (mode never) {}",
                         c.demotions_coalesce,
+                        c.demotions_behind,
                         c.promotions,
                         c.policy_tcp_msgs,
                         c.unlinks,
@@ -441,6 +442,7 @@ impl Remote {
                 a.fallback_mode_never += c.fallback_mode_never;
                 a.unlinks += c.unlinks;
                 a.relinks += c.relinks;
+                a.demotions_behind += c.demotions_behind;
                 a
             });
             println!(
@@ -459,9 +461,15 @@ impl Remote {
                 t.splice_hits
             );
             println!(
-                "adaptive policy: demoted (coalesce) {}  promoted {}  messages on TCP {}  unlinked {}  relinked {}  \
-                 connections kept on TCP (mode never) {}",
-                t.demotions_coalesce, t.promotions, t.policy_tcp_msgs, t.unlinks, t.relinks, t.fallback_mode_never
+                "adaptive policy: demoted (coalesce) {}  demoted (reader behind) {}  promoted {}  messages on TCP {}  \
+                 unlinked {}  relinked {}  connections kept on TCP (mode never) {}",
+                t.demotions_coalesce,
+                t.demotions_behind,
+                t.promotions,
+                t.policy_tcp_msgs,
+                t.unlinks,
+                t.relinks,
+                t.fallback_mode_never
             );
         })
     }

@@ -172,6 +172,7 @@ pub fn add_rule_stats(a: &mut RuleStats, b: &RuleStats) {
     a.fb_mode_never = a.fb_mode_never.wrapping_add(b.fb_mode_never);
     a.unlinks = a.unlinks.wrapping_add(b.unlinks);
     a.relinks = a.relinks.wrapping_add(b.relinks);
+    a.demotions_behind = a.demotions_behind.wrapping_add(b.demotions_behind);
 }
 
 fn add_global_stats(a: &mut GlobalStats, b: &GlobalStats) {

@@ -51,6 +51,10 @@ pub struct RuleCounters {
     pub unlinks: u64,
     /// Adaptive policy: unlinked ends put back because their peer sent.
     pub relinks: u64,
+    /// Adaptive policy: directions moved to the TCP path because they stream
+    /// small writes TCP does not coalesce (nodelay) and their reader fell
+    /// behind (TCP then sends the backlog as a few large segments).
+    pub demotions_behind: u64,
 }
 
 impl From<RuleStats> for RuleCounters {
@@ -76,6 +80,7 @@ impl From<RuleStats> for RuleCounters {
             fallback_mode_never: s.fb_mode_never,
             unlinks: s.unlinks,
             relinks: s.relinks,
+            demotions_behind: s.demotions_behind,
         }
     }
 }

@@ -1,5 +1,6 @@
 //! The adaptive fast path on a real kernel: a direction that streams small
-//! writes with Nagle on moves to TCP and comes back when a new exchange
+//! writes with Nagle on (or nodelay, with a reader that falls behind) moves
+//! to TCP and comes back when a new exchange
 //! starts and every TCP byte was read; the modes `always` and `never`; and
 //! checksummed streams in both directions while directions move back and
 //! forth (nothing lost, duplicated or reordered).
@@ -140,6 +141,44 @@ fn a_small_write_stream_is_demoted_then_promoted() -> Result<()> {
     let after = k.dp().pair_stats(&pair)?;
     ensure!(after.promotions == 1, "promoted once the server read every TCP byte: {after:?}");
     ensure!(after.redirected_bytes == before.redirected_bytes + 100, "the request was redirected: {after:?}");
+    Ok(())
+}
+
+/// Nodelay, 64-byte writes, no reply: TCP would not coalesce them, so the
+/// direction stays on the fast path while its reader keeps up (here in
+/// lockstep, hundreds of messages). Once the reader stops reading, the
+/// redirected backlog grows past `MW_POLICY_BEHIND` messages and the
+/// direction moves to TCP, which sends a backlog as a few large segments.
+/// Every byte arrives in order: the psock's queue is read before TCP's.
+#[test]
+fn a_nodelay_stream_moves_to_tcp_when_its_reader_falls_behind() -> Result<()> {
+    let k = kernel_test!();
+    let (net, l, pair) = pods_pair(&k, 8208, FastPathMode::Adaptive)?;
+    let (c, s) = connections(&net, &l, 8208, 1)?.remove(0);
+    c.set_nodelay(true)?;
+    let (mut up_w, mut up_r) = (Stream::new(41), Stream::new(41));
+
+    for _ in 0..400 {
+        up_w.write(&c, 64, 64)?;
+        up_r.read(&s, 64)?;
+    }
+    let st = k.dp().pair_stats(&pair)?;
+    ensure!(st.demotions_behind == 0 && st.demotions_coalesce == 0, "a reader in lockstep keeps it: {st:?}");
+    ensure!(st.redirected_msgs == 400 && st.policy_tcp_msgs == 0, "{st:?}");
+
+    // The reader looks away while 2 000 more messages are written.
+    let backlog = 2000 * 64;
+    thread::scope(|scope| {
+        let reader = scope.spawn(|| {
+            thread::sleep(Duration::from_millis(300));
+            up_r.read(&s, backlog)
+        });
+        up_w.write(&c, backlog, 64)?;
+        reader.join().unwrap()
+    })?;
+    let st = k.dp().pair_stats(&pair)?;
+    ensure!(st.demotions_behind == 1 && st.demotions_coalesce == 0, "demoted once, reader behind: {st:?}");
+    ensure!(st.policy_tcp_msgs > 0 && st.redirected_msgs < 400 + 2000, "{st:?}");
     Ok(())
 }
 

@@ -309,6 +309,7 @@ pub fn counters_to_pb(c: &RuleCounters) -> pb::RuleCounters {
         fallback_mode_never: c.fallback_mode_never,
         unlinks: c.unlinks,
         relinks: c.relinks,
+        demotions_behind: c.demotions_behind,
     }
 }
 

@@ -193,7 +193,7 @@ impl Metrics {
         let reg = dp.registry();
         let as_i64 = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
         let (mut msgs, mut bytes, mut hits) = (0u64, 0u64, 0u64);
-        let (mut demoted, mut promoted, mut tcp_msgs) = (0u64, 0u64, 0u64);
+        let (mut demoted, mut behind, mut promoted, mut tcp_msgs) = (0u64, 0u64, 0u64, 0u64);
         let (mut unlinked, mut relinked) = (0u64, 0u64);
         let mut fb = [0u64; 11];
         let mut add = |c: meshwarp_core::RuleCounters| {
@@ -201,6 +201,7 @@ impl Metrics {
             bytes += c.redirected_bytes;
             hits += c.splice_hits;
             demoted += c.demotions_coalesce;
+            behind += c.demotions_behind;
             promoted += c.promotions;
             tcp_msgs += c.policy_tcp_msgs;
             unlinked += c.unlinks;
@@ -265,6 +266,7 @@ impl Metrics {
         }
         for (transition, reason, v) in [
             ("demotion", "coalesce", demoted),
+            ("demotion", "reader_behind", behind),
             ("promotion", "drained", promoted),
             ("unlink", "streaming", unlinked),
             ("relink", "peer_sent", relinked),

@@ -12,7 +12,7 @@
 #ifndef MESHWARP_SHARED_H
 #define MESHWARP_SHARED_H
 
-#define MW_SCHEMA_VERSION 7
+#define MW_SCHEMA_VERSION 8
 
 #define MW_AF_INET 2
 #define MW_AF_INET6 10
@@ -136,7 +136,7 @@ struct mw_exe_key {
 struct mw_dir {
 	__u32 flags;     /* MW_DIR_* */
 	__u32 run;       /* messages sent since the other end last sent */
-	__u32 run_bytes; /* their bytes (counted up to MW_POLICY_RUN messages) */
+	__u32 run_bytes; /* their bytes (the run's first MW_POLICY_RUN messages) */
 	/* The peer's copied_seq as its reads publish it: how far its reader
 	 * consumed this direction's TCP bytes. Starts at this end's ISN + 1. */
 	__u32 tcp_read;
@@ -144,7 +144,10 @@ struct mw_dir {
 	 * each redirect: the peer may leave the SOCKMAP only once its reads
 	 * of redirected bytes (mw_sock_state.psock_rd) caught up with them. */
 	__u32 redir;
-	__u32 pad;
+	/* The peer's reads of redirected bytes (its mw_sock_state.psock_rd)
+	 * as it publishes them: redir - psock_read is how far its reader is
+	 * behind this direction's fast path. */
+	__u32 psock_read;
 };
 
 /* mw_dir.flags */
@@ -158,7 +161,8 @@ struct mw_dir {
 
 /* The policy: after MW_POLICY_RUN messages without a reply, a direction whose
  * sender lets TCP coalesce (Nagle or cork) and whose messages averaged under
- * MW_POLICY_SMALL bytes moves to TCP. Larger writes stay: redirecting them
+ * MW_POLICY_SMALL bytes moves to TCP (for nodelay senders see
+ * MW_POLICY_BEHIND). Larger writes stay: redirecting them
  * beats TCP (benches/README.md); sk_msg sees a large write in chunks (as
  * send buffer space allows), so the bar sits well below the chunk size. */
 #define MW_POLICY_RUN 8
@@ -173,6 +177,12 @@ struct mw_dir {
  * the SOCKMAP: a psock socket pays tcp_bpf on every send and read even on the
  * TCP path. Its peer's next message asks to put it back. */
 #define MW_POLICY_UNLINK 8
+/* A direction whose writes TCP would not coalesce (nodelay) stays on the
+ * fast path while its reader keeps up. Once a stream of small writes finds
+ * its reader MW_POLICY_BEHIND messages behind (checked every
+ * MW_POLICY_CHECK messages of the run), TCP, which sends a backlog as a few
+ * large segments, costs less per byte than one psock message per write. */
+#define MW_POLICY_BEHIND 256
 
 /* The connection both accelerated ends share (mw_links, indexed by its slot;
  * found from the id alone by probing the slots the id hashes to). */
@@ -368,6 +378,7 @@ struct mw_rule_stats {
 	__u64 fb_mode_never;    /* connections left on TCP: the rule's mode is never */
 	__u64 unlinks;          /* demoted ends taken out of the SOCKMAP (plain TCP, no tcp_bpf) */
 	__u64 relinks;          /* unlinked ends put back when their peer sent */
+	__u64 demotions_behind; /* directions moved to TCP: small writes, the reader MW_POLICY_BEHIND messages behind */
 };
 
 /* Owner of a rule slot: a NUL-padded controller name. */

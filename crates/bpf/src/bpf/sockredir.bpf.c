@@ -1297,6 +1297,7 @@ static __always_inline bool policy_allows(struct sk_msg_md *msg, struct mw_link 
 	struct mw_dir *d = &link->dir[st->end & 1];
 	struct mw_dir *o = &link->dir[(st->end ^ 1) & 1];
 	__u32 run, skipped;
+	bool behind = false;
 
 	if (o->run)
 		o->run = 0; /* this message answers the peer's */
@@ -1331,15 +1332,28 @@ static __always_inline bool policy_allows(struct sk_msg_md *msg, struct mw_link 
 	}
 	if (run == 1)
 		d->run_bytes = 0;
-	if (run > MW_POLICY_RUN || (link->flags & MW_LINK_FIXED))
+	if (link->flags & MW_LINK_FIXED)
 		return true;
-	d->run_bytes += size;
-	if (run == MW_POLICY_RUN && d->run_bytes < MW_POLICY_RUN * MW_POLICY_SMALL && coalescing(tp)) {
+	if (run > MW_POLICY_RUN) {
+		/* A stream of small writes TCP does not coalesce: look now
+		 * and then whether its reader keeps up (run_bytes holds the
+		 * run's first MW_POLICY_RUN messages). */
+		if ((run % MW_POLICY_CHECK) || d->run_bytes >= MW_POLICY_RUN * MW_POLICY_SMALL ||
+		    (__u64)(d->redir - d->psock_read) * MW_POLICY_RUN < (__u64)MW_POLICY_BEHIND * d->run_bytes)
+			return true;
+		behind = true;
+	} else {
+		d->run_bytes += size;
+	}
+	if (behind || (run == MW_POLICY_RUN && d->run_bytes < MW_POLICY_RUN * MW_POLICY_SMALL && coalescing(tp))) {
 		__sync_fetch_and_or(&d->flags, MW_DIR_TCP);
 		st->flags |= MW_SOCK_DEMOTED;
 		st->skipped = 0;
 		if (rs) {
-			rs->demotions++;
+			if (behind)
+				rs->demotions_behind++;
+			else
+				rs->demotions++;
 			rs->policy_tcp_msgs++;
 		}
 		return false;
@@ -1517,10 +1531,13 @@ int BPF_PROG(mw_recv_len, struct sock *sk, int ret, int flags)
 			 * queue: a read that left copied_seq alone took redirected
 			 * bytes. Two concurrent readers could miscount; such a
 			 * socket (MW_RD_SHARED) never leaves the SOCKMAP. */
-			if (seq == st->rd_pub && st->rd_pid != MW_RD_SHARED)
+			link = link_at(st->slot, st->link);
+			if (seq == st->rd_pub && st->rd_pid != MW_RD_SHARED) {
 				st->psock_rd += ret;
+				if (link)
+					link->dir[(st->end ^ 1) & 1].psock_read = st->psock_rd;
+			}
 			if (seq != st->rd_pub) {
-				link = link_at(st->slot, st->link);
 				if (link)
 					link->dir[(st->end ^ 1) & 1].tcp_read = seq;
 				st->rd_pub = seq;
