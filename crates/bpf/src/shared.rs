@@ -37,6 +37,7 @@ pub const DIR_UNLINK_REQ: u32 = 2;
 pub const DIR_UNLINKED: u32 = 4;
 pub const DIR_RELINK_REQ: u32 = 8;
 pub const DIR_UNLINKING: u32 = 16;
+pub const DIR_RD_SHARED: u32 = 32;
 /// `MW_EF_*` (`mw_link.end_flags`).
 pub const EF_PSOCK: u32 = 1;
 pub const EF_TARGET: u32 = 2;

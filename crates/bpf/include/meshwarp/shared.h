@@ -127,7 +127,8 @@ struct mw_exe_key {
 /*
  * One direction of a link, indexed by its sending end: the adaptive policy.
  * A direction is demoted to the TCP path when it streams small writes that
- * TCP would coalesce (Nagle or cork on): bytes already redirected sit in the
+ * TCP would coalesce (Nagle or cork on), or small nodelay writes its reader
+ * falls behind on (MW_POLICY_BEHIND): bytes already redirected sit in the
  * peer's psock queue, which tcp_bpf reads before its TCP queue, so demoting
  * never reorders. It is promoted back only when every byte it sent on TCP has
  * been read by the peer (tcp_read == the sender's write_seq): only then can
@@ -146,7 +147,8 @@ struct mw_dir {
 	__u32 redir;
 	/* The peer's reads of redirected bytes (its mw_sock_state.psock_rd)
 	 * as it publishes them: redir - psock_read is how far its reader is
-	 * behind this direction's fast path. */
+	 * behind this direction's fast path (a stale value only overstates
+	 * it). Not published by a reader of several threads (MW_DIR_RD_SHARED). */
 	__u32 psock_read;
 };
 
@@ -158,6 +160,9 @@ struct mw_dir {
 /* mw_unlink is deleting its entry: until it is done the end counts as in the
  * SOCKMAP, so its slot cannot be freed and reused under the delete. */
 #define MW_DIR_UNLINKING 16u
+/* The peer reads from several threads: its psock reads are not counted
+ * (psock_read stays behind), so no reader-behind check for this direction. */
+#define MW_DIR_RD_SHARED 32u
 
 /* The policy: after MW_POLICY_RUN messages without a reply, a direction whose
  * sender lets TCP coalesce (Nagle or cork) and whose messages averaged under
@@ -175,7 +180,9 @@ struct mw_dir {
  * its demotion (about MW_POLICY_UNLINK * MW_POLICY_CHECK messages without a
  * reply) asks to leave
  * the SOCKMAP: a psock socket pays tcp_bpf on every send and read even on the
- * TCP path. Its peer's next message asks to put it back. */
+ * TCP path. Its peer's next message asks to put it back. A direction demoted
+ * because its reader fell behind had already streamed MW_POLICY_BEHIND
+ * messages: it asks at its first check after the demotion. */
 #define MW_POLICY_UNLINK 8
 /* A direction whose writes TCP would not coalesce (nodelay) stays on the
  * fast path while its reader keeps up. Once a stream of small writes finds

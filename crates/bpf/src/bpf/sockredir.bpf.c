@@ -1339,6 +1339,7 @@ static __always_inline bool policy_allows(struct sk_msg_md *msg, struct mw_link 
 		 * and then whether its reader keeps up (run_bytes holds the
 		 * run's first MW_POLICY_RUN messages). */
 		if ((run % MW_POLICY_CHECK) || d->run_bytes >= MW_POLICY_RUN * MW_POLICY_SMALL ||
+		    (d->flags & MW_DIR_RD_SHARED) ||
 		    (__u64)(d->redir - d->psock_read) * MW_POLICY_RUN < (__u64)MW_POLICY_BEHIND * d->run_bytes)
 			return true;
 		behind = true;
@@ -1502,7 +1503,7 @@ int BPF_PROG(mw_recv_len, struct sock *sk, int ret, int flags)
 	struct mw_exe_key exe = {};
 	struct tcp_sock *tp;
 	struct mw_link *link;
-	__u32 bit, tgid, seq, pid, old;
+	__u32 bit, tgid, seq, pid, old, peer_dir;
 
 	st = bpf_sk_storage_get(&mw_sk_state, sk, 0, 0);
 	if (!st)
@@ -1517,12 +1518,22 @@ int BPF_PROG(mw_recv_len, struct sock *sk, int ret, int flags)
 		pid = (__u32)bpf_get_current_pid_tgid();
 		/* Counting psock reads needs one reader at a time (below); out of
 		 * band and error-queue reads move no copied_seq either: ambiguous. */
-		if (flags & (MSG_OOB | MSG_ERRQUEUE)) {
-			st->rd_pid = MW_RD_SHARED;
-		} else if (st->rd_pid != pid && st->rd_pid != MW_RD_SHARED) {
-			old = __sync_val_compare_and_swap(&st->rd_pid, 0, pid);
-			if (old && old != pid)
+		peer_dir = (st->end ^ 1) & 1;
+		if (st->rd_pid != MW_RD_SHARED) {
+			if (flags & (MSG_OOB | MSG_ERRQUEUE)) {
+				old = MW_RD_SHARED;
+			} else if (st->rd_pid != pid) {
+				old = __sync_val_compare_and_swap(&st->rd_pid, 0, pid);
+				old = old && old != pid ? MW_RD_SHARED : pid;
+			} else {
+				old = pid;
+			}
+			if (old == MW_RD_SHARED) {
 				st->rd_pid = MW_RD_SHARED;
+				link = link_at(st->slot, st->link);
+				if (link)
+					__sync_fetch_and_or(&link->dir[peer_dir].flags, MW_DIR_RD_SHARED);
+			}
 		}
 		if (tp) {
 			seq = tp->copied_seq;
@@ -1531,15 +1542,16 @@ int BPF_PROG(mw_recv_len, struct sock *sk, int ret, int flags)
 			 * queue: a read that left copied_seq alone took redirected
 			 * bytes. Two concurrent readers could miscount; such a
 			 * socket (MW_RD_SHARED) never leaves the SOCKMAP. */
-			link = link_at(st->slot, st->link);
 			if (seq == st->rd_pub && st->rd_pid != MW_RD_SHARED) {
 				st->psock_rd += ret;
+				link = link_at(st->slot, st->link);
 				if (link)
-					link->dir[(st->end ^ 1) & 1].psock_read = st->psock_rd;
+					link->dir[peer_dir].psock_read = st->psock_rd;
 			}
 			if (seq != st->rd_pub) {
+				link = link_at(st->slot, st->link);
 				if (link)
-					link->dir[(st->end ^ 1) & 1].tcp_read = seq;
+					link->dir[peer_dir].tcp_read = seq;
 				st->rd_pub = seq;
 			}
 		}
