@@ -156,7 +156,8 @@ pub enum RuleEndArg {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum ModeArg {
     /// Per connection and direction: streams of small writes that TCP
-    /// coalesces (Nagle/cork) move to TCP, and come back when safe.
+    /// coalesces (Nagle/cork), or whose reader falls behind, move to TCP,
+    /// and come back when safe.
     #[default]
     Adaptive,
     /// Redirect every message the reader guard allows.
