@@ -4,7 +4,7 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
-use meshwarp_core::testbed::{accept_timeout, round_trip, spawn_echo, NetNs};
+use meshwarp_testbed::{accept_timeout, round_trip, spawn_echo, NetNs};
 
 /// A connected TCP pair in `ns` whose server end echoes `msg_len`-byte
 /// messages; returns the client end.

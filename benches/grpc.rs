@@ -9,11 +9,11 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use meshwarp_core::testbed::{unique_name, TestCgroup};
 use meshwarp_core::DataplaneConfig;
 use meshwarp_grpc_api::daemon::{self, DaemonOptions};
 use meshwarp_grpc_api::pb;
 use meshwarp_grpc_api::server::ServerConfig;
+use meshwarp_testbed::{unique_name, TestCgroup};
 
 const OWNER: &str = "bench";
 

@@ -17,10 +17,10 @@ use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use meshwarp_core::testbed::{
+use meshwarp_core::{CaptureRule, Endpoint, EndpointPair, FastPathMode};
+use meshwarp_testbed::{
     accept_timeout, read_exact_ready, read_ready, redirect_output, spawn_echo, write_all_ready, KernelTest, NetNs,
 };
-use meshwarp_core::{CaptureRule, Endpoint, EndpointPair, FastPathMode};
 
 const SIZES: [usize; 5] = [64, 1024, 16 * 1024, 64 * 1024, 1 << 20];
 const VIP: &str = "198.19.0.10";

@@ -12,8 +12,8 @@ use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use meshwarp_bpf::plugins::NOOP_MSG;
-use meshwarp_core::testbed::{KernelTest, NetNs};
 use meshwarp_core::{Endpoint, EndpointPair, Hook, PluginChain, PluginManifest};
+use meshwarp_testbed::{KernelTest, NetNs};
 
 const MSG: usize = 64;
 const BPF_STATS: &str = "/proc/sys/kernel/bpf_stats_enabled";

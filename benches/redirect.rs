@@ -11,8 +11,8 @@ use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use meshwarp_core::testbed::{KernelTest, NetNs};
 use meshwarp_core::{Endpoint, EndpointPair};
+use meshwarp_testbed::{KernelTest, NetNs};
 
 const MSG: usize = 64;
 const BPF_STATS: &str = "/proc/sys/kernel/bpf_stats_enabled";

@@ -7,7 +7,7 @@
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use meshwarp_core::testbed::KernelTest;
+use meshwarp_testbed::KernelTest;
 
 fn getppid_loop(iters: u64) -> Duration {
     let t = Instant::now();

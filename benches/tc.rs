@@ -10,12 +10,12 @@ use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use meshwarp_core::tc::{TcConfig, TcDataplane};
-use meshwarp_core::testbed::{round_trip, unique_name, OverlayEgress, StreamEcho, TwoNodes};
+use meshwarp_testbed::{round_trip, unique_name, OverlayEgress, StreamEcho, TwoNodes};
 
 const MSG: usize = 64;
 const PORT: u16 = 8080;
 
-fn tc_for(node: &meshwarp_core::testbed::NetNs) -> (TcDataplane, PathBuf) {
+fn tc_for(node: &meshwarp_testbed::NetNs) -> (TcDataplane, PathBuf) {
     let pin_root = PathBuf::from(format!("/sys/fs/bpf/{}", unique_name("meshwarp-tcbench-")));
     let cfg = TcConfig { pin_root: pin_root.clone(), netns: Some(node.path()), max_routes: 64 };
     (TcDataplane::open(&cfg).expect("tc data path"), pin_root)

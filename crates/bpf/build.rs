@@ -46,8 +46,11 @@ fn main() {
 
     let examples = manifest.join("../../examples/plugins");
     let tests = manifest.join("src/plugins");
+    // Cargo sets CARGO_FEATURE_<NAME> for a build script of a crate built
+    // with that feature.
+    let test_plugins = if env::var_os("CARGO_FEATURE_TEST_PLUGINS").is_some() { TEST_PLUGINS } else { &[] };
     let plugins =
-        EXAMPLE_PLUGINS.iter().map(|p| (examples.join(p), p)).chain(TEST_PLUGINS.iter().map(|p| (tests.join(p), p)));
+        EXAMPLE_PLUGINS.iter().map(|p| (examples.join(p), p)).chain(test_plugins.iter().map(|p| (tests.join(p), p)));
     for (base, name) in plugins {
         let src = base.with_extension("bpf.c");
         SkeletonBuilder::new()

@@ -21,7 +21,8 @@ pub mod tcredir {
 }
 
 /// Plugin objects built from C by `build.rs`: the examples users start from
-/// (`examples/plugins/`) and the ones tests and benches load.
+/// (`examples/plugins/`) and, with the feature `test-plugins`, the ones tests
+/// and benches load.
 pub mod plugins {
     macro_rules! object {
         ($(#[$doc:meta])* $name:ident, $file:literal) => {
@@ -38,21 +39,27 @@ pub mod plugins {
     object!(
         /// on_message: per-rule token bucket that drops or bypasses beyond the rate.
         RATE_LIMIT, "rate_limit");
-    object!(
-        /// on_message: always continues (the cost of a chain position).
-        NOOP_MSG, "noop_msg");
-    object!(
-        /// on_message: returns the verdict in its config.
-        VERDICT_MSG, "verdict_msg");
-    object!(
-        /// on_packet: returns a verdict for packets from or to a configured port.
-        PKT_PORT, "pkt_port");
-    object!(
-        /// Built against an ABI major the host does not offer.
-        ABI_MAJOR, "abi_major");
-    object!(
-        /// Refused by the verifier.
-        REJECTED, "rejected");
+    /// Plugins for tests and benches (feature `test-plugins`).
+    #[cfg(feature = "test-plugins")]
+    mod test_objects {
+        object!(
+            /// on_message: always continues (the cost of a chain position).
+            NOOP_MSG, "noop_msg");
+        object!(
+            /// on_message: returns the verdict in its config.
+            VERDICT_MSG, "verdict_msg");
+        object!(
+            /// on_packet: returns a verdict for packets from or to a configured port.
+            PKT_PORT, "pkt_port");
+        object!(
+            /// Built against an ABI major the host does not offer.
+            ABI_MAJOR, "abi_major");
+        object!(
+            /// Refused by the verifier.
+            REJECTED, "rejected");
+    }
+    #[cfg(feature = "test-plugins")]
+    pub use test_objects::*;
 }
 
 /// Names of programs and maps as the kernel sees them (all under 16 bytes).

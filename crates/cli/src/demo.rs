@@ -20,13 +20,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use meshwarp_core::testbed::{
-    echo_integrity, redirect_output, redirect_prerouting, round_trip, unique_name, CaptureProxy, NodeWithPods,
-    StreamEcho, TestCgroup, SERVICE_V4,
-};
 use meshwarp_core::DataplaneConfig;
 use meshwarp_grpc_api::daemon::{self, DaemonOptions};
 use meshwarp_grpc_api::pb;
+use meshwarp_testbed::{
+    echo_integrity, redirect_output, redirect_prerouting, round_trip, unique_name, CaptureProxy, NodeWithPods,
+    StreamEcho, TestCgroup, SERVICE_V4,
+};
 
 #[derive(Debug, clap::Args)]
 pub struct DemoArgs {

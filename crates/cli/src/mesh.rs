@@ -15,11 +15,11 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use meshwarp_core::tc::{TcConfig, TcDataplane};
-use meshwarp_core::testbed::{
+use meshwarp_core::{CaptureRule, Dataplane, DataplaneConfig, Endpoint, EndpointPair};
+use meshwarp_testbed::{
     redirect_output, redirect_prerouting, unique_name, NetNs, NodeWithPods, OverlayEgress, TestCgroup, TwoNodes,
     SERVICE_V4,
 };
-use meshwarp_core::{CaptureRule, Dataplane, DataplaneConfig, Endpoint, EndpointPair};
 
 #[derive(Debug, clap::Args)]
 pub struct MeshArgs {

@@ -20,12 +20,12 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
-use meshwarp_core::testbed::{
+use meshwarp_core::{CaptureRule, Endpoint, EndpointPair, GuardMode, RuleCounters};
+use meshwarp_testbed::{
     accept_timeout, echo_integrity, missing_feature, read_exact_ready, read_ready, redirect_output, splice_echo,
     wait_listening, which, write_all_ready, Fnv, KernelTest, NetNs, NodeWithPods, Pattern, Program, ScratchDir,
     StreamEcho, SERVICE_V4,
 };
-use meshwarp_core::{CaptureRule, Endpoint, EndpointPair, GuardMode, RuleCounters};
 
 const CONNS: usize = 100;
 const CONCURRENT: usize = 10;
@@ -591,8 +591,8 @@ fn openssl_s_server_s_client_with_ktls_asked() -> Result<()> {
 }
 
 fn openssl_one(
-    a: &meshwarp_core::testbed::Pod,
-    b: &meshwarp_core::testbed::Pod,
+    a: &meshwarp_testbed::Pod,
+    b: &meshwarp_testbed::Pod,
     addr: &str,
     [cert, key, conf]: [&Path; 3],
     i: u64,
@@ -830,7 +830,7 @@ fn exchange_both(s: TcpStream, seed: u64, len: usize) -> (std::io::Result<u64>, 
         Err(e) => return (Err(e), Err(Received::Short(0))),
     };
     thread::scope(|scope| {
-        let tx = scope.spawn(|| meshwarp_core::testbed::send_pattern(&s, seed, len));
+        let tx = scope.spawn(|| meshwarp_testbed::send_pattern(&s, seed, len));
         let mut r = r;
         let mut all = Vec::with_capacity(len);
         let mut buf = vec![0u8; 65536];

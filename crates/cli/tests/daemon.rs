@@ -13,11 +13,11 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
-use meshwarp_core::testbed::{
-    accept_timeout, missing_feature, round_trip, spawn_echo, splice_echo, unique_name, NodeWithPods, TestCgroup,
-};
 use meshwarp_grpc_api::pb::node_service_client::NodeServiceClient;
 use meshwarp_grpc_api::pb::{self, watch_response::Resource};
+use meshwarp_testbed::{
+    accept_timeout, missing_feature, round_trip, spawn_echo, splice_echo, unique_name, NodeWithPods, TestCgroup,
+};
 use tokio_stream::StreamExt;
 use tonic::transport::Channel;
 use tonic::Code;
@@ -357,7 +357,7 @@ fn a_splice_hit_is_a_watch_incident_and_a_metric() -> Result<()> {
     let s = accept_timeout(&listener, Duration::from_secs(5))?;
     let splicer = std::thread::spawn(move || splice_echo(s, Duration::from_secs(20)));
     // Redirected into the splicer's socket, where splice() cannot see it.
-    let sent = meshwarp_core::testbed::echo_integrity(c, 1, 4 << 20, Duration::from_secs(20));
+    let sent = meshwarp_testbed::echo_integrity(c, 1, 4 << 20, Duration::from_secs(20));
     ensure!(sent.is_err(), "the hit connection fails loudly");
     ensure!(splicer.join().unwrap().is_err(), "the splicer sees an error, not EOF");
     let ev = rt.block_on(async {
@@ -727,7 +727,7 @@ fn tcp_requires_mtls_and_accepts_only_trusted_clients() -> Result<()> {
 
 #[test]
 fn interface_routes_over_the_api_and_stale_events() -> Result<()> {
-    use meshwarp_core::testbed::{link_in, TwoNodes};
+    use meshwarp_testbed::{link_in, TwoNodes};
     let env = env_or_skip!();
     let net = TwoNodes::new(1)?;
     let netns = net.a.node.path();
@@ -751,8 +751,8 @@ fn interface_routes_over_the_api_and_stale_events() -> Result<()> {
     let server = SocketAddr::new(net.b.pods[0].v4.into(), 8080);
     let l = net.b.pods[0].ns.listen(server)?;
     let c = net.a.pods[0].ns.connect(server)?;
-    let s = meshwarp_core::testbed::accept_timeout(&l, Duration::from_secs(5))?;
-    meshwarp_core::testbed::exchange(c, s, 77, 256 * 1024, Duration::from_secs(30))?;
+    let s = meshwarp_testbed::accept_timeout(&l, Duration::from_secs(5))?;
+    meshwarp_testbed::exchange(c, s, 77, 256 * 1024, Duration::from_secs(30))?;
     let got = ok(&["-j", "route", "get", "--attach", "vpod0", "--dst", dst])?;
     let v: serde_json::Value = serde_json::from_str(&got)?;
     let packets: u64 = v["counters"]["packets"].as_str().unwrap_or("0").parse()?;

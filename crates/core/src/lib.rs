@@ -28,7 +28,6 @@ mod slots;
 pub mod stats;
 pub mod sys;
 pub mod tc;
-pub mod testbed;
 
 pub use dataplane::{Dataplane, DataplaneConfig, DataplaneError, Origin as DataplaneOrigin};
 pub use endpoint::{CaptureRule, Endpoint, EndpointPair, FastPathMode, NeverRedirectInto, ValidationError};

@@ -17,11 +17,11 @@ use std::time::Duration;
 use anyhow::{ensure, Context, Result};
 use meshwarp_bpf::shared::LINK_POISONED;
 use meshwarp_core::sys::socket_cookie_of;
-use meshwarp_core::testbed::{
+use meshwarp_core::{CaptureRule, Endpoint, EndpointPair, FastPathMode, GuardMode};
+use meshwarp_testbed::{
     accept_timeout, exchange, read_exact_ready, recv_pattern, redirect_output, send_pattern, wait_ready,
     write_all_ready, CaptureProxy, KernelTest, NetNs, NodeWithPods, SERVICE_V4,
 };
-use meshwarp_core::{CaptureRule, Endpoint, EndpointPair, FastPathMode, GuardMode};
 
 const T: Duration = Duration::from_secs(60);
 

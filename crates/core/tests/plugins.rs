@@ -16,12 +16,12 @@ use anyhow::{ensure, Context, Result};
 use libbpf_rs::{MapCore, MapFlags, MapHandle};
 use meshwarp_bpf::plugins;
 use meshwarp_core::plugin::{PluginCounters, PluginInfo};
-use meshwarp_core::testbed::{
-    accept_timeout, echo_integrity, exchange, read_exact_ready, KernelTest, NodeWithPods, OverlayEgress, StreamEcho,
-    TcTest, TwoNodes,
-};
 use meshwarp_core::{
     Endpoint, EndpointPair, FailurePolicy, FastPathMode, Hook, Phase, PluginChain, PluginError, PluginManifest,
+};
+use meshwarp_testbed::{
+    accept_timeout, echo_integrity, exchange, read_exact_ready, KernelTest, NodeWithPods, OverlayEgress, StreamEcho,
+    TcTest, TwoNodes,
 };
 
 const T: Duration = Duration::from_secs(60);

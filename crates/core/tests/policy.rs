@@ -14,8 +14,8 @@ use std::thread;
 use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
-use meshwarp_core::testbed::{accept_timeout, read_exact_ready, write_all_ready, KernelTest, NodeWithPods};
 use meshwarp_core::{Dataplane, EndpointPair, FastPathMode, RuleCounters};
+use meshwarp_testbed::{accept_timeout, read_exact_ready, write_all_ready, KernelTest, NodeWithPods};
 
 const T: Option<Duration> = Some(Duration::from_secs(60));
 

@@ -13,12 +13,12 @@ use std::time::{Duration, Instant};
 use anyhow::{ensure, Context, Result};
 use meshwarp_bpf::shared::{sockmap_index, Link, END_CLIENT, END_SERVER, LINK_SLOT};
 use meshwarp_core::sys::socket_cookie_of;
-use meshwarp_core::testbed::{
-    accept_timeout, exchange, read_ready, redirect_output, write_all_ready, CaptureProxy, KernelTest, NodeWithPods,
-    SERVICE_V4, SERVICE_V6,
-};
 use meshwarp_core::{
     CaptureRule, Dataplane, DataplaneConfig, DataplaneOrigin, Endpoint, EndpointPair, FastPathMode, RegistryError,
+};
+use meshwarp_testbed::{
+    accept_timeout, exchange, read_ready, redirect_output, write_all_ready, CaptureProxy, KernelTest, NodeWithPods,
+    SERVICE_V4, SERVICE_V6,
 };
 
 const T: Duration = Duration::from_secs(60);
@@ -478,8 +478,7 @@ fn four_tuple_reuse_after_close() -> Result<()> {
 #[test]
 fn a_refused_load_leaves_nothing_pinned() -> Result<()> {
     let Some(k) = KernelTest::start(16) else { return Ok(()) };
-    let pin_root =
-        std::path::PathBuf::from(format!("/sys/fs/bpf/{}", meshwarp_core::testbed::unique_name("mw-refused-")));
+    let pin_root = std::path::PathBuf::from(format!("/sys/fs/bpf/{}", meshwarp_testbed::unique_name("mw-refused-")));
     let cfg = DataplaneConfig {
         pin_root: pin_root.clone(),
         cgroup: Some(k.cgroup.path.clone()),

@@ -16,7 +16,7 @@ use meshwarp_core::registry::Outcome;
 use meshwarp_core::tc::{
     Direction, IfaceRef, InterfaceRoute, MacRewrite, Prefix, RouteAction, TcConfig, TcDataplane, TcError,
 };
-use meshwarp_core::testbed::{accept_timeout, exchange, link_in, NodeWithPods, OverlayEgress, TcTest, TwoNodes};
+use meshwarp_testbed::{accept_timeout, exchange, link_in, NodeWithPods, OverlayEgress, TcTest, TwoNodes};
 
 const T: Duration = Duration::from_secs(60);
 const PORT: u16 = 8080;

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use nix::sched::{setns, CloneFlags};
 use socket2::{Domain, Socket, Type};
 
-use crate::dataplane::{remove_pinned, Dataplane, DataplaneConfig, DataplaneError};
+use meshwarp_core::dataplane::{remove_pinned, Dataplane, DataplaneConfig, DataplaneError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum TestbedError {
@@ -32,7 +32,7 @@ pub enum TestbedError {
         source: io::Error,
     },
     #[error(transparent)]
-    Sys(#[from] crate::sys::SysError),
+    Sys(#[from] meshwarp_core::sys::SysError),
     #[error("data integrity: {0}")]
     Integrity(String),
     #[error(transparent)]
@@ -110,7 +110,7 @@ impl NetNs {
     /// Runs `f` on a thread that has entered this namespace. Sockets made
     /// there stay in this namespace wherever they are used afterwards.
     pub fn enter<T: Send>(&self, f: impl FnOnce() -> T + Send) -> Result<T> {
-        Ok(crate::sys::run_in_netns(Some(&self.path()), f)?)
+        Ok(meshwarp_core::sys::run_in_netns(Some(&self.path()), f)?)
     }
 
     /// A TCP listener bound inside this namespace, non-blocking from the
@@ -308,9 +308,9 @@ pub enum OverlayEgress {
 }
 
 /// An interface of a namespace, looked up over netlink.
-pub fn link_in(ns: &NetNs, name: &str) -> Result<crate::netlink::Link> {
-    let iface = crate::tc::IfaceRef::Name(name.to_string());
-    crate::netlink::in_netns(Some(&ns.path()), async |h| crate::netlink::link(&h, &iface).await)
+pub fn link_in(ns: &NetNs, name: &str) -> Result<meshwarp_core::netlink::Link> {
+    let iface = meshwarp_core::tc::IfaceRef::Name(name.to_string());
+    meshwarp_core::netlink::in_netns(Some(&ns.path()), async |h| meshwarp_core::netlink::link(&h, &iface).await)
         .map_err(|e| TestbedError::Integrity(format!("{name} in {}: {e}", ns.name())))
 }
 
@@ -321,14 +321,14 @@ impl TwoNodes {
     /// vxlan ingress -> `bpf_redirect_peer` straight into the pod.
     pub fn install_fast_path(
         &self,
-        tc_a: &crate::tc::TcDataplane,
-        tc_b: &crate::tc::TcDataplane,
+        tc_a: &meshwarp_core::tc::TcDataplane,
+        tc_b: &meshwarp_core::tc::TcDataplane,
         v6: bool,
         egress: OverlayEgress,
     ) -> Result<()> {
-        use crate::tc::{Direction, IfaceRef, InterfaceRoute, MacRewrite, Prefix, RouteAction};
-        let tc_err = |e: crate::tc::TcError| TestbedError::Integrity(e.to_string());
-        let mac = |l: &crate::netlink::Link| l.mac.unwrap_or_default();
+        use meshwarp_core::tc::{Direction, IfaceRef, InterfaceRoute, MacRewrite, Prefix, RouteAction};
+        let tc_err = |e: meshwarp_core::tc::TcError| TestbedError::Integrity(e.to_string());
+        let mac = |l: &meshwarp_core::netlink::Link| l.mac.unwrap_or_default();
         let (subnet_len, host_len) = if v6 { (64, 128) } else { (24, 32) };
         let sides = [(&self.a, tc_a, &self.b, "2"), (&self.b, tc_b, &self.a, "1")];
         for (me, tc, peer, peer_id) in sides {
@@ -786,13 +786,13 @@ pub fn round_trip<S: Read + Write + AsFd>(s: &mut S, msg: &[u8], buf: &mut [u8])
 /// system call number: nothing in this program's ELF says it splices), until
 /// EOF; then half-closes. An error ends it (a reset connection, a timeout).
 pub fn splice_echo(mut s: TcpStream, timeout: Duration) -> Result<()> {
-    let (r, w) = crate::sys::pipe().map_err(io_err("pipe"))?;
+    let (r, w) = meshwarp_core::sys::pipe().map_err(io_err("pipe"))?;
     let mut pipe_r = std::fs::File::from(r);
     let mut buf = vec![0u8; 65536];
     let deadline = Instant::now() + timeout;
     loop {
         wait_ready(s.as_raw_fd(), libc::POLLIN, Some(deadline)).map_err(io_err("waiting to splice"))?;
-        let n = match crate::sys::splice(s.as_raw_fd(), w.as_raw_fd(), buf.len(), libc::SPLICE_F_NONBLOCK) {
+        let n = match meshwarp_core::sys::splice(s.as_raw_fd(), w.as_raw_fd(), buf.len(), libc::SPLICE_F_NONBLOCK) {
             Ok(0) => break,
             Ok(n) => n,
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
@@ -1057,7 +1057,7 @@ pub struct TestCgroup {
 
 impl TestCgroup {
     pub fn new() -> Result<Self> {
-        let root = crate::sys::cgroup2_root().map_err(|e| TestbedError::Integrity(e.to_string()))?;
+        let root = meshwarp_core::sys::cgroup2_root().map_err(|e| TestbedError::Integrity(e.to_string()))?;
         let path = root.join(unique_name("meshwarp-test-"));
         std::fs::create_dir(&path).map_err(io_err(format!("creating cgroup {}", path.display())))?;
         let me = std::process::id().to_string();
@@ -1157,7 +1157,7 @@ impl Drop for KernelTest {
 /// of its own; unpinned (detached) on drop.
 #[derive(Debug)]
 pub struct TcTest {
-    pub tc: Option<crate::tc::TcDataplane>,
+    pub tc: Option<meshwarp_core::tc::TcDataplane>,
     pub pin_root: PathBuf,
 }
 
@@ -1165,14 +1165,14 @@ impl TcTest {
     /// Loads it for `node`; a refusal follows [`missing_feature`].
     pub fn start(node: &NetNs) -> Option<Self> {
         let pin_root = PathBuf::from(format!("/sys/fs/bpf/{}", unique_name("meshwarp-tctest-")));
-        let cfg = crate::tc::TcConfig { pin_root: pin_root.clone(), netns: Some(node.path()), max_routes: 64 };
-        match crate::tc::TcDataplane::open(&cfg) {
+        let cfg = meshwarp_core::tc::TcConfig { pin_root: pin_root.clone(), netns: Some(node.path()), max_routes: 64 };
+        match meshwarp_core::tc::TcDataplane::open(&cfg) {
             Ok(tc) => Some(Self { tc: Some(tc), pin_root }),
             Err(e) => missing_feature(&format!("tc BPF: {e}")),
         }
     }
 
-    pub fn tc(&self) -> &crate::tc::TcDataplane {
+    pub fn tc(&self) -> &meshwarp_core::tc::TcDataplane {
         self.tc.as_ref().unwrap_or_else(|| unreachable!("tc data path is present until drop"))
     }
 }
