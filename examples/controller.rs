@@ -4,6 +4,8 @@
 //! or a restart of the daemon, triggers a resync.
 //!
 //! The file has one pair per line, `CLIENT_IP SERVER_IP:PORT`; `#` comments.
+//! It needs only `meshwarp-client` (generated types and the connection
+//! helper), which links no BPF library.
 //!
 //! `cargo run -p meshwarp-examples --example controller -- --file pairs.txt [--once]`
 
@@ -12,15 +14,15 @@ use std::path::PathBuf;
 use std::time::{Duration, SystemTime};
 
 use anyhow::{bail, Context, Result};
-use meshwarp_grpc_api::pb::node_service_client::NodeServiceClient;
-use meshwarp_grpc_api::pb::{self, watch_response::Resource};
+use meshwarp_client::pb::node_service_client::NodeServiceClient;
+use meshwarp_client::pb::{self, watch_response::Resource};
 use tokio_stream::StreamExt;
 use tonic::transport::Channel;
 
 #[derive(Debug, clap::Parser)]
 struct Args {
     /// Node service address.
-    #[arg(long, default_value = meshwarp_grpc_api::client::DEFAULT_SOCKET)]
+    #[arg(long, default_value = meshwarp_client::DEFAULT_SOCKET)]
     addr: String,
     /// Owner of the pairs this controller manages.
     #[arg(long, default_value = "file-controller")]
@@ -107,7 +109,7 @@ async fn main() -> Result<()> {
     let mut backoff = Duration::from_millis(200);
     loop {
         let result: Result<()> = async {
-            let mut c = meshwarp_grpc_api::client::connect(&args.addr).await?;
+            let mut c = meshwarp_client::connect(&args.addr).await?;
             let want = read_file(&args.file)?;
             let (revision, instance) = sync(&mut c, &args.owner, &want).await?;
             println!("in sync at revision {revision} of node {instance}");

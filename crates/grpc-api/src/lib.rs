@@ -1,22 +1,19 @@
-//! meshwarp's gRPC node API (`meshwarp.node.v1alpha1`): the generated code,
+//! meshwarp's gRPC node service (`meshwarp.node.v1alpha1`), server side: the
 //! proto <-> core conversions ([`convert`]), the `NodeService` server
-//! ([`server`]) and a client helper ([`client`]).
+//! ([`server`]), the daemon around it ([`daemon`]), `/metrics` and status
+//! mapping. The generated code and the client helper live in
+//! `meshwarp-client` (no libbpf) and are re-exported here as [`pb`] and
+//! [`client`].
 //!
 //! `meshwarp-core` never sees a protobuf type: every conversion lives here.
 
-pub mod client;
 pub mod convert;
 pub mod daemon;
 pub mod metrics;
 pub mod server;
 pub mod status;
 
-/// Generated messages and the service stubs.
-pub mod pb {
-    #![allow(missing_docs, missing_debug_implementations, clippy::all, clippy::unwrap_used)]
-    tonic::include_proto!("meshwarp.node.v1alpha1");
-    include!(concat!(env!("OUT_DIR"), "/meshwarp.node.v1alpha1.serde.rs"));
-
-    /// The encoded descriptor set, for server reflection.
-    pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("meshwarp_descriptor");
-}
+/// Connecting to a node service (`meshwarp-client`).
+pub use meshwarp_client as client;
+/// Generated messages and the service stubs (from `meshwarp-client`).
+pub use meshwarp_client::pb;

@@ -3,7 +3,7 @@
 //! RPC and unique, `_UNSPECIFIED` zero values with type-prefixed enum values,
 //! lower_snake_case fields, PascalCase messages, a `Service` suffix.
 
-use meshwarp_grpc_api::pb::FILE_DESCRIPTOR_SET;
+use meshwarp_client::pb::FILE_DESCRIPTOR_SET;
 use prost::Message;
 use prost_types::FileDescriptorSet;
 

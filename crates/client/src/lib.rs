@@ -1,5 +1,10 @@
-//! Connecting to a node service: `unix:/path`, a bare absolute path, or an
-//! `http://host:port` address.
+//! meshwarp-client: the node API (`meshwarp.node.v1alpha1`) for controllers —
+//! the generated messages and `NodeService` stubs ([`pb`]) and a connection
+//! helper for `unix:/path`, a bare absolute path, or an `http(s)://host:port`
+//! address.
+//!
+//! It depends on no BPF library: a controller that only calls a node links
+//! tonic and prost, not libbpf. The server side is `meshwarp-grpc-api`.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -10,6 +15,16 @@ use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity
 use tower::service_fn;
 
 use crate::pb::node_service_client::NodeServiceClient;
+
+/// Generated messages and the service stubs.
+pub mod pb {
+    #![allow(missing_docs, missing_debug_implementations, clippy::all, clippy::unwrap_used)]
+    tonic::include_proto!("meshwarp.node.v1alpha1");
+    include!(concat!(env!("OUT_DIR"), "/meshwarp.node.v1alpha1.serde.rs"));
+
+    /// The encoded descriptor set, for server reflection.
+    pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("meshwarp_descriptor");
+}
 
 /// Default Unix socket of `meshwarp serve`.
 pub const DEFAULT_SOCKET: &str = "/run/meshwarp/meshwarp.sock";
