@@ -14,7 +14,7 @@ use std::process::ExitCode;
 
 use anyhow::{Context, Result};
 use clap::{CommandFactory, Parser, Subcommand};
-use meshwarp_core::dataplane::{remove_pinned, DEFAULT_PIN_ROOT};
+use meshwarp_core::dataplane::DEFAULT_PIN_ROOT;
 
 #[derive(Debug, Parser)]
 #[command(name = "meshwarp", version, about = "Shorten service-mesh traffic paths in the kernel with eBPF")]
@@ -416,7 +416,7 @@ fn run(cli: Cli) -> Result<()> {
             doctor::run(&cli.pin_root)
         }
         Cmd::Uninstall => {
-            remove_pinned(&cli.pin_root)?;
+            meshwarp_core::node::uninstall(&cli.pin_root)?;
             println!("removed meshwarp's pins under {}", cli.pin_root.display());
             Ok(())
         }

@@ -399,7 +399,7 @@ fn run_in(args: &MeshArgs, dir: &Path) -> Result<Vec<Row>> {
     })();
     dp.teardown()?;
     for n in ["a", "b"] {
-        let _ = meshwarp_core::dataplane::remove_pinned(&pin_root.join(n));
+        let _ = meshwarp_core::node::uninstall(&pin_root.join(n));
     }
     let _ = std::fs::remove_dir(&pin_root);
     drop(cgroup);

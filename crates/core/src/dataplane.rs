@@ -21,10 +21,10 @@ use std::fs;
 use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
-use std::sync::{mpsc, Arc, Mutex, MutexGuard, Once};
+use std::sync::{mpsc, Arc, Mutex, MutexGuard};
 
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
-use libbpf_rs::{libbpf_sys, Link, MapCore, MapFlags, MapHandle, PrintLevel, ProgramHandle};
+use libbpf_rs::{libbpf_sys, Link, MapCore, MapFlags, MapHandle, ProgramHandle};
 use meshwarp_bpf::names;
 use meshwarp_bpf::shared::{
     Config, CookieVal, Link as LinkValue, Pod, CFG_BLOCKING_EAGAIN, CFG_FIONREAD_PSOCK, CFG_GUARD, CFG_SPLICE_BLIND,
@@ -128,8 +128,6 @@ pub enum DataplaneError {
     #[error(transparent)]
     Registry(#[from] RegistryError),
     #[error(transparent)]
-    Tc(#[from] crate::tc::TcError),
-    #[error(transparent)]
     Guard(#[from] crate::guard::GuardError),
 }
 
@@ -191,46 +189,6 @@ const PROGS: [&str; 8] = [
     names::PROG_PARK,
     names::PROG_UNLINK,
 ];
-
-/// libbpf messages of warning level and above, collected while loading so a
-/// verifier rejection carries its log.
-static LOAD_LOG: Mutex<Option<String>> = Mutex::new(None);
-static PRINT_INIT: Once = Once::new();
-/// One load at a time per process, so the collected log is this load's.
-static LOAD_LOCK: Mutex<()> = Mutex::new(());
-
-fn libbpf_print(level: PrintLevel, msg: String) {
-    match level {
-        PrintLevel::Debug => tracing::trace!(target: "libbpf", "{}", msg.trim_end()),
-        PrintLevel::Info => tracing::debug!(target: "libbpf", "{}", msg.trim_end()),
-        PrintLevel::Warn => {
-            if let Ok(mut log) = LOAD_LOG.lock() {
-                if let Some(buf) = log.as_mut() {
-                    buf.push_str(&msg);
-                    return;
-                }
-            }
-            tracing::warn!(target: "libbpf", "{}", msg.trim_end());
-        }
-    }
-}
-
-/// Runs a libbpf load with its warnings collected (where the verifier log of a
-/// rejected program ends up), one load at a time.
-pub(crate) fn with_libbpf_log<T>(f: impl FnOnce() -> T) -> (T, String) {
-    PRINT_INIT.call_once(|| {
-        libbpf_rs::set_print(Some((PrintLevel::Debug, libbpf_print)));
-    });
-    let _load = lock(&LOAD_LOCK);
-    *lock(&LOAD_LOG) = Some(String::new());
-    let r = f();
-    let log = lock(&LOAD_LOG).take().unwrap_or_default();
-    (r, log)
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 /// Removes pins made so far unless the load completes.
 struct PinGuard {
@@ -428,7 +386,7 @@ impl Dataplane {
 
     /// The registry, locked: a caller may apply several changes atomically.
     pub fn registry(&self) -> MutexGuard<'_, Registry<KernelMaps>> {
-        lock(&self.registry)
+        crate::sys::lock(&self.registry)
     }
 
     pub fn insert_pair(&self, pair: &EndpointPair, owner: &str) -> Result<(), RegistryError> {
@@ -579,12 +537,13 @@ fn check_schema(pin_root: &Path) -> Result<(), DataplaneError> {
     Ok(())
 }
 
-/// Removes meshwarp's pins (of this schema) under `pin_root` and nothing else;
-/// unpinning the cgroup link detaches sockops.
+/// Removes the socket family's pins (of this schema) under `pin_root`, its
+/// plugins' included, and nothing else; unpinning the cgroup link detaches
+/// sockops. The whole node (the tc family too) goes with
+/// [`crate::node::uninstall`].
 pub fn remove_pinned(pin_root: &Path) -> Result<(), DataplaneError> {
-    crate::tc::remove_pinned(pin_root)?;
     let layout = Layout::new(pin_root);
-    crate::plugin::remove_plugin_pins(&layout.dir)
+    crate::pins::remove_plugin_pins(&layout.dir)
         .map_err(|e| DataplaneError::Io { path: layout.dir.clone(), source: e })?;
     for p in layout.guard_links().into_iter().chain(layout.all_pins()) {
         match fs::remove_file(&p) {
@@ -635,7 +594,7 @@ fn load_and_pin(cfg: &DataplaneConfig, layout: &Layout) -> Result<(), DataplaneE
     for (map, n) in sizes {
         map.set_max_entries(n).map_err(bpf_err("sizing maps"))?;
     }
-    let (loaded, log) = with_libbpf_log(|| open.load());
+    let (loaded, log) = crate::loader::with_libbpf_log(|| open.load());
     let skel = loaded.map_err(|source| DataplaneError::Load { source, log })?;
 
     let mut guard = PinGuard { paths: Vec::new(), done: false };

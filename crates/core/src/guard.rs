@@ -116,17 +116,13 @@ pub(crate) struct Subscribers {
 impl Subscribers {
     pub(crate) fn subscribe(&self) -> mpsc::Receiver<Incident> {
         let (tx, rx) = mpsc::channel();
-        lock(&self.txs).push(tx);
+        crate::sys::lock(&self.txs).push(tx);
         rx
     }
 
     fn publish(&self, i: &Incident) {
-        lock(&self.txs).retain(|tx| tx.send(i.clone()).is_ok());
+        crate::sys::lock(&self.txs).retain(|tx| tx.send(i.clone()).is_ok());
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// The maps and program the guard works with, opened from the pins.

@@ -2,10 +2,27 @@
 //! network namespace or in one given by path: names to ifindexes, MAC
 //! addresses and link kinds (is it a veth?).
 
+use std::fmt;
 use std::path::Path;
 
 use futures::TryStreamExt;
 use netlink_packet_route::link::{InfoKind, LinkAttribute, LinkInfo, LinkMessage};
+
+/// An interface, by name or by index (in the namespace it is looked up in).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum IfaceRef {
+    Name(String),
+    Index(u32),
+}
+
+impl fmt::Display for IfaceRef {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Name(n) => write!(f, "{n}"),
+            Self::Index(i) => write!(f, "ifindex {i}"),
+        }
+    }
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum NetlinkError {
@@ -96,11 +113,11 @@ pub async fn links(h: &rtnetlink::Handle) -> Result<Vec<Link>, NetlinkError> {
 }
 
 /// One interface by name or index.
-pub async fn link(h: &rtnetlink::Handle, iface: &crate::tc::IfaceRef) -> Result<Link, NetlinkError> {
+pub async fn link(h: &rtnetlink::Handle, iface: &IfaceRef) -> Result<Link, NetlinkError> {
     let all = links(h).await?;
     let found = match iface {
-        crate::tc::IfaceRef::Name(n) => all.into_iter().find(|l| &l.name == n),
-        crate::tc::IfaceRef::Index(i) => all.into_iter().find(|l| l.index == *i),
+        IfaceRef::Name(n) => all.into_iter().find(|l| &l.name == n),
+        IfaceRef::Index(i) => all.into_iter().find(|l| l.index == *i),
     };
     found.ok_or_else(|| NetlinkError::NoSuchInterface(iface.to_string()))
 }

@@ -39,7 +39,8 @@ use meshwarp_bpf::shared::{
 };
 use sha2::{Digest, Sha256};
 
-use crate::dataplane::with_libbpf_log;
+use crate::loader::with_libbpf_log;
+use crate::pins::remove_plugin_dir;
 
 /// Where a plugin runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -339,34 +340,6 @@ pub fn abi_compatible(major: u16, minor: u16) -> bool {
     major == ABI_MAJOR && (0..=ABI_MINOR).contains(&minor)
 }
 
-/// Removes every plugin pin under a family's pin directory (teardown).
-pub fn remove_plugin_pins(family_dir: &Path) -> io::Result<()> {
-    let root = family_dir.join("plugins");
-    let Ok(entries) = fs::read_dir(&root) else {
-        return Ok(());
-    };
-    for e in entries.flatten() {
-        remove_plugin_dir(&e.path())?;
-    }
-    let _ = fs::remove_dir(&root);
-    Ok(())
-}
-
-fn remove_plugin_dir(dir: &Path) -> io::Result<()> {
-    if let Ok(maps) = fs::read_dir(dir.join("maps")) {
-        for m in maps.flatten() {
-            fs::remove_file(m.path())?;
-        }
-    }
-    let _ = fs::remove_dir(dir.join("maps"));
-    match fs::remove_file(dir.join("prog")) {
-        Ok(()) => {}
-        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-        Err(e) => return Err(e),
-    }
-    fs::remove_dir(dir)
-}
-
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Family {
     Sock,
@@ -632,7 +605,7 @@ impl PluginChain {
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        crate::sys::lock(&self.state)
     }
 
     /// Rebuilds the plugin table from the pinned manifests and programs.

@@ -211,7 +211,7 @@ fn probe_in_netns(release: String) -> Result<KernelProbe, ProbeError> {
     ] {
         map.set_max_entries(n).map_err(bpf_err("sizing probe maps"))?;
     }
-    let (loaded, log) = crate::dataplane::with_libbpf_log(|| open.load());
+    let (loaded, log) = crate::loader::with_libbpf_log(|| open.load());
     let skel = loaded.map_err(|source| ProbeError::Bpf { what: format!("loading probe programs: {log}"), source })?;
     let maps = &skel.maps;
     let (ip, family) = raw_addr(PROBE_ADDR.into());

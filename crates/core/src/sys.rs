@@ -5,6 +5,7 @@ use std::fs;
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
 use std::path::{Path, PathBuf};
+use std::sync::{Mutex, MutexGuard};
 
 use nix::mount::{mount, MsFlags};
 use nix::sys::statfs::{statfs, BPF_FS_MAGIC, CGROUP2_SUPER_MAGIC};
@@ -317,6 +318,12 @@ pub fn find_netns(cookie: u64, tid: u32) -> Option<PathBuf> {
 fn netns_cookie_here() -> Option<u64> {
     let s = std::net::UdpSocket::bind("127.0.0.1:0").or_else(|_| std::net::UdpSocket::bind("[::1]:0")).ok()?;
     netns_cookie_of(&s).ok()
+}
+
+/// Locks `m` even if a thread panicked while holding it: one panicking
+/// caller must not take every later call on the data path down with it.
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 #[cfg(test)]

@@ -17,7 +17,7 @@ use std::mem::MaybeUninit;
 use std::net::IpAddr;
 use std::os::fd::{AsFd, AsRawFd};
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::Mutex;
 
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::{libbpf_sys, MapCore, MapFlags, MapHandle, ProgramHandle};
@@ -29,24 +29,9 @@ use meshwarp_bpf::shared::{
 };
 use meshwarp_bpf::tcredir::TcredirSkelBuilder;
 
+pub use crate::netlink::IfaceRef;
 use crate::netlink::{self, Link, NetlinkError};
 use crate::registry::{Outcome, Slots};
-
-/// An interface, by name or by index (in the dataplane's namespace).
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum IfaceRef {
-    Name(String),
-    Index(u32),
-}
-
-impl fmt::Display for IfaceRef {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Self::Name(n) => write!(f, "{n}"),
-            Self::Index(i) => write!(f, "ifindex {i}"),
-        }
-    }
-}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Direction {
@@ -335,7 +320,7 @@ pub fn remove_pinned(pin_root: &Path) -> Result<(), TcError> {
             fs::remove_file(e.path()).map_err(io(format!("unpinning {}", e.path().display())))?;
         }
     }
-    crate::plugin::remove_plugin_pins(&dir).map_err(io(format!("unpinning plugins under {}", dir.display())))?;
+    crate::pins::remove_plugin_pins(&dir).map_err(io(format!("unpinning plugins under {}", dir.display())))?;
     for p in tc_pins(&dir) {
         match fs::remove_file(&p) {
             Ok(()) => {}
@@ -347,10 +332,6 @@ pub fn remove_pinned(pin_root: &Path) -> Result<(), TcError> {
         let _ = fs::remove_dir(dir.join(d));
     }
     Ok(())
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 fn load_and_pin(cfg: &TcConfig, dir: &Path) -> Result<(), TcError> {
@@ -452,7 +433,7 @@ impl TcDataplane {
                 .map(|o| o.as_string())
                 .unwrap_or_default()
         };
-        let mut st = lock(&self.state);
+        let mut st = crate::sys::lock(&self.state);
         let mut used = Vec::new();
         for (map, v6) in [(&self.rt4, false), (&self.rt6, true)] {
             for k in map.keys() {
@@ -619,7 +600,7 @@ impl TcDataplane {
     /// Installs a new route; interfaces are resolved in the node's namespace.
     pub fn insert_route(&self, route: &InterfaceRoute, owner: &str) -> Result<InstalledRoute, TcError> {
         let resolved = self.resolve(route)?;
-        let mut st = lock(&self.state);
+        let mut st = crate::sys::lock(&self.state);
         if let Some(existing) = st.routes.get(&(resolved.0.index, route.direction, route.dst)) {
             return Err(TcError::AlreadyExists(format!("route {} (owner {:?})", existing.route, existing.owner)));
         }
@@ -630,7 +611,7 @@ impl TcDataplane {
     /// direction and destination (keeping its counters) if `owner` owns it.
     pub fn upsert_route(&self, route: &InterfaceRoute, owner: &str) -> Result<(InstalledRoute, Outcome), TcError> {
         let resolved = self.resolve(route)?;
-        let mut st = lock(&self.state);
+        let mut st = crate::sys::lock(&self.state);
         self.upsert_locked(&mut st, route, resolved, owner)
     }
 
@@ -659,7 +640,7 @@ impl TcDataplane {
         owner: Option<&str>,
     ) -> Result<InstalledRoute, TcError> {
         let ifindex = self.resolve_iface(attach)?;
-        let mut st = lock(&self.state);
+        let mut st = crate::sys::lock(&self.state);
         let e = st
             .routes
             .get(&(ifindex, dir, dst))
@@ -701,7 +682,7 @@ impl TcDataplane {
     ) -> Result<Vec<(InstalledRoute, Outcome)>, TcError> {
         OwnerName::new(owner).ok_or_else(|| TcError::InvalidOwner(owner.to_string()))?;
         let resolved = routes.iter().map(|r| self.resolve(r)).collect::<Result<Vec<_>, _>>()?;
-        let mut st = lock(&self.state);
+        let mut st = crate::sys::lock(&self.state);
         let mut seen = std::collections::BTreeSet::new();
         let mut new = 0;
         for (r, (a, _)) in routes.iter().zip(&resolved) {
@@ -751,7 +732,7 @@ impl TcDataplane {
         allow_missing: bool,
     ) -> Result<Vec<Option<InstalledRoute>>, TcError> {
         let idx = keys.iter().map(|(i, _, _)| self.resolve_iface(i)).collect::<Result<Vec<_>, _>>()?;
-        let mut st = lock(&self.state);
+        let mut st = crate::sys::lock(&self.state);
         let mut found = Vec::with_capacity(keys.len());
         let mut seen = std::collections::BTreeSet::new();
         for ((iface, dir, dst), ifindex) in keys.iter().zip(&idx) {
@@ -828,7 +809,7 @@ impl TcDataplane {
 
     /// Removes the route of (attach ifindex, direction, dst) whoever owns it.
     pub fn remove_route(&self, attach_ifindex: u32, dir: Direction, dst: Prefix) -> Result<(), TcError> {
-        let mut st = lock(&self.state);
+        let mut st = crate::sys::lock(&self.state);
         let e = st
             .routes
             .get(&(attach_ifindex, dir, dst))
@@ -838,17 +819,17 @@ impl TcDataplane {
     }
 
     pub fn routes(&self) -> Vec<InstalledRoute> {
-        lock(&self.state).routes.values().cloned().collect()
+        crate::sys::lock(&self.state).routes.values().cloned().collect()
     }
 
     /// Routes taken out because an interface they name disappeared.
     pub fn stale_routes(&self) -> Vec<StaleRoute> {
-        lock(&self.state).stale.clone()
+        crate::sys::lock(&self.state).stale.clone()
     }
 
     /// Forgets a stale route (the controller has seen it).
     pub fn forget_stale(&self, attach_ifindex: u32, dir: Direction, dst: Prefix) -> Result<(), TcError> {
-        let mut st = lock(&self.state);
+        let mut st = crate::sys::lock(&self.state);
         let before = st.stale.len();
         st.stale.retain(|s| {
             !(s.route.attach_ifindex == attach_ifindex && s.route.route.direction == dir && s.route.route.dst == dst)
@@ -873,7 +854,7 @@ impl TcDataplane {
                 tracing::info!(ifindex, ?dir, "released the attachment of a vanished interface");
             }
         }
-        let gone: Vec<(RouteId, String)> = lock(&self.state)
+        let gone: Vec<(RouteId, String)> = crate::sys::lock(&self.state)
             .routes
             .iter()
             .filter_map(|(k, r)| {
@@ -888,12 +869,12 @@ impl TcDataplane {
             .collect();
         let mut out = Vec::new();
         for ((ifindex, dir, dst), reason) in gone {
-            let Some(r) = lock(&self.state).routes.get(&(ifindex, dir, dst)).cloned() else { continue };
+            let Some(r) = crate::sys::lock(&self.state).routes.get(&(ifindex, dir, dst)).cloned() else { continue };
             let last_stats = self.route_stats(&r).unwrap_or_default();
             self.remove_route(ifindex, dir, dst)?;
             tracing::warn!(route = %r.route, %reason, "route is stale");
             let s = StaleRoute { route: r, reason, last_stats };
-            lock(&self.state).stale.push(s.clone());
+            crate::sys::lock(&self.state).stale.push(s.clone());
             out.push(s);
         }
         Ok(out)

@@ -88,6 +88,8 @@ pub enum DaemonError {
     },
     #[error(transparent)]
     Dataplane(#[from] DataplaneError),
+    #[error(transparent)]
+    Node(#[from] meshwarp_core::node::NodeError),
     #[error("serving gRPC: {0}")]
     Transport(#[from] tonic::transport::Error),
 }
@@ -327,16 +329,13 @@ pub async fn run(opts: DaemonOptions, shutdown: impl Future<Output = ()> + Send 
     }
     drop(node);
     if opts.cleanup_on_exit {
-        match Arc::try_unwrap(dp) {
-            Ok(dp) => {
-                dp.teardown()?;
-                tracing::info!("data path detached and unpinned (--cleanup)");
-            }
-            Err(_) => {
-                meshwarp_core::dataplane::remove_pinned(&opts.dataplane.pin_root)?;
-                tracing::info!("data path unpinned (--cleanup)");
-            }
+        // The socket family first (its guard thread stops), then every
+        // family's pins: the tc family and the plugins too.
+        if let Ok(dp) = Arc::try_unwrap(dp) {
+            dp.teardown()?;
         }
+        meshwarp_core::node::uninstall(&opts.dataplane.pin_root)?;
+        tracing::info!("data path detached and unpinned (--cleanup)");
     }
     Ok(())
 }

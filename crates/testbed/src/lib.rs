@@ -19,7 +19,8 @@ use std::time::{Duration, Instant};
 use nix::sched::{setns, CloneFlags};
 use socket2::{Domain, Socket, Type};
 
-use meshwarp_core::dataplane::{remove_pinned, Dataplane, DataplaneConfig, DataplaneError};
+use meshwarp_core::dataplane::{Dataplane, DataplaneConfig, DataplaneError};
+use meshwarp_core::node::uninstall;
 
 #[derive(Debug, thiserror::Error)]
 pub enum TestbedError {
@@ -1149,7 +1150,7 @@ impl Drop for KernelTest {
                 tracing::warn!("teardown: {e}");
             }
         }
-        let _ = remove_pinned(&self.cfg.pin_root);
+        let _ = uninstall(&self.cfg.pin_root);
     }
 }
 
@@ -1182,7 +1183,7 @@ impl Drop for TcTest {
         if let Some(tc) = self.tc.take() {
             let _ = tc.teardown();
         }
-        let _ = remove_pinned(&self.pin_root);
+        let _ = uninstall(&self.pin_root);
     }
 }
 
