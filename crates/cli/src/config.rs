@@ -1,43 +1,74 @@
-//! `meshwarp serve` configuration: a TOML file, overridden by flags and
-//! `MESHWARP_*` environment variables.
+//! `meshwarp serve` configuration, layered by figment: built-in defaults <
+//! the TOML file (`--config`) < `MESHWARP_*` environment variables < flags
+//! (clap reads a flag or, when absent, its variable). Every setting has a
+//! key in the file and a flag.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
+use figment::providers::{Format, Serialized, Toml};
+use figment::Figment;
+use meshwarp_core::dataplane::DEFAULT_PIN_ROOT;
 use meshwarp_core::DataplaneConfig;
 use meshwarp_grpc_api::daemon::{DaemonOptions, TlsFiles};
 use meshwarp_grpc_api::server::ServerConfig;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
-/// The config file. Unknown keys are errors, so a typo is never ignored.
-#[derive(Debug, Default, Deserialize)]
+/// One layer of settings: the config file, or the flags and environment.
+/// Unknown keys in the file are errors, so a typo is never ignored; absent
+/// settings fall through to the layer below.
+#[derive(Debug, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct FileConfig {
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub socket: Option<PathBuf>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub socket_group: Option<String>,
     /// Octal, as a string: "0660".
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub socket_mode: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub tcp_listen: Option<SocketAddr>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub tls_cert: Option<PathBuf>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub tls_key: Option<PathBuf>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub tls_client_ca: Option<PathBuf>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub metrics_listen: Option<SocketAddr>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub log_format: Option<LogFormat>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub pin_root: Option<PathBuf>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub cgroup: Option<PathBuf>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub max_rules: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub max_sockets: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub max_batch_size: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub drain_timeout_secs: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub reader_guard: Option<ReaderGuard>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub trusted_readers: Option<Vec<PathBuf>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub syscall_watch: Option<bool>,
+    /// Network namespace (path) whose interfaces tc routes name.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub netns: Option<PathBuf>,
+    /// On stop, also detach and unpin the data path.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cleanup: Option<bool>,
 }
 
 /// `reader_guard`: see [`meshwarp_core::GuardMode`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum ReaderGuard {
     /// On when the kernel probe finds a gap (splice, EAGAIN, FIONREAD, SO_RCVLOWAT).
@@ -55,7 +86,7 @@ impl From<ReaderGuard> for meshwarp_core::GuardMode {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum LogFormat {
     Text,
@@ -92,17 +123,24 @@ pub struct ServeArgs {
     /// Serve Prometheus /metrics on this address.
     #[arg(long, env = "MESHWARP_METRICS_LISTEN")]
     pub metrics_listen: Option<SocketAddr>,
+    /// Log format.
     #[arg(long, env = "MESHWARP_LOG_FORMAT", value_enum)]
     pub log_format: Option<LogFormat>,
     /// cgroup v2 directory to attach sockops to [default: the cgroup2 root].
     #[arg(long, env = "MESHWARP_CGROUP")]
     pub cgroup: Option<PathBuf>,
+    /// Most rules (pairs and captures) the data path holds [default: 4096].
     #[arg(long, env = "MESHWARP_MAX_RULES")]
     pub max_rules: Option<u32>,
+    /// Most accelerated sockets (two per connection) [default: 65536].
     #[arg(long, env = "MESHWARP_MAX_SOCKETS")]
     pub max_sockets: Option<u32>,
+    /// Most rules one batch RPC may carry [default: 10000].
     #[arg(long, env = "MESHWARP_MAX_BATCH_SIZE")]
     pub max_batch_size: Option<usize>,
+    /// Seconds in-flight RPCs get to finish on SIGTERM [default: 10].
+    #[arg(long = "drain-timeout", env = "MESHWARP_DRAIN_TIMEOUT")]
+    pub drain_timeout_secs: Option<u64>,
     /// Network namespace whose interfaces tc routes name (default: the daemon's own).
     #[arg(long, env = "MESHWARP_NETNS")]
     pub netns: Option<PathBuf>,
@@ -122,11 +160,6 @@ pub struct ServeArgs {
     pub no_syscall_watch: bool,
 }
 
-pub fn read_file(path: &Path) -> Result<FileConfig> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    toml::from_str(&text).with_context(|| format!("invalid config {}", path.display()))
-}
-
 fn parse_mode(s: &str) -> Result<u32> {
     let m = u32::from_str_radix(s.trim_start_matches("0o"), 8)
         .with_context(|| format!("socket mode {s:?} is not octal"))?;
@@ -136,56 +169,88 @@ fn parse_mode(s: &str) -> Result<u32> {
     Ok(m)
 }
 
-/// Merges defaults < file < flags/environment.
-pub fn resolve(args: &ServeArgs, pin_root: &Path) -> Result<(DaemonOptions, LogFormat)> {
-    let file = match &args.config {
-        Some(p) => read_file(p)?,
-        None => FileConfig::default(),
-    };
+impl ServeArgs {
+    /// The settings given as flags or environment variables (`pin_root` is
+    /// the global `--pin-root`/`MESHWARP_PIN_ROOT`, when given).
+    fn layer(&self, pin_root: Option<&Path>) -> FileConfig {
+        let some_vec = |v: &Vec<PathBuf>| (!v.is_empty()).then(|| v.clone());
+        FileConfig {
+            socket: self.socket.clone(),
+            socket_group: self.socket_group.clone(),
+            socket_mode: self.socket_mode.clone(),
+            tcp_listen: self.tcp_listen,
+            tls_cert: self.tls_cert.clone(),
+            tls_key: self.tls_key.clone(),
+            tls_client_ca: self.tls_client_ca.clone(),
+            metrics_listen: self.metrics_listen,
+            log_format: self.log_format,
+            pin_root: pin_root.map(Path::to_path_buf),
+            cgroup: self.cgroup.clone(),
+            max_rules: self.max_rules,
+            max_sockets: self.max_sockets,
+            max_batch_size: self.max_batch_size,
+            drain_timeout_secs: self.drain_timeout_secs,
+            reader_guard: self.reader_guard,
+            trusted_readers: some_vec(&self.trusted_readers),
+            syscall_watch: self.no_syscall_watch.then_some(false),
+            netns: self.netns.clone(),
+            cleanup: self.cleanup.then_some(true),
+        }
+    }
+}
+
+/// Layers the file (if any) under the flags and environment; what neither
+/// sets keeps its default.
+pub fn layered(args: &ServeArgs, pin_root: Option<&Path>) -> Result<FileConfig> {
+    let mut fig = Figment::new();
+    if let Some(p) = &args.config {
+        // Read here, so that a missing --config file is an error rather
+        // than an empty layer.
+        let text = std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+        fig = fig.merge(Toml::string(&text));
+    }
+    let what = args.config.as_ref().map_or("settings".to_string(), |p| format!("config {}", p.display()));
+    fig.merge(Serialized::defaults(args.layer(pin_root))).extract().with_context(|| format!("invalid {what}"))
+}
+
+/// The daemon's options: defaults < file < environment < flags.
+pub fn resolve(args: &ServeArgs, pin_root: Option<&Path>) -> Result<(DaemonOptions, LogFormat)> {
+    let c = layered(args, pin_root)?;
     let mut o = DaemonOptions::default();
     let dp_default = DataplaneConfig::default();
     o.dataplane = DataplaneConfig {
-        pin_root: file.pin_root.clone().unwrap_or_else(|| pin_root.to_path_buf()),
-        cgroup: args.cgroup.clone().or(file.cgroup),
-        max_rules: args.max_rules.or(file.max_rules).unwrap_or(dp_default.max_rules),
-        max_sockets: args.max_sockets.or(file.max_sockets).unwrap_or(dp_default.max_sockets),
-        guard: args.reader_guard.or(file.reader_guard).map(Into::into).unwrap_or(dp_default.guard),
-        trusted_readers: if args.trusted_readers.is_empty() {
-            file.trusted_readers.clone().unwrap_or_default()
-        } else {
-            args.trusted_readers.clone()
-        },
-        syscall_watch: !args.no_syscall_watch && file.syscall_watch.unwrap_or(dp_default.syscall_watch),
+        pin_root: c.pin_root.unwrap_or_else(|| PathBuf::from(DEFAULT_PIN_ROOT)),
+        cgroup: c.cgroup,
+        max_rules: c.max_rules.unwrap_or(dp_default.max_rules),
+        max_sockets: c.max_sockets.unwrap_or(dp_default.max_sockets),
+        guard: c.reader_guard.map(Into::into).unwrap_or(dp_default.guard),
+        trusted_readers: c.trusted_readers.unwrap_or_default(),
+        syscall_watch: c.syscall_watch.unwrap_or(dp_default.syscall_watch),
     };
     o.server = ServerConfig {
-        max_batch_size: args.max_batch_size.or(file.max_batch_size).unwrap_or(ServerConfig::default().max_batch_size),
+        max_batch_size: c.max_batch_size.unwrap_or(ServerConfig::default().max_batch_size),
         ..ServerConfig::default()
     };
-    if let Some(s) = args.socket.clone().or(file.socket) {
+    if let Some(s) = c.socket {
         o.socket = Some(s);
     }
-    o.socket_group = args.socket_group.clone().or(file.socket_group);
-    if let Some(m) = args.socket_mode.as_deref().or(file.socket_mode.as_deref()) {
+    o.socket_group = c.socket_group;
+    if let Some(m) = c.socket_mode.as_deref() {
         o.socket_mode = parse_mode(m)?;
     }
-    o.tcp_listen = args.tcp_listen.or(file.tcp_listen);
-    let tls = (
-        args.tls_cert.clone().or(file.tls_cert),
-        args.tls_key.clone().or(file.tls_key),
-        args.tls_client_ca.clone().or(file.tls_client_ca),
-    );
-    o.tls = match tls {
+    o.tcp_listen = c.tcp_listen;
+    o.tls = match (c.tls_cert, c.tls_key, c.tls_client_ca) {
         (Some(cert), Some(key), Some(client_ca)) => Some(TlsFiles { cert, key, client_ca }),
         (None, None, None) => None,
         _ => bail!("mTLS needs all of tls_cert, tls_key and tls_client_ca"),
     };
-    o.metrics_listen = args.metrics_listen.or(file.metrics_listen);
-    o.cleanup_on_exit = args.cleanup;
-    o.netns = args.netns.clone();
-    if let Some(s) = file.drain_timeout_secs {
+    o.metrics_listen = c.metrics_listen;
+    o.cleanup_on_exit = c.cleanup.unwrap_or(false);
+    o.netns = c.netns;
+    if let Some(s) = c.drain_timeout_secs {
         o.drain_timeout = Duration::from_secs(s);
     }
-    Ok((o, args.log_format.or(file.log_format).unwrap_or(LogFormat::Text)))
+    Ok((o, c.log_format.unwrap_or(LogFormat::Text)))
 }
 
 #[cfg(test)]
@@ -206,6 +271,82 @@ mod tests {
         assert_eq!(g.reader_guard, Some(ReaderGuard::Off));
         assert_eq!(g.trusted_readers.unwrap(), vec![PathBuf::from("/usr/sbin/haproxy")]);
         assert!(toml::from_str::<FileConfig>("reader_guard = \"sometimes\"").is_err());
+    }
+
+    /// `meshwarp serve` arguments as clap parses them.
+    fn serve_args(argv: &[&str]) -> ServeArgs {
+        #[derive(clap::Parser)]
+        struct Wrap {
+            #[command(flatten)]
+            a: ServeArgs,
+        }
+        <Wrap as clap::Parser>::try_parse_from(std::iter::once("serve").chain(argv.iter().copied())).unwrap().a
+    }
+
+    /// A config file in the temp directory, removed on drop.
+    struct TempConfig(PathBuf);
+
+    impl TempConfig {
+        fn new(text: &str) -> Self {
+            static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+            let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let p = std::env::temp_dir().join(format!("meshwarp-cfg-{}-{n}.toml", std::process::id()));
+            std::fs::write(&p, text).unwrap();
+            Self(p)
+        }
+
+        fn path(&self) -> &str {
+            self.0.to_str().unwrap()
+        }
+    }
+
+    impl Drop for TempConfig {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
+
+    /// defaults < file < environment/flags, for every setting, the global
+    /// --pin-root included (the file's pin_root used to beat it).
+    #[test]
+    fn layers_in_the_documented_order() {
+        let f = TempConfig::new(
+            "pin_root = \"/sys/fs/bpf/from-file\"\nmax_rules = 7\nnetns = \"/run/netns/file\"\n\
+             drain_timeout_secs = 3\nsocket_mode = \"0600\"\ncleanup = true\n",
+        );
+        let cfg = f.path();
+
+        let (o, fmt) = resolve(&serve_args(&[]), None).unwrap();
+        assert_eq!(o.dataplane.pin_root, PathBuf::from(DEFAULT_PIN_ROOT));
+        assert_eq!(o.dataplane.max_rules, DataplaneConfig::default().max_rules);
+        assert_eq!(
+            (o.netns, o.drain_timeout, o.cleanup_on_exit, fmt),
+            (None, Duration::from_secs(10), false, LogFormat::Text)
+        );
+
+        let (o, _) = resolve(&serve_args(&["--config", cfg]), None).unwrap();
+        assert_eq!(o.dataplane.pin_root, PathBuf::from("/sys/fs/bpf/from-file"));
+        assert_eq!(o.dataplane.max_rules, 7);
+        assert_eq!(o.netns.as_deref(), Some(Path::new("/run/netns/file")));
+        assert_eq!((o.drain_timeout, o.socket_mode, o.cleanup_on_exit), (Duration::from_secs(3), 0o600, true));
+
+        let args =
+            serve_args(&["--config", cfg, "--max-rules", "9", "--netns", "/run/netns/flag", "--drain-timeout", "1"]);
+        let (o, _) = resolve(&args, Some(Path::new("/sys/fs/bpf/from-flag"))).unwrap();
+        assert_eq!(o.dataplane.pin_root, PathBuf::from("/sys/fs/bpf/from-flag"));
+        assert_eq!(o.dataplane.max_rules, 9);
+        assert_eq!(o.netns.as_deref(), Some(Path::new("/run/netns/flag")));
+        assert_eq!(o.drain_timeout, Duration::from_secs(1));
+        assert_eq!(o.socket_mode, 0o600, "what the flags leave alone comes from the file");
+    }
+
+    #[test]
+    fn a_bad_file_is_an_error_naming_it() {
+        let f = TempConfig::new("sokcet = \"/tmp/x\"\n");
+        let e = resolve(&serve_args(&["--config", f.path()]), None).unwrap_err();
+        assert!(format!("{e:#}").contains("sokcet") && format!("{e:#}").contains(f.path()), "{e:#}");
+        let e = resolve(&serve_args(&["--config", "/nonexistent/meshwarp.toml"]), None).unwrap_err();
+        assert!(format!("{e:#}").contains("/nonexistent/meshwarp.toml"), "{e:#}");
     }
 
     #[test]

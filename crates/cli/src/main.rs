@@ -40,14 +40,21 @@ pub struct Cli {
     /// Same as `-o json`.
     #[arg(short = 'j', long = "json", global = true)]
     json: bool,
-    /// bpffs directory of meshwarp's pins (serve, uninstall, doctor).
-    #[arg(long, global = true, env = "MESHWARP_PIN_ROOT", default_value = DEFAULT_PIN_ROOT)]
-    pin_root: PathBuf,
+    /// bpffs directory of meshwarp's pins (serve, uninstall, doctor) [default: /sys/fs/bpf/meshwarp].
+    #[arg(long, global = true, env = "MESHWARP_PIN_ROOT")]
+    pin_root: Option<PathBuf>,
     /// Log filter (tracing EnvFilter syntax).
     #[arg(long, global = true, env = "MESHWARP_LOG", default_value = "info")]
     log: String,
     #[command(subcommand)]
     cmd: Cmd,
+}
+
+impl Cli {
+    /// `--pin-root`, or the default.
+    fn pin_root(&self) -> PathBuf {
+        self.pin_root.clone().unwrap_or_else(|| PathBuf::from(DEFAULT_PIN_ROOT))
+    }
 }
 
 #[derive(Debug, Subcommand)]
@@ -391,7 +398,7 @@ fn main() -> ExitCode {
 fn run(cli: Cli) -> Result<()> {
     match &cli.cmd {
         Cmd::Serve(args) => {
-            let (opts, fmt) = config::resolve(args, &cli.pin_root)?;
+            let (opts, fmt) = config::resolve(args, cli.pin_root.as_deref())?;
             init_logs(&cli.log, fmt == config::LogFormat::Json);
             let rt = tokio::runtime::Runtime::new()?;
             rt.block_on(async move {
@@ -413,11 +420,11 @@ fn run(cli: Cli) -> Result<()> {
         }
         Cmd::Doctor => {
             init_logs("warn", false);
-            doctor::run(&cli.pin_root)
+            doctor::run(&cli.pin_root())
         }
         Cmd::Uninstall => {
-            meshwarp_core::node::uninstall(&cli.pin_root)?;
-            println!("removed meshwarp's pins under {}", cli.pin_root.display());
+            meshwarp_core::node::uninstall(&cli.pin_root())?;
+            println!("removed meshwarp's pins under {}", cli.pin_root().display());
             Ok(())
         }
         Cmd::Demo(args) => {
