@@ -136,7 +136,7 @@ fn control_path(c: &mut Criterion) {
 
     drop(node);
     let _ = std::fs::remove_dir_all(&dir);
-    let _ = meshwarp_core::dataplane::remove_pinned(&pin_root);
+    let _ = meshwarp_core::node::uninstall(&pin_root);
 }
 
 criterion_group!(benches, control_path);

@@ -71,8 +71,8 @@ fn cross_node(c: &mut Criterion) {
     g.finish();
     let _ = tc_a.teardown();
     let _ = tc_b.teardown();
-    let _ = meshwarp_core::dataplane::remove_pinned(&root_a);
-    let _ = meshwarp_core::dataplane::remove_pinned(&root_b);
+    let _ = meshwarp_core::node::uninstall(&root_a);
+    let _ = meshwarp_core::node::uninstall(&root_b);
 }
 
 criterion_group!(benches, cross_node);

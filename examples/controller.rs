@@ -5,7 +5,8 @@
 //!
 //! The file has one pair per line, `CLIENT_IP SERVER_IP:PORT`; `#` comments.
 //! It needs only `meshwarp-client` (generated types and the connection
-//! helper), which links no BPF library.
+//! helper), which links no BPF library (this examples crate as a whole still
+//! builds libbpf, for the embedding examples).
 //!
 //! `cargo run -p meshwarp-examples --example controller -- --file pairs.txt [--once]`
 

@@ -123,7 +123,7 @@ impl Env {
 
 impl Drop for Env {
     fn drop(&mut self) {
-        let _ = meshwarp_core::dataplane::remove_pinned(&self.pin_root);
+        let _ = meshwarp_core::node::uninstall(&self.pin_root);
     }
 }
 

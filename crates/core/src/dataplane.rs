@@ -442,7 +442,8 @@ impl Dataplane {
         Ok(v.and_then(|b| <[u8; 8]>::try_from(b.as_slice()).ok()).map(u64::from_ne_bytes))
     }
 
-    /// Detaches and unpins everything this data path consists of. Accelerated
+    /// Detaches and unpins the socket family (this data path and its
+    /// plugins; [`crate::node::uninstall`] removes every family). Accelerated
     /// connections continue on the normal TCP path.
     pub fn teardown(self) -> Result<(), DataplaneError> {
         let Self { pin_root, guard, sockmap, links, cookies, registry, .. } = self;

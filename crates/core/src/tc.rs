@@ -204,6 +204,12 @@ pub enum TcError {
         #[source]
         source: libbpf_rs::Error,
     },
+    #[error("loading the tc programs: {source}\n--- verifier/libbpf log ---\n{log}")]
+    Load {
+        #[source]
+        source: libbpf_rs::Error,
+        log: String,
+    },
     #[error("{what}: {source}")]
     Io {
         what: String,
@@ -343,7 +349,8 @@ fn load_and_pin(cfg: &TcConfig, dir: &Path) -> Result<(), TcError> {
     for m in [&mut open.maps.mw_rt4, &mut open.maps.mw_rt6, &mut open.maps.mw_rt_stats, &mut open.maps.mw_rt_owner] {
         m.set_max_entries(cfg.max_routes).map_err(bpf("sizing route maps"))?;
     }
-    let skel = open.load().map_err(bpf("loading the tc programs"))?;
+    let (loaded, log) = crate::loader::with_libbpf_log(|| open.load());
+    let skel = loaded.map_err(|source| TcError::Load { source, log })?;
     let maps = [
         (names::MAP_RT4, &skel.maps.mw_rt4),
         (names::MAP_RT6, &skel.maps.mw_rt6),

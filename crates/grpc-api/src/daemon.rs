@@ -329,13 +329,11 @@ pub async fn run(opts: DaemonOptions, shutdown: impl Future<Output = ()> + Send 
     }
     drop(node);
     if opts.cleanup_on_exit {
-        // The socket family first (its guard thread stops), then every
-        // family's pins: the tc family and the plugins too.
-        if let Ok(dp) = Arc::try_unwrap(dp) {
-            dp.teardown()?;
-        }
+        // The last handle stops the guard thread; then every family's pins
+        // go (socket, tc, plugins), whether or not a handle is still held.
+        let last = Arc::try_unwrap(dp).is_ok();
         meshwarp_core::node::uninstall(&opts.dataplane.pin_root)?;
-        tracing::info!("data path detached and unpinned (--cleanup)");
+        tracing::info!(guard_stopped = last, "data path detached and unpinned (--cleanup)");
     }
     Ok(())
 }

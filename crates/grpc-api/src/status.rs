@@ -53,9 +53,12 @@ pub fn from_tc(e: &meshwarp_core::tc::TcError) -> Status {
         TcError::NotFound(_) => Status::not_found(msg),
         TcError::Full(_) => Status::resource_exhausted(msg),
         TcError::OwnerMismatch { .. } => Status::permission_denied(msg),
-        TcError::Netlink(_) | TcError::Bpf { .. } | TcError::Io { .. } | TcError::Partial { .. } | TcError::Sys(_) => {
-            Status::internal(msg)
-        }
+        TcError::Netlink(_)
+        | TcError::Bpf { .. }
+        | TcError::Load { .. }
+        | TcError::Io { .. }
+        | TcError::Partial { .. }
+        | TcError::Sys(_) => Status::internal(msg),
     }
 }
 

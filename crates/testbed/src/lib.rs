@@ -1,4 +1,4 @@
-//! Namespace topologies and traffic for tests, benches and the demo: one module
+//! Namespace topologies and traffic for tests, benches and the demo: one crate
 //! so all three exercise the same "node with pods" shape.
 //!
 //! Everything lives in network namespaces created here with unique names and
