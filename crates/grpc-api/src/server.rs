@@ -128,6 +128,10 @@ pub struct NodeServer {
     metrics: Arc<Metrics>,
     /// The plugin chains of both data paths, or why there are none.
     plugins: Result<Arc<PluginChain>, String>,
+    /// Orders plugin changes among themselves (load, unload, config), so
+    /// their events follow the order they were applied, without holding the
+    /// event log across a verifier run or an RCU grace period.
+    plugin_ops: Arc<Mutex<()>>,
 }
 
 type WatchStream = Pin<Box<dyn Stream<Item = Result<pb::WatchResponse, Status>> + Send>>;
@@ -174,7 +178,16 @@ impl NodeServer {
             e.to_string()
         });
         forward_incidents(&dp, &log, &metrics);
-        Self { dp, tc, log, cfg, draining: Arc::new(AtomicBool::new(false)), metrics, plugins }
+        Self {
+            dp,
+            tc,
+            log,
+            cfg,
+            draining: Arc::new(AtomicBool::new(false)),
+            metrics,
+            plugins,
+            plugin_ops: Arc::new(Mutex::new(())),
+        }
     }
 
     /// The node's plugin chains, if it has them.
@@ -193,10 +206,11 @@ impl NodeServer {
             return Err(invalid_field("object", "required: the plugin's BPF ELF object"));
         }
         let chain = self.plugin_chain()?;
-        let mut log = self.log.lock();
+        let _ops = self.plugin_ops.lock().unwrap_or_else(|p| p.into_inner());
         let replaced = r.replace && chain.get(&manifest.name).is_ok();
         let info = chain.load(&manifest, &r.object, &r.config, r.replace).map_err(|e| from_plugin(&e))?;
         let out = convert::plugin_to_pb(&info);
+        let mut log = self.log.lock();
         let ty = if replaced { EventType::Updated } else { EventType::Created };
         self.log.push(&mut log, ty, Resource::Plugin(out.clone()));
         Ok(pb::LoadPluginResponse { plugin: Some(out), replaced })
@@ -205,7 +219,7 @@ impl NodeServer {
     fn unload_plugin(&self, r: pb::UnloadPluginRequest) -> Result<pb::UnloadPluginResponse, Status> {
         self.serving()?;
         let chain = self.plugin_chain()?;
-        let mut log = self.log.lock();
+        let _ops = self.plugin_ops.lock().unwrap_or_else(|p| p.into_inner());
         let info = match chain.get(&r.name) {
             Ok(i) => i,
             Err(meshwarp_core::PluginError::NotFound { .. }) if r.allow_missing => {
@@ -214,6 +228,7 @@ impl NodeServer {
             Err(e) => return Err(from_plugin(&e)),
         };
         chain.unload(&r.name).map_err(|e| from_plugin(&e))?;
+        let mut log = self.log.lock();
         self.log.push(&mut log, EventType::Deleted, Resource::Plugin(convert::plugin_to_pb(&info)));
         Ok(pb::UnloadPluginResponse { unloaded: true })
     }
@@ -226,9 +241,10 @@ impl NodeServer {
     fn update_plugin_config(&self, r: pb::UpdatePluginConfigRequest) -> Result<pb::UpdatePluginConfigResponse, Status> {
         self.serving()?;
         let chain = self.plugin_chain()?;
-        let mut log = self.log.lock();
+        let _ops = self.plugin_ops.lock().unwrap_or_else(|p| p.into_inner());
         let info = chain.update_config(&r.name, &r.config).map_err(|e| from_plugin(&e))?;
         let out = convert::plugin_to_pb(&info);
+        let mut log = self.log.lock();
         self.log.push(&mut log, EventType::Updated, Resource::Plugin(out.clone()));
         Ok(pb::UpdatePluginConfigResponse { plugin: Some(out) })
     }
@@ -704,7 +720,7 @@ impl NodeServer {
         Ok(pb::BatchDeleteCaptureRulesResponse { revision: log.revision, deleted: n })
     }
 
-    fn stats(&self) -> Result<pb::GetStatsResponse, Status> {
+    fn stats(&self, _r: pb::GetStatsRequest) -> Result<pb::GetStatsResponse, Status> {
         let reg = self.dp.registry();
         let global = reg.global_stats().map_err(|e| from_registry(&e))?;
         let mut resp = pb::GetStatsResponse { global: Some(convert::global_to_pb(&global)), ..Default::default() };
@@ -760,7 +776,7 @@ impl NodeServer {
         Ok(Box::pin(tokio_stream::iter(replay).chain(live)))
     }
 
-    fn node_info(&self) -> Result<pb::GetNodeInfoResponse, Status> {
+    fn node_info(&self, _r: pb::GetNodeInfoRequest) -> Result<pb::GetNodeInfoResponse, Status> {
         let dp = &self.dp;
         let (used, capacity) = dp.registry().usage();
         let kernel_release =
@@ -809,12 +825,17 @@ impl NodeServer {
     }
 }
 
-/// Each RPC runs its synchronous body (map updates are syscalls of a few
-/// microseconds) and records its outcome.
+/// Each RPC runs its synchronous body on tokio's blocking pool (map updates
+/// are system calls, a plugin load runs the verifier and waits for an RCU
+/// grace period, a route looks interfaces up over netlink), never on an async
+/// worker, and records its outcome.
 macro_rules! rpc {
     ($self:ident, $name:literal, $req:ident, $body:ident) => {{
         let start = Instant::now();
-        let r = $self.$body($req.into_inner());
+        let (this, req) = ($self.clone(), $req.into_inner());
+        let r = tokio::task::spawn_blocking(move || this.$body(req))
+            .await
+            .unwrap_or_else(|e| Err(Status::internal(format!("{}: {e}", $name))));
         $self.observed($name, start, r)
     }};
 }
@@ -956,10 +977,8 @@ impl NodeService for NodeServer {
     ) -> Result<Response<pb::ListAttachmentsResponse>, Status> {
         rpc!(self, "ListAttachments", req, list_attachments)
     }
-    async fn get_stats(&self, _req: Request<pb::GetStatsRequest>) -> Result<Response<pb::GetStatsResponse>, Status> {
-        let start = Instant::now();
-        let r = self.stats();
-        self.observed("GetStats", start, r)
+    async fn get_stats(&self, req: Request<pb::GetStatsRequest>) -> Result<Response<pb::GetStatsResponse>, Status> {
+        rpc!(self, "GetStats", req, stats)
     }
 
     async fn load_plugin(
@@ -995,10 +1014,8 @@ impl NodeService for NodeServer {
 
     async fn get_node_info(
         &self,
-        _req: Request<pb::GetNodeInfoRequest>,
+        req: Request<pb::GetNodeInfoRequest>,
     ) -> Result<Response<pb::GetNodeInfoResponse>, Status> {
-        let start = Instant::now();
-        let r = self.node_info();
-        self.observed("GetNodeInfo", start, r)
+        rpc!(self, "GetNodeInfo", req, node_info)
     }
 }
