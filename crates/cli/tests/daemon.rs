@@ -310,13 +310,18 @@ fn every_rpc_happy_path() -> Result<()> {
     for want in [
         "meshwarp_endpoint_pairs 51",
         "meshwarp_rpc_requests_total{method=\"CreatePair\",code=\"Ok\"} 1",
-        "meshwarp_fallbacks{reason=\"map_full\"}",
-        "meshwarp_fallbacks{reason=\"reader\"}",
+        "meshwarp_fallbacks_total{reason=\"map_full\"}",
+        "meshwarp_fallbacks_total{reason=\"reader\"}",
         "meshwarp_rpc_duration_seconds_bucket",
         "meshwarp_kernel_feature{feature=\"splice_sees_redirected\"}",
         "meshwarp_kernel_feature{feature=\"blocked_read_eagain\"}",
         "meshwarp_reader_guard_enabled 1",
-        "meshwarp_splice_hits",
+        "meshwarp_splice_hits_total",
+        // Totals the kernel keeps are counters, not gauges.
+        "# TYPE meshwarp_redirected_messages counter",
+        "# TYPE meshwarp_fallbacks counter",
+        "# TYPE meshwarp_policy_transitions counter",
+        "# TYPE meshwarp_endpoint_pairs gauge",
     ] {
         ensure!(body.contains(want), "/metrics lacks {want:?}:\n{body}");
     }
@@ -380,7 +385,7 @@ fn a_splice_hit_is_a_watch_incident_and_a_metric() -> Result<()> {
         "names the rule and its owner: {i:?}"
     );
     let body = http_get(metrics, "/metrics")?;
-    ensure!(body.contains("meshwarp_splice_hits 1"), "{body}");
+    ensure!(body.contains("meshwarp_splice_hits_total 1"), "{body}");
     ensure!(body.contains("meshwarp_guard_incidents_total{kind=\"splice_hit\",reset=\"true\"} 1"), "{body}");
     Ok(())
 }
@@ -879,9 +884,9 @@ fn plugins_over_the_cli_change_real_traffic_and_refusals_change_nothing() -> Res
     ensure!(table.contains("on_connection") && table.contains("on_message"), "{table}");
     let body = http_get(metrics, "/metrics")?;
     for want in [
-        "meshwarp_plugin_runs{plugin=\"ports\",hook=\"on_connection\"} 4",
-        "meshwarp_plugin_verdicts{plugin=\"ports\",hook=\"on_connection\",verdict=\"decline\"} 2",
-        "meshwarp_plugin_runs{plugin=\"limit\",hook=\"on_message\"} 20",
+        "meshwarp_plugin_runs_total{plugin=\"ports\",hook=\"on_connection\"} 4",
+        "meshwarp_plugin_verdicts_total{plugin=\"ports\",hook=\"on_connection\",verdict=\"decline\"} 2",
+        "meshwarp_plugin_runs_total{plugin=\"limit\",hook=\"on_message\"} 20",
     ] {
         ensure!(body.contains(want), "/metrics lacks {want:?}:\n{body}");
     }

@@ -58,6 +58,13 @@ pub struct IncidentLabels {
     pub reset: String,
 }
 
+/// Sets a counter to a total the kernel keeps (per-CPU sums read at scrape
+/// time). It falls only when rules or plugins are removed, which Prometheus
+/// reads as a counter reset.
+fn set_total(c: &Counter, v: u64) {
+    c.inner().store(v, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// Every metric the node service exports.
 #[derive(Debug)]
 pub struct Metrics {
@@ -66,17 +73,17 @@ pub struct Metrics {
     latency: Family<MethodLabel, Histogram>,
     pairs: Gauge,
     captures: Gauge,
-    redirected_msgs: Gauge,
-    redirected_bytes: Gauge,
-    fallbacks: Family<ReasonLabel, Gauge>,
-    plugin_runs: Family<PluginLabels, Gauge>,
-    plugin_verdicts: Family<VerdictLabels, Gauge>,
+    redirected_msgs: Counter,
+    redirected_bytes: Counter,
+    fallbacks: Family<ReasonLabel, Counter>,
+    plugin_runs: Family<PluginLabels, Counter>,
+    plugin_verdicts: Family<VerdictLabels, Counter>,
     kernel: Family<FeatureLabel, Gauge>,
     reader_guard: Gauge,
-    splice_hits: Gauge,
+    splice_hits: Counter,
     incidents: Family<IncidentLabels, Counter>,
-    policy: Family<TransitionLabels, Gauge>,
-    policy_tcp_msgs: Gauge,
+    policy: Family<TransitionLabels, Counter>,
+    policy_tcp_msgs: Counter,
 }
 
 impl Default for Metrics {
@@ -93,8 +100,8 @@ impl Metrics {
             Histogram::new(exponential_buckets(0.000_01, 2.0, 18))
         });
         let (pairs, captures, redirected_msgs, redirected_bytes) =
-            (Gauge::default(), Gauge::default(), Gauge::default(), Gauge::default());
-        let fallbacks = Family::<ReasonLabel, Gauge>::default();
+            (Gauge::default(), Gauge::default(), Counter::default(), Counter::default());
+        let fallbacks = Family::<ReasonLabel, Counter>::default();
         registry.register("rpc_requests", "gRPC requests by method and status code", rpcs.clone());
         registry.register("rpc_duration_seconds", "gRPC request latency by method", latency.clone());
         registry.register("endpoint_pairs", "Registered endpoint pairs", pairs.clone());
@@ -110,8 +117,8 @@ impl Metrics {
             redirected_bytes.clone(),
         );
         registry.register("fallbacks", "Traffic left on the normal TCP path, by reason", fallbacks.clone());
-        let plugin_runs = Family::<PluginLabels, Gauge>::default();
-        let plugin_verdicts = Family::<VerdictLabels, Gauge>::default();
+        let plugin_runs = Family::<PluginLabels, Counter>::default();
+        let plugin_verdicts = Family::<VerdictLabels, Counter>::default();
         registry.register("plugin_runs", "Times each loaded plugin ran", plugin_runs.clone());
         registry.register(
             "plugin_verdicts",
@@ -119,7 +126,7 @@ impl Metrics {
             plugin_verdicts.clone(),
         );
         let kernel = Family::<FeatureLabel, Gauge>::default();
-        let (reader_guard, splice_hits) = (Gauge::default(), Gauge::default());
+        let (reader_guard, splice_hits) = (Gauge::default(), Counter::default());
         let incidents = Family::<IncidentLabels, Counter>::default();
         registry.register(
             "kernel_feature",
@@ -141,7 +148,7 @@ impl Metrics {
             "Reader guard incidents by kind and whether the connection was reset",
             incidents.clone(),
         );
-        let (policy, policy_tcp_msgs) = (Family::<TransitionLabels, Gauge>::default(), Gauge::default());
+        let (policy, policy_tcp_msgs) = (Family::<TransitionLabels, Counter>::default(), Counter::default());
         registry.register(
             "policy_transitions",
             "Adaptive policy: directions demoted to TCP or promoted back, ends unlinked from the SOCKMAP or relinked, by reason (all rules)",
@@ -191,7 +198,6 @@ impl Metrics {
     pub fn render(&self, dp: &Dataplane, plugins: Option<&PluginChain>) -> String {
         self.render_plugins(plugins);
         let reg = dp.registry();
-        let as_i64 = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
         let (mut msgs, mut bytes, mut hits) = (0u64, 0u64, 0u64);
         let (mut demoted, mut behind, mut promoted, mut tcp_msgs) = (0u64, 0u64, 0u64, 0u64);
         let (mut unlinked, mut relinked) = (0u64, 0u64);
@@ -241,9 +247,9 @@ impl Metrics {
         drop(reg);
         self.pairs.set(pairs.len() as i64);
         self.captures.set(captures.len() as i64);
-        self.redirected_msgs.set(as_i64(msgs));
-        self.redirected_bytes.set(as_i64(bytes));
-        self.splice_hits.set(as_i64(hits));
+        set_total(&self.redirected_msgs, msgs);
+        set_total(&self.redirected_bytes, bytes);
+        set_total(&self.splice_hits, hits);
         self.reader_guard.set(i64::from(dp.guard_enabled()));
         for f in dp.kernel().facts() {
             self.kernel.get_or_create(&FeatureLabel { feature: f.name.into() }).set(i64::from(f.value));
@@ -262,7 +268,7 @@ impl Metrics {
             ("mode_never", fb[10]),
             ("not_covered", not_covered),
         ] {
-            self.fallbacks.get_or_create(&ReasonLabel { reason: reason.into() }).set(as_i64(v));
+            set_total(&self.fallbacks.get_or_create(&ReasonLabel { reason: reason.into() }), v);
         }
         for (transition, reason, v) in [
             ("demotion", "coalesce", demoted),
@@ -272,9 +278,9 @@ impl Metrics {
             ("relink", "peer_sent", relinked),
         ] {
             let l = TransitionLabels { transition: transition.into(), reason: reason.into() };
-            self.policy.get_or_create(&l).set(as_i64(v));
+            set_total(&self.policy.get_or_create(&l), v);
         }
-        self.policy_tcp_msgs.set(as_i64(tcp_msgs));
+        set_total(&self.policy_tcp_msgs, tcp_msgs);
         self.encode()
     }
 
@@ -285,13 +291,13 @@ impl Metrics {
         let Some(list) = plugins.and_then(|p| p.list().ok()) else {
             return;
         };
-        let as_i64 = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
         for p in list {
             let (plugin, hook) = (p.manifest.name.clone(), p.manifest.hook.callback().to_string());
             let c = p.counters;
-            self.plugin_runs
-                .get_or_create(&PluginLabels { plugin: plugin.clone(), hook: hook.clone() })
-                .set(as_i64(c.runs));
+            set_total(
+                &self.plugin_runs.get_or_create(&PluginLabels { plugin: plugin.clone(), hook: hook.clone() }),
+                c.runs,
+            );
             for (verdict, v) in [
                 ("continue", c.continued),
                 (p.manifest.hook.verdict1(), c.verdict1),
@@ -300,7 +306,7 @@ impl Metrics {
                 ("missing", c.missing),
             ] {
                 let l = VerdictLabels { plugin: plugin.clone(), hook: hook.clone(), verdict: verdict.into() };
-                self.plugin_verdicts.get_or_create(&l).set(as_i64(v));
+                set_total(&self.plugin_verdicts.get_or_create(&l), v);
             }
         }
     }
