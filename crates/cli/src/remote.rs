@@ -4,6 +4,7 @@
 use std::net::{IpAddr, SocketAddr};
 
 use anyhow::{Context, Result};
+use comfy_table::{presets, CellAlignment, ContentArrangement, Table};
 use meshwarp_grpc_api::pb::node_service_client::NodeServiceClient;
 use meshwarp_grpc_api::pb::{self, watch_response::Resource};
 use serde::Serialize;
@@ -132,7 +133,24 @@ fn never_into(n: &RuleOptions) -> Vec<i32> {
         .collect()
 }
 
-fn counters_cols(c: Option<pb::RuleCounters>) -> String {
+/// A plain table: no borders, each column as wide as its widest cell (an
+/// IPv6 endpoint widens its column instead of shifting the row); the
+/// columns named in `right` (numbers) aligned right.
+fn table(header: &[&str], right: &[usize]) -> Table {
+    let mut t = Table::new();
+    t.load_style(presets::NOTHING).set_content_arrangement(ContentArrangement::Disabled).set_header(header.to_vec());
+    for &i in right {
+        if let Some(c) = t.column_mut(i) {
+            c.set_cell_alignment(CellAlignment::Right);
+        }
+    }
+    t
+}
+
+/// The header and cells of a rule's counters, as in `counters_cols`.
+const COUNTER_COLS: [&str; 4] = ["SOCKETS", "MSGS", "BYTES", "FALLBACKS"];
+
+fn counters_cols(c: Option<pb::RuleCounters>) -> [String; 4] {
     let c = c.unwrap_or_default();
     let fb = c.fallback_no_peer
         + c.fallback_tcp_path
@@ -143,7 +161,7 @@ fn counters_cols(c: Option<pb::RuleCounters>) -> String {
         + c.fallback_splice
         + c.fallback_rcvlowat
         + c.fallback_ulp;
-    format!("{:>8} {:>12} {:>14} {:>10}", c.sockets, c.redirected_msgs, c.redirected_bytes, fb)
+    [c.sockets, c.redirected_msgs, c.redirected_bytes, fb].map(|v| v.to_string())
 }
 
 pub struct Remote {
@@ -168,7 +186,7 @@ impl Remote {
         match self.out {
             Output::Table => table(),
             Output::Json => println!("{}", serde_json::to_string_pretty(msg)?),
-            Output::Yaml => print!("{}", serde_yaml::to_string(&serde_json::to_value(msg)?)?),
+            Output::Yaml => print!("{}", serde_norway::to_string(&serde_json::to_value(msg)?)?),
         }
         Ok(())
     }
@@ -212,18 +230,10 @@ impl Remote {
                 let r = self.c.get_pair(pb::GetPairRequest { key: Self::key(*client, *server) }).await?.into_inner();
                 self.emit(&r, || {
                     let p = r.pair.clone().unwrap_or_default();
-                    println!(
-                        "{:<20} {:<24} {:<16} {:<9} {:>8} {:>12} {:>14} {:>10}",
-                        "CLIENT", "SERVER", "OWNER", "MODE", "SOCKETS", "MSGS", "BYTES", "FALLBACKS"
-                    );
-                    println!(
-                        "{:<20} {:<24} {:<16} {:<9} {}",
-                        p.client_ip,
-                        show_ep(&p.server),
-                        p.owner,
-                        show_mode(p.mode),
-                        counters_cols(r.counters)
-                    );
+                    let mut t = table(&[&["CLIENT", "SERVER", "OWNER", "MODE"][..], &COUNTER_COLS].concat(), &[4, 5, 6, 7]);
+                    let row = [p.client_ip.clone(), show_ep(&p.server), p.owner.clone(), show_mode(p.mode).to_string()];
+                    t.add_row(row.into_iter().chain(counters_cols(r.counters)));
+                    println!("{t}");
                     let c = r.counters.unwrap_or_default();
                     println!(
                         "policy: demoted (coalesce) {}  demoted (reader behind) {}  promoted {}  messages on TCP {}  unlinked {}  relinked {}  \
@@ -241,11 +251,16 @@ impl Remote {
             PairCmd::Ls { owned_by } => {
                 let r = self.c.list_pairs(pb::ListPairsRequest { owner: owned_by.clone() }).await?.into_inner();
                 self.emit(&r, || {
-                    println!("{:<20} {:<24} {:<16} {:<9}", "CLIENT", "SERVER", "OWNER", "MODE");
+                    let mut t = table(&["CLIENT", "SERVER", "OWNER", "MODE"], &[]);
                     for p in &r.pairs {
-                        let mode = show_mode(p.mode);
-                        println!("{:<20} {:<24} {:<16} {mode:<9}", p.client_ip, show_ep(&p.server), p.owner);
+                        t.add_row([
+                            p.client_ip.clone(),
+                            show_ep(&p.server),
+                            p.owner.clone(),
+                            show_mode(p.mode).to_string(),
+                        ]);
                     }
+                    println!("{t}");
                     println!("({} pairs, revision {})", r.pairs.len(), r.revision);
                 })
             }
@@ -288,20 +303,18 @@ impl Remote {
                     .await?
                     .into_inner();
                 self.emit(&r, || {
-                    println!(
-                        "{:<20} {:<24} {:<24} {:<16} {:<9}",
-                        "CLIENT", "ORIGINAL DST", "LISTENER", "OWNER", "MODE"
-                    );
+                    let mut t = table(&["CLIENT", "ORIGINAL DST", "LISTENER", "OWNER", "MODE"], &[]);
                     for c in &r.rules {
                         let client = if c.client_ip.is_empty() { "*" } else { &c.client_ip };
-                        println!(
-                            "{client:<20} {:<24} {:<24} {:<16} {:<9}",
+                        t.add_row([
+                            client.to_string(),
                             show_ep(&c.original_dst),
                             show_ep(&c.listener),
-                            c.owner,
-                            show_mode(c.mode)
-                        );
+                            c.owner.clone(),
+                            show_mode(c.mode).to_string(),
+                        ]);
                     }
+                    println!("{t}");
                     println!("({} rules, revision {})", r.rules.len(), r.revision);
                 })
             }
@@ -367,10 +380,12 @@ impl Remote {
                     .await?
                     .into_inner();
                 self.emit(&r, || {
+                    let mut t = table(&["ROUTE", "OWNER", "STALE"], &[]);
                     for x in &r.routes {
-                        let tag = if x.stale { format!("  STALE: {}", x.stale_reason) } else { String::new() };
-                        println!("{:<60} {:<16}{tag}", show_route(x), x.owner);
+                        let stale = if x.stale { x.stale_reason.clone() } else { String::new() };
+                        t.add_row([show_route(x), x.owner.clone(), stale]);
                     }
+                    println!("{t}");
                     println!("({} routes, revision {})", r.routes.len(), r.revision);
                 })
             }
@@ -395,11 +410,12 @@ impl Remote {
     pub async fn attachments(&mut self) -> Result<()> {
         let r = self.c.list_attachments(pb::ListAttachmentsRequest {}).await?.into_inner();
         self.emit(&r, || {
-            println!("{:>8} {:<8} {:>12} {:>12}", "IFINDEX", "HOOK", "PACKETS", "MISSES");
+            let mut t = table(&["IFINDEX", "HOOK", "PACKETS", "MISSES"], &[0, 2, 3]);
             for a in &r.attachments {
                 let d = if a.direction == pb::Direction::Egress as i32 { "egress" } else { "ingress" };
-                println!("{:>8} {d:<8} {:>12} {:>12}", a.ifindex, a.packets, a.misses);
+                t.add_row([a.ifindex.to_string(), d.to_string(), a.packets.to_string(), a.misses.to_string()]);
             }
+            println!("{t}");
         })
     }
 
@@ -412,17 +428,18 @@ impl Remote {
                  stale slots {}",
                 g.established, g.not_covered, g.no_state, g.no_link, g.no_slot, g.slots_stale
             );
-            println!("{:<48} {:>8} {:>12} {:>14} {:>10}", "RULE", "SOCKETS", "MSGS", "BYTES", "FALLBACKS");
+            let mut t = table(&[&["RULE"][..], &COUNTER_COLS].concat(), &[1, 2, 3, 4]);
             for p in &r.pairs {
                 let pair = p.pair.clone().unwrap_or_default();
                 let name = format!("pair {} -> {}", pair.client_ip, show_ep(&pair.server));
-                println!("{name:<48} {}", counters_cols(p.counters));
+                t.add_row(std::iter::once(name).chain(counters_cols(p.counters)));
             }
             for c in &r.capture_rules {
                 let rule = c.rule.clone().unwrap_or_default();
                 let name = format!("capture -> {} at {}", show_ep(&rule.original_dst), show_ep(&rule.listener));
-                println!("{name:<48} {}", counters_cols(c.counters));
+                t.add_row(std::iter::once(name).chain(counters_cols(c.counters)));
             }
+            println!("{t}");
             let rules = r.pairs.iter().map(|p| p.counters).chain(r.capture_rules.iter().map(|c| c.counters));
             let t = rules.flatten().fold(pb::RuleCounters::default(), |mut a, c| {
                 a.fallback_no_peer += c.fallback_no_peer;
@@ -559,9 +576,9 @@ impl Remote {
             PluginCmd::Ls => {
                 let r = self.c.list_plugins(pb::ListPluginsRequest {}).await?.into_inner();
                 self.emit(&r, || {
-                    println!(
-                        "{:<14} {:<20} {:>3} {:<6} {:>5} {:>6} {:>10} {:>10} {:>10} {:>8}",
-                        "HOOK", "NAME", "POS", "PHASE", "PRIO", "PROG", "RUNS", "CONTINUE", "VERDICT1", "DROP"
+                    let mut t = table(
+                        &["HOOK", "NAME", "POS", "PHASE", "PRIO", "PROG", "RUNS", "CONTINUE", "VERDICT1", "DROP"],
+                        &[2, 4, 5, 6, 7, 8, 9],
                     );
                     for p in &r.plugins {
                         let m = p.manifest.clone().unwrap_or_default();
@@ -569,20 +586,20 @@ impl Remote {
                         let phase = pb::PluginPhase::try_from(m.phase)
                             .map(|x| x.as_str_name().trim_start_matches("PLUGIN_PHASE_").to_lowercase())
                             .unwrap_or_default();
-                        println!(
-                            "{:<14} {:<20} {:>3} {:<6} {:>5} {:>6} {:>10} {:>10} {:>10} {:>8}",
-                            hook_name(m.hook),
+                        t.add_row([
+                            hook_name(m.hook).to_string(),
                             m.name,
-                            p.position,
+                            p.position.to_string(),
                             phase,
-                            m.priority,
-                            p.prog_id,
-                            c.runs,
-                            c.continued,
-                            c.declined + c.bypassed + c.passed,
-                            c.dropped
-                        );
+                            m.priority.to_string(),
+                            p.prog_id.to_string(),
+                            c.runs.to_string(),
+                            c.continued.to_string(),
+                            (c.declined + c.bypassed + c.passed).to_string(),
+                            c.dropped.to_string(),
+                        ]);
                     }
+                    println!("{t}");
                 })
             }
             PluginCmd::Examples { .. } => anyhow::bail!("`plugin examples` runs locally, not against a node"),
@@ -664,6 +681,24 @@ fn config_bytes(c: &ConfigArg) -> Result<Vec<u8>> {
 
 #[cfg(test)]
 mod tests {
+    /// Columns stay aligned whatever the width of a cell: an IPv6 endpoint
+    /// widens its column, the next column starts at the same place in every
+    /// row.
+    #[test]
+    fn tables_align_long_ipv6_endpoints() {
+        let mut t = table(&["CLIENT", "SERVER", "OWNER", "MSGS"], &[3]);
+        t.add_row(["10.0.0.1", "10.0.0.2:80", "a", "1"]);
+        t.add_row(["2001:db8:ffff:ffff:ffff:ffff:ffff:1", "[2001:db8:ffff:ffff:ffff:ffff:ffff:2]:65535", "b", "12345"]);
+        let text = t.to_string();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 3, "{text}");
+        let owner_at: Vec<usize> =
+            lines.iter().zip([" OWNER ", " a ", " b "]).map(|(l, cell)| l.find(cell).unwrap()).collect();
+        assert!(owner_at.iter().all(|&c| c == owner_at[0]), "{text}");
+        let ends: Vec<usize> = lines.iter().map(|l| l.trim_end().len()).collect();
+        assert!(ends.iter().all(|&e| e == ends[0]), "numbers aligned right:\n{text}");
+    }
+
     use super::*;
 
     #[test]
