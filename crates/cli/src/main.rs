@@ -19,7 +19,15 @@ use meshwarp_core::dataplane::DEFAULT_PIN_ROOT;
 #[derive(Debug, Parser)]
 #[command(name = "meshwarp", version, about = "Shorten service-mesh traffic paths in the kernel with eBPF")]
 pub struct Cli {
-    /// Node service address: a Unix socket path or http://127.0.0.1:PORT.
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+/// How to reach a node and show its answers: the flags of every command that
+/// talks to a node (given anywhere after that command's name).
+#[derive(Debug, Clone, clap::Args)]
+pub struct RemoteArgs {
+    /// Node service address: a Unix socket path or http(s)://HOST:PORT.
     #[arg(long, global = true, env = "MESHWARP_ADDR", default_value = meshwarp_grpc_api::client::DEFAULT_SOCKET)]
     addr: String,
     /// CA (PEM) of the node's certificate, for https:// addresses.
@@ -40,94 +48,152 @@ pub struct Cli {
     /// Same as `-o json`.
     #[arg(short = 'j', long = "json", global = true)]
     json: bool,
-    /// bpffs directory of meshwarp's pins (serve, uninstall, doctor) [default: /sys/fs/bpf/meshwarp].
-    #[arg(long, global = true, env = "MESHWARP_PIN_ROOT")]
-    pin_root: Option<PathBuf>,
-    /// Log filter (tracing EnvFilter syntax).
-    #[arg(long, global = true, env = "MESHWARP_LOG", default_value = "info")]
-    log: String,
-    #[command(subcommand)]
-    cmd: Cmd,
 }
 
-impl Cli {
+/// A command that talks to a node, with its subcommands.
+#[derive(Debug, clap::Args)]
+pub struct Remote<C: Subcommand> {
+    #[command(flatten)]
+    remote: RemoteArgs,
+    #[command(subcommand)]
+    cmd: C,
+}
+
+/// Where meshwarp's pins live: the flag of every command that works on this
+/// node's pins.
+#[derive(Debug, Clone, clap::Args)]
+pub struct PinArgs {
+    /// bpffs directory of meshwarp's pins [default: /sys/fs/bpf/meshwarp].
+    #[arg(long, env = "MESHWARP_PIN_ROOT")]
+    pin_root: Option<PathBuf>,
+}
+
+impl PinArgs {
     /// `--pin-root`, or the default.
     fn pin_root(&self) -> PathBuf {
         self.pin_root.clone().unwrap_or_else(|| PathBuf::from(DEFAULT_PIN_ROOT))
     }
 }
 
+/// The log filter of a command that runs the data path itself.
+#[derive(Debug, Clone, clap::Args)]
+pub struct LogArgs {
+    /// Log filter (tracing EnvFilter syntax).
+    #[arg(long, env = "MESHWARP_LOG", default_value = "info")]
+    log: String,
+}
+
 #[derive(Debug, Subcommand)]
 enum Cmd {
     /// Run the node service: load or adopt the data path, serve gRPC.
-    Serve(Box<config::ServeArgs>),
+    Serve {
+        #[command(flatten)]
+        pins: PinArgs,
+        #[command(flatten)]
+        log: LogArgs,
+        #[command(flatten)]
+        args: Box<config::ServeArgs>,
+    },
     /// Mirror-pairing rules: connections CLIENT_IP -> SERVER_IP:PORT.
-    #[command(subcommand)]
-    Pair(PairCmd),
+    Pair(Remote<PairCmd>),
     /// Capture-pairing rules: connections iptables captured to a proxy.
-    #[command(subcommand)]
-    Capture(CaptureCmd),
+    Capture(Remote<CaptureCmd>),
     /// Interface routes (tc redirection across interfaces).
-    #[command(subcommand)]
-    Route(RouteCmd),
+    Route(Remote<RouteCmd>),
     /// Attach meshwarp's tc program to an interface.
     Attach {
+        #[command(flatten)]
+        remote: RemoteArgs,
+        /// Interface name, in the node's network namespace.
         iface: String,
+        /// The egress hook (default: ingress).
         #[arg(long)]
         egress: bool,
     },
     /// Detach it.
     Detach {
+        #[command(flatten)]
+        remote: RemoteArgs,
+        /// Interface name, in the node's network namespace.
         iface: String,
+        /// The egress hook (default: ingress).
         #[arg(long)]
         egress: bool,
+        /// Succeed when it is not attached.
         #[arg(long)]
         allow_missing: bool,
     },
     /// Interfaces the tc program is attached to, with packets and misses.
-    Attachments,
+    Attachments {
+        #[command(flatten)]
+        remote: RemoteArgs,
+    },
     /// Plugins: verified eBPF programs in the data path's hook chains.
-    #[command(subcommand)]
-    Plugin(PluginCmd),
+    Plugin(Remote<PluginCmd>),
     /// Counters: node-wide and per rule.
-    Stats,
+    Stats {
+        #[command(flatten)]
+        remote: RemoteArgs,
+    },
     /// Stream changes as they happen.
     Watch {
+        #[command(flatten)]
+        remote: RemoteArgs,
         /// Resume after this revision (with --instance).
         #[arg(long, default_value_t = 0)]
         after: u64,
+        /// The node instance the revision belongs to (from `node info` or an
+        /// earlier watch); another instance answers OUT_OF_RANGE.
         #[arg(long, default_value = "")]
         instance: String,
     },
     /// About the node.
-    #[command(subcommand)]
-    Node(NodeCmd),
+    Node(Remote<NodeCmd>),
     /// Check what this machine offers meshwarp and how to fix what is missing.
-    Doctor,
+    Doctor {
+        #[command(flatten)]
+        pins: PinArgs,
+    },
     /// Detach and unpin everything meshwarp pinned under --pin-root.
-    Uninstall,
+    Uninstall {
+        #[command(flatten)]
+        pins: PinArgs,
+    },
     /// Two pods in namespaces: the same ping-pong without and with a registered pair.
-    Demo(demo::DemoArgs),
+    Demo {
+        #[command(flatten)]
+        log: LogArgs,
+        #[command(flatten)]
+        args: demo::DemoArgs,
+    },
     /// Benchmarks that need the whole node (criterion benches are in benches/).
     #[command(subcommand)]
     Bench(BenchCmd),
     /// Print shell completions.
-    Completions { shell: clap_complete::Shell },
+    Completions {
+        /// The shell to print them for.
+        shell: clap_complete::Shell,
+    },
 }
 
 #[derive(Debug, Subcommand)]
 pub enum PairCmd {
     /// Create a pair (fails if it exists).
     Add {
+        /// Client IP of the connections (the end that connects).
         client: IpAddr,
+        /// Server IP:PORT they connect to ([IPv6]:PORT for IPv6).
         server: SocketAddr,
         #[command(flatten)]
         opts: RuleOptions,
     },
     /// Update a pair; with --allow-missing create it if absent.
     Update {
+        /// Client IP of the connections (the end that connects).
         client: IpAddr,
+        /// Server IP:PORT they connect to ([IPv6]:PORT for IPv6).
         server: SocketAddr,
+        /// Create it when absent instead of failing.
         #[arg(long)]
         allow_missing: bool,
         #[command(flatten)]
@@ -135,13 +201,21 @@ pub enum PairCmd {
     },
     /// Delete a pair.
     Rm {
+        /// Client IP of the connections (the end that connects).
         client: IpAddr,
+        /// Server IP:PORT they connect to ([IPv6]:PORT for IPv6).
         server: SocketAddr,
+        /// Succeed when it does not exist.
         #[arg(long)]
         allow_missing: bool,
     },
     /// Show a pair and its counters.
-    Get { client: IpAddr, server: SocketAddr },
+    Get {
+        /// Client IP of the connections (the end that connects).
+        client: IpAddr,
+        /// Server IP:PORT they connect to ([IPv6]:PORT for IPv6).
+        server: SocketAddr,
+    },
     /// List pairs.
     Ls {
         /// Only pairs of this owner.
@@ -202,15 +276,19 @@ pub enum CaptureCmd {
     },
     /// Delete the capture rule of (client, dst).
     Rm {
+        /// Original destination of the rule.
         #[arg(long)]
         dst: SocketAddr,
+        /// The rule's client (default: the rule for any client).
         #[arg(long)]
         client: Option<IpAddr>,
+        /// Succeed when it does not exist.
         #[arg(long)]
         allow_missing: bool,
     },
     /// List capture rules.
     Ls {
+        /// Only rules of this owner.
         #[arg(long, default_value = "")]
         owned_by: String,
     },
@@ -266,12 +344,15 @@ pub enum PluginCmd {
     Load {
         /// The BPF ELF object.
         object: PathBuf,
+        /// The plugin's name, unique on the node.
         #[arg(long)]
         name: String,
+        /// The hook whose chain it joins.
         #[arg(long, value_enum)]
         hook: HookArg,
         #[arg(long, default_value = "")]
         version: String,
+        /// Where in the chain it runs (with --priority within the phase).
         #[arg(long, value_enum)]
         phase: Option<PhaseArg>,
         /// Within a phase, higher runs first.
@@ -291,7 +372,9 @@ pub enum PluginCmd {
     },
     /// Take a plugin out of its chain and unload it.
     Unload {
+        /// The plugin's name.
         name: String,
+        /// Succeed when it is not loaded.
         #[arg(long)]
         allow_missing: bool,
     },
@@ -299,9 +382,13 @@ pub enum PluginCmd {
     Ls,
     /// Write the example plugin objects (port_allow, byte_sampler,
     /// rate_limit) into a directory, ready for `plugin load`.
-    Examples { dir: PathBuf },
+    Examples {
+        /// Directory to write them into (created if absent).
+        dir: PathBuf,
+    },
     /// Give a plugin new configuration bytes.
     Config {
+        /// The plugin's name.
         name: String,
         #[command(flatten)]
         config: ConfigArg,
@@ -332,6 +419,7 @@ pub enum RouteCmd {
         /// Rewrite the source MAC (with --dmac).
         #[arg(long, requires = "dmac")]
         smac: Option<String>,
+        /// Rewrite the destination MAC (with --smac).
         #[arg(long, requires = "smac")]
         dmac: Option<String>,
         /// Upsert instead of create.
@@ -342,6 +430,7 @@ pub enum RouteCmd {
     Rm {
         #[command(flatten)]
         at: RouteAt,
+        /// Succeed when it does not exist.
         #[arg(long)]
         allow_missing: bool,
     },
@@ -382,11 +471,7 @@ fn init_logs(filter: &str, json: bool) {
 }
 
 fn main() -> ExitCode {
-    let mut cli = Cli::parse();
-    if cli.json {
-        cli.output = remote::Output::Json;
-    }
-    match run(cli) {
+    match run(Cli::parse()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {}", remote::describe(&e));
@@ -397,9 +482,9 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> Result<()> {
     match &cli.cmd {
-        Cmd::Serve(args) => {
-            let (opts, fmt) = config::resolve(args, cli.pin_root.as_deref())?;
-            init_logs(&cli.log, fmt == config::LogFormat::Json);
+        Cmd::Serve { pins, log, args } => {
+            let (opts, fmt) = config::resolve(args, pins.pin_root.as_deref())?;
+            init_logs(&log.log, fmt == config::LogFormat::Json);
             let rt = tokio::runtime::Runtime::new()?;
             rt.block_on(async move {
                 use tokio::signal::unix::{signal, SignalKind};
@@ -418,41 +503,41 @@ fn run(cli: Cli) -> Result<()> {
             })?;
             Ok(())
         }
-        Cmd::Doctor => {
+        Cmd::Doctor { pins } => {
             init_logs("warn", false);
-            doctor::run(&cli.pin_root())
+            doctor::run(&pins.pin_root())
         }
-        Cmd::Uninstall => {
-            meshwarp_core::node::uninstall(&cli.pin_root())?;
-            println!("removed meshwarp's pins under {}", cli.pin_root().display());
+        Cmd::Uninstall { pins } => {
+            meshwarp_core::node::uninstall(&pins.pin_root())?;
+            println!("removed meshwarp's pins under {}", pins.pin_root().display());
             Ok(())
         }
-        Cmd::Demo(args) => {
-            init_logs(&cli.log, false);
+        Cmd::Demo { log, args } => {
+            init_logs(&log.log, false);
             demo::run(args)
         }
         Cmd::Bench(BenchCmd::Mesh(args)) => {
             init_logs("warn", false);
             mesh::run(args)
         }
-        Cmd::Plugin(PluginCmd::Examples { dir }) => write_example_plugins(dir),
+        Cmd::Plugin(Remote { cmd: PluginCmd::Examples { dir }, .. }) => write_example_plugins(dir),
         Cmd::Completions { shell } => {
             clap_complete::generate(*shell, &mut Cli::command(), "meshwarp", &mut std::io::stdout());
             Ok(())
         }
-        Cmd::Pair(_)
-        | Cmd::Capture(_)
-        | Cmd::Route(_)
-        | Cmd::Attach { .. }
-        | Cmd::Detach { .. }
-        | Cmd::Attachments
-        | Cmd::Plugin(_)
-        | Cmd::Stats
-        | Cmd::Watch { .. }
-        | Cmd::Node(_) => {
+        Cmd::Pair(Remote { remote, .. })
+        | Cmd::Capture(Remote { remote, .. })
+        | Cmd::Route(Remote { remote, .. })
+        | Cmd::Attach { remote, .. }
+        | Cmd::Detach { remote, .. }
+        | Cmd::Attachments { remote }
+        | Cmd::Plugin(Remote { remote, .. })
+        | Cmd::Stats { remote }
+        | Cmd::Watch { remote, .. }
+        | Cmd::Node(Remote { remote, .. }) => {
             init_logs("warn", false);
             let rt = tokio::runtime::Runtime::new()?;
-            rt.block_on(remote_cmd(&cli))
+            rt.block_on(remote_cmd(remote, &cli.cmd))
         }
     }
 }
@@ -472,8 +557,8 @@ fn write_example_plugins(dir: &std::path::Path) -> Result<()> {
     Ok(())
 }
 
-async fn remote_cmd(cli: &Cli) -> Result<()> {
-    let tls = match (&cli.tls_ca, &cli.tls_cert, &cli.tls_key) {
+async fn remote_cmd(args: &RemoteArgs, cmd: &Cmd) -> Result<()> {
+    let tls = match (&args.tls_ca, &args.tls_cert, &args.tls_key) {
         (Some(ca), Some(cert), Some(key)) => Some(meshwarp_grpc_api::client::ClientTls {
             ca: std::fs::read(ca)?,
             cert: std::fs::read(cert)?,
@@ -482,18 +567,60 @@ async fn remote_cmd(cli: &Cli) -> Result<()> {
         }),
         _ => None,
     };
-    let mut c = remote::Remote::connect(&cli.addr, tls.as_ref(), &cli.owner, cli.output).await?;
-    match &cli.cmd {
-        Cmd::Pair(p) => c.pair(p).await,
-        Cmd::Capture(p) => c.capture(p).await,
-        Cmd::Route(r) => c.route(r).await,
-        Cmd::Attach { iface, egress } => c.attach(iface, *egress).await,
-        Cmd::Detach { iface, egress, allow_missing } => c.detach(iface, *egress, *allow_missing).await,
-        Cmd::Attachments => c.attachments().await,
-        Cmd::Plugin(p) => c.plugin(p).await,
-        Cmd::Stats => c.stats().await,
-        Cmd::Watch { after, instance } => c.watch(*after, instance).await,
-        Cmd::Node(NodeCmd::Info) => c.node_info().await,
+    let output = if args.json { remote::Output::Json } else { args.output };
+    let mut c = remote::Remote::connect(&args.addr, tls.as_ref(), &args.owner, output).await?;
+    match cmd {
+        Cmd::Pair(p) => c.pair(&p.cmd).await,
+        Cmd::Capture(p) => c.capture(&p.cmd).await,
+        Cmd::Route(r) => c.route(&r.cmd).await,
+        Cmd::Attach { iface, egress, .. } => c.attach(iface, *egress).await,
+        Cmd::Detach { iface, egress, allow_missing, .. } => c.detach(iface, *egress, *allow_missing).await,
+        Cmd::Attachments { .. } => c.attachments().await,
+        Cmd::Plugin(p) => c.plugin(&p.cmd).await,
+        Cmd::Stats { .. } => c.stats().await,
+        Cmd::Watch { after, instance, .. } => c.watch(*after, instance).await,
+        Cmd::Node(Remote { cmd: NodeCmd::Info, .. }) => c.node_info().await,
         _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod cli_tests {
+    use super::*;
+
+    /// Every argument of every command says what it is, and a command shows
+    /// only the flags that apply to it.
+    #[test]
+    fn every_argument_has_help_and_only_its_own_flags() {
+        fn walk(cmd: &clap::Command, path: &str, missing: &mut Vec<String>, flags: &mut Vec<(String, Vec<String>)>) {
+            let mut longs = Vec::new();
+            for a in cmd.get_arguments() {
+                let id = a.get_id().as_str();
+                if id == "help" || id == "version" {
+                    continue;
+                }
+                if a.get_help().is_none() && a.get_long_help().is_none() {
+                    missing.push(format!("{path} {id}"));
+                }
+                longs.extend(a.get_long().map(String::from));
+            }
+            flags.push((path.to_string(), longs));
+            for sub in cmd.get_subcommands() {
+                walk(sub, &format!("{path} {}", sub.get_name()), missing, flags);
+            }
+        }
+        let mut cmd = Cli::command();
+        cmd.build();
+        let (mut missing, mut flags) = (Vec::new(), Vec::new());
+        walk(&cmd, "meshwarp", &mut missing, &mut flags);
+        assert!(missing.is_empty(), "arguments without help: {missing:?}");
+        let has = |path: &str, flag: &str| flags.iter().any(|(p, f)| p == path && f.iter().any(|x| x == flag));
+        assert!(
+            has("meshwarp pair rm", "addr") && !has("meshwarp pair rm", "pin-root") && !has("meshwarp pair rm", "log")
+        );
+        assert!(
+            has("meshwarp serve", "pin-root") && !has("meshwarp serve", "owner") && !has("meshwarp serve", "output")
+        );
+        assert!(!has("meshwarp serve", "tls-client-cert") && !has("meshwarp doctor", "addr"));
     }
 }

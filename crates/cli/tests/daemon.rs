@@ -511,12 +511,12 @@ fn cli_reports_server_errors_and_formats_output() -> Result<()> {
     ensure!(String::from_utf8_lossy(&dup.stderr).contains("AlreadyExists"), "{}", String::from_utf8_lossy(&dup.stderr));
     let bad = env.cli(&["pair", "add", "198.18.0.2", "198.18.0.3:0"]);
     ensure!(!bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("pair.server.port"));
-    let json = env.cli(&["-j", "pair", "ls"]);
+    let json = env.cli(&["pair", "ls", "-j"]);
     let v: serde_json::Value = serde_json::from_slice(&json.stdout).context("JSON output")?;
     ensure!(v["pairs"][0]["clientIp"] == "198.18.0.2", "proto JSON mapping (camelCase): {v}");
-    let yaml = env.cli(&["-o", "yaml", "pair", "ls"]);
+    let yaml = env.cli(&["pair", "-o", "yaml", "ls"]);
     ensure!(String::from_utf8_lossy(&yaml.stdout).contains("clientIp: 198.18.0.2"));
-    let rm = env.cli(&["--owner", "intruder", "pair", "rm", "198.18.0.2", "198.18.0.3:80"]);
+    let rm = env.cli(&["pair", "rm", "198.18.0.2", "198.18.0.3:80", "--owner", "intruder"]);
     ensure!(!rm.status.success() && String::from_utf8_lossy(&rm.stderr).contains("PermissionDenied"));
     let rm = env.cli(&["pair", "rm", "198.18.0.2", "198.18.0.3:80"]);
     ensure!(rm.status.success());
@@ -714,9 +714,9 @@ fn tcp_requires_mtls_and_accepts_only_trusted_clients() -> Result<()> {
     let url = format!("https://127.0.0.1:{}", addr.port());
     let cli = |cert: &str, key: &str| {
         Command::new(BIN)
+            .args(["node", "info"])
             .args(["--addr", &url, "--tls-ca", &pki.path("ca.pem")])
             .args(["--tls-client-cert", &pki.path(cert), "--tls-client-key", &pki.path(key)])
-            .args(["node", "info"])
             .output()
             .unwrap()
     };
@@ -725,7 +725,7 @@ fn tcp_requires_mtls_and_accepts_only_trusted_clients() -> Result<()> {
     let rogue = cli("rogue.pem", "rogue.key");
     ensure!(!rogue.status.success(), "a client certificate of another CA is refused");
     let plain =
-        Command::new(BIN).args(["--addr", &format!("http://127.0.0.1:{}", addr.port()), "node", "info"]).output()?;
+        Command::new(BIN).args(["node", "info", "--addr", &format!("http://127.0.0.1:{}", addr.port())]).output()?;
     ensure!(!plain.status.success(), "plaintext is refused on the mTLS port");
     Ok(())
 }
@@ -758,7 +758,7 @@ fn interface_routes_over_the_api_and_stale_events() -> Result<()> {
     let c = net.a.pods[0].ns.connect(server)?;
     let s = meshwarp_testbed::accept_timeout(&l, Duration::from_secs(5))?;
     meshwarp_testbed::exchange(c, s, 77, 256 * 1024, Duration::from_secs(30))?;
-    let got = ok(&["-j", "route", "get", "--attach", "vpod0", "--dst", dst])?;
+    let got = ok(&["route", "get", "-j", "--attach", "vpod0", "--dst", dst])?;
     let v: serde_json::Value = serde_json::from_str(&got)?;
     let packets: u64 = v["counters"]["packets"].as_str().unwrap_or("0").parse()?;
     ensure!(packets > 0, "route counted no packets: {got}");
@@ -775,7 +775,7 @@ fn interface_routes_over_the_api_and_stale_events() -> Result<()> {
     bad(&["route", "add", "--attach", "vxlan0", "--dst", "198.18.1.2/32", "--redirect-peer", "vxlan0"], "not one")?;
     bad(&["route", "add", "--attach", "vpod0", "--dst", "198.18.2.0/33", "--redirect", "vxlan0"], "route.dst.length")?;
     bad(&["route", "add", "--attach", "vpod0", "--dst", dst, "--redirect", "vxlan0"], "AlreadyExists")?;
-    bad(&["--owner", "intruder", "route", "rm", "--attach", "vpod0", "--dst", dst], "PermissionDenied")?;
+    bad(&["route", "--owner", "intruder", "rm", "--attach", "vpod0", "--dst", dst], "PermissionDenied")?;
     rt().block_on(async {
         let mut c = env.client().await;
         let mut route = pb::InterfaceRoute {
@@ -871,7 +871,7 @@ fn plugins_over_the_cli_change_real_traffic_and_refusals_change_nothing() -> Res
         drop(c);
         echo.join().unwrap()?;
     }
-    let v: serde_json::Value = serde_json::from_str(&ok(&["-j", "plugin", "ls"])?)?;
+    let v: serde_json::Value = serde_json::from_str(&ok(&["plugin", "ls", "-j"])?)?;
     let by_name =
         |n: &str| v["plugins"].as_array().unwrap().iter().find(|p| p["manifest"]["name"] == n).cloned().unwrap();
     let counter = |p: &serde_json::Value, c: &str| p["counters"][c].as_str().unwrap_or("0").parse::<u64>().unwrap();
@@ -892,7 +892,7 @@ fn plugins_over_the_cli_change_real_traffic_and_refusals_change_nothing() -> Res
     }
 
     // Refusals: clear codes, and the chains stay as they were.
-    let before = ok(&["-j", "plugin", "ls"])?;
+    let before = ok(&["plugin", "ls", "-j"])?;
     bad(
         &["plugin", "load", &rejected, "--name", "bad", "--hook", "message"],
         &["InvalidArgument", "verifier", "unbounded memory access"],
@@ -905,7 +905,7 @@ fn plugins_over_the_cli_change_real_traffic_and_refusals_change_nothing() -> Res
     bad(&["plugin", "load", &ports, "--name", "x", "--hook", "connection", "--sha256", &zeros], &["manifest.sha256"])?;
     bad(&["plugin", "unload", "nosuch"], &["NotFound"])?;
     bad(&["plugin", "config", "nosuch", "--config-hex", "00"], &["NotFound"])?;
-    let after = ok(&["-j", "plugin", "ls"])?;
+    let after = ok(&["plugin", "ls", "-j"])?;
     let strip = |s: &str| -> Result<Vec<(serde_json::Value, serde_json::Value)>> {
         let v: serde_json::Value = serde_json::from_str(s)?;
         Ok(v["plugins"].as_array().unwrap().iter().map(|p| (p["manifest"].clone(), p["progId"].clone())).collect())
