@@ -119,31 +119,27 @@ pub fn ip_from_raw(raw: RawAddr, family: u32) -> Option<IpAddr> {
     }
 }
 
-/// Plain-old-data structs that are copied to and from map memory byte for byte.
-///
-/// # Safety
-/// Implementors are `#[repr(C)]`, have no padding and accept every bit pattern.
-pub unsafe trait Pod: Copy + Default + 'static {
+/// Plain-old-data structs that are copied to and from map memory byte for
+/// byte: `bytemuck::Pod` (derived, so `#[repr(C)]`, no padding and every
+/// bit pattern valid are checked at compile time) with a default value.
+pub trait Pod: bytemuck::Pod + Default {
     /// The struct's bytes.
     fn as_bytes(&self) -> &[u8] {
-        // SAFETY: Pod types are repr(C) without padding.
-        unsafe { std::slice::from_raw_parts((self as *const Self).cast::<u8>(), size_of::<Self>()) }
+        bytemuck::bytes_of(self)
     }
 
     /// Reads a value from map bytes; `None` if the length differs.
     fn from_bytes(bytes: &[u8]) -> Option<Self> {
-        if bytes.len() != size_of::<Self>() {
-            return None;
-        }
-        // SAFETY: length checked; every bit pattern is valid for Pod types.
-        Some(unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast::<Self>()) })
+        bytemuck::try_pod_read_unaligned(bytes).ok()
     }
 }
+
+impl<T: bytemuck::Pod + Default> Pod for T {}
 
 /// `struct mw_slot`: which link owns a pair of SOCKMAP entries
 /// (`2 * slot + end`).
 #[repr(C)]
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct Slot {
     /// The owning link's id; 0: free.
     pub owner: u64,
@@ -159,7 +155,7 @@ pub fn sockmap_index(slot: u32, end: u32) -> u32 {
 
 /// `struct mw_pair_key`: a mirror-pairing rule.
 #[repr(C)]
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct PairKey {
     pub client_ip: RawAddr,
     pub server_ip: RawAddr,
@@ -169,7 +165,7 @@ pub struct PairKey {
 
 /// `struct mw_capture_key`: a capture-pairing rule (client all-zero: any).
 #[repr(C)]
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct CaptureKey {
     pub client_ip: RawAddr,
     pub dst_ip: RawAddr,
@@ -179,7 +175,7 @@ pub struct CaptureKey {
 
 /// `struct mw_rule`: value of both rule maps.
 #[repr(C)]
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct Rule {
     pub id: u32,
     pub listener_port: u32,
@@ -190,7 +186,7 @@ pub struct Rule {
 
 /// `struct mw_exe_key`: an executable by device (kernel encoding) and inode.
 #[repr(C)]
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct ExeKey {
     pub dev: u64,
     pub ino: u64,
@@ -198,7 +194,7 @@ pub struct ExeKey {
 
 /// `struct mw_link`: a connection both of whose ends are accelerated.
 #[repr(C)]
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct Link {
     pub family: u32,
     pub kind: u32,
@@ -223,7 +219,7 @@ pub struct Link {
 
 /// `struct mw_dir`: one direction of a link (the adaptive policy), by sending end.
 #[repr(C)]
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct Dir {
     pub flags: u32,
     pub run: u32,
@@ -235,7 +231,7 @@ pub struct Dir {
 
 /// `struct mw_park_req`: one request to the mw_park iterator.
 #[repr(C)]
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct ParkReq {
     pub op: u32,
     pub result: u32,
@@ -243,7 +239,7 @@ pub struct ParkReq {
 
 /// `struct mw_cookie_val`.
 #[repr(C)]
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct CookieVal {
     pub link: u64,
     pub end: u32,
@@ -255,7 +251,7 @@ pub struct CookieVal {
 
 /// `struct mw_sock_state`.
 #[repr(C)]
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct SockState {
     pub link: u64,
     pub rule_id: u32,
@@ -276,7 +272,7 @@ pub struct SockState {
 
 /// `struct mw_sock_owner`.
 #[repr(C)]
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct SockOwner {
     pub exe: ExeKey,
     pub tgid: u32,
@@ -285,7 +281,7 @@ pub struct SockOwner {
 
 /// `struct mw_exe`: what the programs saw an executable do.
 #[repr(C)]
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct Exe {
     pub flags: u32,
     pub tgid: u32,
@@ -294,7 +290,7 @@ pub struct Exe {
 
 /// `struct mw_exe_class`: how user space classified an executable.
 #[repr(C)]
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct ExeClass {
     pub flags: u32,
     pub pad: u32,
@@ -302,7 +298,7 @@ pub struct ExeClass {
 
 /// `struct mw_service_key`.
 #[repr(C)]
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct ServiceKey {
     pub netns: u64,
     pub port: u32,
@@ -311,7 +307,7 @@ pub struct ServiceKey {
 
 /// `struct mw_config`.
 #[repr(C)]
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct Config {
     pub flags: u32,
     pub pad: u32,
@@ -319,7 +315,7 @@ pub struct Config {
 
 /// `struct mw_event`: what the programs tell user space.
 #[repr(C)]
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct Event {
     pub kind: u32,
     pub pid: u32,
@@ -344,7 +340,7 @@ pub struct Event {
 
 /// `struct mw_rule_stats`: per-rule counters (one per CPU).
 #[repr(C)]
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct RuleStats {
     pub sockets: u64,
     pub msgs: u64,
@@ -374,7 +370,7 @@ pub const OWNER_LEN: usize = 64;
 
 /// `struct mw_owner`: the controller that owns a rule slot.
 #[repr(C)]
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct OwnerName {
     pub name: [u8; OWNER_LEN],
 }
@@ -405,7 +401,7 @@ impl OwnerName {
 
 /// `struct mw_global_stats`: node-wide counters (one per CPU).
 #[repr(C)]
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct GlobalStats {
     pub established: u64,
     pub not_covered: u64,
@@ -433,7 +429,7 @@ pub const ROUTE_KEY_PREFIX_BITS: u32 = 64;
 
 /// `struct mw_route_key4`: LPM key of an IPv4 route.
 #[repr(C)]
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct RouteKey4 {
     pub prefixlen: u32,
     pub ifindex: u32,
@@ -443,7 +439,7 @@ pub struct RouteKey4 {
 
 /// `struct mw_route_key6`: LPM key of an IPv6 route.
 #[repr(C)]
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct RouteKey6 {
     pub prefixlen: u32,
     pub ifindex: u32,
@@ -453,7 +449,7 @@ pub struct RouteKey6 {
 
 /// `struct mw_route`.
 #[repr(C)]
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct RouteValue {
     pub id: u32,
     pub action: u32,
@@ -469,7 +465,7 @@ pub struct RouteValue {
 
 /// `struct mw_route_stats` (one per CPU).
 #[repr(C)]
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct RouteStats {
     pub packets: u64,
     pub bytes: u64,
@@ -478,7 +474,7 @@ pub struct RouteStats {
 
 /// `struct mw_attach_key`.
 #[repr(C)]
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct AttachKey {
     pub ifindex: u32,
     pub dir: u32,
@@ -486,7 +482,7 @@ pub struct AttachKey {
 
 /// `struct mw_attach_stats` (one per CPU).
 #[repr(C)]
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct AttachStats {
     pub packets: u64,
     pub misses: u64,
@@ -521,7 +517,7 @@ pub fn chain_index(gen: u32, hook: u32, pos: u32) -> u32 {
 
 /// `struct mw_plugin_abi`: the `.mw_abi` section of a plugin object.
 #[repr(C)]
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct PluginAbi {
     pub major: u16,
     pub minor: u16,
@@ -530,7 +526,7 @@ pub struct PluginAbi {
 
 /// `struct mw_chain_pos`.
 #[repr(C)]
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct ChainPos {
     pub plugin_id: u32,
     pub cfg_slot: u32,
@@ -540,7 +536,7 @@ pub struct ChainPos {
 
 /// `struct mw_plugin_config`.
 #[repr(C)]
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct PluginConfig {
     pub len: u32,
     pub data: [u8; PLUGIN_CFG_MAX],
@@ -568,7 +564,7 @@ impl PluginConfig {
 
 /// `struct mw_plugin_stats` (one per CPU).
 #[repr(C)]
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct PluginStats {
     pub runs: u64,
     pub cont: u64,
@@ -580,7 +576,7 @@ pub struct PluginStats {
 
 /// `struct mw_plugin_meta`.
 #[repr(C)]
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct PluginMeta {
     pub name: [u8; PLUGIN_NAME_LEN],
     pub version: [u8; PLUGIN_VERSION_LEN],
@@ -625,44 +621,13 @@ pub fn str_of(field: &[u8]) -> String {
     String::from_utf8_lossy(&field[..end]).into_owned()
 }
 
-unsafe impl Pod for Slot {}
-unsafe impl Pod for PairKey {}
-unsafe impl Pod for CaptureKey {}
-unsafe impl Pod for Rule {}
-unsafe impl Pod for ExeKey {}
-unsafe impl Pod for Link {}
-unsafe impl Pod for CookieVal {}
-unsafe impl Pod for SockOwner {}
-unsafe impl Pod for Exe {}
-unsafe impl Pod for ExeClass {}
-unsafe impl Pod for ServiceKey {}
-unsafe impl Pod for Config {}
-unsafe impl Pod for Event {}
-unsafe impl Pod for SockState {}
-unsafe impl Pod for ParkReq {}
-unsafe impl Pod for RuleStats {}
-unsafe impl Pod for GlobalStats {}
-unsafe impl Pod for u32 {}
-unsafe impl Pod for OwnerName {}
-unsafe impl Pod for RouteKey4 {}
-unsafe impl Pod for RouteKey6 {}
-unsafe impl Pod for RouteValue {}
-unsafe impl Pod for RouteStats {}
-unsafe impl Pod for AttachKey {}
-unsafe impl Pod for AttachStats {}
-unsafe impl Pod for PluginAbi {}
-unsafe impl Pod for ChainPos {}
-unsafe impl Pod for PluginConfig {}
-unsafe impl Pod for PluginStats {}
-unsafe impl Pod for PluginMeta {}
-
 /// The head of `struct __sk_buff` (uapi/linux/bpf.h) up to `cb[]`: the
 /// context user space gives `mw_unlink` under BPF_PROG_TEST_RUN, with the
 /// socket cookie in `cb[0]` (low half) and `cb[1]` (high half). The kernel
 /// accepts a shorter context and zeroes the rest; every field before `cb`
 /// must stay zero.
 #[repr(C)]
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct UnlinkCtx {
     pub head: [u32; 12],
     pub cb: [u32; 5],
@@ -676,8 +641,6 @@ impl UnlinkCtx {
         c
     }
 }
-
-unsafe impl Pod for UnlinkCtx {}
 
 #[cfg(test)]
 mod tests {

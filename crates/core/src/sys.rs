@@ -35,18 +35,13 @@ fn io_err(path: &Path) -> impl FnOnce(io::Error) -> SysError + '_ {
     move |source| SysError::Io { path: path.to_path_buf(), source }
 }
 
-/// Mount points of `fstype`, from /proc/self/mountinfo.
+/// Mount points of `fstype`, from /proc/self/mountinfo (procfs parses it,
+/// escapes included).
 pub fn mounts_of(fstype: &str) -> Vec<PathBuf> {
-    let Ok(info) = fs::read_to_string("/proc/self/mountinfo") else {
+    let Ok(info) = procfs::process::Process::myself().and_then(|p| p.mountinfo()) else {
         return Vec::new();
     };
-    info.lines()
-        .filter_map(|l| {
-            let (pre, post) = l.split_once(" - ")?;
-            let mount_point = pre.split(' ').nth(4)?;
-            (post.split(' ').next()? == fstype).then(|| PathBuf::from(mount_point.replace("\\040", " ")))
-        })
-        .collect()
+    info.into_iter().filter(|m| m.fs_type == fstype).map(|m| m.mount_point).collect()
 }
 
 fn is_fs(path: &Path, magic: nix::sys::statfs::FsType) -> bool {
