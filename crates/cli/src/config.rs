@@ -1,7 +1,9 @@
 //! `meshwarp serve` configuration, layered by figment: built-in defaults <
 //! the TOML file (`--config`) < `MESHWARP_*` environment variables < flags
-//! (clap reads a flag or, when absent, its variable). Every setting has a
-//! key in the file and a flag.
+//! (clap reads a flag or, when absent, its variable). Every setting of the
+//! daemon has a key in the file and a flag (`--log`, the log filter, is a
+//! flag only); the switches `--cleanup` and `--no-syscall-watch` only turn
+//! their setting one way, over whatever the file says.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -112,7 +114,7 @@ pub struct ServeArgs {
     #[arg(long, env = "MESHWARP_TCP_LISTEN")]
     pub tcp_listen: Option<SocketAddr>,
     /// Server certificate (PEM) for mTLS on --tcp-listen.
-    #[arg(long, env = "MESHWARP_TLS_CERT", requires_all = ["tls_key", "tls_client_ca"])]
+    #[arg(long, env = "MESHWARP_TLS_CERT")]
     pub tls_cert: Option<PathBuf>,
     /// Server private key (PEM).
     #[arg(long, env = "MESHWARP_TLS_KEY")]

@@ -144,6 +144,10 @@ fn table(header: &[&str], right: &[usize]) -> Table {
             c.set_cell_alignment(CellAlignment::Right);
         }
     }
+    // Rows start at the margin, as the hand-padded tables did.
+    if let Some(c) = t.column_mut(0) {
+        c.set_padding((0, 1));
+    }
     t
 }
 

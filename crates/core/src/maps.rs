@@ -6,6 +6,7 @@
 //! path itself is covered by the integration tests.
 
 use std::collections::HashMap;
+use std::marker::PhantomData;
 use std::path::Path;
 
 use libbpf_rs::{ErrorKind, MapCore, MapFlags, MapHandle};
@@ -64,10 +65,9 @@ pub trait RuleMaps {
 pub struct KernelMaps {
     pairs: MapHandle,
     capture: MapHandle,
-    stats: MapHandle,
-    global: MapHandle,
+    stats: PerCpu<RuleStats>,
+    global: PerCpu<GlobalStats>,
     owners: MapHandle,
-    ncpus: usize,
 }
 
 fn kernel(op: &'static str, map: &'static str) -> impl FnOnce(libbpf_rs::Error) -> MapError {
@@ -115,38 +115,53 @@ impl KernelMaps {
         Ok(Self {
             pairs: open(names::MAP_PAIRS)?,
             capture: open(names::MAP_CAPTURE)?,
-            stats: open(names::MAP_STATS)?,
-            global: open(names::MAP_GLOBAL)?,
+            stats: PerCpu::new(open(names::MAP_STATS)?).map_err(kernel("count cpus", names::MAP_STATS))?,
+            global: PerCpu::new(open(names::MAP_GLOBAL)?).map_err(kernel("count cpus", names::MAP_GLOBAL))?,
             owners: open(names::MAP_OWNERS)?,
-            ncpus: libbpf_rs::num_possible_cpus().map_err(kernel("count cpus", names::MAP_STATS))?,
         })
-    }
-
-    fn sum_percpu<T: Pod>(
-        &self,
-        map: &MapHandle,
-        name: &'static str,
-        idx: u32,
-        add: impl Fn(&mut T, &T),
-    ) -> Result<T, MapError> {
-        sum_percpu(map, &idx.to_ne_bytes(), add).map_err(kernel("lookup", name))
     }
 }
 
-/// A per-CPU map entry summed over CPUs with `add`; a value of another size
-/// than `T` is an error (a map of another layout).
-pub(crate) fn sum_percpu<T: Pod>(map: &MapHandle, key: &[u8], add: impl Fn(&mut T, &T)) -> Result<T, libbpf_rs::Error> {
-    let mut total = T::default();
-    for v in map.lookup_percpu(key, MapFlags::ANY)?.unwrap_or_default() {
-        let x = T::from_bytes(&v).ok_or_else(|| {
-            libbpf_rs::Error::from(std::io::Error::new(
-                std::io::ErrorKind::InvalidData,
-                format!("per-CPU value of {} bytes, expected {}", v.len(), size_of::<T>()),
-            ))
-        })?;
-        add(&mut total, &x);
+/// A per-CPU map (array or hash) whose values are `T`: entries summed over
+/// CPUs, or set to zero on every CPU. A value of another size than `T` is an
+/// error (a map of another layout).
+#[derive(Debug)]
+pub(crate) struct PerCpu<T> {
+    map: MapHandle,
+    ncpus: usize,
+    value: PhantomData<T>,
+}
+
+impl<T: Pod> PerCpu<T> {
+    pub(crate) fn new(map: MapHandle) -> Result<Self, libbpf_rs::Error> {
+        Ok(Self { map, ncpus: libbpf_rs::num_possible_cpus()?, value: PhantomData })
     }
-    Ok(total)
+
+    /// Its size (max entries).
+    pub(crate) fn capacity(&self) -> u32 {
+        self.map.max_entries()
+    }
+
+    /// The entry at `key`, summed over CPUs with `add`.
+    pub(crate) fn sum(&self, key: &[u8], add: impl Fn(&mut T, &T)) -> Result<T, libbpf_rs::Error> {
+        let mut total = T::default();
+        for v in self.map.lookup_percpu(key, MapFlags::ANY)?.unwrap_or_default() {
+            let x = T::from_bytes(&v).ok_or_else(|| {
+                libbpf_rs::Error::from(std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    format!("per-CPU value of {} bytes, expected {}", v.len(), size_of::<T>()),
+                ))
+            })?;
+            add(&mut total, &x);
+        }
+        Ok(total)
+    }
+
+    /// Sets the entry at `key` to `T::default()` on every CPU.
+    pub(crate) fn zero(&self, key: &[u8]) -> Result<(), libbpf_rs::Error> {
+        let zeros = vec![T::default().as_bytes().to_vec(); self.ncpus];
+        self.map.update_percpu(key, &zeros, MapFlags::ANY)
+    }
 }
 
 /// Adds `b` into `a` field by field (wrapping: a socket counted in on one
@@ -186,7 +201,7 @@ fn add_global_stats(a: &mut GlobalStats, b: &GlobalStats) {
 
 impl RuleMaps for KernelMaps {
     fn rule_capacity(&self) -> u32 {
-        self.stats.max_entries()
+        self.stats.capacity()
     }
 
     fn pairs(&self) -> Result<Vec<(PairKey, Rule)>, MapError> {
@@ -214,16 +229,15 @@ impl RuleMaps for KernelMaps {
     }
 
     fn rule_stats(&self, id: u32) -> Result<RuleStats, MapError> {
-        self.sum_percpu(&self.stats, names::MAP_STATS, id, add_rule_stats)
+        self.stats.sum(&id.to_ne_bytes(), add_rule_stats).map_err(kernel("lookup", names::MAP_STATS))
     }
 
     fn reset_rule_stats(&mut self, id: u32) -> Result<(), MapError> {
-        let zeros = vec![RuleStats::default().as_bytes().to_vec(); self.ncpus];
-        self.stats.update_percpu(&id.to_ne_bytes(), &zeros, MapFlags::ANY).map_err(kernel("update", names::MAP_STATS))
+        self.stats.zero(&id.to_ne_bytes()).map_err(kernel("update", names::MAP_STATS))
     }
 
     fn global_stats(&self) -> Result<GlobalStats, MapError> {
-        self.sum_percpu(&self.global, names::MAP_GLOBAL, 0, add_global_stats)
+        self.global.sum(&0u32.to_ne_bytes(), add_global_stats).map_err(kernel("lookup", names::MAP_GLOBAL))
     }
 
     fn owners(&self) -> Result<Vec<(u32, OwnerName)>, MapError> {

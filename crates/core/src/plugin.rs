@@ -40,6 +40,7 @@ use meshwarp_bpf::shared::{
 use sha2::{Digest, Sha256};
 
 use crate::loader::with_libbpf_log;
+use crate::maps::PerCpu;
 use crate::pins::remove_plugin_dir;
 
 /// Where a plugin runs.
@@ -353,7 +354,7 @@ struct FamilyMaps {
     chain: MapHandle,
     gen: MapHandle,
     cfg: MapHandle,
-    stats: MapHandle,
+    stats: PerCpu<PluginStats>,
     meta: MapHandle,
     grace: MapHandle,
     /// Updated into `grace` to make the kernel wait for a grace period.
@@ -391,7 +392,7 @@ impl FamilyMaps {
             chain: open(names::MAP_CHAIN)?,
             gen: open(names::MAP_CHAIN_GEN)?,
             cfg: open(names::MAP_PLUG_CFG)?,
-            stats: open(names::MAP_PLUG_STATS)?,
+            stats: PerCpu::new(open(names::MAP_PLUG_STATS)?).map_err(bpf("counting CPUs"))?,
             meta: open(names::MAP_PLUG_META)?,
             grace: open(names::MAP_GRACE)?,
             grace_inner,
@@ -472,15 +473,17 @@ impl FamilyMaps {
     }
 
     fn counters(&self, id: u32) -> Result<PluginCounters, PluginError> {
-        let s = crate::maps::sum_percpu(&self.stats, &id.to_ne_bytes(), |a: &mut PluginStats, b| {
-            a.runs += b.runs;
-            a.cont += b.cont;
-            a.verdict1 += b.verdict1;
-            a.drop += b.drop;
-            a.invalid += b.invalid;
-            a.missing += b.missing;
-        })
-        .map_err(bpf("reading mw_plug_stats"))?;
+        let s = self
+            .stats
+            .sum(&id.to_ne_bytes(), |a, b| {
+                a.runs += b.runs;
+                a.cont += b.cont;
+                a.verdict1 += b.verdict1;
+                a.drop += b.drop;
+                a.invalid += b.invalid;
+                a.missing += b.missing;
+            })
+            .map_err(bpf("reading mw_plug_stats"))?;
         Ok(PluginCounters {
             runs: s.runs,
             continued: s.cont,
@@ -492,9 +495,7 @@ impl FamilyMaps {
     }
 
     fn reset_counters(&self, id: u32) -> Result<(), PluginError> {
-        let ncpus = libbpf_rs::num_possible_cpus().map_err(bpf("counting CPUs"))?;
-        let zeros = vec![PluginStats::default().as_bytes().to_vec(); ncpus];
-        self.stats.update_percpu(&id.to_ne_bytes(), &zeros, MapFlags::ANY).map_err(bpf("zeroing plugin counters"))
+        self.stats.zero(&id.to_ne_bytes()).map_err(bpf("zeroing plugin counters"))
     }
 
     fn write_config(&self, slot: u32, config: &[u8]) -> Result<(), PluginError> {

@@ -29,6 +29,7 @@ use meshwarp_bpf::shared::{
 };
 use meshwarp_bpf::tcredir::TcredirSkelBuilder;
 
+use crate::maps::PerCpu;
 pub use crate::netlink::IfaceRef;
 use crate::netlink::{self, Link, NetlinkError};
 use crate::registry::{Outcome, Slots};
@@ -299,11 +300,10 @@ pub struct TcDataplane {
     netns: Option<PathBuf>,
     rt4: MapHandle,
     rt6: MapHandle,
-    rt_stats: MapHandle,
-    att_stats: MapHandle,
+    rt_stats: PerCpu<RouteStats>,
+    att_stats: PerCpu<AttachStats>,
     rt_owner: MapHandle,
     capacity: u32,
-    ncpus: usize,
     state: Mutex<TcState>,
 }
 
@@ -407,16 +407,15 @@ impl TcDataplane {
         let dp = Self {
             rt4: open(names::MAP_RT4)?,
             rt6: open(names::MAP_RT6)?,
-            rt_stats: open(names::MAP_RT_STATS)?,
-            att_stats: open(names::MAP_ATT_STATS)?,
+            rt_stats: PerCpu::new(open(names::MAP_RT_STATS)?).map_err(bpf("counting CPUs"))?,
+            att_stats: PerCpu::new(open(names::MAP_ATT_STATS)?).map_err(bpf("counting CPUs"))?,
             rt_owner: open(names::MAP_RT_OWNER)?,
             capacity: 0,
-            ncpus: libbpf_rs::num_possible_cpus().map_err(bpf("counting CPUs"))?,
             netns: cfg.netns.clone(),
             state: Mutex::new(TcState::default()),
             dir,
         };
-        let capacity = dp.rt_stats.max_entries();
+        let capacity = dp.rt_stats.capacity();
         let dp = Self { capacity, ..dp };
         dp.reconcile()?;
         Ok(dp)
@@ -573,8 +572,7 @@ impl TcDataplane {
             Some(id) => id,
             None => {
                 let id = st.slots.allocate(self.capacity).ok_or(TcError::Full(self.capacity))?;
-                let zeros = vec![RouteStats::default().as_bytes().to_vec(); self.ncpus];
-                if let Err(e) = self.rt_stats.update_percpu(&id.to_ne_bytes(), &zeros, MapFlags::ANY) {
+                if let Err(e) = self.rt_stats.zero(&id.to_ne_bytes()) {
                     st.slots.release(id);
                     return Err(TcError::Bpf { what: "zeroing route counters".into(), source: e });
                 }
@@ -889,22 +887,24 @@ impl TcDataplane {
 
     /// Packets and bytes a route redirected, and redirects the kernel refused.
     pub fn route_stats(&self, r: &InstalledRoute) -> Result<RouteStats, TcError> {
-        crate::maps::sum_percpu(&self.rt_stats, &r.id.to_ne_bytes(), |a: &mut RouteStats, b| {
-            a.packets += b.packets;
-            a.bytes += b.bytes;
-            a.redirect_err += b.redirect_err;
-        })
-        .map_err(bpf("reading route counters"))
+        self.rt_stats
+            .sum(&r.id.to_ne_bytes(), |a, b| {
+                a.packets += b.packets;
+                a.bytes += b.bytes;
+                a.redirect_err += b.redirect_err;
+            })
+            .map_err(bpf("reading route counters"))
     }
 
     /// Packets seen and misses of one attach point.
     pub fn attach_stats(&self, ifindex: u32, dir: Direction) -> Result<AttachStats, TcError> {
         let k = AttachKey { ifindex, dir: dir.raw() };
-        crate::maps::sum_percpu(&self.att_stats, k.as_bytes(), |a: &mut AttachStats, b| {
-            a.packets += b.packets;
-            a.misses += b.misses;
-        })
-        .map_err(bpf("reading attachment counters"))
+        self.att_stats
+            .sum(k.as_bytes(), |a, b| {
+                a.packets += b.packets;
+                a.misses += b.misses;
+            })
+            .map_err(bpf("reading attachment counters"))
     }
 
     /// Detaches and unpins everything.

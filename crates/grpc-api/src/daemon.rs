@@ -324,6 +324,12 @@ pub async fn run(opts: DaemonOptions, shutdown: impl Future<Output = ()> + Send 
         tracing::warn!("drain timeout: closing remaining connections");
         servers.abort_all();
     }
+    // A body whose connection was closed still runs on the blocking pool:
+    // let it finish before the socket goes and, with --cleanup, the pins.
+    let _idle = node.wait_idle(opts.drain_timeout).await;
+    if _idle.is_none() {
+        tracing::warn!("RPC bodies still running after the drain timeout");
+    }
     if let Some(path) = &opts.socket {
         let _ = std::fs::remove_file(path);
     }

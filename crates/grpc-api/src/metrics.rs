@@ -1,6 +1,7 @@
 //! Prometheus metrics of the node service: RPC counts and latencies, and the
 //! data path's counters read at scrape time.
 
+use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -58,17 +59,54 @@ pub struct IncidentLabels {
     pub reset: String,
 }
 
-/// Sets a counter to a total the kernel keeps (per-CPU sums read at scrape
-/// time). It falls only when rules or plugins are removed, which Prometheus
-/// reads as a counter reset.
+/// Sets a counter to a total read at scrape time (kept monotonic by
+/// `Totals`; a plugin's own counters restart when it is replaced, which
+/// Prometheus reads as a counter reset).
 fn set_total(c: &Counter, v: u64) {
     c.inner().store(v, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// One rule's counters, flattened (see `Metrics::render`).
+type RuleTotals = [u64; 20];
+
+/// Node-wide totals of per-rule counters that never go back: a rule's counts
+/// live in its slot, which a deleted rule frees and a new rule starts from
+/// zero, so the sum over the rules that exist now would fall. What a rule
+/// counted up to the last scrape before it went (or was recreated, its
+/// counts lower than before) is kept in `retired`.
+#[derive(Debug, Default)]
+struct Totals {
+    last: HashMap<String, RuleTotals>,
+    retired: RuleTotals,
+}
+
+impl Totals {
+    /// Takes this scrape's per-rule counters; returns the node-wide totals.
+    fn update(&mut self, now: HashMap<String, RuleTotals>) -> RuleTotals {
+        for (rule, before) in &self.last {
+            let after = now.get(rule);
+            for (i, b) in before.iter().enumerate() {
+                if after.is_none_or(|a| a[i] < *b) {
+                    self.retired[i] = self.retired[i].wrapping_add(*b);
+                }
+            }
+        }
+        let mut total = self.retired;
+        for v in now.values() {
+            for (t, x) in total.iter_mut().zip(v) {
+                *t = t.wrapping_add(*x);
+            }
+        }
+        self.last = now;
+        total
+    }
 }
 
 /// Every metric the node service exports.
 #[derive(Debug)]
 pub struct Metrics {
     registry: Mutex<Registry>,
+    totals: Mutex<Totals>,
     rpcs: Family<RpcLabels, Counter>,
     latency: Family<MethodLabel, Histogram>,
     pairs: Gauge,
@@ -161,6 +199,7 @@ impl Metrics {
         );
         Self {
             registry: Mutex::new(registry),
+            totals: Mutex::new(Totals::default()),
             rpcs,
             latency,
             pairs,
@@ -198,21 +237,17 @@ impl Metrics {
     pub fn render(&self, dp: &Dataplane, plugins: Option<&PluginChain>) -> String {
         self.render_plugins(plugins);
         let reg = dp.registry();
-        let (mut msgs, mut bytes, mut hits) = (0u64, 0u64, 0u64);
-        let (mut demoted, mut behind, mut promoted, mut tcp_msgs) = (0u64, 0u64, 0u64, 0u64);
-        let (mut unlinked, mut relinked) = (0u64, 0u64);
-        let mut fb = [0u64; 11];
-        let mut add = |c: meshwarp_core::RuleCounters| {
-            msgs += c.redirected_msgs;
-            bytes += c.redirected_bytes;
-            hits += c.splice_hits;
-            demoted += c.demotions_coalesce;
-            behind += c.demotions_behind;
-            promoted += c.promotions;
-            tcp_msgs += c.policy_tcp_msgs;
-            unlinked += c.unlinks;
-            relinked += c.relinks;
-            for (i, v) in [
+        let flat = |c: meshwarp_core::RuleCounters| -> RuleTotals {
+            [
+                c.redirected_msgs,
+                c.redirected_bytes,
+                c.splice_hits,
+                c.demotions_coalesce,
+                c.demotions_behind,
+                c.promotions,
+                c.policy_tcp_msgs,
+                c.unlinks,
+                c.relinks,
                 c.fallback_no_peer,
                 c.fallback_tcp_path,
                 c.fallback_map_full,
@@ -225,26 +260,24 @@ impl Metrics {
                 c.ulp_refused,
                 c.fallback_mode_never,
             ]
-            .into_iter()
-            .enumerate()
-            {
-                fb[i] += v;
-            }
         };
+        let mut now = HashMap::new();
         let pairs = reg.pairs();
         for p in &pairs {
             if let Ok(c) = reg.pair_stats(&p.rule) {
-                add(c);
+                now.insert(format!("pair {:?}", p.rule), flat(c));
             }
         }
         let captures = reg.captures();
         for r in &captures {
             if let Ok(c) = reg.capture_stats(&r.rule) {
-                add(c);
+                now.insert(format!("capture {:?}", r.rule), flat(c));
             }
         }
         let not_covered = reg.global_stats().map(|g| g.not_covered).unwrap_or(0);
         drop(reg);
+        let t = self.totals.lock().unwrap_or_else(|p| p.into_inner()).update(now);
+        let [msgs, bytes, hits, demoted, behind, promoted, tcp_msgs, unlinked, relinked, fb @ ..] = t;
         self.pairs.set(pairs.len() as i64);
         self.captures.set(captures.len() as i64);
         set_total(&self.redirected_msgs, msgs);
@@ -318,5 +351,32 @@ impl Metrics {
             out.clear();
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rules(list: &[(&str, u64)]) -> HashMap<String, RuleTotals> {
+        list.iter()
+            .map(|(k, v)| {
+                let mut t = [0; 20];
+                t[0] = *v;
+                (k.to_string(), t)
+            })
+            .collect()
+    }
+
+    /// Deleting a rule, or recreating it (its slot restarts from zero), never
+    /// makes a node-wide total fall.
+    #[test]
+    fn totals_never_fall() {
+        let mut t = Totals::default();
+        assert_eq!(t.update(rules(&[("a", 5), ("b", 7)]))[0], 12);
+        assert_eq!(t.update(rules(&[("a", 6)]))[0], 13, "b deleted: its 7 stay");
+        assert_eq!(t.update(rules(&[("a", 1)]))[0], 14, "a recreated: its 6 stay");
+        assert_eq!(t.update(rules(&[("a", 4), ("b", 2)]))[0], 19);
+        assert_eq!(t.update(HashMap::new())[0], 19);
     }
 }

@@ -132,6 +132,10 @@ pub struct NodeServer {
     /// their events follow the order they were applied, without holding the
     /// event log across a verifier run or an RCU grace period.
     plugin_ops: Arc<Mutex<()>>,
+    /// Held (read) by every RPC body until it returns, also when the client
+    /// went away; the drain takes it (write) so that nothing still changes
+    /// maps or pins when the daemon stops or cleans up.
+    inflight: Arc<tokio::sync::RwLock<()>>,
 }
 
 type WatchStream = Pin<Box<dyn Stream<Item = Result<pb::WatchResponse, Status>> + Send>>;
@@ -187,6 +191,7 @@ impl NodeServer {
             metrics,
             plugins,
             plugin_ops: Arc::new(Mutex::new(())),
+            inflight: Arc::new(tokio::sync::RwLock::new(())),
         }
     }
 
@@ -445,6 +450,13 @@ impl NodeServer {
     }
 
     /// From now on RPCs answer UNAVAILABLE (the daemon is stopping).
+    /// Waits until no RPC body runs any more (those the drain timeout cut
+    /// off included); while the returned guard lives no new one starts.
+    /// `None` if `timeout` passed first.
+    pub async fn wait_idle(&self, timeout: std::time::Duration) -> Option<tokio::sync::OwnedRwLockWriteGuard<()>> {
+        tokio::time::timeout(timeout, Arc::clone(&self.inflight).write_owned()).await.ok()
+    }
+
     pub fn start_draining(&self) {
         self.draining.store(true, Ordering::SeqCst);
     }
@@ -833,9 +845,13 @@ macro_rules! rpc {
     ($self:ident, $name:literal, $req:ident, $body:ident) => {{
         let start = Instant::now();
         let (this, req) = ($self.clone(), $req.into_inner());
-        let r = tokio::task::spawn_blocking(move || this.$body(req))
-            .await
-            .unwrap_or_else(|e| Err(Status::internal(format!("{}: {e}", $name))));
+        let inflight = Arc::clone(&$self.inflight).read_owned().await;
+        let r = tokio::task::spawn_blocking(move || {
+            let _inflight = inflight;
+            this.$body(req)
+        })
+        .await
+        .unwrap_or_else(|e| Err(Status::internal(format!("{}: {e}", $name))));
         $self.observed($name, start, r)
     }};
 }
