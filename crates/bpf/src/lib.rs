@@ -117,6 +117,19 @@ pub mod names {
     pub const MAP_RT_STATS: &str = "mw_rt_stats";
     pub const MAP_ATT_STATS: &str = "mw_att_stats";
     pub const MAP_RT_OWNER: &str = "mw_rt_owner";
+    /// The sockredir family's programs that are pinned.
+    pub const SOCKREDIR_PROGS: [&str; 8] = [
+        PROG_SOCKOPS,
+        PROG_SK_MSG,
+        PROG_RECV_LEN,
+        PROG_SYS_ENTER,
+        PROG_SETSOCKOPT,
+        PROG_DESTROY,
+        PROG_PARK,
+        PROG_UNLINK,
+    ];
+    /// The tcredir family's programs that are pinned.
+    pub const TCREDIR_PROGS: [&str; 2] = [PROG_TC_INGRESS, PROG_TC_EGRESS];
     /// Every map of the tcredir family.
     pub const TCREDIR_MAPS: [&str; 12] = [
         MAP_RT4,
@@ -171,22 +184,9 @@ mod tests {
 
     #[test]
     fn kernel_names_fit_in_bpf_obj_name_len() {
-        let mut all = vec![
-            names::PROG_SOCKOPS,
-            names::PROG_SK_MSG,
-            names::PROG_TC_INGRESS,
-            names::PROG_TC_EGRESS,
-            names::PROG_CONN_FIN,
-            names::PROG_MSG_FIN,
-            names::PROG_PKT_FIN,
-            names::PROG_PLUGIN,
-            names::PROG_RECV_LEN,
-            names::PROG_SYS_ENTER,
-            names::PROG_SETSOCKOPT,
-            names::PROG_DESTROY,
-            names::PROG_PARK,
-            names::PROG_UNLINK,
-        ];
+        let mut all = vec![names::PROG_CONN_FIN, names::PROG_MSG_FIN, names::PROG_PKT_FIN, names::PROG_PLUGIN];
+        all.extend(names::SOCKREDIR_PROGS);
+        all.extend(names::TCREDIR_PROGS);
         all.extend(names::SOCKREDIR_MAPS);
         all.extend(names::TCREDIR_MAPS);
         for n in all {

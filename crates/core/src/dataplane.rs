@@ -165,7 +165,7 @@ impl Layout {
     /// Every pin an instance has, links first (unpinned first on teardown).
     fn all_pins(&self) -> Vec<PathBuf> {
         let mut v = vec![self.link(names::PROG_SOCKOPS), self.link(names::PROG_SETSOCKOPT)];
-        v.extend(PROGS.iter().map(|p| self.prog(p)));
+        v.extend(names::SOCKREDIR_PROGS.iter().map(|p| self.prog(p)));
         v.extend(names::SOCKREDIR_MAPS.iter().map(|m| self.map(m)));
         v
     }
@@ -177,18 +177,6 @@ impl Layout {
         [self.dir.join("links"), self.dir.join("progs"), self.maps()]
     }
 }
-
-/// Programs of the family, pinned.
-const PROGS: [&str; 8] = [
-    names::PROG_SOCKOPS,
-    names::PROG_SK_MSG,
-    names::PROG_RECV_LEN,
-    names::PROG_SYS_ENTER,
-    names::PROG_SETSOCKOPT,
-    names::PROG_DESTROY,
-    names::PROG_PARK,
-    names::PROG_UNLINK,
-];
 
 /// Removes pins made so far unless the load completes.
 struct PinGuard {

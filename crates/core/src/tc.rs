@@ -312,8 +312,7 @@ fn tc_dir(pin_root: &Path) -> PathBuf {
 }
 
 fn tc_pins(dir: &Path) -> Vec<PathBuf> {
-    let mut v: Vec<PathBuf> =
-        [names::PROG_TC_INGRESS, names::PROG_TC_EGRESS].iter().map(|p| dir.join("progs").join(p)).collect();
+    let mut v: Vec<PathBuf> = names::TCREDIR_PROGS.iter().map(|p| dir.join("progs").join(p)).collect();
     v.extend(names::TCREDIR_MAPS.iter().map(|m| dir.join("maps").join(m)));
     v
 }
