@@ -33,6 +33,7 @@ use meshwarp_bpf::shared::{
 use meshwarp_bpf::sockredir::SockredirSkelBuilder;
 
 use crate::endpoint::{CaptureRule, EndpointPair};
+use crate::error::{BpfError, IoError};
 use crate::guard::{GuardMode, GuardThread, Incident, Subscribers};
 use crate::maps::{KernelMaps, MapError};
 use crate::probe::KernelProbe;
@@ -105,18 +106,10 @@ pub enum DataplaneError {
         source: libbpf_rs::Error,
         log: String,
     },
-    #[error("{what}: {source}")]
-    Bpf {
-        what: String,
-        #[source]
-        source: libbpf_rs::Error,
-    },
-    #[error("{path}: {source}")]
-    Io {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Bpf(#[from] crate::error::BpfError),
+    #[error(transparent)]
+    Io(#[from] crate::error::IoError),
     #[error("max_rules and max_sockets must be at least 1 (got {max_rules}, {max_sockets})")]
     BadConfig { max_rules: u32, max_sockets: u32 },
     #[error("{dir} holds a partial meshwarp instance (missing {missing:?}); run `meshwarp uninstall` to clear it")]
@@ -133,11 +126,11 @@ pub enum DataplaneError {
 
 fn bpf_err(what: impl Into<String>) -> impl FnOnce(libbpf_rs::Error) -> DataplaneError {
     let what = what.into();
-    move |source| DataplaneError::Bpf { what, source }
+    move |source| DataplaneError::Bpf(BpfError::new(what, source))
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> DataplaneError + '_ {
-    move |source| DataplaneError::Io { path: path.to_path_buf(), source }
+    move |source| DataplaneError::Io(IoError::new(path.display().to_string(), source))
 }
 
 /// Pin paths of one schema version.
@@ -485,10 +478,10 @@ fn set_guard_links(layout: &Layout, flags: u32) -> Result<(), DataplaneError> {
                 // SAFETY: a tp_btf program fd; NULL name: its own BTF target.
                 let fd = unsafe { libbpf_sys::bpf_raw_tracepoint_open(std::ptr::null(), prog.as_fd().as_raw_fd()) };
                 if fd < 0 {
-                    return Err(DataplaneError::Io {
-                        path: path.clone(),
-                        source: std::io::Error::from_raw_os_error(-fd),
-                    });
+                    return Err(DataplaneError::Io(IoError::new(
+                        path.display().to_string(),
+                        std::io::Error::from_raw_os_error(-fd),
+                    )));
                 }
                 // SAFETY: a new link fd we own; the pin keeps the link.
                 let link = unsafe { OwnedFd::from_raw_fd(fd) };
@@ -504,11 +497,14 @@ fn set_guard_links(layout: &Layout, flags: u32) -> Result<(), DataplaneError> {
 
 fn pin_fd(fd: &OwnedFd, path: &Path) -> Result<(), DataplaneError> {
     let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())
-        .map_err(|e| DataplaneError::Io { path: path.to_path_buf(), source: std::io::Error::other(e) })?;
+        .map_err(|e| DataplaneError::Io(IoError::new(path.display().to_string(), std::io::Error::other(e))))?;
     // SAFETY: a valid fd and NUL-terminated path.
     let rc = unsafe { libbpf_sys::bpf_obj_pin(fd.as_raw_fd(), c.as_ptr()) };
     if rc < 0 {
-        return Err(DataplaneError::Io { path: path.to_path_buf(), source: std::io::Error::from_raw_os_error(-rc) });
+        return Err(DataplaneError::Io(IoError::new(
+            path.display().to_string(),
+            std::io::Error::from_raw_os_error(-rc),
+        )));
     }
     Ok(())
 }
@@ -533,12 +529,12 @@ fn check_schema(pin_root: &Path) -> Result<(), DataplaneError> {
 pub fn remove_pinned(pin_root: &Path) -> Result<(), DataplaneError> {
     let layout = Layout::new(pin_root);
     crate::pins::remove_plugin_pins(&layout.dir)
-        .map_err(|e| DataplaneError::Io { path: layout.dir.clone(), source: e })?;
+        .map_err(|e| DataplaneError::Io(IoError::new(layout.dir.display().to_string(), e)))?;
     for p in layout.guard_links().into_iter().chain(layout.all_pins()) {
         match fs::remove_file(&p) {
             Ok(()) => tracing::debug!(pin = %p.display(), "unpinned"),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(DataplaneError::Io { path: p, source: e }),
+            Err(e) => return Err(DataplaneError::Io(IoError::new(p.display().to_string(), e))),
         }
     }
     for d in layout.subdirs().iter().chain([&layout.dir, &pin_root.to_path_buf()]) {

@@ -33,24 +33,17 @@ use meshwarp_bpf::shared::{
     EXE_OPAQUE, EXE_PENDING, EXE_SPLICE, EXE_TRUSTED,
 };
 
+use crate::error::{BpfError, IoError};
 use crate::execlass::{self, ExeFacts};
 use crate::park::{self, Parker};
 use crate::slots::SlotSweeper;
 
 #[derive(Debug, thiserror::Error)]
 pub enum GuardError {
-    #[error("{what}: {source}")]
-    Bpf {
-        what: String,
-        #[source]
-        source: libbpf_rs::Error,
-    },
-    #[error("{what}: {source}")]
-    Io {
-        what: String,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Bpf(#[from] crate::error::BpfError),
+    #[error(transparent)]
+    Io(#[from] crate::error::IoError),
     #[error(transparent)]
     Classify(#[from] execlass::ClassifyError),
     #[error(transparent)]
@@ -59,7 +52,7 @@ pub enum GuardError {
 
 fn bpf_err(what: impl Into<String>) -> impl FnOnce(libbpf_rs::Error) -> GuardError {
     let what = what.into();
-    move |source| GuardError::Bpf { what, source }
+    move |source| GuardError::Bpf(BpfError::new(what, source))
 }
 
 /// Whether the reader guard decides which sockets are redirect targets.
@@ -144,7 +137,7 @@ impl GuardMaps {
         let prog = ProgramHandle::from_pinned_path(pin_dir.join("progs").join(names::PROG_DESTROY))
             .map_err(bpf_err("opening pinned mw_destroy"))?;
         let destroy_link = crate::sys::iter_link(&prog)
-            .map_err(|source| GuardError::Io { what: "creating the mw_destroy iterator link".into(), source })?;
+            .map_err(|source| GuardError::Io(IoError::new("creating the mw_destroy iterator link", source)))?;
         Ok(Self {
             events: map(names::MAP_EVENTS)?,
             exes: map(names::MAP_EXES)?,
@@ -199,7 +192,7 @@ impl Drop for GuardThread {
 /// The lock that makes one guard per pin root; `None` if another holds it.
 fn guard_lock(pin_dir: &Path) -> Result<Option<nix::fcntl::Flock<fs::File>>, GuardError> {
     let dir = Path::new("/run/meshwarp");
-    fs::create_dir_all(dir).map_err(|source| GuardError::Io { what: "creating /run/meshwarp".into(), source })?;
+    fs::create_dir_all(dir).map_err(|source| GuardError::Io(IoError::new("creating /run/meshwarp", source)))?;
     // FNV-1a of the pin directory: one lock per data path.
     let hash = pin_dir
         .as_os_str()
@@ -212,11 +205,11 @@ fn guard_lock(pin_dir: &Path) -> Result<Option<nix::fcntl::Flock<fs::File>>, Gua
         .truncate(false)
         .write(true)
         .open(&path)
-        .map_err(|source| GuardError::Io { what: format!("opening {}", path.display()), source })?;
+        .map_err(|source| GuardError::Io(IoError::new(format!("opening {}", path.display()), source)))?;
     match nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock) {
         Ok(l) => Ok(Some(l)),
         Err((_, nix::errno::Errno::EWOULDBLOCK)) => Ok(None),
-        Err((_, e)) => Err(GuardError::Io { what: format!("locking {}", path.display()), source: e.into() }),
+        Err((_, e)) => Err(GuardError::Io(IoError::new(format!("locking {}", path.display()), e.into()))),
     }
 }
 
@@ -258,7 +251,7 @@ pub(crate) fn start(
                 tracing::error!("reader guard stopped: {e}");
             }
         })
-        .map_err(|source| GuardError::Io { what: "spawning the guard thread".into(), source })?;
+        .map_err(|source| GuardError::Io(IoError::new("spawning the guard thread", source)))?;
     Ok(Some(GuardThread { stop, handle: Some(handle), _lock: lock_file }))
 }
 
@@ -423,13 +416,15 @@ impl Guard<'_> {
                 .map_err(bpf_err("writing mw_doomed"))?;
         }
         // The socket's namespace is not necessarily the splicing thread's.
-        let ns = crate::sys::find_netns(ev.netns, ev.pid).ok_or_else(|| GuardError::Io {
-            what: format!("finding network namespace {} of the hit socket", ev.netns),
-            source: std::io::ErrorKind::NotFound.into(),
+        let ns = crate::sys::find_netns(ev.netns, ev.pid).ok_or_else(|| {
+            GuardError::Io(IoError::new(
+                format!("finding network namespace {} of the hit socket", ev.netns),
+                std::io::ErrorKind::NotFound.into(),
+            ))
         })?;
         let link = self.maps.destroy_link.as_fd();
         crate::sys::run_in_netns(Some(&ns), || crate::sys::drain_iterator(link))?
-            .map_err(|source| GuardError::Io { what: "reading the mw_destroy iterator".into(), source })?;
+            .map_err(|source| GuardError::Io(IoError::new("reading the mw_destroy iterator", source)))?;
         let gone = self.maps.doomed.lookup(&ev.cookie.to_ne_bytes(), MapFlags::ANY).ok().flatten().is_none();
         // Whatever was not found (a peer in another namespace) is not kept.
         for c in [ev.cookie, ev.peer_cookie] {

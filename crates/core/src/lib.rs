@@ -16,6 +16,7 @@
 
 pub mod dataplane;
 pub mod endpoint;
+pub mod error;
 pub mod execlass;
 pub mod guard;
 mod loader;

@@ -8,6 +8,8 @@ use std::path::Path;
 use futures::TryStreamExt;
 use netlink_packet_route::link::{InfoKind, LinkAttribute, LinkInfo, LinkMessage};
 
+use crate::error::IoError;
+
 /// An interface, by name or by index (in the namespace it is looked up in).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum IfaceRef {
@@ -30,12 +32,8 @@ pub enum NetlinkError {
     NoSuchInterface(String),
     #[error("netlink: {0}")]
     Netlink(#[from] rtnetlink::Error),
-    #[error("{what}: {source}")]
-    Io {
-        what: String,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Io(#[from] crate::error::IoError),
     #[error(transparent)]
     Sys(#[from] crate::sys::SysError),
 }
@@ -94,10 +92,10 @@ pub fn in_netns<T: Send>(
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_io()
             .build()
-            .map_err(|source| NetlinkError::Io { what: "netlink runtime".into(), source })?;
+            .map_err(|source| NetlinkError::Io(IoError::new("netlink runtime", source)))?;
         rt.block_on(async {
             let (conn, handle, _) = rtnetlink::new_connection()
-                .map_err(|source| NetlinkError::Io { what: "netlink socket".into(), source })?;
+                .map_err(|source| NetlinkError::Io(IoError::new("netlink socket", source)))?;
             let task = tokio::spawn(conn);
             let r = f(handle).await;
             task.abort();

@@ -27,6 +27,8 @@ use meshwarp_bpf::shared::{
     PARK_DONE, PARK_FAILED, PARK_MOOT, PARK_PENDING, PARK_RELINK,
 };
 
+use crate::error::{BpfError, IoError};
+
 /// Attempts of a relink a failed walk did not serve (one per [`RETRY_EVERY`]).
 pub const MAX_TRIES: u32 = 100;
 /// How long an unserved relink waits before its next attempt.
@@ -34,18 +36,10 @@ pub const RETRY_EVERY: Duration = Duration::from_millis(5);
 
 #[derive(Debug, thiserror::Error)]
 pub enum ParkError {
-    #[error("{what}: {source}")]
-    Bpf {
-        what: String,
-        #[source]
-        source: libbpf_rs::Error,
-    },
-    #[error("{what}: {source}")]
-    Io {
-        what: String,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Bpf(#[from] crate::error::BpfError),
+    #[error(transparent)]
+    Io(#[from] crate::error::IoError),
     #[error(transparent)]
     Sys(#[from] crate::sys::SysError),
 }
@@ -53,7 +47,7 @@ pub enum ParkError {
 /// Maps a libbpf error to [`ParkError::Bpf`], saying what was being done.
 pub(crate) fn bpf_err(what: impl Into<String>) -> impl FnOnce(libbpf_rs::Error) -> ParkError {
     let what = what.into();
-    move |source| ParkError::Bpf { what, source }
+    move |source| ParkError::Bpf(BpfError::new(what, source))
 }
 
 /// One socket waiting for `mw_park` to put it back.
@@ -92,7 +86,7 @@ impl Parker {
         let links = MapHandle::from_pinned_path(pin_dir.join("maps").join(names::MAP_LINKS))
             .map_err(bpf_err("opening pinned mw_links"))?;
         let link = crate::sys::iter_link(&prog)
-            .map_err(|source| ParkError::Io { what: "creating the mw_park iterator link".into(), source })?;
+            .map_err(|source| ParkError::Io(IoError::new("creating the mw_park iterator link", source)))?;
         let mut parker =
             Self { req, links, unlink, link, netns: BTreeMap::new(), queue: Vec::new(), rescan_due: false };
         // Requests made while no process served them (or before a restart).
@@ -218,9 +212,11 @@ impl Parker {
             Some(p) => p.clone(),
             None => {
                 let tid = reqs.first().map_or(0, |r| r.tid);
-                let p = crate::sys::find_netns(ns, tid).ok_or_else(|| ParkError::Io {
-                    what: format!("finding network namespace {ns}"),
-                    source: std::io::ErrorKind::NotFound.into(),
+                let p = crate::sys::find_netns(ns, tid).ok_or_else(|| {
+                    ParkError::Io(IoError::new(
+                        format!("finding network namespace {ns}"),
+                        std::io::ErrorKind::NotFound.into(),
+                    ))
                 })?;
                 self.netns.insert(ns, p.clone());
                 p
@@ -247,7 +243,7 @@ impl Parker {
         // served must not be retried as if it had not been.
         if let Err(e) = ran
             .map_err(ParkError::from)
-            .and_then(|r| r.map_err(|source| ParkError::Io { what: "reading the mw_park iterator".into(), source }))
+            .and_then(|r| r.map_err(|source| ParkError::Io(IoError::new("reading the mw_park iterator", source))))
         {
             tracing::debug!(netns = ns, "mw_park: {e}");
         }

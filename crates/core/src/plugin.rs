@@ -39,6 +39,7 @@ use meshwarp_bpf::shared::{
 };
 use sha2::{Digest, Sha256};
 
+use crate::error::{BpfError, IoError};
 use crate::loader::with_libbpf_log;
 use crate::maps::PerCpu;
 use crate::pins::remove_plugin_dir;
@@ -290,27 +291,19 @@ pub enum PluginError {
     ChainFull { hook: Hook },
     #[error("no free plugin slot ({MAX_PLUGINS} plugins per node)")]
     NoSlot,
-    #[error("{what}: {source}")]
-    Bpf {
-        what: String,
-        #[source]
-        source: libbpf_rs::Error,
-    },
-    #[error("{path}: {source}")]
-    Io {
-        path: PathBuf,
-        #[source]
-        source: io::Error,
-    },
+    #[error(transparent)]
+    Bpf(#[from] crate::error::BpfError),
+    #[error(transparent)]
+    Io(#[from] crate::error::IoError),
 }
 
 fn bpf(what: impl Into<String>) -> impl FnOnce(libbpf_rs::Error) -> PluginError {
     let what = what.into();
-    move |source| PluginError::Bpf { what, source }
+    move |source| PluginError::Bpf(BpfError::new(what, source))
 }
 
 fn io_err(path: &Path) -> impl FnOnce(io::Error) -> PluginError + '_ {
-    move |source| PluginError::Io { path: path.to_path_buf(), source }
+    move |source| PluginError::Io(IoError::new(path.display().to_string(), source))
 }
 
 /// Lowercase hex, as sha256 digests are shown.
@@ -401,9 +394,11 @@ impl FamilyMaps {
     }
 
     fn prog_array(&self, hook: Hook) -> Result<&MapHandle, PluginError> {
-        self.shared.get(hook.prog_array()).ok_or_else(|| PluginError::Bpf {
-            what: format!("{} has no {}", self.dir.display(), hook.prog_array()),
-            source: libbpf_rs::Error::from(io::Error::from(io::ErrorKind::NotFound)),
+        self.shared.get(hook.prog_array()).ok_or_else(|| {
+            PluginError::Bpf(BpfError::new(
+                format!("{} has no {}", self.dir.display(), hook.prog_array()),
+                libbpf_rs::Error::from(io::Error::from(io::ErrorKind::NotFound)),
+            ))
         })
     }
 

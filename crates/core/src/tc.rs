@@ -29,6 +29,7 @@ use meshwarp_bpf::shared::{
 };
 use meshwarp_bpf::tcredir::TcredirSkelBuilder;
 
+use crate::error::{BpfError, IoError};
 use crate::maps::PerCpu;
 pub use crate::netlink::IfaceRef;
 use crate::netlink::{self, Link, NetlinkError};
@@ -199,24 +200,16 @@ pub enum TcError {
     Sys(#[from] crate::sys::SysError),
     #[error(transparent)]
     Netlink(#[from] NetlinkError),
-    #[error("{what}: {source}")]
-    Bpf {
-        what: String,
-        #[source]
-        source: libbpf_rs::Error,
-    },
+    #[error(transparent)]
+    Bpf(#[from] crate::error::BpfError),
     #[error("loading the tc programs: {source}\n--- verifier/libbpf log ---\n{log}")]
     Load {
         #[source]
         source: libbpf_rs::Error,
         log: String,
     },
-    #[error("{what}: {source}")]
-    Io {
-        what: String,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Io(#[from] crate::error::IoError),
     #[error("{0} already exists")]
     AlreadyExists(String),
     #[error("{0} does not exist")]
@@ -235,12 +228,12 @@ pub enum TcError {
 
 fn bpf(what: impl Into<String>) -> impl FnOnce(libbpf_rs::Error) -> TcError {
     let what = what.into();
-    move |source| TcError::Bpf { what, source }
+    move |source| TcError::Bpf(BpfError::new(what, source))
 }
 
 fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> TcError {
     let what = what.into();
-    move |source| TcError::Io { what, source }
+    move |source| TcError::Io(IoError::new(what, source))
 }
 
 /// How an attachment was made.
@@ -330,7 +323,7 @@ pub fn remove_pinned(pin_root: &Path) -> Result<(), TcError> {
         match fs::remove_file(&p) {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(TcError::Io { what: format!("unpinning {}", p.display()), source: e }),
+            Err(e) => return Err(TcError::Io(IoError::new(format!("unpinning {}", p.display()), e))),
         }
     }
     for d in ["links", "progs", "maps", ""] {
@@ -387,7 +380,7 @@ impl TcDataplane {
     /// Adopts the tc data path pinned under `cfg.pin_root`, or loads and pins it.
     pub fn open(cfg: &TcConfig) -> Result<Self, TcError> {
         crate::sys::ensure_bpffs(&cfg.pin_root)
-            .map_err(|e| TcError::Io { what: e.to_string(), source: std::io::Error::other("bpffs") })?;
+            .map_err(|e| TcError::Io(IoError::new(e.to_string(), std::io::Error::other("bpffs"))))?;
         let dir = tc_dir(&cfg.pin_root);
         let pins = tc_pins(&dir);
         let missing: Vec<String> = pins.iter().filter(|p| !p.exists()).map(|p| p.display().to_string()).collect();
@@ -513,7 +506,7 @@ impl TcDataplane {
             if e.kind() == std::io::ErrorKind::NotFound {
                 TcError::NotFound(format!("attachment if{ifindex} {dir:?}"))
             } else {
-                TcError::Io { what: format!("unpinning {}", path.display()), source: e }
+                TcError::Io(IoError::new(format!("unpinning {}", path.display()), e))
             }
         })
     }
@@ -573,7 +566,7 @@ impl TcDataplane {
                 let id = st.slots.allocate(self.capacity).ok_or(TcError::Full(self.capacity))?;
                 if let Err(e) = self.rt_stats.zero(&id.to_ne_bytes()) {
                     st.slots.release(id);
-                    return Err(TcError::Bpf { what: "zeroing route counters".into(), source: e });
+                    return Err(TcError::Bpf(BpfError::new("zeroing route counters", e)));
                 }
                 id
             }
@@ -586,7 +579,7 @@ impl TcDataplane {
             if reuse.is_none() {
                 st.slots.release(id);
             }
-            return Err(TcError::Bpf { what: format!("writing route {route}"), source: e });
+            return Err(TcError::Bpf(BpfError::new(format!("writing route {route}"), e)));
         }
         let installed = InstalledRoute {
             route: route.clone(),
@@ -983,24 +976,24 @@ fn attach_in_ns(prog_fd: i32, ifindex: u32, dir: Direction, path: &Path) -> Resu
     let fd = unsafe { libbpf_sys::bpf_link_create(prog_fd, ifindex as i32, attach_type, &opts) };
     if fd >= 0 {
         let c = CString::new(path.as_os_str().as_encoded_bytes())
-            .map_err(|e| TcError::Io { what: "pin path".into(), source: std::io::Error::other(e) })?;
+            .map_err(|e| TcError::Io(IoError::new("pin path", std::io::Error::other(e))))?;
         // SAFETY: valid link fd and NUL-terminated path.
         let rc = unsafe { libbpf_sys::bpf_obj_pin(fd, c.as_ptr()) };
         // SAFETY: we own fd; the pin keeps the link.
         unsafe { libc::close(fd) };
         if rc != 0 {
-            return Err(TcError::Io {
-                what: format!("pinning {}", path.display()),
-                source: std::io::Error::from_raw_os_error(-rc),
-            });
+            return Err(TcError::Io(IoError::new(
+                format!("pinning {}", path.display()),
+                std::io::Error::from_raw_os_error(-rc),
+            )));
         }
         return Ok(AttachMode::Tcx);
     }
     if -fd != libc::EINVAL && -fd != libc::EOPNOTSUPP {
-        return Err(TcError::Io {
-            what: format!("tcx attach to ifindex {ifindex}"),
-            source: std::io::Error::from_raw_os_error(-fd),
-        });
+        return Err(TcError::Io(IoError::new(
+            format!("tcx attach to ifindex {ifindex}"),
+            std::io::Error::from_raw_os_error(-fd),
+        )));
     }
     // No tcx: clsact + cls_bpf (direct action).
     // SAFETY: prog_fd stays open for the duration of this call.
