@@ -1,11 +1,68 @@
-//! The node as a whole: what belongs to no single family. Today that is the
-//! uninstall, which removes every family's pins (socket redirection, tc,
-//! their plugins) under a pin root.
+//! The node as a whole: [`Node`] owns the families one node runs (socket
+//! redirection, tc, their plugin chains), their opening or adoption, and
+//! [`uninstall`] removes every family's pins under a pin root.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
-use crate::dataplane::{self, DataplaneError};
-use crate::tc::{self, TcError};
+use crate::dataplane::{self, Dataplane, DataplaneConfig, DataplaneError};
+use crate::plugin::PluginChain;
+use crate::tc::{self, TcConfig, TcDataplane, TcError};
+
+/// What one node runs: the socket family always; the tc family and the
+/// plugin chains where this kernel and host allow them (else why not).
+#[derive(Debug, Clone)]
+pub struct Node {
+    pub dataplane: Arc<Dataplane>,
+    pub tc: Result<Arc<TcDataplane>, String>,
+    pub plugins: Result<Arc<PluginChain>, String>,
+}
+
+/// How to open a [`Node`].
+#[derive(Debug, Clone, Default)]
+pub struct NodeConfig {
+    pub dataplane: DataplaneConfig,
+    /// Network namespace whose interfaces tc routes name (`None`: this
+    /// process's).
+    pub netns: Option<PathBuf>,
+}
+
+impl Node {
+    /// Loads or adopts every family pinned under `cfg.dataplane.pin_root`.
+    /// The socket family must open; tc and plugins that cannot are reported
+    /// (logged, and kept as the reason) and the node runs without them.
+    pub fn open(cfg: &NodeConfig) -> Result<Self, NodeError> {
+        let dp = Arc::new(Dataplane::open(&cfg.dataplane)?);
+        tracing::info!(origin = ?dp.origin(), pin_dir = %dp.pin_dir().display(), pairs = dp.pairs().len(),
+            captures = dp.captures().len(), "data path ready");
+        let tc_cfg = TcConfig {
+            pin_root: cfg.dataplane.pin_root.clone(),
+            netns: cfg.netns.clone(),
+            max_routes: cfg.dataplane.max_rules,
+        };
+        let tc = match TcDataplane::open(&tc_cfg) {
+            Ok(tc) => {
+                tracing::info!(routes = tc.routes().len(), attachments = tc.attachments().len(), "tc data path ready");
+                Ok(Arc::new(tc))
+            }
+            Err(e) => {
+                tracing::warn!("tc redirection unavailable: {e}");
+                Err(e.to_string())
+            }
+        };
+        Ok(Self::with(dp, tc))
+    }
+
+    /// A node of an already open socket family (and tc family, or why not);
+    /// opens the plugin chains over them.
+    pub fn with(dataplane: Arc<Dataplane>, tc: Result<Arc<TcDataplane>, String>) -> Self {
+        let plugins = PluginChain::open(Some(&dataplane), tc.as_deref().ok()).map(Arc::new).map_err(|e| {
+            tracing::warn!("plugins unavailable: {e}");
+            e.to_string()
+        });
+        Self { dataplane, tc, plugins }
+    }
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum NodeError {

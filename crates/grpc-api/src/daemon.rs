@@ -10,7 +10,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use meshwarp_core::{Dataplane, DataplaneConfig, DataplaneError};
+use meshwarp_core::node::{Node, NodeConfig};
+use meshwarp_core::{DataplaneConfig, DataplaneError};
 use nix::unistd::{Gid, Group};
 use tokio::net::{TcpListener, UnixListener};
 use tokio_stream::wrappers::{TcpListenerStream, UnixListenerStream};
@@ -183,26 +184,10 @@ async fn server_tls(t: &TlsFiles) -> Result<tonic::transport::ServerTlsConfig, D
 /// RPCs answer UNAVAILABLE, in-flight calls get `drain_timeout` to finish.
 pub async fn run(opts: DaemonOptions, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<(), DaemonError> {
     let gid = check_options(&opts)?;
-    let dp = Arc::new(Dataplane::open(&opts.dataplane)?);
-    tracing::info!(origin = ?dp.origin(), pin_dir = %dp.pin_dir().display(), pairs = dp.pairs().len(),
-        captures = dp.captures().len(), "data path ready");
-    let tc_cfg = meshwarp_core::tc::TcConfig {
-        pin_root: opts.dataplane.pin_root.clone(),
-        netns: opts.netns.clone(),
-        max_routes: opts.dataplane.max_rules,
-    };
-    let tc = match meshwarp_core::tc::TcDataplane::open(&tc_cfg) {
-        Ok(tc) => {
-            tracing::info!(routes = tc.routes().len(), attachments = tc.attachments().len(), "tc data path ready");
-            Ok(Arc::new(tc))
-        }
-        Err(e) => {
-            tracing::warn!("tc redirection unavailable: {e}");
-            Err(e.to_string())
-        }
-    };
+    let node = Node::open(&NodeConfig { dataplane: opts.dataplane.clone(), netns: opts.netns.clone() })?;
+    let dp = Arc::clone(&node.dataplane);
     let metrics = Arc::new(Metrics::new());
-    let node = NodeServer::with_tc(Arc::clone(&dp), tc, opts.server.clone(), Arc::clone(&metrics));
+    let node = NodeServer::new(node, opts.server.clone(), Arc::clone(&metrics));
     let (health, health_svc) = tonic_health::server::health_reporter();
     health.set_serving::<NodeServiceServer<NodeServer>>().await;
     let reflection = tonic_reflection::server::Builder::configure()

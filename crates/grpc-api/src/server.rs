@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
+use meshwarp_core::node::Node;
 use meshwarp_core::registry::{Outcome, Registered};
 use meshwarp_core::tc::{Direction as TcDirection, IfaceRef, InstalledRoute, Prefix, TcDataplane};
 use meshwarp_core::{Dataplane, PluginChain};
@@ -166,21 +167,11 @@ fn event_type(o: Outcome) -> Option<EventType> {
 }
 
 impl NodeServer {
-    pub fn new(dp: Arc<Dataplane>, cfg: ServerConfig, metrics: Arc<Metrics>) -> Self {
-        Self::with_tc(dp, Err("not configured".into()), cfg, metrics)
-    }
-
-    pub fn with_tc(
-        dp: Arc<Dataplane>,
-        tc: Result<Arc<TcDataplane>, String>,
-        cfg: ServerConfig,
-        metrics: Arc<Metrics>,
-    ) -> Self {
+    /// Serves `node`: its socket family, and its tc family and plugin
+    /// chains where it has them.
+    pub fn new(node: Node, cfg: ServerConfig, metrics: Arc<Metrics>) -> Self {
+        let Node { dataplane: dp, tc, plugins } = node;
         let log = Arc::new(EventLog::new(cfg.event_history));
-        let plugins = PluginChain::open(Some(&dp), tc.as_deref().ok()).map(Arc::new).map_err(|e| {
-            tracing::warn!("plugins unavailable: {e}");
-            e.to_string()
-        });
         forward_incidents(&dp, &log, &metrics);
         Self {
             dp,
