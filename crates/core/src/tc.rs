@@ -379,8 +379,7 @@ fn load_and_pin(cfg: &TcConfig, dir: &Path) -> Result<(), TcError> {
 impl TcDataplane {
     /// Adopts the tc data path pinned under `cfg.pin_root`, or loads and pins it.
     pub fn open(cfg: &TcConfig) -> Result<Self, TcError> {
-        crate::sys::ensure_bpffs(&cfg.pin_root)
-            .map_err(|e| TcError::Io(IoError::new(e.to_string(), std::io::Error::other("bpffs"))))?;
+        crate::sys::ensure_bpffs(&cfg.pin_root)?;
         let dir = tc_dir(&cfg.pin_root);
         let pins = tc_pins(&dir);
         let missing: Vec<String> = pins.iter().filter(|p| !p.exists()).map(|p| p.display().to_string()).collect();

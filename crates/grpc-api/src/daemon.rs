@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use meshwarp_core::node::{Node, NodeConfig};
-use meshwarp_core::{DataplaneConfig, DataplaneError};
+use meshwarp_core::DataplaneConfig;
 use nix::unistd::{Gid, Group};
 use tokio::net::{TcpListener, UnixListener};
 use tokio_stream::wrappers::{TcpListenerStream, UnixListenerStream};
@@ -87,8 +87,6 @@ pub enum DaemonError {
         #[source]
         source: std::io::Error,
     },
-    #[error(transparent)]
-    Dataplane(#[from] DataplaneError),
     #[error(transparent)]
     Node(#[from] meshwarp_core::node::NodeError),
     #[error("serving gRPC: {0}")]
@@ -279,8 +277,7 @@ pub async fn run(opts: DaemonOptions, shutdown: impl Future<Output = ()> + Send 
                 tokio::select! {
                     _ = stop.recv() => return Ok(()),
                     _ = tick.tick() => {
-                        let n = node.clone();
-                        if let Ok(Err(e)) = tokio::task::spawn_blocking(move || n.refresh_routes()).await {
+                        if let Err(e) = node.refresh_routes_now().await {
                             if e.code() != tonic::Code::FailedPrecondition {
                                 tracing::warn!("refreshing routes: {}", e.message());
                             }

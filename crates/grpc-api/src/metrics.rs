@@ -261,22 +261,28 @@ impl Metrics {
                 c.fallback_mode_never,
             ]
         };
+        // Keyed by the rule's identity (an update keeps the key and the
+        // counter slot); a failed read keeps the rule's last values, so it
+        // is not taken for deleted.
+        let mut totals = self.totals.lock().unwrap_or_else(|p| p.into_inner());
         let mut now = HashMap::new();
+        let mut put = |key: String, c: Option<meshwarp_core::RuleCounters>| {
+            if let Some(v) = c.map(flat).or_else(|| totals.last.get(&key).copied()) {
+                now.insert(key, v);
+            }
+        };
         let pairs = reg.pairs();
         for p in &pairs {
-            if let Ok(c) = reg.pair_stats(&p.rule) {
-                now.insert(format!("pair {:?}", p.rule), flat(c));
-            }
+            put(format!("pair {:?}", p.rule.key()), reg.pair_stats(&p.rule).ok());
         }
         let captures = reg.captures();
         for r in &captures {
-            if let Ok(c) = reg.capture_stats(&r.rule) {
-                now.insert(format!("capture {:?}", r.rule), flat(c));
-            }
+            put(format!("capture {:?}", r.rule.key()), reg.capture_stats(&r.rule).ok());
         }
         let not_covered = reg.global_stats().map(|g| g.not_covered).unwrap_or(0);
         drop(reg);
-        let t = self.totals.lock().unwrap_or_else(|p| p.into_inner()).update(now);
+        let t = totals.update(now);
+        drop(totals);
         let [msgs, bytes, hits, demoted, behind, promoted, tcp_msgs, unlinked, relinked, fb @ ..] = t;
         self.pairs.set(pairs.len() as i64);
         self.captures.set(captures.len() as i64);

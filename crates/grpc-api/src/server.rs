@@ -253,6 +253,19 @@ impl NodeServer {
 
     /// Takes routes whose interfaces vanished out of the data path and
     /// announces them as STALE; the daemon calls this periodically.
+    /// [`Self::refresh_routes`] on the blocking pool, as an RPC body: the
+    /// drain waits for it too.
+    pub async fn refresh_routes_now(&self) -> Result<usize, Status> {
+        let inflight = Arc::clone(&self.inflight).read_owned().await;
+        let this = self.clone();
+        tokio::task::spawn_blocking(move || {
+            let _inflight = inflight;
+            this.refresh_routes()
+        })
+        .await
+        .unwrap_or_else(|e| Err(Status::internal(format!("refreshing routes: {e}"))))
+    }
+
     pub fn refresh_routes(&self) -> Result<usize, Status> {
         let tc = self.tc()?;
         let mut log = self.log.lock();
@@ -440,7 +453,6 @@ impl NodeServer {
         self.log.instance_id()
     }
 
-    /// From now on RPCs answer UNAVAILABLE (the daemon is stopping).
     /// Waits until no RPC body runs any more (those the drain timeout cut
     /// off included); while the returned guard lives no new one starts.
     /// `None` if `timeout` passed first.
@@ -448,6 +460,7 @@ impl NodeServer {
         tokio::time::timeout(timeout, Arc::clone(&self.inflight).write_owned()).await.ok()
     }
 
+    /// From now on RPCs answer UNAVAILABLE (the daemon is stopping).
     pub fn start_draining(&self) {
         self.draining.store(true, Ordering::SeqCst);
     }
