@@ -285,26 +285,18 @@ mod tests {
         <Wrap as clap::Parser>::try_parse_from(std::iter::once("serve").chain(argv.iter().copied())).unwrap().a
     }
 
-    /// A config file in the temp directory, removed on drop.
-    struct TempConfig(PathBuf);
+    /// A config file in a private scratch directory, removed on drop.
+    struct TempConfig(meshwarp_testbed::ScratchDir);
 
     impl TempConfig {
         fn new(text: &str) -> Self {
-            static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-            let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            let p = std::env::temp_dir().join(format!("meshwarp-cfg-{}-{n}.toml", std::process::id()));
-            std::fs::write(&p, text).unwrap();
-            Self(p)
+            let dir = meshwarp_testbed::ScratchDir::new("meshwarp-cfg-").unwrap();
+            std::fs::write(dir.path("serve.toml"), text).unwrap();
+            Self(dir)
         }
 
-        fn path(&self) -> &str {
-            self.0.to_str().unwrap()
-        }
-    }
-
-    impl Drop for TempConfig {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_file(&self.0);
+        fn path(&self) -> String {
+            self.0.path("serve.toml").display().to_string()
         }
     }
 
@@ -317,6 +309,7 @@ mod tests {
              drain_timeout_secs = 3\nsocket_mode = \"0600\"\ncleanup = true\n",
         );
         let cfg = f.path();
+        let cfg = cfg.as_str();
 
         let (o, fmt) = resolve(&serve_args(&[]), None).unwrap();
         assert_eq!(o.dataplane.pin_root, PathBuf::from(DEFAULT_PIN_ROOT));
@@ -345,8 +338,8 @@ mod tests {
     #[test]
     fn a_bad_file_is_an_error_naming_it() {
         let f = TempConfig::new("sokcet = \"/tmp/x\"\n");
-        let e = resolve(&serve_args(&["--config", f.path()]), None).unwrap_err();
-        assert!(format!("{e:#}").contains("sokcet") && format!("{e:#}").contains(f.path()), "{e:#}");
+        let e = resolve(&serve_args(&["--config", &f.path()]), None).unwrap_err();
+        assert!(format!("{e:#}").contains("sokcet") && format!("{e:#}").contains(&f.path()), "{e:#}");
         let e = resolve(&serve_args(&["--config", "/nonexistent/meshwarp.toml"]), None).unwrap_err();
         assert!(format!("{e:#}").contains("/nonexistent/meshwarp.toml"), "{e:#}");
     }

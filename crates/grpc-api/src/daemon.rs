@@ -308,8 +308,8 @@ pub async fn run(opts: DaemonOptions, shutdown: impl Future<Output = ()> + Send 
     }
     // A body whose connection was closed still runs on the blocking pool:
     // let it finish before the socket goes and, with --cleanup, the pins.
-    let _idle = node.wait_idle(opts.drain_timeout).await;
-    if _idle.is_none() {
+    let idle = node.wait_idle(opts.drain_timeout).await;
+    if idle.is_none() {
         tracing::warn!("RPC bodies still running after the drain timeout");
     }
     if let Some(path) = &opts.socket {

@@ -253,17 +253,29 @@ impl NodeServer {
 
     /// Takes routes whose interfaces vanished out of the data path and
     /// announces them as STALE; the daemon calls this periodically.
-    /// [`Self::refresh_routes`] on the blocking pool, as an RPC body: the
-    /// drain waits for it too.
-    pub async fn refresh_routes_now(&self) -> Result<usize, Status> {
+    /// Runs `body` on tokio's blocking pool (map updates are system calls,
+    /// a plugin load runs the verifier and waits for an RCU grace period, a
+    /// route looks interfaces up over netlink), never on an async worker;
+    /// it holds an `inflight` read guard until it returns, so the drain
+    /// waits for it even when its caller went away.
+    async fn blocking<T: Send + 'static>(
+        &self,
+        what: &str,
+        body: impl FnOnce(NodeServer) -> Result<T, Status> + Send + 'static,
+    ) -> Result<T, Status> {
         let inflight = Arc::clone(&self.inflight).read_owned().await;
         let this = self.clone();
         tokio::task::spawn_blocking(move || {
             let _inflight = inflight;
-            this.refresh_routes()
+            body(this)
         })
         .await
-        .unwrap_or_else(|e| Err(Status::internal(format!("refreshing routes: {e}"))))
+        .unwrap_or_else(|e| Err(Status::internal(format!("{what}: {e}"))))
+    }
+
+    /// [`Self::refresh_routes`] as an RPC body would run it.
+    pub async fn refresh_routes_now(&self) -> Result<usize, Status> {
+        self.blocking("refreshing routes", |this| this.refresh_routes()).await
     }
 
     pub fn refresh_routes(&self) -> Result<usize, Status> {
@@ -841,21 +853,13 @@ impl NodeServer {
     }
 }
 
-/// Each RPC runs its synchronous body on tokio's blocking pool (map updates
-/// are system calls, a plugin load runs the verifier and waits for an RCU
-/// grace period, a route looks interfaces up over netlink), never on an async
-/// worker, and records its outcome.
+/// Each RPC runs its synchronous body through `blocking` and records its
+/// outcome.
 macro_rules! rpc {
     ($self:ident, $name:literal, $req:ident, $body:ident) => {{
         let start = Instant::now();
-        let (this, req) = ($self.clone(), $req.into_inner());
-        let inflight = Arc::clone(&$self.inflight).read_owned().await;
-        let r = tokio::task::spawn_blocking(move || {
-            let _inflight = inflight;
-            this.$body(req)
-        })
-        .await
-        .unwrap_or_else(|e| Err(Status::internal(format!("{}: {e}", $name))));
+        let req = $req.into_inner();
+        let r = $self.blocking($name, move |this| this.$body(req)).await;
         $self.observed($name, start, r)
     }};
 }
