@@ -77,9 +77,9 @@ fn paths(c: &mut Criterion) {
     // Pairs and the capture rule, registered once.
     let mirror =
         EndpointPair::new(lo(0).ip(), Endpoint::new(lo(0).ip(), 9301)).expect("pair").with_mode(FastPathMode::Always);
-    k.dp().insert_pair(&mirror, "bench").expect("pair");
+    k.dp().insert(&mirror, "bench").expect("pair");
     let adaptive = EndpointPair::new(lo(0).ip(), Endpoint::new(lo(0).ip(), 9302)).expect("pair");
-    k.dp().insert_pair(&adaptive, "bench").expect("pair");
+    k.dp().insert(&adaptive, "bench").expect("pair");
     let vip: IpAddr = VIP.parse().expect("vip");
     redirect_output(&ns, vip, 80, 15001).expect("iptables");
     let capture = CaptureRule::new(
@@ -88,7 +88,7 @@ fn paths(c: &mut Criterion) {
         Endpoint::new(lo(0).ip(), 15001),
     )
     .expect("capture rule");
-    k.dp().insert_capture(&capture, "bench").expect("capture");
+    k.dp().insert(&capture, "bench").expect("capture");
 
     let mut port = 9400u16;
     let mut next_port = || {
@@ -135,8 +135,8 @@ fn paths(c: &mut Criterion) {
         drop((plain, seen, redir, adapt, captured, unix));
     }
     g.finish();
-    let st = k.dp().pair_stats(&mirror).expect("stats");
-    let cs = k.dp().capture_stats(&capture).expect("stats");
+    let st = k.dp().stats(&mirror).expect("stats");
+    let cs = k.dp().stats(&capture).expect("stats");
     assert!(st.redirected_msgs > 0 && cs.redirected_msgs > 0, "redirected paths were not redirected: {st:?} {cs:?}");
     eprintln!("mirror pair: {st:?}\ncapture rule: {cs:?}");
     stream(c, &k, &ns, &mirror, &adaptive);
@@ -177,7 +177,7 @@ fn stream(c: &mut Criterion, k: &KernelTest, ns: &NetNs, always: &EndpointPair, 
         }
     }
     g.finish();
-    eprintln!("adaptive pair: {:?}", k.dp().pair_stats(adaptive).expect("stats"));
+    eprintln!("adaptive pair: {:?}", k.dp().stats(adaptive).expect("stats"));
 }
 
 fn one_stream(ns: &NetNs, addr: SocketAddr, conns: usize, nodelay: bool, write: usize, each: usize) -> Duration {
@@ -235,10 +235,10 @@ fn control(c: &mut Criterion, k: &KernelTest) {
             for _ in 0..iters {
                 let t = Instant::now();
                 for p in &pairs {
-                    dp.insert_pair(p, "bench").expect("insert");
+                    dp.insert(p, "bench").expect("insert");
                 }
                 total += t.elapsed();
-                dp.registry().batch_remove_pairs(&pairs, "bench", false).expect("cleanup");
+                dp.registry().batch_remove(&pairs, "bench", false).expect("cleanup");
             }
             total
         })
@@ -248,9 +248,9 @@ fn control(c: &mut Criterion, k: &KernelTest) {
             let mut total = Duration::ZERO;
             for _ in 0..iters {
                 let t = Instant::now();
-                dp.registry().batch_upsert_pairs(&pairs, "bench").expect("batch");
+                dp.registry().batch_upsert(&pairs, "bench").expect("batch");
                 total += t.elapsed();
-                dp.registry().batch_remove_pairs(&pairs, "bench", false).expect("cleanup");
+                dp.registry().batch_remove(&pairs, "bench", false).expect("cleanup");
             }
             total
         })

@@ -35,7 +35,7 @@ fn plugins_rtt(c: &mut Criterion) {
     let plain: SocketAddr = "127.0.0.1:9200".parse().expect("addr");
     let redirected: SocketAddr = "127.0.0.1:9201".parse().expect("addr");
     let pair = EndpointPair::new(redirected.ip(), Endpoint::from(redirected)).expect("pair");
-    k.dp().insert_pair(&pair, "bench").expect("register pair");
+    k.dp().insert(&pair, "bench").expect("register pair");
     let mut tcp = tcp_pair(&ns, plain, MSG);
     let mut fast = tcp_pair(&ns, redirected, MSG);
 
@@ -71,7 +71,7 @@ fn plugins_rtt(c: &mut Criterion) {
     g.finish();
     let _ = std::fs::write(BPF_STATS, stats_enabled.trim());
 
-    let st = k.dp().pair_stats(&pair).expect("stats");
+    let st = k.dp().stats(&pair).expect("stats");
     assert!(st.redirected_msgs > 0 && st.fallback_tcp_path == 0, "the path stayed redirected: {st:?}");
     assert!(list.iter().all(|p| p.counters.runs > 0), "every plugin ran: {list:?}");
     for (name, ns) in costs {

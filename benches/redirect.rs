@@ -29,7 +29,7 @@ fn rtt_64b(c: &mut Criterion) {
     let plain: SocketAddr = "127.0.0.1:9100".parse().expect("addr");
     let redirected: SocketAddr = "127.0.0.1:9101".parse().expect("addr");
     let pair = EndpointPair::new(redirected.ip(), Endpoint::from(redirected)).expect("pair");
-    k.dp().insert_pair(&pair, "bench").expect("register pair");
+    k.dp().insert(&pair, "bench").expect("register pair");
 
     let mut tcp = tcp_pair(&ns, plain, MSG);
     let mut fast = tcp_pair(&ns, redirected, MSG);
@@ -54,7 +54,7 @@ fn rtt_64b(c: &mut Criterion) {
     bench_rtt::<_, MSG>(&mut g, "unix_socket", &mut unix);
     g.finish();
 
-    let st = k.dp().pair_stats(&pair).expect("stats");
+    let st = k.dp().stats(&pair).expect("stats");
     assert!(st.redirected_msgs > 0, "the redirected path was not redirected: {st:?}");
     eprintln!("pair counters after the run: {st:?}");
     if let Some((ns, runs)) = prog_cost {

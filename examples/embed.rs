@@ -16,10 +16,10 @@ fn main() -> Result<()> {
     let dp = Dataplane::open(&DataplaneConfig::default())?;
     println!("data path {:?} at {}", dp.origin(), dp.pin_dir().display());
     let pair = EndpointPair::new(client, server.into())?;
-    let outcome = dp.upsert_pair(&pair, "embed-example")?;
+    let outcome = dp.upsert(&pair, "embed-example")?;
     println!("{pair}: {outcome:?}");
     for p in dp.pairs() {
-        println!("{p}: {:?}", dp.pair_stats(&p)?);
+        println!("{p}: {:?}", dp.stats(&p)?);
     }
     Ok(())
 }

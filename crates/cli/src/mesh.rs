@@ -249,13 +249,13 @@ struct SocketRules<'a> {
 
 impl Accel for SocketRules<'_> {
     fn enable(&self) -> Result<()> {
-        self.dp.registry().batch_upsert_pairs(&self.pairs, OWNER)?;
-        self.dp.registry().batch_upsert_captures(&self.captures, OWNER)?;
+        self.dp.registry().batch_upsert(&self.pairs, OWNER)?;
+        self.dp.registry().batch_upsert(&self.captures, OWNER)?;
         Ok(())
     }
     fn disable(&self) -> Result<()> {
-        self.dp.registry().batch_remove_pairs(&self.pairs, OWNER, true)?;
-        self.dp.registry().batch_remove_captures(&self.captures, OWNER, true)?;
+        self.dp.registry().batch_remove(&self.pairs, OWNER, true)?;
+        self.dp.registry().batch_remove(&self.captures, OWNER, true)?;
         Ok(())
     }
 }

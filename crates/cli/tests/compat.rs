@@ -157,8 +157,8 @@ impl Inbound {
         let _echo = StreamEcho::start(net.pods[1].ns.listen(app)?)?;
         let inner = EndpointPair::new(lo, app.into())?;
         let outer = EndpointPair::new(net.pods[0].v4.into(), front.into())?;
-        k.dp().insert_pair(&inner, OWNER)?;
-        k.dp().insert_pair(&outer, OWNER)?;
+        k.dp().insert(&inner, OWNER)?;
+        k.dp().insert(&outer, OWNER)?;
         Ok(Self { k, net, front, app, inner, outer, dir: ScratchDir::new("meshwarp-compat-")?, _echo })
     }
 
@@ -174,7 +174,7 @@ impl Inbound {
         run_connections(|i| {
             echo_integrity(client.connect(self.front)?, seed + i as u64, size_of_conn(i), T).map_err(Into::into)
         })?;
-        let (o, i) = (self.k.dp().pair_stats(&self.outer)?, self.k.dp().pair_stats(&self.inner)?);
+        let (o, i) = (self.k.dp().stats(&self.outer)?, self.k.dp().stats(&self.inner)?);
         report(what, &[("outer", o), ("inner", i)]);
         Ok((o, i))
     }
@@ -259,8 +259,8 @@ fn haproxy_outbound(splice: Splice) -> Result<()> {
     let cfg = haproxy_config(&dir, "outbound.cfg", listener, upstream, splice)?;
     let capture = CaptureRule::new(Some(a.v4.into()), service.into(), listener.into())?;
     let pair = EndpointPair::new(a.v4.into(), upstream.into())?;
-    k.dp().insert_capture(&capture, OWNER)?;
-    k.dp().insert_pair(&pair, OWNER)?;
+    k.dp().insert(&capture, OWNER)?;
+    k.dp().insert(&pair, OWNER)?;
     let _haproxy = Program::spawn(&a.ns, &["haproxy", "-db", "-f", &cfg])?;
     wait_listening(&a.ns, listener, T)?;
 
@@ -269,7 +269,7 @@ fn haproxy_outbound(splice: Splice) -> Result<()> {
         echo_integrity(c, 3000 + i as u64, size_of_conn(i), T)?;
         Ok(())
     })?;
-    let (cst, pst) = (k.dp().capture_stats(&capture)?, k.dp().pair_stats(&pair)?);
+    let (cst, pst) = (k.dp().stats(&capture)?, k.dp().stats(&pair)?);
     report(&format!("haproxy outbound {splice:?}"), &[("capture", cst), ("pair", pst)]);
     ensure!(cst.splice_hits == 0 && pst.splice_hits == 0, "hits: {cst:?} {pst:?}");
     ensure!(cst.redirected_bytes > 0, "app -> haproxy was accelerated: {cst:?}");
@@ -407,8 +407,8 @@ fn nginx_proxy_pass_with_curl() -> Result<()> {
     let _app = HttpEcho::start(b.ns.listen(SocketAddr::new(lo, 7003))?);
     let (inner, outer) =
         (EndpointPair::new(lo, Endpoint::new(lo, 7003))?, EndpointPair::new(a.v4.into(), front.into())?);
-    k.dp().insert_pair(&inner, OWNER)?;
-    k.dp().insert_pair(&outer, OWNER)?;
+    k.dp().insert(&inner, OWNER)?;
+    k.dp().insert(&outer, OWNER)?;
     let dir = ScratchDir::new("meshwarp-compat-")?;
     let d = dir.0.display();
     let conf = format!(
@@ -450,7 +450,7 @@ fn nginx_proxy_pass_with_curl() -> Result<()> {
         let _ = std::fs::remove_file(out);
         Ok(())
     })?;
-    let (ist, ost) = (k.dp().pair_stats(&inner)?, k.dp().pair_stats(&outer)?);
+    let (ist, ost) = (k.dp().stats(&inner)?, k.dp().stats(&outer)?);
     report("nginx + curl", &[("outer", ost), ("inner", ist)]);
     ensure!(ost.redirected_bytes > 0 && ist.redirected_bytes > 0, "curl <-> nginx <-> app accelerated");
     Ok(())
@@ -492,7 +492,7 @@ fn redis_server_benchmark_and_values() -> Result<()> {
     let (a, b) = (&net.pods[0], &net.pods[1]);
     let server = SocketAddr::new(b.v4.into(), 6379);
     let pair = EndpointPair::new(a.v4.into(), server.into())?;
-    k.dp().insert_pair(&pair, OWNER)?;
+    k.dp().insert(&pair, OWNER)?;
     let dir = ScratchDir::new("meshwarp-compat-")?;
     let bind = b.v4.to_string();
     let _redis = Program::spawn(
@@ -540,7 +540,7 @@ fn redis_server_benchmark_and_values() -> Result<()> {
     bench.child().stdout.take().context("stdout")?.read_to_string(&mut out)?;
     ensure!(bench.wait_timeout(T)?.success(), "redis-benchmark failed: {out}");
     ensure!(out.contains("SET") && out.contains("GET"), "redis-benchmark: {out}");
-    let st = k.dp().pair_stats(&pair)?;
+    let st = k.dp().stats(&pair)?;
     report("redis", &[("pair", st)]);
     ensure!(st.redirected_bytes > 0, "redis traffic accelerated: {st:?}");
     Ok(())
@@ -562,7 +562,7 @@ fn openssl_s_server_s_client_with_ktls_asked() -> Result<()> {
     let (a, b) = (&net.pods[0], &net.pods[1]);
     let server = SocketAddr::new(b.v4.into(), 4433);
     let pair = EndpointPair::new(a.v4.into(), server.into())?;
-    k.dp().insert_pair(&pair, OWNER)?;
+    k.dp().insert(&pair, OWNER)?;
     let dir = ScratchDir::new("meshwarp-compat-")?;
     let (cert, key, conf) = (dir.path("cert.pem"), dir.path("key.pem"), dir.path("openssl.cnf"));
     let st = std::process::Command::new("openssl")
@@ -584,7 +584,7 @@ fn openssl_s_server_s_client_with_ktls_asked() -> Result<()> {
         openssl_one(a, b, &addr, [&cert, &key, &conf], i as u64, len)
             .with_context(|| format!("connection {i} ({len} B)"))?;
     }
-    let st = k.dp().pair_stats(&pair)?;
+    let st = k.dp().stats(&pair)?;
     report("openssl", &[("pair", st)]);
     eprintln!("[compat] openssl: kTLS offered by this kernel: {}", k.dp().kernel().ktls);
     Ok(())
@@ -721,14 +721,14 @@ fn python_splice_echo() -> Result<()> {
     let (a, b) = (&net.pods[0], &net.pods[1]);
     let server = SocketAddr::new(b.v4.into(), 7200);
     let pair = EndpointPair::new(a.v4.into(), server.into())?;
-    k.dp().insert_pair(&pair, OWNER)?;
+    k.dp().insert(&pair, OWNER)?;
     let bind = b.v4.to_string();
     let _py = Program::spawn(&b.ns, &["python3", "-c", PY_SPLICE_ECHO, &bind, "7200"])?;
     wait_listening(&a.ns, server, T)?;
     run_connections(|i| {
         echo_integrity(a.ns.connect(server)?, 11_000 + i as u64, size_of_conn(i), T).map_err(Into::into)
     })?;
-    let st = k.dp().pair_stats(&pair)?;
+    let st = k.dp().stats(&pair)?;
     report("python splice echo", &[("pair", st)]);
     ensure!(st.splice_hits == 0, "{st:?}");
     // python imports splice, and never reads with recv(): the guard keeps
@@ -756,7 +756,7 @@ fn raw_syscall_splice_reader_fails_loudly_once_then_is_safe() -> Result<()> {
     let (a, b) = (&net.pods[0], &net.pods[1]);
     let server = SocketAddr::new(b.v4.into(), 7300);
     let pair = EndpointPair::new(a.v4.into(), server.into())?;
-    k.dp().insert_pair(&pair, OWNER)?;
+    k.dp().insert(&pair, OWNER)?;
     let l = b.ns.listen(server)?;
     let mut failed_loudly = Vec::new();
     for i in 0..=CONNS {
@@ -799,7 +799,7 @@ fn raw_syscall_splice_reader_fails_loudly_once_then_is_safe() -> Result<()> {
         }
     }
     ensure!(failed_loudly == [1], "only the first spliced connection failed, loudly: {failed_loudly:?}");
-    let st = k.dp().pair_stats(&pair)?;
+    let st = k.dp().stats(&pair)?;
     report("raw syscall splice reader", &[("pair", st)]);
     ensure!(st.splice_hits == 1, "one hit: {st:?}");
     let hit = loop {
@@ -931,7 +931,7 @@ fn blocking_full_duplex_reader() -> Result<()> {
     let (a, b) = (&net.pods[0], &net.pods[1]);
     let server = SocketAddr::new(b.v4.into(), 7400);
     let pair = EndpointPair::new(a.v4.into(), server.into())?;
-    k.dp().insert_pair(&pair, OWNER)?;
+    k.dp().insert(&pair, OWNER)?;
     let l: TcpListener = blocking_socket(&b.ns, None, Some(server))?.into();
     let srv = thread::spawn(move || -> Result<()> {
         for _ in 0..CONNS {
@@ -949,7 +949,7 @@ fn blocking_full_duplex_reader() -> Result<()> {
         blocking_duplex(c, 15_000 + i as u64, size_of_conn(i), false)
     })?;
     srv.join().unwrap()?;
-    let st = k.dp().pair_stats(&pair)?;
+    let st = k.dp().stats(&pair)?;
     report("blocking full-duplex reader", &[("pair", st)]);
     if k.dp().kernel().blocked_read_eagain {
         ensure!(st.sockets == 0, "blocking readers kept off the fast path on this kernel: {st:?}");

@@ -37,9 +37,10 @@ use crate::error::{BpfError, IoError};
 use crate::guard::{GuardMode, GuardThread, Incident, Subscribers};
 use crate::maps::{KernelMaps, MapError};
 use crate::probe::KernelProbe;
-use crate::registry::{Outcome, Registry, RegistryError};
+use crate::registry::{Registry, SockRule};
 use crate::stats::{GlobalCounters, RuleCounters};
 use crate::sys::{self, SysError};
+use crate::table::{Outcome, RuleError, Stored};
 
 pub use meshwarp_bpf::shared::SCHEMA_VERSION;
 
@@ -119,7 +120,7 @@ pub enum DataplaneError {
     #[error(transparent)]
     Map(#[from] MapError),
     #[error(transparent)]
-    Registry(#[from] RegistryError),
+    Registry(#[from] RuleError),
     #[error(transparent)]
     Guard(#[from] crate::guard::GuardError),
 }
@@ -370,49 +371,34 @@ impl Dataplane {
         crate::sys::lock(&self.registry)
     }
 
-    pub fn insert_pair(&self, pair: &EndpointPair, owner: &str) -> Result<(), RegistryError> {
-        self.registry().insert_pair(pair, owner)
+    /// Registers a pair or capture rule (see [`Registry::insert`]).
+    pub fn insert<R: SockRule + Stored<KernelMaps>>(&self, rule: &R, owner: &str) -> Result<(), RuleError> {
+        self.registry().insert(rule, owner)
     }
 
-    pub fn upsert_pair(&self, pair: &EndpointPair, owner: &str) -> Result<Outcome, RegistryError> {
-        self.registry().upsert_pair(pair, owner)
+    pub fn upsert<R: SockRule + Stored<KernelMaps>>(&self, rule: &R, owner: &str) -> Result<Outcome, RuleError> {
+        self.registry().upsert(rule, owner)
     }
 
-    /// Removes a pair whoever owns it.
-    pub fn remove_pair(&self, pair: &EndpointPair) -> Result<(), RegistryError> {
-        self.registry().remove_pair(pair, None)
+    /// Removes the rule with `rule`'s key whoever owns it.
+    pub fn remove<R: SockRule + Stored<KernelMaps>>(&self, rule: &R) -> Result<(), RuleError> {
+        self.registry().remove(rule, None)
+    }
+
+    /// Counters of the rule with `rule`'s key.
+    pub fn stats<R: SockRule>(&self, rule: &R) -> Result<RuleCounters, RuleError> {
+        self.registry().stats(rule)
     }
 
     pub fn pairs(&self) -> Vec<EndpointPair> {
         self.registry().pairs().into_iter().map(|r| r.rule).collect()
     }
 
-    pub fn pair_stats(&self, pair: &EndpointPair) -> Result<RuleCounters, RegistryError> {
-        self.registry().pair_stats(pair)
-    }
-
-    pub fn insert_capture(&self, rule: &CaptureRule, owner: &str) -> Result<(), RegistryError> {
-        self.registry().insert_capture(rule, owner)
-    }
-
-    pub fn upsert_capture(&self, rule: &CaptureRule, owner: &str) -> Result<Outcome, RegistryError> {
-        self.registry().upsert_capture(rule, owner)
-    }
-
-    /// Removes the capture rule with `rule`'s key whoever owns it.
-    pub fn remove_capture(&self, rule: &CaptureRule) -> Result<(), RegistryError> {
-        self.registry().remove_capture(rule, None)
-    }
-
     pub fn captures(&self) -> Vec<CaptureRule> {
         self.registry().captures().into_iter().map(|r| r.rule).collect()
     }
 
-    pub fn capture_stats(&self, rule: &CaptureRule) -> Result<RuleCounters, RegistryError> {
-        self.registry().capture_stats(rule)
-    }
-
-    pub fn global_stats(&self) -> Result<GlobalCounters, RegistryError> {
+    pub fn global_stats(&self) -> Result<GlobalCounters, RuleError> {
         self.registry().global_stats()
     }
 

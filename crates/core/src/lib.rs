@@ -9,8 +9,8 @@
 //! use meshwarp_core::{Dataplane, DataplaneConfig, EndpointPair, Endpoint};
 //! let dp = Dataplane::open(&DataplaneConfig::default())?;
 //! let pair = EndpointPair::new("198.18.0.2".parse()?, Endpoint::new("198.18.0.3".parse()?, 8080))?;
-//! dp.insert_pair(&pair, "my-controller")?;
-//! println!("{:?}", dp.pair_stats(&pair)?);
+//! dp.insert(&pair, "my-controller")?;
+//! println!("{:?}", dp.stats(&pair)?);
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
@@ -31,6 +31,7 @@ pub mod registry;
 mod slots;
 pub mod stats;
 pub mod sys;
+pub mod table;
 pub mod tc;
 
 pub use dataplane::{Dataplane, DataplaneConfig, DataplaneError, Origin as DataplaneOrigin};
@@ -38,5 +39,6 @@ pub use endpoint::{CaptureRule, Endpoint, EndpointPair, FastPathMode, NeverRedir
 pub use guard::{GuardMode, Incident, IncidentKind};
 pub use plugin::{FailurePolicy, Hook, Phase, PluginChain, PluginError, PluginManifest};
 pub use probe::{KernelFact, KernelProbe};
-pub use registry::RegistryError;
+pub use registry::SockRule;
 pub use stats::{GlobalCounters, RuleCounters};
+pub use table::{Outcome, Registered, RuleError};

@@ -13,6 +13,8 @@ use libbpf_rs::{ErrorKind, MapCore, MapFlags, MapHandle};
 use meshwarp_bpf::names;
 use meshwarp_bpf::shared::{CaptureKey, GlobalStats, OwnerName, PairKey, Pod, Rule, RuleStats};
 
+use crate::table::SlotMaps;
+
 /// A failed map operation.
 #[derive(Debug, thiserror::Error)]
 pub enum MapError {
@@ -39,10 +41,9 @@ pub enum Put {
     Upsert,
 }
 
-/// What the registry reads and writes in the data path.
-pub trait RuleMaps {
-    /// How many rules (pairs + capture rules) the stats array has slots for.
-    fn rule_capacity(&self) -> u32;
+/// What the registry reads and writes in the data path, beyond the slot
+/// maps every family has (the stats array has a slot per pair or capture rule).
+pub trait RuleMaps: SlotMaps {
     fn pairs(&self) -> Result<Vec<(PairKey, Rule)>, MapError>;
     fn captures(&self) -> Result<Vec<(CaptureKey, Rule)>, MapError>;
     fn put_pair(&mut self, key: &PairKey, rule: &Rule) -> Result<(), MapError>;
@@ -51,13 +52,9 @@ pub trait RuleMaps {
     fn delete_capture(&mut self, key: &CaptureKey) -> Result<(), MapError>;
     /// Counters of one rule slot, summed over CPUs.
     fn rule_stats(&self, id: u32) -> Result<RuleStats, MapError>;
-    /// Zeroes a slot before it is given to a new rule.
-    fn reset_rule_stats(&mut self, id: u32) -> Result<(), MapError>;
     fn global_stats(&self) -> Result<GlobalStats, MapError>;
     /// Owner of every rule slot that has one.
     fn owners(&self) -> Result<Vec<(u32, OwnerName)>, MapError>;
-    fn put_owner(&mut self, id: u32, owner: &OwnerName) -> Result<(), MapError>;
-    fn delete_owner(&mut self, id: u32) -> Result<(), MapError>;
 }
 
 /// The pinned maps of a loaded data path.
@@ -70,7 +67,7 @@ pub struct KernelMaps {
     owners: MapHandle,
 }
 
-fn kernel(op: &'static str, map: &'static str) -> impl FnOnce(libbpf_rs::Error) -> MapError {
+pub(crate) fn kernel(op: &'static str, map: &'static str) -> impl FnOnce(libbpf_rs::Error) -> MapError {
     move |source| MapError::Kernel { op, map, source }
 }
 
@@ -89,7 +86,7 @@ fn entries<K: Pod, V: Pod>(map: &MapHandle, name: &'static str) -> Result<Vec<(K
     Ok(out)
 }
 
-fn put(map: &MapHandle, name: &'static str, key: &[u8], val: &[u8]) -> Result<(), MapError> {
+pub(crate) fn put(map: &MapHandle, name: &'static str, key: &[u8], val: &[u8]) -> Result<(), MapError> {
     map.update(key, val, MapFlags::ANY).map_err(|e| {
         if e.kind() == ErrorKind::TooBig {
             MapError::Full { map: name, capacity: map.max_entries() }
@@ -99,7 +96,7 @@ fn put(map: &MapHandle, name: &'static str, key: &[u8], val: &[u8]) -> Result<()
     })
 }
 
-fn delete(map: &MapHandle, name: &'static str, key: &[u8]) -> Result<(), MapError> {
+pub(crate) fn delete(map: &MapHandle, name: &'static str, key: &[u8]) -> Result<(), MapError> {
     match map.delete(key) {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == ErrorKind::NotFound => Ok(()),
@@ -199,11 +196,25 @@ fn add_global_stats(a: &mut GlobalStats, b: &GlobalStats) {
     a.slots_stale += b.slots_stale;
 }
 
-impl RuleMaps for KernelMaps {
-    fn rule_capacity(&self) -> u32 {
+impl SlotMaps for KernelMaps {
+    fn slot_capacity(&self) -> u32 {
         self.stats.capacity()
     }
 
+    fn reset_slot(&mut self, id: u32) -> Result<(), MapError> {
+        self.stats.zero(&id.to_ne_bytes()).map_err(kernel("update", names::MAP_STATS))
+    }
+
+    fn put_owner(&mut self, id: u32, owner: &OwnerName) -> Result<(), MapError> {
+        put(&self.owners, names::MAP_OWNERS, &id.to_ne_bytes(), owner.as_bytes())
+    }
+
+    fn delete_owner(&mut self, id: u32) -> Result<(), MapError> {
+        delete(&self.owners, names::MAP_OWNERS, &id.to_ne_bytes())
+    }
+}
+
+impl RuleMaps for KernelMaps {
     fn pairs(&self) -> Result<Vec<(PairKey, Rule)>, MapError> {
         entries(&self.pairs, names::MAP_PAIRS)
     }
@@ -232,24 +243,12 @@ impl RuleMaps for KernelMaps {
         self.stats.sum(&id.to_ne_bytes(), add_rule_stats).map_err(kernel("lookup", names::MAP_STATS))
     }
 
-    fn reset_rule_stats(&mut self, id: u32) -> Result<(), MapError> {
-        self.stats.zero(&id.to_ne_bytes()).map_err(kernel("update", names::MAP_STATS))
-    }
-
     fn global_stats(&self) -> Result<GlobalStats, MapError> {
         self.global.sum(&0u32.to_ne_bytes(), add_global_stats).map_err(kernel("lookup", names::MAP_GLOBAL))
     }
 
     fn owners(&self) -> Result<Vec<(u32, OwnerName)>, MapError> {
         entries(&self.owners, names::MAP_OWNERS)
-    }
-
-    fn put_owner(&mut self, id: u32, owner: &OwnerName) -> Result<(), MapError> {
-        put(&self.owners, names::MAP_OWNERS, &id.to_ne_bytes(), owner.as_bytes())
-    }
-
-    fn delete_owner(&mut self, id: u32) -> Result<(), MapError> {
-        delete(&self.owners, names::MAP_OWNERS, &id.to_ne_bytes())
     }
 }
 
@@ -265,6 +264,8 @@ pub struct MemoryMaps {
     pub owners: HashMap<u32, OwnerName>,
     /// Fail the n-th map write from now (1 = the next), to test rollback.
     pub fail_write_in: Option<u32>,
+    /// Fail the n-th rule deletion from now (1 = the next).
+    pub fail_delete_in: Option<u32>,
 }
 
 impl MemoryMaps {
@@ -273,25 +274,50 @@ impl MemoryMaps {
     }
 
     fn write(&mut self) -> Result<(), MapError> {
-        match self.fail_write_in {
-            Some(1) => {
-                self.fail_write_in = None;
-                Err(MapError::BadValue { map: "injected", got: 0, want: 0 })
-            }
-            Some(n) => {
-                self.fail_write_in = Some(n - 1);
-                Ok(())
-            }
-            None => Ok(()),
+        countdown(&mut self.fail_write_in)
+    }
+
+    fn delete(&mut self) -> Result<(), MapError> {
+        countdown(&mut self.fail_delete_in)
+    }
+}
+
+impl SlotMaps for MemoryMaps {
+    fn slot_capacity(&self) -> u32 {
+        self.capacity
+    }
+
+    fn reset_slot(&mut self, id: u32) -> Result<(), MapError> {
+        self.stats.remove(&id);
+        Ok(())
+    }
+
+    fn put_owner(&mut self, id: u32, owner: &OwnerName) -> Result<(), MapError> {
+        self.owners.insert(id, *owner);
+        Ok(())
+    }
+
+    fn delete_owner(&mut self, id: u32) -> Result<(), MapError> {
+        self.owners.remove(&id);
+        Ok(())
+    }
+}
+
+fn countdown(fail_in: &mut Option<u32>) -> Result<(), MapError> {
+    match *fail_in {
+        Some(1) => {
+            *fail_in = None;
+            Err(MapError::BadValue { map: "injected", got: 0, want: 0 })
         }
+        Some(n) => {
+            *fail_in = Some(n - 1);
+            Ok(())
+        }
+        None => Ok(()),
     }
 }
 
 impl RuleMaps for MemoryMaps {
-    fn rule_capacity(&self) -> u32 {
-        self.capacity
-    }
-
     fn pairs(&self) -> Result<Vec<(PairKey, Rule)>, MapError> {
         Ok(self.pairs.iter().map(|(k, v)| (*k, *v)).collect())
     }
@@ -310,6 +336,7 @@ impl RuleMaps for MemoryMaps {
     }
 
     fn delete_pair(&mut self, key: &PairKey) -> Result<(), MapError> {
+        self.delete()?;
         self.pairs.remove(key);
         Ok(())
     }
@@ -324,6 +351,7 @@ impl RuleMaps for MemoryMaps {
     }
 
     fn delete_capture(&mut self, key: &CaptureKey) -> Result<(), MapError> {
+        self.delete()?;
         self.captures.remove(key);
         Ok(())
     }
@@ -332,26 +360,11 @@ impl RuleMaps for MemoryMaps {
         Ok(self.stats.get(&id).copied().unwrap_or_default())
     }
 
-    fn reset_rule_stats(&mut self, id: u32) -> Result<(), MapError> {
-        self.stats.remove(&id);
-        Ok(())
-    }
-
     fn global_stats(&self) -> Result<GlobalStats, MapError> {
         Ok(self.global)
     }
 
     fn owners(&self) -> Result<Vec<(u32, OwnerName)>, MapError> {
         Ok(self.owners.iter().map(|(k, v)| (*k, *v)).collect())
-    }
-
-    fn put_owner(&mut self, id: u32, owner: &OwnerName) -> Result<(), MapError> {
-        self.owners.insert(id, *owner);
-        Ok(())
-    }
-
-    fn delete_owner(&mut self, id: u32) -> Result<(), MapError> {
-        self.owners.remove(&id);
-        Ok(())
     }
 }

@@ -9,7 +9,7 @@
 //! Pinned layout: `<pin_root>/v<SCHEMA>/tc/{maps,progs,links}`; a tcx
 //! attachment is the link `links/if<ifindex>-<in|out>`.
 
-use std::collections::BTreeMap;
+use std::collections::BTreeSet;
 use std::ffi::CString;
 use std::fmt;
 use std::fs;
@@ -31,9 +31,10 @@ use meshwarp_bpf::tcredir::TcredirSkelBuilder;
 
 use crate::error::{BpfError, IoError};
 use crate::maps::PerCpu;
+use crate::maps::{self, MapError};
 pub use crate::netlink::IfaceRef;
-use crate::netlink::{self, Link, NetlinkError};
-use crate::registry::{Outcome, Slots};
+use crate::netlink::{self, NetlinkError};
+use crate::table::{self, Entry, Outcome, RuleError, SlotMaps, Slots, Stored, Table};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Direction {
@@ -210,18 +211,9 @@ pub enum TcError {
     },
     #[error(transparent)]
     Io(#[from] crate::error::IoError),
-    #[error("{0} already exists")]
-    AlreadyExists(String),
-    #[error("{0} does not exist")]
-    NotFound(String),
-    #[error("route capacity exhausted ({0} routes); nothing was changed")]
-    Full(u32),
-    #[error("{what} is owned by {owner:?}, not {requested:?}")]
-    OwnerMismatch { what: String, owner: String, requested: String },
-    #[error("invalid owner {0:?}: at most 63 bytes, no NUL")]
-    InvalidOwner(String),
-    #[error("{0} appears twice in one batch")]
-    DuplicateInBatch(String),
+    /// Owners, slots, batches: what the rule table refused.
+    #[error(transparent)]
+    Rule(#[from] RuleError),
     #[error("{dir} holds a partial tc data path (missing {missing:?}); run `meshwarp uninstall`")]
     Partial { dir: PathBuf, missing: Vec<String> },
 }
@@ -254,8 +246,123 @@ pub struct TcConfig {
     pub max_routes: u32,
 }
 
-/// A route as installed: its interfaces resolved to indexes (and the names
-/// they had then, to notice an index reused by another interface).
+/// A route with its interfaces resolved to indexes (and the names they had
+/// then, to notice an index reused by another interface): what the route
+/// table holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResolvedRoute {
+    pub route: InterfaceRoute,
+    pub attach_ifindex: u32,
+    pub target_ifindex: u32,
+    pub attach_name: String,
+    pub target_name: String,
+}
+
+impl fmt::Display for ResolvedRoute {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.route.fmt(f)
+    }
+}
+
+impl table::Rule for ResolvedRoute {
+    /// One route per attach point, direction and destination prefix.
+    type Key = (u32, Direction, Prefix);
+    const WHAT: &'static str = "route";
+    fn rule_key(&self) -> Self::Key {
+        (self.attach_ifindex, self.route.direction, self.route.dst)
+    }
+}
+
+/// The route maps: LPM tries per family, counters and owners per slot.
+#[derive(Debug)]
+struct TcMaps {
+    rt4: MapHandle,
+    rt6: MapHandle,
+    rt_stats: PerCpu<RouteStats>,
+    rt_owner: MapHandle,
+}
+
+fn route_key_bytes(ifindex: u32, r: &InterfaceRoute) -> (&'static str, Vec<u8>) {
+    let prefixlen = ROUTE_KEY_PREFIX_BITS + u32::from(r.dst.len);
+    let dir = r.direction.raw();
+    match r.dst.addr {
+        IpAddr::V4(a) => (names::MAP_RT4, RouteKey4 { prefixlen, ifindex, dir, dst: a.octets() }.as_bytes().to_vec()),
+        IpAddr::V6(a) => (names::MAP_RT6, RouteKey6 { prefixlen, ifindex, dir, dst: a.octets() }.as_bytes().to_vec()),
+    }
+}
+
+impl TcMaps {
+    fn trie(&self, name: &str) -> &MapHandle {
+        if name == names::MAP_RT4 {
+            &self.rt4
+        } else {
+            &self.rt6
+        }
+    }
+}
+
+// The maps are kernel objects written through shared handles, so the table
+// writes through `&TcMaps` and route counters are read without its lock.
+impl SlotMaps for &TcMaps {
+    fn slot_capacity(&self) -> u32 {
+        self.rt_stats.capacity()
+    }
+
+    fn reset_slot(&mut self, id: u32) -> Result<(), MapError> {
+        self.rt_stats.zero(&id.to_ne_bytes()).map_err(maps::kernel("update", names::MAP_RT_STATS))
+    }
+
+    fn put_owner(&mut self, id: u32, owner: &OwnerName) -> Result<(), MapError> {
+        maps::put(&self.rt_owner, names::MAP_RT_OWNER, &id.to_ne_bytes(), owner.as_bytes())
+    }
+
+    fn delete_owner(&mut self, id: u32) -> Result<(), MapError> {
+        maps::delete(&self.rt_owner, names::MAP_RT_OWNER, &id.to_ne_bytes())
+    }
+}
+
+impl<'a> Stored<&'a TcMaps> for ResolvedRoute {
+    fn write(&self, maps: &mut &'a TcMaps, id: u32) -> Result<(), MapError> {
+        let (name, key) = route_key_bytes(self.attach_ifindex, &self.route);
+        maps::put(maps.trie(name), name, &key, route_value(&self.route, self.target_ifindex, id).as_bytes())
+    }
+
+    fn erase(&self, maps: &mut &'a TcMaps) -> Result<(), MapError> {
+        let (name, key) = route_key_bytes(self.attach_ifindex, &self.route);
+        maps::delete(maps.trie(name), name, &key)
+    }
+}
+
+fn route_value(r: &InterfaceRoute, target: u32, id: u32) -> RouteValue {
+    let mut v = RouteValue { id, target_ifindex: target, ..RouteValue::default() };
+    v.action = match &r.action {
+        RouteAction::Redirect(_) => ACT_REDIRECT,
+        RouteAction::RedirectPeer(_) => ACT_REDIRECT_PEER,
+        RouteAction::RedirectNeigh { next_hop, .. } => {
+            if let Some(nh) = next_hop {
+                v.flags |= ROUTE_HAS_NEXTHOP;
+                let b = Prefix { addr: *nh, len: 0 }.bytes();
+                v.nh_family = if nh.is_ipv4() { AF_INET } else { AF_INET6 };
+                v.nh_addr[..b.len()].copy_from_slice(&b);
+            }
+            ACT_REDIRECT_NEIGH
+        }
+    };
+    if let Some(m) = r.rewrite {
+        v.flags |= ROUTE_REWRITE_MAC;
+        v.smac = m.src;
+        v.dmac = m.dst;
+    }
+    if let Some(s) = r.src {
+        v.flags |= ROUTE_HAS_SRC;
+        v.src_prefixlen = u32::from(s.len);
+        let b = s.bytes();
+        v.src[..b.len()].copy_from_slice(&b);
+    }
+    v
+}
+
+/// A route as installed, with its owner.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct InstalledRoute {
     pub route: InterfaceRoute,
@@ -265,6 +372,21 @@ pub struct InstalledRoute {
     pub target_name: String,
     pub owner: String,
     id: u32,
+}
+
+impl From<&Entry<ResolvedRoute>> for InstalledRoute {
+    fn from(e: &Entry<ResolvedRoute>) -> Self {
+        let r = e.rule.clone();
+        Self {
+            route: r.route,
+            attach_ifindex: r.attach_ifindex,
+            target_ifindex: r.target_ifindex,
+            attach_name: r.attach_name,
+            target_name: r.target_name,
+            owner: e.owner.clone(),
+            id: e.id,
+        }
+    }
 }
 
 /// A route taken out of the data path because an interface it names is gone.
@@ -281,9 +403,9 @@ type RouteId = (u32, Direction, Prefix);
 
 #[derive(Debug, Default)]
 struct TcState {
-    routes: BTreeMap<RouteId, InstalledRoute>,
-    stale: Vec<StaleRoute>,
+    routes: Table<ResolvedRoute>,
     slots: Slots,
+    stale: Vec<StaleRoute>,
 }
 
 /// The tc redirection data path of one node.
@@ -291,12 +413,8 @@ struct TcState {
 pub struct TcDataplane {
     dir: PathBuf,
     netns: Option<PathBuf>,
-    rt4: MapHandle,
-    rt6: MapHandle,
-    rt_stats: PerCpu<RouteStats>,
+    maps: TcMaps,
     att_stats: PerCpu<AttachStats>,
-    rt_owner: MapHandle,
-    capacity: u32,
     state: Mutex<TcState>,
 }
 
@@ -396,18 +514,17 @@ impl TcDataplane {
             MapHandle::from_pinned_path(dir.join("maps").join(name)).map_err(bpf(format!("opening {name}")))
         };
         let dp = Self {
-            rt4: open(names::MAP_RT4)?,
-            rt6: open(names::MAP_RT6)?,
-            rt_stats: PerCpu::new(open(names::MAP_RT_STATS)?).map_err(bpf("counting CPUs"))?,
+            maps: TcMaps {
+                rt4: open(names::MAP_RT4)?,
+                rt6: open(names::MAP_RT6)?,
+                rt_stats: PerCpu::new(open(names::MAP_RT_STATS)?).map_err(bpf("counting CPUs"))?,
+                rt_owner: open(names::MAP_RT_OWNER)?,
+            },
             att_stats: PerCpu::new(open(names::MAP_ATT_STATS)?).map_err(bpf("counting CPUs"))?,
-            rt_owner: open(names::MAP_RT_OWNER)?,
-            capacity: 0,
             netns: cfg.netns.clone(),
             state: Mutex::new(TcState::default()),
             dir,
         };
-        let capacity = dp.rt_stats.capacity();
-        let dp = Self { capacity, ..dp };
         dp.reconcile()?;
         Ok(dp)
     }
@@ -422,7 +539,8 @@ impl TcDataplane {
         let links = netlink::in_netns(self.netns.as_deref(), async |h| netlink::links(&h).await)?;
         let name_of = |i: u32| links.iter().find(|l| l.index == i).map(|l| l.name.clone()).unwrap_or_default();
         let owner_of = |id: u32| {
-            self.rt_owner
+            self.maps
+                .rt_owner
                 .lookup(&id.to_ne_bytes(), MapFlags::ANY)
                 .ok()
                 .flatten()
@@ -430,9 +548,10 @@ impl TcDataplane {
                 .map(|o| o.as_string())
                 .unwrap_or_default()
         };
-        let mut st = crate::sys::lock(&self.state);
-        let mut used = Vec::new();
-        for (map, v6) in [(&self.rt4, false), (&self.rt6, true)] {
+        let capacity = (&self.maps).slot_capacity();
+        let mut guard = crate::sys::lock(&self.state);
+        let st = &mut *guard;
+        for (map, v6) in [(&self.maps.rt4, false), (&self.maps.rt6, true)] {
             for k in map.keys() {
                 let Some(v) = map.lookup(&k, MapFlags::ANY).map_err(bpf("reading routes"))? else { continue };
                 let Some(val) = RouteValue::from_bytes(&v) else { continue };
@@ -446,23 +565,15 @@ impl TcDataplane {
                 let direction = if dir == DIR_INGRESS { Direction::Ingress } else { Direction::Egress };
                 let dst = Prefix::new("dst", dst, u8::try_from(len).unwrap_or(0))?;
                 let route = route_from_value(IfaceRef::Index(ifindex), direction, dst, &val, v6)?;
-                used.push(val.id);
-                st.routes.insert(
-                    (ifindex, direction, dst),
-                    InstalledRoute {
-                        route,
-                        attach_ifindex: ifindex,
-                        target_ifindex: val.target_ifindex,
-                        attach_name: name_of(ifindex),
-                        target_name: name_of(val.target_ifindex),
-                        owner: owner_of(val.id),
-                        id: val.id,
-                    },
-                );
+                let resolved = ResolvedRoute {
+                    route,
+                    attach_ifindex: ifindex,
+                    target_ifindex: val.target_ifindex,
+                    attach_name: name_of(ifindex),
+                    target_name: name_of(val.target_ifindex),
+                };
+                st.routes.adopt(&mut st.slots, capacity, resolved, val.id, owner_of(val.id))?;
             }
-        }
-        for id in used {
-            st.slots.claim(id);
         }
         st.slots.rebuild_free();
         Ok(())
@@ -503,7 +614,7 @@ impl TcDataplane {
         let path = self.link_path(ifindex, dir);
         fs::remove_file(&path).map_err(|e| {
             if e.kind() == std::io::ErrorKind::NotFound {
-                TcError::NotFound(format!("attachment if{ifindex} {dir:?}"))
+                TcError::Rule(RuleError::NotFound(format!("attachment if{ifindex} {dir:?}")))
             } else {
                 TcError::Io(IoError::new(format!("unpinning {}", path.display()), e))
             }
@@ -527,7 +638,7 @@ impl TcDataplane {
     }
 
     /// Checks a route against the node: interfaces exist, RedirectPeer targets a veth.
-    fn resolve(&self, route: &InterfaceRoute) -> Result<(Link, Link), TcError> {
+    fn resolve(&self, route: &InterfaceRoute) -> Result<ResolvedRoute, TcError> {
         route.validate()?;
         let target = route.action.target().clone();
         let attach = route.attach.clone();
@@ -538,7 +649,13 @@ impl TcDataplane {
         if matches!(route.action, RouteAction::RedirectPeer(_)) && !t.is_veth() {
             return Err(RouteError::NotVeth(t.name).into());
         }
-        Ok((a, t))
+        Ok(ResolvedRoute {
+            route: route.clone(),
+            attach_ifindex: a.index,
+            target_ifindex: t.index,
+            attach_name: a.name,
+            target_name: t.name,
+        })
     }
 
     /// The ifindex of an attach point named in a route key.
@@ -549,81 +666,23 @@ impl TcDataplane {
             .index)
     }
 
-    /// Writes a resolved route under slot `id` (fresh slots get zeroed counters).
-    fn install(
-        &self,
-        st: &mut TcState,
-        route: &InterfaceRoute,
-        (a, t): (Link, Link),
-        owner: &str,
-        reuse: Option<u32>,
-    ) -> Result<InstalledRoute, TcError> {
-        let name = OwnerName::new(owner).ok_or_else(|| TcError::InvalidOwner(owner.to_string()))?;
-        let id = match reuse {
-            Some(id) => id,
-            None => {
-                let id = st.slots.allocate(self.capacity).ok_or(TcError::Full(self.capacity))?;
-                if let Err(e) = self.rt_stats.zero(&id.to_ne_bytes()) {
-                    st.slots.release(id);
-                    return Err(TcError::Bpf(BpfError::new("zeroing route counters", e)));
-                }
-                id
-            }
-        };
-        let written = self
-            .rt_owner
-            .update(&id.to_ne_bytes(), name.as_bytes(), MapFlags::ANY)
-            .and_then(|()| self.write_route(a.index, route, t.index, id));
-        if let Err(e) = written {
-            if reuse.is_none() {
-                st.slots.release(id);
-            }
-            return Err(TcError::Bpf(BpfError::new(format!("writing route {route}"), e)));
-        }
-        let installed = InstalledRoute {
-            route: route.clone(),
-            attach_ifindex: a.index,
-            target_ifindex: t.index,
-            attach_name: a.name,
-            target_name: t.name,
-            owner: owner.to_string(),
-            id,
-        };
-        st.routes.insert((installed.attach_ifindex, route.direction, route.dst), installed.clone());
-        Ok(installed)
-    }
-
     /// Installs a new route; interfaces are resolved in the node's namespace.
     pub fn insert_route(&self, route: &InterfaceRoute, owner: &str) -> Result<InstalledRoute, TcError> {
         let resolved = self.resolve(route)?;
-        let mut st = crate::sys::lock(&self.state);
-        if let Some(existing) = st.routes.get(&(resolved.0.index, route.direction, route.dst)) {
-            return Err(TcError::AlreadyExists(format!("route {} (owner {:?})", existing.route, existing.owner)));
-        }
-        self.install(&mut st, route, resolved, owner, None)
+        let mut guard = crate::sys::lock(&self.state);
+        let st = &mut *guard;
+        st.routes.create(&mut &self.maps, &mut st.slots, &resolved, owner)?;
+        Ok(st.routes.get(&resolved)?.into())
     }
 
     /// Creates the route, or replaces the one with the same attach point,
     /// direction and destination (keeping its counters) if `owner` owns it.
     pub fn upsert_route(&self, route: &InterfaceRoute, owner: &str) -> Result<(InstalledRoute, Outcome), TcError> {
         let resolved = self.resolve(route)?;
-        let mut st = crate::sys::lock(&self.state);
-        self.upsert_locked(&mut st, route, resolved, owner)
-    }
-
-    fn upsert_locked(
-        &self,
-        st: &mut TcState,
-        route: &InterfaceRoute,
-        resolved: (Link, Link),
-        owner: &str,
-    ) -> Result<(InstalledRoute, Outcome), TcError> {
-        match st.routes.get(&(resolved.0.index, route.direction, route.dst)).cloned() {
-            None => Ok((self.install(st, route, resolved, owner, None)?, Outcome::Created)),
-            Some(e) if e.owner != owner => Err(owner_mismatch(&e, owner)),
-            Some(e) if e.route == *route && e.target_ifindex == resolved.1.index => Ok((e, Outcome::Unchanged)),
-            Some(e) => Ok((self.install(st, route, resolved, owner, Some(e.id))?, Outcome::Updated)),
-        }
+        let mut guard = crate::sys::lock(&self.state);
+        let st = &mut *guard;
+        let outcome = st.routes.upsert(&mut &self.maps, &mut st.slots, &resolved, owner)?;
+        Ok((st.routes.get(&resolved)?.into(), outcome))
     }
 
     /// Removes the route of (attach point, direction, destination), checking
@@ -636,37 +695,14 @@ impl TcDataplane {
         owner: Option<&str>,
     ) -> Result<InstalledRoute, TcError> {
         let ifindex = self.resolve_iface(attach)?;
-        let mut st = crate::sys::lock(&self.state);
-        let e = st
-            .routes
-            .get(&(ifindex, dir, dst))
-            .cloned()
-            .ok_or_else(|| TcError::NotFound(format!("route {dst} on {attach} {dir:?}")))?;
-        if let Some(o) = owner {
-            if e.owner != o {
-                return Err(owner_mismatch(&e, o));
-            }
-        }
-        self.erase_locked(&mut st, &e)?;
-        Ok(e)
+        self.delete_key((ifindex, dir, dst), owner)
     }
 
-    fn erase_locked(&self, st: &mut TcState, e: &InstalledRoute) -> Result<(), TcError> {
-        let prefixlen = ROUTE_KEY_PREFIX_BITS + u32::from(e.route.dst.len);
-        let dir = e.route.direction.raw();
-        let r = match e.route.dst.addr {
-            IpAddr::V4(a) => {
-                self.rt4.delete(RouteKey4 { prefixlen, ifindex: e.attach_ifindex, dir, dst: a.octets() }.as_bytes())
-            }
-            IpAddr::V6(a) => {
-                self.rt6.delete(RouteKey6 { prefixlen, ifindex: e.attach_ifindex, dir, dst: a.octets() }.as_bytes())
-            }
-        };
-        r.map_err(bpf(format!("deleting route {}", e.route.dst)))?;
-        let _ = self.rt_owner.delete(&e.id.to_ne_bytes());
-        st.routes.remove(&(e.attach_ifindex, e.route.direction, e.route.dst));
-        st.slots.release(e.id);
-        Ok(())
+    fn delete_key(&self, key: RouteId, owner: Option<&str>) -> Result<InstalledRoute, TcError> {
+        let mut guard = crate::sys::lock(&self.state);
+        let st = &mut *guard;
+        let rule = st.routes.get_key(&key).map(|e| e.rule.clone()).ok_or_else(|| not_found(&key))?;
+        Ok((&st.routes.delete(&mut &self.maps, &mut st.slots, &rule, owner)?).into())
     }
 
     /// All or nothing: every route is resolved and checked before any is
@@ -676,48 +712,12 @@ impl TcDataplane {
         routes: &[InterfaceRoute],
         owner: &str,
     ) -> Result<Vec<(InstalledRoute, Outcome)>, TcError> {
-        OwnerName::new(owner).ok_or_else(|| TcError::InvalidOwner(owner.to_string()))?;
+        table::owner_name(owner)?;
         let resolved = routes.iter().map(|r| self.resolve(r)).collect::<Result<Vec<_>, _>>()?;
-        let mut st = crate::sys::lock(&self.state);
-        let mut seen = std::collections::BTreeSet::new();
-        let mut new = 0;
-        for (r, (a, _)) in routes.iter().zip(&resolved) {
-            let key = (a.index, r.direction, r.dst);
-            if !seen.insert(key) {
-                return Err(TcError::DuplicateInBatch(format!("route {r}")));
-            }
-            match st.routes.get(&key) {
-                Some(e) if e.owner != owner => return Err(owner_mismatch(e, owner)),
-                Some(_) => {}
-                None => new += 1,
-            }
-        }
-        if new > st.slots.available(self.capacity) {
-            return Err(TcError::Full(self.capacity));
-        }
-        let mut done: Vec<(InstalledRoute, Outcome, Option<InstalledRoute>)> = Vec::new();
-        for (r, res) in routes.iter().zip(resolved) {
-            let previous = st.routes.get(&(res.0.index, r.direction, r.dst)).cloned();
-            match self.upsert_locked(&mut st, r, res, owner) {
-                Ok((i, o)) => done.push((i, o, previous)),
-                Err(err) => {
-                    for (i, o, prev) in done.into_iter().rev() {
-                        let _ = match (o, prev) {
-                            (Outcome::Created, _) => self.erase_locked(&mut st, &i),
-                            (Outcome::Updated, Some(p)) => self
-                                .write_route(p.attach_ifindex, &p.route, p.target_ifindex, p.id)
-                                .map_err(bpf("rollback"))
-                                .map(|()| {
-                                    st.routes.insert((p.attach_ifindex, p.route.direction, p.route.dst), p);
-                                }),
-                            _ => Ok(()),
-                        };
-                    }
-                    return Err(err);
-                }
-            }
-        }
-        Ok(done.into_iter().map(|(i, o, _)| (i, o)).collect())
+        let mut guard = crate::sys::lock(&self.state);
+        let st = &mut *guard;
+        let outcomes = st.routes.batch_upsert(&mut &self.maps, &mut st.slots, &resolved, owner)?;
+        resolved.iter().zip(outcomes).map(|(r, o)| Ok((st.routes.get(r)?.into(), o))).collect()
     }
 
     /// All or nothing; with `allow_missing` absent routes are skipped (`None`).
@@ -727,95 +727,38 @@ impl TcDataplane {
         owner: &str,
         allow_missing: bool,
     ) -> Result<Vec<Option<InstalledRoute>>, TcError> {
-        let idx = keys.iter().map(|(i, _, _)| self.resolve_iface(i)).collect::<Result<Vec<_>, _>>()?;
-        let mut st = crate::sys::lock(&self.state);
+        let keys = keys
+            .iter()
+            .map(|(iface, dir, dst)| Ok((self.resolve_iface(iface)?, *dir, *dst)))
+            .collect::<Result<Vec<RouteId>, TcError>>()?;
+        let mut guard = crate::sys::lock(&self.state);
+        let st = &mut *guard;
+        // The table deletes rules; a key names the installed one (or none).
+        let mut seen = BTreeSet::new();
+        let mut present = Vec::new();
         let mut found = Vec::with_capacity(keys.len());
-        let mut seen = std::collections::BTreeSet::new();
-        for ((iface, dir, dst), ifindex) in keys.iter().zip(&idx) {
-            if !seen.insert((*ifindex, *dir, *dst)) {
-                return Err(TcError::DuplicateInBatch(format!("route {dst} on {iface}")));
+        for key in &keys {
+            if !seen.insert(*key) {
+                return Err(RuleError::DuplicateInBatch(format!("route {} on if{} {:?}", key.2, key.0, key.1)).into());
             }
-            match st.routes.get(&(*ifindex, *dir, *dst)) {
-                Some(e) if e.owner != owner => return Err(owner_mismatch(e, owner)),
-                Some(e) => found.push(Some(e.clone())),
-                None if allow_missing => found.push(None),
-                None => return Err(TcError::NotFound(format!("route {dst} on {iface} {dir:?}"))),
+            match st.routes.get_key(key) {
+                Some(e) => present.push(e.rule.clone()),
+                None if allow_missing => {}
+                None => return Err(not_found(key).into()),
             }
+            found.push(st.routes.get_key(key).is_some());
         }
-        let mut erased: Vec<InstalledRoute> = Vec::new();
-        for e in found.iter().flatten() {
-            if let Err(err) = self.erase_locked(&mut st, e) {
-                for back in erased.into_iter().rev() {
-                    if self.write_route(back.attach_ifindex, &back.route, back.target_ifindex, back.id).is_ok() {
-                        let _ = self.rt_owner.update(
-                            &back.id.to_ne_bytes(),
-                            OwnerName::new(&back.owner).unwrap_or_default().as_bytes(),
-                            MapFlags::ANY,
-                        );
-                        st.slots.claim(back.id);
-                        st.routes.insert((back.attach_ifindex, back.route.direction, back.route.dst), back);
-                    }
-                }
-                return Err(err);
-            }
-            erased.push(e.clone());
-        }
-        Ok(found)
-    }
-
-    fn write_route(&self, ifindex: u32, r: &InterfaceRoute, target: u32, id: u32) -> Result<(), libbpf_rs::Error> {
-        let mut v = RouteValue { id, target_ifindex: target, ..RouteValue::default() };
-        v.action = match &r.action {
-            RouteAction::Redirect(_) => ACT_REDIRECT,
-            RouteAction::RedirectPeer(_) => ACT_REDIRECT_PEER,
-            RouteAction::RedirectNeigh { next_hop, .. } => {
-                if let Some(nh) = next_hop {
-                    v.flags |= ROUTE_HAS_NEXTHOP;
-                    let b = Prefix { addr: *nh, len: 0 }.bytes();
-                    v.nh_family = if nh.is_ipv4() { AF_INET } else { AF_INET6 };
-                    v.nh_addr[..b.len()].copy_from_slice(&b);
-                }
-                ACT_REDIRECT_NEIGH
-            }
-        };
-        if let Some(m) = r.rewrite {
-            v.flags |= ROUTE_REWRITE_MAC;
-            v.smac = m.src;
-            v.dmac = m.dst;
-        }
-        if let Some(s) = r.src {
-            v.flags |= ROUTE_HAS_SRC;
-            v.src_prefixlen = u32::from(s.len);
-            let b = s.bytes();
-            v.src[..b.len()].copy_from_slice(&b);
-        }
-        let prefixlen = ROUTE_KEY_PREFIX_BITS + u32::from(r.dst.len);
-        let dir = r.direction.raw();
-        match r.dst.addr {
-            IpAddr::V4(a) => {
-                let k = RouteKey4 { prefixlen, ifindex, dir, dst: a.octets() };
-                self.rt4.update(k.as_bytes(), v.as_bytes(), MapFlags::ANY)
-            }
-            IpAddr::V6(a) => {
-                let k = RouteKey6 { prefixlen, ifindex, dir, dst: a.octets() };
-                self.rt6.update(k.as_bytes(), v.as_bytes(), MapFlags::ANY)
-            }
-        }
+        let mut removed = st.routes.batch_delete(&mut &self.maps, &mut st.slots, &present, owner, false)?.into_iter();
+        Ok(found.into_iter().map(|f| f.then(|| removed.next().flatten().map(|e| (&e).into())).flatten()).collect())
     }
 
     /// Removes the route of (attach ifindex, direction, dst) whoever owns it.
     pub fn remove_route(&self, attach_ifindex: u32, dir: Direction, dst: Prefix) -> Result<(), TcError> {
-        let mut st = crate::sys::lock(&self.state);
-        let e = st
-            .routes
-            .get(&(attach_ifindex, dir, dst))
-            .cloned()
-            .ok_or_else(|| TcError::NotFound(format!("route {dst} on if{attach_ifindex}")))?;
-        self.erase_locked(&mut st, &e)
+        self.delete_key((attach_ifindex, dir, dst), None).map(|_| ())
     }
 
     pub fn routes(&self) -> Vec<InstalledRoute> {
-        crate::sys::lock(&self.state).routes.values().cloned().collect()
+        crate::sys::lock(&self.state).routes.entries().map(InstalledRoute::from).collect()
     }
 
     /// Routes taken out because an interface they name disappeared.
@@ -831,7 +774,7 @@ impl TcDataplane {
             !(s.route.attach_ifindex == attach_ifindex && s.route.route.direction == dir && s.route.route.dst == dst)
         });
         if st.stale.len() == before {
-            return Err(TcError::NotFound(format!("stale route {dst} on if{attach_ifindex}")));
+            return Err(RuleError::NotFound(format!("stale route {dst} on if{attach_ifindex}")).into());
         }
         Ok(())
     }
@@ -852,12 +795,13 @@ impl TcDataplane {
         }
         let gone: Vec<(RouteId, String)> = crate::sys::lock(&self.state)
             .routes
-            .iter()
+            .entries()
+            .map(|e| (table::Rule::rule_key(&e.rule), &e.rule))
             .filter_map(|(k, r)| {
                 if !alive(r.attach_ifindex, &r.attach_name) {
-                    Some((*k, format!("attach interface {} (ifindex {}) is gone", r.attach_name, r.attach_ifindex)))
+                    Some((k, format!("attach interface {} (ifindex {}) is gone", r.attach_name, r.attach_ifindex)))
                 } else if !alive(r.target_ifindex, &r.target_name) {
-                    Some((*k, format!("target interface {} (ifindex {}) is gone", r.target_name, r.target_ifindex)))
+                    Some((k, format!("target interface {} (ifindex {}) is gone", r.target_name, r.target_ifindex)))
                 } else {
                     None
                 }
@@ -865,7 +809,10 @@ impl TcDataplane {
             .collect();
         let mut out = Vec::new();
         for ((ifindex, dir, dst), reason) in gone {
-            let Some(r) = crate::sys::lock(&self.state).routes.get(&(ifindex, dir, dst)).cloned() else { continue };
+            let Some(r) = crate::sys::lock(&self.state).routes.get_key(&(ifindex, dir, dst)).map(InstalledRoute::from)
+            else {
+                continue;
+            };
             let last_stats = self.route_stats(&r).unwrap_or_default();
             self.remove_route(ifindex, dir, dst)?;
             tracing::warn!(route = %r.route, %reason, "route is stale");
@@ -878,7 +825,8 @@ impl TcDataplane {
 
     /// Packets and bytes a route redirected, and redirects the kernel refused.
     pub fn route_stats(&self, r: &InstalledRoute) -> Result<RouteStats, TcError> {
-        self.rt_stats
+        self.maps
+            .rt_stats
             .sum(&r.id.to_ne_bytes(), |a, b| {
                 a.packets += b.packets;
                 a.bytes += b.bytes;
@@ -916,12 +864,8 @@ fn unknown_iface(e: NetlinkError) -> TcError {
     }
 }
 
-fn owner_mismatch(e: &InstalledRoute, requested: &str) -> TcError {
-    TcError::OwnerMismatch {
-        what: format!("route {}", e.route),
-        owner: e.owner.clone(),
-        requested: requested.to_string(),
-    }
+fn not_found((ifindex, dir, dst): &RouteId) -> RuleError {
+    RuleError::NotFound(format!("route {dst} on if{ifindex} {dir:?}"))
 }
 
 fn route_from_value(

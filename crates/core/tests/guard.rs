@@ -75,7 +75,7 @@ fn client_port_reused_towards_two_captured_destinations() -> Result<()> {
         proxies.push(CaptureProxy::start(&app.ns, l, upstream)?);
         let rule =
             CaptureRule::new(Some(app.v4.into()), Endpoint::new(svc, 80), l.into())?.with_mode(FastPathMode::Always);
-        k.dp().insert_capture(&rule, "test")?;
+        k.dp().insert(&rule, "test")?;
         rules.push(rule);
     }
     let local = SocketAddr::new(app.v4.into(), 40999);
@@ -94,7 +94,7 @@ fn client_port_reused_towards_two_captured_destinations() -> Result<()> {
         Ok::<_, anyhow::Error>(())
     })?;
     for r in &rules {
-        let st = k.dp().capture_stats(r)?;
+        let st = k.dp().stats(r)?;
         ensure!(st.redirected_bytes == 2 * (4 << 20) && st.fallback_collision == 0, "{r}: {st:?}");
     }
     Ok(())
@@ -110,7 +110,7 @@ fn same_addresses_in_two_pod_namespaces() -> Result<()> {
     ensure!(nets[1].pods[0].v4 == client && nets[1].pods[1].v4 == server, "same addresses");
     let addr = SocketAddr::new(server.into(), 8080);
     let pair = EndpointPair::new(client.into(), addr.into())?.with_mode(FastPathMode::Always);
-    k.dp().insert_pair(&pair, "test")?;
+    k.dp().insert(&pair, "test")?;
     let local = SocketAddr::new(client.into(), 41777);
     let mut conns = Vec::new();
     for net in &nets {
@@ -131,7 +131,7 @@ fn same_addresses_in_two_pod_namespaces() -> Result<()> {
         }
         Ok::<_, anyhow::Error>(())
     })?;
-    let st = k.dp().pair_stats(&pair)?;
+    let st = k.dp().stats(&pair)?;
     ensure!(st.sockets == 4 && st.redirected_bytes == 4 * (4 << 20) && st.fallback_collision == 0, "{st:?}");
     Ok(())
 }
@@ -168,13 +168,13 @@ fn identical_connection_ids_poison_both() -> Result<()> {
     let client = nets[0].pods[0].v4;
     let remote = SocketAddr::from(([198, 18, 0, 77], 8080));
     let pair = EndpointPair::new(client.into(), remote.into())?;
-    k.dp().insert_pair(&pair, "test")?;
+    k.dp().insert(&pair, "test")?;
     let local = SocketAddr::new(client.into(), 42111);
     let a = repaired(&nets[0].pods[0].ns, local, remote, 0x1111_0000, 0x2222_0000)?;
-    let (la, st) = (k.dp().socket_link(socket_cookie_of(&a)?)?, k.dp().pair_stats(&pair)?);
+    let (la, st) = (k.dp().socket_link(socket_cookie_of(&a)?)?, k.dp().stats(&pair)?);
     ensure!(la.is_some() && st.fallback_collision == 0, "the first is accelerated: {la:?} {st:?}");
     let b = repaired(&nets[1].pods[0].ns, local, remote, 0x1111_0000, 0x2222_0000)?;
-    let st = k.dp().pair_stats(&pair)?;
+    let st = k.dp().stats(&pair)?;
     ensure!(st.fallback_collision == 1, "the second collided: {st:?}");
     ensure!(k.dp().socket_link(socket_cookie_of(&b)?)?.is_none(), "the second is not in the SOCKMAP");
     let link = k.dp().link(&la.context("the first is accelerated")?)?.context("link")?;
@@ -190,7 +190,7 @@ fn pods_pair(k: &KernelTest, port: u16) -> Result<(NodeWithPods, std::net::TcpLi
     let addr = SocketAddr::new(net.pods[1].addr(false), port);
     let l = net.pods[1].ns.listen(addr)?;
     let pair = EndpointPair::new(net.pods[0].addr(false), addr.into())?;
-    k.dp().insert_pair(&pair, "test")?;
+    k.dp().insert(&pair, "test")?;
     Ok((net, l, pair))
 }
 
@@ -205,10 +205,10 @@ fn rcvlowat_mid_stream_withdraws_the_target_in_order() -> Result<()> {
     let mut s = accept_timeout(&l, T)?;
     let data: Vec<u8> = (0..3000u32).map(|i| (i % 253) as u8).collect();
     write_all_ready(&mut c, &data[..1000], Some(T))?;
-    ensure!(k.dp().pair_stats(&pair)?.redirected_bytes == 1000, "redirected at first");
+    ensure!(k.dp().stats(&pair)?.redirected_bytes == 1000, "redirected at first");
     set_int(&s, libc::SOL_SOCKET, libc::SO_RCVLOWAT, 1500)?;
     write_all_ready(&mut c, &data[1000..1100], Some(T))?;
-    let st = k.dp().pair_stats(&pair)?;
+    let st = k.dp().stats(&pair)?;
     ensure!(st.fallback_rcvlowat == 1 && st.redirected_bytes == 1000, "the rest takes TCP: {st:?}");
     let mut got = vec![0u8; 1000];
     read_exact_ready(&mut s, &mut got, Some(T))?;
@@ -233,7 +233,7 @@ fn rcvlowat_on_the_listener_is_never_a_target() -> Result<()> {
     let c = net.pods[0].ns.connect(SocketAddr::new(net.pods[1].addr(false), 8081))?;
     let s = accept_timeout(&l, T)?;
     exchange(c, s, 5, 1 << 20, T)?;
-    let st = k.dp().pair_stats(&pair)?;
+    let st = k.dp().stats(&pair)?;
     // Client -> server on TCP; server -> client still redirected.
     ensure!(st.fallback_rcvlowat == 1 && st.redirected_bytes == 1 << 20, "{st:?}");
     Ok(())
@@ -260,14 +260,14 @@ fn ulp_set_late_leaves_the_fast_path() -> Result<()> {
     } else {
         ensure!(rc != 0 && err.raw_os_error() == Some(libc::ENOENT), "no kTLS here: the kernel's own ENOENT: {err}");
     }
-    let before = k.dp().pair_stats(&pair)?;
+    let before = k.dp().stats(&pair)?;
     ensure!(before.fallback_ulp == 1, "{before:?}");
     if k.dp().kernel().ktls {
         // A kTLS socket without keys passes bytes through; nothing to check further.
         return Ok(());
     }
     exchange(c, s, 9, 1 << 20, T)?;
-    let st = k.dp().pair_stats(&pair)?;
+    let st = k.dp().stats(&pair)?;
     ensure!(st.redirected_bytes == before.redirected_bytes, "nothing redirected after the ULP: {st:?}");
     Ok(())
 }
@@ -288,7 +288,7 @@ fn ulp_with_redirected_bytes_waiting_is_refused() -> Result<()> {
     let rc = unsafe { libc::setsockopt(s.as_raw_fd(), libc::SOL_TCP, libc::TCP_ULP, tls.as_ptr().cast(), 3) };
     let err = std::io::Error::last_os_error();
     ensure!(rc != 0 && err.raw_os_error() == Some(libc::EPERM), "refused: {err}");
-    let st = k.dp().pair_stats(&pair)?;
+    let st = k.dp().stats(&pair)?;
     ensure!(st.ulp_refused == 1 && st.fallback_ulp == 1, "{st:?}");
     let mut got = [0u8; 100];
     read_exact_ready(&mut s, &mut got, Some(T))?;
@@ -314,11 +314,11 @@ fn an_unobserved_reader_waits_one_connection() -> Result<()> {
     let to = SocketAddr::new(net.pods[1].addr(false), 8084);
     let (c, s) = (net.pods[0].ns.connect(to)?, accept_timeout(&l, T)?);
     exchange(c, s, 13, 64 << 10, T)?;
-    let first = k.dp().pair_stats(&pair)?;
+    let first = k.dp().stats(&pair)?;
     ensure!(first.sockets == 0 && first.fallback_reader >= 1, "{first:?}");
     let (c, s) = (net.pods[0].ns.connect(to)?, accept_timeout(&l, T)?);
     exchange(c, s, 15, 64 << 10, T)?;
-    let second = k.dp().pair_stats(&pair)?;
+    let second = k.dp().stats(&pair)?;
     ensure!(second.sockets == 2 && second.redirected_bytes == 2 * (64 << 10), "{second:?}");
     Ok(())
 }
@@ -346,10 +346,10 @@ fn a_blocking_reader_is_kept_off() -> Result<()> {
     (&s).read_exact(&mut b)?;
     drop((c, c2, s));
     // ...and its next connections stay on TCP.
-    let before = k.dp().pair_stats(&pair)?;
+    let before = k.dp().stats(&pair)?;
     let (c, s) = (net.pods[0].ns.connect(to)?, accept_timeout(&l, T)?);
     exchange(c, s, 19, 64 << 10, T)?;
-    let after = k.dp().pair_stats(&pair)?;
+    let after = k.dp().stats(&pair)?;
     ensure!(after.sockets == before.sockets && after.fallback_reader > before.fallback_reader, "{after:?}");
     Ok(())
 }
@@ -370,7 +370,7 @@ fn guard_off_accelerates_every_covered_socket() -> Result<()> {
     let to = SocketAddr::new(net.pods[1].addr(false), 8086);
     let (c, s) = (net.pods[0].ns.connect(to)?, accept_timeout(&l, T)?);
     exchange(c, s, 21, 64 << 10, T)?;
-    let st = k.dp().pair_stats(&pair)?;
+    let st = k.dp().stats(&pair)?;
     ensure!(st.sockets == 2 && st.redirected_bytes == 2 * (64 << 10), "{st:?}");
     Ok(())
 }
@@ -422,13 +422,13 @@ fn a_rule_can_keep_redirected_bytes_out_of_one_end() -> Result<()> {
     let l = net.pods[1].ns.listen(addr)?;
     let pair = EndpointPair::new(net.pods[0].addr(false), addr.into())?
         .never_redirect_into(meshwarp_core::NeverRedirectInto { client: false, server: true });
-    k.dp().insert_pair(&pair, "test")?;
+    k.dp().insert(&pair, "test")?;
     let (c, s) = (net.pods[0].ns.connect(addr)?, accept_timeout(&l, T)?);
     let link = k.dp().socket_link(socket_cookie_of(&c)?)?.context("accelerated")?;
     let l = k.dp().link(&link)?.context("link")?;
     ensure!(l.end_flags[1] & meshwarp_bpf::shared::EF_R_RULE != 0, "{l:?}");
     exchange(c, s, 23, 1 << 20, T)?;
-    let st = k.dp().pair_stats(&pair)?;
+    let st = k.dp().stats(&pair)?;
     ensure!(st.redirected_bytes == 1 << 20, "only server -> client redirected: {st:?}");
     Ok(())
 }
@@ -449,10 +449,10 @@ fn without_the_syscall_watch_no_one_sided_psock() -> Result<()> {
     let l = net.pods[1].ns.listen(addr)?;
     let pair = EndpointPair::new(net.pods[0].addr(false), addr.into())?
         .never_redirect_into(meshwarp_core::NeverRedirectInto { client: false, server: true });
-    k.dp().insert_pair(&pair, "test")?;
+    k.dp().insert(&pair, "test")?;
     let (c, s) = (net.pods[0].ns.connect(addr)?, accept_timeout(&l, T)?);
     exchange(c, s, 25, 256 << 10, T)?;
-    let st = k.dp().pair_stats(&pair)?;
+    let st = k.dp().stats(&pair)?;
     ensure!(st.sockets == 0 && st.redirected_bytes == 0, "{st:?}");
     Ok(())
 }
@@ -476,7 +476,7 @@ fn a_listener_older_than_the_data_path_is_learned() -> Result<()> {
     k.dp.take().unwrap().teardown()?;
     k.dp = Some(meshwarp_core::Dataplane::open(&k.cfg)?);
     let pair = EndpointPair::new(net.pods[0].addr(false), addr.into())?;
-    k.dp().insert_pair(&pair, "test")?;
+    k.dp().insert(&pair, "test")?;
 
     let (c, s) = (net.pods[0].ns.connect(addr)?, accept_timeout(&l, T)?);
     ensure!(k.dp().socket_link(socket_cookie_of(&s)?)?.is_none(), "first connection not accelerated");
@@ -499,7 +499,7 @@ fn a_listener_older_than_the_data_path_is_learned() -> Result<()> {
     let (c, s) = (net.pods[0].ns.connect(addr)?, accept_timeout(&l, T)?);
     let got = k.dp().socket_link(socket_cookie_of(&s)?)?.is_some();
     exchange(c, s, 29, 64 << 10, T)?;
-    ensure!(got, "second connection accelerated: {:?}", k.dp().pair_stats(&pair)?);
+    ensure!(got, "second connection accelerated: {:?}", k.dp().stats(&pair)?);
     Ok(())
 }
 

@@ -66,7 +66,7 @@ impl Pods {
             [EndpointPair::new(a, Endpoint::new(b, PORT))?, EndpointPair::new(a, Endpoint::new(b, OTHER_PORT))?]
                 .map(|p| p.with_mode(FastPathMode::Always));
         for p in &pairs {
-            k.dp().insert_pair(p, "test")?;
+            k.dp().insert(p, "test")?;
         }
         Ok(Self { net, listeners, pairs })
     }
@@ -100,8 +100,8 @@ fn port_allowlist_declines_outside_its_ports_and_unload_restores() -> Result<()>
     exchange(cl, sv, 3, len, T)?;
     ensure!(pods.net.veth_bytes(0)? - before >= 2 * len as u64, "declined connection must use the veth");
 
-    let allowed = k.dp().pair_stats(&pods.pairs[0])?;
-    let declined = k.dp().pair_stats(&pods.pairs[1])?;
+    let allowed = k.dp().stats(&pods.pairs[0])?;
+    let declined = k.dp().stats(&pods.pairs[1])?;
     ensure!(allowed.sockets == 2 && allowed.redirected_bytes == 2 * len as u64, "port {PORT} accelerated: {allowed:?}");
     ensure!(declined.sockets == 0 && declined.redirected_bytes == 0, "port {OTHER_PORT} declined: {declined:?}");
     let pc = counters(&c, "ports");
@@ -111,14 +111,14 @@ fn port_allowlist_declines_outside_its_ports_and_unload_restores() -> Result<()>
     c.update_config("ports", &OTHER_PORT.to_le_bytes())?;
     let (cl, sv) = pods.connect(1)?;
     exchange(cl, sv, 5, len, T)?;
-    ensure!(k.dp().pair_stats(&pods.pairs[1])?.sockets == 2, "config update took effect");
+    ensure!(k.dp().stats(&pods.pairs[1])?.sockets == 2, "config update took effect");
 
     // Unloading restores acceleration on every covered port.
     c.unload("ports")?;
     ensure!(c.list()?.is_empty());
     let (cl, sv) = pods.connect(0)?;
     exchange(cl, sv, 7, len, T)?;
-    ensure!(k.dp().pair_stats(&pods.pairs[0])?.sockets == 4, "accelerated again after unload");
+    ensure!(k.dp().stats(&pods.pairs[0])?.sockets == 4, "accelerated again after unload");
     Ok(())
 }
 
@@ -170,7 +170,7 @@ fn byte_sampler_counts_every_message_of_each_pair() -> Result<()> {
     ensure!(s[0].0 != s[1].0, "distinct rule ids");
     let pc = counters(&c, "sampler");
     ensure!(pc.runs == 220 && pc.continued == 220, "{pc:?}");
-    ensure!(k.dp().pair_stats(&pods.pairs[0])?.redirected_msgs == 200, "sampling does not change redirection");
+    ensure!(k.dp().stats(&pods.pairs[0])?.redirected_msgs == 200, "sampling does not change redirection");
     Ok(())
 }
 
@@ -229,7 +229,7 @@ fn rate_limiter_bypass_keeps_every_byte_in_order() -> Result<()> {
     let (cl, sv) = pods.connect(0)?;
     let len = 4 << 20;
     exchange(cl, sv, 11, len, T)?;
-    let st = k.dp().pair_stats(&pods.pairs[0])?;
+    let st = k.dp().stats(&pods.pairs[0])?;
     let pc = counters(&c, "limit");
     ensure!(st.redirected_bytes > 0 && st.redirected_bytes <= 64 << 10, "only the burst redirected: {st:?}");
     ensure!(pc.verdict1 >= 2, "both directions bypassed: {pc:?}");
@@ -276,7 +276,7 @@ fn hot_swap_under_traffic_loses_nothing() -> Result<()> {
     let listener = pods.net.pods[1].ns.listen(SocketAddr::new(pods.net.pods[1].addr(false), 7070))?;
     let pair = EndpointPair::new(pods.net.pods[0].addr(false), Endpoint::new(pods.net.pods[1].addr(false), 7070))?
         .with_mode(FastPathMode::Always);
-    k.dp().insert_pair(&pair, "test")?;
+    k.dp().insert(&pair, "test")?;
     let _echo = StreamEcho::start(listener)?;
 
     // Streams keep running, each a fresh connection with its own checksummed
@@ -319,7 +319,7 @@ fn hot_swap_under_traffic_loses_nothing() -> Result<()> {
         swapped.map(|()| streams)
     })?;
     eprintln!("20 hot swaps, config updates and loads/unloads under {streams} checksummed streams");
-    let st = k.dp().pair_stats(&pair)?;
+    let st = k.dp().stats(&pair)?;
     ensure!(st.redirected_bytes == 2 * streams * len as u64, "every byte stayed accelerated: {st:?}");
     ensure!(st.fallback_tcp_path == 0 && st.fallback_no_peer == 0, "{st:?}");
     ensure!(counters(&c, "sampler").runs >= st.redirected_msgs, "the chain ran on every message");
@@ -358,7 +358,7 @@ fn refused_objects_change_nothing() -> Result<()> {
     let (cl, sv) = pods.connect(0)?;
     exchange(cl, sv, 21, 1 << 20, T)?;
     ensure!(counters(&c, "noop").runs > 0, "the running chain still runs");
-    ensure!(k.dp().pair_stats(&pods.pairs[0])?.redirected_bytes == 2 << 20);
+    ensure!(k.dp().stats(&pods.pairs[0])?.redirected_bytes == 2 << 20);
     Ok(())
 }
 
@@ -491,7 +491,7 @@ fn a_chain_holds_eight_plugins_and_refuses_a_ninth() -> Result<()> {
     c.load(&manifest("ports", Hook::Connection, 0), plugins::PORT_ALLOW, &PORT.to_le_bytes(), false)?;
     let (cl, sv) = pods.connect(0)?;
     exchange(cl, sv, 41, 1 << 20, T)?;
-    let st = k.dp().pair_stats(&pods.pairs[0])?;
+    let st = k.dp().stats(&pods.pairs[0])?;
     ensure!(st.redirected_bytes == 2 << 20, "eight tail calls deep, still redirected: {st:?}");
     for i in 0..8 {
         let pc = counters(&c, &format!("noop-{i}"));

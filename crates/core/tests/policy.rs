@@ -78,7 +78,7 @@ fn pods_pair(k: &KernelTest, port: u16, mode: FastPathMode) -> Result<(NodeWithP
     let addr = SocketAddr::new(net.pods[1].addr(false), port);
     let l = net.pods[1].ns.listen(addr)?;
     let pair = EndpointPair::new(net.pods[0].addr(false), addr.into())?.with_mode(mode);
-    k.dp().insert_pair(&pair, "test")?;
+    k.dp().insert(&pair, "test")?;
     Ok((net, l, pair))
 }
 
@@ -126,7 +126,7 @@ fn a_small_write_stream_is_demoted_then_promoted() -> Result<()> {
     let (mut down_w, mut down_r) = (Stream::new(2), Stream::new(2));
 
     stream_one_way(&c, &s, &mut up_w, &mut up_r, 96 * 512, 512)?;
-    let st = k.dp().pair_stats(&pair)?;
+    let st = k.dp().stats(&pair)?;
     ensure!(st.demotions_coalesce == 1 && st.unlinks == 0, "the stream was demoted once: {st:?}");
     ensure!(st.policy_tcp_msgs > 0 && st.redirected_msgs >= 7, "{st:?}");
     // Bytes sent on TCP after the demotion: most of the stream.
@@ -135,10 +135,10 @@ fn a_small_write_stream_is_demoted_then_promoted() -> Result<()> {
     // The server answers; the client's next request starts a new exchange.
     down_w.write(&s, 64, 64)?;
     down_r.read(&c, 64)?;
-    let before = k.dp().pair_stats(&pair)?;
+    let before = k.dp().stats(&pair)?;
     up_w.write(&c, 100, 100)?;
     up_r.read(&s, 100)?;
-    let after = k.dp().pair_stats(&pair)?;
+    let after = k.dp().stats(&pair)?;
     ensure!(after.promotions == 1, "promoted once the server read every TCP byte: {after:?}");
     ensure!(after.redirected_bytes == before.redirected_bytes + 100, "the request was redirected: {after:?}");
     Ok(())
@@ -163,14 +163,14 @@ fn a_nodelay_stream_moves_to_tcp_when_its_reader_falls_behind() -> Result<()> {
         up_w.write(&c, 64, 64)?;
         up_r.read(&s, 64)?;
     }
-    let st = k.dp().pair_stats(&pair)?;
+    let st = k.dp().stats(&pair)?;
     ensure!(st.demotions_behind == 0 && st.demotions_coalesce == 0, "a reader in lockstep keeps it: {st:?}");
     ensure!(st.redirected_msgs == 400 && st.policy_tcp_msgs == 0, "{st:?}");
 
     // The same thread writes 320 more without reading (the psock queue
     // only charges its bytes, so nothing blocks), then reads them all.
     up_w.write(&c, 320 * 64, 64)?;
-    let st = k.dp().pair_stats(&pair)?;
+    let st = k.dp().stats(&pair)?;
     ensure!(st.demotions_behind == 1 && st.demotions_coalesce == 0, "demoted once, reader behind: {st:?}");
     ensure!(
         (400 + 256..=400 + 256 + 16).contains(&st.redirected_msgs),
@@ -206,7 +206,7 @@ fn a_reader_of_several_threads_is_never_taken_for_behind() -> Result<()> {
         })
         .with_context(|| format!("round {round}"))?;
     }
-    let st = k.dp().pair_stats(&pair)?;
+    let st = k.dp().stats(&pair)?;
     ensure!(st.demotions_behind == 0 && st.demotions_coalesce == 0, "{st:?}");
     ensure!(st.redirected_msgs == 500, "{st:?}");
     Ok(())
@@ -222,7 +222,7 @@ fn wait_counters(
 ) -> Result<RuleCounters> {
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     loop {
-        let st = k.dp().pair_stats(pair)?;
+        let st = k.dp().stats(pair)?;
         if cond(&st) {
             return Ok(st);
         }
@@ -247,7 +247,7 @@ fn a_streaming_end_leaves_the_sockmap_and_comes_back() -> Result<()> {
     ensure!(st.demotions_coalesce == 1 && st.relinks == 0, "{st:?}");
     // Out of the map: more streaming runs no sk_msg (plain TCP).
     stream_one_way(&c, &s, &mut up_w, &mut up_r, 2 << 20, 512)?;
-    let after = k.dp().pair_stats(&pair)?;
+    let after = k.dp().stats(&pair)?;
     ensure!(after.policy_tcp_msgs == st.policy_tcp_msgs, "no sk_msg ran once unlinked: {st:?} then {after:?}");
 
     // The server answers (on TCP: the client is parked): the client goes back.
@@ -261,7 +261,7 @@ fn a_streaming_end_leaves_the_sockmap_and_comes_back() -> Result<()> {
         down_w.write(&s, 100, 100)?;
         down_r.read(&c, 100)?;
     }
-    let after = k.dp().pair_stats(&pair)?;
+    let after = k.dp().stats(&pair)?;
     ensure!(after.promotions >= 1, "promoted after the relink: {after:?}");
     ensure!(after.redirected_bytes >= st.redirected_bytes + 500, "requests and replies redirected: {after:?}");
     Ok(())
@@ -300,7 +300,7 @@ fn unlink_and_relink_under_two_way_traffic_lose_nothing() -> Result<()> {
         }
         Ok(())
     })?;
-    let st = k.dp().pair_stats(&pair)?;
+    let st = k.dp().stats(&pair)?;
     ensure!(st.unlinks >= 2 && st.relinks >= 1, "ends left the SOCKMAP and came back: {st:?}");
     Ok(())
 }
@@ -318,12 +318,12 @@ fn no_promotion_while_tcp_bytes_are_unread() -> Result<()> {
     // 32 small writes, not read yet: 8 redirected, then TCP.
     up_w.write(&c, 32 * 200, 200)?;
     thread::sleep(Duration::from_millis(50));
-    ensure!(k.dp().pair_stats(&pair)?.demotions_coalesce == 1);
+    ensure!(k.dp().stats(&pair)?.demotions_coalesce == 1);
     // A reply, then a request, with the stream still unread.
     down_w.write(&s, 10, 10)?;
     down_r.read(&c, 10)?;
     up_w.write(&c, 300, 300)?;
-    let st = k.dp().pair_stats(&pair)?;
+    let st = k.dp().stats(&pair)?;
     ensure!(st.promotions == 0, "not promoted over unread TCP bytes: {st:?}");
     // The reader gets everything in order, then a new exchange promotes.
     up_r.read(&s, 32 * 200 + 300)?;
@@ -331,7 +331,7 @@ fn no_promotion_while_tcp_bytes_are_unread() -> Result<()> {
     down_r.read(&c, 10)?;
     up_w.write(&c, 300, 300)?;
     up_r.read(&s, 300)?;
-    let st = k.dp().pair_stats(&pair)?;
+    let st = k.dp().stats(&pair)?;
     ensure!(st.promotions == 1, "promoted once read: {st:?}");
     Ok(())
 }
@@ -363,7 +363,7 @@ fn an_unlink_asked_while_no_process_serves_is_done_at_the_next_open() -> Result<
     let st = wait_counters(&k, &pair, "unlinked by the next process", |c| c.unlinks == 1)?;
     ensure!(st.demotions_coalesce == 1, "{st:?}");
     stream_one_way(&c, &s, &mut up_w, &mut up_r, 1 << 20, 512)?;
-    let after = k.dp().pair_stats(&pair)?;
+    let after = k.dp().stats(&pair)?;
     ensure!(after.policy_tcp_msgs == st.policy_tcp_msgs, "out of the map: {st:?} then {after:?}");
     Ok(())
 }
@@ -376,18 +376,18 @@ fn modes_always_and_never() -> Result<()> {
     let (net, l, always) = pods_pair(&k, 8203, FastPathMode::Always)?;
     let (c, s) = connections(&net, &l, 8203, 1)?.remove(0);
     stream_one_way(&c, &s, &mut Stream::new(5), &mut Stream::new(5), 1 << 20, 512)?;
-    let st = k.dp().pair_stats(&always)?;
+    let st = k.dp().stats(&always)?;
     ensure!(st.demotions_coalesce == 0 && st.redirected_bytes == 1 << 20, "{st:?}");
     ensure!(k.dp().pairs().iter().any(|p| p.mode() == FastPathMode::Always), "the mode is kept in the maps");
 
     let to = SocketAddr::new(net.pods[1].addr(false), 8204);
     let l = net.pods[1].ns.listen(to)?;
     let never = EndpointPair::new(net.pods[0].addr(false), to.into())?.with_mode(FastPathMode::Never);
-    k.dp().insert_pair(&never, "test")?;
+    k.dp().insert(&never, "test")?;
     let (c, s) = (net.pods[0].ns.connect(to)?, accept_timeout(&l, Duration::from_secs(60))?);
     ensure!(k.dp().socket_link(meshwarp_core::sys::socket_cookie_of(&c)?)?.is_none(), "mode never: not accelerated");
     stream_one_way(&c, &s, &mut Stream::new(6), &mut Stream::new(6), 256 << 10, 512)?;
-    let st = k.dp().pair_stats(&never)?;
+    let st = k.dp().stats(&never)?;
     ensure!(st.fallback_mode_never == 1 && st.sockets == 0 && st.redirected_bytes == 0, "{st:?}");
     Ok(())
 }
@@ -434,7 +434,7 @@ fn streams_survive_demotions_and_promotions() -> Result<()> {
         }
         Ok(())
     })?;
-    let st: RuleCounters = k.dp().pair_stats(&pair)?;
+    let st: RuleCounters = k.dp().stats(&pair)?;
     ensure!(st.sockets == 32, "every connection accelerated: {st:?}");
     ensure!(st.demotions_coalesce > 0 && st.promotions > 0, "directions moved both ways: {st:?}");
     Ok(())

@@ -14,7 +14,7 @@ use anyhow::{ensure, Context, Result};
 use meshwarp_bpf::shared::{sockmap_index, Link, END_CLIENT, END_SERVER, LINK_SLOT};
 use meshwarp_core::sys::socket_cookie_of;
 use meshwarp_core::{
-    CaptureRule, Dataplane, DataplaneConfig, DataplaneOrigin, Endpoint, EndpointPair, FastPathMode, RegistryError,
+    CaptureRule, Dataplane, DataplaneConfig, DataplaneOrigin, Endpoint, EndpointPair, FastPathMode, RuleError,
 };
 use meshwarp_testbed::{
     accept_timeout, exchange, read_ready, redirect_output, write_all_ready, CaptureProxy, KernelTest, NodeWithPods,
@@ -89,7 +89,7 @@ fn mirror_pairing(v6: bool) -> Result<()> {
     let k = kernel_test!(1024);
     let (net, listener) = two_pods(v6)?;
     let pair = pair_for(&net, v6);
-    k.dp().insert_pair(&pair, "test")?;
+    k.dp().insert(&pair, "test")?;
 
     let (c, s) = connect_pods(&net, &listener, v6)?;
     // Both ends under one link whose tuple (port byte order) is what each socket sees.
@@ -102,7 +102,7 @@ fn mirror_pairing(v6: bool) -> Result<()> {
     let len = 4 << 20;
     exchange(c, s, 1, len, T)?;
     let crossed = net.veth_bytes(0)? + net.veth_bytes(1)? - before;
-    let st = k.dp().pair_stats(&pair)?;
+    let st = k.dp().stats(&pair)?;
     ensure!(st.sockets == 2, "both ends inserted: {st:?}");
     ensure!(st.redirected_bytes == 2 * len as u64, "every byte redirected: {st:?}");
     // Only FINs/ACKs cross the veths, not the 8 MiB of payload.
@@ -126,7 +126,7 @@ fn unregistered_connection_takes_the_normal_path() -> Result<()> {
     let (net, listener) = two_pods(false)?;
     // A pair for another port covers nothing here.
     let other = EndpointPair::new(net.pods[0].addr(false), Endpoint::new(net.pods[1].addr(false), 9999))?;
-    k.dp().insert_pair(&other, "test")?;
+    k.dp().insert(&other, "test")?;
     let g0 = k.dp().global_stats()?;
     let before = net.veth_bytes(0)?;
     let (c, s) = connect_pods(&net, &listener, false)?;
@@ -135,7 +135,7 @@ fn unregistered_connection_takes_the_normal_path() -> Result<()> {
     ensure!(net.veth_bytes(0)? - before >= 2 * len as u64, "payload must cross the veth");
     let g1 = k.dp().global_stats()?;
     ensure!(g1.not_covered >= g0.not_covered + 2, "both ends seen and left alone: {g0:?} -> {g1:?}");
-    ensure!(k.dp().pair_stats(&other)? == Default::default(), "nothing counted on an unrelated pair");
+    ensure!(k.dp().stats(&other)? == Default::default(), "nothing counted on an unrelated pair");
     Ok(())
 }
 
@@ -152,7 +152,7 @@ fn capture_pairing(v6: bool) -> Result<()> {
     let proxy = CaptureProxy::start(&app.ns, SocketAddr::new(loopback, 15001), upstream)?;
     let rule = CaptureRule::new(Some(app.addr(v6)), Endpoint::new(service, 80), Endpoint::new(loopback, 15001))?
         .with_mode(FastPathMode::Always);
-    k.dp().insert_capture(&rule, "test")?;
+    k.dp().insert(&rule, "test")?;
 
     let c = app.ns.connect(SocketAddr::new(service, 80))?;
     let s = accept_timeout(&server, T)?;
@@ -166,7 +166,7 @@ fn capture_pairing(v6: bool) -> Result<()> {
         proxy.original_dsts.lock().unwrap().contains(&SocketAddr::new(service, 80)),
         "iptables did not capture the connection"
     );
-    let st = k.dp().capture_stats(&rule)?;
+    let st = k.dp().stats(&rule)?;
     ensure!(st.sockets == 2, "app socket and the socket the proxy accepted: {st:?}");
     // app -> proxy and proxy -> app are both redirected.
     ensure!(st.redirected_bytes == 2 * len as u64, "{st:?}");
@@ -188,7 +188,7 @@ fn integrity_across_sizes_both_directions() -> Result<()> {
     let k = kernel_test!(1024);
     let (net, listener) = two_pods(false)?;
     let pair = pair_for(&net, false);
-    k.dp().insert_pair(&pair, "test")?;
+    k.dp().insert(&pair, "test")?;
     let sizes = [1usize, 2, 7, 100, 1448, 4096, 65_535, 65_536 + 7, 1 << 20, 3_000_001, 8 << 20];
     let mut total = 0u64;
     for (i, len) in sizes.into_iter().enumerate() {
@@ -196,7 +196,7 @@ fn integrity_across_sizes_both_directions() -> Result<()> {
         exchange(c, s, 100 + i as u64 * 2, len, T).with_context(|| format!("size {len}"))?;
         total += 2 * len as u64;
     }
-    let st = k.dp().pair_stats(&pair)?;
+    let st = k.dp().stats(&pair)?;
     // Every byte went one way or the other, and nearly all were redirected.
     ensure!(st.redirected_bytes <= total, "{st:?}");
     ensure!(st.redirected_bytes >= total * 9 / 10, "redirected {} of {total}: {st:?}", st.redirected_bytes);
@@ -207,7 +207,7 @@ fn integrity_across_sizes_both_directions() -> Result<()> {
 fn slow_reader_with_large_writes() -> Result<()> {
     let k = kernel_test!(1024);
     let (net, listener) = two_pods(false)?;
-    k.dp().insert_pair(&pair_for(&net, false), "test")?;
+    k.dp().insert(&pair_for(&net, false), "test")?;
     let (mut c, mut s) = connect_pods(&net, &listener, false)?;
     s.set_read_timeout(Some(T))?;
     c.set_write_timeout(Some(T))?;
@@ -240,7 +240,7 @@ fn two_hundred_concurrent_connections() -> Result<()> {
     let k = kernel_test!(4096);
     let (net, listener) = two_pods(false)?;
     let pair = pair_for(&net, false);
-    k.dp().insert_pair(&pair, "test")?;
+    k.dp().insert(&pair, "test")?;
     let mut conns = Vec::new();
     for _ in 0..200 {
         conns.push(connect_pods(&net, &listener, false)?);
@@ -257,8 +257,8 @@ fn two_hundred_concurrent_connections() -> Result<()> {
         }
         Ok::<_, anyhow::Error>(())
     })
-    .with_context(|| format!("pair counters: {:?}", k.dp().pair_stats(&pair)))?;
-    let st = k.dp().pair_stats(&pair)?;
+    .with_context(|| format!("pair counters: {:?}", k.dp().stats(&pair)))?;
+    let st = k.dp().stats(&pair)?;
     ensure!(st.sockets == 400, "{st:?}");
     ensure!(st.redirected_bytes >= 200 * 2 * len as u64 * 9 / 10, "{st:?}");
     Ok(())
@@ -269,10 +269,10 @@ fn removing_a_pair_returns_new_connections_to_tcp() -> Result<()> {
     let k = kernel_test!(1024);
     let (net, listener) = two_pods(false)?;
     let pair = pair_for(&net, false);
-    k.dp().insert_pair(&pair, "test")?;
+    k.dp().insert(&pair, "test")?;
     let (c1, s1) = connect_pods(&net, &listener, false)?;
-    k.dp().remove_pair(&pair)?;
-    ensure!(matches!(k.dp().pair_stats(&pair), Err(RegistryError::NotFound(_))));
+    k.dp().remove(&pair)?;
+    ensure!(matches!(k.dp().stats(&pair), Err(RuleError::NotFound(_))));
     // A connection accelerated before the removal keeps working.
     exchange(c1, s1, 7, 1 << 20, T)?;
     // New connections take the normal path.
@@ -281,10 +281,10 @@ fn removing_a_pair_returns_new_connections_to_tcp() -> Result<()> {
     exchange(c2, s2, 9, 1 << 20, T)?;
     ensure!(net.veth_bytes(0)? - before >= 2 << 20, "new connection must cross the veth");
     // Registering again accelerates new connections again, with fresh counters.
-    k.dp().insert_pair(&pair, "test")?;
+    k.dp().insert(&pair, "test")?;
     let (c3, s3) = connect_pods(&net, &listener, false)?;
     exchange(c3, s3, 11, 1 << 20, T)?;
-    let st = k.dp().pair_stats(&pair)?;
+    let st = k.dp().stats(&pair)?;
     ensure!(st.sockets == 2 && st.redirected_bytes == 2 << 20, "{st:?}");
     Ok(())
 }
@@ -294,10 +294,10 @@ fn no_free_slot_falls_back_and_is_reported() -> Result<()> {
     let k = kernel_test!(2);
     let (net, listener) = two_pods(false)?;
     let pair = pair_for(&net, false);
-    k.dp().insert_pair(&pair, "test")?;
+    k.dp().insert(&pair, "test")?;
     let (c1, s1) = connect_pods(&net, &listener, false)?; // takes the one slot
     let (c2, s2) = connect_pods(&net, &listener, false)?; // finds none free
-    let st = k.dp().pair_stats(&pair)?;
+    let st = k.dp().stats(&pair)?;
     ensure!(st.sockets == 2, "{st:?}");
     ensure!(st.fallback_map_full == 1, "the second connection's client end reported: {st:?}");
     ensure!(k.dp().global_stats()?.no_slot == 1, "counted node-wide");
@@ -314,9 +314,9 @@ fn connections_before_registration_keep_working_unaccelerated() -> Result<()> {
     let (net, listener) = two_pods(false)?;
     let (c, s) = connect_pods(&net, &listener, false)?;
     let pair = pair_for(&net, false);
-    k.dp().insert_pair(&pair, "test")?;
+    k.dp().insert(&pair, "test")?;
     exchange(c, s, 31, 1 << 20, T)?;
-    let st = k.dp().pair_stats(&pair)?;
+    let st = k.dp().stats(&pair)?;
     ensure!(st.sockets == 0 && st.redirected_msgs == 0, "{st:?}");
     Ok(())
 }
@@ -327,7 +327,7 @@ fn loopback_tuples_in_two_namespaces_do_not_collide() -> Result<()> {
     let net = NodeWithPods::new(2)?;
     let lo: SocketAddr = "127.0.0.1:9000".parse()?;
     let pair = EndpointPair::new(lo.ip(), Endpoint::new(lo.ip(), lo.port()))?;
-    k.dp().insert_pair(&pair, "test")?;
+    k.dp().insert(&pair, "test")?;
     // Same port numbers on both sides in both pods: only the netns tells them apart.
     let mut conns = Vec::new();
     for pod in &net.pods {
@@ -347,7 +347,7 @@ fn loopback_tuples_in_two_namespaces_do_not_collide() -> Result<()> {
         }
         Ok::<_, anyhow::Error>(())
     })?;
-    let st = k.dp().pair_stats(&pair)?;
+    let st = k.dp().stats(&pair)?;
     ensure!(st.sockets == 4 && st.redirected_bytes == 4 * (2 << 20), "{st:?}");
     Ok(())
 }
@@ -356,7 +356,7 @@ fn loopback_tuples_in_two_namespaces_do_not_collide() -> Result<()> {
 fn adopting_a_pinned_instance_loads_nothing_twice() -> Result<()> {
     let k = kernel_test!(1024);
     let pair = EndpointPair::new("198.18.0.2".parse()?, Endpoint::new("198.18.0.3".parse()?, 80))?;
-    k.dp().insert_pair(&pair, "test")?;
+    k.dp().insert(&pair, "test")?;
     let id = k.dp().sockops_prog_id()?;
     let count = || libbpf_rs::query::ProgInfoIter::default().filter(|p| p.name == "mw_sockops").count();
     let before = count();
@@ -389,7 +389,7 @@ fn a_closed_links_slot_is_used_again() -> Result<()> {
     let k = kernel_test!(2);
     let (net, listener) = two_pods(false)?;
     let pair = pair_for(&net, false);
-    k.dp().insert_pair(&pair, "test")?;
+    k.dp().insert(&pair, "test")?;
     let mut redirected = 0;
     for round in 0..4u64 {
         // A connection that finds the slot still held stays on TCP, whole.
@@ -413,7 +413,7 @@ fn a_closed_links_slot_is_used_again() -> Result<()> {
         wait_until(T, || Ok(k.dp().link(&cv)?.is_none() && k.dp().socket_link(cookie)?.is_none()))
             .with_context(|| format!("round {round}: link {id:#x} not removed"))?;
     }
-    let st = k.dp().pair_stats(&pair)?;
+    let st = k.dp().stats(&pair)?;
     ensure!(st.redirected_bytes == redirected, "every accelerated round redirected: {st:?}");
     Ok(())
 }
@@ -426,12 +426,12 @@ fn a_slot_left_with_unread_bytes_is_freed_once_the_socket_closes() -> Result<()>
     let k = kernel_test!(2);
     let (net, listener) = two_pods(false)?;
     let pair = pair_for(&net, false);
-    k.dp().insert_pair(&pair, "test")?;
+    k.dp().insert(&pair, "test")?;
     let (c, mut s) = connect_pods(&net, &listener, false)?;
     accelerated(k.dp(), &c, END_CLIENT)?;
     let mut c = c;
     c.write_all(&[7u8; 1000])?;
-    wait_until(T, || Ok(k.dp().pair_stats(&pair)?.redirected_bytes == 1000))?;
+    wait_until(T, || Ok(k.dp().stats(&pair)?.redirected_bytes == 1000))?;
     // Reset: the server end reaches CLOSE with 1000 redirected bytes unread.
     socket2::SockRef::from(&c).set_linger(Some(Duration::ZERO))?;
     drop(c);
@@ -458,7 +458,7 @@ fn four_tuple_reuse_after_close() -> Result<()> {
     let k = kernel_test!(1024);
     let (net, listener) = two_pods(false)?;
     let pair = pair_for(&net, false);
-    k.dp().insert_pair(&pair, "test")?;
+    k.dp().insert(&pair, "test")?;
     let server = SocketAddr::new(net.pods[1].addr(false), SERVER_PORT);
     let client: SocketAddr = SocketAddr::new(net.pods[0].addr(false), 40555);
     for round in 0..3u64 {
@@ -469,7 +469,7 @@ fn four_tuple_reuse_after_close() -> Result<()> {
         // the TIME_WAIT is on its side and the client can reuse its port.
         exchange(c, s, 61 + 2 * round, 256 * 1024, T).with_context(|| format!("round {round}"))?;
     }
-    let st = k.dp().pair_stats(&pair)?;
+    let st = k.dp().stats(&pair)?;
     ensure!(st.sockets == 6, "{st:?}");
     ensure!(st.redirected_bytes == 3 * 2 * 256 * 1024, "every round redirected: {st:?}");
     Ok(())

@@ -12,10 +12,10 @@ use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
 use meshwarp_core::netlink::Link;
-use meshwarp_core::registry::Outcome;
 use meshwarp_core::tc::{
     Direction, IfaceRef, InterfaceRoute, MacRewrite, Prefix, RouteAction, TcConfig, TcDataplane, TcError,
 };
+use meshwarp_core::Outcome;
 use meshwarp_testbed::{accept_timeout, exchange, link_in, NodeWithPods, OverlayEgress, TcTest, TwoNodes};
 
 const T: Duration = Duration::from_secs(60);
@@ -170,7 +170,7 @@ fn invalid_routes_are_refused_and_change_nothing() -> Result<()> {
         InterfaceRoute { action: RouteAction::RedirectPeer(IfaceRef::Name("vxlan0".into())), ..base.clone() };
     ensure!(na.tc().insert_route(&not_veth, "test").unwrap_err().to_string().contains("not one"));
     na.tc().insert_route(&base, "test")?;
-    ensure!(na.tc().insert_route(&base, "test").unwrap_err().to_string().contains("already exists"));
+    ensure!(na.tc().insert_route(&base, "test").unwrap_err().to_string().contains("is already registered"));
     ensure!(na.tc().routes().len() == 1);
     // Adoption: a second handle on the same pins sees the same route and attachments.
     na.tc().attach(&IfaceRef::Name("vpod0".into()), Direction::Ingress)?;
@@ -186,13 +186,19 @@ fn invalid_routes_are_refused_and_change_nothing() -> Result<()> {
     // Owners and batches.
     let other = InterfaceRoute { dst: Prefix::new("dst", "198.18.3.0".parse()?, 24)?, ..base.clone() };
     let err = na.tc().upsert_route(&base, "intruder").unwrap_err();
-    ensure!(matches!(err, TcError::OwnerMismatch { .. }), "{err}");
+    ensure!(matches!(err, TcError::Rule(meshwarp_core::RuleError::OwnerMismatch { .. })), "{err}");
     let err = na.tc().delete_route(&base.attach, base.direction, base.dst, Some("intruder")).unwrap_err();
-    ensure!(matches!(err, TcError::OwnerMismatch { .. }), "{err}");
+    ensure!(matches!(err, TcError::Rule(meshwarp_core::RuleError::OwnerMismatch { .. })), "{err}");
     let batch = vec![other.clone(), other.clone()];
-    ensure!(matches!(na.tc().batch_upsert_routes(&batch, "test"), Err(TcError::DuplicateInBatch(_))));
+    ensure!(matches!(
+        na.tc().batch_upsert_routes(&batch, "test"),
+        Err(TcError::Rule(meshwarp_core::RuleError::DuplicateInBatch(_)))
+    ));
     let batch = vec![other.clone(), base.clone()];
-    ensure!(matches!(na.tc().batch_upsert_routes(&batch, "intruder"), Err(TcError::OwnerMismatch { .. })));
+    ensure!(matches!(
+        na.tc().batch_upsert_routes(&batch, "intruder"),
+        Err(TcError::Rule(meshwarp_core::RuleError::OwnerMismatch { .. }))
+    ));
     ensure!(na.tc().routes().len() == 1, "a refused batch changes nothing");
     let moved = InterfaceRoute {
         rewrite: Some(MacRewrite { src: [2, 0, 0, 0, 0, 1], dst: [2, 0, 0, 0, 0, 2] }),
@@ -204,7 +210,10 @@ fn invalid_routes_are_refused_and_change_nothing() -> Result<()> {
         (base.attach.clone(), base.direction, base.dst),
         (base.attach.clone(), base.direction, Prefix::new("dst", "198.18.9.0".parse()?, 24)?),
     ];
-    ensure!(matches!(na.tc().batch_delete_routes(&keys, "test", false), Err(TcError::NotFound(_))));
+    ensure!(matches!(
+        na.tc().batch_delete_routes(&keys, "test", false),
+        Err(TcError::Rule(meshwarp_core::RuleError::NotFound(_)))
+    ));
     ensure!(na.tc().routes().len() == 2);
     let gone = na.tc().batch_delete_routes(&keys, "test", true)?;
     ensure!(gone[0].is_some() && gone[1].is_none() && na.tc().routes().len() == 1);

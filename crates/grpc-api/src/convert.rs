@@ -3,7 +3,8 @@
 
 use std::net::IpAddr;
 
-use meshwarp_core::registry::{Registered, RuleRef};
+use meshwarp_core::registry::RuleRef;
+use meshwarp_core::Registered;
 use meshwarp_core::{
     CaptureRule, Endpoint, EndpointPair, FastPathMode, GlobalCounters, Incident, IncidentKind, NeverRedirectInto,
     RuleCounters, ValidationError,

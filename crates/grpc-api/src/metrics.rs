@@ -273,11 +273,11 @@ impl Metrics {
         };
         let pairs = reg.pairs();
         for p in &pairs {
-            put(format!("pair {:?}", p.rule.key()), reg.pair_stats(&p.rule).ok());
+            put(format!("pair {:?}", p.rule.key()), reg.stats(&p.rule).ok());
         }
         let captures = reg.captures();
         for r in &captures {
-            put(format!("capture {:?}", r.rule.key()), reg.capture_stats(&r.rule).ok());
+            put(format!("capture {:?}", r.rule.key()), reg.stats(&r.rule).ok());
         }
         let not_covered = reg.global_stats().map(|g| g.not_covered).unwrap_or(0);
         drop(reg);

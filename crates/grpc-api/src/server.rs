@@ -9,9 +9,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 use meshwarp_core::node::Node;
-use meshwarp_core::registry::{Outcome, Registered};
 use meshwarp_core::tc::{Direction as TcDirection, IfaceRef, InstalledRoute, Prefix, TcDataplane};
 use meshwarp_core::{Dataplane, PluginChain};
+use meshwarp_core::{Outcome, Registered};
 use tokio::sync::broadcast;
 use tokio_stream::wrappers::errors::BroadcastStreamRecvError;
 use tokio_stream::wrappers::BroadcastStream;
@@ -22,7 +22,7 @@ use crate::convert::{self, Violations};
 use crate::metrics::Metrics;
 use crate::pb::node_service_server::NodeService;
 use crate::pb::{self, watch_response::Resource, EventType};
-use crate::status::{from_plugin, from_registry, from_tc, invalid, invalid_field};
+use crate::status::{from_plugin, from_rule, from_tc, invalid, invalid_field};
 
 /// Limits and identity of one server instance.
 #[derive(Debug, Clone)]
@@ -337,7 +337,7 @@ impl NodeServer {
                     self.log.push(&mut log, EventType::Deleted, Resource::Route(convert::route_to_pb(&gone, None)));
                 Ok(pb::DeleteRouteResponse { revision, deleted: true })
             }
-            Err(meshwarp_core::tc::TcError::NotFound(_)) if r.allow_missing => {
+            Err(meshwarp_core::tc::TcError::Rule(meshwarp_core::RuleError::NotFound(_))) if r.allow_missing => {
                 Ok(pb::DeleteRouteResponse { revision: log.revision, deleted: false })
             }
             Err(e) => Err(from_tc(&e)),
@@ -439,7 +439,7 @@ impl NodeServer {
         let ifindex = tc.resolve_iface(&i).map_err(|e| from_tc(&e))?;
         match tc.detach(ifindex, d) {
             Ok(()) => Ok(pb::DetachInterfaceResponse { detached: true }),
-            Err(meshwarp_core::tc::TcError::NotFound(_)) if r.allow_missing => {
+            Err(meshwarp_core::tc::TcError::Rule(meshwarp_core::RuleError::NotFound(_))) if r.allow_missing => {
                 Ok(pb::DetachInterfaceResponse { detached: false })
             }
             Err(e) => Err(from_tc(&e)),
@@ -535,7 +535,7 @@ impl NodeServer {
     fn create_pair(&self, r: pb::CreatePairRequest) -> Result<pb::CreatePairResponse, Status> {
         let pair = self.mutation(&r.owner, convert::pair_from_pb("pair", r.pair.as_ref()))?;
         let mut log = self.log.lock();
-        self.dp.registry().insert_pair(&pair, &r.owner).map_err(|e| from_registry(&e))?;
+        self.dp.registry().insert(&pair, &r.owner).map_err(|e| from_rule(&e))?;
         let out = Self::pair_pb(&pair, &r.owner);
         let revision = self.log.push(&mut log, EventType::Created, Resource::Pair(out.clone()));
         Ok(pb::CreatePairResponse { pair: Some(out), revision })
@@ -546,9 +546,9 @@ impl NodeServer {
         let mut log = self.log.lock();
         let mut reg = self.dp.registry();
         if !r.allow_missing {
-            reg.get_pair(&pair).map_err(|e| from_registry(&e))?;
+            reg.get(&pair).map_err(|e| from_rule(&e))?;
         }
-        let outcome = reg.upsert_pair(&pair, &r.owner).map_err(|e| from_registry(&e))?;
+        let outcome = reg.upsert(&pair, &r.owner).map_err(|e| from_rule(&e))?;
         drop(reg);
         let out = Self::pair_pb(&pair, &r.owner);
         let revision = match event_type(outcome) {
@@ -561,12 +561,12 @@ impl NodeServer {
     fn delete_pair(&self, r: pb::DeletePairRequest) -> Result<pb::DeletePairResponse, Status> {
         let pair = self.mutation(&r.owner, convert::pair_from_key("key", r.key.as_ref()))?;
         let mut log = self.log.lock();
-        match self.dp.registry().remove_pair(&pair, Some(&r.owner)) {
+        match self.dp.registry().remove(&pair, Some(&r.owner)) {
             Ok(()) => {}
-            Err(meshwarp_core::RegistryError::NotFound(_)) if r.allow_missing => {
+            Err(meshwarp_core::RuleError::NotFound(_)) if r.allow_missing => {
                 return Ok(pb::DeletePairResponse { revision: log.revision, deleted: false });
             }
-            Err(e) => return Err(from_registry(&e)),
+            Err(e) => return Err(from_rule(&e)),
         }
         let revision = self.log.push(&mut log, EventType::Deleted, Resource::Pair(Self::pair_pb(&pair, &r.owner)));
         Ok(pb::DeletePairResponse { revision, deleted: true })
@@ -575,8 +575,8 @@ impl NodeServer {
     fn get_pair(&self, r: pb::GetPairRequest) -> Result<pb::GetPairResponse, Status> {
         let pair = convert::pair_from_key("key", r.key.as_ref()).map_err(|v| invalid(&v))?;
         let reg = self.dp.registry();
-        let got = reg.get_pair(&pair).map_err(|e| from_registry(&e))?;
-        let counters = reg.pair_stats(&pair).map_err(|e| from_registry(&e))?;
+        let got = reg.get(&pair).map_err(|e| from_rule(&e))?;
+        let counters = reg.stats(&pair).map_err(|e| from_rule(&e))?;
         Ok(pb::GetPairResponse {
             pair: Some(convert::pair_to_pb(&got)),
             counters: Some(convert::counters_to_pb(&counters)),
@@ -601,7 +601,7 @@ impl NodeServer {
         self.batch_size("pairs", r.pairs.len())?;
         let pairs = self.mutation(&r.owner, parse_all("pairs", &r.pairs, convert::pair_from_pb))?;
         let mut log = self.log.lock();
-        let outcomes = self.dp.registry().batch_upsert_pairs(&pairs, &r.owner).map_err(|e| from_registry(&e))?;
+        let outcomes = self.dp.registry().batch_upsert(&pairs, &r.owner).map_err(|e| from_rule(&e))?;
         let mut resp = pb::BatchUpsertPairsResponse::default();
         for (pair, o) in pairs.iter().zip(&outcomes) {
             match o {
@@ -622,8 +622,7 @@ impl NodeServer {
         self.batch_size("keys", r.keys.len())?;
         let pairs = self.mutation(&r.owner, parse_all("keys", &r.keys, convert::pair_from_key))?;
         let mut log = self.log.lock();
-        let deleted =
-            self.dp.registry().batch_remove_pairs(&pairs, &r.owner, r.allow_missing).map_err(|e| from_registry(&e))?;
+        let deleted = self.dp.registry().batch_remove(&pairs, &r.owner, r.allow_missing).map_err(|e| from_rule(&e))?;
         let mut n = 0;
         for (pair, d) in pairs.iter().zip(deleted) {
             if d {
@@ -637,7 +636,7 @@ impl NodeServer {
     fn create_capture(&self, r: pb::CreateCaptureRuleRequest) -> Result<pb::CreateCaptureRuleResponse, Status> {
         let rule = self.mutation(&r.owner, convert::capture_from_pb("rule", r.rule.as_ref()))?;
         let mut log = self.log.lock();
-        self.dp.registry().insert_capture(&rule, &r.owner).map_err(|e| from_registry(&e))?;
+        self.dp.registry().insert(&rule, &r.owner).map_err(|e| from_rule(&e))?;
         let out = Self::capture_pb(&rule, &r.owner);
         let revision = self.log.push(&mut log, EventType::Created, Resource::CaptureRule(out.clone()));
         Ok(pb::CreateCaptureRuleResponse { rule: Some(out), revision })
@@ -648,9 +647,9 @@ impl NodeServer {
         let mut log = self.log.lock();
         let mut reg = self.dp.registry();
         if !r.allow_missing {
-            reg.get_capture(&rule).map_err(|e| from_registry(&e))?;
+            reg.get(&rule).map_err(|e| from_rule(&e))?;
         }
-        let outcome = reg.upsert_capture(&rule, &r.owner).map_err(|e| from_registry(&e))?;
+        let outcome = reg.upsert(&rule, &r.owner).map_err(|e| from_rule(&e))?;
         drop(reg);
         let out = Self::capture_pb(&rule, &r.owner);
         let revision = match event_type(outcome) {
@@ -664,14 +663,14 @@ impl NodeServer {
         let key = self.mutation(&r.owner, convert::capture_from_key("key", r.key.as_ref()))?;
         let mut log = self.log.lock();
         let mut reg = self.dp.registry();
-        let existing = match reg.get_capture(&key) {
+        let existing = match reg.get(&key) {
             Ok(e) => e,
-            Err(meshwarp_core::RegistryError::NotFound(_)) if r.allow_missing => {
+            Err(meshwarp_core::RuleError::NotFound(_)) if r.allow_missing => {
                 return Ok(pb::DeleteCaptureRuleResponse { revision: log.revision, deleted: false });
             }
-            Err(e) => return Err(from_registry(&e)),
+            Err(e) => return Err(from_rule(&e)),
         };
-        reg.remove_capture(&key, Some(&r.owner)).map_err(|e| from_registry(&e))?;
+        reg.remove(&key, Some(&r.owner)).map_err(|e| from_rule(&e))?;
         drop(reg);
         let revision =
             self.log.push(&mut log, EventType::Deleted, Resource::CaptureRule(convert::capture_to_pb(&existing)));
@@ -681,8 +680,8 @@ impl NodeServer {
     fn get_capture(&self, r: pb::GetCaptureRuleRequest) -> Result<pb::GetCaptureRuleResponse, Status> {
         let key = convert::capture_from_key("key", r.key.as_ref()).map_err(|v| invalid(&v))?;
         let reg = self.dp.registry();
-        let got = reg.get_capture(&key).map_err(|e| from_registry(&e))?;
-        let counters = reg.capture_stats(&key).map_err(|e| from_registry(&e))?;
+        let got = reg.get(&key).map_err(|e| from_rule(&e))?;
+        let counters = reg.stats(&key).map_err(|e| from_rule(&e))?;
         Ok(pb::GetCaptureRuleResponse {
             rule: Some(convert::capture_to_pb(&got)),
             counters: Some(convert::counters_to_pb(&counters)),
@@ -710,7 +709,7 @@ impl NodeServer {
         self.batch_size("rules", r.rules.len())?;
         let rules = self.mutation(&r.owner, parse_all("rules", &r.rules, convert::capture_from_pb))?;
         let mut log = self.log.lock();
-        let outcomes = self.dp.registry().batch_upsert_captures(&rules, &r.owner).map_err(|e| from_registry(&e))?;
+        let outcomes = self.dp.registry().batch_upsert(&rules, &r.owner).map_err(|e| from_rule(&e))?;
         let mut resp = pb::BatchUpsertCaptureRulesResponse::default();
         for (rule, o) in rules.iter().zip(&outcomes) {
             match o {
@@ -735,8 +734,8 @@ impl NodeServer {
         let keys = self.mutation(&r.owner, parse_all("keys", &r.keys, convert::capture_from_key))?;
         let mut log = self.log.lock();
         let mut reg = self.dp.registry();
-        let existing: Vec<_> = keys.iter().map(|k| reg.get_capture(k).ok()).collect();
-        let deleted = reg.batch_remove_captures(&keys, &r.owner, r.allow_missing).map_err(|e| from_registry(&e))?;
+        let existing: Vec<_> = keys.iter().map(|k| reg.get(k).ok()).collect();
+        let deleted = reg.batch_remove(&keys, &r.owner, r.allow_missing).map_err(|e| from_rule(&e))?;
         drop(reg);
         let mut n = 0;
         for (e, d) in existing.iter().zip(deleted) {
@@ -750,17 +749,17 @@ impl NodeServer {
 
     fn stats(&self, _r: pb::GetStatsRequest) -> Result<pb::GetStatsResponse, Status> {
         let reg = self.dp.registry();
-        let global = reg.global_stats().map_err(|e| from_registry(&e))?;
+        let global = reg.global_stats().map_err(|e| from_rule(&e))?;
         let mut resp = pb::GetStatsResponse { global: Some(convert::global_to_pb(&global)), ..Default::default() };
         for p in reg.pairs() {
-            let c = reg.pair_stats(&p.rule).map_err(|e| from_registry(&e))?;
+            let c = reg.stats(&p.rule).map_err(|e| from_rule(&e))?;
             resp.pairs.push(pb::PairStats {
                 pair: Some(convert::pair_to_pb(&p)),
                 counters: Some(convert::counters_to_pb(&c)),
             });
         }
         for r in reg.captures() {
-            let c = reg.capture_stats(&r.rule).map_err(|e| from_registry(&e))?;
+            let c = reg.stats(&r.rule).map_err(|e| from_rule(&e))?;
             resp.capture_rules.push(pb::CaptureRuleStats {
                 rule: Some(convert::capture_to_pb(&r)),
                 counters: Some(convert::counters_to_pb(&c)),

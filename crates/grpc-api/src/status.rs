@@ -1,7 +1,7 @@
 //! How errors reach callers: one gRPC code per kind of failure, with
 //! google.rpc.BadRequest field violations for invalid input.
 
-use meshwarp_core::RegistryError;
+use meshwarp_core::RuleError;
 use tonic::{Code, Status};
 use tonic_types::{ErrorDetails, StatusExt};
 
@@ -24,18 +24,17 @@ pub fn invalid_field(field: &str, description: impl Into<String>) -> Status {
     invalid(&v)
 }
 
-/// The code a registry failure maps to.
-pub fn from_registry(e: &RegistryError) -> Status {
+/// The code a rule-table failure (socket rules and tc routes alike) maps to.
+pub fn from_rule(e: &RuleError) -> Status {
     let msg = e.to_string();
     match e {
-        RegistryError::AlreadyExists(_) => Status::already_exists(msg),
-        RegistryError::NotFound(_) => Status::not_found(msg),
-        RegistryError::Full { .. } => Status::resource_exhausted(msg),
-        RegistryError::OwnerMismatch { .. } => Status::permission_denied(msg),
-        RegistryError::InvalidOwner(_) => invalid_field("owner", msg),
-        RegistryError::DuplicateInBatch(_) => Status::invalid_argument(msg),
-        RegistryError::Invalid(_) => Status::invalid_argument(msg),
-        RegistryError::Inconsistent(_) | RegistryError::Map(_) => Status::internal(msg),
+        RuleError::AlreadyExists(_) => Status::already_exists(msg),
+        RuleError::NotFound(_) => Status::not_found(msg),
+        RuleError::Full { .. } => Status::resource_exhausted(msg),
+        RuleError::OwnerMismatch { .. } => Status::permission_denied(msg),
+        RuleError::InvalidOwner(_) => invalid_field("owner", msg),
+        RuleError::DuplicateInBatch(_) => Status::invalid_argument(msg),
+        RuleError::Inconsistent(_) | RuleError::Map(_) => Status::internal(msg),
     }
 }
 
@@ -47,12 +46,8 @@ pub fn from_tc(e: &meshwarp_core::tc::TcError) -> Status {
         TcError::Invalid(RouteError::UnknownInterface(_)) | TcError::Invalid(RouteError::NotVeth(_)) => {
             invalid_field("route.target", msg)
         }
-        TcError::Invalid(_) | TcError::DuplicateInBatch(_) => Status::invalid_argument(msg),
-        TcError::InvalidOwner(_) => invalid_field("owner", msg),
-        TcError::AlreadyExists(_) => Status::already_exists(msg),
-        TcError::NotFound(_) => Status::not_found(msg),
-        TcError::Full(_) => Status::resource_exhausted(msg),
-        TcError::OwnerMismatch { .. } => Status::permission_denied(msg),
+        TcError::Invalid(_) => Status::invalid_argument(msg),
+        TcError::Rule(e) => from_rule(e),
         TcError::Netlink(_)
         | TcError::Bpf { .. }
         | TcError::Load { .. }
@@ -100,17 +95,17 @@ mod tests {
     #[test]
     fn codes_are_distinct_per_kind() {
         let cases = [
-            (RegistryError::AlreadyExists("x".into()), Code::AlreadyExists),
-            (RegistryError::NotFound("x".into()), Code::NotFound),
-            (RegistryError::Full { capacity: 1 }, Code::ResourceExhausted),
+            (RuleError::AlreadyExists("x".into()), Code::AlreadyExists),
+            (RuleError::NotFound("x".into()), Code::NotFound),
+            (RuleError::Full { capacity: 1 }, Code::ResourceExhausted),
             (
-                RegistryError::OwnerMismatch { what: "x".into(), owner: "a".into(), requested: "b".into() },
+                RuleError::OwnerMismatch { what: "x".into(), owner: "a".into(), requested: "b".into() },
                 Code::PermissionDenied,
             ),
-            (RegistryError::Inconsistent("x".into()), Code::Internal),
+            (RuleError::Inconsistent("x".into()), Code::Internal),
         ];
         for (e, code) in cases {
-            assert_eq!(from_registry(&e).code(), code, "{e}");
+            assert_eq!(from_rule(&e).code(), code, "{e}");
         }
     }
 
