@@ -15,6 +15,7 @@
 #define MESHWARP_CHAIN_H
 
 #include "meshwarp/shared.h"
+#include "meshwarp/map.h"
 
 /* Socket state (also read by on_connection / on_message plugins). */
 #define MW_DEFINE_SK_STATE_MAP()                                 \
@@ -27,34 +28,13 @@
 
 /* Chain positions of both generations, all hooks; the active generation and
  * its length per hook (see mw_active_chain); configs (two slots per plugin, so an update never tears); counters. */
-struct {
-	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, 2 * MW_HOOKS * MW_CHAIN_MAX);
-	__type(key, __u32);
-	__type(value, struct mw_chain_pos);
-} mw_chain SEC(".maps");
+MW_MAP(mw_chain, BPF_MAP_TYPE_ARRAY, __u32, struct mw_chain_pos, 2 * MW_HOOKS * MW_CHAIN_MAX, 0);
 
-struct {
-	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, MW_HOOKS + 1);
-	__type(key, __u32);
-	__type(value, __u32);
-} mw_chain_gen SEC(".maps");
+MW_MAP(mw_chain_gen, BPF_MAP_TYPE_ARRAY, __u32, __u32, MW_HOOKS + 1, 0);
 
-struct {
-	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, 2 * MW_MAX_PLUGINS);
-	__uint(map_flags, BPF_F_RDONLY_PROG);
-	__type(key, __u32);
-	__type(value, struct mw_plugin_config);
-} mw_plug_cfg SEC(".maps");
+MW_MAP(mw_plug_cfg, BPF_MAP_TYPE_ARRAY, __u32, struct mw_plugin_config, 2 * MW_MAX_PLUGINS, BPF_F_RDONLY_PROG);
 
-struct {
-	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-	__uint(max_entries, MW_MAX_PLUGINS);
-	__type(key, __u32);
-	__type(value, struct mw_plugin_stats);
-} mw_plug_stats SEC(".maps");
+MW_MAP(mw_plug_stats, BPF_MAP_TYPE_PERCPU_ARRAY, __u32, struct mw_plugin_stats, MW_MAX_PLUGINS, 0);
 
 /* The programs of one hook's chain: two generations, then the finisher. */
 #define MW_DEFINE_CHAIN_PROGS(name)                                      \

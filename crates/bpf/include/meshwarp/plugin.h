@@ -185,6 +185,36 @@ static __always_inline const struct mw_chain_pos *mw__sock_step(struct bpf_sock 
 	return mw_chain_at(*gen, MW_PLUGIN_HOOK, *pos);
 }
 
+/* The start of a socket hook's plugin program: the socket's chain state and
+ * position (`p`, `st`, `gen`, `pos`) and its context `c`; returns `pass` when
+ * there is nothing to run. */
+#define MW__SOCK_ENTER(ctx, pass)                                                        \
+	struct bpf_sock *sk = (ctx)->sk;                                                 \
+	__u32 rport = bpf_ntohl((ctx)->remote_port);                                     \
+	const struct mw_chain_pos *p;                                                    \
+	struct mw_sock_state *st;                                                        \
+	struct mw_ctx c;                                                                 \
+	__u32 gen, pos;                                                                  \
+	int v;                                                                           \
+                                                                                         \
+	p = mw__sock_step(sk, &st, &gen, &pos);                                          \
+	if (!p)                                                                          \
+		return (pass);                                                           \
+	mw__ctx_init(&c, p, st->rule_id);                                                \
+	MW__SOCK_TUPLE(&c, (ctx), rport)
+
+/* After MW_CONTINUE: the next plugin of the socket's chain, else the host's
+ * finisher, unless a refused plugin made the chain fail closed (`closed`). */
+#define MW__SOCK_NEXT(ctx, chain, hook, closed, pass)                                    \
+	pos++;                                                                           \
+	st->flags = mw_sock_chain_set(st->flags, gen, pos);                              \
+	if (pos < MW_CHAIN_MAX)                                                          \
+		bpf_tail_call((ctx), &chain, gen * MW_CHAIN_MAX + pos);                  \
+	if (mw_chain_fails_closed(gen, hook, pos))                                       \
+		return (closed);                                                         \
+	bpf_tail_call((ctx), &chain, MW_CHAIN_FIN);                                      \
+	return (pass)
+
 #endif
 
 #if MW_PLUGIN_HOOK == MW_HOOK_CONNECTION
@@ -195,32 +225,13 @@ MW_DEFINE_CHAIN_PROGS(mw_ch_conn);
 	SEC("sockops")                                                                   \
 	int mw_plugin(struct bpf_sock_ops *skops)                                        \
 	{                                                                                \
-		struct bpf_sock *sk = skops->sk;                                         \
-		__u32 op = skops->op, rport = bpf_ntohl(skops->remote_port);             \
-		const struct mw_chain_pos *p;                                            \
-		struct mw_sock_state *st;                                                \
-		struct mw_ctx c;                                                         \
-		__u32 gen, pos;                                                          \
-		int v;                                                                   \
-                                                                                         \
-		p = mw__sock_step(sk, &st, &gen, &pos);                                  \
-		if (!p)                                                                  \
-			return 1;                                                        \
-		mw__ctx_init(&c, p, st->rule_id);                                        \
-		MW__SOCK_TUPLE(&c, skops, rport);                                        \
-		if (op == BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB)                            \
+		MW__SOCK_ENTER(skops, 1);                                                \
+		if (skops->op == BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB)                     \
 			c.flags |= MW_CTX_ACTIVE;                                        \
 		v = mw__account(p, fn(skops, &c), MW_DECLINE, MW_DECLINE);               \
 		if (v != MW_CONTINUE)                                                    \
 			return 1; /* declined: the host never inserts this socket */     \
-		pos++;                                                                   \
-		st->flags = mw_sock_chain_set(st->flags, gen, pos);                      \
-		if (pos < MW_CHAIN_MAX)                                                  \
-			bpf_tail_call(skops, &mw_ch_conn, gen * MW_CHAIN_MAX + pos);     \
-		if (mw_chain_fails_closed(gen, MW_HOOK_CONNECTION, pos))                 \
-			return 1;                                                        \
-		bpf_tail_call(skops, &mw_ch_conn, MW_CHAIN_FIN);                         \
-		return 1;                                                                \
+		MW__SOCK_NEXT(skops, mw_ch_conn, MW_HOOK_CONNECTION, 1, 1);              \
 	}
 
 #elif MW_PLUGIN_HOOK == MW_HOOK_MESSAGE
@@ -231,33 +242,15 @@ MW_DEFINE_CHAIN_PROGS(mw_ch_msg);
 	SEC("sk_msg")                                                                    \
 	int mw_plugin(struct sk_msg_md *msg)                                             \
 	{                                                                                \
-		struct bpf_sock *sk = msg->sk;                                           \
-		__u32 size = msg->size, rport = bpf_ntohl(msg->remote_port);             \
-		const struct mw_chain_pos *p;                                            \
-		struct mw_sock_state *st;                                                \
-		struct mw_ctx c;                                                         \
-		__u32 gen, pos;                                                          \
-		int v;                                                                   \
-                                                                                         \
-		p = mw__sock_step(sk, &st, &gen, &pos);                                  \
-		if (!p)                                                                  \
-			return SK_PASS;                                                  \
-		mw__ctx_init(&c, p, st->rule_id);                                        \
-		MW__SOCK_TUPLE(&c, msg, rport);                                          \
+		__u32 size = msg->size;                                                  \
+		MW__SOCK_ENTER(msg, SK_PASS);                                            \
 		c.size = size;                                                           \
 		v = mw__account(p, fn(msg, &c), MW_DROP, MW_DROP);                       \
 		if (v == MW_DROP)                                                        \
 			return SK_DROP;                                                  \
 		if (v == MW_BYPASS)                                                      \
 			return SK_PASS;                                                  \
-		pos++;                                                                   \
-		st->flags = mw_sock_chain_set(st->flags, gen, pos);                      \
-		if (pos < MW_CHAIN_MAX)                                                  \
-			bpf_tail_call(msg, &mw_ch_msg, gen * MW_CHAIN_MAX + pos);        \
-		if (mw_chain_fails_closed(gen, MW_HOOK_MESSAGE, pos))                    \
-			return SK_DROP;                                                  \
-		bpf_tail_call(msg, &mw_ch_msg, MW_CHAIN_FIN);                            \
-		return SK_PASS;                                                          \
+		MW__SOCK_NEXT(msg, mw_ch_msg, MW_HOOK_MESSAGE, SK_DROP, SK_PASS);        \
 	}
 
 #elif MW_PLUGIN_HOOK == MW_HOOK_PACKET

@@ -80,64 +80,27 @@ extern int bpf_sock_destroy(struct sock_common *sk) __ksym __weak;
 const volatile __u32 nr_slots = 1;
 
 /* Sizes are placeholders: user space sets max_entries before load. */
-struct {
-	__uint(type, BPF_MAP_TYPE_SOCKMAP);
-	__uint(max_entries, 65536);
-	__type(key, __u32);
-	__type(value, __u64);
-} mw_sockmap SEC(".maps");
+MW_MAP(mw_sockmap, BPF_MAP_TYPE_SOCKMAP, __u32, __u64, 65536, 0);
 
 /* Which link owns each pair of SOCKMAP entries (struct mw_slot). */
-struct {
-	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, 32768);
-	__type(key, __u32);
-	__type(value, struct mw_slot);
-} mw_slots SEC(".maps");
+MW_MAP(mw_slots, BPF_MAP_TYPE_ARRAY, __u32, struct mw_slot, 32768, 0);
 
-struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, 16384);
-	__uint(map_flags, BPF_F_NO_PREALLOC);
-	__type(key, struct mw_pair_key);
-	__type(value, struct mw_rule);
-} mw_pairs SEC(".maps");
+MW_MAP(mw_pairs, BPF_MAP_TYPE_HASH, struct mw_pair_key, struct mw_rule, 16384, BPF_F_NO_PREALLOC);
 
-struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, 16384);
-	__uint(map_flags, BPF_F_NO_PREALLOC);
-	__type(key, struct mw_capture_key);
-	__type(value, struct mw_rule);
-} mw_capture SEC(".maps");
+MW_MAP(mw_capture, BPF_MAP_TYPE_HASH, struct mw_capture_key, struct mw_rule, 16384, BPF_F_NO_PREALLOC);
 
 /* Links, indexed by their slot (as many as mw_slots); mw_link.id says which
  * link an element holds (0: none). */
-struct {
-	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, 32768);
-	__type(key, __u32);
-	__type(value, struct mw_link);
-} mw_links SEC(".maps");
+MW_MAP(mw_links, BPF_MAP_TYPE_ARRAY, __u32, struct mw_link, 32768, 0);
 
 /* Socket cookie -> link and end, for programs that only hold a file. */
-struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, 65536);
-	__type(key, __u64);
-	__type(value, struct mw_cookie_val);
-} mw_cookies SEC(".maps");
+MW_MAP(mw_cookies, BPF_MAP_TYPE_HASH, __u64, struct mw_cookie_val, 65536, 0);
 
 /* Links whose client end is not accelerated (MW_LINK_OBSERVE): the server
  * end only learns who reads it. Kept apart from the slots, which they would
  * hold for a whole connection whose server is elsewhere; LRU, so such links
  * never fill it for good. */
-struct {
-	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__uint(max_entries, 65536);
-	__type(key, __u64);
-	__type(value, struct mw_link);
-} mw_observe SEC(".maps");
+MW_MAP(mw_observe, BPF_MAP_TYPE_LRU_HASH, __u64, struct mw_link, 65536, 0);
 
 MW_DEFINE_SK_STATE_MAP();
 
@@ -148,51 +111,20 @@ struct {
 	__type(value, struct mw_sock_owner);
 } mw_sk_owner SEC(".maps");
 
-struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, 4096);
-	__type(key, struct mw_exe_key);
-	__type(value, struct mw_exe);
-} mw_exes SEC(".maps");
+MW_MAP(mw_exes, BPF_MAP_TYPE_HASH, struct mw_exe_key, struct mw_exe, 4096, 0);
 
-struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, 4096);
-	__uint(map_flags, BPF_F_NO_PREALLOC);
-	__type(key, struct mw_exe_key);
-	__type(value, struct mw_exe_class);
-} mw_exe_class SEC(".maps");
+MW_MAP(mw_exe_class, BPF_MAP_TYPE_HASH, struct mw_exe_key, struct mw_exe_class, 4096, BPF_F_NO_PREALLOC);
 
-struct {
-	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__uint(max_entries, 4096);
-	__type(key, struct mw_service_key);
-	__type(value, struct mw_exe_key);
-} mw_services SEC(".maps");
+MW_MAP(mw_services, BPF_MAP_TYPE_LRU_HASH, struct mw_service_key, struct mw_exe_key, 4096, 0);
 
-struct {
-	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, 1);
-	__type(key, __u32);
-	__type(value, struct mw_config);
-} mw_config SEC(".maps");
+MW_MAP(mw_config, BPF_MAP_TYPE_ARRAY, __u32, struct mw_config, 1, 0);
 
 /* Cookies of sockets user space asked mw_destroy to reset. */
-struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, 1024);
-	__type(key, __u64);
-	__type(value, __u32);
-} mw_doomed SEC(".maps");
+MW_MAP(mw_doomed, BPF_MAP_TYPE_HASH, __u64, __u32, 1024, 0);
 
 /* Sockets user space asked mw_park to put back into the SOCKMAP (keyed by
  * cookie; the iterator writes the result). */
-struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, 1024);
-	__type(key, __u64);
-	__type(value, struct mw_park_req);
-} mw_park_req SEC(".maps");
+MW_MAP(mw_park_req, BPF_MAP_TYPE_HASH, __u64, struct mw_park_req, 1024, 0);
 
 struct {
 	__uint(type, BPF_MAP_TYPE_RINGBUF);
@@ -206,37 +138,16 @@ MW_DEFINE_CHAIN_PROGS(mw_ch_msg);
 /* Plugin metadata and the grace-period map (chain.h). */
 MW_DEFINE_HOST_PLUGIN_MAPS();
 
-struct {
-	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-	__uint(max_entries, 16384);
-	__type(key, __u32);
-	__type(value, struct mw_rule_stats);
-} mw_stats SEC(".maps");
+MW_MAP(mw_stats, BPF_MAP_TYPE_PERCPU_ARRAY, __u32, struct mw_rule_stats, 16384, 0);
 
-struct {
-	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-	__uint(max_entries, 1);
-	__type(key, __u32);
-	__type(value, struct mw_global_stats);
-} mw_global SEC(".maps");
+MW_MAP(mw_global, BPF_MAP_TYPE_PERCPU_ARRAY, __u32, struct mw_global_stats, 1, 0);
 
 /* Room to build a link in (too large for the sockops stack with the rest). */
-struct {
-	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-	__uint(max_entries, 1);
-	__type(key, __u32);
-	__type(value, struct mw_link);
-} mw_scratch SEC(".maps");
+MW_MAP(mw_scratch, BPF_MAP_TYPE_PERCPU_ARRAY, __u32, struct mw_link, 1, 0);
 
 /* Owner (controller name) of each rule slot. Read only by user space; pinned
  * with the data path so a restarted agent keeps ownership. */
-struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, 16384);
-	__uint(map_flags, BPF_F_NO_PREALLOC);
-	__type(key, __u32);
-	__type(value, struct mw_owner);
-} mw_owners SEC(".maps");
+MW_MAP(mw_owners, BPF_MAP_TYPE_HASH, __u32, struct mw_owner, 16384, BPF_F_NO_PREALLOC);
 
 struct tuple {
 	__u32 family;

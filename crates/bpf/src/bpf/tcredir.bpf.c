@@ -19,45 +19,17 @@
 #define ETH_P_IP 0x0800
 #define ETH_P_IPV6 0x86DD
 
-struct {
-	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
-	__uint(max_entries, 16384);
-	__uint(map_flags, BPF_F_NO_PREALLOC);
-	__type(key, struct mw_route_key4);
-	__type(value, struct mw_route);
-} mw_rt4 SEC(".maps");
+MW_MAP(mw_rt4, BPF_MAP_TYPE_LPM_TRIE, struct mw_route_key4, struct mw_route, 16384, BPF_F_NO_PREALLOC);
 
-struct {
-	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
-	__uint(max_entries, 16384);
-	__uint(map_flags, BPF_F_NO_PREALLOC);
-	__type(key, struct mw_route_key6);
-	__type(value, struct mw_route);
-} mw_rt6 SEC(".maps");
+MW_MAP(mw_rt6, BPF_MAP_TYPE_LPM_TRIE, struct mw_route_key6, struct mw_route, 16384, BPF_F_NO_PREALLOC);
 
-struct {
-	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-	__uint(max_entries, 16384);
-	__type(key, __u32);
-	__type(value, struct mw_route_stats);
-} mw_rt_stats SEC(".maps");
+MW_MAP(mw_rt_stats, BPF_MAP_TYPE_PERCPU_ARRAY, __u32, struct mw_route_stats, 16384, 0);
 
-struct {
-	__uint(type, BPF_MAP_TYPE_PERCPU_HASH);
-	__uint(max_entries, 1024);
-	__type(key, struct mw_attach_key);
-	__type(value, struct mw_attach_stats);
-} mw_att_stats SEC(".maps");
+MW_MAP(mw_att_stats, BPF_MAP_TYPE_PERCPU_HASH, struct mw_attach_key, struct mw_attach_stats, 1024, 0);
 
 /* Owner of each route slot; read only by user space, pinned so a restarted
  * agent keeps ownership. */
-struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, 16384);
-	__uint(map_flags, BPF_F_NO_PREALLOC);
-	__type(key, __u32);
-	__type(value, struct mw_owner);
-} mw_rt_owner SEC(".maps");
+MW_MAP(mw_rt_owner, BPF_MAP_TYPE_HASH, __u32, struct mw_owner, 16384, BPF_F_NO_PREALLOC);
 
 /* Plugin chain of on_packet (both directions). */
 MW_DEFINE_CHAIN_PROGS(mw_ch_pkt);
