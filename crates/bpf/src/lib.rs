@@ -130,23 +130,14 @@ pub mod names {
     ];
     /// The tcredir family's programs that are pinned.
     pub const TCREDIR_PROGS: [&str; 2] = [PROG_TC_INGRESS, PROG_TC_EGRESS];
-    /// Every map of the tcredir family.
-    pub const TCREDIR_MAPS: [&str; 12] = [
-        MAP_RT4,
-        MAP_RT6,
-        MAP_RT_STATS,
-        MAP_ATT_STATS,
-        MAP_RT_OWNER,
-        MAP_CH_PKT,
-        MAP_CHAIN,
-        MAP_CHAIN_GEN,
-        MAP_PLUG_CFG,
-        MAP_PLUG_STATS,
-        MAP_PLUG_META,
-        MAP_GRACE,
-    ];
-    /// Every map of the sockredir family, in pin order.
-    pub const SOCKREDIR_MAPS: [&str; 28] = [
+    /// The maps of a family's plugin chain (`chain.h`), which every family
+    /// that hosts plugins has besides its hook's prog array.
+    pub const PLUGIN_HOST_MAPS: [&str; 6] =
+        [MAP_CHAIN, MAP_CHAIN_GEN, MAP_PLUG_CFG, MAP_PLUG_STATS, MAP_PLUG_META, MAP_GRACE];
+    /// The tcredir family's own maps (besides [`PLUGIN_HOST_MAPS`]).
+    pub const TCREDIR_MAPS: [&str; 6] = [MAP_RT4, MAP_RT6, MAP_RT_STATS, MAP_ATT_STATS, MAP_RT_OWNER, MAP_CH_PKT];
+    /// The sockredir family's own maps (besides [`PLUGIN_HOST_MAPS`]), in pin order.
+    pub const SOCKREDIR_MAPS: [&str; 22] = [
         MAP_SOCKMAP,
         MAP_SLOTS,
         MAP_PAIRS,
@@ -169,12 +160,6 @@ pub mod names {
         MAP_OWNERS,
         MAP_CH_CONN,
         MAP_CH_MSG,
-        MAP_CHAIN,
-        MAP_CHAIN_GEN,
-        MAP_PLUG_CFG,
-        MAP_PLUG_STATS,
-        MAP_PLUG_META,
-        MAP_GRACE,
     ];
 }
 
@@ -189,6 +174,7 @@ mod tests {
         all.extend(names::TCREDIR_PROGS);
         all.extend(names::SOCKREDIR_MAPS);
         all.extend(names::TCREDIR_MAPS);
+        all.extend(names::PLUGIN_HOST_MAPS);
         for n in all {
             assert!(n.len() < 16, "{n} is too long for BPF_OBJ_NAME_LEN");
         }

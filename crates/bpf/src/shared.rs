@@ -399,17 +399,25 @@ impl OwnerName {
     }
 }
 
-/// `struct mw_global_stats`: node-wide counters (one per CPU).
+/// `struct mw_global_stats`: node-wide counters (one per CPU; the library
+/// reports their sum as they are).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct GlobalStats {
+    /// TCP connections that reached ESTABLISHED in the attached cgroup.
     pub established: u64,
+    /// Of those, connections no rule covers (left entirely alone).
     pub not_covered: u64,
+    /// Messages of a SOCKMAP socket without state (passed on the TCP path).
     pub no_state: u64,
+    /// Server ends of a covered connection whose client end was not
+    /// accelerated (not covered there, its reader not safe, another node).
     pub no_link: u64,
-    /// Covered connections left on TCP: no free slot among the probed ones.
+    /// Covered connections left on TCP: no free SOCKMAP slot near their hash
+    /// (more sockets than `max_sockets`).
     pub no_slot: u64,
-    /// Slots left to user space to free (an end closed with bytes unread).
+    /// Slots whose link closed with redirected bytes unread (its socket still
+    /// in the SOCKMAP): freed by the guard thread once both entries are empty.
     pub slots_stale: u64,
 }
 

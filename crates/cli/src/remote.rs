@@ -154,6 +154,20 @@ fn table(header: &[&str], right: &[usize]) -> Table {
 /// The header and cells of a rule's counters, as in `counters_cols`.
 const COUNTER_COLS: [&str; 4] = ["SOCKETS", "MSGS", "BYTES", "FALLBACKS"];
 
+/// What the adaptive policy did to a rule's connections, one line.
+fn policy_line(c: &pb::RuleCounters) -> String {
+    let parts = [
+        ("demoted (coalesce)", c.demotions_coalesce),
+        ("demoted (reader behind)", c.demotions_behind),
+        ("promoted", c.promotions),
+        ("messages on TCP", c.policy_tcp_msgs),
+        ("unlinked", c.unlinks),
+        ("relinked", c.relinks),
+        ("connections kept on TCP (mode never)", c.fallback_mode_never),
+    ];
+    parts.map(|(label, n)| format!("{label} {n}")).join("  ")
+}
+
 fn counters_cols(c: Option<pb::RuleCounters>) -> [String; 4] {
     let c = c.unwrap_or_default();
     let fb = c.fallback_no_peer
@@ -234,22 +248,12 @@ impl Remote {
                 let r = self.c.get_pair(pb::GetPairRequest { key: Self::key(*client, *server) }).await?.into_inner();
                 self.emit(&r, || {
                     let p = r.pair.clone().unwrap_or_default();
-                    let mut t = table(&[&["CLIENT", "SERVER", "OWNER", "MODE"][..], &COUNTER_COLS].concat(), &[4, 5, 6, 7]);
+                    let mut t =
+                        table(&[&["CLIENT", "SERVER", "OWNER", "MODE"][..], &COUNTER_COLS].concat(), &[4, 5, 6, 7]);
                     let row = [p.client_ip.clone(), show_ep(&p.server), p.owner.clone(), show_mode(p.mode).to_string()];
                     t.add_row(row.into_iter().chain(counters_cols(r.counters)));
                     println!("{t}");
-                    let c = r.counters.unwrap_or_default();
-                    println!(
-                        "policy: demoted (coalesce) {}  demoted (reader behind) {}  promoted {}  messages on TCP {}  unlinked {}  relinked {}  \
-                         connections kept on TCP (mode never) {}",
-                        c.demotions_coalesce,
-                        c.demotions_behind,
-                        c.promotions,
-                        c.policy_tcp_msgs,
-                        c.unlinks,
-                        c.relinks,
-                        c.fallback_mode_never
-                    );
+                    println!("policy: {}", policy_line(&r.counters.unwrap_or_default()));
                 })
             }
             PairCmd::Ls { owned_by } => {
@@ -481,17 +485,7 @@ impl Remote {
                 t.ulp_refused,
                 t.splice_hits
             );
-            println!(
-                "adaptive policy: demoted (coalesce) {}  demoted (reader behind) {}  promoted {}  messages on TCP {}  \
-                 unlinked {}  relinked {}  connections kept on TCP (mode never) {}",
-                t.demotions_coalesce,
-                t.demotions_behind,
-                t.promotions,
-                t.policy_tcp_msgs,
-                t.unlinks,
-                t.relinks,
-                t.fallback_mode_never
-            );
+            println!("adaptive policy: {}", policy_line(&t));
         })
     }
 

@@ -2,8 +2,7 @@
 //! a cgroup v2 and sk_msg to the SOCKMAP, pins everything under a bpffs root,
 //! adopts an instance that is already pinned, and removes exactly what it made.
 //!
-//! Pinned layout (the directory name carries the schema version, so an agent
-//! never adopts maps of another layout):
+//! Pinned layout ([`FamilyPins::sockredir`]):
 //! ```text
 //! <pin_root>/v<SCHEMA>/maps/<map name>
 //! <pin_root>/v<SCHEMA>/progs/mw_sockops, mw_sk_msg, mw_recv_len, mw_sys_enter, mw_setsockopt, mw_destroy, mw_park,
@@ -36,6 +35,7 @@ use crate::endpoint::{CaptureRule, EndpointPair};
 use crate::error::{BpfError, IoError};
 use crate::guard::{GuardMode, GuardThread, Incident, Subscribers};
 use crate::maps::{KernelMaps, MapError};
+use crate::pins::FamilyPins;
 use crate::probe::KernelProbe;
 use crate::registry::{Registry, SockRule};
 use crate::stats::{GlobalCounters, RuleCounters};
@@ -134,44 +134,6 @@ fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> DataplaneError + '_ {
     move |source| DataplaneError::Io(IoError::new(path.display().to_string(), source))
 }
 
-/// Pin paths of one schema version.
-#[derive(Debug, Clone)]
-struct Layout {
-    dir: PathBuf,
-}
-
-impl Layout {
-    fn new(pin_root: &Path) -> Self {
-        Self { dir: pin_root.join(format!("v{SCHEMA_VERSION}")) }
-    }
-    fn maps(&self) -> PathBuf {
-        self.dir.join("maps")
-    }
-    fn map(&self, name: &str) -> PathBuf {
-        self.maps().join(name)
-    }
-    fn prog(&self, name: &str) -> PathBuf {
-        self.dir.join("progs").join(name)
-    }
-    fn link(&self, name: &str) -> PathBuf {
-        self.dir.join("links").join(name)
-    }
-    /// Every pin an instance has, links first (unpinned first on teardown).
-    fn all_pins(&self) -> Vec<PathBuf> {
-        let mut v = vec![self.link(names::PROG_SOCKOPS), self.link(names::PROG_SETSOCKOPT)];
-        v.extend(names::SOCKREDIR_PROGS.iter().map(|p| self.prog(p)));
-        v.extend(names::SOCKREDIR_MAPS.iter().map(|m| self.map(m)));
-        v
-    }
-    /// The reader guard's tracepoint links: present only while it is on.
-    fn guard_links(&self) -> [PathBuf; 2] {
-        [self.link(names::PROG_RECV_LEN), self.link(names::PROG_SYS_ENTER)]
-    }
-    fn subdirs(&self) -> [PathBuf; 3] {
-        [self.dir.join("links"), self.dir.join("progs"), self.maps()]
-    }
-}
-
 /// Removes pins made so far unless the load completes.
 struct PinGuard {
     paths: Vec<PathBuf>,
@@ -191,7 +153,7 @@ impl Drop for PinGuard {
 /// A loaded (or adopted) socket-redirection data path.
 #[derive(Debug)]
 pub struct Dataplane {
-    layout: Layout,
+    layout: FamilyPins,
     pin_root: PathBuf,
     origin: Origin,
     sockmap: MapHandle,
@@ -215,14 +177,13 @@ impl Dataplane {
             return Err(DataplaneError::BadConfig { max_rules: cfg.max_rules, max_sockets: cfg.max_sockets });
         }
         sys::ensure_bpffs(&cfg.pin_root)?;
-        let layout = Layout::new(&cfg.pin_root);
+        let layout = FamilyPins::sockredir(&cfg.pin_root);
         check_schema(&cfg.pin_root)?;
-        let pins = layout.all_pins();
-        let missing: Vec<String> = pins.iter().filter(|p| !p.exists()).map(|p| p.display().to_string()).collect();
+        let (missing, none_pinned) = layout.missing();
         let origin = if missing.is_empty() {
-            tracing::info!(dir = %layout.dir.display(), "adopting pinned data path");
+            tracing::info!(dir = %layout.dir().display(), "adopting pinned data path");
             Origin::Adopted
-        } else if missing.len() == pins.len() {
+        } else if none_pinned {
             if let Err(e) = load_and_pin(cfg, &layout) {
                 // Nothing is pinned (PinGuard); leave no empty directories either.
                 let _ = remove_pinned(&cfg.pin_root);
@@ -230,9 +191,9 @@ impl Dataplane {
             }
             Origin::Loaded
         } else {
-            return Err(DataplaneError::Partial { dir: layout.dir, missing });
+            return Err(DataplaneError::Partial { dir: layout.dir().to_path_buf(), missing });
         };
-        let maps = KernelMaps::open(&layout.maps())?;
+        let maps = KernelMaps::open(&layout.maps_dir())?;
         let pinned = |name: &str| {
             MapHandle::from_pinned_path(layout.map(name)).map_err(bpf_err(format!("opening pinned {name}")))
         };
@@ -257,7 +218,7 @@ impl Dataplane {
         // Its thread also serves the policy's unlink requests: it runs with
         // the guard off too, without classifying anything.
         let guard = crate::guard::start(
-            &layout.dir,
+            layout.dir(),
             &cfg.trusted_readers,
             Arc::clone(&subscribers),
             guard_flags & CFG_GUARD != 0,
@@ -347,7 +308,7 @@ impl Dataplane {
 
     /// The versioned pin directory.
     pub fn pin_dir(&self) -> &Path {
-        &self.layout.dir
+        self.layout.dir()
     }
 
     /// Kernel id of the attached sockops program.
@@ -452,7 +413,7 @@ fn guard_flags(mode: GuardMode, k: &KernelProbe, syscall_watch: bool) -> u32 {
 /// direction again (and the guard observes readers there). sys_enter runs on
 /// every system call of the node, so it is attached only for a kernel gap it
 /// watches.
-fn set_guard_links(layout: &Layout, flags: u32) -> Result<(), DataplaneError> {
+fn set_guard_links(layout: &FamilyPins, flags: u32) -> Result<(), DataplaneError> {
     let want_recv = true;
     let want_sys = flags & CFG_GUARD != 0 && flags & CFG_SYSCALL_WATCH != 0;
     for (name, want) in [(names::PROG_RECV_LEN, want_recv), (names::PROG_SYS_ENTER, want_sys)] {
@@ -513,24 +474,13 @@ fn check_schema(pin_root: &Path) -> Result<(), DataplaneError> {
 /// sockops. The whole node (the tc family too) goes with
 /// [`crate::node::uninstall`].
 pub fn remove_pinned(pin_root: &Path) -> Result<(), DataplaneError> {
-    let layout = Layout::new(pin_root);
-    crate::pins::remove_plugin_pins(&layout.dir)
-        .map_err(|e| DataplaneError::Io(IoError::new(layout.dir.display().to_string(), e)))?;
-    for p in layout.guard_links().into_iter().chain(layout.all_pins()) {
-        match fs::remove_file(&p) {
-            Ok(()) => tracing::debug!(pin = %p.display(), "unpinned"),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(DataplaneError::Io(IoError::new(p.display().to_string(), e))),
-        }
-    }
-    for d in layout.subdirs().iter().chain([&layout.dir, &pin_root.to_path_buf()]) {
-        // Only empty directories go: anything else there is not ours.
-        let _ = fs::remove_dir(d);
-    }
+    FamilyPins::sockredir(pin_root).remove()?;
+    // Only if empty: anything else there is not ours.
+    let _ = fs::remove_dir(pin_root);
     Ok(())
 }
 
-fn load_and_pin(cfg: &DataplaneConfig, layout: &Layout) -> Result<(), DataplaneError> {
+fn load_and_pin(cfg: &DataplaneConfig, layout: &FamilyPins) -> Result<(), DataplaneError> {
     let cgroup = match &cfg.cgroup {
         Some(p) => {
             sys::check_cgroup2(p)?;
@@ -538,9 +488,7 @@ fn load_and_pin(cfg: &DataplaneConfig, layout: &Layout) -> Result<(), DataplaneE
         }
         None => sys::cgroup2_root()?,
     };
-    for d in layout.subdirs() {
-        fs::create_dir_all(&d).map_err(io_err(&d))?;
-    }
+    layout.create_dirs()?;
 
     let mut obj = MaybeUninit::uninit();
     let mut open = SockredirSkelBuilder::default().open(&mut obj).map_err(bpf_err("opening BPF object"))?;
@@ -658,6 +606,6 @@ fn load_and_pin(cfg: &DataplaneConfig, layout: &Layout) -> Result<(), DataplaneE
     let link_path = layout.link(names::PROG_SETSOCKOPT);
     link.pin(&link_path).map_err(bpf_err(format!("pinning {}", link_path.display())))?;
     guard.done = true;
-    tracing::info!(dir = %layout.dir.display(), cgroup = %cgroup.display(), "loaded and pinned data path");
+    tracing::info!(dir = %layout.dir().display(), cgroup = %cgroup.display(), "loaded and pinned data path");
     Ok(())
 }

@@ -153,6 +153,36 @@ impl std::str::FromStr for FastPathMode {
     }
 }
 
+/// What every socket rule says besides the connections it covers: which ends
+/// never receive redirected bytes, and the fast-path mode. One definition of
+/// these accessors for both rule kinds.
+macro_rules! fast_path_options {
+    ($rule:ty) => {
+        impl $rule {
+            /// The same rule with ends that must never receive redirected bytes.
+            pub fn never_redirect_into(self, never_into: NeverRedirectInto) -> Self {
+                Self { never_into, ..self }
+            }
+
+            pub fn never_into(&self) -> NeverRedirectInto {
+                self.never_into
+            }
+
+            /// The same rule with another fast-path mode.
+            pub fn with_mode(self, mode: FastPathMode) -> Self {
+                Self { mode, ..self }
+            }
+
+            pub fn mode(&self) -> FastPathMode {
+                self.mode
+            }
+        }
+    };
+}
+
+fast_path_options!(EndpointPair);
+fast_path_options!(CaptureRule);
+
 /// Mirror pairing: every TCP connection from `client` (any source port) to
 /// `server` is accelerated at both ends, on one node. The peer of the socket
 /// (L -> R) is the socket (R -> L).
@@ -173,30 +203,12 @@ impl EndpointPair {
         Ok(Self { client, server, never_into: NeverRedirectInto::NONE, mode: FastPathMode::Adaptive })
     }
 
-    /// The same pair with ends that must never receive redirected bytes.
-    pub fn never_redirect_into(self, never_into: NeverRedirectInto) -> Self {
-        Self { never_into, ..self }
-    }
-
     pub fn client(&self) -> IpAddr {
         self.client
     }
 
     pub fn server(&self) -> Endpoint {
         self.server
-    }
-
-    pub fn never_into(&self) -> NeverRedirectInto {
-        self.never_into
-    }
-
-    /// The same rule with another fast-path mode.
-    pub fn with_mode(self, mode: FastPathMode) -> Self {
-        Self { mode, ..self }
-    }
-
-    pub fn mode(&self) -> FastPathMode {
-        self.mode
     }
 
     /// Two pairs with the same key cover the same connections.
@@ -237,24 +249,6 @@ impl CaptureRule {
             check_same_family("client", c, "original_dst", original_dst.addr)?;
         }
         Ok(Self { client, original_dst, listener, never_into: NeverRedirectInto::NONE, mode: FastPathMode::Adaptive })
-    }
-
-    /// The same rule with ends that must never receive redirected bytes.
-    pub fn never_redirect_into(self, never_into: NeverRedirectInto) -> Self {
-        Self { never_into, ..self }
-    }
-
-    pub fn never_into(&self) -> NeverRedirectInto {
-        self.never_into
-    }
-
-    /// The same rule with another fast-path mode.
-    pub fn with_mode(self, mode: FastPathMode) -> Self {
-        Self { mode, ..self }
-    }
-
-    pub fn mode(&self) -> FastPathMode {
-        self.mode
     }
 
     pub fn client(&self) -> Option<IpAddr> {

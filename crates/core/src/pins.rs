@@ -1,13 +1,145 @@
-//! Pins that several families share the shape of: the plugin directories
-//! under a family's pin directory (`<family dir>/plugins/<id>/{prog,maps/}`),
-//! removed by the family's teardown and by an unloaded plugin.
+//! Where each family's pins live on bpffs, written once for all of them.
+//!
+//! ```text
+//! <pin_root>/v<SCHEMA>/                    the socket family
+//! <pin_root>/v<SCHEMA>/tc/                 the tc family
+//! <family dir>/maps/<map>, progs/<prog>, links/<link>
+//! <family dir>/plugins/<id>/{prog,maps/}   a plugin loaded into the family's chain
+//! ```
+//!
+//! The directory name carries the schema version, so an agent never adopts
+//! maps of another layout.
 
 use std::fs;
 use std::io;
-use std::path::Path;
+use std::path::{Path, PathBuf};
+
+use meshwarp_bpf::names;
+use meshwarp_bpf::shared::SCHEMA_VERSION;
+
+use crate::error::IoError;
+
+/// The pin layout of one family: its directory and the programs, maps and
+/// links every instance of it has.
+#[derive(Debug, Clone)]
+pub struct FamilyPins {
+    dir: PathBuf,
+    progs: &'static [&'static str],
+    maps: &'static [&'static str],
+    links: &'static [&'static str],
+}
+
+/// The directory of this build's schema under `pin_root`.
+pub fn schema_dir(pin_root: &Path) -> PathBuf {
+    pin_root.join(format!("v{SCHEMA_VERSION}"))
+}
+
+impl FamilyPins {
+    /// The socket family (sockops, sk_msg and the guard's programs).
+    pub fn sockredir(pin_root: &Path) -> Self {
+        Self {
+            dir: schema_dir(pin_root),
+            progs: &names::SOCKREDIR_PROGS,
+            maps: &names::SOCKREDIR_MAPS,
+            links: &[names::PROG_SOCKOPS, names::PROG_SETSOCKOPT],
+        }
+    }
+
+    /// The tc family; its links (one per attached interface and direction)
+    /// come and go with attachments.
+    pub fn tcredir(pin_root: &Path) -> Self {
+        Self {
+            dir: schema_dir(pin_root).join("tc"),
+            progs: &names::TCREDIR_PROGS,
+            maps: &names::TCREDIR_MAPS,
+            links: &[],
+        }
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn maps_dir(&self) -> PathBuf {
+        self.dir.join("maps")
+    }
+
+    pub fn map(&self, name: &str) -> PathBuf {
+        self.maps_dir().join(name)
+    }
+
+    pub fn prog(&self, name: &str) -> PathBuf {
+        self.dir.join("progs").join(name)
+    }
+
+    pub fn links_dir(&self) -> PathBuf {
+        self.dir.join("links")
+    }
+
+    pub fn link(&self, name: &str) -> PathBuf {
+        self.links_dir().join(name)
+    }
+
+    /// Every pin an instance always has: links, programs, the family's own
+    /// maps and the maps its plugin chain shares.
+    pub fn fixed(&self) -> Vec<PathBuf> {
+        let links = self.links.iter().map(|l| self.link(l));
+        let progs = self.progs.iter().map(|p| self.prog(p));
+        let maps = self.maps.iter().chain(&names::PLUGIN_HOST_MAPS).map(|m| self.map(m));
+        links.chain(progs).chain(maps).collect()
+    }
+
+    /// The fixed pins that are missing; all of them: nothing is pinned.
+    pub fn missing(&self) -> (Vec<String>, bool) {
+        let fixed = self.fixed();
+        let missing: Vec<String> = fixed.iter().filter(|p| !p.exists()).map(|p| p.display().to_string()).collect();
+        let none = missing.len() == fixed.len();
+        (missing, none)
+    }
+
+    pub fn create_dirs(&self) -> Result<(), IoError> {
+        for d in [self.links_dir(), self.dir.join("progs"), self.maps_dir()] {
+            fs::create_dir_all(&d).map_err(|e| IoError::new(format!("creating {}", d.display()), e))?;
+        }
+        Ok(())
+    }
+
+    /// Unpins the family: links first (which detaches what they attach),
+    /// then its plugins, programs and maps, then the directories if empty.
+    /// Anything else found there is not ours and stays.
+    pub fn remove(&self) -> Result<(), IoError> {
+        let unpin = |p: &Path| match fs::remove_file(p) {
+            Ok(()) => {
+                tracing::debug!(pin = %p.display(), "unpinned");
+                Ok(())
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(IoError::new(format!("unpinning {}", p.display()), e)),
+        };
+        if let Ok(entries) = fs::read_dir(self.links_dir()) {
+            for e in entries.flatten() {
+                unpin(&e.path())?;
+            }
+        }
+        remove_plugin_pins(&self.dir)
+            .map_err(|e| IoError::new(format!("unpinning plugins under {}", self.dir.display()), e))?;
+        for p in self.fixed() {
+            unpin(&p)?;
+        }
+        for d in [self.links_dir(), self.dir.join("progs"), self.maps_dir(), self.dir.clone()] {
+            let _ = fs::remove_dir(d);
+        }
+        Ok(())
+    }
+}
+
+/// The directory of plugin `id` of the chain of the family pinned in `family_dir`.
+pub fn plugin_dir(family_dir: &Path, id: u32) -> PathBuf {
+    family_dir.join("plugins").join(id.to_string())
+}
 
 /// Removes every plugin pin under a family's pin directory (teardown).
-pub fn remove_plugin_pins(family_dir: &Path) -> io::Result<()> {
+fn remove_plugin_pins(family_dir: &Path) -> io::Result<()> {
     let root = family_dir.join("plugins");
     let Ok(entries) = fs::read_dir(&root) else {
         return Ok(());
@@ -32,4 +164,27 @@ pub(crate) fn remove_plugin_dir(dir: &Path) -> io::Result<()> {
         Err(e) => return Err(e),
     }
     fs::remove_dir(dir)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn families_share_one_shape_under_the_schema_dir() {
+        let root = Path::new("/sys/fs/bpf/mw");
+        let (s, t) = (FamilyPins::sockredir(root), FamilyPins::tcredir(root));
+        assert_eq!(t.dir(), s.dir().join("tc"));
+        assert_eq!(s.map("mw_pairs"), s.dir().join("maps/mw_pairs"));
+        assert_eq!(plugin_dir(t.dir(), 3), t.dir().join("plugins/3"));
+        for f in [&s, &t] {
+            let fixed = f.fixed();
+            assert!(fixed.contains(&f.map(names::MAP_CHAIN)), "plugin host maps are pinned by every family");
+            let mut uniq = fixed.clone();
+            uniq.sort();
+            uniq.dedup();
+            assert_eq!(uniq.len(), fixed.len(), "no pin listed twice");
+        }
+        assert_eq!(s.fixed()[0], s.link(names::PROG_SOCKOPS), "links first");
+    }
 }

@@ -403,7 +403,7 @@ impl FamilyMaps {
     }
 
     fn plugin_dir(&self, id: u32) -> PathBuf {
-        self.dir.join("plugins").join(id.to_string())
+        crate::pins::plugin_dir(&self.dir, id)
     }
 
     /// Returns once no BPF program still runs with what it read before.

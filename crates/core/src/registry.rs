@@ -283,7 +283,7 @@ impl<M: RuleMaps> Registry<M> {
     }
 
     pub fn global_stats(&self) -> Result<GlobalCounters, RuleError> {
-        Ok(self.maps.global_stats()?.into())
+        Ok(self.maps.global_stats()?)
     }
 }
 

@@ -1,6 +1,6 @@
 //! Counters as the library reports them, summed over CPUs.
 
-use meshwarp_bpf::shared::{GlobalStats, RuleStats};
+use meshwarp_bpf::shared::RuleStats;
 
 /// Counters of one pair or capture rule.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -85,35 +85,5 @@ impl From<RuleStats> for RuleCounters {
     }
 }
 
-/// Node-wide counters.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct GlobalCounters {
-    /// TCP connections that reached ESTABLISHED in the attached cgroup.
-    pub established: u64,
-    /// Of those, connections no rule covers (left entirely alone).
-    pub not_covered: u64,
-    /// Messages of a SOCKMAP socket without state (passed on the TCP path).
-    pub no_state: u64,
-    /// Server ends of a covered connection whose client end was not
-    /// accelerated (not covered there, its reader not safe, another node).
-    pub no_link: u64,
-    /// Covered connections left on TCP: no free SOCKMAP slot near their hash
-    /// (more sockets than `max_sockets`).
-    pub no_slot: u64,
-    /// Slots whose link closed with redirected bytes unread (its socket still
-    /// in the SOCKMAP): freed by the guard thread once both entries are empty.
-    pub slots_stale: u64,
-}
-
-impl From<GlobalStats> for GlobalCounters {
-    fn from(s: GlobalStats) -> Self {
-        Self {
-            established: s.established,
-            not_covered: s.not_covered,
-            no_state: s.no_state,
-            no_link: s.no_link,
-            no_slot: s.no_slot,
-            slots_stale: s.slots_stale,
-        }
-    }
-}
+/// Node-wide counters: the programs' own struct, summed over CPUs.
+pub use meshwarp_bpf::shared::GlobalStats as GlobalCounters;

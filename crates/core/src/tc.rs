@@ -6,8 +6,8 @@
 //! Every netlink lookup and attachment runs inside the dataplane's network
 //! namespace (the node's), which may differ from the caller's.
 //!
-//! Pinned layout: `<pin_root>/v<SCHEMA>/tc/{maps,progs,links}`; a tcx
-//! attachment is the link `links/if<ifindex>-<in|out>`.
+//! Pinned layout: [`FamilyPins::tcredir`]; a tcx attachment is the link
+//! `links/if<ifindex>-<in|out>`.
 
 use std::collections::BTreeSet;
 use std::ffi::CString;
@@ -25,7 +25,7 @@ use meshwarp_bpf::names;
 use meshwarp_bpf::shared::{
     AttachKey, AttachStats, OwnerName, Pod, RouteKey4, RouteKey6, RouteStats, RouteValue, ACT_REDIRECT,
     ACT_REDIRECT_NEIGH, ACT_REDIRECT_PEER, AF_INET, AF_INET6, CHAIN_FIN, DIR_EGRESS, DIR_INGRESS, ROUTE_HAS_NEXTHOP,
-    ROUTE_HAS_SRC, ROUTE_KEY_PREFIX_BITS, ROUTE_REWRITE_MAC, SCHEMA_VERSION,
+    ROUTE_HAS_SRC, ROUTE_KEY_PREFIX_BITS, ROUTE_REWRITE_MAC,
 };
 use meshwarp_bpf::tcredir::TcredirSkelBuilder;
 
@@ -34,6 +34,7 @@ use crate::maps::PerCpu;
 use crate::maps::{self, MapError};
 pub use crate::netlink::IfaceRef;
 use crate::netlink::{self, NetlinkError};
+use crate::pins::FamilyPins;
 use crate::table::{self, Entry, Outcome, RuleError, SlotMaps, Slots, Stored, Table};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -223,11 +224,6 @@ fn bpf(what: impl Into<String>) -> impl FnOnce(libbpf_rs::Error) -> TcError {
     move |source| TcError::Bpf(BpfError::new(what, source))
 }
 
-fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> TcError {
-    let what = what.into();
-    move |source| TcError::Io(IoError::new(what, source))
-}
-
 /// How an attachment was made.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AttachMode {
@@ -411,49 +407,20 @@ struct TcState {
 /// The tc redirection data path of one node.
 #[derive(Debug)]
 pub struct TcDataplane {
-    dir: PathBuf,
+    pins: FamilyPins,
     netns: Option<PathBuf>,
     maps: TcMaps,
     att_stats: PerCpu<AttachStats>,
     state: Mutex<TcState>,
 }
 
-fn tc_dir(pin_root: &Path) -> PathBuf {
-    pin_root.join(format!("v{SCHEMA_VERSION}")).join("tc")
-}
-
-fn tc_pins(dir: &Path) -> Vec<PathBuf> {
-    let mut v: Vec<PathBuf> = names::TCREDIR_PROGS.iter().map(|p| dir.join("progs").join(p)).collect();
-    v.extend(names::TCREDIR_MAPS.iter().map(|m| dir.join("maps").join(m)));
-    v
-}
-
 /// Detaches (unpins the tcx links) and unpins the tc data path under `pin_root`.
 pub fn remove_pinned(pin_root: &Path) -> Result<(), TcError> {
-    let dir = tc_dir(pin_root);
-    if let Ok(entries) = fs::read_dir(dir.join("links")) {
-        for e in entries.flatten() {
-            fs::remove_file(e.path()).map_err(io(format!("unpinning {}", e.path().display())))?;
-        }
-    }
-    crate::pins::remove_plugin_pins(&dir).map_err(io(format!("unpinning plugins under {}", dir.display())))?;
-    for p in tc_pins(&dir) {
-        match fs::remove_file(&p) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(TcError::Io(IoError::new(format!("unpinning {}", p.display()), e))),
-        }
-    }
-    for d in ["links", "progs", "maps", ""] {
-        let _ = fs::remove_dir(dir.join(d));
-    }
-    Ok(())
+    Ok(FamilyPins::tcredir(pin_root).remove()?)
 }
 
-fn load_and_pin(cfg: &TcConfig, dir: &Path) -> Result<(), TcError> {
-    for d in ["maps", "progs", "links"] {
-        fs::create_dir_all(dir.join(d)).map_err(io(format!("creating {}", dir.join(d).display())))?;
-    }
+fn load_and_pin(cfg: &TcConfig, pins: &FamilyPins) -> Result<(), TcError> {
+    pins.create_dirs()?;
     let mut obj = MaybeUninit::uninit();
     let mut open = TcredirSkelBuilder::default().open(&mut obj).map_err(bpf("opening the tc object"))?;
     for m in [&mut open.maps.mw_rt4, &mut open.maps.mw_rt6, &mut open.maps.mw_rt_stats, &mut open.maps.mw_rt_owner] {
@@ -483,13 +450,13 @@ fn load_and_pin(cfg: &TcConfig, dir: &Path) -> Result<(), TcError> {
         .map_err(bpf(format!("installing {}", names::PROG_PKT_FIN)))?;
     for (name, map) in maps {
         let mut h = MapHandle::try_from(map).map_err(bpf(format!("handle of {name}")))?;
-        h.pin(dir.join("maps").join(name)).map_err(bpf(format!("pinning {name}")))?;
+        h.pin(pins.map(name)).map_err(bpf(format!("pinning {name}")))?;
     }
     for (name, prog) in
         [(names::PROG_TC_INGRESS, &skel.progs.mw_tc_ingress), (names::PROG_TC_EGRESS, &skel.progs.mw_tc_egress)]
     {
         let h = ProgramHandle::try_from(prog).map_err(bpf(format!("handle of {name}")))?;
-        h.pin(dir.join("progs").join(name)).map_err(bpf(format!("pinning {name}")))?;
+        h.pin(pins.prog(name)).map_err(bpf(format!("pinning {name}")))?;
     }
     Ok(())
 }
@@ -498,21 +465,18 @@ impl TcDataplane {
     /// Adopts the tc data path pinned under `cfg.pin_root`, or loads and pins it.
     pub fn open(cfg: &TcConfig) -> Result<Self, TcError> {
         crate::sys::ensure_bpffs(&cfg.pin_root)?;
-        let dir = tc_dir(&cfg.pin_root);
-        let pins = tc_pins(&dir);
-        let missing: Vec<String> = pins.iter().filter(|p| !p.exists()).map(|p| p.display().to_string()).collect();
-        if missing.len() == pins.len() {
-            if let Err(e) = load_and_pin(cfg, &dir) {
+        let pins = FamilyPins::tcredir(&cfg.pin_root);
+        let (missing, none_pinned) = pins.missing();
+        if none_pinned {
+            if let Err(e) = load_and_pin(cfg, &pins) {
                 // Leave neither partial pins nor empty directories.
                 let _ = remove_pinned(&cfg.pin_root);
                 return Err(e);
             }
         } else if !missing.is_empty() {
-            return Err(TcError::Partial { dir, missing });
+            return Err(TcError::Partial { dir: pins.dir().to_path_buf(), missing });
         }
-        let open = |name: &str| {
-            MapHandle::from_pinned_path(dir.join("maps").join(name)).map_err(bpf(format!("opening {name}")))
-        };
+        let open = |name: &str| MapHandle::from_pinned_path(pins.map(name)).map_err(bpf(format!("opening {name}")));
         let dp = Self {
             maps: TcMaps {
                 rt4: open(names::MAP_RT4)?,
@@ -523,7 +487,7 @@ impl TcDataplane {
             att_stats: PerCpu::new(open(names::MAP_ATT_STATS)?).map_err(bpf("counting CPUs"))?,
             netns: cfg.netns.clone(),
             state: Mutex::new(TcState::default()),
-            dir,
+            pins,
         };
         dp.reconcile()?;
         Ok(dp)
@@ -531,7 +495,7 @@ impl TcDataplane {
 
     /// The tc data path's pin directory.
     pub fn pin_dir(&self) -> &Path {
-        &self.dir
+        self.pins.dir()
     }
 
     /// Rebuilds the route table from the LPM maps (adoption).
@@ -584,11 +548,11 @@ impl TcDataplane {
             Direction::Ingress => names::PROG_TC_INGRESS,
             Direction::Egress => names::PROG_TC_EGRESS,
         };
-        ProgramHandle::from_pinned_path(self.dir.join("progs").join(name)).map_err(bpf(format!("opening {name}")))
+        ProgramHandle::from_pinned_path(self.pins.prog(name)).map_err(bpf(format!("opening {name}")))
     }
 
     fn link_path(&self, ifindex: u32, dir: Direction) -> PathBuf {
-        self.dir.join("links").join(format!("if{ifindex}-{}", dir.short()))
+        self.pins.link(&format!("if{ifindex}-{}", dir.short()))
     }
 
     /// Attaches the tc program to `iface` in `dir`: a tcx link where the
@@ -624,7 +588,7 @@ impl TcDataplane {
     /// Tcx attachments, as (ifindex, direction).
     pub fn attachments(&self) -> Vec<(u32, Direction)> {
         let mut out = Vec::new();
-        if let Ok(entries) = fs::read_dir(self.dir.join("links")) {
+        if let Ok(entries) = fs::read_dir(self.pins.links_dir()) {
             for e in entries.flatten() {
                 let name = e.file_name().to_string_lossy().into_owned();
                 let Some(rest) = name.strip_prefix("if") else { continue };
@@ -848,12 +812,9 @@ impl TcDataplane {
 
     /// Detaches and unpins everything.
     pub fn teardown(self) -> Result<(), TcError> {
-        let root = self.dir.parent().and_then(Path::parent).map(Path::to_path_buf);
+        let pins = self.pins.clone();
         drop(self);
-        if let Some(root) = root {
-            remove_pinned(&root)?;
-        }
-        Ok(())
+        Ok(pins.remove()?)
     }
 }
 
