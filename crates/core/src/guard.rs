@@ -7,7 +7,7 @@
 //! application sees an error instead of a silently truncated stream.
 //!
 //! The same thread serves the adaptive policy's requests to take streaming
-//! ends out of the SOCKMAP and back ([`crate::park`]), with or without the
+//! ends out of the SOCKMAP and back (the `park` module), with or without the
 //! guard's classification.
 //!
 //! Only one guard runs per pin root (a lock file under /run/meshwarp); a

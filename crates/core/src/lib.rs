@@ -24,7 +24,7 @@ pub mod maps;
 pub mod netlink;
 pub mod node;
 mod park;
-mod pins;
+pub mod pins;
 pub mod plugin;
 pub mod probe;
 pub mod registry;

@@ -13,8 +13,6 @@ use libbpf_rs::{ErrorKind, MapCore, MapFlags, MapHandle};
 use meshwarp_bpf::names;
 use meshwarp_bpf::shared::{CaptureKey, GlobalStats, OwnerName, PairKey, Pod, Rule, RuleStats};
 
-use crate::table::SlotMaps;
-
 /// A failed map operation.
 #[derive(Debug, thiserror::Error)]
 pub enum MapError {
@@ -39,6 +37,16 @@ pub enum Put {
     Create,
     /// Create or replace.
     Upsert,
+}
+
+/// The per-slot maps of a family: its counters and its owners.
+pub trait SlotMaps {
+    /// How many counter slots (rules) there are.
+    fn slot_capacity(&self) -> u32;
+    /// Zeroes a slot's counters before it is given to a new rule.
+    fn reset_slot(&mut self, id: u32) -> Result<(), MapError>;
+    fn put_owner(&mut self, id: u32, owner: &OwnerName) -> Result<(), MapError>;
+    fn delete_owner(&mut self, id: u32) -> Result<(), MapError>;
 }
 
 /// What the registry reads and writes in the data path, beyond the slot

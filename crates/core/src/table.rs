@@ -6,14 +6,15 @@
 //! map writes, all-or-nothing batches (checked before any write, rolled back
 //! on a failed write) and adoption of what the maps already hold. A family
 //! says how one of its rules is keyed ([`Rule`]) and written to its maps
-//! ([`Stored`]); its maps say how a slot is owned and zeroed ([`SlotMaps`]).
+//! ([`Stored`]); its maps say how a slot is owned and zeroed
+//! ([`SlotMaps`]).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 
 use meshwarp_bpf::shared::{OwnerName, OWNER_LEN};
 
-use crate::maps::MapError;
+use crate::maps::{MapError, SlotMaps};
 
 /// Why a rule operation failed; on error nothing was changed.
 #[derive(Debug, thiserror::Error)]
@@ -76,16 +77,6 @@ pub trait Rule: Clone + Eq + fmt::Display {
 pub trait Stored<M>: Rule {
     fn write(&self, maps: &mut M, id: u32) -> Result<(), MapError>;
     fn erase(&self, maps: &mut M) -> Result<(), MapError>;
-}
-
-/// The per-slot maps of a family: its counters and its owners.
-pub trait SlotMaps {
-    /// How many counter slots (rules) there are.
-    fn slot_capacity(&self) -> u32;
-    /// Zeroes a slot's counters before it is given to a new rule.
-    fn reset_slot(&mut self, id: u32) -> Result<(), MapError>;
-    fn put_owner(&mut self, id: u32, owner: &OwnerName) -> Result<(), MapError>;
-    fn delete_owner(&mut self, id: u32) -> Result<(), MapError>;
 }
 
 /// Counter-slot allocation of one family (shared by its tables): the lowest

@@ -31,11 +31,11 @@ use meshwarp_bpf::tcredir::TcredirSkelBuilder;
 
 use crate::error::{BpfError, IoError};
 use crate::maps::PerCpu;
-use crate::maps::{self, MapError};
+use crate::maps::{self, MapError, SlotMaps};
 pub use crate::netlink::IfaceRef;
 use crate::netlink::{self, NetlinkError};
 use crate::pins::FamilyPins;
-use crate::table::{self, Entry, Outcome, RuleError, SlotMaps, Slots, Stored, Table};
+use crate::table::{self, Entry, Outcome, RuleError, Slots, Stored, Table};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Direction {
