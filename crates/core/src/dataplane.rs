@@ -26,7 +26,7 @@ use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::{libbpf_sys, Link, MapCore, MapFlags, MapHandle, ProgramHandle};
 use meshwarp_bpf::names;
 use meshwarp_bpf::shared::{
-    Config, CookieVal, Link as LinkValue, Pod, CFG_BLOCKING_EAGAIN, CFG_FIONREAD_PSOCK, CFG_GUARD, CFG_SPLICE_BLIND,
+    Config, CookieVal, Link as LinkValue, CFG_BLOCKING_EAGAIN, CFG_FIONREAD_PSOCK, CFG_GUARD, CFG_SPLICE_BLIND,
     CFG_SYSCALL_WATCH, CHAIN_FIN,
 };
 use meshwarp_bpf::sockredir::SockredirSkelBuilder;
@@ -34,7 +34,7 @@ use meshwarp_bpf::sockredir::SockredirSkelBuilder;
 use crate::endpoint::{CaptureRule, EndpointPair};
 use crate::error::{BpfError, IoError};
 use crate::guard::{GuardMode, GuardThread, Incident, Subscribers};
-use crate::maps::{KernelMaps, MapError};
+use crate::maps::{KernelMaps, MapError, TypedMap};
 use crate::pins::FamilyPins;
 use crate::probe::KernelProbe;
 use crate::registry::{Registry, SockRule};
@@ -156,9 +156,9 @@ pub struct Dataplane {
     layout: FamilyPins,
     pin_root: PathBuf,
     origin: Origin,
-    sockmap: MapHandle,
-    links: MapHandle,
-    cookies: MapHandle,
+    sockmap: TypedMap<u32, u64>,
+    links: TypedMap<u32, LinkValue>,
+    cookies: TypedMap<u64, CookieVal>,
     registry: Mutex<Registry<KernelMaps>>,
     kernel: KernelProbe,
     /// What mw_config says (`CFG_*`).
@@ -193,12 +193,13 @@ impl Dataplane {
         } else {
             return Err(DataplaneError::Partial { dir: layout.dir().to_path_buf(), missing });
         };
-        let maps = KernelMaps::open(&layout.maps_dir())?;
-        let pinned = |name: &str| {
-            MapHandle::from_pinned_path(layout.map(name)).map_err(bpf_err(format!("opening pinned {name}")))
-        };
-        let (sockmap, links, cookies) =
-            (pinned(names::MAP_SOCKMAP)?, pinned(names::MAP_LINKS)?, pinned(names::MAP_COOKIES)?);
+        let dir = layout.maps_dir();
+        let maps = KernelMaps::open(&dir)?;
+        let (sockmap, links, cookies) = (
+            TypedMap::pinned(&dir, names::MAP_SOCKMAP)?,
+            TypedMap::pinned(&dir, names::MAP_LINKS)?,
+            TypedMap::pinned(&dir, names::MAP_COOKIES)?,
+        );
         let registry = Registry::reconcile(maps)?;
 
         let kernel = match KernelProbe::cached() {
@@ -210,9 +211,7 @@ impl Dataplane {
         };
         let guard_flags = guard_flags(cfg.guard, &kernel, cfg.syscall_watch);
         let config = Config { flags: guard_flags, pad: 0 };
-        pinned(names::MAP_CONFIG)?
-            .update(&0u32.to_ne_bytes(), config.as_bytes(), MapFlags::ANY)
-            .map_err(bpf_err("writing mw_config"))?;
+        TypedMap::<u32, Config>::pinned(&dir, names::MAP_CONFIG)?.put(&0, &config)?;
         set_guard_links(&layout, guard_flags)?;
         let subscribers = Arc::new(Subscribers::default());
         // Its thread also serves the policy's unlink requests: it runs with
@@ -290,15 +289,13 @@ impl Dataplane {
 
     /// The link and end a socket (by cookie) is accelerated under.
     pub fn socket_link(&self, cookie: u64) -> Result<Option<CookieVal>, DataplaneError> {
-        let v = self.cookies.lookup(&cookie.to_ne_bytes(), MapFlags::ANY).map_err(bpf_err("looking up mw_cookies"))?;
-        Ok(v.and_then(|b| CookieVal::from_bytes(&b)))
+        Ok(self.cookies.get(&cookie)?)
     }
 
     /// The link a socket's entry (from [`Dataplane::socket_link`]) names,
     /// if it still holds that link.
     pub fn link(&self, at: &CookieVal) -> Result<Option<LinkValue>, DataplaneError> {
-        let v = self.links.lookup(&at.slot.to_ne_bytes(), MapFlags::ANY).map_err(bpf_err("looking up mw_links"))?;
-        Ok(v.and_then(|b| LinkValue::from_bytes(&b)).filter(|l| l.id != 0 && l.id == at.link))
+        Ok(self.links.get(&at.slot)?.filter(|l| l.id != 0 && l.id == at.link))
     }
 
     /// Whether this instance loaded the programs or adopted pinned ones.
@@ -366,8 +363,7 @@ impl Dataplane {
     /// The cookie of the socket in the SOCKMAP at `index` (see
     /// [`sockmap_index`](meshwarp_bpf::shared::sockmap_index)), if any.
     pub fn sockmap_lookup(&self, index: u32) -> Result<Option<u64>, DataplaneError> {
-        let v = self.sockmap.lookup(&index.to_ne_bytes(), MapFlags::ANY).map_err(bpf_err("looking up the SOCKMAP"))?;
-        Ok(v.and_then(|b| <[u8; 8]>::try_from(b.as_slice()).ok()).map(u64::from_ne_bytes))
+        Ok(self.sockmap.get(&index)?)
     }
 
     /// Detaches and unpins the socket family (this data path and its

@@ -26,7 +26,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use libbpf_rs::{MapCore, MapFlags, MapHandle, ProgramHandle, RingBufferBuilder};
+use libbpf_rs::{MapHandle, ProgramHandle, RingBufferBuilder};
 use meshwarp_bpf::names;
 use meshwarp_bpf::shared::{
     ip_from_raw, str_of, Event, Exe, ExeClass, ExeKey, Pod, EV_CLASSIFY, EV_SPLICE_HIT, EV_SPLICE_SEEN, EXE_CLASSIFIED,
@@ -35,6 +35,7 @@ use meshwarp_bpf::shared::{
 
 use crate::error::{BpfError, IoError};
 use crate::execlass::{self, ExeFacts};
+use crate::maps::{MapError, TypedMap};
 use crate::park::{self, Parker};
 use crate::slots::SlotSweeper;
 
@@ -48,6 +49,8 @@ pub enum GuardError {
     Classify(#[from] execlass::ClassifyError),
     #[error(transparent)]
     Sys(#[from] crate::sys::SysError),
+    #[error(transparent)]
+    Map(#[from] MapError),
 }
 
 fn bpf_err(what: impl Into<String>) -> impl FnOnce(libbpf_rs::Error) -> GuardError {
@@ -121,9 +124,9 @@ impl Subscribers {
 /// The maps and program the guard works with, opened from the pins.
 struct GuardMaps {
     events: MapHandle,
-    exes: MapHandle,
-    class: MapHandle,
-    doomed: MapHandle,
+    exes: TypedMap<ExeKey, Exe>,
+    class: TypedMap<ExeKey, ExeClass>,
+    doomed: TypedMap<u64, u32>,
     /// An iter/tcp link of mw_destroy; iterators are created from it in the
     /// namespace whose sockets are to be reset.
     destroy_link: OwnedFd,
@@ -131,30 +134,27 @@ struct GuardMaps {
 
 impl GuardMaps {
     fn open(pin_dir: &Path) -> Result<Self, GuardError> {
-        let map = |n: &str| {
-            MapHandle::from_pinned_path(pin_dir.join("maps").join(n)).map_err(bpf_err(format!("opening pinned {n}")))
-        };
+        let maps = pin_dir.join("maps");
         let prog = ProgramHandle::from_pinned_path(pin_dir.join("progs").join(names::PROG_DESTROY))
             .map_err(bpf_err("opening pinned mw_destroy"))?;
         let destroy_link = crate::sys::iter_link(&prog)
             .map_err(|source| GuardError::Io(IoError::new("creating the mw_destroy iterator link", source)))?;
         Ok(Self {
-            events: map(names::MAP_EVENTS)?,
-            exes: map(names::MAP_EXES)?,
-            class: map(names::MAP_EXE_CLASS)?,
-            doomed: map(names::MAP_DOOMED)?,
+            events: MapHandle::from_pinned_path(maps.join(names::MAP_EVENTS))
+                .map_err(bpf_err("opening pinned mw_events"))?,
+            exes: TypedMap::pinned(&maps, names::MAP_EXES)?,
+            class: TypedMap::pinned(&maps, names::MAP_EXE_CLASS)?,
+            doomed: TypedMap::pinned(&maps, names::MAP_DOOMED)?,
             destroy_link,
         })
     }
 
     fn write_class(&self, key: &ExeKey, flags: u32) -> Result<(), GuardError> {
-        self.class
-            .update(key.as_bytes(), ExeClass { flags, pad: 0 }.as_bytes(), MapFlags::ANY)
-            .map_err(bpf_err("writing mw_exe_class"))
+        Ok(self.class.put(key, &ExeClass { flags, pad: 0 })?)
     }
 
     fn classified(&self, key: &ExeKey) -> bool {
-        self.class.lookup(key.as_bytes(), MapFlags::ANY).ok().flatten().is_some()
+        self.class.get(key).ok().flatten().is_some()
     }
 }
 
@@ -410,10 +410,7 @@ impl Guard<'_> {
     /// namespace): the splicer gets ECONNABORTED, its peer a RST.
     fn reset(&self, ev: &Event) -> Result<bool, GuardError> {
         for c in [ev.cookie, ev.peer_cookie].into_iter().filter(|c| *c != 0) {
-            self.maps
-                .doomed
-                .update(&c.to_ne_bytes(), &1u32.to_ne_bytes(), MapFlags::ANY)
-                .map_err(bpf_err("writing mw_doomed"))?;
+            self.maps.doomed.put(&c, &1)?;
         }
         // The socket's namespace is not necessarily the splicing thread's.
         let ns = crate::sys::find_netns(ev.netns, ev.pid).ok_or_else(|| {
@@ -425,10 +422,10 @@ impl Guard<'_> {
         let link = self.maps.destroy_link.as_fd();
         crate::sys::run_in_netns(Some(&ns), || crate::sys::drain_iterator(link))?
             .map_err(|source| GuardError::Io(IoError::new("reading the mw_destroy iterator", source)))?;
-        let gone = self.maps.doomed.lookup(&ev.cookie.to_ne_bytes(), MapFlags::ANY).ok().flatten().is_none();
+        let gone = self.maps.doomed.get(&ev.cookie).ok().flatten().is_none();
         // Whatever was not found (a peer in another namespace) is not kept.
         for c in [ev.cookie, ev.peer_cookie] {
-            let _ = self.maps.doomed.delete(&c.to_ne_bytes());
+            let _ = self.maps.doomed.delete(&c);
         }
         Ok(gone)
     }
@@ -436,14 +433,12 @@ impl Guard<'_> {
     /// Executables the programs asked about whose process was gone before
     /// the request was served: any process running them will do.
     fn retry_pending(&mut self) {
-        let keys: Vec<Vec<u8>> = self.maps.exes.keys().collect();
-        for k in keys {
-            let Some(key) = ExeKey::from_bytes(&k) else { continue };
+        let keys = self.maps.exes.keys().unwrap_or_default();
+        for key in keys {
             if self.maps.classified(&key) {
                 continue;
             }
-            let Some(exe) = self.maps.exes.lookup(&k, MapFlags::ANY).ok().flatten().and_then(|v| Exe::from_bytes(&v))
-            else {
+            let Some(exe) = self.maps.exes.get(&key).ok().flatten() else {
                 continue;
             };
             if exe.flags & EXE_PENDING == 0 {

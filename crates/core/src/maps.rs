@@ -1,9 +1,13 @@
-//! The thin layer between the registry's logic and the kernel's maps.
+//! The typed layer between the library and the kernel's maps.
 //!
-//! [`RuleMaps`] is what the registry needs from the data path; [`KernelMaps`]
-//! implements it over pinned BPF maps, [`MemoryMaps`] over plain collections so
-//! that validation and reconciliation are unit-tested without root. The kernel
-//! path itself is covered by the integration tests.
+//! [`TypedMap<K, V>`] and [`PerCpu<K, V>`] are the one way core reads and
+//! writes a BPF map: keys and values are the `#[repr(C)]` mirrors (or
+//! integers), errors name the map, a full map and an entry of another layout
+//! are typed. [`RuleMaps`] is what the socket registry needs from the data
+//! path; [`KernelMaps`] implements it over the pinned maps, [`MemoryMaps`]
+//! over plain collections so that validation and reconciliation are
+//! unit-tested without root. The kernel path itself is covered by the
+//! integration tests.
 
 use std::collections::HashMap;
 use std::marker::PhantomData;
@@ -68,14 +72,14 @@ pub trait RuleMaps: SlotMaps {
 /// The pinned maps of a loaded data path.
 #[derive(Debug)]
 pub struct KernelMaps {
-    pairs: MapHandle,
-    capture: MapHandle,
-    stats: PerCpu<RuleStats>,
-    global: PerCpu<GlobalStats>,
-    owners: MapHandle,
+    pairs: TypedMap<PairKey, Rule>,
+    capture: TypedMap<CaptureKey, Rule>,
+    stats: PerCpu<u32, RuleStats>,
+    global: PerCpu<u32, GlobalStats>,
+    owners: TypedMap<u32, OwnerName>,
 }
 
-pub(crate) fn kernel(op: &'static str, map: &'static str) -> impl FnOnce(libbpf_rs::Error) -> MapError {
+fn kernel(op: &'static str, map: &'static str) -> impl FnOnce(libbpf_rs::Error) -> MapError {
     move |source| MapError::Kernel { op, map, source }
 }
 
@@ -83,89 +87,134 @@ fn decode<T: Pod>(map: &'static str, bytes: &[u8]) -> Result<T, MapError> {
     T::from_bytes(bytes).ok_or(MapError::BadValue { map, got: bytes.len(), want: size_of::<T>() })
 }
 
-fn entries<K: Pod, V: Pod>(map: &MapHandle, name: &'static str) -> Result<Vec<(K, V)>, MapError> {
-    let mut out = Vec::new();
-    for key in map.keys() {
-        // An entry deleted between keys() and lookup() is simply gone.
-        if let Some(val) = map.lookup(&key, MapFlags::ANY).map_err(kernel("lookup", name))? {
-            out.push((decode::<K>(name, &key)?, decode::<V>(name, &val)?));
+/// A BPF map whose keys are `K` and values `V` (integers or the `#[repr(C)]`
+/// mirrors of `shared.h`), named in its errors. An entry of another size
+/// than `K`/`V` is [`MapError::BadValue`] (a map of another layout).
+#[derive(Debug)]
+pub struct TypedMap<K, V> {
+    map: MapHandle,
+    name: &'static str,
+    kv: PhantomData<(K, V)>,
+}
+
+impl<K: Pod, V: Pod> TypedMap<K, V> {
+    pub fn new(map: MapHandle, name: &'static str) -> Self {
+        Self { map, name, kv: PhantomData }
+    }
+
+    /// The map `name` pinned in `maps_dir`.
+    pub fn pinned(maps_dir: &Path, name: &'static str) -> Result<Self, MapError> {
+        let map = MapHandle::from_pinned_path(maps_dir.join(name)).map_err(kernel("open pinned", name))?;
+        Ok(Self::new(map, name))
+    }
+
+    pub fn name(&self) -> &'static str {
+        self.name
+    }
+
+    /// Its size (max entries).
+    pub fn capacity(&self) -> u32 {
+        self.map.max_entries()
+    }
+
+    pub fn get(&self, key: &K) -> Result<Option<V>, MapError> {
+        match self.map.lookup(key.as_bytes(), MapFlags::ANY).map_err(kernel("lookup", self.name))? {
+            Some(v) => decode(self.name, &v).map(Some),
+            None => Ok(None),
         }
     }
-    Ok(out)
-}
 
-pub(crate) fn put(map: &MapHandle, name: &'static str, key: &[u8], val: &[u8]) -> Result<(), MapError> {
-    map.update(key, val, MapFlags::ANY).map_err(|e| {
-        if e.kind() == ErrorKind::TooBig {
-            MapError::Full { map: name, capacity: map.max_entries() }
-        } else {
-            MapError::Kernel { op: "update", map: name, source: e }
+    /// Creates or replaces; a full map is [`MapError::Full`].
+    pub fn put(&self, key: &K, val: &V) -> Result<(), MapError> {
+        self.map.update(key.as_bytes(), val.as_bytes(), MapFlags::ANY).map_err(|e| {
+            if e.kind() == ErrorKind::TooBig {
+                MapError::Full { map: self.name, capacity: self.capacity() }
+            } else {
+                MapError::Kernel { op: "update", map: self.name, source: e }
+            }
+        })
+    }
+
+    /// Removes the entry; an absent one is no error.
+    pub fn delete(&self, key: &K) -> Result<(), MapError> {
+        match self.map.delete(key.as_bytes()) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(MapError::Kernel { op: "delete", map: self.name, source: e }),
         }
-    })
-}
+    }
 
-pub(crate) fn delete(map: &MapHandle, name: &'static str, key: &[u8]) -> Result<(), MapError> {
-    match map.delete(key) {
-        Ok(()) => Ok(()),
-        Err(e) if e.kind() == ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(MapError::Kernel { op: "delete", map: name, source: e }),
+    /// The keys present now.
+    pub fn keys(&self) -> Result<Vec<K>, MapError> {
+        self.map.keys().map(|k| decode(self.name, &k)).collect()
+    }
+
+    /// Every entry present now.
+    pub fn entries(&self) -> Result<Vec<(K, V)>, MapError> {
+        let mut out = Vec::new();
+        for key in self.keys()? {
+            // An entry deleted between keys() and lookup() is simply gone.
+            if let Some(val) = self.get(&key)? {
+                out.push((key, val));
+            }
+        }
+        Ok(out)
     }
 }
 
 impl KernelMaps {
     /// Opens the maps pinned in `maps_dir`.
     pub fn open(maps_dir: &Path) -> Result<Self, MapError> {
-        let open =
-            |name: &'static str| MapHandle::from_pinned_path(maps_dir.join(name)).map_err(kernel("open pinned", name));
         Ok(Self {
-            pairs: open(names::MAP_PAIRS)?,
-            capture: open(names::MAP_CAPTURE)?,
-            stats: PerCpu::new(open(names::MAP_STATS)?).map_err(kernel("count cpus", names::MAP_STATS))?,
-            global: PerCpu::new(open(names::MAP_GLOBAL)?).map_err(kernel("count cpus", names::MAP_GLOBAL))?,
-            owners: open(names::MAP_OWNERS)?,
+            pairs: TypedMap::pinned(maps_dir, names::MAP_PAIRS)?,
+            capture: TypedMap::pinned(maps_dir, names::MAP_CAPTURE)?,
+            stats: PerCpu::pinned(maps_dir, names::MAP_STATS)?,
+            global: PerCpu::pinned(maps_dir, names::MAP_GLOBAL)?,
+            owners: TypedMap::pinned(maps_dir, names::MAP_OWNERS)?,
         })
     }
 }
 
-/// A per-CPU map (array or hash) whose values are `T`: entries summed over
-/// CPUs, or set to zero on every CPU. A value of another size than `T` is an
-/// error (a map of another layout).
+/// A per-CPU map (array or hash) keyed by `K` whose values are `V`: entries
+/// summed over CPUs, or set to zero on every CPU.
 #[derive(Debug)]
-pub(crate) struct PerCpu<T> {
-    map: MapHandle,
+pub struct PerCpu<K, V> {
+    map: TypedMap<K, V>,
     ncpus: usize,
-    value: PhantomData<T>,
 }
 
-impl<T: Pod> PerCpu<T> {
-    pub(crate) fn new(map: MapHandle) -> Result<Self, libbpf_rs::Error> {
-        Ok(Self { map, ncpus: libbpf_rs::num_possible_cpus()?, value: PhantomData })
+impl<K: Pod, V: Pod> PerCpu<K, V> {
+    pub fn new(map: MapHandle, name: &'static str) -> Result<Self, MapError> {
+        let ncpus = libbpf_rs::num_possible_cpus().map_err(kernel("count cpus", name))?;
+        Ok(Self { map: TypedMap::new(map, name), ncpus })
+    }
+
+    /// The map `name` pinned in `maps_dir`.
+    pub fn pinned(maps_dir: &Path, name: &'static str) -> Result<Self, MapError> {
+        let map = MapHandle::from_pinned_path(maps_dir.join(name)).map_err(kernel("open pinned", name))?;
+        Self::new(map, name)
     }
 
     /// Its size (max entries).
-    pub(crate) fn capacity(&self) -> u32 {
-        self.map.max_entries()
+    pub fn capacity(&self) -> u32 {
+        self.map.capacity()
     }
 
-    /// The entry at `key`, summed over CPUs with `add`.
-    pub(crate) fn sum(&self, key: &[u8], add: impl Fn(&mut T, &T)) -> Result<T, libbpf_rs::Error> {
-        let mut total = T::default();
-        for v in self.map.lookup_percpu(key, MapFlags::ANY)?.unwrap_or_default() {
-            let x = T::from_bytes(&v).ok_or_else(|| {
-                libbpf_rs::Error::from(std::io::Error::new(
-                    std::io::ErrorKind::InvalidData,
-                    format!("per-CPU value of {} bytes, expected {}", v.len(), size_of::<T>()),
-                ))
-            })?;
-            add(&mut total, &x);
+    /// The entry at `key`, summed over CPUs with `add` (absent: the default).
+    pub fn sum(&self, key: &K, add: impl Fn(&mut V, &V)) -> Result<V, MapError> {
+        let name = self.map.name;
+        let mut total = V::default();
+        let per_cpu = self.map.map.lookup_percpu(key.as_bytes(), MapFlags::ANY).map_err(kernel("lookup", name))?;
+        for v in per_cpu.unwrap_or_default() {
+            add(&mut total, &decode(name, &v)?);
         }
         Ok(total)
     }
 
-    /// Sets the entry at `key` to `T::default()` on every CPU.
-    pub(crate) fn zero(&self, key: &[u8]) -> Result<(), libbpf_rs::Error> {
-        let zeros = vec![T::default().as_bytes().to_vec(); self.ncpus];
-        self.map.update_percpu(key, &zeros, MapFlags::ANY)
+    /// Sets the entry at `key` to `V::default()` on every CPU.
+    pub fn zero(&self, key: &K) -> Result<(), MapError> {
+        let zeros = vec![V::default().as_bytes().to_vec(); self.ncpus];
+        self.map.map.update_percpu(key.as_bytes(), &zeros, MapFlags::ANY).map_err(kernel("update", self.map.name))
     }
 }
 
@@ -210,53 +259,53 @@ impl SlotMaps for KernelMaps {
     }
 
     fn reset_slot(&mut self, id: u32) -> Result<(), MapError> {
-        self.stats.zero(&id.to_ne_bytes()).map_err(kernel("update", names::MAP_STATS))
+        self.stats.zero(&id)
     }
 
     fn put_owner(&mut self, id: u32, owner: &OwnerName) -> Result<(), MapError> {
-        put(&self.owners, names::MAP_OWNERS, &id.to_ne_bytes(), owner.as_bytes())
+        self.owners.put(&id, owner)
     }
 
     fn delete_owner(&mut self, id: u32) -> Result<(), MapError> {
-        delete(&self.owners, names::MAP_OWNERS, &id.to_ne_bytes())
+        self.owners.delete(&id)
     }
 }
 
 impl RuleMaps for KernelMaps {
     fn pairs(&self) -> Result<Vec<(PairKey, Rule)>, MapError> {
-        entries(&self.pairs, names::MAP_PAIRS)
+        self.pairs.entries()
     }
 
     fn captures(&self) -> Result<Vec<(CaptureKey, Rule)>, MapError> {
-        entries(&self.capture, names::MAP_CAPTURE)
+        self.capture.entries()
     }
 
     fn put_pair(&mut self, key: &PairKey, rule: &Rule) -> Result<(), MapError> {
-        put(&self.pairs, names::MAP_PAIRS, key.as_bytes(), rule.as_bytes())
+        self.pairs.put(key, rule)
     }
 
     fn delete_pair(&mut self, key: &PairKey) -> Result<(), MapError> {
-        delete(&self.pairs, names::MAP_PAIRS, key.as_bytes())
+        self.pairs.delete(key)
     }
 
     fn put_capture(&mut self, key: &CaptureKey, rule: &Rule) -> Result<(), MapError> {
-        put(&self.capture, names::MAP_CAPTURE, key.as_bytes(), rule.as_bytes())
+        self.capture.put(key, rule)
     }
 
     fn delete_capture(&mut self, key: &CaptureKey) -> Result<(), MapError> {
-        delete(&self.capture, names::MAP_CAPTURE, key.as_bytes())
+        self.capture.delete(key)
     }
 
     fn rule_stats(&self, id: u32) -> Result<RuleStats, MapError> {
-        self.stats.sum(&id.to_ne_bytes(), add_rule_stats).map_err(kernel("lookup", names::MAP_STATS))
+        self.stats.sum(&id, add_rule_stats)
     }
 
     fn global_stats(&self) -> Result<GlobalStats, MapError> {
-        self.global.sum(&0u32.to_ne_bytes(), add_global_stats).map_err(kernel("lookup", names::MAP_GLOBAL))
+        self.global.sum(&0, add_global_stats)
     }
 
     fn owners(&self) -> Result<Vec<(u32, OwnerName)>, MapError> {
-        entries(&self.owners, names::MAP_OWNERS)
+        self.owners.entries()
     }
 }
 
@@ -374,5 +423,52 @@ impl RuleMaps for MemoryMaps {
 
     fn owners(&self) -> Result<Vec<(u32, OwnerName)>, MapError> {
         Ok(self.owners.iter().map(|(k, v)| (*k, *v)).collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use libbpf_rs::libbpf_sys::bpf_map_create_opts;
+    use libbpf_rs::MapType;
+
+    fn map(ty: MapType, key: u32, value: u32, max: u32) -> Option<MapHandle> {
+        let opts = bpf_map_create_opts { sz: size_of::<bpf_map_create_opts>() as _, ..Default::default() };
+        match MapHandle::create(ty, Some("mw_test"), key, value, max, &opts) {
+            Ok(m) => Some(m),
+            Err(e) => meshwarp_testbed::missing_feature(&format!("creating a BPF {ty:?} map: {e}")),
+        }
+    }
+
+    #[test]
+    fn typed_maps_round_trip_and_report_full_and_bad_sizes() {
+        let Some(h) = map(MapType::Hash, 4, 8, 2) else { return };
+        let m: TypedMap<u32, u64> = TypedMap::new(h, "mw_test");
+        m.put(&1, &10).unwrap();
+        m.put(&2, &20).unwrap();
+        m.put(&1, &11).unwrap();
+        assert!(matches!(m.put(&3, &30), Err(MapError::Full { capacity: 2, .. })));
+        let mut e = m.entries().unwrap();
+        e.sort();
+        assert_eq!(e, vec![(1, 11), (2, 20)]);
+        m.delete(&2).unwrap();
+        m.delete(&2).unwrap(); // absent: no error
+        assert_eq!(m.get(&2).unwrap(), None);
+        // A map of another layout is an error, not garbage.
+        let Some(h) = map(MapType::Array, 4, 8, 1) else { return };
+        let wrong: TypedMap<u32, u32> = TypedMap::new(h, "mw_test");
+        assert!(matches!(wrong.get(&0), Err(MapError::BadValue { got: 8, want: 4, .. })));
+    }
+
+    #[test]
+    fn per_cpu_maps_sum_and_zero() {
+        let Some(h) = map(MapType::PercpuArray, 4, 8, 1) else { return };
+        let ncpus = libbpf_rs::num_possible_cpus().unwrap();
+        let ones: Vec<Vec<u8>> = (0..ncpus).map(|_| 1u64.to_ne_bytes().to_vec()).collect();
+        h.update_percpu(&0u32.to_ne_bytes(), &ones, MapFlags::ANY).unwrap();
+        let m: PerCpu<u32, u64> = PerCpu::new(h, "mw_test").unwrap();
+        assert_eq!(m.sum(&0, |a, b| *a += b).unwrap(), ncpus as u64);
+        m.zero(&0).unwrap();
+        assert_eq!(m.sum(&0, |a, b| *a += b).unwrap(), 0);
     }
 }

@@ -20,7 +20,7 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use libbpf_rs::{MapCore, MapFlags, MapHandle, ProgramHandle};
+use libbpf_rs::ProgramHandle;
 use meshwarp_bpf::names;
 use meshwarp_bpf::shared::{
     Event, Link, ParkReq, Pod, UnlinkCtx, DIR_UNLINKED, DIR_UNLINKING, DIR_UNLINK_REQ, EV_RELINK, EV_UNLINK, PARK_BUSY,
@@ -28,6 +28,7 @@ use meshwarp_bpf::shared::{
 };
 
 use crate::error::{BpfError, IoError};
+use crate::maps::{MapError, TypedMap};
 
 /// Attempts of a relink a failed walk did not serve (one per [`RETRY_EVERY`]).
 pub const MAX_TRIES: u32 = 100;
@@ -42,6 +43,8 @@ pub enum ParkError {
     Io(#[from] crate::error::IoError),
     #[error(transparent)]
     Sys(#[from] crate::sys::SysError),
+    #[error(transparent)]
+    Map(#[from] MapError),
 }
 
 /// Maps a libbpf error to [`ParkError::Bpf`], saying what was being done.
@@ -64,8 +67,8 @@ struct Request {
 /// The user-space half of unlinking and relinking: owns `mw_unlink`, the
 /// iterator link and the relink queue.
 pub(crate) struct Parker {
-    req: MapHandle,
-    links: MapHandle,
+    req: TypedMap<u64, ParkReq>,
+    links: TypedMap<u32, Link>,
     unlink: ProgramHandle,
     link: OwnedFd,
     /// Namespace cookie -> a path that enters it (found once, re-found when stale).
@@ -77,14 +80,12 @@ pub(crate) struct Parker {
 
 impl Parker {
     pub(crate) fn open(pin_dir: &Path) -> Result<Self, ParkError> {
-        let req = MapHandle::from_pinned_path(pin_dir.join("maps").join(names::MAP_PARK_REQ))
-            .map_err(bpf_err("opening pinned mw_park_req"))?;
+        let req = TypedMap::pinned(&pin_dir.join("maps"), names::MAP_PARK_REQ)?;
         let prog = ProgramHandle::from_pinned_path(pin_dir.join("progs").join(names::PROG_PARK))
             .map_err(bpf_err("opening pinned mw_park"))?;
         let unlink = ProgramHandle::from_pinned_path(pin_dir.join("progs").join(names::PROG_UNLINK))
             .map_err(bpf_err("opening pinned mw_unlink"))?;
-        let links = MapHandle::from_pinned_path(pin_dir.join("maps").join(names::MAP_LINKS))
-            .map_err(bpf_err("opening pinned mw_links"))?;
+        let links = TypedMap::pinned(&pin_dir.join("maps"), names::MAP_LINKS)?;
         let link = crate::sys::iter_link(&prog)
             .map_err(|source| ParkError::Io(IoError::new("creating the mw_park iterator link", source)))?;
         let mut parker =
@@ -99,10 +100,14 @@ impl Parker {
     /// run failed. Such an end stays parked, so its peer sends on TCP.
     pub(crate) fn rescan(&mut self) {
         self.rescan_due = false;
-        let keys: Vec<Vec<u8>> = self.links.keys().collect();
-        for key in keys {
-            let Ok(Some(v)) = self.links.lookup(&key, MapFlags::ANY) else { continue };
-            let Some(l) = Link::from_bytes(&v).filter(|l| l.id != 0) else { continue };
+        let links = match self.links.entries() {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::warn!("mw_park: reading the links: {e}");
+                return;
+            }
+        };
+        for (_, l) in links.into_iter().filter(|(_, l)| l.id != 0) {
             for end in 0..2 {
                 if l.dir[end].flags & (DIR_UNLINK_REQ | DIR_UNLINKED | DIR_UNLINKING) == DIR_UNLINK_REQ {
                     self.unlink(l.cookie[end]);
@@ -224,18 +229,15 @@ impl Parker {
         };
         for r in reqs {
             let v = ParkReq { op: PARK_RELINK, result: PARK_PENDING };
-            self.req
-                .update(&r.cookie.to_ne_bytes(), v.as_bytes(), MapFlags::ANY)
-                .map_err(bpf_err("writing mw_park_req"))?;
+            self.req.put(&r.cookie, &v)?;
         }
         let link = self.link.as_fd();
         let ran = crate::sys::run_in_netns(Some(&path), || crate::sys::drain_iterator(link));
         let results = reqs
             .iter()
             .map(|r| {
-                let key = r.cookie.to_ne_bytes();
-                let v = self.req.lookup(&key, MapFlags::ANY).ok().flatten().and_then(|b| ParkReq::from_bytes(&b));
-                let _ = self.req.delete(&key);
+                let v = self.req.get(&r.cookie).ok().flatten();
+                let _ = self.req.delete(&r.cookie);
                 v.map_or(PARK_PENDING, |v| v.result)
             })
             .collect();

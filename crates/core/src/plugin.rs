@@ -41,7 +41,7 @@ use sha2::{Digest, Sha256};
 
 use crate::error::{BpfError, IoError};
 use crate::loader::with_libbpf_log;
-use crate::maps::PerCpu;
+use crate::maps::{MapError, PerCpu, TypedMap};
 use crate::pins::remove_plugin_dir;
 
 /// Where a plugin runs.
@@ -295,6 +295,8 @@ pub enum PluginError {
     Bpf(#[from] crate::error::BpfError),
     #[error(transparent)]
     Io(#[from] crate::error::IoError),
+    #[error(transparent)]
+    Map(#[from] MapError),
 }
 
 fn bpf(what: impl Into<String>) -> impl FnOnce(libbpf_rs::Error) -> PluginError {
@@ -344,11 +346,11 @@ enum Family {
 #[derive(Debug)]
 struct FamilyMaps {
     dir: PathBuf,
-    chain: MapHandle,
-    gen: MapHandle,
-    cfg: MapHandle,
-    stats: PerCpu<PluginStats>,
-    meta: MapHandle,
+    chain: TypedMap<u32, ChainPos>,
+    gen: TypedMap<u32, u32>,
+    cfg: TypedMap<u32, PluginConfig>,
+    stats: PerCpu<u32, PluginStats>,
+    meta: TypedMap<u32, PluginMeta>,
     grace: MapHandle,
     /// Updated into `grace` to make the kernel wait for a grace period.
     grace_inner: MapHandle,
@@ -382,11 +384,11 @@ impl FamilyMaps {
             .map_err(bpf("creating the grace-period map"))?;
         Ok(Self {
             dir: dir.to_path_buf(),
-            chain: open(names::MAP_CHAIN)?,
-            gen: open(names::MAP_CHAIN_GEN)?,
-            cfg: open(names::MAP_PLUG_CFG)?,
-            stats: PerCpu::new(open(names::MAP_PLUG_STATS)?).map_err(bpf("counting CPUs"))?,
-            meta: open(names::MAP_PLUG_META)?,
+            chain: TypedMap::pinned(&maps, names::MAP_CHAIN)?,
+            gen: TypedMap::pinned(&maps, names::MAP_CHAIN_GEN)?,
+            cfg: TypedMap::pinned(&maps, names::MAP_PLUG_CFG)?,
+            stats: PerCpu::pinned(&maps, names::MAP_PLUG_STATS)?,
+            meta: TypedMap::pinned(&maps, names::MAP_PLUG_META)?,
             grace: open(names::MAP_GRACE)?,
             grace_inner,
             shared,
@@ -415,8 +417,7 @@ impl FamilyMaps {
     }
 
     fn active_gen(&self, hook: Hook) -> Result<u32, PluginError> {
-        let v = self.gen.lookup(&hook.raw().to_ne_bytes(), MapFlags::ANY).map_err(bpf("reading mw_chain_gen"))?;
-        Ok(v.and_then(|b| u32::from_bytes(&b)).unwrap_or(0) & 1)
+        Ok(self.gen.get(&hook.raw())?.unwrap_or(0) & 1)
     }
 
     /// Empties one generation of a hook's chain.
@@ -428,9 +429,7 @@ impl FamilyMaps {
                 Err(e) if e.kind() == libbpf_rs::ErrorKind::NotFound => {}
                 Err(e) => return Err(bpf("clearing a chain slot")(e)),
             }
-            self.chain
-                .update(&chain_index(gen, hook.raw(), pos).to_ne_bytes(), ChainPos::default().as_bytes(), MapFlags::ANY)
-                .map_err(bpf("clearing a chain position"))?;
+            self.chain.put(&chain_index(gen, hook.raw(), pos), &ChainPos::default())?;
         }
         Ok(())
     }
@@ -448,9 +447,7 @@ impl FamilyMaps {
                     .update(&(next * CHAIN_MAX + pos).to_ne_bytes(), &fd.to_ne_bytes(), MapFlags::ANY)
                     .map_err(bpf(format!("placing plugin {} in the {hook} chain", p.manifest.name)))?;
                 let at = ChainPos { plugin_id: p.id, cfg_slot: p.cfg_slot, flags: p.flags(), pad: 0 };
-                self.chain
-                    .update(&chain_index(next, hook.raw(), pos).to_ne_bytes(), at.as_bytes(), MapFlags::ANY)
-                    .map_err(bpf("writing a chain position"))?;
+                self.chain.put(&chain_index(next, hook.raw(), pos), &at)?;
             }
             Ok(())
         };
@@ -460,25 +457,20 @@ impl FamilyMaps {
         }
         // Generation in bit 0, length from bit 8 (chain.h, mw_active_chain).
         let active = next | ((members.len().min(CHAIN_MAX as usize) as u32) << 8);
-        self.gen
-            .update(&hook.raw().to_ne_bytes(), &active.to_ne_bytes(), MapFlags::ANY)
-            .map_err(bpf("switching the chain generation"))?;
+        self.gen.put(&hook.raw(), &active)?;
         self.grace_period()?;
         self.clear_gen(hook, cur)
     }
 
     fn counters(&self, id: u32) -> Result<PluginCounters, PluginError> {
-        let s = self
-            .stats
-            .sum(&id.to_ne_bytes(), |a, b| {
-                a.runs += b.runs;
-                a.cont += b.cont;
-                a.verdict1 += b.verdict1;
-                a.drop += b.drop;
-                a.invalid += b.invalid;
-                a.missing += b.missing;
-            })
-            .map_err(bpf("reading mw_plug_stats"))?;
+        let s = self.stats.sum(&id, |a, b| {
+            a.runs += b.runs;
+            a.cont += b.cont;
+            a.verdict1 += b.verdict1;
+            a.drop += b.drop;
+            a.invalid += b.invalid;
+            a.missing += b.missing;
+        })?;
         Ok(PluginCounters {
             runs: s.runs,
             continued: s.cont,
@@ -490,12 +482,12 @@ impl FamilyMaps {
     }
 
     fn reset_counters(&self, id: u32) -> Result<(), PluginError> {
-        self.stats.zero(&id.to_ne_bytes()).map_err(bpf("zeroing plugin counters"))
+        Ok(self.stats.zero(&id)?)
     }
 
     fn write_config(&self, slot: u32, config: &[u8]) -> Result<(), PluginError> {
         let c = PluginConfig::new(config).ok_or(PluginError::ConfigTooLarge { len: config.len() })?;
-        self.cfg.update(&slot.to_ne_bytes(), c.as_bytes(), MapFlags::ANY).map_err(bpf("writing plugin config"))
+        Ok(self.cfg.put(&slot, &c)?)
     }
 }
 
@@ -608,16 +600,7 @@ impl PluginChain {
     fn adopt(&self) -> Result<(), PluginError> {
         let mut st = self.lock();
         for fam in [&self.sock, &self.tc].into_iter().flatten() {
-            for key in fam.meta.keys() {
-                let Some(id) = u32::from_bytes(&key) else { continue };
-                let Some(meta) = fam
-                    .meta
-                    .lookup(&key, MapFlags::ANY)
-                    .map_err(bpf("reading mw_plug_meta"))?
-                    .and_then(|b| PluginMeta::from_bytes(&b))
-                else {
-                    continue;
-                };
+            for (id, meta) in fam.meta.entries()? {
                 let Some(hook) = Hook::from_raw(meta.hook) else { continue };
                 let dir = fam.plugin_dir(id);
                 let prog = match ProgramHandle::from_pinned_path(dir.join("prog")) {
@@ -627,13 +610,7 @@ impl PluginChain {
                         continue;
                     }
                 };
-                let config = fam
-                    .cfg
-                    .lookup(&meta.cfg_slot.to_ne_bytes(), MapFlags::ANY)
-                    .map_err(bpf("reading plugin config"))?
-                    .and_then(|b| PluginConfig::from_bytes(&b))
-                    .map(|c| c.bytes().to_vec())
-                    .unwrap_or_default();
+                let config = fam.cfg.get(&meta.cfg_slot)?.map(|c| c.bytes().to_vec()).unwrap_or_default();
                 let manifest = PluginManifest {
                     name: str_of(&meta.name),
                     version: str_of(&meta.version),
@@ -739,13 +716,12 @@ impl PluginChain {
         manifest.sha256 = Some(sha256);
         let plugin =
             Plugin { id, manifest, abi: (abi.major, abi.minor), cfg_slot, config: config.to_vec(), prog, maps };
-        let installed = fam
-            .meta
-            .update(&id.to_ne_bytes(), plugin.meta().as_bytes(), MapFlags::ANY)
-            .map_err(bpf("writing mw_plug_meta"))
-            .and_then(|()| fam.install_chain(hook, &st.members(hook, Some((&plugin.manifest.name, Some(&plugin))))));
+        let installed =
+            fam.meta.put(&id, &plugin.meta()).map_err(PluginError::from).and_then(|()| {
+                fam.install_chain(hook, &st.members(hook, Some((&plugin.manifest.name, Some(&plugin)))))
+            });
         if let Err(e) = installed {
-            let _ = fam.meta.delete(&id.to_ne_bytes());
+            let _ = fam.meta.delete(&id);
             let _ = remove_plugin_dir(&dir);
             return Err(e);
         }
@@ -802,9 +778,7 @@ impl PluginChain {
             }
         }
         fam.install_chain(hook, &members)?;
-        fam.meta
-            .update(&updated.id.to_ne_bytes(), updated.meta().as_bytes(), MapFlags::ANY)
-            .map_err(bpf("writing mw_plug_meta"))?;
+        fam.meta.put(&updated.id, &updated.meta())?;
         st.plugins.insert(name.to_string(), updated);
         self.info(&st, &st.plugins[name])
     }
@@ -849,7 +823,7 @@ impl PluginChain {
 
 /// Drops a plugin that is no longer in any chain: its manifest and pins.
 fn forget(fam: &FamilyMaps, p: &Plugin) {
-    if let Err(e) = fam.meta.delete(&p.id.to_ne_bytes()) {
+    if let Err(e) = fam.meta.delete(&p.id) {
         tracing::warn!(plugin = %p.manifest.name, error = %e, "removing plugin metadata");
     }
     if let Err(e) = remove_plugin_dir(&fam.plugin_dir(p.id)) {

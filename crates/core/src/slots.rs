@@ -12,31 +12,28 @@
 use std::collections::BTreeSet;
 use std::path::Path;
 
-use libbpf_rs::{MapCore, MapFlags, MapHandle};
 use meshwarp_bpf::names;
-use meshwarp_bpf::shared::{sockmap_index, Event, Pod, Slot, END_CLIENT, END_SERVER, EV_SLOT_STALE};
+use meshwarp_bpf::shared::{sockmap_index, Event, Slot, END_CLIENT, END_SERVER, EV_SLOT_STALE};
 
 // SOCKMAP membership, as parking: the same error type.
-use crate::park::{bpf_err, ParkError};
+use crate::maps::TypedMap;
+use crate::park::ParkError;
 
 /// The stale slots waiting for their sockets to close.
 pub(crate) struct SlotSweeper {
-    slots: MapHandle,
-    sockmap: MapHandle,
+    slots: TypedMap<u32, Slot>,
+    sockmap: TypedMap<u32, u64>,
     stale: BTreeSet<u32>,
 }
 
 impl SlotSweeper {
     pub(crate) fn open(pin_dir: &Path) -> Result<Self, ParkError> {
-        let pinned = |name: &str| {
-            MapHandle::from_pinned_path(pin_dir.join("maps").join(name))
-                .map_err(bpf_err(format!("opening pinned {name}")))
-        };
-        let (slots, sockmap) = (pinned(names::MAP_SLOTS)?, pinned(names::MAP_SOCKMAP)?);
+        let maps = pin_dir.join("maps");
+        let slots: TypedMap<u32, Slot> = TypedMap::pinned(&maps, names::MAP_SLOTS)?;
+        let sockmap = TypedMap::pinned(&maps, names::MAP_SOCKMAP)?;
         let mut stale = BTreeSet::new();
-        let entries = slots.info().map_err(bpf_err("mw_slots info"))?.info.max_entries;
-        for i in 0..entries {
-            if read_slot(&slots, i)?.is_some_and(|s| s.stale != 0) {
+        for i in 0..slots.capacity() {
+            if slots.get(&i)?.is_some_and(|s| s.stale != 0) {
                 stale.insert(i);
             }
         }
@@ -74,23 +71,16 @@ impl SlotSweeper {
     fn try_free(&self, slot: u32) -> Result<bool, ParkError> {
         for end in [END_CLIENT, END_SERVER] {
             let index = sockmap_index(slot, end);
-            if self.sockmap.lookup(&index.to_ne_bytes(), MapFlags::ANY).map_err(bpf_err("SOCKMAP lookup"))?.is_some() {
+            if self.sockmap.get(&index)?.is_some() {
                 return Ok(false);
             }
         }
         // Only user space writes a stale slot (programs claim free ones only),
         // and its entries can only empty further: no race to lose.
-        if read_slot(&self.slots, slot)?.is_none_or(|s| s.stale == 0) {
+        if self.slots.get(&slot)?.is_none_or(|s| s.stale == 0) {
             return Ok(true);
         }
-        self.slots
-            .update(&slot.to_ne_bytes(), Slot::default().as_bytes(), MapFlags::ANY)
-            .map_err(bpf_err("freeing a slot"))?;
+        self.slots.put(&slot, &Slot::default())?;
         Ok(true)
     }
-}
-
-fn read_slot(slots: &MapHandle, i: u32) -> Result<Option<Slot>, ParkError> {
-    let v = slots.lookup(&i.to_ne_bytes(), MapFlags::ANY).map_err(bpf_err("reading mw_slots"))?;
-    Ok(v.and_then(|b| Slot::from_bytes(&b)))
 }

@@ -23,15 +23,15 @@ use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::{libbpf_sys, MapCore, MapFlags, MapHandle, ProgramHandle};
 use meshwarp_bpf::names;
 use meshwarp_bpf::shared::{
-    AttachKey, AttachStats, OwnerName, Pod, RouteKey4, RouteKey6, RouteStats, RouteValue, ACT_REDIRECT,
-    ACT_REDIRECT_NEIGH, ACT_REDIRECT_PEER, AF_INET, AF_INET6, CHAIN_FIN, DIR_EGRESS, DIR_INGRESS, ROUTE_HAS_NEXTHOP,
-    ROUTE_HAS_SRC, ROUTE_KEY_PREFIX_BITS, ROUTE_REWRITE_MAC,
+    AttachKey, AttachStats, OwnerName, RouteKey4, RouteKey6, RouteStats, RouteValue, ACT_REDIRECT, ACT_REDIRECT_NEIGH,
+    ACT_REDIRECT_PEER, AF_INET, AF_INET6, CHAIN_FIN, DIR_EGRESS, DIR_INGRESS, ROUTE_HAS_NEXTHOP, ROUTE_HAS_SRC,
+    ROUTE_KEY_PREFIX_BITS, ROUTE_REWRITE_MAC,
 };
 use meshwarp_bpf::tcredir::TcredirSkelBuilder;
 
 use crate::error::{BpfError, IoError};
 use crate::maps::PerCpu;
-use crate::maps::{self, MapError, SlotMaps};
+use crate::maps::{MapError, SlotMaps, TypedMap};
 pub use crate::netlink::IfaceRef;
 use crate::netlink::{self, NetlinkError};
 use crate::pins::FamilyPins;
@@ -219,6 +219,12 @@ pub enum TcError {
     Partial { dir: PathBuf, missing: Vec<String> },
 }
 
+impl From<MapError> for TcError {
+    fn from(e: MapError) -> Self {
+        Self::Rule(e.into())
+    }
+}
+
 fn bpf(what: impl Into<String>) -> impl FnOnce(libbpf_rs::Error) -> TcError {
     let what = what.into();
     move |source| TcError::Bpf(BpfError::new(what, source))
@@ -272,29 +278,10 @@ impl table::Rule for ResolvedRoute {
 /// The route maps: LPM tries per family, counters and owners per slot.
 #[derive(Debug)]
 struct TcMaps {
-    rt4: MapHandle,
-    rt6: MapHandle,
-    rt_stats: PerCpu<RouteStats>,
-    rt_owner: MapHandle,
-}
-
-fn route_key_bytes(ifindex: u32, r: &InterfaceRoute) -> (&'static str, Vec<u8>) {
-    let prefixlen = ROUTE_KEY_PREFIX_BITS + u32::from(r.dst.len);
-    let dir = r.direction.raw();
-    match r.dst.addr {
-        IpAddr::V4(a) => (names::MAP_RT4, RouteKey4 { prefixlen, ifindex, dir, dst: a.octets() }.as_bytes().to_vec()),
-        IpAddr::V6(a) => (names::MAP_RT6, RouteKey6 { prefixlen, ifindex, dir, dst: a.octets() }.as_bytes().to_vec()),
-    }
-}
-
-impl TcMaps {
-    fn trie(&self, name: &str) -> &MapHandle {
-        if name == names::MAP_RT4 {
-            &self.rt4
-        } else {
-            &self.rt6
-        }
-    }
+    rt4: TypedMap<RouteKey4, RouteValue>,
+    rt6: TypedMap<RouteKey6, RouteValue>,
+    rt_stats: PerCpu<u32, RouteStats>,
+    rt_owner: TypedMap<u32, OwnerName>,
 }
 
 // The maps are kernel objects written through shared handles, so the table
@@ -305,27 +292,41 @@ impl SlotMaps for &TcMaps {
     }
 
     fn reset_slot(&mut self, id: u32) -> Result<(), MapError> {
-        self.rt_stats.zero(&id.to_ne_bytes()).map_err(maps::kernel("update", names::MAP_RT_STATS))
+        self.rt_stats.zero(&id)
     }
 
     fn put_owner(&mut self, id: u32, owner: &OwnerName) -> Result<(), MapError> {
-        maps::put(&self.rt_owner, names::MAP_RT_OWNER, &id.to_ne_bytes(), owner.as_bytes())
+        self.rt_owner.put(&id, owner)
     }
 
     fn delete_owner(&mut self, id: u32) -> Result<(), MapError> {
-        maps::delete(&self.rt_owner, names::MAP_RT_OWNER, &id.to_ne_bytes())
+        self.rt_owner.delete(&id)
     }
 }
 
 impl<'a> Stored<&'a TcMaps> for ResolvedRoute {
     fn write(&self, maps: &mut &'a TcMaps, id: u32) -> Result<(), MapError> {
-        let (name, key) = route_key_bytes(self.attach_ifindex, &self.route);
-        maps::put(maps.trie(name), name, &key, route_value(&self.route, self.target_ifindex, id).as_bytes())
+        let v = route_value(&self.route, self.target_ifindex, id);
+        let (ifindex, prefixlen, dir) = self.key_parts();
+        match self.route.dst.addr {
+            IpAddr::V4(a) => maps.rt4.put(&RouteKey4 { prefixlen, ifindex, dir, dst: a.octets() }, &v),
+            IpAddr::V6(a) => maps.rt6.put(&RouteKey6 { prefixlen, ifindex, dir, dst: a.octets() }, &v),
+        }
     }
 
     fn erase(&self, maps: &mut &'a TcMaps) -> Result<(), MapError> {
-        let (name, key) = route_key_bytes(self.attach_ifindex, &self.route);
-        maps::delete(maps.trie(name), name, &key)
+        let (ifindex, prefixlen, dir) = self.key_parts();
+        match self.route.dst.addr {
+            IpAddr::V4(a) => maps.rt4.delete(&RouteKey4 { prefixlen, ifindex, dir, dst: a.octets() }),
+            IpAddr::V6(a) => maps.rt6.delete(&RouteKey6 { prefixlen, ifindex, dir, dst: a.octets() }),
+        }
+    }
+}
+
+impl ResolvedRoute {
+    /// Attach ifindex, LPM prefix length and direction of its trie key.
+    fn key_parts(&self) -> (u32, u32, u32) {
+        (self.attach_ifindex, ROUTE_KEY_PREFIX_BITS + u32::from(self.route.dst.len), self.route.direction.raw())
     }
 }
 
@@ -410,7 +411,7 @@ pub struct TcDataplane {
     pins: FamilyPins,
     netns: Option<PathBuf>,
     maps: TcMaps,
-    att_stats: PerCpu<AttachStats>,
+    att_stats: PerCpu<AttachKey, AttachStats>,
     state: Mutex<TcState>,
 }
 
@@ -476,15 +477,15 @@ impl TcDataplane {
         } else if !missing.is_empty() {
             return Err(TcError::Partial { dir: pins.dir().to_path_buf(), missing });
         }
-        let open = |name: &str| MapHandle::from_pinned_path(pins.map(name)).map_err(bpf(format!("opening {name}")));
+        let dir = pins.maps_dir();
         let dp = Self {
             maps: TcMaps {
-                rt4: open(names::MAP_RT4)?,
-                rt6: open(names::MAP_RT6)?,
-                rt_stats: PerCpu::new(open(names::MAP_RT_STATS)?).map_err(bpf("counting CPUs"))?,
-                rt_owner: open(names::MAP_RT_OWNER)?,
+                rt4: TypedMap::pinned(&dir, names::MAP_RT4)?,
+                rt6: TypedMap::pinned(&dir, names::MAP_RT6)?,
+                rt_stats: PerCpu::pinned(&dir, names::MAP_RT_STATS)?,
+                rt_owner: TypedMap::pinned(&dir, names::MAP_RT_OWNER)?,
             },
-            att_stats: PerCpu::new(open(names::MAP_ATT_STATS)?).map_err(bpf("counting CPUs"))?,
+            att_stats: PerCpu::pinned(&dir, names::MAP_ATT_STATS)?,
             netns: cfg.netns.clone(),
             state: Mutex::new(TcState::default()),
             pins,
@@ -502,42 +503,27 @@ impl TcDataplane {
     fn reconcile(&self) -> Result<(), TcError> {
         let links = netlink::in_netns(self.netns.as_deref(), async |h| netlink::links(&h).await)?;
         let name_of = |i: u32| links.iter().find(|l| l.index == i).map(|l| l.name.clone()).unwrap_or_default();
-        let owner_of = |id: u32| {
-            self.maps
-                .rt_owner
-                .lookup(&id.to_ne_bytes(), MapFlags::ANY)
-                .ok()
-                .flatten()
-                .and_then(|b| OwnerName::from_bytes(&b))
-                .map(|o| o.as_string())
-                .unwrap_or_default()
-        };
+        let owner_of = |id: u32| self.maps.rt_owner.get(&id).ok().flatten().map(|o| o.as_string()).unwrap_or_default();
         let capacity = (&self.maps).slot_capacity();
         let mut guard = crate::sys::lock(&self.state);
         let st = &mut *guard;
-        for (map, v6) in [(&self.maps.rt4, false), (&self.maps.rt6, true)] {
-            for k in map.keys() {
-                let Some(v) = map.lookup(&k, MapFlags::ANY).map_err(bpf("reading routes"))? else { continue };
-                let Some(val) = RouteValue::from_bytes(&v) else { continue };
-                let (ifindex, dir, dst, len) = if v6 {
-                    let Some(key) = RouteKey6::from_bytes(&k) else { continue };
-                    (key.ifindex, key.dir, IpAddr::from(key.dst), key.prefixlen - ROUTE_KEY_PREFIX_BITS)
-                } else {
-                    let Some(key) = RouteKey4::from_bytes(&k) else { continue };
-                    (key.ifindex, key.dir, IpAddr::from(key.dst), key.prefixlen - ROUTE_KEY_PREFIX_BITS)
-                };
-                let direction = if dir == DIR_INGRESS { Direction::Ingress } else { Direction::Egress };
-                let dst = Prefix::new("dst", dst, u8::try_from(len).unwrap_or(0))?;
-                let route = route_from_value(IfaceRef::Index(ifindex), direction, dst, &val, v6)?;
-                let resolved = ResolvedRoute {
-                    route,
-                    attach_ifindex: ifindex,
-                    target_ifindex: val.target_ifindex,
-                    attach_name: name_of(ifindex),
-                    target_name: name_of(val.target_ifindex),
-                };
-                st.routes.adopt(&mut st.slots, capacity, resolved, val.id, owner_of(val.id))?;
-            }
+        let v4 =
+            self.maps.rt4.entries()?.into_iter().map(|(k, v)| (k.ifindex, k.dir, IpAddr::from(k.dst), k.prefixlen, v));
+        let v6 =
+            self.maps.rt6.entries()?.into_iter().map(|(k, v)| (k.ifindex, k.dir, IpAddr::from(k.dst), k.prefixlen, v));
+        for (ifindex, dir, dst, prefixlen, val) in v4.chain(v6) {
+            let direction = if dir == DIR_INGRESS { Direction::Ingress } else { Direction::Egress };
+            let len = prefixlen.saturating_sub(ROUTE_KEY_PREFIX_BITS);
+            let dst = Prefix::new("dst", dst, u8::try_from(len).unwrap_or(u8::MAX))?;
+            let route = route_from_value(IfaceRef::Index(ifindex), direction, dst, &val, dst.addr.is_ipv6())?;
+            let resolved = ResolvedRoute {
+                route,
+                attach_ifindex: ifindex,
+                target_ifindex: val.target_ifindex,
+                attach_name: name_of(ifindex),
+                target_name: name_of(val.target_ifindex),
+            };
+            st.routes.adopt(&mut st.slots, capacity, resolved, val.id, owner_of(val.id))?;
         }
         st.slots.rebuild_free();
         Ok(())
@@ -789,25 +775,20 @@ impl TcDataplane {
 
     /// Packets and bytes a route redirected, and redirects the kernel refused.
     pub fn route_stats(&self, r: &InstalledRoute) -> Result<RouteStats, TcError> {
-        self.maps
-            .rt_stats
-            .sum(&r.id.to_ne_bytes(), |a, b| {
-                a.packets += b.packets;
-                a.bytes += b.bytes;
-                a.redirect_err += b.redirect_err;
-            })
-            .map_err(bpf("reading route counters"))
+        Ok(self.maps.rt_stats.sum(&r.id, |a, b| {
+            a.packets += b.packets;
+            a.bytes += b.bytes;
+            a.redirect_err += b.redirect_err;
+        })?)
     }
 
     /// Packets seen and misses of one attach point.
     pub fn attach_stats(&self, ifindex: u32, dir: Direction) -> Result<AttachStats, TcError> {
         let k = AttachKey { ifindex, dir: dir.raw() };
-        self.att_stats
-            .sum(k.as_bytes(), |a, b| {
-                a.packets += b.packets;
-                a.misses += b.misses;
-            })
-            .map_err(bpf("reading attachment counters"))
+        Ok(self.att_stats.sum(&k, |a, b| {
+            a.packets += b.packets;
+            a.misses += b.misses;
+        })?)
     }
 
     /// Detaches and unpins everything.

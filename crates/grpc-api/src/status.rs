@@ -84,7 +84,7 @@ pub fn from_plugin(e: &meshwarp_core::PluginError) -> Status {
         E::AlreadyExists { .. } => Status::already_exists(msg),
         E::NotFound { .. } => Status::not_found(msg),
         E::ChainFull { .. } | E::NoSlot => Status::resource_exhausted(msg),
-        E::Bpf { .. } | E::Io { .. } => Status::internal(msg),
+        E::Bpf { .. } | E::Io { .. } | E::Map(_) => Status::internal(msg),
     }
 }
 
