@@ -3,14 +3,17 @@
 
 use std::net::IpAddr;
 
+use meshwarp_core::maps::KernelMaps;
 use meshwarp_core::registry::RuleRef;
-use meshwarp_core::Registered;
+use meshwarp_core::table::Stored;
 use meshwarp_core::{
     CaptureRule, Endpoint, EndpointPair, FastPathMode, GlobalCounters, Incident, IncidentKind, NeverRedirectInto,
     RuleCounters, ValidationError,
 };
+use meshwarp_core::{Registered, SockRule};
 
 use crate::pb;
+use crate::pb::watch_response::Resource;
 
 /// A field that is wrong, with the reason.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -254,6 +257,52 @@ pub fn owner(v: &mut Violations, field: &str, owner: &str) {
 
 pub fn endpoint_to_pb(e: Endpoint) -> pb::Endpoint {
     pb::Endpoint { ip: e.addr.to_string(), port: u32::from(e.port) }
+}
+
+/// A socket rule kind as the API carries it: its message, its key message
+/// and its Watch resource. The node service's bodies for pairs and capture
+/// rules are written once over it.
+pub trait RulePb: SockRule + Stored<KernelMaps> {
+    type Pb: Clone;
+    type PbKey;
+    fn from_pb(field: &str, p: Option<&Self::Pb>) -> Result<Self, Violations>;
+    fn from_key(field: &str, k: Option<&Self::PbKey>) -> Result<Self, Violations>;
+    fn to_pb(r: &Registered<Self>) -> Self::Pb;
+    fn resource(p: Self::Pb) -> Resource;
+}
+
+impl RulePb for EndpointPair {
+    type Pb = pb::EndpointPair;
+    type PbKey = pb::PairKey;
+    fn from_pb(field: &str, p: Option<&Self::Pb>) -> Result<Self, Violations> {
+        pair_from_pb(field, p)
+    }
+    fn from_key(field: &str, k: Option<&Self::PbKey>) -> Result<Self, Violations> {
+        pair_from_key(field, k)
+    }
+    fn to_pb(r: &Registered<Self>) -> Self::Pb {
+        pair_to_pb(r)
+    }
+    fn resource(p: Self::Pb) -> Resource {
+        Resource::Pair(p)
+    }
+}
+
+impl RulePb for CaptureRule {
+    type Pb = pb::CaptureRule;
+    type PbKey = pb::CaptureRuleKey;
+    fn from_pb(field: &str, p: Option<&Self::Pb>) -> Result<Self, Violations> {
+        capture_from_pb(field, p)
+    }
+    fn from_key(field: &str, k: Option<&Self::PbKey>) -> Result<Self, Violations> {
+        capture_from_key(field, k)
+    }
+    fn to_pb(r: &Registered<Self>) -> Self::Pb {
+        capture_to_pb(r)
+    }
+    fn resource(p: Self::Pb) -> Resource {
+        Resource::CaptureRule(p)
+    }
 }
 
 pub fn pair_to_pb(r: &Registered<EndpointPair>) -> pb::EndpointPair {

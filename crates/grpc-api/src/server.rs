@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use meshwarp_core::node::Node;
 use meshwarp_core::tc::{Direction as TcDirection, IfaceRef, InstalledRoute, Prefix, TcDataplane};
-use meshwarp_core::{Dataplane, PluginChain};
+use meshwarp_core::{CaptureRule, Dataplane, EndpointPair, PluginChain};
 use meshwarp_core::{Outcome, Registered};
 use tokio::sync::broadcast;
 use tokio_stream::wrappers::errors::BroadcastStreamRecvError;
@@ -18,7 +18,7 @@ use tokio_stream::wrappers::BroadcastStream;
 use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status};
 
-use crate::convert::{self, Violations};
+use crate::convert::{self, RulePb, Violations};
 use crate::metrics::Metrics;
 use crate::pb::node_service_server::NodeService;
 use crate::pb::{self, watch_response::Resource, EventType};
@@ -524,227 +524,214 @@ impl NodeServer {
         r.map(Response::new)
     }
 
-    fn pair_pb(pair: &meshwarp_core::EndpointPair, owner: &str) -> pb::EndpointPair {
-        convert::pair_to_pb(&Registered { rule: *pair, owner: owner.to_string() })
-    }
-
-    fn capture_pb(rule: &meshwarp_core::CaptureRule, owner: &str) -> pb::CaptureRule {
-        convert::capture_to_pb(&Registered { rule: *rule, owner: owner.to_string() })
-    }
-
-    fn create_pair(&self, r: pb::CreatePairRequest) -> Result<pb::CreatePairResponse, Status> {
-        let pair = self.mutation(&r.owner, convert::pair_from_pb("pair", r.pair.as_ref()))?;
+    fn create_rule<R: RulePb>(&self, owner: &str, parsed: Result<R, Violations>) -> Result<(R::Pb, u64), Status> {
+        let rule = self.mutation(owner, parsed)?;
         let mut log = self.log.lock();
-        self.dp.registry().insert(&pair, &r.owner).map_err(|e| from_rule(&e))?;
-        let out = Self::pair_pb(&pair, &r.owner);
-        let revision = self.log.push(&mut log, EventType::Created, Resource::Pair(out.clone()));
-        Ok(pb::CreatePairResponse { pair: Some(out), revision })
+        self.dp.registry().insert(&rule, owner).map_err(|e| from_rule(&e))?;
+        let out = R::to_pb(&Registered { rule, owner: owner.to_string() });
+        let revision = self.log.push(&mut log, EventType::Created, R::resource(out.clone()));
+        Ok((out, revision))
     }
 
-    fn update_pair(&self, r: pb::UpdatePairRequest) -> Result<pb::UpdatePairResponse, Status> {
-        let pair = self.mutation(&r.owner, convert::pair_from_pb("pair", r.pair.as_ref()))?;
+    /// Returns the rule, the revision and whether it was created.
+    fn update_rule<R: RulePb>(
+        &self,
+        owner: &str,
+        parsed: Result<R, Violations>,
+        allow_missing: bool,
+    ) -> Result<(R::Pb, u64, bool), Status> {
+        let rule = self.mutation(owner, parsed)?;
         let mut log = self.log.lock();
         let mut reg = self.dp.registry();
-        if !r.allow_missing {
-            reg.get(&pair).map_err(|e| from_rule(&e))?;
-        }
-        let outcome = reg.upsert(&pair, &r.owner).map_err(|e| from_rule(&e))?;
-        drop(reg);
-        let out = Self::pair_pb(&pair, &r.owner);
-        let revision = match event_type(outcome) {
-            Some(t) => self.log.push(&mut log, t, Resource::Pair(out.clone())),
-            None => log.revision,
-        };
-        Ok(pb::UpdatePairResponse { pair: Some(out), revision, created: outcome == Outcome::Created })
-    }
-
-    fn delete_pair(&self, r: pb::DeletePairRequest) -> Result<pb::DeletePairResponse, Status> {
-        let pair = self.mutation(&r.owner, convert::pair_from_key("key", r.key.as_ref()))?;
-        let mut log = self.log.lock();
-        match self.dp.registry().remove(&pair, Some(&r.owner)) {
-            Ok(()) => {}
-            Err(meshwarp_core::RuleError::NotFound(_)) if r.allow_missing => {
-                return Ok(pb::DeletePairResponse { revision: log.revision, deleted: false });
-            }
-            Err(e) => return Err(from_rule(&e)),
-        }
-        let revision = self.log.push(&mut log, EventType::Deleted, Resource::Pair(Self::pair_pb(&pair, &r.owner)));
-        Ok(pb::DeletePairResponse { revision, deleted: true })
-    }
-
-    fn get_pair(&self, r: pb::GetPairRequest) -> Result<pb::GetPairResponse, Status> {
-        let pair = convert::pair_from_key("key", r.key.as_ref()).map_err(|v| invalid(&v))?;
-        let reg = self.dp.registry();
-        let got = reg.get(&pair).map_err(|e| from_rule(&e))?;
-        let counters = reg.stats(&pair).map_err(|e| from_rule(&e))?;
-        Ok(pb::GetPairResponse {
-            pair: Some(convert::pair_to_pb(&got)),
-            counters: Some(convert::counters_to_pb(&counters)),
-        })
-    }
-
-    fn list_pairs(&self, r: pb::ListPairsRequest) -> Result<pb::ListPairsResponse, Status> {
-        let log = self.log.lock();
-        let pairs = self
-            .dp
-            .registry()
-            .pairs()
-            .iter()
-            .filter(|p| r.owner.is_empty() || p.owner == r.owner)
-            .map(convert::pair_to_pb)
-            .collect();
-        Ok(pb::ListPairsResponse { pairs, revision: log.revision, instance_id: self.log.instance_id.clone() })
-    }
-
-    fn batch_upsert_pairs(&self, r: pb::BatchUpsertPairsRequest) -> Result<pb::BatchUpsertPairsResponse, Status> {
-        self.serving()?;
-        self.batch_size("pairs", r.pairs.len())?;
-        let pairs = self.mutation(&r.owner, parse_all("pairs", &r.pairs, convert::pair_from_pb))?;
-        let mut log = self.log.lock();
-        let outcomes = self.dp.registry().batch_upsert(&pairs, &r.owner).map_err(|e| from_rule(&e))?;
-        let mut resp = pb::BatchUpsertPairsResponse::default();
-        for (pair, o) in pairs.iter().zip(&outcomes) {
-            match o {
-                Outcome::Created => resp.created += 1,
-                Outcome::Updated => resp.updated += 1,
-                Outcome::Unchanged => resp.unchanged += 1,
-            }
-            if let Some(t) = event_type(*o) {
-                self.log.push(&mut log, t, Resource::Pair(Self::pair_pb(pair, &r.owner)));
-            }
-        }
-        resp.revision = log.revision;
-        Ok(resp)
-    }
-
-    fn batch_delete_pairs(&self, r: pb::BatchDeletePairsRequest) -> Result<pb::BatchDeletePairsResponse, Status> {
-        self.serving()?;
-        self.batch_size("keys", r.keys.len())?;
-        let pairs = self.mutation(&r.owner, parse_all("keys", &r.keys, convert::pair_from_key))?;
-        let mut log = self.log.lock();
-        let deleted = self.dp.registry().batch_remove(&pairs, &r.owner, r.allow_missing).map_err(|e| from_rule(&e))?;
-        let mut n = 0;
-        for (pair, d) in pairs.iter().zip(deleted) {
-            if d {
-                n += 1;
-                self.log.push(&mut log, EventType::Deleted, Resource::Pair(Self::pair_pb(pair, &r.owner)));
-            }
-        }
-        Ok(pb::BatchDeletePairsResponse { revision: log.revision, deleted: n })
-    }
-
-    fn create_capture(&self, r: pb::CreateCaptureRuleRequest) -> Result<pb::CreateCaptureRuleResponse, Status> {
-        let rule = self.mutation(&r.owner, convert::capture_from_pb("rule", r.rule.as_ref()))?;
-        let mut log = self.log.lock();
-        self.dp.registry().insert(&rule, &r.owner).map_err(|e| from_rule(&e))?;
-        let out = Self::capture_pb(&rule, &r.owner);
-        let revision = self.log.push(&mut log, EventType::Created, Resource::CaptureRule(out.clone()));
-        Ok(pb::CreateCaptureRuleResponse { rule: Some(out), revision })
-    }
-
-    fn update_capture(&self, r: pb::UpdateCaptureRuleRequest) -> Result<pb::UpdateCaptureRuleResponse, Status> {
-        let rule = self.mutation(&r.owner, convert::capture_from_pb("rule", r.rule.as_ref()))?;
-        let mut log = self.log.lock();
-        let mut reg = self.dp.registry();
-        if !r.allow_missing {
+        if !allow_missing {
             reg.get(&rule).map_err(|e| from_rule(&e))?;
         }
-        let outcome = reg.upsert(&rule, &r.owner).map_err(|e| from_rule(&e))?;
+        let outcome = reg.upsert(&rule, owner).map_err(|e| from_rule(&e))?;
         drop(reg);
-        let out = Self::capture_pb(&rule, &r.owner);
+        let out = R::to_pb(&Registered { rule, owner: owner.to_string() });
         let revision = match event_type(outcome) {
-            Some(t) => self.log.push(&mut log, t, Resource::CaptureRule(out.clone())),
+            Some(t) => self.log.push(&mut log, t, R::resource(out.clone())),
             None => log.revision,
         };
-        Ok(pb::UpdateCaptureRuleResponse { rule: Some(out), revision, created: outcome == Outcome::Created })
+        Ok((out, revision, outcome == Outcome::Created))
     }
 
-    fn delete_capture(&self, r: pb::DeleteCaptureRuleRequest) -> Result<pb::DeleteCaptureRuleResponse, Status> {
-        let key = self.mutation(&r.owner, convert::capture_from_key("key", r.key.as_ref()))?;
+    /// Returns the revision and whether a rule was deleted.
+    fn delete_rule<R: RulePb>(
+        &self,
+        owner: &str,
+        key: Result<R, Violations>,
+        allow_missing: bool,
+    ) -> Result<(u64, bool), Status> {
+        let key = self.mutation(owner, key)?;
         let mut log = self.log.lock();
         let mut reg = self.dp.registry();
+        // The event carries the rule as it was (a key names fewer fields).
         let existing = match reg.get(&key) {
             Ok(e) => e,
-            Err(meshwarp_core::RuleError::NotFound(_)) if r.allow_missing => {
-                return Ok(pb::DeleteCaptureRuleResponse { revision: log.revision, deleted: false });
-            }
+            Err(meshwarp_core::RuleError::NotFound(_)) if allow_missing => return Ok((log.revision, false)),
             Err(e) => return Err(from_rule(&e)),
         };
-        reg.remove(&key, Some(&r.owner)).map_err(|e| from_rule(&e))?;
+        reg.remove(&key, Some(owner)).map_err(|e| from_rule(&e))?;
         drop(reg);
-        let revision =
-            self.log.push(&mut log, EventType::Deleted, Resource::CaptureRule(convert::capture_to_pb(&existing)));
-        Ok(pb::DeleteCaptureRuleResponse { revision, deleted: true })
+        let revision = self.log.push(&mut log, EventType::Deleted, R::resource(R::to_pb(&existing)));
+        Ok((revision, true))
     }
 
-    fn get_capture(&self, r: pb::GetCaptureRuleRequest) -> Result<pb::GetCaptureRuleResponse, Status> {
-        let key = convert::capture_from_key("key", r.key.as_ref()).map_err(|v| invalid(&v))?;
+    fn get_rule<R: RulePb>(&self, key: Result<R, Violations>) -> Result<(R::Pb, pb::RuleCounters), Status> {
+        let key = key.map_err(|v| invalid(&v))?;
         let reg = self.dp.registry();
         let got = reg.get(&key).map_err(|e| from_rule(&e))?;
         let counters = reg.stats(&key).map_err(|e| from_rule(&e))?;
-        Ok(pb::GetCaptureRuleResponse {
-            rule: Some(convert::capture_to_pb(&got)),
-            counters: Some(convert::counters_to_pb(&counters)),
-        })
+        Ok((R::to_pb(&got), convert::counters_to_pb(&counters)))
     }
 
-    fn list_captures(&self, r: pb::ListCaptureRulesRequest) -> Result<pb::ListCaptureRulesResponse, Status> {
+    /// The rules of `owner` (all when empty), the revision and the instance.
+    fn list_rules<R: RulePb>(&self, owner: &str) -> (Vec<R::Pb>, u64, String) {
         let log = self.log.lock();
         let rules = self
             .dp
             .registry()
-            .captures()
+            .list::<R>()
             .iter()
-            .filter(|c| r.owner.is_empty() || c.owner == r.owner)
-            .map(convert::capture_to_pb)
+            .filter(|r| owner.is_empty() || r.owner == owner)
+            .map(R::to_pb)
             .collect();
-        Ok(pb::ListCaptureRulesResponse { rules, revision: log.revision, instance_id: self.log.instance_id.clone() })
+        (rules, log.revision, self.log.instance_id.clone())
+    }
+
+    /// Returns (created, updated, unchanged, revision).
+    fn batch_upsert_rules<R: RulePb>(
+        &self,
+        field: &str,
+        owner: &str,
+        items: &[R::Pb],
+    ) -> Result<(u32, u32, u32, u64), Status> {
+        self.serving()?;
+        self.batch_size(field, items.len())?;
+        let rules = self.mutation(owner, parse_all(field, items, R::from_pb))?;
+        let mut log = self.log.lock();
+        let outcomes = self.dp.registry().batch_upsert(&rules, owner).map_err(|e| from_rule(&e))?;
+        let (mut created, mut updated, mut unchanged) = (0, 0, 0);
+        for (rule, o) in rules.into_iter().zip(outcomes) {
+            match o {
+                Outcome::Created => created += 1,
+                Outcome::Updated => updated += 1,
+                Outcome::Unchanged => unchanged += 1,
+            }
+            if let Some(t) = event_type(o) {
+                let out = R::to_pb(&Registered { rule, owner: owner.to_string() });
+                self.log.push(&mut log, t, R::resource(out));
+            }
+        }
+        Ok((created, updated, unchanged, log.revision))
+    }
+
+    /// Returns the revision and how many rules were deleted.
+    fn batch_delete_rules<R: RulePb>(
+        &self,
+        owner: &str,
+        keys: &[R::PbKey],
+        allow_missing: bool,
+    ) -> Result<(u64, u32), Status> {
+        self.serving()?;
+        self.batch_size("keys", keys.len())?;
+        let keys = self.mutation(owner, parse_all("keys", keys, R::from_key))?;
+        let mut log = self.log.lock();
+        let mut reg = self.dp.registry();
+        let existing: Vec<_> = keys.iter().map(|k| reg.get(k).ok()).collect();
+        let deleted = reg.batch_remove(&keys, owner, allow_missing).map_err(|e| from_rule(&e))?;
+        drop(reg);
+        let mut n = 0;
+        for (e, d) in existing.iter().zip(deleted) {
+            if let (Some(e), true) = (e, d) {
+                n += 1;
+                self.log.push(&mut log, EventType::Deleted, R::resource(R::to_pb(e)));
+            }
+        }
+        Ok((log.revision, n))
+    }
+
+    fn create_pair(&self, r: pb::CreatePairRequest) -> Result<pb::CreatePairResponse, Status> {
+        let (pair, revision) = self.create_rule(&r.owner, EndpointPair::from_pb("pair", r.pair.as_ref()))?;
+        Ok(pb::CreatePairResponse { pair: Some(pair), revision })
+    }
+
+    fn update_pair(&self, r: pb::UpdatePairRequest) -> Result<pb::UpdatePairResponse, Status> {
+        let parsed = EndpointPair::from_pb("pair", r.pair.as_ref());
+        let (pair, revision, created) = self.update_rule(&r.owner, parsed, r.allow_missing)?;
+        Ok(pb::UpdatePairResponse { pair: Some(pair), revision, created })
+    }
+
+    fn delete_pair(&self, r: pb::DeletePairRequest) -> Result<pb::DeletePairResponse, Status> {
+        let key = EndpointPair::from_key("key", r.key.as_ref());
+        let (revision, deleted) = self.delete_rule(&r.owner, key, r.allow_missing)?;
+        Ok(pb::DeletePairResponse { revision, deleted })
+    }
+
+    fn get_pair(&self, r: pb::GetPairRequest) -> Result<pb::GetPairResponse, Status> {
+        let (pair, counters) = self.get_rule(EndpointPair::from_key("key", r.key.as_ref()))?;
+        Ok(pb::GetPairResponse { pair: Some(pair), counters: Some(counters) })
+    }
+
+    fn list_pairs(&self, r: pb::ListPairsRequest) -> Result<pb::ListPairsResponse, Status> {
+        let (pairs, revision, instance_id) = self.list_rules::<EndpointPair>(&r.owner);
+        Ok(pb::ListPairsResponse { pairs, revision, instance_id })
+    }
+
+    fn batch_upsert_pairs(&self, r: pb::BatchUpsertPairsRequest) -> Result<pb::BatchUpsertPairsResponse, Status> {
+        let (created, updated, unchanged, revision) =
+            self.batch_upsert_rules::<EndpointPair>("pairs", &r.owner, &r.pairs)?;
+        Ok(pb::BatchUpsertPairsResponse { revision, created, updated, unchanged })
+    }
+
+    fn batch_delete_pairs(&self, r: pb::BatchDeletePairsRequest) -> Result<pb::BatchDeletePairsResponse, Status> {
+        let (revision, deleted) = self.batch_delete_rules::<EndpointPair>(&r.owner, &r.keys, r.allow_missing)?;
+        Ok(pb::BatchDeletePairsResponse { revision, deleted })
+    }
+
+    fn create_capture(&self, r: pb::CreateCaptureRuleRequest) -> Result<pb::CreateCaptureRuleResponse, Status> {
+        let (rule, revision) = self.create_rule(&r.owner, CaptureRule::from_pb("rule", r.rule.as_ref()))?;
+        Ok(pb::CreateCaptureRuleResponse { rule: Some(rule), revision })
+    }
+
+    fn update_capture(&self, r: pb::UpdateCaptureRuleRequest) -> Result<pb::UpdateCaptureRuleResponse, Status> {
+        let parsed = CaptureRule::from_pb("rule", r.rule.as_ref());
+        let (rule, revision, created) = self.update_rule(&r.owner, parsed, r.allow_missing)?;
+        Ok(pb::UpdateCaptureRuleResponse { rule: Some(rule), revision, created })
+    }
+
+    fn delete_capture(&self, r: pb::DeleteCaptureRuleRequest) -> Result<pb::DeleteCaptureRuleResponse, Status> {
+        let key = CaptureRule::from_key("key", r.key.as_ref());
+        let (revision, deleted) = self.delete_rule(&r.owner, key, r.allow_missing)?;
+        Ok(pb::DeleteCaptureRuleResponse { revision, deleted })
+    }
+
+    fn get_capture(&self, r: pb::GetCaptureRuleRequest) -> Result<pb::GetCaptureRuleResponse, Status> {
+        let (rule, counters) = self.get_rule(CaptureRule::from_key("key", r.key.as_ref()))?;
+        Ok(pb::GetCaptureRuleResponse { rule: Some(rule), counters: Some(counters) })
+    }
+
+    fn list_captures(&self, r: pb::ListCaptureRulesRequest) -> Result<pb::ListCaptureRulesResponse, Status> {
+        let (rules, revision, instance_id) = self.list_rules::<CaptureRule>(&r.owner);
+        Ok(pb::ListCaptureRulesResponse { rules, revision, instance_id })
     }
 
     fn batch_upsert_captures(
         &self,
         r: pb::BatchUpsertCaptureRulesRequest,
     ) -> Result<pb::BatchUpsertCaptureRulesResponse, Status> {
-        self.serving()?;
-        self.batch_size("rules", r.rules.len())?;
-        let rules = self.mutation(&r.owner, parse_all("rules", &r.rules, convert::capture_from_pb))?;
-        let mut log = self.log.lock();
-        let outcomes = self.dp.registry().batch_upsert(&rules, &r.owner).map_err(|e| from_rule(&e))?;
-        let mut resp = pb::BatchUpsertCaptureRulesResponse::default();
-        for (rule, o) in rules.iter().zip(&outcomes) {
-            match o {
-                Outcome::Created => resp.created += 1,
-                Outcome::Updated => resp.updated += 1,
-                Outcome::Unchanged => resp.unchanged += 1,
-            }
-            if let Some(t) = event_type(*o) {
-                self.log.push(&mut log, t, Resource::CaptureRule(Self::capture_pb(rule, &r.owner)));
-            }
-        }
-        resp.revision = log.revision;
-        Ok(resp)
+        let (created, updated, unchanged, revision) =
+            self.batch_upsert_rules::<CaptureRule>("rules", &r.owner, &r.rules)?;
+        Ok(pb::BatchUpsertCaptureRulesResponse { revision, created, updated, unchanged })
     }
 
     fn batch_delete_captures(
         &self,
         r: pb::BatchDeleteCaptureRulesRequest,
     ) -> Result<pb::BatchDeleteCaptureRulesResponse, Status> {
-        self.serving()?;
-        self.batch_size("keys", r.keys.len())?;
-        let keys = self.mutation(&r.owner, parse_all("keys", &r.keys, convert::capture_from_key))?;
-        let mut log = self.log.lock();
-        let mut reg = self.dp.registry();
-        let existing: Vec<_> = keys.iter().map(|k| reg.get(k).ok()).collect();
-        let deleted = reg.batch_remove(&keys, &r.owner, r.allow_missing).map_err(|e| from_rule(&e))?;
-        drop(reg);
-        let mut n = 0;
-        for (e, d) in existing.iter().zip(deleted) {
-            if let (Some(e), true) = (e, d) {
-                n += 1;
-                self.log.push(&mut log, EventType::Deleted, Resource::CaptureRule(convert::capture_to_pb(e)));
-            }
-        }
-        Ok(pb::BatchDeleteCaptureRulesResponse { revision: log.revision, deleted: n })
+        let (revision, deleted) = self.batch_delete_rules::<CaptureRule>(&r.owner, &r.keys, r.allow_missing)?;
+        Ok(pb::BatchDeleteCaptureRulesResponse { revision, deleted })
     }
 
     fn stats(&self, _r: pb::GetStatsRequest) -> Result<pb::GetStatsResponse, Status> {
