@@ -152,6 +152,39 @@ fn redirect_neigh_lets_the_kernel_fill_l2() -> Result<()> {
     Ok(())
 }
 
+/// A redirect the program refuses (here: a route value whose action this
+/// build does not know, as a damaged or newer map could hold) passes the
+/// packet exactly as it came: no MAC rewrite, so the normal path still
+/// delivers it, and the refusal is counted.
+#[test]
+fn a_refused_redirect_passes_the_packet_unchanged() -> Result<()> {
+    use meshwarp_bpf::shared::{RouteKey4, RouteValue};
+    use meshwarp_core::maps::TypedMap;
+
+    let net = TwoNodes::new(1)?;
+    let b_ip = net.b.pods[0].addr(false);
+    let listener = net.b.pods[0].ns.listen(SocketAddr::new(b_ip, PORT))?;
+    let (na, _nb) = nodes_or_skip!(net);
+    // Addresses no interface has: a frame that kept them would be dropped.
+    let bogus = MacRewrite { src: [2, 0, 0, 0xde, 0xad, 1], dst: [2, 0, 0, 0xde, 0xad, 2] };
+    na.route("vpod0", b_ip, 32, RouteAction::Redirect(IfaceRef::Name("vxlan0".into())), Some(bogus))?;
+    na.tc().attach(&IfaceRef::Name("vpod0".into()), Direction::Ingress)?;
+    let rt4: TypedMap<RouteKey4, RouteValue> =
+        TypedMap::pinned(&na.tc().pin_dir().join("maps"), meshwarp_bpf::names::MAP_RT4)?;
+    let entries = rt4.entries()?;
+    ensure!(entries.len() == 1, "one route: {entries:?}");
+    for (k, v) in entries {
+        rt4.put(&k, &RouteValue { action: 0, ..v })?;
+    }
+    let before = bridges(&net)?;
+    traffic(&net, false, 13, &listener)?;
+    ensure!(bridges(&net)? - before > 2 << 20, "the payload took the normal path");
+    let r = na.tc().routes().into_iter().next().context("the route")?;
+    let st = na.tc().route_stats(&r)?;
+    ensure!(st.redirect_err > 0 && st.packets == 0, "refusals counted, nothing redirected: {st:?}");
+    Ok(())
+}
+
 #[test]
 fn invalid_routes_are_refused_and_change_nothing() -> Result<()> {
     let net = TwoNodes::new(1)?;

@@ -81,11 +81,6 @@ static __always_inline int apply(struct __sk_buff *skb, const struct mw_route *r
 	struct bpf_redir_neigh nh = {};
 	long ret;
 
-	if (r->flags & MW_ROUTE_REWRITE_MAC) {
-		if (bpf_skb_store_bytes(skb, 0, r->dmac, 6, 0) ||
-		    bpf_skb_store_bytes(skb, 6, r->smac, 6, 0))
-			goto refused;
-	}
 	switch (r->action) {
 	case MW_ACT_REDIRECT:
 		ret = bpf_redirect(r->target_ifindex, 0);
@@ -107,6 +102,18 @@ static __always_inline int apply(struct __sk_buff *skb, const struct mw_route *r
 	}
 	if (ret != TC_ACT_REDIRECT)
 		goto refused;
+	/* Only a packet that leaves redirected gets new addresses, both in one
+	 * store: a refused redirect (here or by the store) passes the packet
+	 * exactly as it came. The helpers above only record the target; the
+	 * kernel redirects after the program returns TC_ACT_REDIRECT. */
+	if (r->flags & MW_ROUTE_REWRITE_MAC) {
+		__u8 macs[12];
+
+		__builtin_memcpy(macs, r->dmac, 6);
+		__builtin_memcpy(macs + 6, r->smac, 6);
+		if (bpf_skb_store_bytes(skb, 0, macs, sizeof(macs), 0))
+			goto refused;
+	}
 	if (st) {
 		st->packets++;
 		st->bytes += skb->len;
