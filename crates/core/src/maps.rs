@@ -13,7 +13,9 @@ use std::collections::HashMap;
 use std::marker::PhantomData;
 use std::path::Path;
 
-use libbpf_rs::{ErrorKind, MapCore, MapFlags, MapHandle};
+use std::os::fd::{AsFd, AsRawFd};
+
+use libbpf_rs::{ErrorKind, MapCore, MapFlags, MapHandle, MapType};
 use meshwarp_bpf::names;
 use meshwarp_bpf::shared::{CaptureKey, GlobalStats, OwnerName, PairKey, Pod, Rule, RuleStats};
 
@@ -124,15 +126,43 @@ impl<K: Pod, V: Pod> TypedMap<K, V> {
         }
     }
 
-    /// Creates or replaces; a full map is [`MapError::Full`].
+    /// Creates or replaces. A hash map or LPM trie without room is
+    /// [`MapError::Full`]; in an array E2BIG means an index past its end
+    /// and stays a kernel error.
     pub fn put(&self, key: &K, val: &V) -> Result<(), MapError> {
-        self.map.update(key.as_bytes(), val.as_bytes(), MapFlags::ANY).map_err(|e| {
-            if e.kind() == ErrorKind::TooBig {
-                MapError::Full { map: self.name, capacity: self.capacity() }
-            } else {
-                MapError::Kernel { op: "update", map: self.name, source: e }
+        let (k, v) = (key.as_bytes(), val.as_bytes());
+        for (got, want) in [(k.len(), self.map.key_size()), (v.len(), self.map.value_size())] {
+            if got != want as usize {
+                return Err(MapError::BadValue { map: self.name, got, want: want as usize });
             }
-        })
+        }
+        // SAFETY: a valid map fd and key/value buffers of the map's sizes
+        // (checked above), alive for the call. Called directly for its errno,
+        // which says whether the map is full.
+        let rc = unsafe {
+            libbpf_rs::libbpf_sys::bpf_map_update_elem(
+                self.map.as_fd().as_raw_fd(),
+                k.as_ptr().cast(),
+                v.as_ptr().cast(),
+                libbpf_rs::libbpf_sys::BPF_ANY.into(),
+            )
+        };
+        if rc == 0 {
+            return Ok(());
+        }
+        let hashed = !matches!(
+            self.map.map_type(),
+            MapType::Array | MapType::PercpuArray | MapType::ProgArray | MapType::Sockmap | MapType::ArrayOfMaps
+        );
+        match -rc {
+            libc::E2BIG if hashed => Err(MapError::Full { map: self.name, capacity: self.capacity() }),
+            libc::ENOSPC => Err(MapError::Full { map: self.name, capacity: self.capacity() }),
+            errno => Err(MapError::Kernel {
+                op: "update",
+                map: self.name,
+                source: libbpf_rs::Error::from_raw_os_error(errno),
+            }),
+        }
     }
 
     /// Removes the entry; an absent one is no error.
@@ -433,7 +463,8 @@ mod tests {
     use libbpf_rs::MapType;
 
     fn map(ty: MapType, key: u32, value: u32, max: u32) -> Option<MapHandle> {
-        let opts = bpf_map_create_opts { sz: size_of::<bpf_map_create_opts>() as _, ..Default::default() };
+        let map_flags = if ty == MapType::LpmTrie { libbpf_rs::libbpf_sys::BPF_F_NO_PREALLOC } else { 0 };
+        let opts = bpf_map_create_opts { sz: size_of::<bpf_map_create_opts>() as _, map_flags, ..Default::default() };
         match MapHandle::create(ty, Some("mw_test"), key, value, max, &opts) {
             Ok(m) => Some(m),
             Err(e) => meshwarp_testbed::missing_feature(&format!("creating a BPF {ty:?} map: {e}")),
@@ -458,6 +489,16 @@ mod tests {
         let Some(h) = map(MapType::Array, 4, 8, 1) else { return };
         let wrong: TypedMap<u32, u32> = TypedMap::new(h, "mw_test");
         assert!(matches!(wrong.get(&0), Err(MapError::BadValue { got: 8, want: 4, .. })));
+        assert!(matches!(wrong.put(&0, &1), Err(MapError::BadValue { got: 4, want: 8, .. })));
+        // An LPM trie without room says ENOSPC: full too.
+        let Some(h) = map(MapType::LpmTrie, 8, 4, 1) else { return };
+        let trie: TypedMap<[u32; 2], u32> = TypedMap::new(h, "mw_test");
+        trie.put(&[32, 1], &1).unwrap();
+        assert!(matches!(trie.put(&[32, 2], &2), Err(MapError::Full { capacity: 1, .. })));
+        // An index past an array's end is no "full" map.
+        let Some(h) = map(MapType::Array, 4, 4, 1) else { return };
+        let array: TypedMap<u32, u32> = TypedMap::new(h, "mw_test");
+        assert!(matches!(array.put(&5, &1), Err(MapError::Kernel { .. })));
     }
 
     #[test]

@@ -161,15 +161,18 @@ pub fn owner_name(owner: &str) -> Result<OwnerName, RuleError> {
         .ok_or_else(|| RuleError::InvalidOwner(format!("{owner:?}: at most {} bytes, no NUL", OWNER_LEN - 1)))
 }
 
-fn check_owner<R: Rule>(e: &Entry<R>, owner: &str) -> Result<(), RuleError> {
-    if e.owner != owner {
-        return Err(RuleError::OwnerMismatch {
-            what: format!("{} {}", R::WHAT, e.rule),
-            owner: e.owner.clone(),
-            requested: owner.to_string(),
-        });
+impl<R: Rule> Entry<R> {
+    /// [`RuleError::OwnerMismatch`] unless `owner` owns this rule.
+    pub fn check_owner(&self, owner: &str) -> Result<(), RuleError> {
+        if self.owner != owner {
+            return Err(RuleError::OwnerMismatch {
+                what: format!("{} {}", R::WHAT, self.rule),
+                owner: self.owner.clone(),
+                requested: owner.to_string(),
+            });
+        }
+        Ok(())
     }
-    Ok(())
 }
 
 impl<R: Rule> Table<R> {
@@ -253,7 +256,7 @@ impl<R: Rule> Table<R> {
             self.create(maps, slots, rule, owner)?;
             return Ok(Outcome::Created);
         };
-        check_owner(e, owner)?;
+        e.check_owner(owner)?;
         if e.rule == *rule {
             return Ok(Outcome::Unchanged);
         }
@@ -276,7 +279,7 @@ impl<R: Rule> Table<R> {
     {
         let e = self.get(rule)?;
         if let Some(o) = owner {
-            check_owner(e, o)?;
+            e.check_owner(o)?;
         }
         e.rule.erase(maps)?;
         let _ = maps.delete_owner(e.id);
@@ -289,8 +292,11 @@ impl<R: Rule> Table<R> {
     where
         R: Stored<M>,
     {
-        slots.claim(e.id);
-        let written = maps.put_owner(e.id, &owner_name(&e.owner)?).and_then(|()| e.rule.write(maps, e.id));
+        let name = owner_name(&e.owner)?;
+        if !slots.claim(e.id) {
+            return Err(RuleError::Inconsistent(format!("counter slot {} of {} {} is taken", e.id, R::WHAT, e.rule)));
+        }
+        let written = maps.put_owner(e.id, &name).and_then(|()| e.rule.write(maps, e.id));
         if let Err(err) = written {
             slots.release(e.id);
             return Err(err.into());
@@ -310,7 +316,7 @@ impl<R: Rule> Table<R> {
                 return Err(RuleError::DuplicateInBatch(format!("{} {r}", R::WHAT)));
             }
             match self.entries.get(&r.rule_key()) {
-                Some(e) => check_owner(e, owner)?,
+                Some(e) => e.check_owner(owner)?,
                 None => new += 1,
             }
         }

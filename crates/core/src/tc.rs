@@ -507,15 +507,11 @@ impl TcDataplane {
         let capacity = (&self.maps).slot_capacity();
         let mut guard = crate::sys::lock(&self.state);
         let st = &mut *guard;
-        let v4 =
-            self.maps.rt4.entries()?.into_iter().map(|(k, v)| (k.ifindex, k.dir, IpAddr::from(k.dst), k.prefixlen, v));
-        let v6 =
-            self.maps.rt6.entries()?.into_iter().map(|(k, v)| (k.ifindex, k.dir, IpAddr::from(k.dst), k.prefixlen, v));
-        for (ifindex, dir, dst, prefixlen, val) in v4.chain(v6) {
+        let mut adopt_one = |ifindex: u32, dir: u32, dst: IpAddr, prefixlen: u32, val: &RouteValue| {
             let direction = if dir == DIR_INGRESS { Direction::Ingress } else { Direction::Egress };
             let len = prefixlen.saturating_sub(ROUTE_KEY_PREFIX_BITS);
             let dst = Prefix::new("dst", dst, u8::try_from(len).unwrap_or(u8::MAX))?;
-            let route = route_from_value(IfaceRef::Index(ifindex), direction, dst, &val, dst.addr.is_ipv6())?;
+            let route = route_from_value(IfaceRef::Index(ifindex), direction, dst, val, dst.addr.is_ipv6())?;
             let resolved = ResolvedRoute {
                 route,
                 attach_ifindex: ifindex,
@@ -523,7 +519,24 @@ impl TcDataplane {
                 attach_name: name_of(ifindex),
                 target_name: name_of(val.target_ifindex),
             };
-            st.routes.adopt(&mut st.slots, capacity, resolved, val.id, owner_of(val.id))?;
+            st.routes.adopt(&mut st.slots, capacity, resolved, val.id, owner_of(val.id)).map_err(TcError::from)
+        };
+        // An entry this build cannot take back (damaged, or a slot held
+        // twice) leaves the data path: its packets take the normal path, and
+        // the rest of the routes are adopted.
+        let drop_bad =
+            |what: String, e: TcError| tracing::warn!(route = %what, "dropped a route meshwarp cannot adopt: {e}");
+        for (k, v) in self.maps.rt4.entries()? {
+            if let Err(e) = adopt_one(k.ifindex, k.dir, IpAddr::from(k.dst), k.prefixlen, &v) {
+                drop_bad(format!("{} on if{}", IpAddr::from(k.dst), k.ifindex), e);
+                self.maps.rt4.delete(&k)?;
+            }
+        }
+        for (k, v) in self.maps.rt6.entries()? {
+            if let Err(e) = adopt_one(k.ifindex, k.dir, IpAddr::from(k.dst), k.prefixlen, &v) {
+                drop_bad(format!("{} on if{}", IpAddr::from(k.dst), k.ifindex), e);
+                self.maps.rt6.delete(&k)?;
+            }
         }
         st.slots.rebuild_free();
         Ok(())
@@ -645,13 +658,13 @@ impl TcDataplane {
         owner: Option<&str>,
     ) -> Result<InstalledRoute, TcError> {
         let ifindex = self.resolve_iface(attach)?;
-        self.delete_key((ifindex, dir, dst), owner)
+        self.delete_key((ifindex, dir, dst), owner, attach)
     }
 
-    fn delete_key(&self, key: RouteId, owner: Option<&str>) -> Result<InstalledRoute, TcError> {
+    fn delete_key(&self, key: RouteId, owner: Option<&str>, attach: &IfaceRef) -> Result<InstalledRoute, TcError> {
         let mut guard = crate::sys::lock(&self.state);
         let st = &mut *guard;
-        let rule = st.routes.get_key(&key).map(|e| e.rule.clone()).ok_or_else(|| not_found(&key))?;
+        let rule = st.routes.get_key(&key).map(|e| e.rule.clone()).ok_or_else(|| not_found(attach, &key))?;
         Ok((&st.routes.delete(&mut &self.maps, &mut st.slots, &rule, owner)?).into())
     }
 
@@ -677,26 +690,31 @@ impl TcDataplane {
         owner: &str,
         allow_missing: bool,
     ) -> Result<Vec<Option<InstalledRoute>>, TcError> {
-        let keys = keys
+        let ids = keys
             .iter()
             .map(|(iface, dir, dst)| Ok((self.resolve_iface(iface)?, *dir, *dst)))
             .collect::<Result<Vec<RouteId>, TcError>>()?;
+        table::owner_name(owner)?;
         let mut guard = crate::sys::lock(&self.state);
         let st = &mut *guard;
         // The table deletes rules; a key names the installed one (or none).
+        // Checked in order, so the first bad key is the one reported.
         let mut seen = BTreeSet::new();
         let mut present = Vec::new();
-        let mut found = Vec::with_capacity(keys.len());
-        for key in &keys {
-            if !seen.insert(*key) {
-                return Err(RuleError::DuplicateInBatch(format!("route {} on if{} {:?}", key.2, key.0, key.1)).into());
+        let mut found = Vec::with_capacity(ids.len());
+        for ((iface, _, _), id) in keys.iter().zip(&ids) {
+            if !seen.insert(*id) {
+                return Err(RuleError::DuplicateInBatch(format!("route {} on {iface} {:?}", id.2, id.1)).into());
             }
-            match st.routes.get_key(key) {
-                Some(e) => present.push(e.rule.clone()),
+            match st.routes.get_key(id) {
+                Some(e) => {
+                    e.check_owner(owner)?;
+                    present.push(e.rule.clone());
+                }
                 None if allow_missing => {}
-                None => return Err(not_found(key).into()),
+                None => return Err(not_found(iface, id).into()),
             }
-            found.push(st.routes.get_key(key).is_some());
+            found.push(st.routes.get_key(id).is_some());
         }
         let mut removed = st.routes.batch_delete(&mut &self.maps, &mut st.slots, &present, owner, false)?.into_iter();
         Ok(found.into_iter().map(|f| f.then(|| removed.next().flatten().map(|e| (&e).into())).flatten()).collect())
@@ -704,7 +722,7 @@ impl TcDataplane {
 
     /// Removes the route of (attach ifindex, direction, dst) whoever owns it.
     pub fn remove_route(&self, attach_ifindex: u32, dir: Direction, dst: Prefix) -> Result<(), TcError> {
-        self.delete_key((attach_ifindex, dir, dst), None).map(|_| ())
+        self.delete_key((attach_ifindex, dir, dst), None, &IfaceRef::Index(attach_ifindex)).map(|_| ())
     }
 
     pub fn routes(&self) -> Vec<InstalledRoute> {
@@ -806,8 +824,9 @@ fn unknown_iface(e: NetlinkError) -> TcError {
     }
 }
 
-fn not_found((ifindex, dir, dst): &RouteId) -> RuleError {
-    RuleError::NotFound(format!("route {dst} on if{ifindex} {dir:?}"))
+/// A route key that names no route, with the interface as the caller named it.
+fn not_found(attach: &IfaceRef, (_, dir, dst): &RouteId) -> RuleError {
+    RuleError::NotFound(format!("route {dst} on {attach} {dir:?}"))
 }
 
 fn route_from_value(

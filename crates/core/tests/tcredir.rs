@@ -10,7 +10,7 @@
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
-use anyhow::{ensure, Context, Result};
+use anyhow::{bail, ensure, Context, Result};
 use meshwarp_core::netlink::Link;
 use meshwarp_core::tc::{
     Direction, IfaceRef, InterfaceRoute, MacRewrite, Prefix, RouteAction, TcConfig, TcDataplane, TcError,
@@ -182,6 +182,35 @@ fn a_refused_redirect_passes_the_packet_unchanged() -> Result<()> {
     let r = na.tc().routes().into_iter().next().context("the route")?;
     let st = na.tc().route_stats(&r)?;
     ensure!(st.redirect_err > 0 && st.packets == 0, "refusals counted, nothing redirected: {st:?}");
+    Ok(())
+}
+
+/// Adoption takes back every route it can; one it cannot (here: a slot held
+/// twice, as a damaged map could have) leaves the data path instead of
+/// keeping the node from starting.
+#[test]
+fn adoption_drops_a_route_it_cannot_take_back() -> Result<()> {
+    use meshwarp_bpf::shared::{RouteKey4, RouteValue};
+    use meshwarp_core::maps::TypedMap;
+
+    let net = TwoNodes::new(1)?;
+    let (na, _nb) = nodes_or_skip!(net);
+    let to = RouteAction::Redirect(IfaceRef::Name("vxlan0".into()));
+    na.route("vpod0", "198.18.7.0".parse()?, 24, to.clone(), None)?;
+    na.route("vpod0", "198.18.8.0".parse()?, 24, to, None)?;
+    let rt4: TypedMap<RouteKey4, RouteValue> =
+        TypedMap::pinned(&na.tc().pin_dir().join("maps"), meshwarp_bpf::names::MAP_RT4)?;
+    let mut entries = rt4.entries()?;
+    entries.sort_by_key(|(_, v)| v.id);
+    let [(_, first), (k, second)] = entries.as_slice() else { bail!("two routes: {entries:?}") };
+    rt4.put(k, &RouteValue { id: first.id, ..*second })?;
+    let again = TcDataplane::open(&TcConfig {
+        pin_root: na.t.pin_root.clone(),
+        netns: Some(net.a.node.path()),
+        max_routes: 64,
+    })?;
+    ensure!(again.routes().len() == 1, "the consistent route is adopted: {:?}", again.routes());
+    ensure!(rt4.entries()?.len() == 1, "the other left the data path");
     Ok(())
 }
 
