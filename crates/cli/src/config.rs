@@ -53,6 +53,24 @@ pub struct FileConfig {
     pub max_sockets: Option<u32>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_batch_size: Option<usize>,
+    /// Events kept for Watch resumption (never fewer than max_batch_size).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub event_history: Option<usize>,
+    /// Largest request message, in bytes.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_message_bytes: Option<usize>,
+    /// Largest plugin object, in bytes.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_plugin_bytes: Option<usize>,
+    /// Watch streams open at once.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_watchers: Option<usize>,
+    /// Concurrent HTTP/2 streams per connection.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_concurrent_streams: Option<u32>,
+    /// Seconds a unary RPC may take.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub request_timeout_secs: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub drain_timeout_secs: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -191,6 +209,13 @@ impl ServeArgs {
             max_rules: self.max_rules,
             max_sockets: self.max_sockets,
             max_batch_size: self.max_batch_size,
+            // File keys only: limits an operator sets once per node.
+            event_history: None,
+            max_message_bytes: None,
+            max_plugin_bytes: None,
+            max_watchers: None,
+            max_concurrent_streams: None,
+            request_timeout_secs: None,
             drain_timeout_secs: self.drain_timeout_secs,
             reader_guard: self.reader_guard,
             trusted_readers: some_vec(&self.trusted_readers),
@@ -229,9 +254,16 @@ pub fn resolve(args: &ServeArgs, pin_root: Option<&Path>) -> Result<(DaemonOptio
         trusted_readers: c.trusted_readers.unwrap_or_default(),
         syscall_watch: c.syscall_watch.unwrap_or(dp_default.syscall_watch),
     };
+    let d = ServerConfig::default();
     o.server = ServerConfig {
-        max_batch_size: c.max_batch_size.unwrap_or(ServerConfig::default().max_batch_size),
-        ..ServerConfig::default()
+        max_batch_size: c.max_batch_size.unwrap_or(d.max_batch_size),
+        event_history: c.event_history.unwrap_or(d.event_history),
+        max_message_bytes: c.max_message_bytes.unwrap_or(d.max_message_bytes),
+        max_plugin_bytes: c.max_plugin_bytes.unwrap_or(d.max_plugin_bytes),
+        max_watchers: c.max_watchers.unwrap_or(d.max_watchers),
+        max_concurrent_streams: c.max_concurrent_streams.unwrap_or(d.max_concurrent_streams),
+        request_timeout: c.request_timeout_secs.map_or(d.request_timeout, Duration::from_secs),
+        ..d
     };
     if let Some(s) = c.socket {
         o.socket = Some(s);

@@ -139,8 +139,8 @@ enum Cmd {
     Watch {
         #[command(flatten)]
         remote: RemoteArgs,
-        /// Resume after this revision (with --instance).
-        #[arg(long, default_value_t = 0)]
+        /// Resume after this revision (needs --instance).
+        #[arg(long, default_value_t = 0, requires = "instance")]
         after: u64,
         /// The node instance the revision belongs to (from `node info` or an
         /// earlier watch); another instance answers OUT_OF_RANGE.

@@ -494,8 +494,88 @@ fn invalid_input_gets_the_right_code_and_changes_nothing() -> Result<()> {
         // Watch: a revision of another instance, or from the future, is OUT_OF_RANGE.
         let w = c.watch(pb::WatchRequest { after_revision: 1, instance_id: "not-this-one".into() }).await;
         ensure!(w.err().map(|s| s.code()) == Some(Code::OutOfRange));
-        let w = c.watch(pb::WatchRequest { after_revision: 999, instance_id: String::new() }).await;
+        let w = c.watch(pb::WatchRequest { after_revision: 999, instance_id: before.instance_id.clone() }).await;
         ensure!(w.err().map(|s| s.code()) == Some(Code::OutOfRange));
+        Ok(())
+    })
+}
+
+fn err_of<T: std::fmt::Debug>(r: Result<tonic::Response<T>, tonic::Status>) -> tonic::Status {
+    match r {
+        Ok(v) => panic!("expected an error, got {v:?}"),
+        Err(s) => s,
+    }
+}
+
+/// Every limit answers with its value named, and the daemon serves on.
+#[test]
+fn limits_are_enforced_with_the_limit_named_and_the_daemon_unharmed() -> Result<()> {
+    let env = env_or_skip!();
+    let cfg = env.scratch.0.join("limits.toml");
+    std::fs::write(
+        &cfg,
+        "max_batch_size = 5\nevent_history = 1\nmax_message_bytes = 262144\nmax_plugin_bytes = 65536\nmax_watchers = 2\n",
+    )?;
+    let _d = env.start(&["--config", cfg.to_str().unwrap()])?;
+    rt().block_on(async {
+        let mut c = env.client().await;
+        let manifest = pb::PluginManifest {
+            name: "big".into(),
+            hook: pb::PluginHook::Message as i32,
+            phase: pb::PluginPhase::Stats as i32,
+            ..Default::default()
+        };
+        let load = |n: usize| pb::LoadPluginRequest {
+            manifest: Some(manifest.clone()),
+            object: vec![0x7f; n],
+            ..Default::default()
+        };
+        // A message beyond the limit.
+        let e = err_of(c.load_plugin(load(300_000)).await);
+        ensure!(e.code() == Code::ResourceExhausted && e.message().contains("262144"), "{e:?}");
+        // A plugin object beyond its own limit.
+        let e = err_of(c.load_plugin(load(100_000)).await);
+        ensure!(e.code() == Code::InvalidArgument && e.message().contains("65536"), "{e:?}");
+
+        // Resuming needs the instance the revision belongs to.
+        c.create_pair(create(pair("198.18.0.2", "198.18.0.3", 99), OWNER)).await?;
+        let listed = c.list_pairs(pb::ListPairsRequest::default()).await?.into_inner();
+        ensure!(listed.revision > 0);
+        let e = err_of(c.watch(pb::WatchRequest { after_revision: 1, instance_id: String::new() }).await);
+        ensure!(e.code() == Code::InvalidArgument && e.message().contains("instance_id"), "{e:?}");
+
+        // The history holds a whole batch even when configured smaller.
+        let batch: Vec<_> = (1..=5).map(|p| pair("198.18.0.2", "198.18.0.3", p)).collect();
+        c.batch_upsert_pairs(pb::BatchUpsertPairsRequest { pairs: batch, owner: OWNER.into() }).await?;
+        let mut w = c
+            .watch(pb::WatchRequest { after_revision: listed.revision, instance_id: listed.instance_id.clone() })
+            .await?
+            .into_inner();
+        for i in 0..5 {
+            let ev = tokio::time::timeout(Duration::from_secs(5), w.next()).await?.context("stream ended")??;
+            ensure!(matches!(ev.resource, Some(Resource::Pair(_))), "event {i}: {ev:?}");
+        }
+
+        // Watch streams: two at once (`w` is one), a third waits for a free slot.
+        let w2 = c.watch(pb::WatchRequest::default()).await?.into_inner();
+        let e = err_of(c.watch(pb::WatchRequest::default()).await);
+        ensure!(e.code() == Code::ResourceExhausted && e.message().contains("limit is 2"), "{e:?}");
+        drop(w2);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            match c.watch(pb::WatchRequest::default()).await {
+                Ok(_) => break,
+                Err(e) if e.code() == Code::ResourceExhausted && Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(20)).await
+                }
+                Err(e) => bail!("a closed Watch stream did not free its slot: {e:?}"),
+            }
+        }
+        drop(w);
+
+        // And the daemon serves on.
+        let info = c.get_node_info(pb::GetNodeInfoRequest::default()).await?.into_inner();
+        ensure!(info.rules_used == 6, "{info:?}");
         Ok(())
     })
 }

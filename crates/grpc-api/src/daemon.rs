@@ -148,6 +148,34 @@ fn authorize(group: Option<Gid>) -> impl Fn(Request<()>) -> Result<Request<()>, 
     }
 }
 
+type Limited = tower::layer::util::Stack<
+    tower::util::MapResponseLayer<fn(http::Response<tonic::body::Body>) -> http::Response<tonic::body::Body>>,
+    tower::layer::util::Identity,
+>;
+
+/// A gRPC server with the node service's limits: per-connection streams,
+/// request deadlines and the code for an oversized request.
+fn server_builder(limits: &ServerConfig) -> tonic::transport::Server<Limited> {
+    let fix: fn(http::Response<tonic::body::Body>) -> http::Response<tonic::body::Body> =
+        oversize_is_resource_exhausted;
+    tonic::transport::Server::builder()
+        .max_concurrent_streams(limits.max_concurrent_streams)
+        .timeout(limits.request_timeout)
+        .layer(tower::util::MapResponseLayer::new(fix))
+}
+
+/// tonic answers a request beyond the message limit with OUT_OF_RANGE; the
+/// gRPC specification's code for it is RESOURCE_EXHAUSTED. Its message, which
+/// names the limit, stays.
+fn oversize_is_resource_exhausted<B>(mut r: http::Response<B>) -> http::Response<B> {
+    let status = r.headers().get("grpc-status").and_then(|v| v.to_str().ok());
+    let message = r.headers().get("grpc-message").and_then(|v| v.to_str().ok()).unwrap_or_default();
+    if status == Some("11") && message.replace("%20", " ").contains("message length too large") {
+        r.headers_mut().insert("grpc-status", http::HeaderValue::from_static("8"));
+    }
+    r
+}
+
 async fn bind_unix(path: &Path, mode: u32, gid: Option<Gid>) -> Result<UnixListener, DaemonError> {
     if let Some(dir) = path.parent() {
         tokio::fs::create_dir_all(dir).await.map_err(io(format!("creating {}", dir.display())))?;
@@ -193,8 +221,11 @@ pub async fn run(opts: DaemonOptions, shutdown: impl Future<Output = ()> + Send 
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1()
         .map_err(|e| DaemonError::Io { what: "reflection".into(), source: std::io::Error::other(e) })?;
-    let inner =
-        NodeServiceServer::new(node.clone()).max_decoding_message_size(64 << 20).max_encoding_message_size(64 << 20);
+    let limits = opts.server.clone();
+    // Responses are ours and may list every rule; requests are bounded.
+    let inner = NodeServiceServer::new(node.clone())
+        .max_decoding_message_size(limits.max_message_bytes)
+        .max_encoding_message_size(64 << 20);
     let svc = tonic::service::interceptor::InterceptedService::new(inner, authorize(gid));
 
     let (stop_tx, _) = tokio::sync::broadcast::channel::<()>(1);
@@ -202,7 +233,7 @@ pub async fn run(opts: DaemonOptions, shutdown: impl Future<Output = ()> + Send 
     if let Some(path) = &opts.socket {
         let l = bind_unix(path, opts.socket_mode, gid).await?;
         tracing::info!(socket = %path.display(), mode = format!("{:o}", opts.socket_mode), "serving gRPC");
-        let router = tonic::transport::Server::builder()
+        let router = server_builder(&limits)
             .add_service(health_svc.clone())
             .add_service(reflection.clone())
             .add_service(svc.clone());
@@ -217,7 +248,7 @@ pub async fn run(opts: DaemonOptions, shutdown: impl Future<Output = ()> + Send 
     }
     if let Some(addr) = opts.tcp_listen {
         let l = TcpListener::bind(addr).await.map_err(io(format!("binding {addr}")))?;
-        let mut builder = tonic::transport::Server::builder();
+        let mut builder = server_builder(&limits);
         if let Some(tls) = &opts.tls {
             builder = builder.tls_config(server_tls(tls).await?).map_err(|e| DaemonError::Tls(e.to_string()))?;
         }

@@ -24,20 +24,49 @@ use crate::pb::node_service_server::NodeService;
 use crate::pb::{self, watch_response::Resource, EventType};
 use crate::status::{from_plugin, from_rule, from_tc, invalid, invalid_field};
 
-/// Limits and identity of one server instance.
+/// Limits and identity of one server instance. Every limit answers with its
+/// value named: RESOURCE_EXHAUSTED for a size or count beyond it,
+/// INVALID_ARGUMENT for a field too large.
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
     /// Largest batch accepted (RESOURCE_EXHAUSTED beyond).
     pub max_batch_size: usize,
-    /// Events kept for Watch resumption.
+    /// Events kept for Watch resumption; never fewer than `max_batch_size`,
+    /// so that one batch cannot push a watcher out of the history.
     pub event_history: usize,
+    /// Largest request message (RESOURCE_EXHAUSTED beyond).
+    pub max_message_bytes: usize,
+    /// Largest plugin object (INVALID_ARGUMENT beyond).
+    pub max_plugin_bytes: usize,
+    /// Watch streams open at once (RESOURCE_EXHAUSTED beyond).
+    pub max_watchers: usize,
+    /// Concurrent HTTP/2 streams per connection.
+    pub max_concurrent_streams: u32,
+    /// How long a unary RPC may take (the client's deadline when shorter).
+    pub request_timeout: std::time::Duration,
     /// Reported by GetNodeInfo.
     pub version: String,
 }
 
 impl Default for ServerConfig {
     fn default() -> Self {
-        Self { max_batch_size: 10_000, event_history: 4096, version: env!("CARGO_PKG_VERSION").into() }
+        Self {
+            max_batch_size: 10_000,
+            event_history: 16_384,
+            max_message_bytes: 8 << 20,
+            max_plugin_bytes: 1 << 20,
+            max_watchers: 64,
+            max_concurrent_streams: 128,
+            request_timeout: std::time::Duration::from_secs(60),
+            version: env!("CARGO_PKG_VERSION").into(),
+        }
+    }
+}
+
+impl ServerConfig {
+    /// The history actually kept: at least one whole batch.
+    pub fn history(&self) -> usize {
+        self.event_history.max(self.max_batch_size)
     }
 }
 
@@ -133,6 +162,8 @@ pub struct NodeServer {
     /// their events follow the order they were applied, without holding the
     /// event log across a verifier run or an RCU grace period.
     plugin_ops: Arc<Mutex<()>>,
+    /// Watch streams open now (at most `cfg.max_watchers`).
+    watchers: Arc<std::sync::atomic::AtomicUsize>,
     /// Held (read) by every RPC body until it returns, also when the client
     /// went away; the drain takes it (write) so that nothing still changes
     /// maps or pins when the daemon stops or cleans up.
@@ -158,6 +189,27 @@ fn parse_all<P, T>(
     v.into_result(out)
 }
 
+/// One open Watch stream, counted until dropped.
+struct WatcherSlot(Arc<std::sync::atomic::AtomicUsize>);
+
+impl WatcherSlot {
+    fn take(count: &Arc<std::sync::atomic::AtomicUsize>, max: usize) -> Result<Self, Status> {
+        let taken = count.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| (n < max).then_some(n + 1));
+        match taken {
+            Ok(_) => Ok(Self(Arc::clone(count))),
+            Err(n) => Err(Status::resource_exhausted(format!(
+                "{n} Watch streams are open, the limit is {max} (max_watchers)"
+            ))),
+        }
+    }
+}
+
+impl Drop for WatcherSlot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
 fn event_type(o: Outcome) -> Option<EventType> {
     match o {
         Outcome::Created => Some(EventType::Created),
@@ -171,7 +223,7 @@ impl NodeServer {
     /// chains where it has them.
     pub fn new(node: Node, cfg: ServerConfig, metrics: Arc<Metrics>) -> Self {
         let Node { dataplane: dp, tc, plugins } = node;
-        let log = Arc::new(EventLog::new(cfg.event_history));
+        let log = Arc::new(EventLog::new(cfg.history()));
         forward_incidents(&dp, &log, &metrics);
         Self {
             dp,
@@ -182,6 +234,7 @@ impl NodeServer {
             metrics,
             plugins,
             plugin_ops: Arc::new(Mutex::new(())),
+            watchers: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
             inflight: Arc::new(tokio::sync::RwLock::new(())),
         }
     }
@@ -200,6 +253,16 @@ impl NodeServer {
         let manifest = convert::manifest_from_pb("manifest", r.manifest.as_ref()).map_err(|v| invalid(&v))?;
         if r.object.is_empty() {
             return Err(invalid_field("object", "required: the plugin's BPF ELF object"));
+        }
+        if r.object.len() > self.cfg.max_plugin_bytes {
+            return Err(invalid_field(
+                "object",
+                format!(
+                    "{} bytes is more than the limit of {} bytes (max_plugin_bytes)",
+                    r.object.len(),
+                    self.cfg.max_plugin_bytes
+                ),
+            ));
         }
         let chain = self.plugin_chain()?;
         let _ops = self.plugin_ops.lock().unwrap_or_else(|p| p.into_inner());
@@ -316,7 +379,7 @@ impl NodeServer {
         let tc = self.tc()?;
         let mut log = self.log.lock();
         if !r.allow_missing && self.find_route(tc, &(route.attach.clone(), route.direction, route.dst))?.is_none() {
-            return Err(Status::not_found(format!("route {route} does not exist")));
+            return Err(Status::not_found(format!("route {route} is not registered")));
         }
         let (installed, outcome) = tc.upsert_route(&route, &r.owner).map_err(|e| from_tc(&e))?;
         let out = convert::route_to_pb(&installed, None);
@@ -756,6 +819,12 @@ impl NodeServer {
     }
 
     fn watch_stream(&self, r: pb::WatchRequest) -> Result<WatchStream, Status> {
+        if r.after_revision != 0 && r.instance_id.is_empty() {
+            // Revisions count per instance: resuming against another one
+            // (after a restart) would silently skip or repeat events.
+            return Err(invalid_field("instance_id", "required to resume after a revision (from the List response)"));
+        }
+        let watcher = WatcherSlot::take(&self.watchers, self.cfg.max_watchers)?;
         let log = self.log.lock();
         if !r.instance_id.is_empty() && r.instance_id != self.log.instance_id {
             return Err(Status::out_of_range(format!(
@@ -787,7 +856,12 @@ impl NodeServer {
             }
         });
         drop(log);
-        Ok(Box::pin(tokio_stream::iter(replay).chain(live)))
+        // The slot goes with the stream: a watcher that disconnects frees it.
+        let stream = tokio_stream::iter(replay).chain(live).map(move |e| {
+            let _held = &watcher;
+            e
+        });
+        Ok(Box::pin(stream))
     }
 
     fn node_info(&self, _r: pb::GetNodeInfoRequest) -> Result<pb::GetNodeInfoResponse, Status> {
