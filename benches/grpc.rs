@@ -33,9 +33,8 @@ fn key_of(p: &pb::EndpointPair) -> pb::PairKey {
 
 fn control_path(c: &mut Criterion) {
     let cgroup = TestCgroup::new().expect("cgroup v2");
-    let dir = std::env::temp_dir().join(unique_name("meshwarp-bench-"));
-    std::fs::create_dir_all(&dir).expect("scratch dir");
-    let socket = dir.join("meshwarp.sock");
+    let dir = meshwarp_testbed::ScratchDir::new("meshwarp-bench-").expect("scratch dir");
+    let socket = dir.path("meshwarp.sock");
     let pin_root = PathBuf::from(format!("/sys/fs/bpf/{}", unique_name("meshwarp-bench-")));
     let opts = DaemonOptions {
         dataplane: DataplaneConfig {
@@ -135,7 +134,7 @@ fn control_path(c: &mut Criterion) {
     g.finish();
 
     drop(node);
-    let _ = std::fs::remove_dir_all(&dir);
+    drop(dir);
     let _ = meshwarp_core::node::uninstall(&pin_root);
 }
 

@@ -25,7 +25,7 @@ use meshwarp_grpc_api::daemon::{self, DaemonOptions};
 use meshwarp_grpc_api::pb;
 use meshwarp_testbed::{
     echo_integrity, redirect_output, redirect_prerouting, round_trip, unique_name, CaptureProxy, NodeWithPods,
-    StreamEcho, TestCgroup, SERVICE_V4,
+    ScratchDir, StreamEcho, TestCgroup, SERVICE_V4,
 };
 
 #[derive(Debug, clap::Args)]
@@ -69,19 +69,10 @@ struct EmbeddedNode {
     _dir: ScratchDir,
 }
 
-/// A directory removed on drop.
-struct ScratchDir(PathBuf);
-
-impl Drop for ScratchDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 impl EmbeddedNode {
     fn start(cgroup: PathBuf) -> Result<Self> {
-        let dir = ScratchDir(std::env::temp_dir().join(unique_name("meshwarp-demo-")));
-        std::fs::create_dir_all(&dir.0)?;
+        // Private (0700, unpredictable name): the daemon's socket lives here.
+        let dir = ScratchDir::new("meshwarp-demo-")?;
         let opts = DaemonOptions {
             dataplane: DataplaneConfig {
                 pin_root: PathBuf::from(format!("/sys/fs/bpf/{}", unique_name("meshwarp-demo-"))),

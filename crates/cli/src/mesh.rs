@@ -343,11 +343,9 @@ pub fn run(args: &MeshArgs) -> Result<()> {
     for tool in ["nginx", "haproxy", "wrk", "iptables"] {
         need(tool)?;
     }
-    let dir = std::env::temp_dir().join(unique_name("meshwarp-mesh-"));
-    std::fs::create_dir_all(&dir)?;
-    let result = run_in(args, &dir);
-    let _ = std::fs::remove_dir_all(&dir);
-    let rows = result?;
+    // Private (0700, unpredictable name): root writes the proxies' configs here.
+    let dir = meshwarp_testbed::ScratchDir::new("meshwarp-mesh-")?;
+    let rows = run_in(args, &dir.0)?;
     print!("{}", table(&rows, args));
     Ok(())
 }
