@@ -14,6 +14,7 @@ use figment::providers::{Format, Serialized, Toml};
 use figment::Figment;
 use meshwarp_core::dataplane::DEFAULT_PIN_ROOT;
 use meshwarp_core::DataplaneConfig;
+use meshwarp_grpc_api::access::{Grant, OwnerPatterns, Principal};
 use meshwarp_grpc_api::daemon::{DaemonOptions, TlsFiles};
 use meshwarp_grpc_api::server::ServerConfig;
 use serde::{Deserialize, Serialize};
@@ -85,6 +86,53 @@ pub struct FileConfig {
     /// On stop, also detach and unpin the data path.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cleanup: Option<bool>,
+    /// Who may call besides root and the daemon's user (`[[allow]]` tables).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub allow: Option<Vec<Allow>>,
+}
+
+/// One `[[allow]]` table: a principal (exactly one of `user`, `uid`,
+/// `group`, `gid`, `cert`) and what it may do.
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Allow {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub uid: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub group: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gid: Option<u32>,
+    /// A name of the client certificate: subject CN, DNS or URI SAN.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cert: Option<String>,
+    /// Owners it may act as: names, or prefixes ending in `*` ("*": any).
+    #[serde(default)]
+    pub owners: Vec<String>,
+    /// May load/unload/configure plugins and attach/detach interfaces.
+    #[serde(default)]
+    pub node_admin: bool,
+}
+
+impl Allow {
+    fn grant(&self) -> Result<Grant> {
+        let who = match (&self.user, self.uid, &self.group, self.gid, &self.cert) {
+            (Some(u), None, None, None, None) => match nix::unistd::User::from_name(u) {
+                Ok(Some(u)) => Principal::Uid(u.uid.as_raw()),
+                _ => bail!("[[allow]]: unknown user {u:?}"),
+            },
+            (None, Some(uid), None, None, None) => Principal::Uid(uid),
+            (None, None, Some(g), None, None) => match nix::unistd::Group::from_name(g) {
+                Ok(Some(g)) => Principal::Gid(g.gid.as_raw()),
+                _ => bail!("[[allow]]: unknown group {g:?}"),
+            },
+            (None, None, None, Some(gid), None) => Principal::Gid(gid),
+            (None, None, None, None, Some(c)) if !c.is_empty() => Principal::Cert(c.clone()),
+            _ => bail!("[[allow]]: name exactly one of user, uid, group, gid or cert"),
+        };
+        Ok(Grant { who, owners: OwnerPatterns(self.owners.clone()), node_admin: self.node_admin })
+    }
 }
 
 /// `reader_guard`: see [`meshwarp_core::GuardMode`].
@@ -222,6 +270,8 @@ impl ServeArgs {
             syscall_watch: self.no_syscall_watch.then_some(false),
             netns: self.netns.clone(),
             cleanup: self.cleanup.then_some(true),
+            // A file key only: access is configured once per node.
+            allow: None,
         }
     }
 }
@@ -279,6 +329,7 @@ pub fn resolve(args: &ServeArgs, pin_root: Option<&Path>) -> Result<(DaemonOptio
         _ => bail!("mTLS needs all of tls_cert, tls_key and tls_client_ca"),
     };
     o.metrics_listen = c.metrics_listen;
+    o.grants = c.allow.unwrap_or_default().iter().map(Allow::grant).collect::<Result<_>>()?;
     o.cleanup_on_exit = c.cleanup.unwrap_or(false);
     o.netns = c.netns;
     if let Some(s) = c.drain_timeout_secs {
@@ -305,6 +356,24 @@ mod tests {
         assert_eq!(g.reader_guard, Some(ReaderGuard::Off));
         assert_eq!(g.trusted_readers.unwrap(), vec![PathBuf::from("/usr/sbin/haproxy")]);
         assert!(toml::from_str::<FileConfig>("reader_guard = \"sometimes\"").is_err());
+    }
+
+    #[test]
+    fn allow_tables_become_grants() {
+        let f: FileConfig = toml::from_str(
+            "[[allow]]\ngid = 4242\nowners = [\"team-a*\"]\n[[allow]]\ncert = \"ctl\"\nowners = [\"*\"]\nnode_admin = true\n",
+        )
+        .unwrap();
+        let grants: Vec<Grant> = f.allow.unwrap().iter().map(|a| a.grant().unwrap()).collect();
+        assert_eq!(grants[0].who, Principal::Gid(4242));
+        assert!(grants[0].owners.allows("team-a1") && !grants[0].node_admin);
+        assert_eq!(grants[1].who, Principal::Cert("ctl".into()));
+        assert!(grants[1].node_admin);
+        let two: FileConfig = toml::from_str("[[allow]]\nuid = 1\ngid = 2\n").unwrap();
+        assert!(two.allow.unwrap()[0].grant().is_err(), "one principal per table");
+        let none: FileConfig = toml::from_str("[[allow]]\nowners = [\"x\"]\n").unwrap();
+        assert!(none.allow.unwrap()[0].grant().is_err());
+        assert!(toml::from_str::<FileConfig>("[[allow]]\nuid = 1\nowner = [\"x\"]\n").is_err(), "typo");
     }
 
     /// `meshwarp serve` arguments as clap parses them.

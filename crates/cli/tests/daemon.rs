@@ -641,6 +641,53 @@ fn callers_neither_root_nor_in_group_are_refused() -> Result<()> {
     Ok(())
 }
 
+/// A Unix caller gets exactly what a grant for its user or one of its groups
+/// (primary, or supplementary as the kernel reported them at connect) says.
+#[test]
+fn unix_callers_get_exactly_the_owners_their_grant_names() -> Result<()> {
+    let env = env_or_skip!();
+    let cfg = env.scratch.0.join("grants.toml");
+    std::fs::write(&cfg, "[[allow]]\ngid = 4242\nowners = [\"team-a*\"]\n")?;
+    // World-writable: only the daemon's check decides.
+    let _d = env.start(&["--socket-mode", "0666", "--config", cfg.to_str().unwrap()])?;
+    let run = |args: &[&str], gid: u32, groups: &'static [libc::gid_t]| {
+        let mut c = Command::new(BIN);
+        c.env("MESHWARP_ADDR", env.socket()).args(args);
+        // SAFETY: only async-signal-safe calls, between fork and exec; the
+        // groups first, while still root (Command's own uid() would drop
+        // privileges before this runs).
+        unsafe {
+            c.pre_exec(move || {
+                if libc::setgroups(groups.len(), groups.as_ptr()) != 0
+                    || libc::setgid(gid) != 0
+                    || libc::setuid(65534) != 0
+                {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let out = c.output().unwrap();
+        (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    let member = |args: &[&str]| run(args, 4242, &[]);
+    let (ok, err) = member(&["pair", "add", "198.18.0.2", "198.18.0.3:80", "--owner", "team-a1"]);
+    ensure!(ok, "an owner its grant names: {err}");
+    let (ok, err) = member(&["pair", "add", "198.18.0.2", "198.18.0.3:81", "--owner", "team-b"]);
+    ensure!(!ok && err.contains("PermissionDenied") && err.contains("team-b"), "another owner: {err}");
+    let (ok, err) = member(&["plugin", "unload", "anything"]);
+    ensure!(!ok && err.contains("PermissionDenied") && err.contains("node_admin"), "plugins: {err}");
+    let (ok, err) = member(&["pair", "ls"]);
+    ensure!(ok, "reads: {err}");
+    let (ok, err) = run(&["pair", "ls"], 65534, &[4242]);
+    ensure!(ok, "a supplementary group counts: {err}");
+    let (ok, err) = run(&["node", "info"], 65534, &[]);
+    ensure!(!ok && err.contains("PermissionDenied"), "no grant, no access: {err}");
+    let listed = env.cli(&["pair", "ls", "-j"]);
+    ensure!(String::from_utf8_lossy(&listed.stdout).contains("team-a1"), "root sees the member's pair");
+    Ok(())
+}
+
 #[test]
 fn default_socket_mode_is_0660() -> Result<()> {
     let env = env_or_skip!();
@@ -758,6 +805,8 @@ impl Pki {
         for (name, sans) in [
             ("server", vec!["localhost".to_string(), "127.0.0.1".to_string()]),
             ("client", vec!["controller".to_string()]),
+            // Signed by the same CA, but no grant names it.
+            ("intruder", vec!["intruder".to_string()]),
         ] {
             let key = KeyPair::generate()?;
             let cert = CertificateParams::new(sans)?.signed_by(&key, &issuer)?;
@@ -781,7 +830,14 @@ fn tcp_requires_mtls_and_accepts_only_trusted_clients() -> Result<()> {
     let env = env_or_skip!();
     let pki = Pki::new()?;
     let addr = free_loopback_port()?;
+    // Plaintext TCP names no caller: refused even on loopback.
+    let out = env.serve_cmd(&["--tcp-listen", &addr.to_string()]).output()?;
+    ensure!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("refusing plaintext gRPC"));
+    let cfg = env.scratch.0.join("grants.toml");
+    std::fs::write(&cfg, "[[allow]]\ncert = \"controller\"\nowners = [\"*\"]\n")?;
     let _d = env.start(&[
+        "--config",
+        cfg.to_str().unwrap(),
         "--tcp-listen",
         &addr.to_string(),
         "--tls-cert",
@@ -802,6 +858,31 @@ fn tcp_requires_mtls_and_accepts_only_trusted_clients() -> Result<()> {
     };
     let ok = cli("client.pem", "client.key");
     ensure!(ok.status.success(), "trusted client: {}", String::from_utf8_lossy(&ok.stderr));
+    let intruder = cli("intruder.pem", "intruder.key");
+    let err = String::from_utf8_lossy(&intruder.stderr);
+    ensure!(!intruder.status.success() && err.contains("PermissionDenied"), "a certificate no grant names: {err}");
+    // Health and reflection sit behind the same check.
+    rt().block_on(async {
+        let health = |cert: &str, key: &str| {
+            let tls = meshwarp_grpc_api::client::ClientTls {
+                ca: std::fs::read(pki.path("ca.pem")).unwrap(),
+                cert: std::fs::read(pki.path(cert)).unwrap(),
+                key: std::fs::read(pki.path(key)).unwrap(),
+                domain: None,
+            };
+            let url = url.clone();
+            async move {
+                let ch = meshwarp_grpc_api::client::channel_tls(&url, Some(&tls)).await.unwrap();
+                tonic_health::pb::health_client::HealthClient::new(ch)
+                    .check(tonic_health::pb::HealthCheckRequest { service: String::new() })
+                    .await
+            }
+        };
+        ensure!(health("client.pem", "client.key").await.is_ok());
+        let e = health("intruder.pem", "intruder.key").await.unwrap_err();
+        ensure!(e.code() == Code::PermissionDenied, "{e:?}");
+        Ok(())
+    })?;
     let rogue = cli("rogue.pem", "rogue.key");
     ensure!(!rogue.status.success(), "a client certificate of another CA is refused");
     let plain =

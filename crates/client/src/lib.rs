@@ -91,7 +91,8 @@ pub async fn channel(target: &str) -> Result<Channel, ClientError> {
     channel_tls(target, None).await
 }
 
-async fn channel_tls(target: &str, tls: Option<&ClientTls>) -> Result<Channel, ClientError> {
+/// As [`channel`], with mTLS for `https://` targets.
+pub async fn channel_tls(target: &str, tls: Option<&ClientTls>) -> Result<Channel, ClientError> {
     let t = Target::parse(target)?;
     let err = |source| ClientError::Connect { target: target.to_string(), source };
     let channel = match t {

@@ -15,9 +15,9 @@ use meshwarp_core::DataplaneConfig;
 use nix::unistd::{Gid, Group};
 use tokio::net::{TcpListener, UnixListener};
 use tokio_stream::wrappers::{TcpListenerStream, UnixListenerStream};
-use tonic::transport::server::UdsConnectInfo;
-use tonic::{Request, Status};
+use tokio_stream::StreamExt;
 
+use crate::access::{Access, Grant, OwnerPatterns, PeerStream, Principal};
 use crate::metrics::Metrics;
 use crate::pb::node_service_server::NodeServiceServer;
 use crate::server::{NodeServer, ServerConfig};
@@ -41,7 +41,8 @@ pub struct DaemonOptions {
     pub socket_mode: u32,
     /// Group allowed besides root (and owner of the socket file).
     pub socket_group: Option<String>,
-    /// gRPC over TCP: plaintext only on loopback, anywhere else only with `tls`.
+    /// gRPC over TCP, only with `tls` (mTLS: a client certificate names
+    /// the caller; plaintext TCP would name no one).
     pub tcp_listen: Option<SocketAddr>,
     pub tls: Option<TlsFiles>,
     pub metrics_listen: Option<SocketAddr>,
@@ -51,6 +52,9 @@ pub struct DaemonOptions {
     /// On stop, detach and unpin the data path too.
     pub cleanup_on_exit: bool,
     pub drain_timeout: Duration,
+    /// Who may call besides root and the daemon's own user, and as which
+    /// owners (`socket_group` adds a grant of everything to its members).
+    pub grants: Vec<Grant>,
 }
 
 impl Default for DaemonOptions {
@@ -67,13 +71,14 @@ impl Default for DaemonOptions {
             netns: None,
             cleanup_on_exit: false,
             drain_timeout: Duration::from_secs(10),
+            grants: Vec::new(),
         }
     }
 }
 
 #[derive(Debug, thiserror::Error)]
 pub enum DaemonError {
-    #[error("refusing plaintext gRPC on non-loopback address {0}: remote access needs mTLS (set tls_cert, tls_key and tls_client_ca), or use the Unix socket or a loopback address")]
+    #[error("refusing plaintext gRPC on {0}: TCP needs mTLS, since a TCP caller is known only by its client certificate (set tls_cert, tls_key and tls_client_ca), or use the Unix socket")]
     InsecureTcp(SocketAddr),
     #[error("TLS configuration: {0}")]
     Tls(String),
@@ -101,7 +106,7 @@ fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> DaemonError {
 /// Refuses what the daemon must not do before anything is loaded.
 pub fn check_options(o: &DaemonOptions) -> Result<Option<Gid>, DaemonError> {
     if let Some(addr) = o.tcp_listen {
-        if !addr.ip().is_loopback() && o.tls.is_none() {
+        if o.tls.is_none() {
             return Err(DaemonError::InsecureTcp(addr));
         }
     }
@@ -114,53 +119,22 @@ pub fn check_options(o: &DaemonOptions) -> Result<Option<Gid>, DaemonError> {
     }
 }
 
-/// Supplementary groups of a process, from /proc.
-fn groups_of(pid: i32) -> Vec<u32> {
-    let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
-        return Vec::new();
-    };
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("Groups:"))
-        .map(|g| g.split_whitespace().filter_map(|x| x.parse().ok()).collect())
-        .unwrap_or_default()
-}
-
-/// Allows root, the daemon's own user and members of `group`; refuses others
-/// with PERMISSION_DENIED. TCP callers (loopback only) are not checked here.
-fn authorize(group: Option<Gid>) -> impl Fn(Request<()>) -> Result<Request<()>, Status> + Clone {
-    let me = nix::unistd::geteuid().as_raw();
-    move |req: Request<()>| {
-        let Some(info) = req.extensions().get::<UdsConnectInfo>() else {
-            return Ok(req);
-        };
-        let Some(cred) = info.peer_cred else {
-            return Err(Status::permission_denied("peer credentials unavailable on the Unix socket"));
-        };
-        let uid = cred.uid();
-        let in_group = group.is_some_and(|g| {
-            cred.gid() == g.as_raw() || cred.pid().is_some_and(|pid| groups_of(pid).contains(&g.as_raw()))
-        });
-        if uid == 0 || uid == me || in_group {
-            return Ok(req);
-        }
-        Err(Status::permission_denied(format!("uid {uid} is neither root nor in the configured meshwarp group")))
-    }
-}
-
-type Limited = tower::layer::util::Stack<
+type Guarded = tower::layer::util::Stack<
     tower::util::MapResponseLayer<fn(http::Response<tonic::body::Body>) -> http::Response<tonic::body::Body>>,
-    tower::layer::util::Identity,
+    tower::layer::util::Stack<tonic::service::InterceptorLayer<Access>, tower::layer::util::Identity>,
 >;
 
-/// A gRPC server with the node service's limits: per-connection streams,
+/// A gRPC server with the node service's access check (on every service,
+/// health and reflection included) and limits: per-connection streams,
 /// request deadlines and the code for an oversized request.
-fn server_builder(limits: &ServerConfig) -> tonic::transport::Server<Limited> {
+fn server_builder(limits: &ServerConfig, access: &Access) -> tonic::transport::Server<Guarded> {
     let fix: fn(http::Response<tonic::body::Body>) -> http::Response<tonic::body::Body> =
         oversize_is_resource_exhausted;
     tonic::transport::Server::builder()
         .max_concurrent_streams(limits.max_concurrent_streams)
         .timeout(limits.request_timeout)
+        // Outermost first: the caller is checked before anything else runs.
+        .layer(tonic::service::InterceptorLayer::new(access.clone()))
         .layer(tower::util::MapResponseLayer::new(fix))
 }
 
@@ -226,21 +200,26 @@ pub async fn run(opts: DaemonOptions, shutdown: impl Future<Output = ()> + Send 
     let inner = NodeServiceServer::new(node.clone())
         .max_decoding_message_size(limits.max_message_bytes)
         .max_encoding_message_size(64 << 20);
-    let svc = tonic::service::interceptor::InterceptedService::new(inner, authorize(gid));
+    let mut grants = opts.grants.clone();
+    if let Some(g) = gid {
+        grants.push(Grant { who: Principal::Gid(g.as_raw()), owners: OwnerPatterns::any(), node_admin: true });
+    }
+    let access = Access::new(grants);
+    let svc = inner;
 
     let (stop_tx, _) = tokio::sync::broadcast::channel::<()>(1);
     let mut servers = tokio::task::JoinSet::new();
     if let Some(path) = &opts.socket {
         let l = bind_unix(path, opts.socket_mode, gid).await?;
         tracing::info!(socket = %path.display(), mode = format!("{:o}", opts.socket_mode), "serving gRPC");
-        let router = server_builder(&limits)
+        let router = server_builder(&limits, &access)
             .add_service(health_svc.clone())
             .add_service(reflection.clone())
             .add_service(svc.clone());
         let mut stop = stop_tx.subscribe();
         servers.spawn(async move {
             router
-                .serve_with_incoming_shutdown(UnixListenerStream::new(l), async move {
+                .serve_with_incoming_shutdown(UnixListenerStream::new(l).map(|c| c.map(PeerStream::new)), async move {
                     let _ = stop.recv().await;
                 })
                 .await
@@ -248,7 +227,7 @@ pub async fn run(opts: DaemonOptions, shutdown: impl Future<Output = ()> + Send 
     }
     if let Some(addr) = opts.tcp_listen {
         let l = TcpListener::bind(addr).await.map_err(io(format!("binding {addr}")))?;
-        let mut builder = server_builder(&limits);
+        let mut builder = server_builder(&limits, &access);
         if let Some(tls) = &opts.tls {
             builder = builder.tls_config(server_tls(tls).await?).map_err(|e| DaemonError::Tls(e.to_string()))?;
         }

@@ -1,12 +1,13 @@
 //! meshwarp's gRPC node service (`meshwarp.node.v1alpha1`), server side: the
 //! proto <-> core conversions ([`convert`]), the `NodeService` server
-//! ([`server`]), the daemon around it ([`daemon`]), `/metrics` and status
-//! mapping. The generated code and the client helper live in
+//! ([`server`]), who may call it ([`access`]), the daemon around it
+//! ([`daemon`]), `/metrics` and status mapping. The generated code and the client helper live in
 //! `meshwarp-client` (no libbpf) and are re-exported here as [`pb`] and
 //! [`client`].
 //!
 //! `meshwarp-core` never sees a protobuf type: every conversion lives here.
 
+pub mod access;
 pub mod convert;
 pub mod daemon;
 pub mod metrics;

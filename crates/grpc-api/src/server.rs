@@ -918,6 +918,9 @@ impl NodeServer {
 macro_rules! rpc {
     ($self:ident, $name:literal, $req:ident, $body:ident) => {{
         let start = Instant::now();
+        if let Err(denied) = crate::access::authorize(&$req) {
+            return $self.observed($name, start, Err(denied));
+        }
         let req = $req.into_inner();
         let r = $self.blocking($name, move |this| this.$body(req)).await;
         $self.observed($name, start, r)
