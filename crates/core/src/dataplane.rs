@@ -35,7 +35,7 @@ use crate::endpoint::{CaptureRule, EndpointPair};
 use crate::error::{BpfError, IoError};
 use crate::guard::{GuardMode, GuardThread, Incident, Subscribers};
 use crate::maps::{KernelMaps, MapError, TypedMap};
-use crate::pins::FamilyPins;
+use crate::pins::{FamilyPins, PinLock};
 use crate::probe::KernelProbe;
 use crate::registry::{Registry, SockRule};
 use crate::stats::{GlobalCounters, RuleCounters};
@@ -154,6 +154,8 @@ impl Drop for PinGuard {
 #[derive(Debug)]
 pub struct Dataplane {
     layout: FamilyPins,
+    /// This process holds the pins (released when the data path is dropped).
+    _pin_lock: PinLock,
     pin_root: PathBuf,
     origin: Origin,
     sockmap: TypedMap<u32, u64>,
@@ -179,6 +181,7 @@ impl Dataplane {
         sys::ensure_bpffs(&cfg.pin_root)?;
         let layout = FamilyPins::sockredir(&cfg.pin_root);
         check_schema(&cfg.pin_root)?;
+        let pin_lock = layout.lock()?;
         let (missing, none_pinned) = layout.missing();
         let origin = if missing.is_empty() {
             tracing::info!(dir = %layout.dir().display(), "adopting pinned data path");
@@ -231,6 +234,7 @@ impl Dataplane {
         );
         Ok(Self {
             layout,
+            _pin_lock: pin_lock,
             pin_root: cfg.pin_root.clone(),
             origin,
             sockmap,

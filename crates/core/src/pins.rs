@@ -97,6 +97,26 @@ impl FamilyPins {
         (missing, none)
     }
 
+    /// Holds the family for this process until dropped: one pin root, one
+    /// process that allocates its rule slots (a daemon and an embedding
+    /// controller on the same pins would hand out the same slot twice).
+    /// Adoption after the holder exited is fine: the kernel drops the lock
+    /// with its file.
+    pub fn lock(&self) -> Result<PinLock, IoError> {
+        fs::create_dir_all(&self.dir).map_err(|e| IoError::new(format!("creating {}", self.dir.display()), e))?;
+        let dir = fs::File::open(&self.dir).map_err(|e| IoError::new(format!("opening {}", self.dir.display()), e))?;
+        match nix::fcntl::Flock::lock(dir, nix::fcntl::FlockArg::LockExclusiveNonblock) {
+            Ok(lock) => Ok(PinLock(lock)),
+            Err((_, errno)) => Err(IoError::new(
+                format!(
+                    "{} is held by another meshwarp process (one pin root per daemon or embedding controller)",
+                    self.dir.display()
+                ),
+                io::Error::from(errno),
+            )),
+        }
+    }
+
     pub fn create_dirs(&self) -> Result<(), IoError> {
         for d in [self.links_dir(), self.dir.join("progs"), self.maps_dir()] {
             fs::create_dir_all(&d).map_err(|e| IoError::new(format!("creating {}", d.display()), e))?;
@@ -132,6 +152,10 @@ impl FamilyPins {
         Ok(())
     }
 }
+
+/// A family's pin directory, held by this process (see [`FamilyPins::lock`]).
+#[derive(Debug)]
+pub struct PinLock(#[allow(dead_code)] nix::fcntl::Flock<fs::File>);
 
 /// The directory of plugin `id` of the chain of the family pinned in `family_dir`.
 pub fn plugin_dir(family_dir: &Path, id: u32) -> PathBuf {

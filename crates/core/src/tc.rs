@@ -34,7 +34,7 @@ use crate::maps::PerCpu;
 use crate::maps::{MapError, SlotMaps, TypedMap};
 pub use crate::netlink::IfaceRef;
 use crate::netlink::{self, NetlinkError};
-use crate::pins::FamilyPins;
+use crate::pins::{FamilyPins, PinLock};
 use crate::table::{self, Entry, Outcome, RuleError, Slots, Stored, Table};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -409,6 +409,8 @@ struct TcState {
 #[derive(Debug)]
 pub struct TcDataplane {
     pins: FamilyPins,
+    /// This process holds the pins (released when the data path is dropped).
+    _pin_lock: PinLock,
     netns: Option<PathBuf>,
     maps: TcMaps,
     att_stats: PerCpu<AttachKey, AttachStats>,
@@ -467,6 +469,7 @@ impl TcDataplane {
     pub fn open(cfg: &TcConfig) -> Result<Self, TcError> {
         crate::sys::ensure_bpffs(&cfg.pin_root)?;
         let pins = FamilyPins::tcredir(&cfg.pin_root);
+        let pin_lock = pins.lock()?;
         let (missing, none_pinned) = pins.missing();
         if none_pinned {
             if let Err(e) = load_and_pin(cfg, &pins) {
@@ -489,6 +492,7 @@ impl TcDataplane {
             netns: cfg.netns.clone(),
             state: Mutex::new(TcState::default()),
             pins,
+            _pin_lock: pin_lock,
         };
         dp.reconcile()?;
         Ok(dp)

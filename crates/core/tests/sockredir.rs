@@ -354,19 +354,25 @@ fn loopback_tuples_in_two_namespaces_do_not_collide() -> Result<()> {
 
 #[test]
 fn adopting_a_pinned_instance_loads_nothing_twice() -> Result<()> {
-    let k = kernel_test!(1024);
+    let mut k = kernel_test!(1024);
     let pair = EndpointPair::new("198.18.0.2".parse()?, Endpoint::new("198.18.0.3".parse()?, 80))?;
     k.dp().insert(&pair, "test")?;
     let id = k.dp().sockops_prog_id()?;
+    ensure!(k.dp().origin() == DataplaneOrigin::Loaded);
     let count = || libbpf_rs::query::ProgInfoIter::default().filter(|p| p.name == "mw_sockops").count();
     let before = count();
     let cfg = DataplaneConfig { ..k.cfg.clone() };
+    // While this process holds the pins, nobody else allocates their slots.
+    let e = meshwarp_core::Dataplane::open(&cfg).err().context("a second opener of held pins is refused")?;
+    ensure!(e.to_string().contains("held by another meshwarp process"), "{e}");
+    // The next process (as after a restart) adopts them.
+    drop(k.dp.take());
     let again = meshwarp_core::Dataplane::open(&cfg)?;
     ensure!(again.origin() == DataplaneOrigin::Adopted);
     ensure!(again.sockops_prog_id()? == id, "same program");
     ensure!(count() == before, "no second copy loaded");
     ensure!(again.pairs() == vec![pair], "registry reconciled from the maps");
-    ensure!(k.dp().origin() == DataplaneOrigin::Loaded);
+    k.dp = Some(again);
     Ok(())
 }
 

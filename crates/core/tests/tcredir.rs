@@ -36,6 +36,17 @@ impl<'a> Node<'a> {
         self.t.tc()
     }
 
+    /// Drops this handle, as a restarted daemon would, and adopts the pins
+    /// again; while it was held, no second opener got in.
+    fn readopt(&mut self) -> Result<()> {
+        let cfg = TcConfig { pin_root: self.t.pin_root.clone(), netns: Some(self.net.node.path()), max_routes: 64 };
+        let e = TcDataplane::open(&cfg).err().context("a second opener of held pins is refused")?;
+        ensure!(e.to_string().contains("held by another meshwarp process"), "{e}");
+        drop(self.t.tc.take());
+        self.t.tc = Some(TcDataplane::open(&cfg)?);
+        Ok(())
+    }
+
     fn link(&self, name: &str) -> Link {
         link_in(&self.net.node, name).unwrap()
     }
@@ -194,7 +205,7 @@ fn adoption_drops_a_route_it_cannot_take_back() -> Result<()> {
     use meshwarp_core::maps::TypedMap;
 
     let net = TwoNodes::new(1)?;
-    let (na, _nb) = nodes_or_skip!(net);
+    let (mut na, _nb) = nodes_or_skip!(net);
     let to = RouteAction::Redirect(IfaceRef::Name("vxlan0".into()));
     na.route("vpod0", "198.18.7.0".parse()?, 24, to.clone(), None)?;
     na.route("vpod0", "198.18.8.0".parse()?, 24, to, None)?;
@@ -204,12 +215,8 @@ fn adoption_drops_a_route_it_cannot_take_back() -> Result<()> {
     entries.sort_by_key(|(_, v)| v.id);
     let [(_, first), (k, second)] = entries.as_slice() else { bail!("two routes: {entries:?}") };
     rt4.put(k, &RouteValue { id: first.id, ..*second })?;
-    let again = TcDataplane::open(&TcConfig {
-        pin_root: na.t.pin_root.clone(),
-        netns: Some(net.a.node.path()),
-        max_routes: 64,
-    })?;
-    ensure!(again.routes().len() == 1, "the consistent route is adopted: {:?}", again.routes());
+    na.readopt()?;
+    ensure!(na.tc().routes().len() == 1, "the consistent route is adopted: {:?}", na.tc().routes());
     ensure!(rt4.entries()?.len() == 1, "the other left the data path");
     Ok(())
 }
@@ -217,7 +224,7 @@ fn adoption_drops_a_route_it_cannot_take_back() -> Result<()> {
 #[test]
 fn invalid_routes_are_refused_and_change_nothing() -> Result<()> {
     let net = TwoNodes::new(1)?;
-    let (na, _nb) = nodes_or_skip!(net);
+    let (mut na, _nb) = nodes_or_skip!(net);
     let base = InterfaceRoute {
         attach: IfaceRef::Name("vpod0".into()),
         direction: Direction::Ingress,
@@ -234,15 +241,13 @@ fn invalid_routes_are_refused_and_change_nothing() -> Result<()> {
     na.tc().insert_route(&base, "test")?;
     ensure!(na.tc().insert_route(&base, "test").unwrap_err().to_string().contains("is already registered"));
     ensure!(na.tc().routes().len() == 1);
-    // Adoption: a second handle on the same pins sees the same route and attachments.
+    // Adoption: the next process on the same pins sees the same route and attachments.
     na.tc().attach(&IfaceRef::Name("vpod0".into()), Direction::Ingress)?;
-    let again = TcDataplane::open(&TcConfig {
-        pin_root: na.t.pin_root.clone(),
-        netns: Some(net.a.node.path()),
-        max_routes: 64,
-    })?;
+    let attached = na.tc().attachments();
+    na.readopt()?;
+    let again = na.tc();
     ensure!(again.routes().len() == 1 && again.routes()[0].route.dst == base.dst);
-    ensure!(again.attachments() == na.tc().attachments() && again.attachments().len() == 1);
+    ensure!(again.attachments() == attached && attached.len() == 1);
     ensure!(again.routes()[0].owner == "test", "owners survive adoption");
 
     // Owners and batches.
@@ -286,7 +291,7 @@ fn invalid_routes_are_refused_and_change_nothing() -> Result<()> {
 fn a_deleted_pod_leaves_no_route_on_its_old_interface() -> Result<()> {
     let net = TwoNodes::new(2)?;
     let b_ip = net.b.pods[0].addr(false);
-    let (na, _nb) = nodes_or_skip!(net);
+    let (mut na, _nb) = nodes_or_skip!(net);
     let (old_if, _) = na.tc().attach(&IfaceRef::Name("vpod0".into()), Direction::Ingress)?;
     na.tc().attach(&IfaceRef::Name("vpod1".into()), Direction::Ingress)?;
     for pod in ["vpod0", "vpod1"] {
@@ -313,16 +318,12 @@ fn a_deleted_pod_leaves_no_route_on_its_old_interface() -> Result<()> {
     net.a.node.ip(&["link", "add", "vpod0", "type", "veth", "peer", "name", "vpod0p"])?;
     let new_if = na.link("vpod0").index;
     ensure!(new_if != old_if);
-    let again = TcDataplane::open(&TcConfig {
-        pin_root: na.t.pin_root.clone(),
-        netns: Some(net.a.node.path()),
-        max_routes: 64,
-    })?;
-    ensure!(
-        again.routes().iter().all(|r| r.attach_ifindex != old_if && r.attach_ifindex != new_if),
-        "the maps hold no route for vpod0"
-    );
     na.tc().forget_stale(old_if, Direction::Ingress, stale[0].route.route.dst)?;
     ensure!(na.tc().stale_routes().is_empty());
+    na.readopt()?;
+    ensure!(
+        na.tc().routes().iter().all(|r| r.attach_ifindex != old_if && r.attach_ifindex != new_if),
+        "the maps hold no route for vpod0"
+    );
     Ok(())
 }
