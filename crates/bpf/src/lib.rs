@@ -57,6 +57,15 @@ pub mod plugins {
         object!(
             /// Refused by the verifier.
             REJECTED, "rejected");
+        object!(
+            /// Hostile: writes the read-only chain (refused by the verifier).
+            HOSTILE_CHAIN, "hostile_chain");
+        object!(
+            /// Hostile: points its socket's state at another connection's link.
+            HOSTILE_STEER, "hostile_steer");
+        object!(
+            /// Asks for one of its maps to be pinned by name (refused).
+            PINNED_MAP, "pinned_map");
     }
     #[cfg(feature = "test-plugins")]
     pub use test_objects::*;

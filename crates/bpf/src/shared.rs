@@ -7,7 +7,7 @@
 use std::net::IpAddr;
 
 /// `MW_SCHEMA_VERSION`: bumped whenever a pinned map's key or value changes.
-pub const SCHEMA_VERSION: u32 = 8;
+pub const SCHEMA_VERSION: u32 = 9;
 
 pub const AF_INET: u32 = 2;
 pub const AF_INET6: u32 = 10;

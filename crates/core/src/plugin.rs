@@ -870,6 +870,16 @@ fn load_object(
     }
     for mut m in open.maps_mut() {
         let mname = m.name().to_string_lossy().into_owned();
+        // SAFETY: a map of the open object, alive for the call.
+        let pin =
+            unsafe { libbpf_rs::libbpf_sys::bpf_map__pin_path(libbpf_rs::AsRawLibbpf::as_libbpf_object(&m).as_ptr()) };
+        if !pin.is_null() {
+            return Err(PluginError::NotAPlugin {
+                reason: format!(
+                    "map {mname} asks to be pinned (a pinning attribute): meshwarp pins a plugin's maps under its own directory"
+                ),
+            });
+        }
         if let Some(h) = fam.shared.get(mname.as_str()) {
             m.reuse_fd(h.as_fd()).map_err(bpf(format!("sharing map {mname}")))?;
         }

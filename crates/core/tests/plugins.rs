@@ -362,6 +362,70 @@ fn refused_objects_change_nothing() -> Result<()> {
     Ok(())
 }
 
+/// The kernel's cookie of a socket (SO_COOKIE).
+fn socket_cookie(s: &TcpStream) -> Result<u64> {
+    use std::os::fd::AsRawFd;
+    let mut cookie = 0u64;
+    let mut len = size_of::<u64>() as libc::socklen_t;
+    // SAFETY: a valid socket and an 8-byte buffer.
+    let rc = unsafe {
+        libc::getsockopt(s.as_raw_fd(), libc::SOL_SOCKET, libc::SO_COOKIE, (&raw mut cookie).cast(), &mut len)
+    };
+    ensure!(rc == 0, "SO_COOKIE: {}", std::io::Error::last_os_error());
+    Ok(cookie)
+}
+
+/// Plugins cannot rewrite the host's state: one that writes the chain is
+/// refused by the verifier, one that asks for its own pinning is refused at
+/// load, and one that points its socket's state at another connection's link
+/// runs but moves no byte into that connection: both streams stay intact.
+#[test]
+fn hostile_plugins_are_refused_or_cannot_reach_another_connection() -> Result<()> {
+    let k = kernel_test!();
+    let pods = Pods::new(&k)?;
+    let c = chain(&k)?;
+    let e = c.load(&manifest("hostile-chain", Hook::Message, 0), plugins::HOSTILE_CHAIN, &[], false).unwrap_err();
+    let PluginError::Rejected { log, .. } = &e else { anyhow::bail!("expected a verifier rejection, got {e}") };
+    ensure!(log.contains("write into map forbidden"), "the verifier's reason is carried: {log}");
+    let e = c.load(&manifest("pinned", Hook::Message, 0), plugins::PINNED_MAP, &[], false).unwrap_err();
+    ensure!(matches!(e, PluginError::NotAPlugin { .. }) && e.to_string().contains("pinned"), "{e}");
+    ensure!(c.list()?.is_empty(), "nothing was loaded");
+
+    // Connection 1's client end, as the host knows it.
+    let (c0, s0) = pods.connect(0)?;
+    let (mut c1, mut s1) = pods.connect(1)?;
+    let target = k.dp().socket_link(socket_cookie(&c1)?)?.context("connection 1 is accelerated")?;
+    let mut cfg = target.link.to_le_bytes().to_vec();
+    cfg.extend(target.end.to_le_bytes());
+    cfg.extend(target.slot.to_le_bytes());
+    c.load(&manifest("steer", Hook::Message, 0), plugins::HOSTILE_STEER, &cfg, false)?;
+    // Connection 0's bytes stay on connection 0, checksummed both ways...
+    exchange(c0, s0, 41, 1 << 20, T)?;
+    ensure!(counters(&c, "steer").runs > 0, "the hostile plugin ran");
+    // The host saw each steered message come from a socket that is not the
+    // end its state names (not merely a sequence number that happened not
+    // to match).
+    let st = k.dp().stats(&pods.pairs[0])?;
+    ensure!(st.fallback_no_peer >= 16, "steered messages refused as not the link's end: {st:?}");
+    // ... and none reached connection 1, which still works.
+    s1.set_nonblocking(true)?;
+    let mut buf = [0u8; 64];
+    match s1.read(&mut buf) {
+        Err(e) if e.kind() == ErrorKind::WouldBlock => {}
+        other => anyhow::bail!("connection 1's server got something: {other:?}"),
+    }
+    s1.set_nonblocking(false)?;
+    c.unload("steer")?;
+    c1.write_all(b"still-mine")?;
+    let mut got = [0u8; 10];
+    s1.read_exact(&mut got)?;
+    ensure!(&got == b"still-mine");
+    s1.write_all(b"and-back!!")?;
+    c1.read_exact(&mut got)?;
+    ensure!(&got == b"and-back!!");
+    Ok(())
+}
+
 /// Empties the active on_message chain slot 0 behind the library's back.
 fn remove_first_msg_program(k: &KernelTest) -> Result<()> {
     let maps = k.dp().pin_dir().join("maps");

@@ -625,6 +625,28 @@ static __always_inline struct mw_link *link_at(__u32 slot, __u64 id)
 	return (link && id && link->id == id) ? link : NULL;
 }
 
+/* Whether a socket with these ports (local, remote; host order) is end
+ * `end` of `link`. */
+static __always_inline bool ports_are_link_end(__u32 lport, __u32 rport, const struct mw_link *link, __u32 end)
+{
+	if (end == MW_END_SERVER)
+		return lport == link->server_port && rport == link->client_port;
+	return lport == link->client_port && (link->kind != MW_LINK_MIRROR || rport == link->server_port);
+}
+
+/* The link `st` names for socket `sk`, if `sk` really is that link's end
+ * (mw_sk_state is writable by plugins: a state pointing elsewhere gets
+ * nothing, so it cannot touch another connection's bookkeeping). */
+static __always_inline struct mw_link *link_of_sk(const struct mw_sock_state *st, const struct sock *sk)
+{
+	struct mw_link *link = link_at(st->slot, st->link);
+
+	if (link && !ports_are_link_end(sk->__sk_common.skc_num, bpf_ntohs(sk->__sk_common.skc_dport), link,
+					st->end & 1))
+		return NULL;
+	return link;
+}
+
 /* Link `id` from its id alone: the slot it claimed is one of the
  * MW_SLOT_PROBES its hash starts from (slot_claim). */
 static __always_inline struct mw_link *link_find(__u64 id, __u32 *slot)
@@ -1273,6 +1295,15 @@ static __always_inline bool policy_allows(struct sk_msg_md *msg, struct mw_link 
 	return true;
 }
 
+/* Whether the socket a message is sent on is the end of `link` its state
+ * names. mw_sk_state is shared with plugins, which can write it: this keeps
+ * a plugin from steering its bytes into another connection's peer. The
+ * ports are the socket's own (ctx fields), not the state's. */
+static __always_inline bool is_link_end(struct sk_msg_md *msg, const struct mw_link *link, __u32 end)
+{
+	return ports_are_link_end(msg->local_port, bpf_ntohl(msg->remote_port), link, end);
+}
+
 /* The host's decision for a message every plugin continued. */
 static __always_inline int finish_msg(struct sk_msg_md *msg, struct bpf_sock *sk, struct mw_sock_state *st)
 {
@@ -1291,7 +1322,7 @@ static __always_inline int finish_msg(struct sk_msg_md *msg, struct bpf_sock *sk
 	if (link && (link->flags & MW_LINK_HIT))
 		return SK_DROP; /* being reset: more bytes would only be lost */
 	if (!link || (link->flags & MW_LINK_POISONED) || !(link->end_flags[peer] & MW_EF_TARGET) ||
-	    (link->end_flags[end] & MW_EF_NOSEND)) {
+	    (link->end_flags[end] & MW_EF_NOSEND) || !is_link_end(msg, link, end)) {
 		if (rs)
 			rs->fb_no_peer++;
 		return SK_PASS;
@@ -1441,7 +1472,7 @@ int BPF_PROG(mw_recv_len, struct sock *sk, int ret, int flags)
 			}
 			if (old == MW_RD_SHARED) {
 				st->rd_pid = MW_RD_SHARED;
-				link = link_at(st->slot, st->link);
+				link = link_of_sk(st, sk);
 				if (link)
 					__sync_fetch_and_or(&link->dir[peer_dir].flags, MW_DIR_RD_SHARED);
 			}
@@ -1455,12 +1486,12 @@ int BPF_PROG(mw_recv_len, struct sock *sk, int ret, int flags)
 			 * socket (MW_RD_SHARED) never leaves the SOCKMAP. */
 			if (seq == st->rd_pub && st->rd_pid != MW_RD_SHARED) {
 				st->psock_rd += ret;
-				link = link_at(st->slot, st->link);
+				link = link_of_sk(st, sk);
 				if (link)
 					link->dir[peer_dir].psock_read = st->psock_rd;
 			}
 			if (seq != st->rd_pub) {
-				link = link_at(st->slot, st->link);
+				link = link_of_sk(st, sk);
 				if (link)
 					link->dir[peer_dir].tcp_read = seq;
 				st->rd_pub = seq;
