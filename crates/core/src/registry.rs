@@ -508,7 +508,86 @@ mod tests {
         ]
     }
 
+    /// Everything a batch could change: the maps and what the registry says.
+    fn snapshot(reg: &Registry<MemoryMaps>) -> impl PartialEq + std::fmt::Debug {
+        fn sorted<T: Ord>(mut v: Vec<T>) -> Vec<T> {
+            v.sort();
+            v
+        }
+        let m = reg.maps();
+        (
+            sorted(m.pairs.iter().map(|(k, v)| (k.server_port, k.client_ip, v.id, v.flags)).collect()),
+            sorted(m.owners.iter().map(|(k, v)| (*k, v.as_string())).collect()),
+            // Counters of live slots (a free slot's are zeroed when it is given out).
+            sorted(m.pairs.values().map(|r| (r.id, m.stats.get(&r.id).map(|s| s.msgs))).collect()),
+            reg.pairs(),
+            reg.usage(),
+        )
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Upsert(Vec<u16>, bool),
+        Remove(Vec<u16>, bool),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        let ports = proptest::collection::vec(1u16..12, 1..6);
+        prop_oneof![
+            (ports.clone(), any::<bool>()).prop_map(|(p, m)| Op::Upsert(p, m)),
+            (ports, any::<bool>()).prop_map(|(p, a)| Op::Remove(p, a)),
+        ]
+    }
+
     proptest! {
+        /// Batches with a map operation failing at any point are all or
+        /// nothing: a batch whose write (upsert) or delete (removal) fails
+        /// leaves maps and registry exactly as they were (slots, owners and
+        /// counters included). When the rollback itself fails too (`undo`),
+        /// nothing is promised but that maps and registry still agree (a
+        /// registry rebuilt from the maps says the same), as after every batch.
+        #[test]
+        fn batches_with_injected_failures_are_all_or_nothing(
+            ops in proptest::collection::vec((op(), 0u32..8, 0u32..3), 1..24)
+        ) {
+            let mut reg = Registry::reconcile(MemoryMaps::with_capacity(8)).unwrap();
+            for (n, (op, fail_at, undo)) in ops.into_iter().enumerate() {
+                // Counters to keep: every live slot has some.
+                let ids: Vec<u32> = reg.maps().pairs.values().map(|r| r.id).collect();
+                for id in ids {
+                    reg.maps.stats.insert(id, RuleStats { msgs: u64::from(id) + 100, ..Default::default() });
+                }
+                // The forward path's operation fails at `fail_at`; with
+                // `undo`, the rollback's first operation of the other kind too.
+                let (forward, rollback) = (Some(fail_at).filter(|f| *f > 0), Some(undo).filter(|u| *u > 0));
+                (reg.maps.fail_write_in, reg.maps.fail_delete_in) = match op {
+                    Op::Upsert(..) => (forward, rollback),
+                    Op::Remove(..) => (rollback, forward),
+                };
+                let before = snapshot(&reg);
+                let result = match &op {
+                    Op::Upsert(ports, never) => {
+                        let never = NeverRedirectInto { client: false, server: *never };
+                        let rules: Vec<_> =
+                            ports.iter().map(|p| pair("198.18.0.2", "198.18.0.3", *p).never_redirect_into(never)).collect();
+                        reg.batch_upsert(&rules, "ctl").map(|_| ())
+                    }
+                    Op::Remove(ports, allow_missing) => {
+                        let rules: Vec<_> = ports.iter().map(|p| pair("198.18.0.2", "198.18.0.3", *p)).collect();
+                        reg.batch_remove(&rules, "ctl", *allow_missing).map(|_| ())
+                    }
+                };
+                reg.maps.fail_write_in = None;
+                reg.maps.fail_delete_in = None;
+                if result.is_err() && undo == 0 {
+                    prop_assert_eq!(snapshot(&reg), before, "op {} {:?} failed and changed something", n, op);
+                }
+                let rebuilt = Registry::reconcile(std::mem::take(&mut reg.maps)).unwrap();
+                prop_assert_eq!(rebuilt.pairs(), reg.pairs(), "op {}: the maps and the registry agree", n);
+                reg = rebuilt;
+            }
+        }
+
         /// Rules survive the round trip through their map form.
         #[test]
         fn pair_keys_round_trip(a in any_ip(), b in any_ip(), p in 1u16.., c: bool, s: bool) {
