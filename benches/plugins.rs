@@ -57,15 +57,15 @@ fn plugins_rtt(c: &mut Criterion) {
     };
     for round in ["a", "b"] {
         measure(&mut g, format!("redirect_0_plugins_{round}"), &mut fast);
-        chain.load(&noop("noop-0"), NOOP_MSG, &[], false).expect("load");
+        chain.load(&noop("noop-0"), NOOP_MSG, &[], false, "bench").expect("load");
         measure(&mut g, format!("redirect_1_plugin_{round}"), &mut fast);
         for i in 1..4 {
-            chain.load(&noop(&format!("noop-{i}")), NOOP_MSG, &[], false).expect("load");
+            chain.load(&noop(&format!("noop-{i}")), NOOP_MSG, &[], false, "bench").expect("load");
         }
         measure(&mut g, format!("redirect_4_plugins_{round}"), &mut fast);
         list = chain.list().expect("list");
         for i in 0..4 {
-            chain.unload(&format!("noop-{i}")).expect("unload");
+            chain.unload(&format!("noop-{i}"), None).expect("unload");
         }
     }
     g.finish();

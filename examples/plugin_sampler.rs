@@ -23,7 +23,8 @@ fn main() -> Result<()> {
         phase: Phase::Stats,
         ..PluginManifest::new("sampler", Hook::Message)
     };
-    let info = chain.load(&manifest, meshwarp_bpf::plugins::BYTE_SAMPLER, &every.to_le_bytes(), true)?;
+    let info =
+        chain.load(&manifest, meshwarp_bpf::plugins::BYTE_SAMPLER, &every.to_le_bytes(), true, "plugin-sampler")?;
     println!(
         "plugin {} loaded: prog #{}, position {} of the on_message chain",
         info.manifest.name, info.prog_id, info.position

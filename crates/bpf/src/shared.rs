@@ -595,6 +595,8 @@ pub struct PluginMeta {
     pub cfg_slot: u32,
     pub abi: u32,
     pub sha256: [u8; 32],
+    /// The controller that loaded it.
+    pub owner: OwnerName,
 }
 
 impl Default for PluginMeta {
@@ -609,6 +611,7 @@ impl Default for PluginMeta {
             cfg_slot: 0,
             abi: 0,
             sha256: [0; 32],
+            owner: OwnerName::default(),
         }
     }
 }
@@ -787,7 +790,7 @@ mod tests {
         assert_eq!(size_of::<ChainPos>(), 16);
         assert_eq!(size_of::<PluginConfig>(), 4 + PLUGIN_CFG_MAX);
         assert_eq!(size_of::<PluginStats>(), 6 * 8);
-        assert_eq!(size_of::<PluginMeta>(), 64 + 32 + 6 * 4 + 32);
+        assert_eq!(size_of::<PluginMeta>(), 64 + 32 + 6 * 4 + 32 + OWNER_LEN);
     }
 
     #[test]

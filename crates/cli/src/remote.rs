@@ -558,6 +558,7 @@ impl Remote {
                     object: bytes,
                     config: config_bytes(config)?,
                     replace: *replace,
+                    owner: self.owner.clone(),
                 };
                 let r = self.c.load_plugin(req).await?.into_inner();
                 let p = r.plugin.clone().unwrap_or_default();
@@ -567,7 +568,11 @@ impl Remote {
                 })
             }
             PluginCmd::Unload { name, allow_missing } => {
-                let req = pb::UnloadPluginRequest { name: name.clone(), allow_missing: *allow_missing };
+                let req = pb::UnloadPluginRequest {
+                    name: name.clone(),
+                    allow_missing: *allow_missing,
+                    owner: self.owner.clone(),
+                };
                 let r = self.c.unload_plugin(req).await?.into_inner();
                 self.emit(&r, || println!("{} {name}", if r.unloaded { "unloaded" } else { "not loaded:" }))
             }
@@ -602,7 +607,11 @@ impl Remote {
             }
             PluginCmd::Examples { .. } => anyhow::bail!("`plugin examples` runs locally, not against a node"),
             PluginCmd::Config { name, config } => {
-                let req = pb::UpdatePluginConfigRequest { name: name.clone(), config: config_bytes(config)? };
+                let req = pb::UpdatePluginConfigRequest {
+                    name: name.clone(),
+                    config: config_bytes(config)?,
+                    owner: self.owner.clone(),
+                };
                 let r = self.c.update_plugin_config(req).await?.into_inner();
                 self.emit(&r, || println!("updated config of {name}"))
             }

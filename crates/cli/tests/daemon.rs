@@ -528,6 +528,7 @@ fn limits_are_enforced_with_the_limit_named_and_the_daemon_unharmed() -> Result<
         let load = |n: usize| pb::LoadPluginRequest {
             manifest: Some(manifest.clone()),
             object: vec![0x7f; n],
+            owner: OWNER.into(),
             ..Default::default()
         };
         // A message beyond the limit.
@@ -675,7 +676,7 @@ fn unix_callers_get_exactly_the_owners_their_grant_names() -> Result<()> {
     ensure!(ok, "an owner its grant names: {err}");
     let (ok, err) = member(&["pair", "add", "198.18.0.2", "198.18.0.3:81", "--owner", "team-b"]);
     ensure!(!ok && err.contains("PermissionDenied") && err.contains("team-b"), "another owner: {err}");
-    let (ok, err) = member(&["plugin", "unload", "anything"]);
+    let (ok, err) = member(&["plugin", "unload", "anything", "--owner", "team-a1"]);
     ensure!(!ok && err.contains("PermissionDenied") && err.contains("node_admin"), "plugins: {err}");
     let (ok, err) = member(&["pair", "ls"]);
     ensure!(ok, "reads: {err}");

@@ -33,9 +33,9 @@ use std::sync::{Mutex, MutexGuard};
 use libbpf_rs::{MapCore, MapFlags, MapHandle, MapType, ObjectBuilder, ProgramHandle, ProgramType};
 use meshwarp_bpf::names;
 use meshwarp_bpf::shared::{
-    chain_index, fixed_str, str_of, ChainPos, PluginAbi, PluginConfig, PluginMeta, PluginStats, Pod, ABI_MAJOR,
-    ABI_MINOR, CHAIN_MAX, HOOK_CONNECTION, HOOK_MESSAGE, HOOK_PACKET, MAX_PLUGINS, PLUGIN_ABI_SECTION, PLUGIN_CFG_MAX,
-    PLUGIN_FAIL_CLOSED, PLUGIN_NAME_LEN, PLUGIN_VERSION_LEN,
+    chain_index, fixed_str, str_of, ChainPos, OwnerName, PluginAbi, PluginConfig, PluginMeta, PluginStats, Pod,
+    ABI_MAJOR, ABI_MINOR, CHAIN_MAX, HOOK_CONNECTION, HOOK_MESSAGE, HOOK_PACKET, MAX_PLUGINS, OWNER_LEN,
+    PLUGIN_ABI_SECTION, PLUGIN_CFG_MAX, PLUGIN_FAIL_CLOSED, PLUGIN_NAME_LEN, PLUGIN_VERSION_LEN,
 };
 use sha2::{Digest, Sha256};
 
@@ -251,6 +251,8 @@ pub struct PluginInfo {
     pub config: Vec<u8>,
     /// Position in its hook's chain (0 runs first).
     pub position: u32,
+    /// The controller that loaded it.
+    pub owner: String,
     pub counters: PluginCounters,
     pub maps: Vec<PluginMap>,
 }
@@ -291,6 +293,8 @@ pub enum PluginError {
     ChainFull { hook: Hook },
     #[error("no free plugin slot ({MAX_PLUGINS} plugins per node)")]
     NoSlot,
+    #[error("plugin {name} is owned by {owner:?}, not {requested:?}")]
+    OwnerMismatch { name: String, owner: String, requested: String },
     #[error(transparent)]
     Bpf(#[from] crate::error::BpfError),
     #[error(transparent)]
@@ -496,6 +500,9 @@ impl FamilyMaps {
 struct Plugin {
     id: u32,
     manifest: PluginManifest,
+    /// The controller that loaded it: only it may replace, configure or
+    /// unload it (or a caller that acts for every owner).
+    owner: String,
     abi: (u16, u16),
     cfg_slot: u32,
     config: Vec<u8>,
@@ -522,6 +529,7 @@ impl Plugin {
             cfg_slot: self.cfg_slot,
             abi: (u32::from(self.abi.0) << 16) | u32::from(self.abi.1),
             sha256: self.sha256(),
+            owner: OwnerName::new(&self.owner).unwrap_or_default(),
         }
     }
 
@@ -626,6 +634,7 @@ impl PluginChain {
                 };
                 let plugin = Plugin {
                     id,
+                    owner: meta.owner.as_string(),
                     abi: ((meta.abi >> 16) as u16, meta.abi as u16),
                     cfg_slot: meta.cfg_slot,
                     config,
@@ -649,9 +658,10 @@ impl PluginChain {
         path: &Path,
         config: &[u8],
         replace: bool,
+        owner: &str,
     ) -> Result<PluginInfo, PluginError> {
         let object = fs::read(path).map_err(io_err(path))?;
-        self.load(manifest, &object, config, replace)
+        self.load(manifest, &object, config, replace, owner)
     }
 
     /// Verifies and loads a plugin object and puts it in its hook's chain
@@ -663,8 +673,15 @@ impl PluginChain {
         object: &[u8],
         config: &[u8],
         replace: bool,
+        owner: &str,
     ) -> Result<PluginInfo, PluginError> {
         manifest.validate()?;
+        if OwnerName::new(owner).is_none() || owner.is_empty() {
+            return Err(PluginError::Invalid {
+                field: "owner",
+                reason: format!("{owner:?}: 1 to {} bytes, no NUL", OWNER_LEN - 1),
+            });
+        }
         if config.len() > PLUGIN_CFG_MAX {
             return Err(PluginError::ConfigTooLarge { len: config.len() });
         }
@@ -691,6 +708,7 @@ impl PluginChain {
             if !replace {
                 return Err(PluginError::AlreadyExists { name: manifest.name.clone() });
             }
+            check_owner(old, Some(owner))?;
             if old.manifest.hook != hook {
                 return Err(PluginError::HookChange {
                     name: manifest.name.clone(),
@@ -714,8 +732,16 @@ impl PluginChain {
         let (prog, maps) = load_object(fam, manifest, object, &dir)?;
         let mut manifest = manifest.clone();
         manifest.sha256 = Some(sha256);
-        let plugin =
-            Plugin { id, manifest, abi: (abi.major, abi.minor), cfg_slot, config: config.to_vec(), prog, maps };
+        let plugin = Plugin {
+            id,
+            manifest,
+            owner: owner.to_string(),
+            abi: (abi.major, abi.minor),
+            cfg_slot,
+            config: config.to_vec(),
+            prog,
+            maps,
+        };
         let installed =
             fam.meta.put(&id, &plugin.meta()).map_err(PluginError::from).and_then(|()| {
                 fam.install_chain(hook, &st.members(hook, Some((&plugin.manifest.name, Some(&plugin)))))
@@ -736,9 +762,11 @@ impl PluginChain {
     }
 
     /// Takes a plugin out of its chain and unloads it.
-    pub fn unload(&self, name: &str) -> Result<(), PluginError> {
+    /// With `owner`, only that owner's plugin.
+    pub fn unload(&self, name: &str, owner: Option<&str>) -> Result<(), PluginError> {
         let mut st = self.lock();
         let p = st.plugins.get(name).ok_or_else(|| PluginError::NotFound { name: name.into() })?;
+        check_owner(p, owner)?;
         let hook = p.manifest.hook;
         let fam = self.family(hook)?;
         fam.install_chain(hook, &st.members(hook, Some((name, None))))?;
@@ -751,12 +779,13 @@ impl PluginChain {
 
     /// Gives a plugin new configuration bytes; messages see the old or the new
     /// config, never a mix.
-    pub fn update_config(&self, name: &str, config: &[u8]) -> Result<PluginInfo, PluginError> {
+    pub fn update_config(&self, name: &str, config: &[u8], owner: Option<&str>) -> Result<PluginInfo, PluginError> {
         if config.len() > PLUGIN_CFG_MAX {
             return Err(PluginError::ConfigTooLarge { len: config.len() });
         }
         let mut st = self.lock();
         let p = st.plugins.get(name).ok_or_else(|| PluginError::NotFound { name: name.into() })?;
+        check_owner(p, owner)?;
         let hook = p.manifest.hook;
         let fam = self.family(hook)?;
         // The other of the plugin's two slots: nothing reads it (cleared
@@ -770,6 +799,7 @@ impl PluginChain {
             prog: ProgramHandle::try_from(&p.prog).map_err(bpf("duplicating the program handle"))?,
             maps: p.maps.clone(),
             manifest: p.manifest.clone(),
+            owner: p.owner.clone(),
             ..*p
         };
         for m in members.iter_mut() {
@@ -817,7 +847,20 @@ impl PluginChain {
             position,
             counters: fam.counters(p.id)?,
             maps: p.maps.clone(),
+            owner: p.owner.clone(),
         })
+    }
+}
+
+/// [`PluginError::OwnerMismatch`] unless `owner` (when given) loaded `p`.
+fn check_owner(p: &Plugin, owner: Option<&str>) -> Result<(), PluginError> {
+    match owner {
+        Some(o) if o != p.owner => Err(PluginError::OwnerMismatch {
+            name: p.manifest.name.clone(),
+            owner: p.owner.clone(),
+            requested: o.into(),
+        }),
+        _ => Ok(()),
     }
 }
 

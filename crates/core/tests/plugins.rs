@@ -90,7 +90,7 @@ fn port_allowlist_declines_outside_its_ports_and_unload_restores() -> Result<()>
     let pods = Pods::new(&k)?;
     let c = chain(&k)?;
     let cfg: Vec<u8> = PORT.to_le_bytes().to_vec();
-    c.load(&manifest("ports", Hook::Connection, 0), plugins::PORT_ALLOW, &cfg, false)?;
+    c.load(&manifest("ports", Hook::Connection, 0), plugins::PORT_ALLOW, &cfg, false, "test")?;
 
     let len = 1 << 20;
     let (cl, sv) = pods.connect(0)?;
@@ -108,13 +108,13 @@ fn port_allowlist_declines_outside_its_ports_and_unload_restores() -> Result<()>
     ensure!(pc.runs == 4 && pc.continued == 2 && pc.verdict1 == 2, "two ends allowed, two declined: {pc:?}");
 
     // Config update: now only OTHER_PORT.
-    c.update_config("ports", &OTHER_PORT.to_le_bytes())?;
+    c.update_config("ports", &OTHER_PORT.to_le_bytes(), None)?;
     let (cl, sv) = pods.connect(1)?;
     exchange(cl, sv, 5, len, T)?;
     ensure!(k.dp().stats(&pods.pairs[1])?.sockets == 2, "config update took effect");
 
     // Unloading restores acceleration on every covered port.
-    c.unload("ports")?;
+    c.unload("ports", None)?;
     ensure!(c.list()?.is_empty());
     let (cl, sv) = pods.connect(0)?;
     exchange(cl, sv, 7, len, T)?;
@@ -154,7 +154,8 @@ fn byte_sampler_counts_every_message_of_each_pair() -> Result<()> {
     let k = kernel_test!();
     let pods = Pods::new(&k)?;
     let c = chain(&k)?;
-    let info = c.load(&manifest("sampler", Hook::Message, 0), plugins::BYTE_SAMPLER, &4u32.to_le_bytes(), false)?;
+    let info =
+        c.load(&manifest("sampler", Hook::Message, 0), plugins::BYTE_SAMPLER, &4u32.to_le_bytes(), false, "test")?;
     ensure!(info.maps.iter().any(|m| m.name == "mw_samples"), "own map pinned: {:?}", info.maps);
 
     let (mut cl, mut sv) = pods.connect(0)?;
@@ -188,7 +189,7 @@ fn rate_limiter_drops_beyond_its_burst() -> Result<()> {
     let k = kernel_test!();
     let pods = Pods::new(&k)?;
     let c = chain(&k)?;
-    c.load(&manifest("limit", Hook::Message, 0), plugins::RATE_LIMIT, &rate_config(1, 1, 0, 10), false)?;
+    c.load(&manifest("limit", Hook::Message, 0), plugins::RATE_LIMIT, &rate_config(1, 1, 0, 10), false, "test")?;
     let (mut cl, mut sv) = pods.connect(0)?;
     let msg = [7u8; 100];
     for i in 0..10 {
@@ -209,7 +210,7 @@ fn rate_limiter_drops_beyond_its_burst() -> Result<()> {
     ensure!(cl.write(&msg).is_err() && counters(&c, "limit").runs == 11, "drop is final for the socket");
 
     // Refill: with a rate, a new connection gets through again.
-    c.update_config("limit", &rate_config(1, 1, 1_000_000, 10))?;
+    c.update_config("limit", &rate_config(1, 1, 1_000_000, 10), None)?;
     thread::sleep(Duration::from_millis(5));
     let (mut cl, mut sv) = pods.connect(0)?;
     cl.write_all(&msg).context("after refill")?;
@@ -224,7 +225,7 @@ fn rate_limiter_bypass_keeps_every_byte_in_order() -> Result<()> {
     let c = chain(&k)?;
     // 64 KiB of burst, no refill, counted in bytes: the rest of each
     // direction goes the normal path.
-    c.load(&manifest("limit", Hook::Message, 0), plugins::RATE_LIMIT, &rate_config(2, 2, 0, 64 << 10), false)?;
+    c.load(&manifest("limit", Hook::Message, 0), plugins::RATE_LIMIT, &rate_config(2, 2, 0, 64 << 10), false, "test")?;
     let before = pods.net.veth_bytes(0)?;
     let (cl, sv) = pods.connect(0)?;
     let len = 4 << 20;
@@ -244,9 +245,9 @@ fn chain_runs_in_phase_then_priority_order() -> Result<()> {
     let c = chain(&k)?;
     // The limiter (burst 0, drop) ahead of the sampler: the sampler never runs.
     let limiter = PluginManifest { phase: Phase::Authz, ..manifest("limit", Hook::Message, 0) };
-    c.load(&limiter, plugins::RATE_LIMIT, &rate_config(1, 1, 0, 0), false)?;
+    c.load(&limiter, plugins::RATE_LIMIT, &rate_config(1, 1, 0, 0), false, "test")?;
     let sampler = PluginManifest { phase: Phase::Stats, ..manifest("sampler", Hook::Message, 100) };
-    c.load(&sampler, plugins::BYTE_SAMPLER, &[], false)?;
+    c.load(&sampler, plugins::BYTE_SAMPLER, &[], false, "test")?;
     let order: Vec<(String, u32)> = c.list()?.into_iter().map(|p| (p.manifest.name, p.position)).collect();
     ensure!(order == [("limit".to_string(), 0), ("sampler".to_string(), 1)], "{order:?}");
     let (mut cl, _sv) = pods.connect(0)?;
@@ -255,7 +256,7 @@ fn chain_runs_in_phase_then_priority_order() -> Result<()> {
 
     // Same phase: higher priority first. Move the limiter behind the sampler.
     let limiter = PluginManifest { phase: Phase::Stats, priority: 1, ..limiter };
-    c.load(&limiter, plugins::RATE_LIMIT, &rate_config(1, 1, 0, 0), true)?;
+    c.load(&limiter, plugins::RATE_LIMIT, &rate_config(1, 1, 0, 0), true, "test")?;
     ensure!(c.get("limit")?.position == 1 && c.get("sampler")?.position == 0);
     // A new connection: the kernel keeps the old socket's drop verdict.
     drop(cl);
@@ -271,8 +272,8 @@ fn hot_swap_under_traffic_loses_nothing() -> Result<()> {
     let k = kernel_test!();
     let pods = Pods::new(&k)?;
     let c = chain(&k)?;
-    c.load(&manifest("noop", Hook::Message, 0), plugins::NOOP_MSG, &[], false)?;
-    c.load(&manifest("sampler", Hook::Message, -1), plugins::BYTE_SAMPLER, &[], false)?;
+    c.load(&manifest("noop", Hook::Message, 0), plugins::NOOP_MSG, &[], false, "test")?;
+    c.load(&manifest("sampler", Hook::Message, -1), plugins::BYTE_SAMPLER, &[], false, "test")?;
     let listener = pods.net.pods[1].ns.listen(SocketAddr::new(pods.net.pods[1].addr(false), 7070))?;
     let pair = EndpointPair::new(pods.net.pods[0].addr(false), Endpoint::new(pods.net.pods[1].addr(false), 7070))?
         .with_mode(FastPathMode::Always);
@@ -300,13 +301,13 @@ fn hot_swap_under_traffic_loses_nothing() -> Result<()> {
         }
         let swapped = (|| -> Result<()> {
             for swap in 0..20u32 {
-                c.load(&manifest("noop", Hook::Message, swap as i32 % 3), plugins::NOOP_MSG, &[], true)?;
-                c.update_config("sampler", &(swap + 1).to_le_bytes())?;
+                c.load(&manifest("noop", Hook::Message, swap as i32 % 3), plugins::NOOP_MSG, &[], true, "test")?;
+                c.update_config("sampler", &(swap + 1).to_le_bytes(), None)?;
                 // A third plugin comes and goes at the head of the chain.
                 if swap % 2 == 0 {
-                    c.load(&manifest("extra", Hook::Message, 10), plugins::VERDICT_MSG, &[], false)?;
+                    c.load(&manifest("extra", Hook::Message, 10), plugins::VERDICT_MSG, &[], false, "test")?;
                 } else {
-                    c.unload("extra")?;
+                    c.unload("extra", None)?;
                 }
             }
             Ok(())
@@ -332,26 +333,35 @@ fn refused_objects_change_nothing() -> Result<()> {
     let k = kernel_test!();
     let pods = Pods::new(&k)?;
     let c = chain(&k)?;
-    c.load(&manifest("noop", Hook::Message, 0), plugins::NOOP_MSG, &[], false)?;
+    c.load(&manifest("noop", Hook::Message, 0), plugins::NOOP_MSG, &[], false, "test")?;
     let before: Vec<(String, u32, u32)> = c.list()?.into_iter().map(|p| (p.manifest.name, p.id, p.prog_id)).collect();
 
-    let e = c.load(&manifest("future", Hook::Message, 0), plugins::ABI_MAJOR, &[], false).unwrap_err();
+    let e = c.load(&manifest("future", Hook::Message, 0), plugins::ABI_MAJOR, &[], false, "test").unwrap_err();
     ensure!(matches!(e, PluginError::AbiMismatch { plugin: (3, 0) }), "{e}");
-    let e = c.load(&manifest("bad", Hook::Message, 0), plugins::REJECTED, &[], false).unwrap_err();
+    let e = c.load(&manifest("bad", Hook::Message, 0), plugins::REJECTED, &[], false, "test").unwrap_err();
     let PluginError::Rejected { log, .. } = &e else { anyhow::bail!("expected a verifier rejection, got {e}") };
     ensure!(log.contains("unbounded memory access"), "the verifier's reason is carried: {log}");
     ensure!(e.to_string().contains("verifier"), "{e}");
-    let e = c.load(&manifest("noop", Hook::Message, 0), plugins::NOOP_MSG, &[], false).unwrap_err();
+    let e = c.load(&manifest("noop", Hook::Message, 0), plugins::NOOP_MSG, &[], false, "test").unwrap_err();
     ensure!(matches!(e, PluginError::AlreadyExists { .. }), "{e}");
-    let e = c.load(&manifest("wrong-hook", Hook::Connection, 0), plugins::NOOP_MSG, &[], false).unwrap_err();
+    let e = c.load(&manifest("wrong-hook", Hook::Connection, 0), plugins::NOOP_MSG, &[], false, "test").unwrap_err();
     ensure!(matches!(e, PluginError::HookMismatch { .. }), "{e}");
-    let e = c.load(&manifest("pkt", Hook::Packet, 0), plugins::PKT_PORT, &[], false).unwrap_err();
+    let e = c.load(&manifest("pkt", Hook::Packet, 0), plugins::PKT_PORT, &[], false, "test").unwrap_err();
     ensure!(matches!(e, PluginError::HookUnavailable { .. }), "{e}");
     let bad_sha = PluginManifest { sha256: Some([0; 32]), ..manifest("sha", Hook::Message, 0) };
-    let e = c.load(&bad_sha, plugins::NOOP_MSG, &[], false).unwrap_err();
+    let e = c.load(&bad_sha, plugins::NOOP_MSG, &[], false, "test").unwrap_err();
     ensure!(matches!(e, PluginError::Sha256Mismatch { .. }), "{e}");
-    let e = c.load(&manifest("big", Hook::Message, 0), plugins::NOOP_MSG, &[0; 513], false).unwrap_err();
+    let e = c.load(&manifest("big", Hook::Message, 0), plugins::NOOP_MSG, &[0; 513], false, "test").unwrap_err();
     ensure!(matches!(e, PluginError::ConfigTooLarge { .. }), "{e}");
+    // Another owner's plugin is neither replaced, nor configured, nor unloaded.
+    let e = c.load(&manifest("noop", Hook::Message, 0), plugins::NOOP_MSG, &[], true, "intruder").unwrap_err();
+    ensure!(matches!(e, PluginError::OwnerMismatch { .. }), "{e}");
+    let e = c.update_config("noop", &[1], Some("intruder")).unwrap_err();
+    ensure!(matches!(e, PluginError::OwnerMismatch { .. }), "{e}");
+    let e = c.unload("noop", Some("intruder")).unwrap_err();
+    ensure!(matches!(e, PluginError::OwnerMismatch { .. }), "{e}");
+    let e = c.load(&manifest("ownerless", Hook::Message, 0), plugins::NOOP_MSG, &[], false, "").unwrap_err();
+    ensure!(matches!(e, PluginError::Invalid { field: "owner", .. }), "{e}");
 
     let after: Vec<(String, u32, u32)> = c.list()?.into_iter().map(|p| (p.manifest.name, p.id, p.prog_id)).collect();
     ensure!(before == after, "chain unchanged: {before:?} -> {after:?}");
@@ -384,10 +394,11 @@ fn hostile_plugins_are_refused_or_cannot_reach_another_connection() -> Result<()
     let k = kernel_test!();
     let pods = Pods::new(&k)?;
     let c = chain(&k)?;
-    let e = c.load(&manifest("hostile-chain", Hook::Message, 0), plugins::HOSTILE_CHAIN, &[], false).unwrap_err();
+    let e =
+        c.load(&manifest("hostile-chain", Hook::Message, 0), plugins::HOSTILE_CHAIN, &[], false, "test").unwrap_err();
     let PluginError::Rejected { log, .. } = &e else { anyhow::bail!("expected a verifier rejection, got {e}") };
     ensure!(log.contains("write into map forbidden"), "the verifier's reason is carried: {log}");
-    let e = c.load(&manifest("pinned", Hook::Message, 0), plugins::PINNED_MAP, &[], false).unwrap_err();
+    let e = c.load(&manifest("pinned", Hook::Message, 0), plugins::PINNED_MAP, &[], false, "test").unwrap_err();
     ensure!(matches!(e, PluginError::NotAPlugin { .. }) && e.to_string().contains("pinned"), "{e}");
     ensure!(c.list()?.is_empty(), "nothing was loaded");
 
@@ -398,7 +409,7 @@ fn hostile_plugins_are_refused_or_cannot_reach_another_connection() -> Result<()
     let mut cfg = target.link.to_le_bytes().to_vec();
     cfg.extend(target.end.to_le_bytes());
     cfg.extend(target.slot.to_le_bytes());
-    c.load(&manifest("steer", Hook::Message, 0), plugins::HOSTILE_STEER, &cfg, false)?;
+    c.load(&manifest("steer", Hook::Message, 0), plugins::HOSTILE_STEER, &cfg, false, "test")?;
     // Connection 0's bytes stay on connection 0, checksummed both ways...
     exchange(c0, s0, 41, 1 << 20, T)?;
     ensure!(counters(&c, "steer").runs > 0, "the hostile plugin ran");
@@ -415,7 +426,7 @@ fn hostile_plugins_are_refused_or_cannot_reach_another_connection() -> Result<()
         other => anyhow::bail!("connection 1's server got something: {other:?}"),
     }
     s1.set_nonblocking(false)?;
-    c.unload("steer")?;
+    c.unload("steer", None)?;
     c1.write_all(b"still-mine")?;
     let mut got = [0u8; 10];
     s1.read_exact(&mut got)?;
@@ -444,18 +455,18 @@ fn failure_policy_open_continues_closed_drops() -> Result<()> {
     let c = chain(&k)?;
 
     // An unknown verdict: fail-open continues, fail-closed drops.
-    c.load(&manifest("odd", Hook::Message, 0), plugins::VERDICT_MSG, &7u32.to_le_bytes(), false)?;
+    c.load(&manifest("odd", Hook::Message, 0), plugins::VERDICT_MSG, &7u32.to_le_bytes(), false, "test")?;
     let (mut cl, mut sv) = pods.connect(0)?;
     ping_pong(&mut cl, &mut sv, 5, 64)?;
     let pc = counters(&c, "odd");
     ensure!(pc.invalid == 10, "{pc:?}");
     let closed = PluginManifest { failure: FailurePolicy::Closed, ..manifest("odd", Hook::Message, 0) };
-    c.load(&closed, plugins::VERDICT_MSG, &7u32.to_le_bytes(), true)?;
+    c.load(&closed, plugins::VERDICT_MSG, &7u32.to_le_bytes(), true, "test")?;
     let e = cl.write(&[1; 64]).unwrap_err();
     ensure!(e.raw_os_error() == Some(libc::EACCES), "{e}");
 
     // A plugin missing from its slot: fail-closed drops...
-    c.load(&closed, plugins::VERDICT_MSG, &[], true)?;
+    c.load(&closed, plugins::VERDICT_MSG, &[], true, "test")?;
     let (mut cl, mut sv) = pods.connect(0)?;
     ping_pong(&mut cl, &mut sv, 1, 64)?;
     remove_first_msg_program(&k)?;
@@ -463,7 +474,7 @@ fn failure_policy_open_continues_closed_drops() -> Result<()> {
     ensure!(counters(&c, "odd").missing == 1);
 
     // ...fail-open continues.
-    c.load(&manifest("odd", Hook::Message, 0), plugins::VERDICT_MSG, &[], true)?;
+    c.load(&manifest("odd", Hook::Message, 0), plugins::VERDICT_MSG, &[], true, "test")?;
     let (mut cl, mut sv) = pods.connect(0)?;
     remove_first_msg_program(&k)?;
     ping_pong(&mut cl, &mut sv, 3, 64)?;
@@ -481,8 +492,8 @@ fn a_restarted_agent_adopts_loaded_plugins() -> Result<()> {
         failure: FailurePolicy::Closed,
         ..manifest("ports", Hook::Connection, 42)
     };
-    c.load(&m, plugins::PORT_ALLOW, &PORT.to_le_bytes(), false)?;
-    c.load(&manifest("sampler", Hook::Message, 0), plugins::BYTE_SAMPLER, &[1, 0, 0, 0], false)?;
+    c.load(&m, plugins::PORT_ALLOW, &PORT.to_le_bytes(), false, "istio")?;
+    c.load(&manifest("sampler", Hook::Message, 0), plugins::BYTE_SAMPLER, &[1, 0, 0, 0], false, "test")?;
     let before = c.list()?;
     drop(c);
     let again = chain(&k)?;
@@ -491,9 +502,13 @@ fn a_restarted_agent_adopts_loaded_plugins() -> Result<()> {
     for (b, a) in before.iter().zip(&after) {
         ensure!(b.manifest == a.manifest && b.id == a.id && b.prog_id == a.prog_id && b.config == a.config);
         ensure!(b.maps == a.maps && b.position == a.position && b.sha256 == a.sha256);
+        ensure!(b.owner == a.owner, "owners survive adoption");
     }
-    again.unload("ports")?;
-    again.unload("sampler")?;
+    ensure!(again.get("ports")?.owner == "istio");
+    let e = again.unload("ports", Some("test")).unwrap_err();
+    ensure!(matches!(e, PluginError::OwnerMismatch { .. }), "another owner's plugin: {e}");
+    again.unload("ports", Some("istio"))?;
+    again.unload("sampler", None)?;
     ensure!(!k.dp().pin_dir().join("plugins").join("1").exists(), "pins removed on unload");
     Ok(())
 }
@@ -516,7 +531,7 @@ fn packet_plugin_passes_or_drops_and_unload_restores_the_fast_path() -> Result<(
 
     // PASS for this port: node A's routes are skipped, its bridge carries it.
     let cfg = |verdict: u16| [PORT.to_le_bytes(), verdict.to_le_bytes()].concat();
-    c.load(&manifest("port", Hook::Packet, 0), plugins::PKT_PORT, &cfg(1), false)?;
+    c.load(&manifest("port", Hook::Packet, 0), plugins::PKT_PORT, &cfg(1), false, "test")?;
     let (r0, br0) = (routed()?, nodes.a.bridge_bytes()?);
     transfer(31)?;
     ensure!(routed()? == r0, "no packet took node A's routes");
@@ -526,7 +541,7 @@ fn packet_plugin_passes_or_drops_and_unload_restores_the_fast_path() -> Result<(
     ensure!(pc.verdict1 > 20 && pc.runs == pc.verdict1 + pc.continued, "{pc:?}");
 
     // DROP for this port: no connection.
-    c.update_config("port", &cfg(2))?;
+    c.update_config("port", &cfg(2), None)?;
     let blocked = nodes.a.pods[0]
         .ns
         .enter(|| TcpStream::connect_timeout(&server, Duration::from_millis(1500)).map(|_| ()).map_err(|e| e.kind()))?;
@@ -534,7 +549,7 @@ fn packet_plugin_passes_or_drops_and_unload_restores_the_fast_path() -> Result<(
     ensure!(c.get("port")?.counters.dropped >= 1);
 
     // Unloaded: the fast path again.
-    c.unload("port")?;
+    c.unload("port", None)?;
     let r1 = routed()?;
     transfer(33)?;
     ensure!(routed()? - r1 > 20, "node A's routes carry the traffic again");
@@ -547,12 +562,12 @@ fn a_chain_holds_eight_plugins_and_refuses_a_ninth() -> Result<()> {
     let pods = Pods::new(&k)?;
     let c = chain(&k)?;
     for i in 0..8 {
-        c.load(&manifest(&format!("noop-{i}"), Hook::Message, i), plugins::NOOP_MSG, &[], false)?;
+        c.load(&manifest(&format!("noop-{i}"), Hook::Message, i), plugins::NOOP_MSG, &[], false, "test")?;
     }
-    let e = c.load(&manifest("ninth", Hook::Message, 0), plugins::NOOP_MSG, &[], false).unwrap_err();
+    let e = c.load(&manifest("ninth", Hook::Message, 0), plugins::NOOP_MSG, &[], false, "test").unwrap_err();
     ensure!(matches!(e, PluginError::ChainFull { hook: Hook::Message }), "{e}");
     // Another hook has its own chain.
-    c.load(&manifest("ports", Hook::Connection, 0), plugins::PORT_ALLOW, &PORT.to_le_bytes(), false)?;
+    c.load(&manifest("ports", Hook::Connection, 0), plugins::PORT_ALLOW, &PORT.to_le_bytes(), false, "test")?;
     let (cl, sv) = pods.connect(0)?;
     exchange(cl, sv, 41, 1 << 20, T)?;
     let st = k.dp().stats(&pods.pairs[0])?;

@@ -192,6 +192,8 @@ pub enum Scope<'a> {
     Owner(&'a str),
     /// Changes the node beyond one owner's rules.
     NodeAdmin,
+    /// Changes the node, as this owner (plugins).
+    NodeAdminAs(&'a str),
 }
 
 /// The scope of each request type of the node service.
@@ -212,8 +214,11 @@ scoped!(owner: CreatePairRequest, UpdatePairRequest, DeletePairRequest, BatchUps
 scoped!(read: GetPairRequest, ListPairsRequest, GetCaptureRuleRequest, ListCaptureRulesRequest, GetRouteRequest,
     ListRoutesRequest, ListAttachmentsRequest, GetStatsRequest, ListPluginsRequest, WatchRequest,
     GetNodeInfoRequest);
-scoped!(admin: AttachInterfaceRequest, DetachInterfaceRequest, LoadPluginRequest, UnloadPluginRequest,
-    UpdatePluginConfigRequest);
+scoped!(admin: AttachInterfaceRequest, DetachInterfaceRequest);
+macro_rules! scoped_admin_as {
+    ($($t:ident),*) => { $(impl Scoped for pb::$t { fn scope(&self) -> Scope<'_> { Scope::NodeAdminAs(&self.owner) } })* };
+}
+scoped_admin_as!(LoadPluginRequest, UnloadPluginRequest, UpdatePluginConfigRequest);
 
 /// PERMISSION_DENIED unless the caller's rights cover what `req` does.
 #[allow(clippy::result_large_err)]
@@ -228,8 +233,11 @@ pub fn authorize<T: Scoped>(req: &Request<T>) -> Result<(), Status> {
         // An empty owner is refused by the request's own validation.
         Scope::Owner(o) if o.is_empty() || rights.owners.allows(o) => Ok(()),
         Scope::Owner(o) => Err(Status::permission_denied(format!("{} may not act as owner {o:?}", who()))),
-        Scope::NodeAdmin if rights.node_admin => Ok(()),
-        Scope::NodeAdmin => Err(Status::permission_denied(format!(
+        Scope::NodeAdminAs(o) if !o.is_empty() && !rights.owners.allows(o) => {
+            Err(Status::permission_denied(format!("{} may not act as owner {o:?}", who())))
+        }
+        Scope::NodeAdmin | Scope::NodeAdminAs(_) if rights.node_admin => Ok(()),
+        Scope::NodeAdmin | Scope::NodeAdminAs(_) => Err(Status::permission_denied(format!(
             "{} may not change the node (plugins, attachments): its grant has no node_admin",
             who()
         ))),

@@ -249,8 +249,7 @@ impl NodeServer {
     }
 
     fn load_plugin(&self, r: pb::LoadPluginRequest) -> Result<pb::LoadPluginResponse, Status> {
-        self.serving()?;
-        let manifest = convert::manifest_from_pb("manifest", r.manifest.as_ref()).map_err(|v| invalid(&v))?;
+        let manifest = self.mutation(&r.owner, convert::manifest_from_pb("manifest", r.manifest.as_ref()))?;
         if r.object.is_empty() {
             return Err(invalid_field("object", "required: the plugin's BPF ELF object"));
         }
@@ -267,7 +266,7 @@ impl NodeServer {
         let chain = self.plugin_chain()?;
         let _ops = self.plugin_ops.lock().unwrap_or_else(|p| p.into_inner());
         let replaced = r.replace && chain.get(&manifest.name).is_ok();
-        let info = chain.load(&manifest, &r.object, &r.config, r.replace).map_err(|e| from_plugin(&e))?;
+        let info = chain.load(&manifest, &r.object, &r.config, r.replace, &r.owner).map_err(|e| from_plugin(&e))?;
         let out = convert::plugin_to_pb(&info);
         let mut log = self.log.lock();
         let ty = if replaced { EventType::Updated } else { EventType::Created };
@@ -276,7 +275,7 @@ impl NodeServer {
     }
 
     fn unload_plugin(&self, r: pb::UnloadPluginRequest) -> Result<pb::UnloadPluginResponse, Status> {
-        self.serving()?;
+        self.mutation(&r.owner, Ok(()))?;
         let chain = self.plugin_chain()?;
         let _ops = self.plugin_ops.lock().unwrap_or_else(|p| p.into_inner());
         let info = match chain.get(&r.name) {
@@ -286,7 +285,7 @@ impl NodeServer {
             }
             Err(e) => return Err(from_plugin(&e)),
         };
-        chain.unload(&r.name).map_err(|e| from_plugin(&e))?;
+        chain.unload(&r.name, Some(&r.owner)).map_err(|e| from_plugin(&e))?;
         let mut log = self.log.lock();
         self.log.push(&mut log, EventType::Deleted, Resource::Plugin(convert::plugin_to_pb(&info)));
         Ok(pb::UnloadPluginResponse { unloaded: true })
@@ -298,10 +297,10 @@ impl NodeServer {
     }
 
     fn update_plugin_config(&self, r: pb::UpdatePluginConfigRequest) -> Result<pb::UpdatePluginConfigResponse, Status> {
-        self.serving()?;
+        self.mutation(&r.owner, Ok(()))?;
         let chain = self.plugin_chain()?;
         let _ops = self.plugin_ops.lock().unwrap_or_else(|p| p.into_inner());
-        let info = chain.update_config(&r.name, &r.config).map_err(|e| from_plugin(&e))?;
+        let info = chain.update_config(&r.name, &r.config, Some(&r.owner)).map_err(|e| from_plugin(&e))?;
         let out = convert::plugin_to_pb(&info);
         let mut log = self.log.lock();
         self.log.push(&mut log, EventType::Updated, Resource::Plugin(out.clone()));

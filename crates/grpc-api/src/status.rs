@@ -82,6 +82,7 @@ pub fn from_plugin(e: &meshwarp_core::PluginError) -> Status {
         E::NotAPlugin { .. } | E::Rejected { .. } => invalid_field("object", msg),
         E::AbiMismatch { .. } | E::HookUnavailable { .. } | E::HookChange { .. } => Status::failed_precondition(msg),
         E::AlreadyExists { .. } => Status::already_exists(msg),
+        E::OwnerMismatch { .. } => Status::permission_denied(msg),
         E::NotFound { .. } => Status::not_found(msg),
         E::ChainFull { .. } | E::NoSlot => Status::resource_exhausted(msg),
         E::Bpf { .. } | E::Io { .. } | E::Map(_) => Status::internal(msg),

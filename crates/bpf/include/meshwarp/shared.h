@@ -550,6 +550,7 @@ struct mw_plugin_meta {
 	__u32 cfg_slot;
 	__u32 abi;        /* major << 16 | minor */
 	__u8 sha256[32];
+	struct mw_owner owner; /* the controller that loaded it */
 };
 
 #endif /* MESHWARP_SHARED_H */

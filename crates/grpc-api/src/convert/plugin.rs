@@ -138,6 +138,7 @@ pub fn plugin_to_pb(p: &PluginInfo) -> pb::Plugin {
         position: p.position,
         counters: Some(plugin_counters_to_pb(p.manifest.hook, &p.counters)),
         maps: p.maps.iter().map(|m| pb::PluginMap { name: m.name.clone(), pin: m.pin.display().to_string() }).collect(),
+        owner: p.owner.clone(),
     }
 }
 
