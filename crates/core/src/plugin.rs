@@ -424,6 +424,22 @@ impl FamilyMaps {
         Ok(self.gen.get(&hook.raw())?.unwrap_or(0) & 1)
     }
 
+    /// What the active chain of `hook` runs: plugin id -> the config slot
+    /// its position reads. The kernel's view, so it wins over the metadata.
+    fn active_members(&self, hook: Hook) -> Result<BTreeMap<u32, u32>, PluginError> {
+        let active = self.gen.get(&hook.raw())?.unwrap_or(0);
+        let (gen, len) = (active & 1, (active >> 8).min(CHAIN_MAX));
+        let mut out = BTreeMap::new();
+        for pos in 0..len {
+            if let Some(at) = self.chain.get(&chain_index(gen, hook.raw(), pos))? {
+                if at.plugin_id != 0 {
+                    out.insert(at.plugin_id, at.cfg_slot);
+                }
+            }
+        }
+        Ok(out)
+    }
+
     /// Empties one generation of a hook's chain.
     fn clear_gen(&self, hook: Hook, gen: u32) -> Result<(), PluginError> {
         let progs = self.prog_array(hook)?;
@@ -604,12 +620,33 @@ impl PluginChain {
         crate::sys::lock(&self.state)
     }
 
-    /// Rebuilds the plugin table from the pinned manifests and programs.
+    /// Rebuilds the plugin table from the pinned manifests and programs,
+    /// as the active chains say: a plugin whose manifest was written but
+    /// which never made it into (or already left) its chain — a load or an
+    /// unload cut short by a crash — is dropped, and a config update cut
+    /// short is taken back to the config slot the chain reads.
     fn adopt(&self) -> Result<(), PluginError> {
         let mut st = self.lock();
         for fam in [&self.sock, &self.tc].into_iter().flatten() {
-            for (id, meta) in fam.meta.entries()? {
+            let mut running = BTreeMap::new();
+            for hook in [Hook::Connection, Hook::Message, Hook::Packet] {
+                if fam.shared.contains_key(hook.prog_array()) {
+                    running.insert(hook, fam.active_members(hook)?);
+                }
+            }
+            for (id, mut meta) in fam.meta.entries()? {
                 let Some(hook) = Hook::from_raw(meta.hook) else { continue };
+                let Some(&cfg_slot) = running.get(&hook).and_then(|m| m.get(&id)) else {
+                    tracing::warn!(plugin = %str_of(&meta.name), id, "a plugin not in its chain (a load or unload cut short); dropped");
+                    let _ = fam.meta.delete(&id);
+                    let _ = remove_plugin_dir(&fam.plugin_dir(id));
+                    continue;
+                };
+                if cfg_slot != meta.cfg_slot {
+                    tracing::info!(plugin = %str_of(&meta.name), "a config update was cut short; the chain's config stands");
+                    meta.cfg_slot = cfg_slot;
+                    let _ = fam.meta.put(&id, &meta);
+                }
                 let dir = fam.plugin_dir(id);
                 let prog = match ProgramHandle::from_pinned_path(dir.join("prog")) {
                     Ok(p) => p,

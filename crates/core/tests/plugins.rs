@@ -513,6 +513,59 @@ fn a_restarted_agent_adopts_loaded_plugins() -> Result<()> {
     Ok(())
 }
 
+/// A restarted agent believes the chains, not the metadata: a plugin whose
+/// metadata was written but which never reached its chain (a load cut short
+/// by a crash) is dropped, and a config update cut short between the chain
+/// switch and the metadata keeps the config the chain reads.
+#[test]
+fn adoption_follows_the_chain_after_a_change_cut_short() -> Result<()> {
+    use meshwarp_bpf::shared::{chain_index, ChainPos, PluginConfig, PluginMeta, CHAIN_MAX, HOOK_MESSAGE};
+    use meshwarp_core::maps::TypedMap;
+
+    let k = kernel_test!();
+    let _pods = Pods::new(&k)?;
+    let c = chain(&k)?;
+    c.load(&manifest("noop", Hook::Message, 1), plugins::NOOP_MSG, &[], false, "test")?;
+    let sampler =
+        c.load(&manifest("sampler", Hook::Message, 0), plugins::BYTE_SAMPLER, &[1, 0, 0, 0], false, "test")?;
+    let maps = k.dp().pin_dir().join("maps");
+    let meta: TypedMap<u32, PluginMeta> = TypedMap::pinned(&maps, meshwarp_bpf::names::MAP_PLUG_META)?;
+    let chain_map: TypedMap<u32, ChainPos> = TypedMap::pinned(&maps, meshwarp_bpf::names::MAP_CHAIN)?;
+    let gen_map: TypedMap<u32, u32> = TypedMap::pinned(&maps, meshwarp_bpf::names::MAP_CHAIN_GEN)?;
+    let cfg_map: TypedMap<u32, PluginConfig> = TypedMap::pinned(&maps, meshwarp_bpf::names::MAP_PLUG_CFG)?;
+
+    // A load cut short: metadata of id 30, no chain position.
+    let mut ghost = meta.get(&sampler.id)?.context("sampler metadata")?;
+    ghost.name = [0; meshwarp_bpf::shared::PLUGIN_NAME_LEN];
+    ghost.name[..5].copy_from_slice(b"ghost");
+    meta.put(&30, &ghost)?;
+    // A config update cut short: the chain reads the other slot, holding
+    // the new config; the metadata still names the old one.
+    let gen = gen_map.get(&HOOK_MESSAGE)?.unwrap_or(0) & 1;
+    let at = (0..CHAIN_MAX)
+        .map(|pos| chain_index(gen, HOOK_MESSAGE, pos))
+        .find(|i| chain_map.get(i).ok().flatten().is_some_and(|p| p.plugin_id == sampler.id))
+        .context("sampler in the active chain")?;
+    let mut pos = chain_map.get(&at)?.context("position")?;
+    let new_slot = pos.cfg_slot ^ 1;
+    let new_cfg = PluginConfig::new(&[9, 0, 0, 0]).context("config")?;
+    cfg_map.put(&new_slot, &new_cfg)?;
+    pos.cfg_slot = new_slot;
+    chain_map.put(&at, &pos)?;
+
+    drop(c);
+    let again = chain(&k)?;
+    let names: Vec<String> = again.list()?.into_iter().map(|p| p.manifest.name).collect();
+    ensure!(names == ["noop", "sampler"], "the ghost is not adopted: {names:?}");
+    ensure!(meta.get(&30)?.is_none(), "and its metadata is gone");
+    ensure!(again.get("sampler")?.config == [9, 0, 0, 0], "the chain's config stands");
+    ensure!(meta.get(&sampler.id)?.context("meta")?.cfg_slot == new_slot, "the metadata follows the chain");
+    // And the adopted chain works as before.
+    again.update_config("sampler", &[2, 0, 0, 0], None)?;
+    ensure!(again.get("sampler")?.config == [2, 0, 0, 0]);
+    Ok(())
+}
+
 #[test]
 fn packet_plugin_passes_or_drops_and_unload_restores_the_fast_path() -> Result<()> {
     let nodes = TwoNodes::new(1)?;
