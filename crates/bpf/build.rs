@@ -7,6 +7,7 @@ use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
 use libbpf_cargo::SkeletonBuilder;
+use sha2::{Digest, Sha256};
 
 const FAMILIES: &[&str] = &["sockredir", "tcredir"];
 /// Example plugins shipped to users.
@@ -44,6 +45,15 @@ fn main() {
             .unwrap_or_else(|e| panic!("building BPF family {family}: {e:#}"));
         println!("cargo:rerun-if-changed={}", src.display());
     }
+    // The build id of the programs: what the skeletons embed (the objects),
+    // hashed; recorded in mw_build when they are loaded.
+    let mut h = Sha256::new();
+    for family in FAMILIES {
+        let skel = out.join(format!("{family}.skel.rs"));
+        h.update(std::fs::read(&skel).unwrap_or_else(|e| panic!("reading {}: {e}", skel.display())));
+    }
+    let id: String = h.finalize().iter().take(8).map(|b| format!("{b:02x}")).collect();
+    println!("cargo:rustc-env=MESHWARP_BPF_BUILD={id}");
 
     let examples = manifest.join("../../examples/plugins");
     let tests = manifest.join("src/plugins");

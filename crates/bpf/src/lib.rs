@@ -6,6 +6,10 @@
 
 pub mod shared;
 
+/// The build id of this crate's program objects (16 hex digits of their
+/// SHA-256): what `mw_build` records when they are loaded.
+pub const BUILD_ID: &str = env!("MESHWARP_BPF_BUILD");
+
 /// Skeleton of the socket-redirection family (`sockredir.bpf.c`): the sockops and
 /// sk_msg programs and their maps.
 pub mod sockredir {
@@ -102,6 +106,7 @@ pub mod names {
     pub const MAP_STATS: &str = "mw_stats";
     pub const MAP_GLOBAL: &str = "mw_global";
     pub const MAP_OWNERS: &str = "mw_owners";
+    pub const MAP_BUILD: &str = "mw_build";
     pub const PROG_TC_INGRESS: &str = "mw_tc_ingress";
     pub const PROG_TC_EGRESS: &str = "mw_tc_egress";
     pub const PROG_CONN_FIN: &str = "mw_conn_fin";
@@ -146,7 +151,7 @@ pub mod names {
     /// The tcredir family's own maps (besides [`PLUGIN_HOST_MAPS`]).
     pub const TCREDIR_MAPS: [&str; 6] = [MAP_RT4, MAP_RT6, MAP_RT_STATS, MAP_ATT_STATS, MAP_RT_OWNER, MAP_CH_PKT];
     /// The sockredir family's own maps (besides [`PLUGIN_HOST_MAPS`]), in pin order.
-    pub const SOCKREDIR_MAPS: [&str; 22] = [
+    pub const SOCKREDIR_MAPS: [&str; 23] = [
         MAP_SOCKMAP,
         MAP_SLOTS,
         MAP_PAIRS,
@@ -167,6 +172,7 @@ pub mod names {
         MAP_STATS,
         MAP_GLOBAL,
         MAP_OWNERS,
+        MAP_BUILD,
         MAP_CH_CONN,
         MAP_CH_MSG,
     ];

@@ -6,6 +6,16 @@
 
 use std::net::IpAddr;
 
+/// `struct mw_build`: the build id of the loaded programs.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct Build {
+    pub id: [u8; BUILD_LEN],
+}
+
+/// `MW_BUILD_LEN`.
+pub const BUILD_LEN: usize = 16;
+
 /// `MW_SCHEMA_VERSION`: bumped whenever a pinned map's key or value changes.
 pub const SCHEMA_VERSION: u32 = 9;
 
@@ -764,8 +774,9 @@ mod tests {
         same_layout!(
             PluginMeta,
             types::mw_plugin_meta,
-            [name, version, hook, phase, priority, flags, cfg_slot, abi, sha256]
+            [name, version, hook, phase, priority, flags, cfg_slot, abi, sha256, owner]
         );
+        same_layout!(Build, types::mw_build, [id]);
     }
 
     #[test]

@@ -623,6 +623,8 @@ impl Remote {
         self.emit(&r, || {
             println!("instance     {}", r.instance_id);
             println!("version      {} (pin schema v{})", r.version, r.schema_version);
+            let running = if r.programs_build == r.build { "(these)".to_string() } else { r.programs_build.clone() };
+            println!("build        {} (programs running: {running})", r.build);
             println!("kernel       {}", r.kernel_release);
             println!("data path    {} ({})", r.pin_dir, if r.adopted { "adopted" } else { "loaded" });
             println!("programs     sockops #{} sk_msg #{}", r.sockops_prog_id, r.sk_msg_prog_id);

@@ -188,6 +188,7 @@ fn every_rpc_happy_path() -> Result<()> {
         let base = ["btf", "cgroup2", "bpffs", "sockops+sk_msg+sockmap"];
         let feature = |n: &str| info.features.iter().find(|f| f.name == n);
         ensure!(!info.adopted && info.sockops_prog_id != 0, "{info:?}");
+        ensure!(info.build.len() == 16 && info.programs_build == info.build, "this build's programs run: {info:?}");
         ensure!(base.iter().all(|b| feature(b).is_some_and(|f| f.available)), "{:?}", info.features);
         // What the probe found is reported, and the guard follows it.
         let splice = feature("splice_sees_redirected").context("probe results in GetNodeInfo")?;

@@ -26,8 +26,8 @@ use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::{libbpf_sys, Link, MapCore, MapFlags, MapHandle, ProgramHandle};
 use meshwarp_bpf::names;
 use meshwarp_bpf::shared::{
-    Config, CookieVal, Link as LinkValue, CFG_BLOCKING_EAGAIN, CFG_FIONREAD_PSOCK, CFG_GUARD, CFG_SPLICE_BLIND,
-    CFG_SYSCALL_WATCH, CHAIN_FIN,
+    Build, Config, CookieVal, Link as LinkValue, Pod, BUILD_LEN, CFG_BLOCKING_EAGAIN, CFG_FIONREAD_PSOCK, CFG_GUARD,
+    CFG_SPLICE_BLIND, CFG_SYSCALL_WATCH, CHAIN_FIN,
 };
 use meshwarp_bpf::sockredir::SockredirSkelBuilder;
 
@@ -158,6 +158,8 @@ pub struct Dataplane {
     _pin_lock: PinLock,
     pin_root: PathBuf,
     origin: Origin,
+    /// Which build loaded the pinned programs.
+    programs_build: String,
     sockmap: TypedMap<u32, u64>,
     links: TypedMap<u32, LinkValue>,
     cookies: TypedMap<u64, CookieVal>,
@@ -204,6 +206,18 @@ impl Dataplane {
             TypedMap::pinned(&dir, names::MAP_COOKIES)?,
         );
         let registry = Registry::reconcile(maps)?;
+        let programs_build = TypedMap::<u32, Build>::pinned(&dir, names::MAP_BUILD)?
+            .get(&0)?
+            .map(|b| String::from_utf8_lossy(&b.id).trim_end_matches('\0').to_string())
+            .unwrap_or_default();
+        if programs_build != meshwarp_bpf::BUILD_ID {
+            tracing::warn!(
+                programs = %programs_build,
+                this = meshwarp_bpf::BUILD_ID,
+                "the pinned programs are of another build: they keep running (maps and connections stay); \
+                 `meshwarp uninstall` and a restart load this build's"
+            );
+        }
 
         let kernel = match KernelProbe::cached() {
             Ok(k) => k.clone(),
@@ -237,6 +251,7 @@ impl Dataplane {
             _pin_lock: pin_lock,
             pin_root: cfg.pin_root.clone(),
             origin,
+            programs_build,
             sockmap,
             links,
             cookies,
@@ -305,6 +320,12 @@ impl Dataplane {
     /// Whether this instance loaded the programs or adopted pinned ones.
     pub fn origin(&self) -> Origin {
         self.origin
+    }
+
+    /// The build id of the programs that run ([`meshwarp_bpf::BUILD_ID`] of
+    /// the build that loaded them).
+    pub fn programs_build(&self) -> &str {
+        &self.programs_build
     }
 
     /// The versioned pin directory.
@@ -518,6 +539,9 @@ fn load_and_pin(cfg: &DataplaneConfig, layout: &FamilyPins) -> Result<(), Datapl
 
     let mut guard = PinGuard { paths: Vec::new(), done: false };
     let maps = &skel.maps;
+    let mut build = Build::default();
+    build.id.copy_from_slice(&meshwarp_bpf::BUILD_ID.as_bytes()[..BUILD_LEN]);
+    maps.mw_build.update(&0u32.to_ne_bytes(), build.as_bytes(), MapFlags::ANY).map_err(bpf_err("writing mw_build"))?;
     let all_maps = [
         (names::MAP_SOCKMAP, &maps.mw_sockmap),
         (names::MAP_SLOTS, &maps.mw_slots),
@@ -539,6 +563,7 @@ fn load_and_pin(cfg: &DataplaneConfig, layout: &FamilyPins) -> Result<(), Datapl
         (names::MAP_STATS, &maps.mw_stats),
         (names::MAP_GLOBAL, &maps.mw_global),
         (names::MAP_OWNERS, &maps.mw_owners),
+        (names::MAP_BUILD, &maps.mw_build),
         (names::MAP_CH_CONN, &maps.mw_ch_conn),
         (names::MAP_CH_MSG, &maps.mw_ch_msg),
         (names::MAP_CHAIN, &maps.mw_chain),

@@ -517,7 +517,8 @@ mod tests {
         let m = reg.maps();
         (
             sorted(m.pairs.iter().map(|(k, v)| (k.server_port, k.client_ip, v.id, v.flags)).collect()),
-            sorted(m.owners.iter().map(|(k, v)| (*k, v.as_string())).collect()),
+            // Owners of live slots (a free slot's owner entry means nothing).
+            sorted(m.pairs.values().map(|r| (r.id, m.owners.get(&r.id).map(|o| o.as_string()))).collect()),
             // Counters of live slots (a free slot's are zeroed when it is given out).
             sorted(m.pairs.values().map(|r| (r.id, m.stats.get(&r.id).map(|s| s.msgs))).collect()),
             reg.pairs(),

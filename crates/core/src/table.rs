@@ -298,6 +298,7 @@ impl<R: Rule> Table<R> {
         }
         let written = maps.put_owner(e.id, &name).and_then(|()| e.rule.write(maps, e.id));
         if let Err(err) = written {
+            let _ = maps.delete_owner(e.id);
             slots.release(e.id);
             return Err(err.into());
         }

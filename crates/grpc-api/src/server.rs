@@ -908,6 +908,8 @@ impl NodeServer {
             max_batch_size: u32::try_from(self.cfg.max_batch_size).unwrap_or(u32::MAX),
             revision: self.log.revision(),
             reader_guard: Some(reader_guard),
+            build: meshwarp_bpf::BUILD_ID.to_string(),
+            programs_build: dp.programs_build().to_string(),
         })
     }
 }

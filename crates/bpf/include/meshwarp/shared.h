@@ -388,6 +388,14 @@ struct mw_rule_stats {
 	__u64 demotions_behind; /* directions moved to TCP: small writes, the reader MW_POLICY_BEHIND messages behind */
 };
 
+/* Which build loaded the programs (mw_build[0]): the hex id of their
+ * objects, written once at load, so that an adopting agent knows whether it
+ * runs its own build's programs. Read only by user space. */
+#define MW_BUILD_LEN 16
+struct mw_build {
+	char id[MW_BUILD_LEN];
+};
+
 /* Owner of a rule slot: a NUL-padded controller name. */
 #define MW_OWNER_LEN 64
 struct mw_owner {

@@ -149,6 +149,9 @@ MW_MAP(mw_scratch, BPF_MAP_TYPE_PERCPU_ARRAY, __u32, struct mw_link, 1, 0);
  * with the data path so a restarted agent keeps ownership. */
 MW_MAP(mw_owners, BPF_MAP_TYPE_HASH, __u32, struct mw_owner, 16384, BPF_F_NO_PREALLOC);
 
+/* The build that loaded these programs (struct mw_build, shared.h). */
+MW_MAP(mw_build, BPF_MAP_TYPE_ARRAY, __u32, struct mw_build, 1, 0);
+
 struct tuple {
 	__u32 family;
 	__u32 local_ip[4];
