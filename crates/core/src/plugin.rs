@@ -923,6 +923,51 @@ fn pinned_maps(dir: &Path) -> Vec<PluginMap> {
     v
 }
 
+/// Everything the host checks in a plugin object before the kernel sees it —
+/// an ELF with the ABI section, libbpf's reading of it, one program named
+/// `mw_plugin` of the hook's type, no map asking for pinning of its own —
+/// without the kernel or privileges (the fuzz target `plugin_object` drives
+/// it with arbitrary bytes).
+pub fn inspect_object(hook: Hook, object: &[u8]) -> Result<PluginAbi, PluginError> {
+    let abi = object_abi(object)?;
+    let object = object.to_vec(); // aligned, see object_abi
+    let mut builder = ObjectBuilder::default();
+    let open = builder.open_memory(&object).map_err(|e| PluginError::NotAPlugin { reason: e.to_string() })?;
+    check_open(&open, hook)?;
+    Ok(abi)
+}
+
+/// The shape checks of an opened plugin object.
+fn check_open(open: &libbpf_rs::OpenObject, hook: Hook) -> Result<(), PluginError> {
+    let progs: Vec<(String, ProgramType)> =
+        open.progs().map(|p| (p.name().to_string_lossy().into_owned(), p.prog_type())).collect();
+    match progs.as_slice() {
+        [(n, t)] if n == names::PROG_PLUGIN && *t == hook.prog_type() => {}
+        [(n, t)] if n == names::PROG_PLUGIN => {
+            return Err(PluginError::HookMismatch { manifest: hook, object: format!("a {t:?} program") })
+        }
+        _ => {
+            return Err(PluginError::NotAPlugin {
+                reason: format!("want exactly one program named {}, found {progs:?}", names::PROG_PLUGIN),
+            })
+        }
+    }
+    for m in open.maps() {
+        // SAFETY: a map of the open object, alive for the call.
+        let pin =
+            unsafe { libbpf_rs::libbpf_sys::bpf_map__pin_path(libbpf_rs::AsRawLibbpf::as_libbpf_object(&m).as_ptr()) };
+        if !pin.is_null() {
+            return Err(PluginError::NotAPlugin {
+                reason: format!(
+                    "map {} asks to be pinned (a pinning attribute): meshwarp pins a plugin's maps under its own directory",
+                    m.name().to_string_lossy()
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
 /// Opens the object, makes it share the family's chain maps, loads it through
 /// the verifier and pins its program and own maps under `dir`.
 fn load_object(
@@ -935,31 +980,9 @@ fn load_object(
     let object = object.to_vec(); // aligned, see object_abi
     let mut builder = ObjectBuilder::default();
     let mut open = builder.open_memory(&object).map_err(|e| PluginError::NotAPlugin { reason: e.to_string() })?;
-    let progs: Vec<(String, ProgramType)> =
-        open.progs().map(|p| (p.name().to_string_lossy().into_owned(), p.prog_type())).collect();
-    match progs.as_slice() {
-        [(n, t)] if n == names::PROG_PLUGIN && *t == manifest.hook.prog_type() => {}
-        [(n, t)] if n == names::PROG_PLUGIN => {
-            return Err(PluginError::HookMismatch { manifest: manifest.hook, object: format!("a {t:?} program") })
-        }
-        _ => {
-            return Err(PluginError::NotAPlugin {
-                reason: format!("want exactly one program named {}, found {progs:?}", names::PROG_PLUGIN),
-            })
-        }
-    }
+    check_open(&open, manifest.hook)?;
     for mut m in open.maps_mut() {
         let mname = m.name().to_string_lossy().into_owned();
-        // SAFETY: a map of the open object, alive for the call.
-        let pin =
-            unsafe { libbpf_rs::libbpf_sys::bpf_map__pin_path(libbpf_rs::AsRawLibbpf::as_libbpf_object(&m).as_ptr()) };
-        if !pin.is_null() {
-            return Err(PluginError::NotAPlugin {
-                reason: format!(
-                    "map {mname} asks to be pinned (a pinning attribute): meshwarp pins a plugin's maps under its own directory"
-                ),
-            });
-        }
         if let Some(h) = fam.shared.get(mname.as_str()) {
             m.reuse_fd(h.as_fd()).map_err(bpf(format!("sharing map {mname}")))?;
         }
@@ -1007,6 +1030,19 @@ fn load_object(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn objects_are_inspected_without_the_kernel() {
+        use meshwarp_bpf::plugins::{BYTE_SAMPLER, PINNED_MAP, PORT_ALLOW};
+        assert_eq!(inspect_object(Hook::Connection, PORT_ALLOW).unwrap().major, ABI_MAJOR);
+        assert!(matches!(inspect_object(Hook::Message, PORT_ALLOW), Err(PluginError::HookMismatch { .. })));
+        assert!(inspect_object(Hook::Message, BYTE_SAMPLER).is_ok());
+        let pinned = inspect_object(Hook::Message, PINNED_MAP).unwrap_err();
+        assert!(pinned.to_string().contains("pinned"), "{pinned}");
+        for junk in [&b""[..], b"\x7fELF", &PORT_ALLOW[..64]] {
+            assert!(matches!(inspect_object(Hook::Connection, junk), Err(PluginError::NotAPlugin { .. })));
+        }
+    }
 
     #[test]
     fn abi_rules() {
