@@ -343,8 +343,11 @@ pub fn run(args: &MeshArgs) -> Result<()> {
     for tool in ["nginx", "haproxy", "wrk", "iptables"] {
         need(tool)?;
     }
-    // Private (0700, unpredictable name): root writes the proxies' configs here.
+    // An unpredictable name root creates itself (nothing can be planted
+    // there first), readable by the proxies' own users (nginx's workers read
+    // the bodies they serve from it).
     let dir = meshwarp_testbed::ScratchDir::new("meshwarp-mesh-")?;
+    std::fs::set_permissions(&dir.0, std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
     let rows = run_in(args, &dir.0)?;
     print!("{}", table(&rows, args));
     Ok(())
