@@ -601,7 +601,11 @@ impl PluginChain {
     }
 
     /// As [`PluginChain::open`], from the families' pin directories.
-    pub fn open_dirs(sock_dir: Option<&Path>, tc_dir: Option<&Path>) -> Result<Self, PluginError> {
+    ///
+    /// Adoption drops plugins their chain does not run (a change cut short),
+    /// so only the process that holds the families' pins
+    /// ([`FamilyPins::lock`](crate::pins::FamilyPins::lock)) may open them.
+    pub(crate) fn open_dirs(sock_dir: Option<&Path>, tc_dir: Option<&Path>) -> Result<Self, PluginError> {
         let sock = sock_dir.map(|d| FamilyMaps::open(d, Family::Sock)).transpose()?;
         let tc = tc_dir.map(|d| FamilyMaps::open(d, Family::Tc)).transpose()?;
         let chain = Self { sock, tc, state: Mutex::new(State::default()) };
@@ -845,7 +849,11 @@ impl PluginChain {
             }
         }
         fam.install_chain(hook, &members)?;
-        fam.meta.put(&updated.id, &updated.meta())?;
+        // The chain reads the new slot now: the table follows it even if the
+        // metadata write fails (adoption takes the chain's word over it).
+        if let Err(e) = fam.meta.put(&updated.id, &updated.meta()) {
+            tracing::warn!(plugin = %name, error = %e, "writing plugin metadata; the chain's config stands");
+        }
         st.plugins.insert(name.to_string(), updated);
         self.info(&st, &st.plugins[name])
     }

@@ -144,7 +144,9 @@ fn server_builder(limits: &ServerConfig, access: &Access) -> tonic::transport::S
 fn oversize_is_resource_exhausted<B>(mut r: http::Response<B>) -> http::Response<B> {
     let status = r.headers().get("grpc-status").and_then(|v| v.to_str().ok());
     let message = r.headers().get("grpc-message").and_then(|v| v.to_str().ok()).unwrap_or_default();
-    if status == Some("11") && message.replace("%20", " ").contains("message length too large") {
+    if status == Some("11")
+        && message.replace("%20", " ").replace("%2C", ",").starts_with("Error, decoded message length too large")
+    {
         r.headers_mut().insert("grpc-status", http::HeaderValue::from_static("8"));
     }
     r

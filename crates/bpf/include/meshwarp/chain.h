@@ -29,8 +29,9 @@
 /* Chain positions of both generations, all hooks; the active generation and
  * its length per hook (see mw_active_chain); configs (two slots per plugin, so an update never tears); counters.
  * Only user space writes the first three (BPF_F_RDONLY_PROG: the verifier
- * refuses a plugin that writes them, so none can rearrange or switch off a
- * chain). */
+ * refuses a plugin that writes them, so none can rearrange the chain or take
+ * a neighbour out of it; a plugin can still end the chain early for the
+ * messages it sees, since it makes the next tail call itself). */
 MW_MAP(mw_chain, BPF_MAP_TYPE_ARRAY, __u32, struct mw_chain_pos, 2 * MW_HOOKS * MW_CHAIN_MAX, BPF_F_RDONLY_PROG);
 
 MW_MAP(mw_chain_gen, BPF_MAP_TYPE_ARRAY, __u32, __u32, MW_HOOKS + 1, BPF_F_RDONLY_PROG);

@@ -1673,7 +1673,9 @@ int mw_setsockopt(struct bpf_sockopt *ctx)
 	id = st->link;
 	end = st->end & 1;
 	link = link_at(st->slot, id);
-	if (!link || (link->flags & MW_LINK_OBSERVE))
+	/* Only the link's own end (plugins can write st). */
+	if (!link || (link->flags & MW_LINK_OBSERVE) ||
+	    !ports_are_link_end(sk->src_port, bpf_ntohs(sk->dst_port), link, end))
 		goto pass;
 	rs = rule_stats(link->rule_id);
 	if (ctx->level == SOL_SOCKET && ctx->optname == SO_RCVLOWAT) {
