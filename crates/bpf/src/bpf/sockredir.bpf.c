@@ -1304,7 +1304,30 @@ static __always_inline bool policy_allows(struct sk_msg_md *msg, struct mw_link 
  * ports are the socket's own (ctx fields), not the state's. */
 static __always_inline bool is_link_end(struct sk_msg_md *msg, const struct mw_link *link, __u32 end)
 {
-	return ports_are_link_end(msg->local_port, bpf_ntohl(msg->remote_port), link, end);
+	/* Every field read unconditionally (see load_tuple). */
+	__u32 family = msg->family, l4 = msg->local_ip4, r4 = msg->remote_ip4;
+	__u32 l0 = msg->local_ip6[0], l1 = msg->local_ip6[1], l2 = msg->local_ip6[2], l3 = msg->local_ip6[3];
+	__u32 r0 = msg->remote_ip6[0], r1 = msg->remote_ip6[1], r2 = msg->remote_ip6[2], r3 = msg->remote_ip6[3];
+	__u32 lport = msg->local_port, rport = bpf_ntohl(msg->remote_port);
+	__u32 local[4] = {}, remote[4] = {};
+
+	/* The addresses as the link stores them (IPv4 and v4-mapped: word 0). */
+	if (family == MW_AF_INET) {
+		local[0] = l4;
+		remote[0] = r4;
+	} else if (l0 == 0 && l1 == 0 && l2 == bpf_htonl(0xffff)) {
+		family = MW_AF_INET;
+		local[0] = l3;
+		remote[0] = r3;
+	} else {
+		local[0] = l0, local[1] = l1, local[2] = l2, local[3] = l3;
+		remote[0] = r0, remote[1] = r1, remote[2] = r2, remote[3] = r3;
+	}
+	if (family != link->family || !ports_are_link_end(lport, rport, link, end))
+		return false;
+	if (end == MW_END_SERVER)
+		return ip_eq(local, link->server_ip) && ip_eq(remote, link->client_ip);
+	return ip_eq(local, link->client_ip) && (link->kind != MW_LINK_MIRROR || ip_eq(remote, link->server_ip));
 }
 
 /* The host's decision for a message every plugin continued. */
