@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use crate::dataplane::{self, Dataplane, DataplaneConfig, DataplaneError};
+use crate::pins::FamilyPins;
 use crate::plugin::PluginChain;
 use crate::tc::{self, TcConfig, TcDataplane, TcError};
 
@@ -25,6 +26,32 @@ pub struct NodeConfig {
     /// Network namespace whose interfaces tc routes name (`None`: this
     /// process's).
     pub netns: Option<PathBuf>,
+    /// How long to wait for pins another process holds (a daemon still
+    /// draining while its successor starts); zero: refuse at once.
+    pub pin_lock_wait: std::time::Duration,
+}
+
+/// Runs `open` until it does not find the pins held, or `wait` passed.
+fn when_free<T, E>(
+    what: &str,
+    wait: std::time::Duration,
+    held: impl Fn(&E) -> bool,
+    open: impl Fn() -> Result<T, E>,
+) -> Result<T, E> {
+    let deadline = std::time::Instant::now() + wait;
+    let mut told = false;
+    loop {
+        match open() {
+            Err(e) if held(&e) && std::time::Instant::now() < deadline => {
+                if !told {
+                    tracing::info!("the {what} pins are held by another process (draining?): waiting up to {wait:?}");
+                    told = true;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+            r => return r,
+        }
+    }
 }
 
 impl Node {
@@ -32,7 +59,8 @@ impl Node {
     /// The socket family must open; tc and plugins that cannot are reported
     /// (logged, and kept as the reason) and the node runs without them.
     pub fn open(cfg: &NodeConfig) -> Result<Self, NodeError> {
-        let dp = Arc::new(Dataplane::open(&cfg.dataplane)?);
+        let dp_held = |e: &DataplaneError| matches!(e, DataplaneError::Io(io) if FamilyPins::is_held(io));
+        let dp = Arc::new(when_free("socket", cfg.pin_lock_wait, dp_held, || Dataplane::open(&cfg.dataplane))?);
         tracing::info!(origin = ?dp.origin(), pin_dir = %dp.pin_dir().display(), pairs = dp.pairs().len(),
             captures = dp.captures().len(), "data path ready");
         let tc_cfg = TcConfig {
@@ -40,7 +68,8 @@ impl Node {
             netns: cfg.netns.clone(),
             max_routes: cfg.dataplane.max_rules,
         };
-        let tc = match TcDataplane::open(&tc_cfg) {
+        let tc_held = |e: &TcError| matches!(e, TcError::Io(io) if FamilyPins::is_held(io));
+        let tc = match when_free("tc", cfg.pin_lock_wait, tc_held, || TcDataplane::open(&tc_cfg)) {
             Ok(tc) => {
                 tracing::info!(routes = tc.routes().len(), attachments = tc.attachments().len(), "tc data path ready");
                 Ok(Arc::new(tc))

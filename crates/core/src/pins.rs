@@ -117,6 +117,11 @@ impl FamilyPins {
         }
     }
 
+    /// Whether `e` is [`FamilyPins::lock`] finding the pins held.
+    pub fn is_held(e: &IoError) -> bool {
+        e.source.raw_os_error() == Some(libc::EWOULDBLOCK)
+    }
+
     pub fn create_dirs(&self) -> Result<(), IoError> {
         for d in [self.links_dir(), self.dir.join("progs"), self.maps_dir()] {
             fs::create_dir_all(&d).map_err(|e| IoError::new(format!("creating {}", d.display()), e))?;

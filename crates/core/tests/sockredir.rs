@@ -379,7 +379,20 @@ fn adopting_a_pinned_instance_loads_nothing_twice() -> Result<()> {
     ensure!(again.sockops_prog_id()? == id, "same program");
     ensure!(count() == before, "no second copy loaded");
     ensure!(again.pairs() == vec![pair], "registry reconciled from the maps");
-    k.dp = Some(again);
+    // A successor that starts while its predecessor still holds the pins
+    // (draining) waits for them, up to its pin_lock_wait.
+    let predecessor = std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        drop(again);
+    });
+    let node = meshwarp_core::node::Node::open(&meshwarp_core::node::NodeConfig {
+        dataplane: cfg.clone(),
+        netns: None,
+        pin_lock_wait: std::time::Duration::from_secs(20),
+    })?;
+    predecessor.join().map_err(|_| anyhow::anyhow!("predecessor thread"))?;
+    ensure!(node.dataplane.origin() == DataplaneOrigin::Adopted && node.dataplane.pairs().len() == 1);
+    drop(node);
     Ok(())
 }
 

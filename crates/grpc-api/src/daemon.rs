@@ -186,7 +186,12 @@ async fn server_tls(t: &TlsFiles) -> Result<tonic::transport::ServerTlsConfig, D
 /// RPCs answer UNAVAILABLE, in-flight calls get `drain_timeout` to finish.
 pub async fn run(opts: DaemonOptions, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<(), DaemonError> {
     let gid = check_options(&opts)?;
-    let node = Node::open(&NodeConfig { dataplane: opts.dataplane.clone(), netns: opts.netns.clone() })?;
+    let node = Node::open(&NodeConfig {
+        dataplane: opts.dataplane.clone(),
+        netns: opts.netns.clone(),
+        // A predecessor may still drain (up to twice its drain timeout).
+        pin_lock_wait: opts.drain_timeout * 2 + Duration::from_secs(5),
+    })?;
     let dp = Arc::clone(&node.dataplane);
     let metrics = Arc::new(Metrics::new());
     let node = NodeServer::new(node, opts.server.clone(), Arc::clone(&metrics));
