@@ -644,8 +644,9 @@ static __always_inline struct mw_link *link_of_sk(const struct mw_sock_state *st
 {
 	struct mw_link *link = link_at(st->slot, st->link);
 
-	if (link && !ports_are_link_end(sk->__sk_common.skc_num, bpf_ntohs(sk->__sk_common.skc_dport), link,
-					st->end & 1))
+	if (link && (!ports_are_link_end(sk->__sk_common.skc_num, bpf_ntohs(sk->__sk_common.skc_dport), link,
+					 st->end & 1) ||
+		     sk->__sk_common.skc_net.net->net_cookie != link->netns[st->end & 1]))
 		return NULL;
 	return link;
 }
@@ -1711,6 +1712,9 @@ int mw_setsockopt(struct bpf_sockopt *ctx)
 	/* Only the link's own end (plugins can write st). */
 	if (!link || (link->flags & MW_LINK_OBSERVE) ||
 	    !ports_are_link_end(sk->src_port, bpf_ntohs(sk->dst_port), link, end))
+		goto pass;
+	s = bpf_rdonly_cast(sk, bpf_core_type_id_kernel(struct sock));
+	if (s->__sk_common.skc_net.net->net_cookie != link->netns[end])
 		goto pass;
 	rs = rule_stats(link->rule_id);
 	if (ctx->level == SOL_SOCKET && ctx->optname == SO_RCVLOWAT) {
