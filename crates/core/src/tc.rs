@@ -714,11 +714,11 @@ impl TcDataplane {
                 Some(e) => {
                     e.check_owner(owner)?;
                     present.push(e.rule.clone());
+                    found.push(true);
                 }
-                None if allow_missing => {}
+                None if allow_missing => found.push(false),
                 None => return Err(not_found(iface, id).into()),
             }
-            found.push(st.routes.get_key(id).is_some());
         }
         let mut removed = st.routes.batch_delete(&mut &self.maps, &mut st.slots, &present, owner, false)?.into_iter();
         Ok(found.into_iter().map(|f| f.then(|| removed.next().flatten().map(|e| (&e).into())).flatten()).collect())

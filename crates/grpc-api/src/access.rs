@@ -205,6 +205,9 @@ macro_rules! scoped {
     (owner: $($t:ident),*) => { $(impl Scoped for pb::$t { fn scope(&self) -> Scope<'_> { Scope::Owner(&self.owner) } })* };
     (read: $($t:ident),*) => { $(impl Scoped for pb::$t { fn scope(&self) -> Scope<'_> { Scope::Read } })* };
     (admin: $($t:ident),*) => { $(impl Scoped for pb::$t { fn scope(&self) -> Scope<'_> { Scope::NodeAdmin } })* };
+    (admin_as_owner: $($t:ident),*) => {
+        $(impl Scoped for pb::$t { fn scope(&self) -> Scope<'_> { Scope::NodeAdminAs(&self.owner) } })*
+    };
 }
 
 scoped!(owner: CreatePairRequest, UpdatePairRequest, DeletePairRequest, BatchUpsertPairsRequest,
@@ -215,10 +218,7 @@ scoped!(read: GetPairRequest, ListPairsRequest, GetCaptureRuleRequest, ListCaptu
     ListRoutesRequest, ListAttachmentsRequest, GetStatsRequest, ListPluginsRequest, WatchRequest,
     GetNodeInfoRequest);
 scoped!(admin: AttachInterfaceRequest, DetachInterfaceRequest);
-macro_rules! scoped_admin_as {
-    ($($t:ident),*) => { $(impl Scoped for pb::$t { fn scope(&self) -> Scope<'_> { Scope::NodeAdminAs(&self.owner) } })* };
-}
-scoped_admin_as!(LoadPluginRequest, UnloadPluginRequest, UpdatePluginConfigRequest);
+scoped!(admin_as_owner: LoadPluginRequest, UnloadPluginRequest, UpdatePluginConfigRequest);
 
 /// PERMISSION_DENIED unless the caller's rights cover what `req` does.
 #[allow(clippy::result_large_err)]
