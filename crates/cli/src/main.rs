@@ -508,7 +508,9 @@ fn run(cli: Cli) -> Result<()> {
             doctor::run(&pins.pin_root())
         }
         Cmd::Uninstall { pins } => {
-            meshwarp_core::node::uninstall(&pins.pin_root())?;
+            // Refused while a daemon holds the pins: stop it first (or run it
+            // with --cleanup).
+            meshwarp_core::node::uninstall_unheld(&pins.pin_root())?;
             println!("removed meshwarp's pins under {}", pins.pin_root().display());
             Ok(())
         }

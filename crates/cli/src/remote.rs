@@ -625,6 +625,17 @@ impl Remote {
             println!("version      {} (pin schema v{})", r.version, r.schema_version);
             let running = if r.programs_build == r.build { "(these)".to_string() } else { r.programs_build.clone() };
             println!("build        {} (programs running: {running})", r.build);
+            for f in &r.families {
+                if !f.upgraded_from.is_empty() {
+                    println!("upgraded     {} programs of build {} replaced in place", f.family, f.upgraded_from);
+                }
+                if !f.upgrade_error.is_empty() {
+                    println!(
+                        "upgrade      {} programs of build {} keep running: {}",
+                        f.family, f.programs_build, f.upgrade_error
+                    );
+                }
+            }
             println!("kernel       {}", r.kernel_release);
             println!("data path    {} ({})", r.pin_dir, if r.adopted { "adopted" } else { "loaded" });
             println!("programs     sockops #{} sk_msg #{}", r.sockops_prog_id, r.sk_msg_prog_id);

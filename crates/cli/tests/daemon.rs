@@ -773,12 +773,81 @@ fn sigkill_keeps_traffic_flowing_and_a_new_daemon_adopts() -> Result<()> {
     Ok(())
 }
 
+/// A daemon of "another build" stops (its data path keeps forwarding), and
+/// this build's daemon starts over its pins: it replaces every family's
+/// programs in place while a connection keeps exchanging checksummed
+/// messages, says so in node info, and the connection stays accelerated.
+#[test]
+fn a_new_build_replaces_the_running_programs_under_traffic() -> Result<()> {
+    use meshwarp_bpf::shared::Build;
+    use meshwarp_core::maps::TypedMap;
+
+    let env = env_or_skip!();
+    let mut d1 = env.start(&[])?;
+    let net = NodeWithPods::new(2)?;
+    let server = SocketAddr::new(net.pods[1].v4.into(), 8080);
+    let listener = net.pods[1].ns.listen(server)?;
+    let rt = rt();
+    let info1 = rt.block_on(async {
+        let mut c = env.client().await;
+        c.create_pair(create(pair(&net.pods[0].v4.to_string(), &net.pods[1].v4.to_string(), 8080), OWNER)).await?;
+        Ok::<_, anyhow::Error>(c.get_node_info(pb::GetNodeInfoRequest {}).await?.into_inner())
+    })?;
+    let mut conn = net.pods[0].ns.connect(server)?;
+    let echo = spawn_echo(accept_timeout(&listener, Duration::from_secs(5))?, 1024);
+    let traffic = std::thread::spawn(move || -> Result<u64> {
+        let mut n = 0u64;
+        let start = Instant::now();
+        let mut buf = [0u8; 1024];
+        while start.elapsed() < Duration::from_secs(4) {
+            let msg: Vec<u8> = (0..1024).map(|i| (n as usize * 13 + i) as u8).collect();
+            round_trip(&mut conn, &msg, &mut buf)?;
+            ensure!(buf[..] == msg[..], "round trip {n} corrupted");
+            n += 1;
+        }
+        conn.shutdown(std::net::Shutdown::Both)?;
+        Ok(n)
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    ensure!(d1.kill(nix::sys::signal::Signal::SIGTERM)?.success(), "graceful stop");
+    let old = Build { id: *b"0ther-build-0001" };
+    let pin_dir = PathBuf::from(&info1.pin_dir);
+    for maps in [pin_dir.join("maps"), pin_dir.join("tc/maps")] {
+        TypedMap::<u32, Build>::pinned(&maps, meshwarp_bpf::names::MAP_BUILD)?.put(&0, &old)?;
+    }
+    let _d2 = env.start(&[])?;
+    let trips = traffic.join().unwrap()?;
+    echo.join().unwrap()?;
+    ensure!(trips > 1000, "traffic kept flowing: {trips} round trips");
+    rt.block_on(async {
+        let mut c = env.client().await;
+        let info2 = c.get_node_info(pb::GetNodeInfoRequest {}).await?.into_inner();
+        ensure!(info2.adopted && info2.programs_build == info2.build, "{info2:?}");
+        ensure!(info2.sockops_prog_id != info1.sockops_prog_id, "the sockops program was replaced");
+        let families: Vec<_> = info2.families.iter().map(|f| (f.family.as_str(), f.upgraded_from.as_str())).collect();
+        ensure!(families == [("socket", "0ther-build-0001"), ("tc", "0ther-build-0001")], "{:?}", info2.families);
+        let st = c.get_stats(pb::GetStatsRequest {}).await?.into_inner();
+        let redirected = st.pairs[0].counters.unwrap().redirected_msgs;
+        ensure!(redirected >= 2 * trips, "the connection stayed accelerated: {redirected} msgs for {trips} trips");
+        Ok(())
+    })?;
+    let out = env.cli(&["node", "info"]);
+    let out = String::from_utf8_lossy(&out.stdout);
+    ensure!(out.contains("socket programs of build 0ther-build-0001 replaced in place"), "{out}");
+    Ok(())
+}
+
 #[test]
 fn sigterm_leaves_the_data_path_and_cleanup_removes_it() -> Result<()> {
     let env = env_or_skip!();
     let mut d = env.start(&[])?;
-    ensure!(d.kill(nix::sys::signal::Signal::SIGTERM)?.success(), "graceful stop exits 0");
     let link = env.pin_root.join(format!("v{}/links/mw_sockops", meshwarp_bpf::shared::SCHEMA_VERSION));
+    // `meshwarp uninstall` does not pull the pins from under a running daemon.
+    let out = env.cli(&["uninstall", "--pin-root", env.pin_root.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    ensure!(!out.status.success() && err.contains("held by another meshwarp process"), "{err}");
+    ensure!(link.exists(), "pins stay while the daemon runs");
+    ensure!(d.kill(nix::sys::signal::Signal::SIGTERM)?.success(), "graceful stop exits 0");
     ensure!(link.exists(), "pins stay after SIGTERM");
     ensure!(!env.socket().exists(), "socket removed");
     let mut d = env.start(&["--cleanup"])?;

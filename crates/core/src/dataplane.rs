@@ -26,8 +26,8 @@ use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::{libbpf_sys, Link, MapCore, MapFlags, MapHandle, ProgramHandle};
 use meshwarp_bpf::names;
 use meshwarp_bpf::shared::{
-    Build, Config, CookieVal, Link as LinkValue, Pod, BUILD_LEN, CFG_BLOCKING_EAGAIN, CFG_FIONREAD_PSOCK, CFG_GUARD,
-    CFG_SPLICE_BLIND, CFG_SYSCALL_WATCH, CHAIN_FIN,
+    Config, CookieVal, Link as LinkValue, Pod, CFG_BLOCKING_EAGAIN, CFG_FIONREAD_PSOCK, CFG_GUARD, CFG_SPLICE_BLIND,
+    CFG_SYSCALL_WATCH, CHAIN_FIN,
 };
 use meshwarp_bpf::sockredir::SockredirSkelBuilder;
 
@@ -41,6 +41,7 @@ use crate::registry::{Registry, SockRule};
 use crate::stats::{GlobalCounters, RuleCounters};
 use crate::sys::{self, SysError};
 use crate::table::{Outcome, RuleError, Stored};
+use crate::upgrade::{self, Upgrade, UpgradeError};
 
 pub use meshwarp_bpf::shared::SCHEMA_VERSION;
 
@@ -115,7 +116,10 @@ pub enum DataplaneError {
     BadConfig { max_rules: u32, max_sockets: u32 },
     #[error("{dir} holds a partial meshwarp instance (missing {missing:?}); run `meshwarp uninstall` to clear it")]
     Partial { dir: PathBuf, missing: Vec<String> },
-    #[error("{dir} holds pins of schema {found}, this build uses {SCHEMA_VERSION}; run `meshwarp uninstall` first")]
+    #[error(
+        "{dir} holds pins of schema {found}, this build uses {SCHEMA_VERSION} and cannot read their rules; \
+         `meshwarp uninstall` first (open connections stay accelerated until they close; rules must be registered again)"
+    )]
     Schema { dir: PathBuf, found: String },
     #[error(transparent)]
     Map(#[from] MapError),
@@ -160,6 +164,8 @@ pub struct Dataplane {
     origin: Origin,
     /// Which build loaded the pinned programs.
     programs_build: String,
+    /// What opening did about programs of another build.
+    upgrade: Upgrade,
     sockmap: TypedMap<u32, u64>,
     links: TypedMap<u32, LinkValue>,
     cookies: TypedMap<u64, CookieVal>,
@@ -206,17 +212,25 @@ impl Dataplane {
             TypedMap::pinned(&dir, names::MAP_COOKIES)?,
         );
         let registry = Registry::reconcile(maps)?;
-        let programs_build = TypedMap::<u32, Build>::pinned(&dir, names::MAP_BUILD)?
-            .get(&0)?
-            .map(|b| String::from_utf8_lossy(&b.id).trim_end_matches('\0').to_string())
-            .unwrap_or_default();
+        let mut programs_build = upgrade::programs_build(&dir)?;
+        let mut upgrade = Upgrade::None;
+        if origin == Origin::Adopted {
+            upgrade::clear_stray(&[layout.dir().join("progs"), layout.links_dir()]);
+        }
         if programs_build != meshwarp_bpf::BUILD_ID {
-            tracing::warn!(
-                programs = %programs_build,
-                this = meshwarp_bpf::BUILD_ID,
-                "the pinned programs are of another build: they keep running (maps and connections stay); \
-                 `meshwarp uninstall` and a restart load this build's"
-            );
+            upgrade = match upgrade_programs(&layout) {
+                Ok(steps) => {
+                    tracing::info!(from = %programs_build, to = meshwarp_bpf::BUILD_ID, ?steps,
+                        "upgraded the pinned programs in place (maps, rules and connections kept)");
+                    Upgrade::Done { from: std::mem::take(&mut programs_build), steps }
+                }
+                Err(e) => {
+                    tracing::error!(programs = %programs_build, this = meshwarp_bpf::BUILD_ID,
+                        "the pinned programs are of another build and could not be replaced; they keep running: {e}");
+                    Upgrade::Failed { reason: e.to_string() }
+                }
+            };
+            programs_build = upgrade::programs_build(&dir)?;
         }
 
         let kernel = match KernelProbe::cached() {
@@ -252,6 +266,7 @@ impl Dataplane {
             pin_root: cfg.pin_root.clone(),
             origin,
             programs_build,
+            upgrade,
             sockmap,
             links,
             cookies,
@@ -328,6 +343,11 @@ impl Dataplane {
         &self.programs_build
     }
 
+    /// Whether opening replaced another build's programs (or failed to).
+    pub fn upgrade(&self) -> &Upgrade {
+        &self.upgrade
+    }
+
     /// The versioned pin directory.
     pub fn pin_dir(&self) -> &Path {
         self.layout.dir()
@@ -392,14 +412,66 @@ impl Dataplane {
     }
 
     /// Detaches and unpins the socket family (this data path and its
-    /// plugins; [`crate::node::uninstall`] removes every family). Accelerated
-    /// connections continue on the normal TCP path.
+    /// plugins; [`crate::node::uninstall`] removes every family). New
+    /// connections take the normal TCP path; accelerated ones stay on their
+    /// fast path until they close.
     pub fn teardown(self) -> Result<(), DataplaneError> {
         let Self { pin_root, guard, sockmap, links, cookies, registry, .. } = self;
         drop(guard);
         drop((sockmap, links, cookies, registry));
         remove_pinned(&pin_root)
     }
+}
+
+/// Replaces the programs of the socket family pinned in `layout` with this
+/// build's, over its maps ([`crate::upgrade`]); the build id is written
+/// last, so an upgrade cut short is redone by the next opener.
+fn upgrade_programs(layout: &FamilyPins) -> Result<Vec<String>, UpgradeError> {
+    let bpf = |what: &str| {
+        let what = what.to_string();
+        move |source| UpgradeError::Bpf { what, source }
+    };
+    let mut obj = MaybeUninit::uninit();
+    let mut open = SockredirSkelBuilder::default().open(&mut obj).map_err(bpf("opening BPF object"))?;
+    if let Some(ro) = open.maps.rodata_data.as_mut() {
+        ro.nr_splice = libc::SYS_splice as u32;
+        ro.nr_ioctl = libc::SYS_ioctl as u32;
+        // The instance's size, not this process's configuration.
+        ro.nr_slots = upgrade::pinned_max_entries(&layout.map(names::MAP_LINKS))?;
+    }
+    upgrade::reuse_pinned_maps(open.open_object_mut().maps_mut(), &layout.maps_dir())?;
+    let (loaded, log) = crate::loader::with_libbpf_log(|| open.load());
+    let skel = loaded.map_err(|source| UpgradeError::Load { source, log })?;
+    let p = &skel.progs;
+    upgrade::run(|swap| {
+        swap.prog_array(&layout.map(names::MAP_CH_CONN), CHAIN_FIN, p.mw_conn_fin.as_fd())?;
+        swap.prog_array(&layout.map(names::MAP_CH_MSG), CHAIN_FIN, p.mw_msg_fin.as_fd())?;
+        swap.sockmap_verdict(&layout.map(names::MAP_SOCKMAP), &layout.prog(names::PROG_SK_MSG), p.mw_sk_msg.as_fd())?;
+        swap.link_prog(&layout.link(names::PROG_SOCKOPS), p.mw_sockops.as_fd())?;
+        swap.link_prog(&layout.link(names::PROG_SETSOCKOPT), p.mw_setsockopt.as_fd())?;
+        swap.tp_link(&layout.link(names::PROG_RECV_LEN), p.mw_recv_len.as_fd())?;
+        swap.tp_link(&layout.link(names::PROG_SYS_ENTER), p.mw_sys_enter.as_fd())?;
+        for (name, prog) in sockredir_progs(p) {
+            swap.prog_pin(&layout.prog(name), prog.as_fd())?;
+        }
+        swap.build_id(&layout.maps_dir())
+    })
+}
+
+/// The programs of the socket family that are pinned, by pin name.
+fn sockredir_progs<'a>(
+    p: &'a meshwarp_bpf::sockredir::SockredirProgs<'a>,
+) -> [(&'static str, &'a libbpf_rs::ProgramMut<'a>); 8] {
+    [
+        (names::PROG_SOCKOPS, &p.mw_sockops),
+        (names::PROG_SK_MSG, &p.mw_sk_msg),
+        (names::PROG_RECV_LEN, &p.mw_recv_len),
+        (names::PROG_SYS_ENTER, &p.mw_sys_enter),
+        (names::PROG_SETSOCKOPT, &p.mw_setsockopt),
+        (names::PROG_DESTROY, &p.mw_destroy),
+        (names::PROG_PARK, &p.mw_park),
+        (names::PROG_UNLINK, &p.mw_unlink),
+    ]
 }
 
 /// Slots (links, two SOCKMAP entries each) for `max_sockets` sockets.
@@ -539,9 +611,9 @@ fn load_and_pin(cfg: &DataplaneConfig, layout: &FamilyPins) -> Result<(), Datapl
 
     let mut guard = PinGuard { paths: Vec::new(), done: false };
     let maps = &skel.maps;
-    let mut build = Build::default();
-    build.id.copy_from_slice(&meshwarp_bpf::BUILD_ID.as_bytes()[..BUILD_LEN]);
-    maps.mw_build.update(&0u32.to_ne_bytes(), build.as_bytes(), MapFlags::ANY).map_err(bpf_err("writing mw_build"))?;
+    maps.mw_build
+        .update(&0u32.to_ne_bytes(), upgrade::this_build().as_bytes(), MapFlags::ANY)
+        .map_err(bpf_err("writing mw_build"))?;
     let all_maps = [
         (names::MAP_SOCKMAP, &maps.mw_sockmap),
         (names::MAP_SLOTS, &maps.mw_slots),
@@ -579,17 +651,7 @@ fn load_and_pin(cfg: &DataplaneConfig, layout: &FamilyPins) -> Result<(), Datapl
         handle.pin(&path).map_err(bpf_err(format!("pinning {}", path.display())))?;
         guard.paths.push(path);
     }
-    let progs = &skel.progs;
-    for (name, prog) in [
-        (names::PROG_SOCKOPS, &progs.mw_sockops),
-        (names::PROG_SK_MSG, &progs.mw_sk_msg),
-        (names::PROG_RECV_LEN, &progs.mw_recv_len),
-        (names::PROG_SYS_ENTER, &progs.mw_sys_enter),
-        (names::PROG_SETSOCKOPT, &progs.mw_setsockopt),
-        (names::PROG_DESTROY, &progs.mw_destroy),
-        (names::PROG_PARK, &progs.mw_park),
-        (names::PROG_UNLINK, &progs.mw_unlink),
-    ] {
+    for (name, prog) in sockredir_progs(&skel.progs) {
         let path = layout.prog(name);
         let handle = ProgramHandle::try_from(prog).map_err(bpf_err(format!("handle of program {name}")))?;
         handle.pin(&path).map_err(bpf_err(format!("pinning {}", path.display())))?;

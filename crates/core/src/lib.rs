@@ -33,6 +33,7 @@ pub mod stats;
 pub mod sys;
 pub mod table;
 pub mod tc;
+pub mod upgrade;
 
 pub use dataplane::{Dataplane, DataplaneConfig, DataplaneError, Origin as DataplaneOrigin};
 pub use endpoint::{CaptureRule, Endpoint, EndpointPair, FastPathMode, NeverRedirectInto, ValidationError};
@@ -42,3 +43,4 @@ pub use probe::{KernelFact, KernelProbe};
 pub use registry::SockRule;
 pub use stats::{GlobalCounters, RuleCounters};
 pub use table::{Outcome, Registered, RuleError};
+pub use upgrade::Upgrade;

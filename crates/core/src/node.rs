@@ -103,10 +103,26 @@ pub enum NodeError {
 
 /// Removes meshwarp's pins (of this schema) under `pin_root` and nothing
 /// else: the tc family (its tcx links first, so interfaces stop running it)
-/// then the socket family. Accelerated connections continue on the normal
-/// TCP path; routed packets take the kernel's forwarding again.
+/// then the socket family. New connections take the normal TCP path;
+/// connections accelerated before stay on their fast path until they close
+/// (their sockets keep the programs and maps alive); routed packets take the
+/// kernel's forwarding again. The caller holds the pins or knows no process
+/// does (see [`uninstall_unheld`]).
 pub fn uninstall(pin_root: &Path) -> Result<(), NodeError> {
     tc::remove_pinned(pin_root)?;
     dataplane::remove_pinned(pin_root)?;
     Ok(())
+}
+
+/// [`uninstall`] for a process that holds no handle: refused while another
+/// process (a running daemon, an embedding controller) holds a family's
+/// pins, which it would otherwise pull from under it.
+pub fn uninstall_unheld(pin_root: &Path) -> Result<(), NodeError> {
+    let mut locks = Vec::new();
+    for family in [FamilyPins::tcredir(pin_root), FamilyPins::sockredir(pin_root)] {
+        if family.dir().exists() {
+            locks.push(family.lock().map_err(|e| NodeError::Dataplane(DataplaneError::Io(e)))?);
+        }
+    }
+    uninstall(pin_root)
 }

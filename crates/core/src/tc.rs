@@ -23,11 +23,11 @@ use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::{libbpf_sys, MapCore, MapFlags, MapHandle, ProgramHandle};
 use meshwarp_bpf::names;
 use meshwarp_bpf::shared::{
-    AttachKey, AttachStats, OwnerName, RouteKey4, RouteKey6, RouteStats, RouteValue, ACT_REDIRECT, ACT_REDIRECT_NEIGH,
-    ACT_REDIRECT_PEER, AF_INET, AF_INET6, CHAIN_FIN, DIR_EGRESS, DIR_INGRESS, ROUTE_HAS_NEXTHOP, ROUTE_HAS_SRC,
-    ROUTE_KEY_PREFIX_BITS, ROUTE_REWRITE_MAC,
+    AttachKey, AttachStats, OwnerName, Pod, RouteKey4, RouteKey6, RouteStats, RouteValue, ACT_REDIRECT,
+    ACT_REDIRECT_NEIGH, ACT_REDIRECT_PEER, AF_INET, AF_INET6, CHAIN_FIN, DIR_EGRESS, DIR_INGRESS, ROUTE_HAS_NEXTHOP,
+    ROUTE_HAS_SRC, ROUTE_KEY_PREFIX_BITS, ROUTE_REWRITE_MAC,
 };
-use meshwarp_bpf::tcredir::TcredirSkelBuilder;
+use meshwarp_bpf::tcredir::{TcredirProgs, TcredirSkelBuilder};
 
 use crate::error::{BpfError, IoError};
 use crate::maps::PerCpu;
@@ -36,6 +36,7 @@ pub use crate::netlink::IfaceRef;
 use crate::netlink::{self, NetlinkError};
 use crate::pins::{FamilyPins, PinLock};
 use crate::table::{self, Entry, Outcome, RuleError, Slots, Stored, Table};
+use crate::upgrade::{self, Upgrade, UpgradeError};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Direction {
@@ -414,6 +415,8 @@ pub struct TcDataplane {
     netns: Option<PathBuf>,
     maps: TcMaps,
     att_stats: PerCpu<AttachKey, AttachStats>,
+    /// What opening did about programs of another build.
+    upgrade: Upgrade,
     state: Mutex<TcState>,
 }
 
@@ -444,7 +447,12 @@ fn load_and_pin(cfg: &TcConfig, pins: &FamilyPins) -> Result<(), TcError> {
         (names::MAP_PLUG_STATS, &skel.maps.mw_plug_stats),
         (names::MAP_PLUG_META, &skel.maps.mw_plug_meta),
         (names::MAP_GRACE, &skel.maps.mw_grace),
+        (names::MAP_BUILD, &skel.maps.mw_build),
     ];
+    skel.maps
+        .mw_build
+        .update(&0u32.to_ne_bytes(), crate::upgrade::this_build().as_bytes(), MapFlags::ANY)
+        .map_err(bpf("writing mw_build"))?;
     // The on_packet chain ends in the host's own decision.
     let fd = skel.progs.mw_pkt_fin.as_fd().as_raw_fd().to_ne_bytes();
     skel.maps
@@ -455,13 +463,58 @@ fn load_and_pin(cfg: &TcConfig, pins: &FamilyPins) -> Result<(), TcError> {
         let mut h = MapHandle::try_from(map).map_err(bpf(format!("handle of {name}")))?;
         h.pin(pins.map(name)).map_err(bpf(format!("pinning {name}")))?;
     }
-    for (name, prog) in
-        [(names::PROG_TC_INGRESS, &skel.progs.mw_tc_ingress), (names::PROG_TC_EGRESS, &skel.progs.mw_tc_egress)]
-    {
+    for (name, prog) in tc_progs(&skel.progs) {
         let h = ProgramHandle::try_from(prog).map_err(bpf(format!("handle of {name}")))?;
         h.pin(pins.prog(name)).map_err(bpf(format!("pinning {name}")))?;
     }
     Ok(())
+}
+
+/// The tc family's pinned programs, by pin name.
+fn tc_progs<'a>(p: &'a TcredirProgs<'a>) -> [(&'static str, &'a libbpf_rs::ProgramMut<'a>); 2] {
+    [(names::PROG_TC_INGRESS, &p.mw_tc_ingress), (names::PROG_TC_EGRESS, &p.mw_tc_egress)]
+}
+
+/// Replaces the programs of the tc family pinned in `pins` with this build's,
+/// over its maps ([`crate::upgrade`]): the chain's end, each pinned tcx link
+/// (an interface's attachment, updated in place), the program pins, then the
+/// build id. Attachments made through clsact (kernels without tcx) are not
+/// pinned and keep the old programs until they are made again.
+fn upgrade_programs(pins: &FamilyPins) -> Result<Vec<String>, UpgradeError> {
+    let mut obj = MaybeUninit::uninit();
+    let mut open = TcredirSkelBuilder::default()
+        .open(&mut obj)
+        .map_err(|source| UpgradeError::Bpf { what: "opening the tc object".into(), source })?;
+    upgrade::reuse_pinned_maps(open.open_object_mut().maps_mut(), &pins.maps_dir())?;
+    let (loaded, log) = crate::loader::with_libbpf_log(|| open.load());
+    let skel = loaded.map_err(|source| UpgradeError::Load { source, log })?;
+    let p = &skel.progs;
+    let mut links: Vec<(PathBuf, Direction)> = Vec::new();
+    if let Ok(entries) = fs::read_dir(pins.links_dir()) {
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if let Some((_, d)) = name.strip_prefix("if").and_then(|r| r.split_once('-')) {
+                links.push((
+                    e.path(),
+                    if d == Direction::Ingress.short() { Direction::Ingress } else { Direction::Egress },
+                ));
+            }
+        }
+    }
+    upgrade::run(|swap| {
+        swap.prog_array(&pins.map(names::MAP_CH_PKT), CHAIN_FIN, p.mw_pkt_fin.as_fd())?;
+        for (path, dir) in &links {
+            let prog = match dir {
+                Direction::Ingress => &p.mw_tc_ingress,
+                Direction::Egress => &p.mw_tc_egress,
+            };
+            swap.link_prog(path, prog.as_fd())?;
+        }
+        for (name, prog) in tc_progs(p) {
+            swap.prog_pin(&pins.prog(name), prog.as_fd())?;
+        }
+        swap.build_id(&pins.maps_dir())
+    })
 }
 
 impl TcDataplane {
@@ -479,8 +532,27 @@ impl TcDataplane {
             }
         } else if !missing.is_empty() {
             return Err(TcError::Partial { dir: pins.dir().to_path_buf(), missing });
+        } else {
+            upgrade::clear_stray(&[pins.dir().join("progs"), pins.links_dir()]);
         }
         let dir = pins.maps_dir();
+        let built = upgrade::programs_build(&dir)?;
+        let upgrade = if built == meshwarp_bpf::BUILD_ID {
+            Upgrade::None
+        } else {
+            match upgrade_programs(&pins) {
+                Ok(steps) => {
+                    tracing::info!(from = %built, to = meshwarp_bpf::BUILD_ID, ?steps,
+                        "upgraded the pinned tc programs in place (routes and attachments kept)");
+                    Upgrade::Done { from: built, steps }
+                }
+                Err(e) => {
+                    tracing::error!(programs = %built, this = meshwarp_bpf::BUILD_ID,
+                        "the pinned tc programs are of another build and could not be replaced; they keep running: {e}");
+                    Upgrade::Failed { reason: e.to_string() }
+                }
+            }
+        };
         let dp = Self {
             maps: TcMaps {
                 rt4: TypedMap::pinned(&dir, names::MAP_RT4)?,
@@ -490,12 +562,23 @@ impl TcDataplane {
             },
             att_stats: PerCpu::pinned(&dir, names::MAP_ATT_STATS)?,
             netns: cfg.netns.clone(),
+            upgrade,
             state: Mutex::new(TcState::default()),
             pins,
             _pin_lock: pin_lock,
         };
         dp.reconcile()?;
         Ok(dp)
+    }
+
+    /// Whether opening replaced another build's programs (or failed to).
+    pub fn upgrade(&self) -> &Upgrade {
+        &self.upgrade
+    }
+
+    /// The build id of the programs that run.
+    pub fn programs_build(&self) -> Result<String, TcError> {
+        Ok(upgrade::programs_build(&self.pins.maps_dir())?)
     }
 
     /// The tc data path's pin directory.

@@ -327,3 +327,56 @@ fn a_deleted_pod_leaves_no_route_on_its_old_interface() -> Result<()> {
     );
     Ok(())
 }
+
+/// tc programs of "another build" are replaced in place while a stream
+/// crosses the routes: every tcx link and pin runs this build's programs
+/// afterwards, the routes and their counters are kept, and no byte is lost.
+#[test]
+fn another_builds_tc_programs_are_replaced_under_traffic() -> Result<()> {
+    use meshwarp_bpf::shared::Build;
+    use meshwarp_core::maps::TypedMap;
+    use meshwarp_core::upgrade::running_programs;
+    use meshwarp_core::Upgrade;
+
+    let net = TwoNodes::new(1)?;
+    let listener = net.b.pods[0].ns.listen(SocketAddr::new(net.b.pods[0].addr(false), PORT))?;
+    let (mut na, mut nb) = nodes_or_skip!(net);
+    net.install_fast_path(na.tc(), nb.tc(), false, OverlayEgress::Redirect)?;
+    let c = net.a.pods[0].ns.connect(SocketAddr::new(net.b.pods[0].addr(false), PORT))?;
+    let s = accept_timeout(&listener, T)?;
+    let stream = std::thread::spawn(move || exchange(c, s, 11, 64 << 20, T));
+    std::thread::sleep(Duration::from_millis(100));
+    let mut packets = Vec::new();
+    for (i, n) in [&mut na, &mut nb].into_iter().enumerate() {
+        let dir = n.tc().pin_dir().to_path_buf();
+        let old = running_programs(&dir)?;
+        ensure!(old.keys().any(|k| k.starts_with("links/if")), "tcx links attached: {old:?}");
+        TypedMap::<u32, Build>::pinned(&dir.join("maps"), meshwarp_bpf::names::MAP_BUILD)?
+            .put(&0, &Build { id: *b"0ther-build-0001" })?;
+        let routes = n.tc().routes();
+        n.readopt()?;
+        ensure!(matches!(n.tc().upgrade(), Upgrade::Done { .. }), "{:?}", n.tc().upgrade());
+        ensure!(n.tc().programs_build()? == meshwarp_bpf::BUILD_ID);
+        let now = running_programs(&dir)?;
+        for (k, id) in &now {
+            ensure!(old.get(k) != Some(id), "{k} still runs the old program {id}");
+        }
+        let key = |rs: &[meshwarp_core::tc::InstalledRoute]| {
+            rs.iter().map(|r| (r.attach_ifindex, r.target_ifindex, r.route.dst, r.owner.clone())).collect::<Vec<_>>()
+        };
+        ensure!(key(&n.tc().routes()) == key(&routes), "routes kept: {:?} against {routes:?}", n.tc().routes());
+        for r in &routes {
+            packets.push((i, r.clone(), n.tc().route_stats(r)?.packets));
+        }
+    }
+    stream.join().map_err(|_| anyhow::anyhow!("stream thread"))??;
+    let before = bridges(&net)?;
+    traffic(&net, false, 12, &listener)?;
+    ensure!(bridges(&net)? - before < 256 * 1024, "after the upgrade the routes still carry the payload");
+    for (i, r, was) in packets {
+        let n = if i == 0 { &na } else { &nb };
+        let now = n.tc().route_stats(&r)?.packets;
+        ensure!(now > was, "route {} counted nothing after the upgrade ({was} -> {now})", r.route);
+    }
+    Ok(())
+}

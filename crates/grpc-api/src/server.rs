@@ -863,6 +863,23 @@ impl NodeServer {
         Ok(Box::pin(stream))
     }
 
+    /// Each family's running build and what starting did about another one.
+    fn families(&self) -> Vec<pb::FamilyPrograms> {
+        let family = |name: &str, build: String, u: &meshwarp_core::Upgrade| {
+            let (upgraded_from, upgrade_error) = match u {
+                meshwarp_core::Upgrade::None => (String::new(), String::new()),
+                meshwarp_core::Upgrade::Done { from, .. } => (from.clone(), String::new()),
+                meshwarp_core::Upgrade::Failed { reason } => (String::new(), reason.clone()),
+            };
+            pb::FamilyPrograms { family: name.into(), programs_build: build, upgraded_from, upgrade_error }
+        };
+        let mut out = vec![family("socket", self.dp.programs_build().to_string(), self.dp.upgrade())];
+        if let Ok(tc) = &self.tc {
+            out.push(family("tc", tc.programs_build().unwrap_or_default(), tc.upgrade()));
+        }
+        out
+    }
+
     fn node_info(&self, _r: pb::GetNodeInfoRequest) -> Result<pb::GetNodeInfoResponse, Status> {
         let dp = &self.dp;
         let (used, capacity) = dp.registry().usage();
@@ -910,6 +927,7 @@ impl NodeServer {
             reader_guard: Some(reader_guard),
             build: meshwarp_bpf::BUILD_ID.to_string(),
             programs_build: dp.programs_build().to_string(),
+            families: self.families(),
         })
     }
 }

@@ -12,7 +12,7 @@
 #ifndef MESHWARP_SHARED_H
 #define MESHWARP_SHARED_H
 
-#define MW_SCHEMA_VERSION 9
+#define MW_SCHEMA_VERSION 10
 
 #define MW_AF_INET 2
 #define MW_AF_INET6 10

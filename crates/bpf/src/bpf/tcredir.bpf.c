@@ -33,6 +33,9 @@ MW_MAP(mw_rt_owner, BPF_MAP_TYPE_HASH, __u32, struct mw_owner, 16384, BPF_F_NO_P
 
 /* Plugin chain of on_packet (both directions). */
 MW_DEFINE_CHAIN_PROGS(mw_ch_pkt);
+/* The build that loaded these programs (struct mw_build, shared.h): an
+ * adopting agent of another build replaces them in place. */
+MW_MAP(mw_build, BPF_MAP_TYPE_ARRAY, __u32, struct mw_build, 1, 0);
 
 /* Plugin metadata and the grace-period map (chain.h). */
 MW_DEFINE_HOST_PLUGIN_MAPS();

@@ -1,0 +1,440 @@
+//! In-place upgrade of a pinned family: the programs a pinned data path runs
+//! are replaced with this build's while its maps (rules, links, sockets,
+//! counters) and attachments stay, so no connection is torn down and no rule
+//! is lost.
+//!
+//! Each step ([`Swap`]) is one atomic kernel operation: a prog-array entry, a
+//! bpf_link's program (cgroup, tcx), the SOCKMAP's sk_msg program, a
+//! tracepoint link (a new link pinned over the old one), a program pin
+//! (renamed over the old one). A step that fails undoes the ones before it,
+//! newest first, so a refused upgrade leaves the old build running as it was.
+//! A process killed between two steps leaves a mix of both builds' programs
+//! over the same maps — the schema is the same, so any mix works — and the old
+//! build id, which the next opener sees and finishes the upgrade; stray
+//! `next-*` pins of a cut-short step are cleared first ([`clear_stray`]).
+//!
+//! Sockets already in the SOCKMAP keep the sk_msg program they were added
+//! under (the kernel copies it into each socket's psock): connections open
+//! across an upgrade finish on the old build's sk_msg, new ones get the new.
+
+use std::ffi::CString;
+use std::fs;
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use libbpf_rs::libbpf_sys;
+use meshwarp_bpf::names;
+use meshwarp_bpf::shared::{Build, BUILD_LEN};
+
+use crate::maps::{MapError, TypedMap};
+
+/// What opening a family did about pinned programs of another build.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Upgrade {
+    /// They were this build's (or this open loaded them).
+    None,
+    /// They were replaced in place with this build's, in these steps.
+    Done { from: String, steps: Vec<String> },
+    /// They could not be replaced and keep running, unchanged.
+    Failed { reason: String },
+}
+
+/// An upgrade that did not happen; whatever it changed was put back.
+#[derive(Debug, thiserror::Error)]
+pub enum UpgradeError {
+    #[error("loading this build's programs over the pinned maps: {source}\n--- verifier/libbpf log ---\n{log}")]
+    Load {
+        #[source]
+        source: libbpf_rs::Error,
+        log: String,
+    },
+    #[error("the pinned instance has no map {0} that this build's programs use")]
+    MissingMap(String),
+    #[error("{what}: {source}")]
+    Bpf {
+        what: String,
+        #[source]
+        source: libbpf_rs::Error,
+    },
+    #[error("upgrade step {step}: {source}")]
+    Step {
+        step: String,
+        #[source]
+        source: io::Error,
+    },
+    #[error("upgrade step {0} failed (injected fault)")]
+    Injected(String),
+}
+
+fn step_err(step: &str, rc: i32) -> UpgradeError {
+    let errno = if rc < 0 { -rc } else { io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO) };
+    UpgradeError::Step { step: step.to_string(), source: io::Error::from_raw_os_error(errno) }
+}
+
+fn cpath(step: &str, p: &Path) -> Result<CString, UpgradeError> {
+    CString::new(p.as_os_str().as_encoded_bytes())
+        .map_err(|e| UpgradeError::Step { step: step.to_string(), source: io::Error::other(e) })
+}
+
+fn owned(step: &str, fd: RawFd) -> Result<OwnedFd, UpgradeError> {
+    if fd < 0 {
+        return Err(step_err(step, fd));
+    }
+    // SAFETY: a new fd returned by libbpf, owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Opens a pinned object (program, map or link).
+pub(crate) fn obj_get(step: &str, p: &Path) -> Result<OwnedFd, UpgradeError> {
+    let c = cpath(step, p)?;
+    // SAFETY: NUL-terminated path.
+    owned(step, unsafe { libbpf_sys::bpf_obj_get(c.as_ptr()) })
+}
+
+fn obj_pin(step: &str, fd: BorrowedFd<'_>, p: &Path) -> Result<(), UpgradeError> {
+    let c = cpath(step, p)?;
+    // SAFETY: a valid fd and NUL-terminated path.
+    let rc = unsafe { libbpf_sys::bpf_obj_pin(fd.as_raw_fd(), c.as_ptr()) };
+    if rc < 0 {
+        return Err(step_err(step, rc));
+    }
+    Ok(())
+}
+
+/// Pins `fd` at `path` in one step for a reader: pinned next to it first,
+/// then renamed over it (bpffs renames atomically, dropping the old pin).
+fn pin_over(step: &str, fd: BorrowedFd<'_>, path: &Path) -> Result<(), UpgradeError> {
+    let next = next_path(path);
+    let _ = fs::remove_file(&next);
+    obj_pin(&format!("{step} (pinning {})", next.display()), fd, &next)?;
+    fs::rename(&next, path).map_err(|source| {
+        let _ = fs::remove_file(&next);
+        UpgradeError::Step { step: format!("{step} (renaming over {})", path.display()), source }
+    })
+}
+
+/// Where a replacement is pinned before it is renamed over `path` (bpffs
+/// refuses names with a dot).
+fn next_path(path: &Path) -> PathBuf {
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    path.with_file_name(format!("{NEXT_PREFIX}{name}"))
+}
+
+const NEXT_PREFIX: &str = "next-";
+
+/// Removes the `next-*` pins a cut-short upgrade left in `dirs`.
+pub(crate) fn clear_stray(dirs: &[PathBuf]) {
+    for d in dirs {
+        let Ok(entries) = fs::read_dir(d) else { continue };
+        for e in entries.flatten() {
+            if e.file_name().to_string_lossy().starts_with(NEXT_PREFIX) {
+                tracing::info!(pin = %e.path().display(), "removing a pin a cut-short upgrade left");
+                let _ = fs::remove_file(e.path());
+            }
+        }
+    }
+}
+
+fn prog_fd_by_id(step: &str, id: u32) -> Result<OwnedFd, UpgradeError> {
+    // SAFETY: plain syscall wrapper.
+    owned(&format!("{step} (program {id})"), unsafe { libbpf_sys::bpf_prog_get_fd_by_id(id) })
+}
+
+fn link_prog_id(step: &str, link: BorrowedFd<'_>) -> Result<u32, UpgradeError> {
+    // SAFETY: zeroed is a valid bpf_link_info.
+    let mut info: libbpf_sys::bpf_link_info = unsafe { std::mem::zeroed() };
+    let mut len = size_of::<libbpf_sys::bpf_link_info>() as u32;
+    // SAFETY: valid fd, buffer and its length.
+    let rc = unsafe { libbpf_sys::bpf_link_get_info_by_fd(link.as_raw_fd(), &mut info, &mut len) };
+    if rc < 0 {
+        return Err(step_err(&format!("{step} (link info)"), rc));
+    }
+    Ok(info.prog_id)
+}
+
+fn link_update(step: &str, link: BorrowedFd<'_>, new: BorrowedFd<'_>, old: BorrowedFd<'_>) -> Result<(), UpgradeError> {
+    // SAFETY: zeroed opts with the right size are valid input.
+    let mut opts: libbpf_sys::bpf_link_update_opts = unsafe { std::mem::zeroed() };
+    opts.sz = size_of::<libbpf_sys::bpf_link_update_opts>() as _;
+    // Only if the link still runs the program read a moment ago: a
+    // concurrent change is refused rather than overwritten.
+    opts.flags = libbpf_sys::BPF_F_REPLACE;
+    opts.old_prog_fd = old.as_raw_fd() as u32;
+    // SAFETY: valid fds and options.
+    let rc = unsafe { libbpf_sys::bpf_link_update(link.as_raw_fd(), new.as_raw_fd(), &opts) };
+    if rc < 0 {
+        return Err(step_err(step, rc));
+    }
+    Ok(())
+}
+
+fn prog_array_put(step: &str, map: BorrowedFd<'_>, key: u32, prog: BorrowedFd<'_>) -> Result<(), UpgradeError> {
+    let val = prog.as_raw_fd() as u32;
+    // SAFETY: a prog array takes a u32 key and a u32 program fd.
+    let rc = unsafe {
+        libbpf_sys::bpf_map_update_elem(
+            map.as_raw_fd(),
+            (&key as *const u32).cast(),
+            (&val as *const u32).cast(),
+            libbpf_sys::BPF_ANY as u64,
+        )
+    };
+    if rc < 0 {
+        return Err(step_err(step, rc));
+    }
+    Ok(())
+}
+
+fn sockmap_verdict(step: &str, map: BorrowedFd<'_>, prog: BorrowedFd<'_>) -> Result<(), UpgradeError> {
+    // The kernel swaps the map's program in one exchange (no BPF_F_REPLACE
+    // for SOCKMAP attachments).
+    // SAFETY: valid fds.
+    let rc =
+        unsafe { libbpf_sys::bpf_prog_attach(prog.as_raw_fd(), map.as_raw_fd(), libbpf_sys::BPF_SK_MSG_VERDICT, 0) };
+    if rc < 0 {
+        return Err(step_err(step, rc));
+    }
+    Ok(())
+}
+
+fn raw_tp_open(step: &str, prog: BorrowedFd<'_>) -> Result<OwnedFd, UpgradeError> {
+    // SAFETY: a tp_btf program fd; NULL name: its own BTF target.
+    owned(&format!("{step} (attaching)"), unsafe {
+        libbpf_sys::bpf_raw_tracepoint_open(std::ptr::null(), prog.as_raw_fd())
+    })
+}
+
+/// What an injected fault does at a step (tests of crash safety).
+static FAULT: Mutex<Option<String>> = Mutex::new(None);
+
+/// With feature `fault-injection`: `"fail:<step>"` makes step `<step>` fail
+/// after it was done (its undo and every earlier one run), `"kill:<step>"`
+/// kills this process with SIGKILL right after it. `MESHWARP_FAULT` in the
+/// environment sets the same when nothing was set here.
+#[cfg(feature = "fault-injection")]
+pub fn inject_fault(fault: Option<&str>) {
+    *crate::sys::lock(&FAULT) = fault.map(str::to_string);
+}
+
+fn fault_point(step: &str) -> Result<(), UpgradeError> {
+    if !cfg!(feature = "fault-injection") {
+        return Ok(());
+    }
+    let set = crate::sys::lock(&FAULT).clone().or_else(|| std::env::var("MESHWARP_FAULT").ok());
+    match set.as_deref().and_then(|f| f.split_once(':')) {
+        Some(("kill", s)) if s == step => {
+            tracing::warn!(step, "injected fault: killing this process");
+            // SAFETY: signals this process.
+            unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+            Ok(())
+        }
+        Some(("fail", s)) if s == step => Err(UpgradeError::Injected(step.to_string())),
+        _ => Ok(()),
+    }
+}
+
+type Undo = Box<dyn FnOnce() -> Result<(), UpgradeError>>;
+
+/// The steps of one upgrade done so far, with how to undo each.
+#[derive(Default)]
+pub(crate) struct Swap {
+    done: Vec<(String, Undo)>,
+}
+
+impl Swap {
+    fn record(&mut self, step: String, undo: Undo) -> Result<(), UpgradeError> {
+        self.done.push((step.clone(), undo));
+        fault_point(&step)
+    }
+
+    /// Names of the steps done (in order).
+    pub(crate) fn steps(&self) -> Vec<String> {
+        self.done.iter().map(|(s, _)| s.clone()).collect()
+    }
+
+    /// Points entry `key` of the pinned prog array `map` at `prog`.
+    pub(crate) fn prog_array(&mut self, map: &Path, key: u32, prog: BorrowedFd<'_>) -> Result<(), UpgradeError> {
+        let step = format!("{}[{key}]", file_name(map));
+        let map = obj_get(&step, map)?;
+        let mut id = 0u32;
+        // SAFETY: a prog array's lookup from user space yields the program id.
+        let rc = unsafe {
+            libbpf_sys::bpf_map_lookup_elem(map.as_raw_fd(), (&key as *const u32).cast(), (&mut id as *mut u32).cast())
+        };
+        let old = if rc == 0 { Some(prog_fd_by_id(&step, id)?) } else { None };
+        prog_array_put(&step, map.as_fd(), key, prog)?;
+        let s = step.clone();
+        self.record(
+            step,
+            Box::new(move || match old {
+                Some(old) => prog_array_put(&s, map.as_fd(), key, old.as_fd()),
+                None => Ok(()),
+            }),
+        )
+    }
+
+    /// Makes the pinned SOCKMAP `map` run `prog` for sockets added from now
+    /// on; `old` is the program it ran.
+    pub(crate) fn sockmap_verdict(&mut self, map: &Path, old: &Path, prog: BorrowedFd<'_>) -> Result<(), UpgradeError> {
+        let step = format!("{} sk_msg", file_name(map));
+        let map = obj_get(&step, map)?;
+        let old = obj_get(&step, old)?;
+        sockmap_verdict(&step, map.as_fd(), prog)?;
+        let s = step.clone();
+        self.record(step, Box::new(move || sockmap_verdict(&s, map.as_fd(), old.as_fd())))
+    }
+
+    /// Makes the pinned bpf_link at `path` (cgroup, tcx) run `prog`.
+    pub(crate) fn link_prog(&mut self, path: &Path, prog: BorrowedFd<'_>) -> Result<(), UpgradeError> {
+        let step = format!("link {}", file_name(path));
+        let link = obj_get(&step, path)?;
+        let old = prog_fd_by_id(&step, link_prog_id(&step, link.as_fd())?)?;
+        link_update(&step, link.as_fd(), prog, old.as_fd())?;
+        let new = prog_fd_by_id(&step, link_prog_id(&step, link.as_fd())?)?;
+        let s = step.clone();
+        self.record(step, Box::new(move || link_update(&s, link.as_fd(), old.as_fd(), new.as_fd())))
+    }
+
+    /// Replaces the pinned tracepoint link at `path` (if there is one) with
+    /// a link of `prog`. The new one is attached before the old one goes, so
+    /// no event is missed; an event in between runs both (the read
+    /// tracepoint then over-counts one read, which at worst delays a
+    /// demotion).
+    pub(crate) fn tp_link(&mut self, path: &Path, prog: BorrowedFd<'_>) -> Result<(), UpgradeError> {
+        if !path.exists() {
+            return Ok(());
+        }
+        let step = format!("link {}", file_name(path));
+        let old_link = obj_get(&step, path)?;
+        let old = prog_fd_by_id(&step, link_prog_id(&step, old_link.as_fd())?)?;
+        drop(old_link);
+        let link = raw_tp_open(&step, prog)?;
+        pin_over(&step, link.as_fd(), path)?;
+        let (s, p) = (step.clone(), path.to_path_buf());
+        self.record(
+            step,
+            Box::new(move || {
+                let link = raw_tp_open(&s, old.as_fd())?;
+                pin_over(&s, link.as_fd(), &p)
+            }),
+        )
+    }
+
+    /// Pins `prog` at `path` in place of the program pinned there.
+    pub(crate) fn prog_pin(&mut self, path: &Path, prog: BorrowedFd<'_>) -> Result<(), UpgradeError> {
+        let step = format!("pin {}", file_name(path));
+        let old = obj_get(&step, path)?;
+        pin_over(&step, prog, path)?;
+        let (s, p) = (step.clone(), path.to_path_buf());
+        self.record(step, Box::new(move || pin_over(&s, old.as_fd(), &p)))
+    }
+
+    /// Records this build as the one whose programs run (the last step: an
+    /// upgrade cut short before it is redone by the next opener).
+    pub(crate) fn build_id(&mut self, maps_dir: &Path) -> Result<(), UpgradeError> {
+        let step = names::MAP_BUILD.to_string();
+        let err = |e: MapError| UpgradeError::Step { step: names::MAP_BUILD.into(), source: io::Error::other(e) };
+        let map = TypedMap::<u32, Build>::pinned(maps_dir, names::MAP_BUILD).map_err(err)?;
+        let old = map.get(&0).map_err(err)?.unwrap_or_default();
+        map.put(&0, &this_build()).map_err(err)?;
+        self.record(step, Box::new(move || map.put(&0, &old).map_err(err)))
+    }
+
+    /// Undoes every step done, newest first; a failed undo is logged and the
+    /// others still run.
+    pub(crate) fn rollback(self) {
+        for (step, undo) in self.done.into_iter().rev() {
+            match undo() {
+                Ok(()) => tracing::info!(step, "upgrade step undone"),
+                Err(e) => tracing::error!(step, "undoing an upgrade step failed: {e}"),
+            }
+        }
+    }
+}
+
+fn file_name(p: &Path) -> String {
+    p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default()
+}
+
+/// Runs `steps` over a fresh [`Swap`]: all of them, or (on the first error)
+/// none, the done ones undone.
+pub(crate) fn run(steps: impl FnOnce(&mut Swap) -> Result<(), UpgradeError>) -> Result<Vec<String>, UpgradeError> {
+    let mut swap = Swap::default();
+    match steps(&mut swap) {
+        Ok(()) => Ok(swap.steps()),
+        Err(e) => {
+            tracing::error!("upgrade failed, undoing its steps: {e}");
+            swap.rollback();
+            Err(e)
+        }
+    }
+}
+
+/// Points each map of a freshly opened object at the family's pinned map of
+/// the same name, so the loaded programs use the running instance's state;
+/// libbpf's internal maps (`.rodata`, named with a dot) are the object's own.
+pub(crate) fn reuse_pinned_maps<'a>(
+    maps: impl Iterator<Item = libbpf_rs::OpenMapMut<'a>>,
+    maps_dir: &Path,
+) -> Result<(), UpgradeError> {
+    for mut m in maps {
+        let name = m.name().to_string_lossy().into_owned();
+        if name.contains('.') {
+            continue;
+        }
+        let path = maps_dir.join(&name);
+        if !path.exists() {
+            return Err(UpgradeError::MissingMap(name));
+        }
+        m.reuse_pinned_map(&path).map_err(|source| UpgradeError::Bpf { what: format!("reusing {name}"), source })?;
+    }
+    Ok(())
+}
+
+/// `max_entries` of a pinned map.
+pub(crate) fn pinned_max_entries(path: &Path) -> Result<u32, UpgradeError> {
+    let h = libbpf_rs::MapHandle::from_pinned_path(path)
+        .map_err(|source| UpgradeError::Bpf { what: format!("opening {}", path.display()), source })?;
+    Ok(libbpf_rs::MapCore::max_entries(&h))
+}
+
+/// The build id ([`meshwarp_bpf::BUILD_ID`]) of the programs pinned with the
+/// maps in `maps_dir` (empty if none was recorded).
+pub fn programs_build(maps_dir: &Path) -> Result<String, MapError> {
+    Ok(TypedMap::<u32, Build>::pinned(maps_dir, names::MAP_BUILD)?
+        .get(&0)?
+        .map(|b| String::from_utf8_lossy(&b.id).trim_end_matches('\0').to_string())
+        .unwrap_or_default())
+}
+
+/// This build's id as `mw_build` holds it.
+pub(crate) fn this_build() -> Build {
+    let mut build = Build::default();
+    build.id.copy_from_slice(&meshwarp_bpf::BUILD_ID.as_bytes()[..BUILD_LEN]);
+    build
+}
+
+/// The kernel id of every program a pinned family runs, by pin: its program
+/// pins (`progs/<name>`) and the program of each pinned link
+/// (`links/<name>`). After an upgrade every one of them is this build's.
+pub fn running_programs(family_dir: &Path) -> Result<std::collections::BTreeMap<String, u32>, UpgradeError> {
+    let mut out = std::collections::BTreeMap::new();
+    for (sub, link) in [("progs", false), ("links", true)] {
+        let Ok(entries) = fs::read_dir(family_dir.join(sub)) else { continue };
+        for e in entries.flatten() {
+            let key = format!("{sub}/{}", e.file_name().to_string_lossy());
+            let fd = obj_get(&key, &e.path())?;
+            let id = if link {
+                link_prog_id(&key, fd.as_fd())?
+            } else {
+                libbpf_rs::ProgramHandle::from_pinned_path(e.path())
+                    .map_err(|source| UpgradeError::Bpf { what: key.clone(), source })?
+                    .id()
+            };
+            out.insert(key, id);
+        }
+    }
+    Ok(out)
+}

@@ -1,0 +1,357 @@
+//! In-place upgrade on a real kernel: a pinned data path of "another build"
+//! (its `mw_build` rewritten) is adopted and its programs replaced under
+//! traffic; a step that fails puts every earlier step back; a process killed
+//! after any step leaves a data path that forwards and that the next opener
+//! finishes upgrading.
+//!
+//! Each test fails (never skips) when CI=true and BPF is refused.
+
+#![allow(clippy::unwrap_used)]
+
+use std::collections::BTreeMap;
+use std::net::{SocketAddr, TcpStream};
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, ensure, Context, Result};
+use meshwarp_bpf::names;
+use meshwarp_bpf::shared::Build;
+use meshwarp_core::maps::TypedMap;
+use meshwarp_core::sys::socket_cookie_of;
+use meshwarp_core::upgrade::{inject_fault, running_programs};
+use meshwarp_core::{Dataplane, DataplaneConfig, Endpoint, EndpointPair, FastPathMode, Upgrade};
+use meshwarp_testbed::{
+    connect_nonblocking, echo_integrity, round_trip, KernelTest, NodeWithPods, Pattern, StreamEcho,
+};
+use socket2::{Domain, Socket, Type};
+
+const T: Duration = Duration::from_secs(30);
+const PORT: u16 = 8080;
+const OTHER_BUILD: [u8; 16] = *b"0ther-build-0001";
+
+macro_rules! kernel_test {
+    ($max_sockets:expr) => {
+        match KernelTest::start($max_sockets) {
+            Some(k) => k,
+            None => return Ok(()),
+        }
+    };
+}
+
+/// Two pods, pod1 echoing on PORT, the pair registered (mode always: every
+/// message of these request/response loops is redirected).
+struct Bed {
+    net: NodeWithPods,
+    _echo: StreamEcho,
+    pair: EndpointPair,
+}
+
+impl Bed {
+    fn new(dp: &Dataplane) -> Result<Self> {
+        let net = NodeWithPods::new(2)?;
+        let listener = net.pods[1].ns.listen(SocketAddr::new(net.pods[1].addr(false), PORT))?;
+        let pair = EndpointPair::new(net.pods[0].addr(false), Endpoint::new(net.pods[1].addr(false), PORT))?
+            .with_mode(FastPathMode::Always);
+        dp.insert(&pair, "test")?;
+        Ok(Self { _echo: StreamEcho::start(listener)?, net, pair })
+    }
+
+    fn connect(&self) -> Result<TcpStream> {
+        let s = self.net.pods[0].ns.connect(SocketAddr::new(self.net.pods[1].addr(false), PORT))?;
+        s.set_nodelay(true)?;
+        s.set_read_timeout(Some(T))?;
+        s.set_write_timeout(Some(T))?;
+        Ok(s)
+    }
+}
+
+/// Pretends the pinned programs were loaded by another build.
+fn mark_other_build(maps_dir: &Path) -> Result<()> {
+    TypedMap::<u32, Build>::pinned(maps_dir, names::MAP_BUILD)?.put(&0, &Build { id: OTHER_BUILD })?;
+    Ok(())
+}
+
+fn stray_pins(dir: &Path) -> Vec<PathBuf> {
+    ["progs", "links"]
+        .iter()
+        .flat_map(|d| std::fs::read_dir(dir.join(d)).into_iter().flatten().flatten())
+        .map(|e| e.path())
+        .filter(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("next-")))
+        .collect()
+}
+
+/// Every pinned link runs the program pinned under its name, and no program
+/// id of `old` is still pinned or attached.
+fn all_new(now: &BTreeMap<String, u32>, old: &BTreeMap<String, u32>) -> Result<()> {
+    for (k, id) in now {
+        ensure!(old.get(k) != Some(id), "{k} still runs program {id} of the old build ({now:?})");
+        if let Some(name) = k.strip_prefix("links/") {
+            ensure!(now.get(&format!("progs/{name}")) == Some(id), "link {name} runs {id}, not its pinned program");
+        }
+    }
+    ensure!(now.keys().eq(old.keys()), "pins changed: {:?} against {:?}", now.keys(), old.keys());
+    Ok(())
+}
+
+/// A connection that is redirected now: checked by its cookie, then a
+/// checksummed exchange through the echo.
+fn fresh_connection_is_redirected(dp: &Dataplane, bed: &Bed, seed: u64) -> Result<()> {
+    let before = dp.stats(&bed.pair)?.redirected_bytes;
+    let s = bed.connect()?;
+    let cookie = socket_cookie_of(&s)?;
+    ensure!(dp.socket_link(cookie)?.is_some(), "a new connection is not accelerated");
+    echo_integrity(s, seed, 256 * 1024, T)?;
+    let after = dp.stats(&bed.pair)?.redirected_bytes;
+    ensure!(after >= before + 2 * 256 * 1024, "new connection's bytes not redirected: {before} -> {after}");
+    Ok(())
+}
+
+/// Request/response on `s` with messages of varying size, each checked.
+fn ping(s: &mut TcpStream, pattern: &mut Pattern, n: usize) -> Result<()> {
+    let mut msg = vec![0u8; n];
+    pattern.fill(&mut msg);
+    let mut back = vec![0u8; n];
+    round_trip(s, &msg, &mut back)?;
+    ensure!(back == msg, "echo of {n} bytes differs");
+    Ok(())
+}
+
+#[test]
+fn an_upgrade_under_traffic_fails_no_request_and_keeps_every_connection() -> Result<()> {
+    let mut k = kernel_test!(1024);
+    let bed = Bed::new(k.dp())?;
+    let dir = k.dp().pin_dir().to_path_buf();
+    let old = running_programs(&dir)?;
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let (requests, connections) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let mut workers = Vec::new();
+    // Long-lived connections, open across the upgrade.
+    let mut cookies = Vec::new();
+    for w in 0..4u64 {
+        let (stop, requests) = (Arc::clone(&stop), Arc::clone(&requests));
+        let mut s = bed.connect()?;
+        cookies.push(socket_cookie_of(&s)?);
+        workers.push(thread::spawn(move || -> Result<()> {
+            let mut pattern = Pattern::new(w);
+            let mut i = 0usize;
+            while !stop.load(Ordering::Relaxed) {
+                ping(&mut s, &mut pattern, [1, 64, 1024, 16 * 1024, 100_000][i % 5])
+                    .with_context(|| format!("worker {w}, request {i}"))?;
+                requests.fetch_add(1, Ordering::Relaxed);
+                i += 1;
+            }
+            Ok(())
+        }));
+    }
+    // New connections opened all through the upgrade.
+    {
+        let (stop, connections) = (Arc::clone(&stop), Arc::clone(&connections));
+        let addr = SocketAddr::new(bed.net.pods[1].addr(false), PORT);
+        let ns = bed.net.pods[0].ns.path();
+        workers.push(thread::spawn(move || -> Result<()> {
+            let mut seed = 100;
+            while !stop.load(Ordering::Relaxed) {
+                let s = meshwarp_core::sys::run_in_netns(Some(&ns), || {
+                    connect_nonblocking(Socket::new(Domain::IPV4, Type::STREAM, None)?, addr, T)
+                })??;
+                echo_integrity(s, seed, 32 * 1024, T).with_context(|| format!("connection {seed}"))?;
+                connections.fetch_add(1, Ordering::Relaxed);
+                seed += 1;
+            }
+            Ok(())
+        }));
+    }
+    thread::sleep(Duration::from_millis(500));
+
+    // The daemon goes (the data path keeps forwarding), and a daemon of
+    // "this" build adopts programs of another one.
+    let at_stop = requests.load(Ordering::Relaxed);
+    drop(k.dp.take());
+    mark_other_build(&dir.join("maps"))?;
+    thread::sleep(Duration::from_millis(200));
+    let started = Instant::now();
+    k.dp = Some(Dataplane::open(&k.cfg)?);
+    let took = started.elapsed();
+    let dp = k.dp();
+    match dp.upgrade() {
+        Upgrade::Done { from, steps } => {
+            ensure!(from.as_bytes() == OTHER_BUILD, "{from}");
+            ensure!(steps.len() >= 14, "{steps:?}");
+        }
+        u => bail!("not upgraded: {u:?}"),
+    }
+    ensure!(dp.programs_build() == meshwarp_bpf::BUILD_ID);
+    all_new(&running_programs(&dir)?, &old)?;
+    ensure!(stray_pins(&dir).is_empty(), "{:?}", stray_pins(&dir));
+    ensure!(dp.pairs() == vec![bed.pair], "rules kept");
+    for c in &cookies {
+        ensure!(dp.socket_link(*c)?.is_some(), "a connection open across the upgrade left the fast path");
+    }
+
+    thread::sleep(Duration::from_millis(500));
+    let (r0, c0) = (requests.load(Ordering::Relaxed), connections.load(Ordering::Relaxed));
+    thread::sleep(Duration::from_millis(500));
+    stop.store(true, Ordering::Relaxed);
+    for w in workers {
+        w.join().map_err(|_| anyhow::anyhow!("worker panicked"))??;
+    }
+    let (r1, c1) = (requests.load(Ordering::Relaxed), connections.load(Ordering::Relaxed));
+    ensure!(r1 > r0 && c1 > c0, "traffic kept flowing after the upgrade: {r0}->{r1} requests, {c0}->{c1} connections");
+    ensure!(at_stop > 0, "traffic flowed before the upgrade");
+    fresh_connection_is_redirected(dp, &bed, 7)?;
+    eprintln!("upgrade took {took:?}; {r1} requests on 4 connections and {c1} new connections, 0 failed");
+    Ok(())
+}
+
+/// Learns the steps of an upgrade, then makes each fail in turn: the
+/// programs that run afterwards are exactly the ones before, nothing stray
+/// is pinned, and connections are still redirected.
+#[test]
+fn a_failed_upgrade_step_puts_every_earlier_step_back() -> Result<()> {
+    let mut k = kernel_test!(1024);
+    let bed = Bed::new(k.dp())?;
+    let dir = k.dp().pin_dir().to_path_buf();
+    drop(k.dp.take());
+    mark_other_build(&dir.join("maps"))?;
+    k.dp = Some(Dataplane::open(&k.cfg)?);
+    let Upgrade::Done { steps, .. } = k.dp().upgrade().clone() else { bail!("{:?}", k.dp().upgrade()) };
+    let mut live = bed.connect()?;
+    let mut pattern = Pattern::new(1);
+    for step in &steps {
+        drop(k.dp.take());
+        mark_other_build(&dir.join("maps"))?;
+        let before = running_programs(&dir)?;
+        inject_fault(Some(&format!("fail:{step}")));
+        let opened = Dataplane::open(&k.cfg);
+        inject_fault(None);
+        k.dp = Some(opened?);
+        match k.dp().upgrade() {
+            Upgrade::Failed { reason } => ensure!(reason.contains(step.as_str()), "{step}: {reason}"),
+            u => bail!("step {step}: {u:?}"),
+        }
+        ensure!(running_programs(&dir)? == before, "step {step} left programs changed");
+        ensure!(k.dp().programs_build().as_bytes() == OTHER_BUILD, "step {step}: build id changed");
+        ensure!(stray_pins(&dir).is_empty(), "step {step}: {:?}", stray_pins(&dir));
+        ping(&mut live, &mut pattern, 4096).with_context(|| format!("after failing {step}"))?;
+        fresh_connection_is_redirected(k.dp(), &bed, 10)?;
+    }
+    Ok(())
+}
+
+/// The child process of [`a_process_killed_at_any_upgrade_step_leaves_a_working_data_path`]:
+/// adopts the pins named in its environment and is killed by the injected
+/// fault during the upgrade.
+#[test]
+#[ignore = "run as a child process by a_process_killed_at_any_upgrade_step_leaves_a_working_data_path"]
+fn upgrade_child() -> Result<()> {
+    let root = std::env::var("MW_CHILD_PIN_ROOT").context("MW_CHILD_PIN_ROOT: run only as a child process")?;
+    let cgroup = std::env::var("MW_CHILD_CGROUP").context("MW_CHILD_CGROUP")?;
+    let cfg = DataplaneConfig { pin_root: root.into(), cgroup: Some(cgroup.into()), ..DataplaneConfig::default() };
+    let dp = Dataplane::open(&cfg)?;
+    bail!("the child was not killed during its upgrade: {:?}", dp.upgrade())
+}
+
+#[test]
+fn a_process_killed_at_any_upgrade_step_leaves_a_working_data_path() -> Result<()> {
+    let mut k = kernel_test!(1024);
+    let bed = Bed::new(k.dp())?;
+    let dir = k.dp().pin_dir().to_path_buf();
+    drop(k.dp.take());
+    mark_other_build(&dir.join("maps"))?;
+    k.dp = Some(Dataplane::open(&k.cfg)?);
+    let Upgrade::Done { steps, .. } = k.dp().upgrade().clone() else { bail!("{:?}", k.dp().upgrade()) };
+    let mut live = bed.connect()?;
+    let mut pattern = Pattern::new(2);
+    let exe = std::env::current_exe()?;
+    for step in &steps {
+        drop(k.dp.take());
+        mark_other_build(&dir.join("maps"))?;
+        let old = running_programs(&dir)?;
+        let status = std::process::Command::new(&exe)
+            .args(["--exact", "upgrade_child", "--ignored", "--nocapture", "--test-threads=1"])
+            .env("MESHWARP_FAULT", format!("kill:{step}"))
+            .env("MW_CHILD_PIN_ROOT", &k.cfg.pin_root)
+            .env("MW_CHILD_CGROUP", k.cfg.cgroup.as_ref().context("test cgroup")?)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status()?;
+        ensure!(status.signal() == Some(libc::SIGKILL), "child at {step}: {status:?}");
+        // Killed half-way: the data path still forwards, old connections and new.
+        ping(&mut live, &mut pattern, 4096).with_context(|| format!("killed after {step}"))?;
+        let s = bed.connect()?;
+        echo_integrity(s, 20, 64 * 1024, T).with_context(|| format!("new connection, killed after {step}"))?;
+        // The next opener finishes the upgrade (killed after the last
+        // step, the build id: it was complete).
+        k.dp = Some(Dataplane::open(&k.cfg)?);
+        let done = matches!(k.dp().upgrade(), Upgrade::Done { .. });
+        ensure!(done == (step != names::MAP_BUILD), "after {step}: {:?}", k.dp().upgrade());
+        ensure!(k.dp().programs_build() == meshwarp_bpf::BUILD_ID);
+        all_new(&running_programs(&dir)?, &old).with_context(|| format!("killed after {step}"))?;
+        ensure!(stray_pins(&dir).is_empty(), "after {step}: {:?}", stray_pins(&dir));
+        fresh_connection_is_redirected(k.dp(), &bed, 30)?;
+    }
+    Ok(())
+}
+
+/// The path a new pin schema needs, `meshwarp uninstall`, while redirected
+/// bytes wait unread in a receiver's queue: the connection carries on over
+/// TCP and its reader still gets every byte, in order, both ways.
+#[test]
+fn uninstall_under_traffic_loses_no_byte() -> Result<()> {
+    let mut k = kernel_test!(1024);
+    let net = NodeWithPods::new(2)?;
+    let listener = net.pods[1].ns.listen(SocketAddr::new(net.pods[1].addr(false), PORT))?;
+    let pair = EndpointPair::new(net.pods[0].addr(false), Endpoint::new(net.pods[1].addr(false), PORT))?
+        .with_mode(FastPathMode::Always);
+    k.dp().insert(&pair, "test")?;
+    let mut conns = Vec::new();
+    for _ in 0..8 {
+        let c = net.pods[0].ns.connect(SocketAddr::new(net.pods[1].addr(false), PORT))?;
+        let s = meshwarp_testbed::accept_timeout(&listener, T)?;
+        for x in [&c, &s] {
+            x.set_read_timeout(Some(T))?;
+            x.set_write_timeout(Some(T))?;
+        }
+        ensure!(k.dp().socket_link(socket_cookie_of(&c)?)?.is_some(), "accelerated before the uninstall");
+        conns.push((c, s));
+    }
+    let len = 8 << 20;
+    let mut threads = Vec::new();
+    for (i, (c, s)) in conns.into_iter().enumerate() {
+        let seed = i as u64 * 2;
+        let (c2, s2) = (c.try_clone()?, s.try_clone()?);
+        threads.push(thread::spawn(move || meshwarp_testbed::send_pattern(&c, seed, len).map(|_| ())));
+        threads.push(thread::spawn(move || meshwarp_testbed::send_pattern(&s, seed + 1, len).map(|_| ())));
+        // Readers start late, so redirected bytes queue unread when the data
+        // path goes.
+        threads.push(thread::spawn(move || {
+            thread::sleep(Duration::from_millis(300));
+            meshwarp_testbed::recv_pattern(&s2, seed, len).map(|_| ()).map_err(std::io::Error::other)
+        }));
+        threads.push(thread::spawn(move || {
+            thread::sleep(Duration::from_millis(300));
+            meshwarp_testbed::recv_pattern(&c2, seed + 1, len).map(|_| ()).map_err(std::io::Error::other)
+        }));
+    }
+    thread::sleep(Duration::from_millis(150));
+    let queued = k.dp().stats(&pair)?.redirected_bytes;
+    ensure!(queued > 0, "bytes were redirected (and wait unread) before the uninstall");
+    let pin_root = k.cfg.pin_root.clone();
+    drop(k.dp.take());
+    let veths = net.veth_bytes(0)? + net.veth_bytes(1)?;
+    meshwarp_core::node::uninstall(&pin_root)?;
+    for t in threads {
+        t.join().map_err(|_| anyhow::anyhow!("stream thread panicked"))??;
+    }
+    let crossed = net.veth_bytes(0)? + net.veth_bytes(1)? - veths;
+    eprintln!(
+        "{queued} bytes redirected before the uninstall; {crossed} bytes crossed the veths after it (of {} sent)",
+        16 * len
+    );
+    Ok(())
+}
