@@ -66,6 +66,9 @@ pub struct FileConfig {
     /// Watch streams open at once.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_watchers: Option<usize>,
+    /// Watch streams one caller (one identity) may hold open at once.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_watchers_per_caller: Option<usize>,
     /// Concurrent HTTP/2 streams per connection.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_concurrent_streams: Option<u32>,
@@ -104,7 +107,8 @@ pub struct Allow {
     pub group: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub gid: Option<u32>,
-    /// A name of the client certificate: subject CN, DNS or URI SAN.
+    /// A name of the client certificate and its field: `cn:NAME`, `dns:NAME`
+    /// or `uri:NAME` (e.g. a SPIFFE ID).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cert: Option<String>,
     /// Owners it may act as: names, or prefixes ending in `*` ("*": any).
@@ -128,7 +132,9 @@ impl Allow {
                 _ => bail!("[[allow]]: unknown group {g:?}"),
             },
             (None, None, None, Some(gid), None) => Principal::Gid(gid),
-            (None, None, None, None, Some(c)) if !c.is_empty() => Principal::Cert(c.clone()),
+            (None, None, None, None, Some(c)) => {
+                Principal::Cert(c.parse().map_err(|e: String| anyhow::anyhow!("[[allow]]: {e}"))?)
+            }
             _ => bail!("[[allow]]: name exactly one of user, uid, group, gid or cert"),
         };
         Ok(Grant { who, owners: OwnerPatterns(self.owners.clone()), node_admin: self.node_admin })
@@ -262,6 +268,7 @@ impl ServeArgs {
             max_message_bytes: None,
             max_plugin_bytes: None,
             max_watchers: None,
+            max_watchers_per_caller: None,
             max_concurrent_streams: None,
             request_timeout_secs: None,
             drain_timeout_secs: self.drain_timeout_secs,
@@ -311,6 +318,7 @@ pub fn resolve(args: &ServeArgs, pin_root: Option<&Path>) -> Result<(DaemonOptio
         max_message_bytes: c.max_message_bytes.unwrap_or(d.max_message_bytes),
         max_plugin_bytes: c.max_plugin_bytes.unwrap_or(d.max_plugin_bytes),
         max_watchers: c.max_watchers.unwrap_or(d.max_watchers),
+        max_watchers_per_caller: c.max_watchers_per_caller.unwrap_or(d.max_watchers_per_caller),
         max_concurrent_streams: c.max_concurrent_streams.unwrap_or(d.max_concurrent_streams),
         request_timeout: c.request_timeout_secs.map_or(d.request_timeout, Duration::from_secs),
         ..d
@@ -341,6 +349,7 @@ pub fn resolve(args: &ServeArgs, pin_root: Option<&Path>) -> Result<(DaemonOptio
 #[cfg(test)]
 mod tests {
     use super::*;
+    use meshwarp_grpc_api::access::CertName;
 
     #[test]
     fn file_values_and_unknown_keys() {
@@ -361,13 +370,13 @@ mod tests {
     #[test]
     fn allow_tables_become_grants() {
         let f: FileConfig = toml::from_str(
-            "[[allow]]\ngid = 4242\nowners = [\"team-a*\"]\n[[allow]]\ncert = \"ctl\"\nowners = [\"*\"]\nnode_admin = true\n",
+            "[[allow]]\ngid = 4242\nowners = [\"team-a*\"]\n[[allow]]\ncert = \"dns:ctl\"\nowners = [\"*\"]\nnode_admin = true\n",
         )
         .unwrap();
         let grants: Vec<Grant> = f.allow.unwrap().iter().map(|a| a.grant().unwrap()).collect();
         assert_eq!(grants[0].who, Principal::Gid(4242));
         assert!(grants[0].owners.allows("team-a1") && !grants[0].node_admin);
-        assert_eq!(grants[1].who, Principal::Cert("ctl".into()));
+        assert_eq!(grants[1].who, Principal::Cert(CertName::Dns("ctl".into())));
         assert!(grants[1].node_admin);
         let two: FileConfig = toml::from_str("[[allow]]\nuid = 1\ngid = 2\n").unwrap();
         assert!(two.allow.unwrap()[0].grant().is_err(), "one principal per table");

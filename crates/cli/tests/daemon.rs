@@ -515,7 +515,8 @@ fn limits_are_enforced_with_the_limit_named_and_the_daemon_unharmed() -> Result<
     let cfg = env.scratch.0.join("limits.toml");
     std::fs::write(
         &cfg,
-        "max_batch_size = 5\nevent_history = 1\nmax_message_bytes = 262144\nmax_plugin_bytes = 65536\nmax_watchers = 2\n",
+        "max_batch_size = 5\nevent_history = 1\nmax_message_bytes = 262144\nmax_plugin_bytes = 65536\nmax_watchers = 3\n\
+         max_watchers_per_caller = 2\n",
     )?;
     let _d = env.start(&["--config", cfg.to_str().unwrap()])?;
     rt().block_on(async {
@@ -558,10 +559,16 @@ fn limits_are_enforced_with_the_limit_named_and_the_daemon_unharmed() -> Result<
             ensure!(matches!(ev.resource, Some(Resource::Pair(_))), "event {i}: {ev:?}");
         }
 
-        // Watch streams: two at once (`w` is one), a third waits for a free slot.
+        // Watch streams: two at once per caller (`w` is one), a third waits
+        // for a free slot.
         let w2 = c.watch(pb::WatchRequest::default()).await?.into_inner();
         let e = err_of(c.watch(pb::WatchRequest::default()).await);
-        ensure!(e.code() == Code::ResourceExhausted && e.message().contains("limit is 2"), "{e:?}");
+        ensure!(
+            e.code() == Code::ResourceExhausted
+                && e.message().contains("uid 0")
+                && e.message().contains("limit is 2 (max_watchers_per_caller)"),
+            "{e:?}"
+        );
         drop(w2);
         let deadline = Instant::now() + Duration::from_secs(5);
         loop {
@@ -905,7 +912,7 @@ fn tcp_requires_mtls_and_accepts_only_trusted_clients() -> Result<()> {
     let out = env.serve_cmd(&["--tcp-listen", &addr.to_string()]).output()?;
     ensure!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("refusing plaintext gRPC"));
     let cfg = env.scratch.0.join("grants.toml");
-    std::fs::write(&cfg, "[[allow]]\ncert = \"controller\"\nowners = [\"*\"]\n")?;
+    std::fs::write(&cfg, "[[allow]]\ncert = \"dns:controller\"\nowners = [\"*\"]\n")?;
     let _d = env.start(&[
         "--config",
         cfg.to_str().unwrap(),

@@ -4,7 +4,7 @@
 //! request: Unix peer credentials (uid, gid and supplementary groups, read
 //! with SO_PEERCRED/SO_PEERGROUPS when the connection is accepted, so a
 //! reused PID cannot lend its groups) or the names of an mTLS client
-//! certificate (subject CN, DNS and URI SANs). [`Access`] maps identities to
+//! certificate (subject CN, DNS and URI SANs, each kept with its field). [`Access`] maps identities to
 //! [`Rights`]: the owners they may act as and whether they may change the
 //! node itself (plugins, attachments). A request without an identity, or
 //! with one no grant names, is refused before any service (health and
@@ -30,8 +30,49 @@ pub enum Principal {
     Uid(u32),
     /// Members of a Unix group (primary or supplementary), by gid.
     Gid(u32),
-    /// A client certificate carrying this name (CN, DNS or URI SAN).
-    Cert(String),
+    /// A client certificate carrying this name, in this field.
+    Cert(CertName),
+}
+
+/// One name of a client certificate and the field it is in. Kept apart so a
+/// certificate whose CN reads like another's DNS or URI SAN (a CA that signs
+/// CNs freely) is not taken for it.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub enum CertName {
+    /// Subject common name.
+    Cn(String),
+    /// DNS subject alternative name.
+    Dns(String),
+    /// URI subject alternative name (e.g. a SPIFFE ID).
+    Uri(String),
+}
+
+impl std::str::FromStr for CertName {
+    type Err = String;
+
+    /// `cn:NAME`, `dns:NAME` or `uri:NAME`.
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (kind, name) = s.split_once(':').unwrap_or(("", s));
+        if name.is_empty() {
+            return Err(format!("certificate name {s:?} is empty"));
+        }
+        match kind {
+            "cn" => Ok(Self::Cn(name.into())),
+            "dns" => Ok(Self::Dns(name.into())),
+            "uri" => Ok(Self::Uri(name.into())),
+            _ => Err(format!("certificate name {s:?} must say which field it is in: cn:NAME, dns:NAME or uri:NAME")),
+        }
+    }
+}
+
+impl std::fmt::Display for CertName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Cn(n) => write!(f, "cn:{n}"),
+            Self::Dns(n) => write!(f, "dns:{n}"),
+            Self::Uri(n) => write!(f, "uri:{n}"),
+        }
+    }
 }
 
 /// Owners a caller may act as: names, or prefixes ending in `*` (`*` alone:
@@ -84,14 +125,17 @@ impl Rights {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Identity {
     Unix { uid: u32, gid: u32, groups: Vec<u32> },
-    Cert { names: Vec<String> },
+    Cert { names: Vec<CertName> },
 }
 
 impl std::fmt::Display for Identity {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Self::Unix { uid, gid, .. } => write!(f, "uid {uid} (gid {gid})"),
-            Self::Cert { names } => write!(f, "certificate {names:?}"),
+            Self::Cert { names } => {
+                let names: Vec<String> = names.iter().map(ToString::to_string).collect();
+                write!(f, "certificate [{}]", names.join(", "))
+            }
         }
     }
 }
@@ -165,17 +209,18 @@ fn identity<T>(req: &Request<T>) -> Option<Identity> {
 }
 
 /// Subject CN, DNS and URI SANs of a DER certificate.
-pub fn cert_names(der: &[u8]) -> Vec<String> {
+pub fn cert_names(der: &[u8]) -> Vec<CertName> {
     use x509_parser::extensions::GeneralName;
     let Ok((_, cert)) = x509_parser::parse_x509_certificate(der) else {
         return Vec::new();
     };
-    let mut out: Vec<String> =
-        cert.subject().iter_common_name().filter_map(|cn| cn.as_str().ok().map(str::to_string)).collect();
+    let mut out: Vec<CertName> =
+        cert.subject().iter_common_name().filter_map(|cn| cn.as_str().ok().map(|n| CertName::Cn(n.into()))).collect();
     if let Ok(Some(san)) = cert.subject_alternative_name() {
         for n in &san.value.general_names {
             match n {
-                GeneralName::DNSName(s) | GeneralName::URI(s) => out.push((*s).to_string()),
+                GeneralName::DNSName(s) => out.push(CertName::Dns((*s).to_string())),
+                GeneralName::URI(s) => out.push(CertName::Uri((*s).to_string())),
                 _ => {}
             }
         }
@@ -352,7 +397,7 @@ mod tests {
                 Grant { who: Principal::Gid(100), owners: OwnerPatterns(vec!["a".into()]), node_admin: false },
                 Grant { who: Principal::Uid(1000), owners: OwnerPatterns(vec!["b".into()]), node_admin: true },
                 Grant {
-                    who: Principal::Cert("ctl".into()),
+                    who: Principal::Cert(CertName::Dns("ctl".into())),
                     owners: OwnerPatterns(vec!["c".into()]),
                     node_admin: false,
                 },
@@ -366,8 +411,16 @@ mod tests {
         assert!(r.owners.allows("a") && r.owners.allows("b") && !r.owners.allows("c") && r.node_admin);
         let r = a.rights(&unix(7, 100, &[])).unwrap();
         assert!(r.owners.allows("a") && !r.node_admin, "primary group");
-        let r = a.rights(&Identity::Cert { names: vec!["other".into(), "ctl".into()] }).unwrap();
+        let r = a
+            .rights(&Identity::Cert { names: vec![CertName::Cn("other".into()), CertName::Dns("ctl".into())] })
+            .unwrap();
         assert!(r.owners.allows("c") && !r.owners.allows("a"));
-        assert_eq!(a.rights(&Identity::Cert { names: vec!["rogue".into()] }), None);
+        assert_eq!(a.rights(&Identity::Cert { names: vec![CertName::Dns("rogue".into())] }), None);
+        // The same name in another field is another name.
+        assert_eq!(a.rights(&Identity::Cert { names: vec![CertName::Cn("ctl".into())] }), None);
+        assert_eq!(a.rights(&Identity::Cert { names: vec![CertName::Uri("ctl".into())] }), None);
+        assert_eq!("uri:spiffe://c/ns/a/sa/b".parse(), Ok(CertName::Uri("spiffe://c/ns/a/sa/b".into())));
+        assert!("ctl".parse::<CertName>().unwrap_err().contains("cn:NAME, dns:NAME or uri:NAME"));
+        assert!("dns:".parse::<CertName>().is_err());
     }
 }

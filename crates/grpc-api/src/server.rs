@@ -40,6 +40,9 @@ pub struct ServerConfig {
     pub max_plugin_bytes: usize,
     /// Watch streams open at once (RESOURCE_EXHAUSTED beyond).
     pub max_watchers: usize,
+    /// Watch streams one caller (identity) may hold open, so one caller
+    /// cannot take every slot (RESOURCE_EXHAUSTED beyond).
+    pub max_watchers_per_caller: usize,
     /// Concurrent HTTP/2 streams per connection.
     pub max_concurrent_streams: u32,
     /// How long a unary RPC may take (the client's deadline when shorter).
@@ -56,6 +59,7 @@ impl Default for ServerConfig {
             max_message_bytes: 8 << 20,
             max_plugin_bytes: 1 << 20,
             max_watchers: 64,
+            max_watchers_per_caller: 16,
             max_concurrent_streams: 128,
             request_timeout: std::time::Duration::from_secs(60),
             version: env!("CARGO_PKG_VERSION").into(),
@@ -162,8 +166,9 @@ pub struct NodeServer {
     /// their events follow the order they were applied, without holding the
     /// event log across a verifier run or an RCU grace period.
     plugin_ops: Arc<Mutex<()>>,
-    /// Watch streams open now (at most `cfg.max_watchers`).
-    watchers: Arc<std::sync::atomic::AtomicUsize>,
+    /// Watch streams open now (at most `cfg.max_watchers`, and
+    /// `cfg.max_watchers_per_caller` per caller).
+    watchers: Arc<Mutex<WatchCounts>>,
     /// Held (read) by every RPC body until it returns, also when the client
     /// went away; the drain takes it (write) so that nothing still changes
     /// maps or pins when the daemon stops or cleans up.
@@ -189,24 +194,51 @@ fn parse_all<P, T>(
     v.into_result(out)
 }
 
+/// Open Watch streams: in all and per caller.
+#[derive(Debug, Default)]
+struct WatchCounts {
+    total: usize,
+    per_caller: std::collections::HashMap<String, usize>,
+}
+
 /// One open Watch stream, counted until dropped.
-struct WatcherSlot(Arc<std::sync::atomic::AtomicUsize>);
+struct WatcherSlot {
+    counts: Arc<Mutex<WatchCounts>>,
+    caller: String,
+}
 
 impl WatcherSlot {
-    fn take(count: &Arc<std::sync::atomic::AtomicUsize>, max: usize) -> Result<Self, Status> {
-        let taken = count.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| (n < max).then_some(n + 1));
-        match taken {
-            Ok(_) => Ok(Self(Arc::clone(count))),
-            Err(n) => Err(Status::resource_exhausted(format!(
-                "{n} Watch streams are open, the limit is {max} (max_watchers)"
-            ))),
+    fn take(counts: &Arc<Mutex<WatchCounts>>, caller: &str, cfg: &ServerConfig) -> Result<Self, Status> {
+        let mut c = counts.lock().unwrap_or_else(|p| p.into_inner());
+        let (max, mine) = (cfg.max_watchers, c.per_caller.get(caller).copied().unwrap_or(0));
+        if c.total >= max {
+            return Err(Status::resource_exhausted(format!(
+                "{} Watch streams are open, the limit is {max} (max_watchers)",
+                c.total
+            )));
         }
+        if mine >= cfg.max_watchers_per_caller {
+            return Err(Status::resource_exhausted(format!(
+                "{caller} has {mine} Watch streams open, the limit is {} (max_watchers_per_caller)",
+                cfg.max_watchers_per_caller
+            )));
+        }
+        c.total += 1;
+        *c.per_caller.entry(caller.to_string()).or_default() += 1;
+        Ok(Self { counts: Arc::clone(counts), caller: caller.to_string() })
     }
 }
 
 impl Drop for WatcherSlot {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
+        let mut c = self.counts.lock().unwrap_or_else(|p| p.into_inner());
+        c.total -= 1;
+        if let Some(n) = c.per_caller.get_mut(&self.caller) {
+            *n -= 1;
+            if *n == 0 {
+                c.per_caller.remove(&self.caller);
+            }
+        }
     }
 }
 
@@ -234,7 +266,7 @@ impl NodeServer {
             metrics,
             plugins,
             plugin_ops: Arc::new(Mutex::new(())),
-            watchers: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
+            watchers: Arc::default(),
             inflight: Arc::new(tokio::sync::RwLock::new(())),
         }
     }
@@ -817,13 +849,13 @@ impl NodeServer {
         Ok(resp)
     }
 
-    fn watch_stream(&self, r: pb::WatchRequest) -> Result<WatchStream, Status> {
+    fn watch_stream(&self, r: pb::WatchRequest, caller: String) -> Result<WatchStream, Status> {
         if r.after_revision != 0 && r.instance_id.is_empty() {
             // Revisions count per instance: resuming against another one
             // (after a restart) would silently skip or repeat events.
             return Err(invalid_field("instance_id", "required to resume after a revision (from the List response)"));
         }
-        let watcher = WatcherSlot::take(&self.watchers, self.cfg.max_watchers)?;
+        let watcher = WatcherSlot::take(&self.watchers, &caller, &self.cfg)?;
         let log = self.log.lock();
         if !r.instance_id.is_empty() && r.instance_id != self.log.instance_id {
             return Err(Status::out_of_range(format!(
@@ -942,6 +974,17 @@ macro_rules! rpc {
         }
         let req = $req.into_inner();
         let r = $self.blocking($name, move |this| this.$body(req)).await;
+        $self.observed($name, start, r)
+    }};
+    // The body also gets who calls (the identity the transport proved).
+    ($self:ident, $name:literal, $req:ident, $body:ident, caller) => {{
+        let start = Instant::now();
+        if let Err(denied) = crate::access::authorize(&$req) {
+            return $self.observed($name, start, Err(denied));
+        }
+        let caller = $req.extensions().get::<crate::access::Identity>().map(ToString::to_string).unwrap_or_default();
+        let req = $req.into_inner();
+        let r = $self.blocking($name, move |this| this.$body(req, caller)).await;
         $self.observed($name, start, r)
     }};
 }
@@ -1115,7 +1158,7 @@ impl NodeService for NodeServer {
     type WatchStream = WatchStream;
 
     async fn watch(&self, req: Request<pb::WatchRequest>) -> Result<Response<Self::WatchStream>, Status> {
-        rpc!(self, "Watch", req, watch_stream)
+        rpc!(self, "Watch", req, watch_stream, caller)
     }
 
     async fn get_node_info(
@@ -1123,5 +1166,28 @@ impl NodeService for NodeServer {
         req: Request<pb::GetNodeInfoRequest>,
     ) -> Result<Response<pb::GetNodeInfoResponse>, Status> {
         rpc!(self, "GetNodeInfo", req, node_info)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn watch_slots_are_limited_in_all_and_per_caller() {
+        let cfg = ServerConfig { max_watchers: 3, max_watchers_per_caller: 2, ..ServerConfig::default() };
+        let counts = Arc::new(Mutex::new(WatchCounts::default()));
+        let a1 = WatcherSlot::take(&counts, "a", &cfg).unwrap();
+        let _a2 = WatcherSlot::take(&counts, "a", &cfg).unwrap();
+        let e = WatcherSlot::take(&counts, "a", &cfg).err().unwrap();
+        assert!(e.message().contains("max_watchers_per_caller"), "{e:?}");
+        // Another caller still gets one of the slots left...
+        let _b1 = WatcherSlot::take(&counts, "b", &cfg).unwrap();
+        // ...up to the node's limit.
+        let e = WatcherSlot::take(&counts, "c", &cfg).err().unwrap();
+        assert!(e.message().contains("limit is 3 (max_watchers)"), "{e:?}");
+        drop(a1);
+        let _c1 = WatcherSlot::take(&counts, "c", &cfg).unwrap();
+        assert_eq!(counts.lock().unwrap().per_caller.get("a"), Some(&1));
     }
 }
