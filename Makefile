@@ -29,7 +29,7 @@ bench-mesh: deps
 # FUZZ_SECONDS. A crash leaves its input in fuzz/artifacts/<target>/: add it
 # as a regression test before fixing.
 FUZZ_SECONDS ?= 60
-FUZZ_TARGETS = plugin_object proto_convert
+FUZZ_TARGETS = plugin_object proto_convert config
 fuzz: deps
 	rustup toolchain list | grep -q '^nightly' || rustup toolchain install nightly --profile minimal
 	$(CARGO) +nightly fuzz --version >/dev/null 2>&1 || $(CARGO) install cargo-fuzz --locked

@@ -9,7 +9,6 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use anyhow::{bail, Context, Result};
 use figment::providers::{Format, Serialized, Toml};
 use figment::Figment;
 use meshwarp_core::dataplane::DEFAULT_PIN_ROOT;
@@ -18,6 +17,31 @@ use meshwarp_grpc_api::access::{Grant, OwnerPatterns, Principal};
 use meshwarp_grpc_api::daemon::{DaemonOptions, TlsFiles};
 use meshwarp_grpc_api::server::ServerConfig;
 use serde::{Deserialize, Serialize};
+
+/// A configuration the daemon cannot start with.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("reading {path}: {source}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("invalid {what}: {source}")]
+    Invalid {
+        what: String,
+        #[source]
+        source: Box<figment::Error>,
+    },
+    #[error("[[allow]]: {0}")]
+    Allow(String),
+    #[error("socket mode {0:?} is not an octal mode of at most 0777")]
+    SocketMode(String),
+    #[error("mTLS needs all of tls_cert, tls_key and tls_client_ca")]
+    PartialTls,
+}
+
+type Result<T, E = ConfigError> = std::result::Result<T, E>;
 
 /// One layer of settings: the config file, or the flags and environment.
 /// Unknown keys in the file are errors, so a typo is never ignored; absent
@@ -124,18 +148,16 @@ impl Allow {
         let who = match (&self.user, self.uid, &self.group, self.gid, &self.cert) {
             (Some(u), None, None, None, None) => match nix::unistd::User::from_name(u) {
                 Ok(Some(u)) => Principal::Uid(u.uid.as_raw()),
-                _ => bail!("[[allow]]: unknown user {u:?}"),
+                _ => return Err(ConfigError::Allow(format!("unknown user {u:?}"))),
             },
             (None, Some(uid), None, None, None) => Principal::Uid(uid),
             (None, None, Some(g), None, None) => match nix::unistd::Group::from_name(g) {
                 Ok(Some(g)) => Principal::Gid(g.gid.as_raw()),
-                _ => bail!("[[allow]]: unknown group {g:?}"),
+                _ => return Err(ConfigError::Allow(format!("unknown group {g:?}"))),
             },
             (None, None, None, Some(gid), None) => Principal::Gid(gid),
-            (None, None, None, None, Some(c)) => {
-                Principal::Cert(c.parse().map_err(|e: String| anyhow::anyhow!("[[allow]]: {e}"))?)
-            }
-            _ => bail!("[[allow]]: name exactly one of user, uid, group, gid or cert"),
+            (None, None, None, None, Some(c)) => Principal::Cert(c.parse().map_err(ConfigError::Allow)?),
+            _ => return Err(ConfigError::Allow("name exactly one of user, uid, group, gid or cert".into())),
         };
         Ok(Grant { who, owners: OwnerPatterns(self.owners.clone()), node_admin: self.node_admin })
     }
@@ -235,12 +257,10 @@ pub struct ServeArgs {
 }
 
 fn parse_mode(s: &str) -> Result<u32> {
-    let m = u32::from_str_radix(s.trim_start_matches("0o"), 8)
-        .with_context(|| format!("socket mode {s:?} is not octal"))?;
-    if m > 0o777 {
-        bail!("socket mode {s:?} is more than 0777");
+    match u32::from_str_radix(s.trim_start_matches("0o"), 8) {
+        Ok(m) if m <= 0o777 => Ok(m),
+        _ => Err(ConfigError::SocketMode(s.to_string())),
     }
-    Ok(m)
 }
 
 impl ServeArgs {
@@ -290,16 +310,32 @@ pub fn layered(args: &ServeArgs, pin_root: Option<&Path>) -> Result<FileConfig> 
     if let Some(p) = &args.config {
         // Read here, so that a missing --config file is an error rather
         // than an empty layer.
-        let text = std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+        let text = std::fs::read_to_string(p).map_err(|source| ConfigError::Read { path: p.clone(), source })?;
         fig = fig.merge(Toml::string(&text));
     }
     let what = args.config.as_ref().map_or("settings".to_string(), |p| format!("config {}", p.display()));
-    fig.merge(Serialized::defaults(args.layer(pin_root))).extract().with_context(|| format!("invalid {what}"))
+    fig.merge(Serialized::defaults(args.layer(pin_root)))
+        .extract()
+        .map_err(|source| ConfigError::Invalid { what, source: Box::new(source) })
 }
 
 /// The daemon's options: defaults < file < environment < flags.
 pub fn resolve(args: &ServeArgs, pin_root: Option<&Path>) -> Result<(DaemonOptions, LogFormat)> {
-    let c = layered(args, pin_root)?;
+    options(layered(args, pin_root)?)
+}
+
+/// A config file's text alone, over the defaults (what `--config` adds
+/// before the environment and flags); the fuzz target's entry.
+pub fn from_toml(text: &str) -> Result<(DaemonOptions, LogFormat)> {
+    let c: FileConfig = Figment::new()
+        .merge(Toml::string(text))
+        .extract()
+        .map_err(|source| ConfigError::Invalid { what: "config".into(), source: Box::new(source) })?;
+    options(c)
+}
+
+/// The daemon's options from the layered settings.
+fn options(c: FileConfig) -> Result<(DaemonOptions, LogFormat)> {
     let mut o = DaemonOptions::default();
     let dp_default = DataplaneConfig::default();
     o.dataplane = DataplaneConfig {
@@ -334,7 +370,7 @@ pub fn resolve(args: &ServeArgs, pin_root: Option<&Path>) -> Result<(DaemonOptio
     o.tls = match (c.tls_cert, c.tls_key, c.tls_client_ca) {
         (Some(cert), Some(key), Some(client_ca)) => Some(TlsFiles { cert, key, client_ca }),
         (None, None, None) => None,
-        _ => bail!("mTLS needs all of tls_cert, tls_key and tls_client_ca"),
+        _ => return Err(ConfigError::PartialTls),
     };
     o.metrics_listen = c.metrics_listen;
     o.grants = c.allow.unwrap_or_default().iter().map(Allow::grant).collect::<Result<_>>()?;

@@ -2,7 +2,6 @@
 //! controller or operator does (`pair`, `capture`, `stats`, `watch`, `node`),
 //! `doctor`, `uninstall` and the `demo`.
 
-mod config;
 mod demo;
 mod doctor;
 mod mesh;
@@ -14,6 +13,7 @@ use std::process::ExitCode;
 
 use anyhow::{Context, Result};
 use clap::{CommandFactory, Parser, Subcommand};
+use meshwarp_cli::config;
 use meshwarp_core::dataplane::DEFAULT_PIN_ROOT;
 
 #[derive(Debug, Parser)]

@@ -823,9 +823,30 @@ fn a_new_build_replaces_the_running_programs_under_traffic() -> Result<()> {
         TypedMap::<u32, Build>::pinned(&maps, meshwarp_bpf::names::MAP_BUILD)?.put(&0, &old)?;
     }
     let _d2 = env.start(&[])?;
+    ensure!(!traffic.is_finished(), "the traffic ran through the new daemon's upgrade");
     let trips = traffic.join().unwrap()?;
     echo.join().unwrap()?;
     ensure!(trips > 1000, "traffic kept flowing: {trips} round trips");
+    // A connection made after the upgrade runs on the new programs.
+    let redirected = || {
+        rt.block_on(async {
+            let mut c = env.client().await;
+            let st = c.get_stats(pb::GetStatsRequest {}).await?.into_inner();
+            Ok::<_, anyhow::Error>(st.pairs[0].counters.unwrap().redirected_msgs)
+        })
+    };
+    let before = redirected()?;
+    let mut fresh = net.pods[0].ns.connect(server)?;
+    let echo = spawn_echo(accept_timeout(&listener, Duration::from_secs(5))?, 64);
+    let mut buf = [0u8; 64];
+    for n in 0..100u8 {
+        let msg = [n; 64];
+        round_trip(&mut fresh, &msg, &mut buf)?;
+        ensure!(buf == msg, "round trip {n} on the new connection corrupted");
+    }
+    fresh.shutdown(std::net::Shutdown::Both)?;
+    echo.join().unwrap()?;
+    ensure!(redirected()? >= before + 200, "the new connection is accelerated by the new programs");
     rt.block_on(async {
         let mut c = env.client().await;
         let info2 = c.get_node_info(pb::GetNodeInfoRequest {}).await?.into_inner();

@@ -18,12 +18,12 @@
 
 use std::fs;
 use std::mem::MaybeUninit;
-use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd};
 use std::path::{Path, PathBuf};
 use std::sync::{mpsc, Arc, Mutex, MutexGuard};
 
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
-use libbpf_rs::{libbpf_sys, Link, MapCore, MapFlags, MapHandle, ProgramHandle};
+use libbpf_rs::{Link, MapCore, MapFlags, MapHandle, ProgramHandle};
 use meshwarp_bpf::names;
 use meshwarp_bpf::shared::{
     Config, CookieVal, Link as LinkValue, Pod, CFG_BLOCKING_EAGAIN, CFG_FIONREAD_PSOCK, CFG_GUARD, CFG_SPLICE_BLIND,
@@ -127,6 +127,8 @@ pub enum DataplaneError {
     Registry(#[from] RuleError),
     #[error(transparent)]
     Guard(#[from] crate::guard::GuardError),
+    #[error(transparent)]
+    Upgrade(#[from] UpgradeError),
 }
 
 fn bpf_err(what: impl Into<String>) -> impl FnOnce(libbpf_rs::Error) -> DataplaneError {
@@ -212,26 +214,11 @@ impl Dataplane {
             TypedMap::pinned(&dir, names::MAP_COOKIES)?,
         );
         let registry = Registry::reconcile(maps)?;
-        let mut programs_build = upgrade::programs_build(&dir)?;
-        let mut upgrade = Upgrade::None;
         if origin == Origin::Adopted {
             upgrade::clear_stray(&[layout.dir().join("progs"), layout.links_dir()]);
         }
-        if programs_build != meshwarp_bpf::BUILD_ID {
-            upgrade = match upgrade_programs(&layout) {
-                Ok(steps) => {
-                    tracing::info!(from = %programs_build, to = meshwarp_bpf::BUILD_ID, ?steps,
-                        "upgraded the pinned programs in place (maps, rules and connections kept)");
-                    Upgrade::Done { from: std::mem::take(&mut programs_build), steps }
-                }
-                Err(e) => {
-                    tracing::error!(programs = %programs_build, this = meshwarp_bpf::BUILD_ID,
-                        "the pinned programs are of another build and could not be replaced; they keep running: {e}");
-                    Upgrade::Failed { reason: e.to_string() }
-                }
-            };
-            programs_build = upgrade::programs_build(&dir)?;
-        }
+        let upgrade = upgrade::apply("socket", &dir, || upgrade_programs(&layout))?;
+        let programs_build = upgrade::programs_build(&dir)?;
 
         let kernel = match KernelProbe::cached() {
             Ok(k) => k.clone(),
@@ -432,21 +419,17 @@ fn upgrade_programs(layout: &FamilyPins) -> Result<Vec<String>, UpgradeError> {
         move |source| UpgradeError::Bpf { what, source }
     };
     let mut obj = MaybeUninit::uninit();
-    let mut open = SockredirSkelBuilder::default().open(&mut obj).map_err(bpf("opening BPF object"))?;
-    if let Some(ro) = open.maps.rodata_data.as_mut() {
-        ro.nr_splice = libc::SYS_splice as u32;
-        ro.nr_ioctl = libc::SYS_ioctl as u32;
-        // The instance's size, not this process's configuration.
-        ro.nr_slots = upgrade::pinned_max_entries(&layout.map(names::MAP_LINKS))?;
-    }
+    // The instance's size, not this process's configuration.
+    let nr_slots = upgrade::pinned_max_entries(&layout.map(names::MAP_LINKS))?;
+    let mut open = open_object(&mut obj, nr_slots).map_err(bpf("opening BPF object"))?;
     upgrade::reuse_pinned_maps(open.open_object_mut().maps_mut(), &layout.maps_dir())?;
     let (loaded, log) = crate::loader::with_libbpf_log(|| open.load());
     let skel = loaded.map_err(|source| UpgradeError::Load { source, log })?;
     let p = &skel.progs;
-    upgrade::run(|swap| {
+    upgrade::run(&layout.maps_dir(), |swap| {
         swap.prog_array(&layout.map(names::MAP_CH_CONN), CHAIN_FIN, p.mw_conn_fin.as_fd())?;
         swap.prog_array(&layout.map(names::MAP_CH_MSG), CHAIN_FIN, p.mw_msg_fin.as_fd())?;
-        swap.sockmap_verdict(&layout.map(names::MAP_SOCKMAP), &layout.prog(names::PROG_SK_MSG), p.mw_sk_msg.as_fd())?;
+        swap.sockmap_verdict(&layout.map(names::MAP_SOCKMAP), p.mw_sk_msg.as_fd())?;
         swap.link_prog(&layout.link(names::PROG_SOCKOPS), p.mw_sockops.as_fd())?;
         swap.link_prog(&layout.link(names::PROG_SETSOCKOPT), p.mw_setsockopt.as_fd())?;
         swap.tp_link(&layout.link(names::PROG_RECV_LEN), p.mw_recv_len.as_fd())?;
@@ -454,7 +437,7 @@ fn upgrade_programs(layout: &FamilyPins) -> Result<Vec<String>, UpgradeError> {
         for (name, prog) in sockredir_progs(p) {
             swap.prog_pin(&layout.prog(name), prog.as_fd())?;
         }
-        swap.build_id(&layout.maps_dir())
+        Ok(())
     })
 }
 
@@ -472,6 +455,21 @@ fn sockredir_progs<'a>(
         (names::PROG_PARK, &p.mw_park),
         (names::PROG_UNLINK, &p.mw_unlink),
     ]
+}
+
+/// The socket family's object, opened, with its constants set for an
+/// instance of `nr_slots` link slots.
+fn open_object(
+    obj: &mut MaybeUninit<libbpf_rs::OpenObject>,
+    nr_slots: u32,
+) -> Result<meshwarp_bpf::sockredir::OpenSockredirSkel<'_>, libbpf_rs::Error> {
+    let mut open = SockredirSkelBuilder::default().open(obj)?;
+    if let Some(ro) = open.maps.rodata_data.as_mut() {
+        ro.nr_splice = libc::SYS_splice as u32;
+        ro.nr_ioctl = libc::SYS_ioctl as u32;
+        ro.nr_slots = nr_slots;
+    }
+    Ok(open)
 }
 
 /// Slots (links, two SOCKMAP entries each) for `max_sockets` sockets.
@@ -515,36 +513,14 @@ fn set_guard_links(layout: &FamilyPins, flags: u32) -> Result<(), DataplaneError
             (true, false) => {
                 let prog = ProgramHandle::from_pinned_path(layout.prog(name))
                     .map_err(bpf_err(format!("opening pinned program {name}")))?;
-                // SAFETY: a tp_btf program fd; NULL name: its own BTF target.
-                let fd = unsafe { libbpf_sys::bpf_raw_tracepoint_open(std::ptr::null(), prog.as_fd().as_raw_fd()) };
-                if fd < 0 {
-                    return Err(DataplaneError::Io(IoError::new(
-                        path.display().to_string(),
-                        std::io::Error::from_raw_os_error(-fd),
-                    )));
-                }
-                // SAFETY: a new link fd we own; the pin keeps the link.
-                let link = unsafe { OwnedFd::from_raw_fd(fd) };
-                pin_fd(&link, &path)?;
+                let step = format!("attaching {name}");
+                let link = upgrade::raw_tp_open(&step, prog.as_fd())?;
+                upgrade::obj_pin(&step, link.as_fd(), &path)?;
                 tracing::debug!(link = %path.display(), "attached");
             }
             (false, true) => fs::remove_file(&path).map_err(io_err(&path))?,
             _ => {}
         }
-    }
-    Ok(())
-}
-
-fn pin_fd(fd: &OwnedFd, path: &Path) -> Result<(), DataplaneError> {
-    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())
-        .map_err(|e| DataplaneError::Io(IoError::new(path.display().to_string(), std::io::Error::other(e))))?;
-    // SAFETY: a valid fd and NUL-terminated path.
-    let rc = unsafe { libbpf_sys::bpf_obj_pin(fd.as_raw_fd(), c.as_ptr()) };
-    if rc < 0 {
-        return Err(DataplaneError::Io(IoError::new(
-            path.display().to_string(),
-            std::io::Error::from_raw_os_error(-rc),
-        )));
     }
     Ok(())
 }
@@ -584,12 +560,7 @@ fn load_and_pin(cfg: &DataplaneConfig, layout: &FamilyPins) -> Result<(), Datapl
     layout.create_dirs()?;
 
     let mut obj = MaybeUninit::uninit();
-    let mut open = SockredirSkelBuilder::default().open(&mut obj).map_err(bpf_err("opening BPF object"))?;
-    if let Some(ro) = open.maps.rodata_data.as_mut() {
-        ro.nr_splice = libc::SYS_splice as u32;
-        ro.nr_ioctl = libc::SYS_ioctl as u32;
-        ro.nr_slots = slots(cfg.max_sockets);
-    }
+    let mut open = open_object(&mut obj, slots(cfg.max_sockets)).map_err(bpf_err("opening BPF object"))?;
     let sockmap_entries = slots(cfg.max_sockets) * 2;
     let maps = &mut open.maps;
     let sizes = [

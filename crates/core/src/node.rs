@@ -118,11 +118,14 @@ pub fn uninstall(pin_root: &Path) -> Result<(), NodeError> {
 /// process (a running daemon, an embedding controller) holds a family's
 /// pins, which it would otherwise pull from under it.
 pub fn uninstall_unheld(pin_root: &Path) -> Result<(), NodeError> {
-    let mut locks = Vec::new();
-    for family in [FamilyPins::tcredir(pin_root), FamilyPins::sockredir(pin_root)] {
-        if family.dir().exists() {
-            locks.push(family.lock().map_err(|e| NodeError::Dataplane(DataplaneError::Io(e)))?);
-        }
-    }
+    let tc = FamilyPins::tcredir(pin_root);
+    let _tc = tc.dir().exists().then(|| tc.lock()).transpose().map_err(|e| NodeError::Tc(TcError::Io(e)))?;
+    let sock = FamilyPins::sockredir(pin_root);
+    let _sock = sock
+        .dir()
+        .exists()
+        .then(|| sock.lock())
+        .transpose()
+        .map_err(|e| NodeError::Dataplane(DataplaneError::Io(e)))?;
     uninstall(pin_root)
 }

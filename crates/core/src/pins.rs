@@ -148,6 +148,8 @@ impl FamilyPins {
         }
         remove_plugin_pins(&self.dir)
             .map_err(|e| IoError::new(format!("unpinning plugins under {}", self.dir.display()), e))?;
+        // What an upgrade cut short left next to the programs.
+        crate::upgrade::clear_stray(&[self.dir.join("progs")]);
         for p in self.fixed() {
             unpin(&p)?;
         }

@@ -470,6 +470,24 @@ fn load_and_pin(cfg: &TcConfig, pins: &FamilyPins) -> Result<(), TcError> {
     Ok(())
 }
 
+/// The pinned tcx links (`links/if<ifindex>-<in|out>`): path, ifindex, direction.
+fn pinned_attachments(pins: &FamilyPins) -> Vec<(PathBuf, u32, Direction)> {
+    let mut out = Vec::new();
+    for e in fs::read_dir(pins.links_dir()).into_iter().flatten().flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Some((idx, d)) = name.strip_prefix("if").and_then(|r| r.split_once('-')) else { continue };
+        let dir = match d {
+            _ if d == Direction::Ingress.short() => Direction::Ingress,
+            _ if d == Direction::Egress.short() => Direction::Egress,
+            _ => continue,
+        };
+        if let Ok(idx) = idx.parse() {
+            out.push((e.path(), idx, dir));
+        }
+    }
+    out
+}
+
 /// The tc family's pinned programs, by pin name.
 fn tc_progs<'a>(p: &'a TcredirProgs<'a>) -> [(&'static str, &'a libbpf_rs::ProgramMut<'a>); 2] {
     [(names::PROG_TC_INGRESS, &p.mw_tc_ingress), (names::PROG_TC_EGRESS, &p.mw_tc_egress)]
@@ -479,7 +497,7 @@ fn tc_progs<'a>(p: &'a TcredirProgs<'a>) -> [(&'static str, &'a libbpf_rs::Progr
 /// over its maps ([`crate::upgrade`]): the chain's end, each pinned tcx link
 /// (an interface's attachment, updated in place), the program pins, then the
 /// build id. Attachments made through clsact (kernels without tcx) are not
-/// pinned and keep the old programs until they are made again.
+/// pinned: they keep the old programs until they are made again.
 fn upgrade_programs(pins: &FamilyPins) -> Result<Vec<String>, UpgradeError> {
     let mut obj = MaybeUninit::uninit();
     let mut open = TcredirSkelBuilder::default()
@@ -489,19 +507,9 @@ fn upgrade_programs(pins: &FamilyPins) -> Result<Vec<String>, UpgradeError> {
     let (loaded, log) = crate::loader::with_libbpf_log(|| open.load());
     let skel = loaded.map_err(|source| UpgradeError::Load { source, log })?;
     let p = &skel.progs;
-    let mut links: Vec<(PathBuf, Direction)> = Vec::new();
-    if let Ok(entries) = fs::read_dir(pins.links_dir()) {
-        for e in entries.flatten() {
-            let name = e.file_name().to_string_lossy().into_owned();
-            if let Some((_, d)) = name.strip_prefix("if").and_then(|r| r.split_once('-')) {
-                links.push((
-                    e.path(),
-                    if d == Direction::Ingress.short() { Direction::Ingress } else { Direction::Egress },
-                ));
-            }
-        }
-    }
-    upgrade::run(|swap| {
+    let links: Vec<(PathBuf, Direction)> =
+        pinned_attachments(pins).into_iter().map(|(path, _, dir)| (path, dir)).collect();
+    upgrade::run(&pins.maps_dir(), |swap| {
         swap.prog_array(&pins.map(names::MAP_CH_PKT), CHAIN_FIN, p.mw_pkt_fin.as_fd())?;
         for (path, dir) in &links {
             let prog = match dir {
@@ -513,7 +521,7 @@ fn upgrade_programs(pins: &FamilyPins) -> Result<Vec<String>, UpgradeError> {
         for (name, prog) in tc_progs(p) {
             swap.prog_pin(&pins.prog(name), prog.as_fd())?;
         }
-        swap.build_id(&pins.maps_dir())
+        Ok(())
     })
 }
 
@@ -536,23 +544,7 @@ impl TcDataplane {
             upgrade::clear_stray(&[pins.dir().join("progs"), pins.links_dir()]);
         }
         let dir = pins.maps_dir();
-        let built = upgrade::programs_build(&dir)?;
-        let upgrade = if built == meshwarp_bpf::BUILD_ID {
-            Upgrade::None
-        } else {
-            match upgrade_programs(&pins) {
-                Ok(steps) => {
-                    tracing::info!(from = %built, to = meshwarp_bpf::BUILD_ID, ?steps,
-                        "upgraded the pinned tc programs in place (routes and attachments kept)");
-                    Upgrade::Done { from: built, steps }
-                }
-                Err(e) => {
-                    tracing::error!(programs = %built, this = meshwarp_bpf::BUILD_ID,
-                        "the pinned tc programs are of another build and could not be replaced; they keep running: {e}");
-                    Upgrade::Failed { reason: e.to_string() }
-                }
-            }
-        };
+        let upgrade = upgrade::apply("tc", &dir, || upgrade_programs(&pins))?;
         let dp = Self {
             maps: TcMaps {
                 rt4: TypedMap::pinned(&dir, names::MAP_RT4)?,
@@ -673,16 +665,7 @@ impl TcDataplane {
 
     /// Tcx attachments, as (ifindex, direction).
     pub fn attachments(&self) -> Vec<(u32, Direction)> {
-        let mut out = Vec::new();
-        if let Ok(entries) = fs::read_dir(self.pins.links_dir()) {
-            for e in entries.flatten() {
-                let name = e.file_name().to_string_lossy().into_owned();
-                let Some(rest) = name.strip_prefix("if") else { continue };
-                let Some((idx, d)) = rest.split_once('-') else { continue };
-                let Ok(idx) = idx.parse() else { continue };
-                out.push((idx, if d == "in" { Direction::Ingress } else { Direction::Egress }));
-            }
-        }
+        let mut out: Vec<_> = pinned_attachments(&self.pins).into_iter().map(|(_, i, d)| (i, d)).collect();
         out.sort();
         out
     }

@@ -9,9 +9,11 @@
 //! (renamed over the old one). A step that fails undoes the ones before it,
 //! newest first, so a refused upgrade leaves the old build running as it was.
 //! A process killed between two steps leaves a mix of both builds' programs
-//! over the same maps — the schema is the same, so any mix works — and the old
-//! build id, which the next opener sees and finishes the upgrade; stray
-//! `next-*` pins of a cut-short step are cleared first ([`clear_stray`]).
+//! over the same maps — the schema is the same, and `MW_SCHEMA_VERSION`
+//! covers the contract between programs too (skb cb, chain flags, the fins),
+//! so any mix works — and an empty build id (the first step), which the next
+//! opener of any build sees and finishes the upgrade; stray `next-*` pins of a
+//! cut-short step are cleared first ([`clear_stray`]).
 //!
 //! Sockets already in the SOCKMAP keep the sk_msg program they were added
 //! under (the kernel copies it into each socket's psock): connections open
@@ -64,6 +66,12 @@ pub enum UpgradeError {
         #[source]
         source: io::Error,
     },
+    #[error("upgrade step {step}: {source}")]
+    Map {
+        step: String,
+        #[source]
+        source: MapError,
+    },
     #[error("upgrade step {0} failed (injected fault)")]
     Injected(String),
 }
@@ -74,8 +82,10 @@ fn step_err(step: &str, rc: i32) -> UpgradeError {
 }
 
 fn cpath(step: &str, p: &Path) -> Result<CString, UpgradeError> {
-    CString::new(p.as_os_str().as_encoded_bytes())
-        .map_err(|e| UpgradeError::Step { step: step.to_string(), source: io::Error::other(e) })
+    CString::new(p.as_os_str().as_encoded_bytes()).map_err(|_| UpgradeError::Step {
+        step: step.to_string(),
+        source: io::Error::new(io::ErrorKind::InvalidInput, format!("{} contains a NUL byte", p.display())),
+    })
 }
 
 fn owned(step: &str, fd: RawFd) -> Result<OwnedFd, UpgradeError> {
@@ -93,7 +103,7 @@ pub(crate) fn obj_get(step: &str, p: &Path) -> Result<OwnedFd, UpgradeError> {
     owned(step, unsafe { libbpf_sys::bpf_obj_get(c.as_ptr()) })
 }
 
-fn obj_pin(step: &str, fd: BorrowedFd<'_>, p: &Path) -> Result<(), UpgradeError> {
+pub(crate) fn obj_pin(step: &str, fd: BorrowedFd<'_>, p: &Path) -> Result<(), UpgradeError> {
     let c = cpath(step, p)?;
     // SAFETY: a valid fd and NUL-terminated path.
     let rc = unsafe { libbpf_sys::bpf_obj_pin(fd.as_raw_fd(), c.as_ptr()) };
@@ -109,10 +119,15 @@ fn pin_over(step: &str, fd: BorrowedFd<'_>, path: &Path) -> Result<(), UpgradeEr
     let next = next_path(path);
     let _ = fs::remove_file(&next);
     obj_pin(&format!("{step} (pinning {})", next.display()), fd, &next)?;
-    fs::rename(&next, path).map_err(|source| {
+    // A process killed here leaves the `next-` pin for clear_stray.
+    let r = fault_point(&format!("{step}/pinned")).and_then(|()| {
+        fs::rename(&next, path)
+            .map_err(|source| UpgradeError::Step { step: format!("{step} (renaming over {})", path.display()), source })
+    });
+    if r.is_err() {
         let _ = fs::remove_file(&next);
-        UpgradeError::Step { step: format!("{step} (renaming over {})", path.display()), source }
-    })
+    }
+    r
 }
 
 /// Where a replacement is pinned before it is renamed over `path` (bpffs
@@ -187,6 +202,40 @@ fn prog_array_put(step: &str, map: BorrowedFd<'_>, key: u32, prog: BorrowedFd<'_
     Ok(())
 }
 
+/// The id of the program at `key` of a prog array, if any.
+fn prog_array_get(step: &str, map: BorrowedFd<'_>, key: u32) -> Result<Option<u32>, UpgradeError> {
+    let mut id = 0u32;
+    // SAFETY: a prog array's lookup from user space yields the program id.
+    let rc = unsafe {
+        libbpf_sys::bpf_map_lookup_elem(map.as_raw_fd(), (&key as *const u32).cast(), (&mut id as *mut u32).cast())
+    };
+    match rc {
+        0 => Ok(Some(id)),
+        rc if rc == -libc::ENOENT => Ok(None),
+        rc => Err(step_err(&format!("{step} (lookup)"), rc)),
+    }
+}
+
+/// The program attached to a SOCKMAP as its sk_msg verdict, if any.
+fn sockmap_verdict_id(step: &str, map: BorrowedFd<'_>) -> Result<Option<u32>, UpgradeError> {
+    let (mut flags, mut ids, mut cnt) = (0u32, [0u32; 1], 1u32);
+    // SAFETY: valid fd and out-buffers of the sizes given.
+    let rc = unsafe {
+        libbpf_sys::bpf_prog_query(
+            map.as_raw_fd(),
+            libbpf_sys::BPF_SK_MSG_VERDICT,
+            0,
+            &mut flags,
+            ids.as_mut_ptr(),
+            &mut cnt,
+        )
+    };
+    if rc < 0 {
+        return Err(step_err(&format!("{step} (query)"), rc));
+    }
+    Ok((cnt > 0).then_some(ids[0]))
+}
+
 fn sockmap_verdict(step: &str, map: BorrowedFd<'_>, prog: BorrowedFd<'_>) -> Result<(), UpgradeError> {
     // The kernel swaps the map's program in one exchange (no BPF_F_REPLACE
     // for SOCKMAP attachments).
@@ -199,7 +248,7 @@ fn sockmap_verdict(step: &str, map: BorrowedFd<'_>, prog: BorrowedFd<'_>) -> Res
     Ok(())
 }
 
-fn raw_tp_open(step: &str, prog: BorrowedFd<'_>) -> Result<OwnedFd, UpgradeError> {
+pub(crate) fn raw_tp_open(step: &str, prog: BorrowedFd<'_>) -> Result<OwnedFd, UpgradeError> {
     // SAFETY: a tp_btf program fd; NULL name: its own BTF target.
     owned(&format!("{step} (attaching)"), unsafe {
         libbpf_sys::bpf_raw_tracepoint_open(std::ptr::null(), prog.as_raw_fd())
@@ -258,12 +307,7 @@ impl Swap {
     pub(crate) fn prog_array(&mut self, map: &Path, key: u32, prog: BorrowedFd<'_>) -> Result<(), UpgradeError> {
         let step = format!("{}[{key}]", file_name(map));
         let map = obj_get(&step, map)?;
-        let mut id = 0u32;
-        // SAFETY: a prog array's lookup from user space yields the program id.
-        let rc = unsafe {
-            libbpf_sys::bpf_map_lookup_elem(map.as_raw_fd(), (&key as *const u32).cast(), (&mut id as *mut u32).cast())
-        };
-        let old = if rc == 0 { Some(prog_fd_by_id(&step, id)?) } else { None };
+        let old = prog_array_get(&step, map.as_fd(), key)?.map(|id| prog_fd_by_id(&step, id)).transpose()?;
         prog_array_put(&step, map.as_fd(), key, prog)?;
         let s = step.clone();
         self.record(
@@ -276,14 +320,21 @@ impl Swap {
     }
 
     /// Makes the pinned SOCKMAP `map` run `prog` for sockets added from now
-    /// on; `old` is the program it ran.
-    pub(crate) fn sockmap_verdict(&mut self, map: &Path, old: &Path, prog: BorrowedFd<'_>) -> Result<(), UpgradeError> {
+    /// on; the undo puts back the program attached before (asked of the map,
+    /// not of a pin a cut-short upgrade may have left behind).
+    pub(crate) fn sockmap_verdict(&mut self, map: &Path, prog: BorrowedFd<'_>) -> Result<(), UpgradeError> {
         let step = format!("{} sk_msg", file_name(map));
         let map = obj_get(&step, map)?;
-        let old = obj_get(&step, old)?;
+        let old = sockmap_verdict_id(&step, map.as_fd())?.map(|id| prog_fd_by_id(&step, id)).transpose()?;
         sockmap_verdict(&step, map.as_fd(), prog)?;
         let s = step.clone();
-        self.record(step, Box::new(move || sockmap_verdict(&s, map.as_fd(), old.as_fd())))
+        self.record(
+            step,
+            Box::new(move || match old {
+                Some(old) => sockmap_verdict(&s, map.as_fd(), old.as_fd()),
+                None => Ok(()),
+            }),
+        )
     }
 
     /// Makes the pinned bpf_link at `path` (cgroup, tcx) run `prog`.
@@ -291,8 +342,10 @@ impl Swap {
         let step = format!("link {}", file_name(path));
         let link = obj_get(&step, path)?;
         let old = prog_fd_by_id(&step, link_prog_id(&step, link.as_fd())?)?;
+        // Taken before the update, so nothing can fail between the change
+        // and recording its undo.
+        let new = prog.try_clone_to_owned().map_err(|source| UpgradeError::Step { step: step.clone(), source })?;
         link_update(&step, link.as_fd(), prog, old.as_fd())?;
-        let new = prog_fd_by_id(&step, link_prog_id(&step, link.as_fd())?)?;
         let s = step.clone();
         self.record(step, Box::new(move || link_update(&s, link.as_fd(), old.as_fd(), new.as_fd())))
     }
@@ -331,15 +384,28 @@ impl Swap {
         self.record(step, Box::new(move || pin_over(&s, old.as_fd(), &p)))
     }
 
-    /// Records this build as the one whose programs run (the last step: an
-    /// upgrade cut short before it is redone by the next opener).
+    /// Marks the instance as being upgraded (an empty build id) before any
+    /// program changes: whichever build opens it next, this one or an older
+    /// one rolling back, sees a mismatch and finishes the job.
+    pub(crate) fn mark_upgrading(&mut self, maps_dir: &Path) -> Result<(), UpgradeError> {
+        self.put_build(maps_dir, &Build::default(), "mw_build (upgrading)")
+    }
+
+    /// Records this build as the one whose programs run (the last step).
     pub(crate) fn build_id(&mut self, maps_dir: &Path) -> Result<(), UpgradeError> {
-        let step = names::MAP_BUILD.to_string();
-        let err = |e: MapError| UpgradeError::Step { step: names::MAP_BUILD.into(), source: io::Error::other(e) };
+        self.put_build(maps_dir, &this_build(), names::MAP_BUILD)
+    }
+
+    fn put_build(&mut self, maps_dir: &Path, build: &Build, step: &str) -> Result<(), UpgradeError> {
+        let err = |source| UpgradeError::Map { step: step.to_string(), source };
         let map = TypedMap::<u32, Build>::pinned(maps_dir, names::MAP_BUILD).map_err(err)?;
         let old = map.get(&0).map_err(err)?.unwrap_or_default();
-        map.put(&0, &this_build()).map_err(err)?;
-        self.record(step, Box::new(move || map.put(&0, &old).map_err(err)))
+        map.put(&0, build).map_err(err)?;
+        let s = step.to_string();
+        self.record(
+            step.to_string(),
+            Box::new(move || map.put(&0, &old).map_err(|source| UpgradeError::Map { step: s, source })),
+        )
     }
 
     /// Undoes every step done, newest first; a failed undo is logged and the
@@ -358,11 +424,20 @@ fn file_name(p: &Path) -> String {
     p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default()
 }
 
-/// Runs `steps` over a fresh [`Swap`]: all of them, or (on the first error)
-/// none, the done ones undone.
-pub(crate) fn run(steps: impl FnOnce(&mut Swap) -> Result<(), UpgradeError>) -> Result<Vec<String>, UpgradeError> {
+/// Runs `steps` over a fresh [`Swap`], between marking the family pinned
+/// with the maps in `maps_dir` as upgrading and recording this build: all of
+/// them, or (on the first error) none, the done ones undone.
+pub(crate) fn run(
+    maps_dir: &Path,
+    steps: impl FnOnce(&mut Swap) -> Result<(), UpgradeError>,
+) -> Result<Vec<String>, UpgradeError> {
     let mut swap = Swap::default();
-    match steps(&mut swap) {
+    let all = |swap: &mut Swap| {
+        swap.mark_upgrading(maps_dir)?;
+        steps(swap)?;
+        swap.build_id(maps_dir)
+    };
+    match all(&mut swap) {
         Ok(()) => Ok(swap.steps()),
         Err(e) => {
             tracing::error!("upgrade failed, undoing its steps: {e}");
@@ -370,6 +445,32 @@ pub(crate) fn run(steps: impl FnOnce(&mut Swap) -> Result<(), UpgradeError>) -> 
             Err(e)
         }
     }
+}
+
+/// What opening a family does about its pinned programs: nothing when they
+/// are this build's, else `replace` them ([`run`]); a failure leaves the old
+/// ones running and is reported, not returned.
+pub(crate) fn apply(
+    family: &str,
+    maps_dir: &Path,
+    replace: impl FnOnce() -> Result<Vec<String>, UpgradeError>,
+) -> Result<Upgrade, MapError> {
+    let from = programs_build(maps_dir)?;
+    if from == meshwarp_bpf::BUILD_ID {
+        return Ok(Upgrade::None);
+    }
+    Ok(match replace() {
+        Ok(steps) => {
+            tracing::info!(family, from = %from, to = meshwarp_bpf::BUILD_ID, ?steps,
+                "upgraded the pinned programs in place (maps, rules and connections kept)");
+            Upgrade::Done { from, steps }
+        }
+        Err(e) => {
+            tracing::error!(family, programs = %from, this = meshwarp_bpf::BUILD_ID,
+                "the pinned programs are of another build and could not be replaced; they keep running: {e}");
+            Upgrade::Failed { reason: e.to_string() }
+        }
+    })
 }
 
 /// Points each map of a freshly opened object at the family's pinned map of
@@ -434,6 +535,24 @@ pub fn running_programs(family_dir: &Path) -> Result<std::collections::BTreeMap<
                     .id()
             };
             out.insert(key, id);
+        }
+    }
+    // What the maps run: each chain's last entry and the SOCKMAP's sk_msg.
+    if let Ok(entries) = fs::read_dir(family_dir.join("maps")) {
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let key = format!("maps/{name}");
+            if name.starts_with("mw_ch_") {
+                let map = obj_get(&key, &e.path())?;
+                if let Some(id) = prog_array_get(&key, map.as_fd(), meshwarp_bpf::shared::CHAIN_FIN)? {
+                    out.insert(format!("{key}[fin]"), id);
+                }
+            } else if name == names::MAP_SOCKMAP {
+                let map = obj_get(&key, &e.path())?;
+                if let Some(id) = sockmap_verdict_id(&key, map.as_fd())? {
+                    out.insert(format!("{key} sk_msg"), id);
+                }
+            }
         }
     }
     Ok(out)

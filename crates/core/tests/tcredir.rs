@@ -358,6 +358,8 @@ fn another_builds_tc_programs_are_replaced_under_traffic() -> Result<()> {
         ensure!(matches!(n.tc().upgrade(), Upgrade::Done { .. }), "{:?}", n.tc().upgrade());
         ensure!(n.tc().programs_build()? == meshwarp_bpf::BUILD_ID);
         let now = running_programs(&dir)?;
+        ensure!(now.keys().eq(old.keys()), "pins and links changed: {now:?} against {old:?}");
+        ensure!(now.contains_key("maps/mw_ch_pkt[fin]"), "{now:?}");
         for (k, id) in &now {
             ensure!(old.get(k) != Some(id), "{k} still runs the old program {id}");
         }

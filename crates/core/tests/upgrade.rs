@@ -84,6 +84,13 @@ fn stray_pins(dir: &Path) -> Vec<PathBuf> {
         .collect()
 }
 
+/// Every point an injected fault can stop an upgrade at: after each step,
+/// and between pinning a replacement and renaming it over the old pin.
+fn fault_points(steps: &[String]) -> Vec<String> {
+    let renamed = |s: &String| s.starts_with("pin ") || s == "link mw_recv_len" || s == "link mw_sys_enter";
+    steps.iter().cloned().chain(steps.iter().filter(|s| renamed(s)).map(|s| format!("{s}/pinned"))).collect()
+}
+
 /// Every pinned link runs the program pinned under its name, and no program
 /// id of `old` is still pinned or attached.
 fn all_new(now: &BTreeMap<String, u32>, old: &BTreeMap<String, u32>) -> Result<()> {
@@ -94,6 +101,12 @@ fn all_new(now: &BTreeMap<String, u32>, old: &BTreeMap<String, u32>) -> Result<(
         }
     }
     ensure!(now.keys().eq(old.keys()), "pins changed: {:?} against {:?}", now.keys(), old.keys());
+    // The maps run the new programs too: each chain's end, the SOCKMAP's sk_msg.
+    ensure!(now.contains_key("maps/mw_ch_conn[fin]") && now.contains_key("maps/mw_ch_msg[fin]"), "{now:?}");
+    ensure!(
+        now.get("maps/mw_sockmap sk_msg") == now.get("progs/mw_sk_msg"),
+        "the SOCKMAP runs another sk_msg: {now:?}"
+    );
     Ok(())
 }
 
@@ -222,7 +235,12 @@ fn a_failed_upgrade_step_puts_every_earlier_step_back() -> Result<()> {
     let Upgrade::Done { steps, .. } = k.dp().upgrade().clone() else { bail!("{:?}", k.dp().upgrade()) };
     let mut live = bed.connect()?;
     let mut pattern = Pattern::new(1);
-    for step in &steps {
+    for want in
+        ["mw_build (upgrading)", "mw_ch_conn[", "mw_ch_msg[", "mw_sockmap sk_msg", "link mw_sockops", "pin mw_park"]
+    {
+        ensure!(steps.iter().any(|s| s.starts_with(want)), "no step {want}: {steps:?}");
+    }
+    for step in &fault_points(&steps) {
         drop(k.dp.take());
         mark_other_build(&dir.join("maps"))?;
         let before = running_programs(&dir)?;
@@ -231,7 +249,10 @@ fn a_failed_upgrade_step_puts_every_earlier_step_back() -> Result<()> {
         inject_fault(None);
         k.dp = Some(opened?);
         match k.dp().upgrade() {
-            Upgrade::Failed { reason } => ensure!(reason.contains(step.as_str()), "{step}: {reason}"),
+            Upgrade::Failed { reason } => {
+                let named = step.split('/').next().unwrap_or_default();
+                ensure!(reason.contains(named), "{step}: {reason}")
+            }
             u => bail!("step {step}: {u:?}"),
         }
         ensure!(running_programs(&dir)? == before, "step {step} left programs changed");
@@ -268,7 +289,7 @@ fn a_process_killed_at_any_upgrade_step_leaves_a_working_data_path() -> Result<(
     let mut live = bed.connect()?;
     let mut pattern = Pattern::new(2);
     let exe = std::env::current_exe()?;
-    for step in &steps {
+    for step in &fault_points(&steps) {
         drop(k.dp.take());
         mark_other_build(&dir.join("maps"))?;
         let old = running_programs(&dir)?;
@@ -281,6 +302,13 @@ fn a_process_killed_at_any_upgrade_step_leaves_a_working_data_path() -> Result<(
             .stderr(std::process::Stdio::null())
             .status()?;
         ensure!(status.signal() == Some(libc::SIGKILL), "child at {step}: {status:?}");
+        // Cut short, the instance says no build: whichever opens it next (an
+        // older one rolling back too) finishes the job.
+        let marked = meshwarp_core::upgrade::programs_build(&dir.join("maps"))?;
+        ensure!(marked.is_empty() == (step != names::MAP_BUILD), "killed after {step}, build id {marked:?}");
+        if step.ends_with("/pinned") {
+            ensure!(!stray_pins(&dir).is_empty(), "killed between pinning and renaming, {step} left no next- pin");
+        }
         // Killed half-way: the data path still forwards, old connections and new.
         ping(&mut live, &mut pattern, 4096).with_context(|| format!("killed after {step}"))?;
         let s = bed.connect()?;
