@@ -18,6 +18,7 @@ pub mod dataplane;
 pub mod endpoint;
 pub mod error;
 pub mod execlass;
+pub mod fault;
 pub mod guard;
 mod loader;
 pub mod maps;

@@ -259,6 +259,8 @@ pub struct PluginInfo {
 
 #[derive(Debug, thiserror::Error)]
 pub enum PluginError {
+    #[error(transparent)]
+    Injected(#[from] crate::fault::Injected),
     #[error("invalid {field}: {reason}")]
     Invalid { field: &'static str, reason: String },
     #[error("config is {len} bytes, at most {PLUGIN_CFG_MAX} are allowed")]
@@ -475,11 +477,15 @@ impl FamilyMaps {
             let _ = self.clear_gen(hook, next);
             return Err(e);
         }
+        crate::fault::point("chain filled")?;
         // Generation in bit 0, length from bit 8 (chain.h, mw_active_chain).
         let active = next | ((members.len().min(CHAIN_MAX as usize) as u32) << 8);
         self.gen.put(&hook.raw(), &active)?;
+        crate::fault::point("chain flipped")?;
         self.grace_period()?;
-        self.clear_gen(hook, cur)
+        self.clear_gen(hook, cur)?;
+        crate::fault::point("chain cleared")?;
+        Ok(())
     }
 
     fn counters(&self, id: u32) -> Result<PluginCounters, PluginError> {
@@ -638,6 +644,7 @@ impl PluginChain {
                     running.insert(hook, fam.active_members(hook)?);
                 }
             }
+            let mut kept = std::collections::BTreeSet::new();
             for (id, mut meta) in fam.meta.entries()? {
                 let Some(hook) = Hook::from_raw(meta.hook) else { continue };
                 let Some(&cfg_slot) = running.get(&hook).and_then(|m| m.get(&id)) else {
@@ -683,7 +690,18 @@ impl PluginChain {
                     maps: pinned_maps(&dir),
                     manifest,
                 };
+                kept.insert(id);
                 st.plugins.insert(plugin.manifest.name.clone(), plugin);
+            }
+            // Pins of a plugin with no metadata: a load cut short before it,
+            // or an unload cut short after it.
+            let root = fam.plugin_dir(0).parent().map(Path::to_path_buf).unwrap_or_default();
+            for e in fs::read_dir(&root).into_iter().flatten().flatten() {
+                let id = e.file_name().to_string_lossy().parse::<u32>().ok();
+                if id.is_some_and(|id| !kept.contains(&id)) {
+                    tracing::warn!(dir = %e.path().display(), "pins of a plugin that is in no chain; removed");
+                    let _ = remove_plugin_dir(&e.path());
+                }
             }
         }
         if !st.plugins.is_empty() {
@@ -766,11 +784,16 @@ impl PluginChain {
         let cfg_slot = id * 2;
         fam.write_config(cfg_slot, config)?;
         fam.reset_counters(id)?;
+        crate::fault::point("plugin config")?;
 
         let dir = fam.plugin_dir(id);
         // A leftover of a crashed load under this id is not in any chain.
         let _ = remove_plugin_dir(&dir);
         let (prog, maps) = load_object(fam, manifest, object, &dir)?;
+        if let Err(e) = crate::fault::point("plugin pinned") {
+            let _ = remove_plugin_dir(&dir);
+            return Err(e.into());
+        }
         let mut manifest = manifest.clone();
         manifest.sha256 = Some(sha256);
         let plugin = Plugin {
@@ -783,10 +806,10 @@ impl PluginChain {
             prog,
             maps,
         };
-        let installed =
-            fam.meta.put(&id, &plugin.meta()).map_err(PluginError::from).and_then(|()| {
-                fam.install_chain(hook, &st.members(hook, Some((&plugin.manifest.name, Some(&plugin)))))
-            });
+        let installed = fam.meta.put(&id, &plugin.meta()).map_err(PluginError::from).and_then(|()| {
+            crate::fault::point("plugin meta")?;
+            fam.install_chain(hook, &st.members(hook, Some((&plugin.manifest.name, Some(&plugin)))))
+        });
         if let Err(e) = installed {
             let _ = fam.meta.delete(&id);
             let _ = remove_plugin_dir(&dir);
@@ -833,6 +856,7 @@ impl PluginChain {
         // generations only referred to it before a grace period).
         let slot = p.cfg_slot ^ 1;
         fam.write_config(slot, config)?;
+        crate::fault::point("plugin config")?;
         let mut members = st.members(hook, None);
         let updated = Plugin {
             cfg_slot: slot,
@@ -914,6 +938,9 @@ fn forget(fam: &FamilyMaps, p: &Plugin) {
     if let Err(e) = fam.meta.delete(&p.id) {
         tracing::warn!(plugin = %p.manifest.name, error = %e, "removing plugin metadata");
     }
+    // Killed here, the next opener finds pins without metadata: adoption
+    // removes them.
+    let _ = crate::fault::point("plugin forgetting");
     if let Err(e) = remove_plugin_dir(&fam.plugin_dir(p.id)) {
         tracing::warn!(plugin = %p.manifest.name, error = %e, "removing plugin pins");
     }

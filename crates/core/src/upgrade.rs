@@ -24,7 +24,6 @@ use std::fs;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
 
 use libbpf_rs::libbpf_sys;
 use meshwarp_bpf::names;
@@ -255,33 +254,8 @@ pub(crate) fn raw_tp_open(step: &str, prog: BorrowedFd<'_>) -> Result<OwnedFd, U
     })
 }
 
-/// What an injected fault does at a step (tests of crash safety).
-static FAULT: Mutex<Option<String>> = Mutex::new(None);
-
-/// With feature `fault-injection`: `"fail:<step>"` makes step `<step>` fail
-/// after it was done (its undo and every earlier one run), `"kill:<step>"`
-/// kills this process with SIGKILL right after it. `MESHWARP_FAULT` in the
-/// environment sets the same when nothing was set here.
-#[cfg(feature = "fault-injection")]
-pub fn inject_fault(fault: Option<&str>) {
-    *crate::sys::lock(&FAULT) = fault.map(str::to_string);
-}
-
 fn fault_point(step: &str) -> Result<(), UpgradeError> {
-    if !cfg!(feature = "fault-injection") {
-        return Ok(());
-    }
-    let set = crate::sys::lock(&FAULT).clone().or_else(|| std::env::var("MESHWARP_FAULT").ok());
-    match set.as_deref().and_then(|f| f.split_once(':')) {
-        Some(("kill", s)) if s == step => {
-            tracing::warn!(step, "injected fault: killing this process");
-            // SAFETY: signals this process.
-            unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
-            Ok(())
-        }
-        Some(("fail", s)) if s == step => Err(UpgradeError::Injected(step.to_string())),
-        _ => Ok(()),
-    }
+    crate::fault::point(step).map_err(|_| UpgradeError::Injected(step.to_string()))
 }
 
 type Undo = Box<dyn FnOnce() -> Result<(), UpgradeError>>;

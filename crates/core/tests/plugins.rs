@@ -631,3 +631,127 @@ fn a_chain_holds_eight_plugins_and_refuses_a_ninth() -> Result<()> {
     }
     Ok(())
 }
+
+/// The child process of [`a_process_killed_at_any_step_of_a_plugin_change_adopts_a_consistent_state`]:
+/// opens the pins named in its environment, starts the plugin change named
+/// there, and is killed by the injected fault on the way.
+#[test]
+#[ignore = "run as a child process by a_process_killed_at_any_step_of_a_plugin_change_adopts_a_consistent_state"]
+fn plugin_child() -> Result<()> {
+    let var = |n: &str| std::env::var(n).with_context(|| format!("{n}: run only as a child process"));
+    let cfg = meshwarp_core::DataplaneConfig {
+        pin_root: var("MW_CHILD_PIN_ROOT")?.into(),
+        cgroup: Some(var("MW_CHILD_CGROUP")?.into()),
+        trusted_readers: std::env::current_exe().into_iter().collect(),
+        ..meshwarp_core::DataplaneConfig::default()
+    };
+    let dp = meshwarp_core::Dataplane::open(&cfg)?;
+    let c = PluginChain::open(Some(&dp), None)?;
+    match var("MW_PLUGIN_OP")?.as_str() {
+        "load" => drop(c.load(&manifest("extra", Hook::Message, 5), plugins::NOOP_MSG, &[], false, "test")?),
+        "replace" => {
+            drop(c.load(&manifest("sampler", Hook::Message, 0), plugins::BYTE_SAMPLER, &[3, 0, 0, 0], true, "test")?)
+        }
+        "config" => drop(c.update_config("sampler", &[7, 0, 0, 0], None)?),
+        "unload" => c.unload("noop", None)?,
+        op => anyhow::bail!("unknown op {op}"),
+    }
+    anyhow::bail!("the child was not killed")
+}
+
+/// A process killed at any step of a plugin load, replacement, config update
+/// or unload leaves pins that the next process adopts as either the state
+/// before the change or the state after it — never a mix, no plugin pins
+/// left without a plugin — and traffic through the chain keeps flowing.
+#[test]
+fn a_process_killed_at_any_step_of_a_plugin_change_adopts_a_consistent_state() -> Result<()> {
+    let mut k = kernel_test!();
+    let pods = Pods::new(&k)?;
+    // The child runs as another executable: opening a data path probes the
+    // kernel, whose splice() marks the executable that ran it as a splicer,
+    // and this test's own connections must stay redirect targets.
+    let scratch = meshwarp_testbed::ScratchDir::new("plugin-child")?;
+    let exe = scratch.0.join("plugin-child");
+    std::fs::copy(std::env::current_exe()?, &exe)?;
+    let chain_steps = ["chain filled", "chain flipped", "chain cleared"];
+    let load_steps = ["plugin config", "plugin pinned", "plugin meta"];
+    let cases: [(&str, Vec<&str>); 4] = [
+        ("load", load_steps.iter().chain(&chain_steps).copied().collect()),
+        ("replace", load_steps.iter().chain(&chain_steps).chain(&["plugin forgetting"]).copied().collect()),
+        ("config", ["plugin config"].iter().chain(&chain_steps).copied().collect()),
+        ("unload", chain_steps.iter().chain(&["plugin forgetting"]).copied().collect()),
+    ];
+    let plugins_dir = k.dp().pin_dir().join("plugins");
+    for (op, points) in &cases {
+        for point in points {
+            // A known state: noop and sampler (config 1).
+            let c = chain(&k)?;
+            for p in c.list()? {
+                c.unload(&p.manifest.name, None)?;
+            }
+            c.load(&manifest("noop", Hook::Message, 1), plugins::NOOP_MSG, &[], false, "test")?;
+            let sampler =
+                c.load(&manifest("sampler", Hook::Message, 0), plugins::BYTE_SAMPLER, &[1, 0, 0, 0], false, "test")?;
+            drop(c);
+            drop(k.dp.take());
+
+            let status = std::process::Command::new(&exe)
+                .args(["--exact", "plugin_child", "--ignored", "--nocapture", "--test-threads=1"])
+                .env("MESHWARP_FAULT", format!("kill:{point}"))
+                .env("MW_CHILD_PIN_ROOT", &k.cfg.pin_root)
+                .env("MW_CHILD_CGROUP", k.cfg.cgroup.as_ref().context("test cgroup")?)
+                .env("MW_PLUGIN_OP", op)
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .status()?;
+            ensure!(
+                std::os::unix::process::ExitStatusExt::signal(&status) == Some(libc::SIGKILL),
+                "{op} at {point}: {status:?}"
+            );
+
+            k.dp = Some(meshwarp_core::Dataplane::open(&k.cfg)?);
+            let c = chain(&k)?;
+            let list = c.list()?;
+            let mut names: Vec<&str> = list.iter().map(|p| p.manifest.name.as_str()).collect();
+            names.sort();
+            let config = |name: &str| list.iter().find(|p| p.manifest.name == name).map(|p| p.config.clone());
+            let what = format!("{op} killed at {point}: {list:?}");
+            match *op {
+                "load" => ensure!(names == ["noop", "sampler"] || names == ["extra", "noop", "sampler"], "{what}"),
+                "unload" => ensure!(names == ["noop", "sampler"] || names == ["sampler"], "{what}"),
+                _ => ensure!(names == ["noop", "sampler"], "{what}"),
+            }
+            let cfg = config("sampler").context("sampler adopted")?;
+            match *op {
+                "config" => ensure!(cfg == [1, 0, 0, 0] || cfg == [7, 0, 0, 0], "{what}"),
+                "replace" => {
+                    let id = c.get("sampler")?.id;
+                    ensure!(
+                        (cfg == [1, 0, 0, 0]) == (id == sampler.id),
+                        "old object with old config or new with new: {what}"
+                    );
+                    ensure!(cfg == [1, 0, 0, 0] || cfg == [3, 0, 0, 0], "{what}");
+                }
+                _ => ensure!(cfg == [1, 0, 0, 0], "{what}"),
+            }
+            // Every pinned plugin directory belongs to an adopted plugin.
+            let mut dirs: Vec<u32> = std::fs::read_dir(&plugins_dir)
+                .into_iter()
+                .flatten()
+                .flatten()
+                .filter_map(|e| e.file_name().to_string_lossy().parse().ok())
+                .collect();
+            dirs.sort();
+            let mut ids: Vec<u32> = list.iter().map(|p| p.id).collect();
+            ids.sort();
+            ensure!(dirs == ids, "pins {dirs:?} against plugins {ids:?}: {what}");
+            // Traffic runs through the adopted chain, and it can change again.
+            let before = counters(&c, "sampler").runs;
+            let (mut cl, mut sv) = pods.connect(0)?;
+            ping_pong(&mut cl, &mut sv, 20, 1000).with_context(|| what.clone())?;
+            ensure!(counters(&c, "sampler").runs > before, "the adopted chain runs: {what}");
+            c.update_config("sampler", &[2, 0, 0, 0], None)?;
+        }
+    }
+    Ok(())
+}

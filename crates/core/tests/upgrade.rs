@@ -20,9 +20,10 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, ensure, Context, Result};
 use meshwarp_bpf::names;
 use meshwarp_bpf::shared::Build;
+use meshwarp_core::fault::inject as inject_fault;
 use meshwarp_core::maps::TypedMap;
 use meshwarp_core::sys::socket_cookie_of;
-use meshwarp_core::upgrade::{inject_fault, running_programs};
+use meshwarp_core::upgrade::running_programs;
 use meshwarp_core::{Dataplane, DataplaneConfig, Endpoint, EndpointPair, FastPathMode, Upgrade};
 use meshwarp_testbed::{
     connect_nonblocking, echo_integrity, round_trip, KernelTest, NodeWithPods, Pattern, StreamEcho,

@@ -85,7 +85,7 @@ pub fn from_plugin(e: &meshwarp_core::PluginError) -> Status {
         E::OwnerMismatch { .. } => Status::permission_denied(msg),
         E::NotFound { .. } => Status::not_found(msg),
         E::ChainFull { .. } | E::NoSlot => Status::resource_exhausted(msg),
-        E::Bpf { .. } | E::Io { .. } | E::Map(_) => Status::internal(msg),
+        E::Bpf { .. } | E::Io { .. } | E::Map(_) | E::Injected(_) => Status::internal(msg),
     }
 }
 
