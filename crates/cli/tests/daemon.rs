@@ -706,6 +706,24 @@ fn default_socket_mode_is_0660() -> Result<()> {
     Ok(())
 }
 
+/// Checksummed 1 KiB round trips on `conn` (through an echo) for `how_long`,
+/// then a close; how many there were.
+fn round_trips_for(mut conn: std::net::TcpStream, how_long: Duration) -> std::thread::JoinHandle<Result<u64>> {
+    std::thread::spawn(move || {
+        let mut n = 0u64;
+        let start = Instant::now();
+        let mut buf = [0u8; 1024];
+        while start.elapsed() < how_long {
+            let msg: Vec<u8> = (0..1024).map(|i| (n as usize * 7 + i) as u8).collect();
+            round_trip(&mut conn, &msg, &mut buf)?;
+            ensure!(buf[..] == msg[..], "round trip {n} corrupted");
+            n += 1;
+        }
+        conn.shutdown(std::net::Shutdown::Both)?;
+        Ok(n)
+    })
+}
+
 fn sockops_programs() -> usize {
     libbpf_rs::query::ProgInfoIter::default().filter(|p| p.name == "mw_sockops").count()
 }
@@ -729,21 +747,9 @@ fn sigkill_keeps_traffic_flowing_and_a_new_daemon_adopts() -> Result<()> {
     let programs_before = sockops_programs();
 
     // Checksummed ping-pong on an accelerated connection, across the kill and restart.
-    let mut conn = net.pods[0].ns.connect(server)?;
+    let conn = net.pods[0].ns.connect(server)?;
     let echo = spawn_echo(accept_timeout(&listener, Duration::from_secs(5))?, 1024);
-    let traffic = std::thread::spawn(move || -> Result<u64> {
-        let mut n = 0u64;
-        let start = Instant::now();
-        let mut buf = [0u8; 1024];
-        while start.elapsed() < Duration::from_secs(3) {
-            let msg: Vec<u8> = (0..1024).map(|i| (n as usize * 7 + i) as u8).collect();
-            round_trip(&mut conn, &msg, &mut buf)?;
-            ensure!(buf[..] == msg[..], "round trip {n} corrupted");
-            n += 1;
-        }
-        conn.shutdown(std::net::Shutdown::Both)?;
-        Ok(n)
-    });
+    let traffic = round_trips_for(conn, Duration::from_secs(3));
     std::thread::sleep(Duration::from_millis(500));
     let status = d1.kill(nix::sys::signal::Signal::SIGKILL)?;
     ensure!(!status.success());
@@ -800,21 +806,9 @@ fn a_new_build_replaces_the_running_programs_under_traffic() -> Result<()> {
         c.create_pair(create(pair(&net.pods[0].v4.to_string(), &net.pods[1].v4.to_string(), 8080), OWNER)).await?;
         Ok::<_, anyhow::Error>(c.get_node_info(pb::GetNodeInfoRequest {}).await?.into_inner())
     })?;
-    let mut conn = net.pods[0].ns.connect(server)?;
+    let conn = net.pods[0].ns.connect(server)?;
     let echo = spawn_echo(accept_timeout(&listener, Duration::from_secs(5))?, 1024);
-    let traffic = std::thread::spawn(move || -> Result<u64> {
-        let mut n = 0u64;
-        let start = Instant::now();
-        let mut buf = [0u8; 1024];
-        while start.elapsed() < Duration::from_secs(4) {
-            let msg: Vec<u8> = (0..1024).map(|i| (n as usize * 13 + i) as u8).collect();
-            round_trip(&mut conn, &msg, &mut buf)?;
-            ensure!(buf[..] == msg[..], "round trip {n} corrupted");
-            n += 1;
-        }
-        conn.shutdown(std::net::Shutdown::Both)?;
-        Ok(n)
-    });
+    let traffic = round_trips_for(conn, Duration::from_secs(4));
     std::thread::sleep(Duration::from_millis(500));
     ensure!(d1.kill(nix::sys::signal::Signal::SIGTERM)?.success(), "graceful stop");
     let old = Build { id: *b"0ther-build-0001" };

@@ -222,18 +222,25 @@ fn an_upgrade_under_traffic_fails_no_request_and_keeps_every_connection() -> Res
     Ok(())
 }
 
-/// Learns the steps of an upgrade, then makes each fail in turn: the
-/// programs that run afterwards are exactly the ones before, nothing stray
-/// is pinned, and connections are still redirected.
-#[test]
-fn a_failed_upgrade_step_puts_every_earlier_step_back() -> Result<()> {
-    let mut k = kernel_test!(1024);
+/// Two pods and their pair, and the steps an upgrade of this data path takes
+/// (learnt by doing one).
+fn learn_steps(k: &mut KernelTest) -> Result<(Bed, PathBuf, Vec<String>)> {
     let bed = Bed::new(k.dp())?;
     let dir = k.dp().pin_dir().to_path_buf();
     drop(k.dp.take());
     mark_other_build(&dir.join("maps"))?;
     k.dp = Some(Dataplane::open(&k.cfg)?);
     let Upgrade::Done { steps, .. } = k.dp().upgrade().clone() else { bail!("{:?}", k.dp().upgrade()) };
+    Ok((bed, dir, steps))
+}
+
+/// Learns the steps of an upgrade, then makes each fail in turn: the
+/// programs that run afterwards are exactly the ones before, nothing stray
+/// is pinned, and connections are still redirected.
+#[test]
+fn a_failed_upgrade_step_puts_every_earlier_step_back() -> Result<()> {
+    let mut k = kernel_test!(1024);
+    let (bed, dir, steps) = learn_steps(&mut k)?;
     let mut live = bed.connect()?;
     let mut pattern = Pattern::new(1);
     for want in
@@ -281,12 +288,7 @@ fn upgrade_child() -> Result<()> {
 #[test]
 fn a_process_killed_at_any_upgrade_step_leaves_a_working_data_path() -> Result<()> {
     let mut k = kernel_test!(1024);
-    let bed = Bed::new(k.dp())?;
-    let dir = k.dp().pin_dir().to_path_buf();
-    drop(k.dp.take());
-    mark_other_build(&dir.join("maps"))?;
-    k.dp = Some(Dataplane::open(&k.cfg)?);
-    let Upgrade::Done { steps, .. } = k.dp().upgrade().clone() else { bail!("{:?}", k.dp().upgrade()) };
+    let (bed, dir, steps) = learn_steps(&mut k)?;
     let mut live = bed.connect()?;
     let mut pattern = Pattern::new(2);
     let exe = std::env::current_exe()?;
