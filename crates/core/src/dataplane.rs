@@ -26,8 +26,8 @@ use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::{Link, MapCore, MapFlags, MapHandle, ProgramHandle};
 use meshwarp_bpf::names;
 use meshwarp_bpf::shared::{
-    Config, CookieVal, Link as LinkValue, Pod, CFG_BLOCKING_EAGAIN, CFG_FIONREAD_PSOCK, CFG_GUARD, CFG_SPLICE_BLIND,
-    CFG_SYSCALL_WATCH, CHAIN_FIN,
+    Config, CookieVal, Exe, ExeKey, Link as LinkValue, Pod, CFG_BLOCKING_EAGAIN, CFG_FIONREAD_PSOCK, CFG_GUARD,
+    CFG_SPLICE_BLIND, CFG_SYSCALL_WATCH, CHAIN_FIN, EXE_SEEN_SPLICE,
 };
 use meshwarp_bpf::sockredir::SockredirSkelBuilder;
 
@@ -220,13 +220,7 @@ impl Dataplane {
         let upgrade = upgrade::apply("socket", &dir, || upgrade_programs(&layout))?;
         let programs_build = upgrade::programs_build(&dir)?;
 
-        let kernel = match KernelProbe::cached() {
-            Ok(k) => k.clone(),
-            Err(e) => {
-                tracing::warn!("kernel probe failed, assuming every gap: {e}");
-                KernelProbe::unknown()
-            }
-        };
+        let kernel = probe_unmarked(&dir);
         let guard_flags = guard_flags(cfg.guard, &kernel, cfg.syscall_watch);
         let config = Config { flags: guard_flags, pad: 0 };
         TypedMap::<u32, Config>::pinned(&dir, names::MAP_CONFIG)?.put(&0, &config)?;
@@ -470,6 +464,40 @@ fn open_object(
         ro.nr_slots = nr_slots;
     }
     Ok(open)
+}
+
+/// The kernel probe's answers (run once per process). The probe splices its
+/// own sockets, and a pinned data path that watches system calls marks
+/// whichever executable splices as a splicer, which would keep this
+/// process's own sockets (an embedding controller's) off the fast path: a
+/// mark the probe made is taken back.
+fn probe_unmarked(maps_dir: &Path) -> KernelProbe {
+    let exes = TypedMap::<ExeKey, Exe>::pinned(maps_dir, names::MAP_EXES).ok();
+    let me = std::env::current_exe().ok().and_then(|p| crate::execlass::exe_key(&p).ok());
+    let before = exes.as_ref().zip(me.as_ref()).and_then(|(m, k)| m.get(k).ok()).flatten();
+    let kernel = match KernelProbe::cached() {
+        Ok(k) => k.clone(),
+        Err(e) => {
+            tracing::warn!("kernel probe failed, assuming every gap: {e}");
+            KernelProbe::unknown()
+        }
+    };
+    let (Some(exes), Some(me)) = (exes, me) else { return kernel };
+    let was_marked = before.is_some_and(|e| e.flags & EXE_SEEN_SPLICE != 0);
+    if let Ok(Some(mut now)) = exes.get(&me) {
+        if now.flags & EXE_SEEN_SPLICE != 0 && !was_marked {
+            now.flags &= !EXE_SEEN_SPLICE;
+            let undone = match before {
+                Some(_) => exes.put(&me, &now),
+                None if now.flags == 0 => exes.delete(&me).map(|_| ()),
+                None => exes.put(&me, &now),
+            };
+            if let Err(e) = undone {
+                tracing::warn!("taking back the splice mark of the kernel probe: {e}");
+            }
+        }
+    }
+    kernel
 }
 
 /// Slots (links, two SOCKMAP entries each) for `max_sockets` sockets.

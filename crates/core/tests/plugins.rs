@@ -646,8 +646,12 @@ fn plugin_child() -> Result<()> {
         ..meshwarp_core::DataplaneConfig::default()
     };
     let dp = meshwarp_core::Dataplane::open(&cfg)?;
+    let op = var("MW_PLUGIN_OP")?;
+    if op == "open" {
+        return Ok(());
+    }
     let c = PluginChain::open(Some(&dp), None)?;
-    match var("MW_PLUGIN_OP")?.as_str() {
+    match op.as_str() {
         "load" => drop(c.load(&manifest("extra", Hook::Message, 5), plugins::NOOP_MSG, &[], false, "test")?),
         "replace" => {
             drop(c.load(&manifest("sampler", Hook::Message, 0), plugins::BYTE_SAMPLER, &[3, 0, 0, 0], true, "test")?)
@@ -667,12 +671,7 @@ fn plugin_child() -> Result<()> {
 fn a_process_killed_at_any_step_of_a_plugin_change_adopts_a_consistent_state() -> Result<()> {
     let mut k = kernel_test!();
     let pods = Pods::new(&k)?;
-    // The child runs as another executable: opening a data path probes the
-    // kernel, whose splice() marks the executable that ran it as a splicer,
-    // and this test's own connections must stay redirect targets.
-    let scratch = meshwarp_testbed::ScratchDir::new("plugin-child")?;
-    let exe = scratch.0.join("plugin-child");
-    std::fs::copy(std::env::current_exe()?, &exe)?;
+    let exe = std::env::current_exe()?;
     let chain_steps = ["chain filled", "chain flipped", "chain cleared"];
     let load_steps = ["plugin config", "plugin pinned", "plugin meta"];
     let cases: [(&str, Vec<&str>); 4] = [
@@ -753,5 +752,43 @@ fn a_process_killed_at_any_step_of_a_plugin_change_adopts_a_consistent_state() -
             c.update_config("sampler", &[2, 0, 0, 0], None)?;
         }
     }
+    Ok(())
+}
+
+/// Opening a data path runs the kernel probe, which splices its own sockets;
+/// with the system call watch attached that would mark the opening
+/// executable as a splicer and keep its own connections (an embedding
+/// controller's) off the fast path. The mark is taken back.
+#[test]
+fn opening_a_data_path_does_not_mark_the_opener_a_splicer() -> Result<()> {
+    use meshwarp_bpf::shared::{Exe, ExeKey, EXE_SEEN_SPLICE};
+    use meshwarp_core::maps::TypedMap;
+
+    let mut k = kernel_test!();
+    let dir = k.dp().pin_dir().to_path_buf();
+    if !dir.join("links").join(meshwarp_bpf::names::PROG_SYS_ENTER).exists() {
+        // Kernels whose splice sees redirected bytes need no system call watch.
+        ensure!(!k.dp().syscall_watch(), "the system call watch is on but not attached");
+        eprintln!("SKIPPED: this kernel needs no system call watch (splice sees redirected bytes)");
+        return Ok(());
+    }
+    let scratch = meshwarp_testbed::ScratchDir::new("opener")?;
+    let exe = scratch.0.join("opener");
+    std::fs::copy(std::env::current_exe()?, &exe)?;
+    drop(k.dp.take());
+    let status = std::process::Command::new(&exe)
+        .args(["--exact", "plugin_child", "--ignored", "--test-threads=1"])
+        .env("MW_CHILD_PIN_ROOT", &k.cfg.pin_root)
+        .env("MW_CHILD_CGROUP", k.cfg.cgroup.as_ref().context("test cgroup")?)
+        .env("MW_PLUGIN_OP", "open")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()?;
+    ensure!(status.success(), "the opener: {status:?}");
+    let exes: TypedMap<ExeKey, Exe> = TypedMap::pinned(&dir.join("maps"), meshwarp_bpf::names::MAP_EXES)?;
+    let key = meshwarp_core::execlass::exe_key(&exe)?;
+    let flags = exes.get(&key)?.map_or(0, |e| e.flags);
+    ensure!(flags & EXE_SEEN_SPLICE == 0, "the opener is marked a splicer: flags {flags:#x}");
+    k.dp = Some(meshwarp_core::Dataplane::open(&k.cfg)?);
     Ok(())
 }
