@@ -470,6 +470,68 @@ fn load_and_pin(cfg: &TcConfig, pins: &FamilyPins) -> Result<(), TcError> {
     Ok(())
 }
 
+/// meshwarp's cls_bpf filter (clsact, kernels without tcx).
+const FILTER_HANDLE: u32 = 0x6d77;
+const FILTER_PRIORITY: u32 = 1;
+
+fn filter_hook(prog: std::os::fd::BorrowedFd<'_>, ifindex: u32, dir: Direction) -> libbpf_rs::TcHook {
+    let point = match dir {
+        Direction::Ingress => libbpf_rs::TC_INGRESS,
+        Direction::Egress => libbpf_rs::TC_EGRESS,
+    };
+    libbpf_rs::TcHookBuilder::new(prog)
+        .ifindex(ifindex as i32)
+        .replace(true)
+        .handle(FILTER_HANDLE)
+        .priority(FILTER_PRIORITY)
+        .hook(point)
+}
+
+/// meshwarp's cls_bpf filters on the interfaces of the node's namespace:
+/// (ifindex, direction, program id).
+fn clsact_filters(netns: Option<&Path>) -> Result<Vec<(u32, Direction, u32)>, UpgradeError> {
+    let err = |source: std::io::Error| UpgradeError::Step { step: "listing tc filters".into(), source };
+    let links = netlink::in_netns(netns, async |h| netlink::links(&h).await)
+        .map_err(|e| err(std::io::Error::other(e.to_string())))?;
+    let found = crate::sys::run_in_netns(netns, || {
+        let mut out = Vec::new();
+        // The query needs some program fd in the hook; the filter's is read back.
+        let any = std::fs::File::open("/dev/null")?;
+        for l in &links {
+            for dir in [Direction::Ingress, Direction::Egress] {
+                if let Ok(id) = filter_hook(any.as_fd(), l.index, dir).query() {
+                    out.push((l.index, dir, id));
+                }
+            }
+        }
+        Ok::<_, std::io::Error>(out)
+    })
+    .map_err(|e| err(std::io::Error::other(e.to_string())))?
+    .map_err(err)?;
+    Ok(found)
+}
+
+/// Points meshwarp's filter on `ifindex` at `prog` (an atomic tc filter replace).
+fn replace_filter(
+    netns: Option<&Path>,
+    step: &str,
+    ifindex: u32,
+    dir: Direction,
+    prog: std::os::fd::BorrowedFd<'_>,
+) -> Result<(), UpgradeError> {
+    let fd = prog.as_raw_fd();
+    let r = crate::sys::run_in_netns(netns, || {
+        // SAFETY: the caller's fd outlives this call.
+        let prog = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+        filter_hook(prog, ifindex, dir).attach().map(|_| ())
+    });
+    match r {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(source)) => Err(UpgradeError::Bpf { what: step.to_string(), source }),
+        Err(e) => Err(UpgradeError::Step { step: step.to_string(), source: std::io::Error::other(e.to_string()) }),
+    }
+}
+
 /// The pinned tcx links (`links/if<ifindex>-<in|out>`): path, ifindex, direction.
 fn pinned_attachments(pins: &FamilyPins) -> Vec<(PathBuf, u32, Direction)> {
     let mut out = Vec::new();
@@ -497,8 +559,9 @@ fn tc_progs<'a>(p: &'a TcredirProgs<'a>) -> [(&'static str, &'a libbpf_rs::Progr
 /// over its maps ([`crate::upgrade`]): the chain's end, each pinned tcx link
 /// (an interface's attachment, updated in place), the program pins, then the
 /// build id. Attachments made through clsact (kernels without tcx) are not
-/// pinned: they keep the old programs until they are made again.
-fn upgrade_programs(pins: &FamilyPins) -> Result<Vec<String>, UpgradeError> {
+/// pinned: they are found by meshwarp's filter handle on the node's
+/// interfaces and replaced in place (tc filter replace).
+fn upgrade_programs(pins: &FamilyPins, netns: Option<&Path>) -> Result<Vec<String>, UpgradeError> {
     let mut obj = MaybeUninit::uninit();
     let mut open = TcredirSkelBuilder::default()
         .open(&mut obj)
@@ -509,14 +572,27 @@ fn upgrade_programs(pins: &FamilyPins) -> Result<Vec<String>, UpgradeError> {
     let p = &skel.progs;
     let links: Vec<(PathBuf, Direction)> =
         pinned_attachments(pins).into_iter().map(|(path, _, dir)| (path, dir)).collect();
+    let filters = clsact_filters(netns)?;
+    let prog_of = |dir: Direction| match dir {
+        Direction::Ingress => &p.mw_tc_ingress,
+        Direction::Egress => &p.mw_tc_egress,
+    };
     upgrade::run(&pins.maps_dir(), |swap| {
         swap.prog_array(&pins.map(names::MAP_CH_PKT), CHAIN_FIN, p.mw_pkt_fin.as_fd())?;
         for (path, dir) in &links {
-            let prog = match dir {
-                Direction::Ingress => &p.mw_tc_ingress,
-                Direction::Egress => &p.mw_tc_egress,
-            };
-            swap.link_prog(path, prog.as_fd())?;
+            swap.link_prog(path, prog_of(*dir).as_fd())?;
+        }
+        for &(ifindex, dir, old_id) in &filters {
+            let name = format!("clsact if{ifindex}-{}", dir.short());
+            let old = upgrade::prog_fd_by_id(&name, old_id)?;
+            let new = prog_of(dir).as_fd();
+            let ns = netns.map(Path::to_path_buf);
+            let (n1, n2) = (name.clone(), name.clone());
+            swap.step(
+                name,
+                || replace_filter(netns, &n1, ifindex, dir, new),
+                move || replace_filter(ns.as_deref(), &n2, ifindex, dir, old.as_fd()),
+            )?;
         }
         for (name, prog) in tc_progs(p) {
             swap.prog_pin(&pins.prog(name), prog.as_fd())?;
@@ -544,7 +620,7 @@ impl TcDataplane {
             upgrade::clear_stray(&[pins.dir().join("progs"), pins.links_dir()]);
         }
         let dir = pins.maps_dir();
-        let upgrade = upgrade::apply("tc", &dir, || upgrade_programs(&pins))?;
+        let upgrade = upgrade::apply("tc", &dir, || upgrade_programs(&pins, cfg.netns.as_deref()))?;
         let dp = Self {
             maps: TcMaps {
                 rt4: TypedMap::pinned(&dir, names::MAP_RT4)?,
@@ -972,16 +1048,7 @@ fn attach_in_ns(prog_fd: i32, ifindex: u32, dir: Direction, path: &Path) -> Resu
     // No tcx: clsact + cls_bpf (direct action).
     // SAFETY: prog_fd stays open for the duration of this call.
     let borrowed = unsafe { std::os::fd::BorrowedFd::borrow_raw(prog_fd) };
-    let point = match dir {
-        Direction::Ingress => libbpf_rs::TC_INGRESS,
-        Direction::Egress => libbpf_rs::TC_EGRESS,
-    };
-    let mut hook = libbpf_rs::TcHookBuilder::new(borrowed)
-        .ifindex(ifindex as i32)
-        .replace(true)
-        .handle(0x6d77)
-        .priority(1)
-        .hook(point);
+    let mut hook = filter_hook(borrowed, ifindex, dir);
     hook.create().map_err(bpf(format!("clsact on ifindex {ifindex}")))?;
     hook.attach().map_err(bpf(format!("cls_bpf on ifindex {ifindex}")))?;
     Ok(AttachMode::Clsact)

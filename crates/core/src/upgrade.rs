@@ -151,7 +151,7 @@ pub(crate) fn clear_stray(dirs: &[PathBuf]) {
     }
 }
 
-fn prog_fd_by_id(step: &str, id: u32) -> Result<OwnedFd, UpgradeError> {
+pub(crate) fn prog_fd_by_id(step: &str, id: u32) -> Result<OwnedFd, UpgradeError> {
     // SAFETY: plain syscall wrapper.
     owned(&format!("{step} (program {id})"), unsafe { libbpf_sys::bpf_prog_get_fd_by_id(id) })
 }
@@ -356,6 +356,18 @@ impl Swap {
         pin_over(&step, prog, path)?;
         let (s, p) = (step.clone(), path.to_path_buf());
         self.record(step, Box::new(move || pin_over(&s, old.as_fd(), &p)))
+    }
+
+    /// A step of the family's own (e.g. a tc filter replaced through
+    /// netlink): `run` done, then recorded with its undo.
+    pub(crate) fn step(
+        &mut self,
+        name: String,
+        run: impl FnOnce() -> Result<(), UpgradeError>,
+        undo: impl FnOnce() -> Result<(), UpgradeError> + 'static,
+    ) -> Result<(), UpgradeError> {
+        run()?;
+        self.record(name, Box::new(undo))
     }
 
     /// Marks the instance as being upgraded (an empty build id) before any

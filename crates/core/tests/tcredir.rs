@@ -382,3 +382,45 @@ fn another_builds_tc_programs_are_replaced_under_traffic() -> Result<()> {
     }
     Ok(())
 }
+
+/// On kernels without tcx the tc programs hang off clsact filters, which are
+/// not pinned: an upgrade finds meshwarp's filter on the node's interfaces
+/// and replaces its program in place. The filter is made by hand here (this
+/// kernel has tcx).
+#[test]
+fn an_upgrade_replaces_the_program_of_a_clsact_filter() -> Result<()> {
+    use meshwarp_bpf::shared::Build;
+    use meshwarp_core::maps::TypedMap;
+    use meshwarp_core::Upgrade;
+    use std::os::fd::AsFd;
+
+    let net = TwoNodes::new(1)?;
+    let (mut na, _nb) = nodes_or_skip!(net);
+    let dir = na.tc().pin_dir().to_path_buf();
+    let ifindex = na.link("vpod0").index;
+    let pinned_ingress = || -> Result<libbpf_rs::ProgramHandle> {
+        Ok(libbpf_rs::ProgramHandle::from_pinned_path(dir.join("progs").join(meshwarp_bpf::names::PROG_TC_INGRESS))?)
+    };
+    let filter = |prog: &libbpf_rs::ProgramHandle| {
+        let mut h = libbpf_rs::TcHookBuilder::new(prog.as_fd());
+        h.ifindex(ifindex as i32).replace(true).handle(0x6d77).priority(1);
+        h.hook(libbpf_rs::TC_INGRESS)
+    };
+    let old = pinned_ingress()?;
+    let old_id = old.id();
+    net.a.node.enter(|| -> Result<()> {
+        let mut hook = filter(&old);
+        hook.create()?;
+        hook.attach()?;
+        Ok(())
+    })??;
+    TypedMap::<u32, Build>::pinned(&dir.join("maps"), meshwarp_bpf::names::MAP_BUILD)?
+        .put(&0, &Build { id: *b"0ther-build-0001" })?;
+    na.readopt()?;
+    let Upgrade::Done { steps, .. } = na.tc().upgrade().clone() else { bail!("{:?}", na.tc().upgrade()) };
+    ensure!(steps.iter().any(|s| s == &format!("clsact if{ifindex}-in")), "{steps:?}");
+    let new = pinned_ingress()?;
+    let running = net.a.node.enter(|| filter(&new).query())??;
+    ensure!(running == new.id() && running != old_id, "the filter runs {running}, old {old_id}, new {}", new.id());
+    Ok(())
+}
