@@ -103,6 +103,8 @@ pub mod names {
     pub const PROG_PARK: &str = "mw_park";
     pub const PROG_UNLINK: &str = "mw_unlink";
     pub const MAP_SK_STATE: &str = "mw_sk_state";
+    /// A socket's place in its plugin chain (`struct mw_sk_chain`).
+    pub const MAP_SK_CHAIN: &str = "mw_sk_chain";
     pub const MAP_STATS: &str = "mw_stats";
     pub const MAP_GLOBAL: &str = "mw_global";
     pub const MAP_OWNERS: &str = "mw_owners";
@@ -125,7 +127,7 @@ pub mod names {
     pub const MAP_GRACE: &str = "mw_grace";
     /// Maps of a host family that plugin objects share (reuse), besides the
     /// hook's prog array.
-    pub const PLUGIN_SHARED_MAPS: [&str; 5] = [MAP_SK_STATE, MAP_CHAIN, MAP_CHAIN_GEN, MAP_PLUG_CFG, MAP_PLUG_STATS];
+    pub const PLUGIN_SHARED_MAPS: [&str; 5] = [MAP_SK_CHAIN, MAP_CHAIN, MAP_CHAIN_GEN, MAP_PLUG_CFG, MAP_PLUG_STATS];
     pub const MAP_RT4: &str = "mw_rt4";
     pub const MAP_RT6: &str = "mw_rt6";
     pub const MAP_RT_STATS: &str = "mw_rt_stats";
@@ -152,7 +154,7 @@ pub mod names {
     pub const TCREDIR_MAPS: [&str; 7] =
         [MAP_RT4, MAP_RT6, MAP_RT_STATS, MAP_ATT_STATS, MAP_RT_OWNER, MAP_CH_PKT, MAP_BUILD];
     /// The sockredir family's own maps (besides [`PLUGIN_HOST_MAPS`]), in pin order.
-    pub const SOCKREDIR_MAPS: [&str; 23] = [
+    pub const SOCKREDIR_MAPS: [&str; 24] = [
         MAP_SOCKMAP,
         MAP_SLOTS,
         MAP_PAIRS,
@@ -161,6 +163,7 @@ pub mod names {
         MAP_OBSERVE,
         MAP_COOKIES,
         MAP_SK_STATE,
+        MAP_SK_CHAIN,
         MAP_SK_OWNER,
         MAP_EXES,
         MAP_EXE_CLASS,

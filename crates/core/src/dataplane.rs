@@ -622,6 +622,7 @@ fn load_and_pin(cfg: &DataplaneConfig, layout: &FamilyPins) -> Result<(), Datapl
         (names::MAP_OBSERVE, &maps.mw_observe),
         (names::MAP_COOKIES, &maps.mw_cookies),
         (names::MAP_SK_STATE, &maps.mw_sk_state),
+        (names::MAP_SK_CHAIN, &maps.mw_sk_chain),
         (names::MAP_SK_OWNER, &maps.mw_sk_owner),
         (names::MAP_EXES, &maps.mw_exes),
         (names::MAP_EXE_CLASS, &maps.mw_exe_class),

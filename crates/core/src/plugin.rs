@@ -375,7 +375,7 @@ impl FamilyMaps {
         match family {
             Family::Sock => names_.extend([names::MAP_CH_CONN, names::MAP_CH_MSG]),
             Family::Tc => {
-                names_.retain(|n| *n != names::MAP_SK_STATE);
+                names_.retain(|n| *n != names::MAP_SK_CHAIN);
                 names_.push(names::MAP_CH_PKT);
             }
         }
@@ -988,6 +988,15 @@ fn check_open(open: &libbpf_rs::OpenObject, hook: Hook) -> Result<(), PluginErro
         }
     }
     for m in open.maps() {
+        let mname = m.name().to_string_lossy();
+        if is_host_only_map(&mname) {
+            return Err(PluginError::NotAPlugin {
+                reason: format!(
+                    "map {mname} is a map of meshwarp's data path that plugins may not use: a plugin reaches the \
+                     host only through its context, its config and the chain (plugin.h)"
+                ),
+            });
+        }
         // SAFETY: a map of the open object, alive for the call.
         let pin =
             unsafe { libbpf_rs::libbpf_sys::bpf_map__pin_path(libbpf_rs::AsRawLibbpf::as_libbpf_object(&m).as_ptr()) };
@@ -1001,6 +1010,15 @@ fn check_open(open: &libbpf_rs::OpenObject, hook: Hook) -> Result<(), PluginErro
         }
     }
     Ok(())
+}
+
+/// A map name of a host family that plugin objects do not share (their
+/// sockets' state, links, rules, ...): an object declaring one is refused
+/// rather than given a private copy that would look like the host's.
+fn is_host_only_map(name: &str) -> bool {
+    let shared = names::PLUGIN_SHARED_MAPS.iter().chain(&[names::MAP_CH_CONN, names::MAP_CH_MSG, names::MAP_CH_PKT]);
+    let host = names::SOCKREDIR_MAPS.iter().chain(&names::TCREDIR_MAPS).chain(&names::PLUGIN_HOST_MAPS);
+    host.into_iter().any(|h| *h == name) && !shared.into_iter().any(|h| *h == name)
 }
 
 /// Opens the object, makes it share the family's chain maps, loads it through

@@ -17,7 +17,7 @@
 #include "meshwarp/shared.h"
 #include "meshwarp/map.h"
 
-/* Socket state (also read by on_connection / on_message plugins). */
+/* Socket state: the host's programs only. */
 #define MW_DEFINE_SK_STATE_MAP()                                 \
 	struct {                                                 \
 		__uint(type, BPF_MAP_TYPE_SK_STORAGE);           \
@@ -25,6 +25,16 @@
 		__type(key, int);                                \
 		__type(value, struct mw_sock_state);             \
 	} mw_sk_state SEC(".maps")
+
+/* A socket's place in its plugin chain: the host and on_connection /
+ * on_message plugins. */
+#define MW_DEFINE_SK_CHAIN_MAP()                                 \
+	struct {                                                 \
+		__uint(type, BPF_MAP_TYPE_SK_STORAGE);           \
+		__uint(map_flags, BPF_F_NO_PREALLOC);            \
+		__type(key, int);                                \
+		__type(value, struct mw_sk_chain);               \
+	} mw_sk_chain SEC(".maps")
 
 /* Chain positions of both generations, all hooks; the active generation and
  * its length per hook (see mw_active_chain); configs (two slots per plugin, so an update never tears); counters.

@@ -168,16 +168,16 @@ static __always_inline void mw__ctx_init(struct mw_ctx *c, const struct mw_chain
 
 #if MW_PLUGIN_HOOK == MW_HOOK_CONNECTION || MW_PLUGIN_HOOK == MW_HOOK_MESSAGE
 
-MW_DEFINE_SK_STATE_MAP();
+MW_DEFINE_SK_CHAIN_MAP();
 
 /* The socket's chain state and the plugin at the position it reached; NULL:
  * nothing to run (the socket is not one meshwarp handles). */
-static __always_inline const struct mw_chain_pos *mw__sock_step(struct bpf_sock *sk, struct mw_sock_state **st,
+static __always_inline const struct mw_chain_pos *mw__sock_step(struct bpf_sock *sk, struct mw_sk_chain **st,
 								 __u32 *gen, __u32 *pos)
 {
 	if (!sk)
 		return NULL;
-	*st = bpf_sk_storage_get(&mw_sk_state, sk, 0, 0);
+	*st = bpf_sk_storage_get(&mw_sk_chain, sk, 0, 0);
 	if (!*st)
 		return NULL;
 	*gen = mw_sock_chain_gen((*st)->flags);
@@ -192,7 +192,7 @@ static __always_inline const struct mw_chain_pos *mw__sock_step(struct bpf_sock 
 	struct bpf_sock *sk = (ctx)->sk;                                                 \
 	__u32 rport = bpf_ntohl((ctx)->remote_port);                                     \
 	const struct mw_chain_pos *p;                                                    \
-	struct mw_sock_state *st;                                                        \
+	struct mw_sk_chain *st;                                                          \
 	struct mw_ctx c;                                                                 \
 	__u32 gen, pos;                                                                  \
 	int v;                                                                           \

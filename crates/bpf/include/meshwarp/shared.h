@@ -12,7 +12,7 @@
 #ifndef MESHWARP_SHARED_H
 #define MESHWARP_SHARED_H
 
-#define MW_SCHEMA_VERSION 10
+#define MW_SCHEMA_VERSION 11
 
 #define MW_AF_INET 2
 #define MW_AF_INET6 10
@@ -226,9 +226,18 @@ struct mw_cookie_val {
 	__u32 pad;
 };
 
-/* Per-socket state set by sockops (socket local storage), read by sk_msg and
- * by on_connection / on_message plugins. Also kept for covered sockets that
- * are not accelerated, so their reads can be observed. */
+/* Where a socket's message or connection is in its plugin chain (socket
+ * local storage, mw_sk_chain): the only per-socket state plugins reach. The
+ * host sets it when a chain starts; each plugin moves it to the next
+ * position. The host never trusts it for anything but the chain. */
+struct mw_sk_chain {
+	__u32 flags;   /* chain generation and position (MW_SOCK_CHAIN_*_SHIFT) */
+	__u32 rule_id; /* the covering rule, for the plugin's context */
+};
+
+/* Per-socket state set by sockops (socket local storage), read and written
+ * by the host's programs only. Also kept for covered sockets that are not
+ * accelerated, so their reads can be observed. */
 struct mw_sock_state {
 	__u64 link; /* 0: not accelerated */
 	__u32 rule_id;

@@ -103,6 +103,7 @@ MW_MAP(mw_cookies, BPF_MAP_TYPE_HASH, __u64, struct mw_cookie_val, 65536, 0);
 MW_MAP(mw_observe, BPF_MAP_TYPE_LRU_HASH, __u64, struct mw_link, 65536, 0);
 
 MW_DEFINE_SK_STATE_MAP();
+MW_DEFINE_SK_CHAIN_MAP();
 
 struct {
 	__uint(type, BPF_MAP_TYPE_SK_STORAGE);
@@ -628,27 +629,11 @@ static __always_inline struct mw_link *link_at(__u32 slot, __u64 id)
 	return (link && id && link->id == id) ? link : NULL;
 }
 
-/* Whether a socket with these ports (local, remote; host order) is end
- * `end` of `link`. */
-static __always_inline bool ports_are_link_end(__u32 lport, __u32 rport, const struct mw_link *link, __u32 end)
-{
-	if (end == MW_END_SERVER)
-		return lport == link->server_port && rport == link->client_port;
-	return lport == link->client_port && (link->kind != MW_LINK_MIRROR || rport == link->server_port);
-}
-
-/* The link `st` names for socket `sk`, if `sk` really is that link's end
- * (mw_sk_state is writable by plugins: a state pointing elsewhere gets
- * nothing, so it cannot touch another connection's bookkeeping). */
+/* The link `st` names (mw_sk_state is the host's alone: plugins reach only
+ * mw_sk_chain). */
 static __always_inline struct mw_link *link_of_sk(const struct mw_sock_state *st, const struct sock *sk)
 {
-	struct mw_link *link = link_at(st->slot, st->link);
-
-	if (link && (!ports_are_link_end(sk->__sk_common.skc_num, bpf_ntohs(sk->__sk_common.skc_dport), link,
-					 st->end & 1) ||
-		     sk->__sk_common.skc_net.net->net_cookie != link->netns[st->end & 1]))
-		return NULL;
-	return link;
+	return link_at(st->slot, st->link);
 }
 
 /* Link `id` from its id alone: the slot it claimed is one of the
@@ -1093,7 +1078,7 @@ static __always_inline void run_conn_chain(struct bpf_sock_ops *skops, const str
 					   bool *declined)
 {
 	struct bpf_sock *sk = skops->sk;
-	struct mw_sock_state *st;
+	struct mw_sk_chain *ch;
 	__u32 gen, id;
 
 	if (!mw_active_chain(MW_HOOK_CONNECTION, &gen) || !sk)
@@ -1101,11 +1086,11 @@ static __always_inline void run_conn_chain(struct bpf_sock_ops *skops, const str
 	id = covering_rule(skops, t, op == BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB);
 	if (id == MW_NO_ID)
 		return;
-	st = bpf_sk_storage_get(&mw_sk_state, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
-	if (!st)
+	ch = bpf_sk_storage_get(&mw_sk_chain, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
+	if (!ch)
 		return;
-	st->rule_id = id;
-	st->flags = mw_sock_chain_set(0, gen, 0);
+	ch->rule_id = id;
+	ch->flags = mw_sock_chain_set(0, gen, 0);
 	bpf_tail_call(skops, &mw_ch_conn, gen * MW_CHAIN_MAX);
 	*declined = mw_chain_fails_closed(gen, MW_HOOK_CONNECTION, 0);
 }
@@ -1299,43 +1284,6 @@ static __always_inline bool policy_allows(struct sk_msg_md *msg, struct mw_link 
 	return true;
 }
 
-/* Whether the socket a message is sent on is the end of `link` its state
- * names. mw_sk_state is shared with plugins, which can write it: this keeps
- * a plugin from steering its bytes into another connection's peer. The
- * ports are the socket's own (ctx fields), not the state's. */
-static __always_inline bool is_link_end(struct sk_msg_md *msg, const struct mw_link *link, __u32 end)
-{
-	/* Every field read unconditionally (see load_tuple). */
-	__u32 family = msg->family, l4 = msg->local_ip4, r4 = msg->remote_ip4;
-	__u32 l0 = msg->local_ip6[0], l1 = msg->local_ip6[1], l2 = msg->local_ip6[2], l3 = msg->local_ip6[3];
-	__u32 r0 = msg->remote_ip6[0], r1 = msg->remote_ip6[1], r2 = msg->remote_ip6[2], r3 = msg->remote_ip6[3];
-	__u32 lport = msg->local_port, rport = bpf_ntohl(msg->remote_port);
-	__u32 local[4] = {}, remote[4] = {};
-
-	/* The addresses as the link stores them (IPv4 and v4-mapped: word 0). */
-	if (family == MW_AF_INET) {
-		local[0] = l4;
-		remote[0] = r4;
-	} else if (l0 == 0 && l1 == 0 && l2 == bpf_htonl(0xffff)) {
-		family = MW_AF_INET;
-		local[0] = l3;
-		remote[0] = r3;
-	} else {
-		local[0] = l0, local[1] = l1, local[2] = l2, local[3] = l3;
-		remote[0] = r0, remote[1] = r1, remote[2] = r2, remote[3] = r3;
-	}
-	if (family != link->family || !ports_are_link_end(lport, rport, link, end))
-		return false;
-	if (end == MW_END_SERVER) {
-		if (!ip_eq(local, link->server_ip) || !ip_eq(remote, link->client_ip))
-			return false;
-	} else if (!ip_eq(local, link->client_ip) ||
-		   (link->kind == MW_LINK_MIRROR && !ip_eq(remote, link->server_ip))) {
-		return false;
-	}
-	return true;
-}
-
 /* The host's decision for a message every plugin continued. */
 static __always_inline int finish_msg(struct sk_msg_md *msg, struct bpf_sock *sk, struct mw_sock_state *st)
 {
@@ -1354,7 +1302,7 @@ static __always_inline int finish_msg(struct sk_msg_md *msg, struct bpf_sock *sk
 	if (link && (link->flags & MW_LINK_HIT))
 		return SK_DROP; /* being reset: more bytes would only be lost */
 	if (!link || (link->flags & MW_LINK_POISONED) || !(link->end_flags[peer] & MW_EF_TARGET) ||
-	    (link->end_flags[end] & MW_EF_NOSEND) || !is_link_end(msg, link, end)) {
+	    (link->end_flags[end] & MW_EF_NOSEND)) {
 		if (rs)
 			rs->fb_no_peer++;
 		return SK_PASS;
@@ -1362,13 +1310,6 @@ static __always_inline int finish_msg(struct sk_msg_md *msg, struct bpf_sock *sk
 	tp = bpf_skc_to_tcp_sock(sk);
 	if (!tp)
 		return SK_PASS;
-	/* Pods share addresses such as 127.0.0.1: the namespace tells two
-	 * sockets apart (read from the socket: the helper would cost ~40 ns). */
-	if (((struct sock *)tp)->__sk_common.skc_net.net->net_cookie != link->netns[end]) {
-		if (rs)
-			rs->fb_no_peer++;
-		return SK_PASS;
-	}
 	if (!policy_allows(msg, link, st, tp, rs))
 		return SK_PASS;
 	/* The peer is leaving the SOCKMAP or out of it: this message is
@@ -1443,7 +1384,12 @@ int mw_sk_msg(struct sk_msg_md *msg)
 	if (!st || !sk)
 		return SK_PASS;
 	if (mw_active_chain(MW_HOOK_MESSAGE, &gen)) {
-		st->flags = mw_sock_chain_set(st->flags, gen, 0);
+		struct mw_sk_chain *ch = bpf_sk_storage_get(&mw_sk_chain, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
+
+		if (!ch)
+			return finish_msg(msg, sk, st);
+		ch->rule_id = st->rule_id;
+		ch->flags = mw_sock_chain_set(0, gen, 0);
 		bpf_tail_call(msg, &mw_ch_msg, gen * MW_CHAIN_MAX);
 		if (mw_chain_fails_closed(gen, MW_HOOK_MESSAGE, 0))
 			return SK_DROP;
@@ -1709,12 +1655,7 @@ int mw_setsockopt(struct bpf_sockopt *ctx)
 	id = st->link;
 	end = st->end & 1;
 	link = link_at(st->slot, id);
-	/* Only the link's own end (plugins can write st). */
-	if (!link || (link->flags & MW_LINK_OBSERVE) ||
-	    !ports_are_link_end(sk->src_port, bpf_ntohs(sk->dst_port), link, end))
-		goto pass;
-	s = bpf_rdonly_cast(sk, bpf_core_type_id_kernel(struct sock));
-	if (s->__sk_common.skc_net.net->net_cookie != link->netns[end])
+	if (!link || (link->flags & MW_LINK_OBSERVE))
 		goto pass;
 	rs = rule_stats(link->rule_id);
 	if (ctx->level == SOL_SOCKET && ctx->optname == SO_RCVLOWAT) {

@@ -1,12 +1,13 @@
 // SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause)
-/* Hostile test plugin: rewrites its socket's state (mw_sk_state is shared
- * with plugins) to name another connection's link, end and slot, from its
- * config (u64 link, u32 end, u32 slot, little-endian), so that the host
- * would redirect its bytes into that connection's peer. The host checks the
- * socket's own ports against the link: its bytes must stay on their own
- * connection. */
+/* Hostile test plugin: declares the host's socket state map (mw_sk_state)
+ * to rewrite its socket's link, end and slot, from its config (u64 link, u32
+ * end, u32 slot, little-endian), so that the host would redirect its bytes
+ * into another connection's peer. The loader refuses an object that
+ * declares a host-only map. */
 #define MW_PLUGIN_HOOK MW_HOOK_MESSAGE
 #include "meshwarp/plugin.h"
+
+MW_DEFINE_SK_STATE_MAP();
 
 struct steer {
 	__u64 link;
