@@ -13,8 +13,17 @@ const FAMILIES: &[&str] = &["sockredir", "tcredir"];
 /// Example plugins shipped to users.
 const EXAMPLE_PLUGINS: &[&str] = &["port_allow", "byte_sampler", "rate_limit"];
 /// Plugins the tests and benches use.
-const TEST_PLUGINS: &[&str] =
-    &["noop_msg", "verdict_msg", "pkt_port", "abi_major", "rejected", "hostile_chain", "hostile_steer", "pinned_map"];
+const TEST_PLUGINS: &[&str] = &[
+    "noop_msg",
+    "verdict_msg",
+    "pkt_port",
+    "abi_major",
+    "rejected",
+    "hostile_chain",
+    "hostile_steer",
+    "hostile_stats",
+    "pinned_map",
+];
 
 fn clang_args(include: &Path, bpf_dir: &Path) -> Vec<OsString> {
     vec![

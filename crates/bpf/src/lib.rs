@@ -65,8 +65,13 @@ pub mod plugins {
             /// Hostile: writes the read-only chain (refused by the verifier).
             HOSTILE_CHAIN, "hostile_chain");
         object!(
-            /// Hostile: points its socket's state at another connection's link.
+            /// Hostile: declares the host's socket state to point its socket at
+            /// another connection's link (refused at load).
             HOSTILE_STEER, "hostile_steer");
+        object!(
+            /// Hostile: declares the host's per-plugin counters to inflate
+            /// another plugin's (refused at load).
+            HOSTILE_STATS, "hostile_stats");
         object!(
             /// Asks for one of its maps to be pinned by name (refused).
             PINNED_MAP, "pinned_map");
@@ -123,11 +128,13 @@ pub mod names {
     pub const MAP_CHAIN_GEN: &str = "mw_chain_gen";
     pub const MAP_PLUG_CFG: &str = "mw_plug_cfg";
     pub const MAP_PLUG_STATS: &str = "mw_plug_stats";
+    /// A plugin's own counters (`mw_own_stats` in plugin.h, one entry).
+    pub const MAP_OWN_STATS: &str = "mw_own_stats";
     pub const MAP_PLUG_META: &str = "mw_plug_meta";
     pub const MAP_GRACE: &str = "mw_grace";
     /// Maps of a host family that plugin objects share (reuse), besides the
     /// hook's prog array.
-    pub const PLUGIN_SHARED_MAPS: [&str; 5] = [MAP_SK_CHAIN, MAP_CHAIN, MAP_CHAIN_GEN, MAP_PLUG_CFG, MAP_PLUG_STATS];
+    pub const PLUGIN_SHARED_MAPS: [&str; 4] = [MAP_SK_CHAIN, MAP_CHAIN, MAP_CHAIN_GEN, MAP_PLUG_CFG];
     pub const MAP_RT4: &str = "mw_rt4";
     pub const MAP_RT6: &str = "mw_rt6";
     pub const MAP_RT_STATS: &str = "mw_rt_stats";

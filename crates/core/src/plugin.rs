@@ -488,22 +488,29 @@ impl FamilyMaps {
         Ok(())
     }
 
+    /// A plugin's counters: runs and verdicts from its own map (each plugin
+    /// counts only itself), `missing` from the host's.
     fn counters(&self, id: u32) -> Result<PluginCounters, PluginError> {
-        let s = self.stats.sum(&id, |a, b| {
+        let sum = |a: &mut PluginStats, b: &PluginStats| {
             a.runs += b.runs;
             a.cont += b.cont;
             a.verdict1 += b.verdict1;
             a.drop += b.drop;
             a.invalid += b.invalid;
             a.missing += b.missing;
-        })?;
+        };
+        let host = self.stats.sum(&id, sum)?;
+        let own = match PerCpu::<u32, PluginStats>::pinned(&self.plugin_dir(id).join("maps"), names::MAP_OWN_STATS) {
+            Ok(m) => m.sum(&0, sum)?,
+            Err(_) => PluginStats::default(),
+        };
         Ok(PluginCounters {
-            runs: s.runs,
-            continued: s.cont,
-            verdict1: s.verdict1,
-            dropped: s.drop,
-            invalid: s.invalid,
-            missing: s.missing,
+            runs: own.runs,
+            continued: own.cont,
+            verdict1: own.verdict1,
+            dropped: own.drop,
+            invalid: own.invalid,
+            missing: host.missing,
         })
     }
 
@@ -915,7 +922,7 @@ impl PluginChain {
             config: p.config.clone(),
             position,
             counters: fam.counters(p.id)?,
-            maps: p.maps.clone(),
+            maps: p.maps.iter().filter(|m| m.name != names::MAP_OWN_STATS).cloned().collect(),
             owner: p.owner.clone(),
         })
     }

@@ -386,9 +386,10 @@ fn socket_cookie(s: &TcpStream) -> Result<u64> {
 }
 
 /// Plugins cannot rewrite the host's state: one that writes the chain is
-/// refused by the verifier, one that asks for its own pinning is refused at
-/// load, and one that points its socket's state at another connection's link
-/// runs but moves no byte into that connection: both streams stay intact.
+/// refused by the verifier; one that asks for its own pinning, one that
+/// declares the host's socket state (to point its socket at another
+/// connection's link) and one that declares the host's counters are refused
+/// at load; both connections stay intact.
 #[test]
 fn hostile_plugins_are_refused_or_cannot_reach_another_connection() -> Result<()> {
     let k = kernel_test!();
@@ -416,6 +417,16 @@ fn hostile_plugins_are_refused_or_cannot_reach_another_connection() -> Result<()
         "an object that declares the host's socket state is refused: {e}"
     );
     ensure!(c.list()?.is_empty(), "nothing was loaded");
+    // Nor can a plugin reach another plugin's counters: each counts only
+    // itself, in a map of its own.
+    c.load(&manifest("noop", Hook::Message, 1), plugins::NOOP_MSG, &[], false, "test")?;
+    let e = c.load(&manifest("stats", Hook::Message, 0), plugins::HOSTILE_STATS, &[], false, "test").unwrap_err();
+    ensure!(
+        matches!(e, PluginError::NotAPlugin { .. }) && e.to_string().contains("mw_plug_stats"),
+        "an object that declares the host's counters is refused: {e}"
+    );
+    ensure!(c.get("noop")?.maps.is_empty(), "a plugin's own counters are not listed as its maps");
+    c.unload("noop", None)?;
     // Connection 0's bytes stay on connection 0, checksummed both ways...
     exchange(c0, s0, 41, 1 << 20, T)?;
     // ... and none reached connection 1, which still works.

@@ -48,7 +48,12 @@ MW_MAP(mw_chain_gen, BPF_MAP_TYPE_ARRAY, __u32, __u32, MW_HOOKS + 1, BPF_F_RDONL
 
 MW_MAP(mw_plug_cfg, BPF_MAP_TYPE_ARRAY, __u32, struct mw_plugin_config, 2 * MW_MAX_PLUGINS, BPF_F_RDONLY_PROG);
 
+#ifndef MW_PLUGIN_HOOK
+/* Host families only: what the host counts per plugin id (`missing`). A
+ * plugin counts its own runs and verdicts in a map of its own
+ * (mw_own_stats, plugin.h), so it can touch no other plugin's counters. */
 MW_MAP(mw_plug_stats, BPF_MAP_TYPE_PERCPU_ARRAY, __u32, struct mw_plugin_stats, MW_MAX_PLUGINS, 0);
+#endif
 
 /* The programs of one hook's chain: two generations, then the finisher. */
 #define MW_DEFINE_CHAIN_PROGS(name)                                      \
@@ -150,9 +155,15 @@ static __always_inline bool mw_chain_fails_closed(__u32 gen, __u32 hook, __u32 p
 	if (!p || !p->plugin_id)
 		return false;
 	id = p->plugin_id;
+#ifndef MW_PLUGIN_HOOK
 	s = bpf_map_lookup_elem(&mw_plug_stats, &id);
 	if (s)
 		s->missing++;
+#else
+	/* A plugin cannot reach the host's counters: only the host counts. */
+	(void)s;
+	(void)id;
+#endif
 	return p->flags & MW_PLUGIN_FAIL_CLOSED;
 }
 

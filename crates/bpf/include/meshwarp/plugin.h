@@ -103,11 +103,14 @@ static __always_inline __u32 mw_server_port(const struct mw_ctx *ctx)
 	return (ctx->flags & MW_CTX_ACTIVE) ? ctx->remote_port : ctx->local_port;
 }
 
+/* This plugin's own counters (one entry); the host reads them from its pins. */
+MW_MAP(mw_own_stats, BPF_MAP_TYPE_PERCPU_ARRAY, __u32, struct mw_plugin_stats, 1, 0);
+
 /* Counts the verdict and applies the failure policy to invalid ones. */
 static __always_inline int mw__account(const struct mw_chain_pos *p, int v, int max_verdict, int closed)
 {
-	__u32 id = p->plugin_id;
-	struct mw_plugin_stats *s = bpf_map_lookup_elem(&mw_plug_stats, &id);
+	__u32 zero = 0;
+	struct mw_plugin_stats *s = bpf_map_lookup_elem(&mw_own_stats, &zero);
 
 	if (v < MW_CONTINUE || v > max_verdict) {
 		if (s) {
