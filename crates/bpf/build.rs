@@ -22,6 +22,7 @@ const TEST_PLUGINS: &[&str] = &[
     "hostile_chain",
     "hostile_steer",
     "hostile_stats",
+    "hostile_dir",
     "pinned_map",
 ];
 

@@ -73,6 +73,10 @@ pub mod plugins {
             /// another plugin's (refused at load).
             HOSTILE_STATS, "hostile_stats");
         object!(
+            /// Hostile: on_packet that flips the direction in the chain state
+            /// (skb->cb) and jumps to the finisher.
+            HOSTILE_DIR, "hostile_dir");
+        object!(
             /// Asks for one of its maps to be pinned by name (refused).
             PINNED_MAP, "pinned_map");
     }
@@ -140,6 +144,8 @@ pub mod names {
     pub const MAP_RT_STATS: &str = "mw_rt_stats";
     pub const MAP_ATT_STATS: &str = "mw_att_stats";
     pub const MAP_RT_OWNER: &str = "mw_rt_owner";
+    /// Per CPU: the interface and direction of the packet a chain runs for.
+    pub const MAP_PKT_DIR: &str = "mw_pkt_dir";
     /// The sockredir family's programs that are pinned.
     pub const SOCKREDIR_PROGS: [&str; 8] = [
         PROG_SOCKOPS,
@@ -158,8 +164,8 @@ pub mod names {
     pub const PLUGIN_HOST_MAPS: [&str; 6] =
         [MAP_CHAIN, MAP_CHAIN_GEN, MAP_PLUG_CFG, MAP_PLUG_STATS, MAP_PLUG_META, MAP_GRACE];
     /// The tcredir family's own maps (besides [`PLUGIN_HOST_MAPS`]).
-    pub const TCREDIR_MAPS: [&str; 7] =
-        [MAP_RT4, MAP_RT6, MAP_RT_STATS, MAP_ATT_STATS, MAP_RT_OWNER, MAP_CH_PKT, MAP_BUILD];
+    pub const TCREDIR_MAPS: [&str; 8] =
+        [MAP_RT4, MAP_RT6, MAP_RT_STATS, MAP_ATT_STATS, MAP_RT_OWNER, MAP_CH_PKT, MAP_BUILD, MAP_PKT_DIR];
     /// The sockredir family's own maps (besides [`PLUGIN_HOST_MAPS`]), in pin order.
     pub const SOCKREDIR_MAPS: [&str; 24] = [
         MAP_SOCKMAP,

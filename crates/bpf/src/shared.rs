@@ -17,7 +17,7 @@ pub struct Build {
 pub const BUILD_LEN: usize = 16;
 
 /// `MW_SCHEMA_VERSION`: bumped whenever a pinned map's key or value changes.
-pub const SCHEMA_VERSION: u32 = 11;
+pub const SCHEMA_VERSION: u32 = 12;
 
 pub const AF_INET: u32 = 2;
 pub const AF_INET6: u32 = 10;

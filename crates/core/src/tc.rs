@@ -448,6 +448,7 @@ fn load_and_pin(cfg: &TcConfig, pins: &FamilyPins) -> Result<(), TcError> {
         (names::MAP_PLUG_META, &skel.maps.mw_plug_meta),
         (names::MAP_GRACE, &skel.maps.mw_grace),
         (names::MAP_BUILD, &skel.maps.mw_build),
+        (names::MAP_PKT_DIR, &skel.maps.mw_pkt_dir),
     ];
     skel.maps
         .mw_build

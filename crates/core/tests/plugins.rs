@@ -802,3 +802,40 @@ fn opening_a_data_path_does_not_mark_the_opener_a_splicer() -> Result<()> {
     k.dp = Some(meshwarp_core::Dataplane::open(&k.cfg)?);
     Ok(())
 }
+
+/// A packet plugin that rewrites the chain state in `skb->cb` (here: the
+/// direction, then straight to the finisher) cannot make the host apply a
+/// route of the other direction: the finisher checks the state against what
+/// the host saw, and the packet takes the normal path.
+#[test]
+fn a_packet_plugin_cannot_make_the_host_apply_another_directions_route() -> Result<()> {
+    use meshwarp_core::tc::{Direction, IfaceRef, InterfaceRoute, Prefix, RouteAction};
+
+    let nodes = TwoNodes::new(1)?;
+    let (Some(a), Some(b)) = (TcTest::start(&nodes.a.node), TcTest::start(&nodes.b.node)) else { return Ok(()) };
+    let (tc_a, tc_b) = (a.tc(), b.tc());
+    nodes.install_fast_path(tc_a, tc_b, false, OverlayEgress::Redirect)?;
+    // A route of the other direction on the same interface, for the same
+    // destination: only a rewritten direction could make pod A's packets take it.
+    let b_ip = nodes.b.pods[0].addr(false);
+    let decoy = InterfaceRoute {
+        attach: IfaceRef::Name("vpod0".into()),
+        direction: Direction::Egress,
+        dst: Prefix::new("dst", b_ip, 32)?,
+        src: None,
+        action: RouteAction::Redirect(IfaceRef::Name("vxlan0".into())),
+        rewrite: None,
+    };
+    let decoy = tc_a.insert_route(&decoy, "test")?;
+    let server = SocketAddr::new(b_ip, PORT);
+    let listener = nodes.b.pods[0].ns.listen(server)?;
+    let c = PluginChain::open(None, Some(tc_a))?;
+    c.load(&manifest("flip", Hook::Packet, 0), plugins::HOSTILE_DIR, &[], false, "test")?;
+    let cl = nodes.a.pods[0].ns.connect(server)?;
+    let sv = accept_timeout(&listener, T)?;
+    exchange(cl, sv, 61, 1 << 20, T)?;
+    let st = tc_a.route_stats(&decoy)?;
+    ensure!(st.packets == 0, "the other direction's route took {} packets", st.packets);
+    c.unload("flip", None)?;
+    Ok(())
+}

@@ -12,7 +12,7 @@
 #ifndef MESHWARP_SHARED_H
 #define MESHWARP_SHARED_H
 
-#define MW_SCHEMA_VERSION 11
+#define MW_SCHEMA_VERSION 12
 
 #define MW_AF_INET 2
 #define MW_AF_INET6 10

@@ -36,6 +36,10 @@ MW_DEFINE_CHAIN_PROGS(mw_ch_pkt);
 /* The build that loaded these programs (struct mw_build, shared.h): an
  * adopting agent of another build replaces them in place. */
 MW_MAP(mw_build, BPF_MAP_TYPE_ARRAY, __u32, struct mw_build, 1, 0);
+/* The packet a chain runs for, as the host saw it (interface in the high
+ * word, direction in the low), per CPU: plugins can rewrite skb->cb, so the
+ * finisher acts only when the chain state there agrees with this. */
+MW_MAP(mw_pkt_dir, BPF_MAP_TYPE_PERCPU_ARRAY, __u32, __u64, 1, 0);
 
 /* Plugin metadata and the grace-period map (chain.h). */
 MW_DEFINE_HOST_PLUGIN_MAPS();
@@ -175,6 +179,11 @@ static __always_inline int handle(struct __sk_buff *skb, __u32 dir)
 	__u32 gen;
 
 	if (mw_active_chain(MW_HOOK_PACKET, &gen)) {
+		__u32 zero = 0;
+		__u64 *seen = bpf_map_lookup_elem(&mw_pkt_dir, &zero);
+
+		if (seen)
+			*seen = ((__u64)skb->ifindex << 32) | dir;
 		skb->cb[MW_CB_CHAIN] = mw_cb_chain(gen, 0, dir);
 		skb->cb[MW_CB_ROUTE] = r ? r->id : MW_NO_ID;
 		bpf_tail_call(skb, &mw_ch_pkt, gen * MW_CHAIN_MAX);
@@ -200,9 +209,14 @@ int mw_tc_egress(struct __sk_buff *skb)
 SEC("tc")
 int mw_pkt_fin(struct __sk_buff *skb)
 {
-	__u32 cb = skb->cb[MW_CB_CHAIN], dir = (cb >> 12) & 0xf;
+	__u32 cb = skb->cb[MW_CB_CHAIN], dir = (cb >> 12) & 0xf, zero = 0;
+	__u64 *seen = bpf_map_lookup_elem(&mw_pkt_dir, &zero);
 
 	if ((cb & 0xffff0000u) != MW_CB_MAGIC)
+		return TC_ACT_OK;
+	/* A direction a plugin rewrote (or, rarely, another packet of this CPU
+	 * in between): the normal path. */
+	if (!seen || *seen != (((__u64)skb->ifindex << 32) | dir))
 		return TC_ACT_OK;
 	return finish(skb, dir, lookup_route(skb, dir));
 }
