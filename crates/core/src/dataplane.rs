@@ -215,7 +215,7 @@ impl Dataplane {
         );
         let registry = Registry::reconcile(maps)?;
         if origin == Origin::Adopted {
-            upgrade::clear_stray(&[layout.dir().join("progs"), layout.links_dir()]);
+            layout.clear_stray();
         }
         let upgrade = upgrade::apply("socket", &dir, || upgrade_programs(&layout))?;
         let programs_build = upgrade::programs_build(&dir)?;

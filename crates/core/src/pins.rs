@@ -129,6 +129,20 @@ impl FamilyPins {
         Ok(())
     }
 
+    /// Removes the `next-*` pins an upgrade cut short left next to the
+    /// programs and links ([`crate::upgrade`] pins a replacement there, then
+    /// renames it over the old pin).
+    pub fn clear_stray(&self) {
+        for d in [self.dir.join("progs"), self.links_dir()] {
+            for e in fs::read_dir(&d).into_iter().flatten().flatten() {
+                if e.file_name().to_string_lossy().starts_with(NEXT_PREFIX) {
+                    tracing::info!(pin = %e.path().display(), "removing a pin a cut-short upgrade left");
+                    let _ = fs::remove_file(e.path());
+                }
+            }
+        }
+    }
+
     /// Unpins the family: links first (which detaches what they attach),
     /// then its plugins, programs and maps, then the directories if empty.
     /// Anything else found there is not ours and stays.
@@ -148,8 +162,7 @@ impl FamilyPins {
         }
         remove_plugin_pins(&self.dir)
             .map_err(|e| IoError::new(format!("unpinning plugins under {}", self.dir.display()), e))?;
-        // What an upgrade cut short left next to the programs.
-        crate::upgrade::clear_stray(&[self.dir.join("progs")]);
+        self.clear_stray();
         for p in self.fixed() {
             unpin(&p)?;
         }
@@ -159,6 +172,23 @@ impl FamilyPins {
         Ok(())
     }
 }
+
+/// Pins a BPF object (program, map or link) by fd at `path`.
+pub(crate) fn pin_fd(fd: std::os::fd::BorrowedFd<'_>, path: &Path) -> Result<(), IoError> {
+    use std::os::fd::AsRawFd;
+    let err = |source| IoError::new(format!("pinning {}", path.display()), source);
+    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())
+        .map_err(|_| err(io::Error::new(io::ErrorKind::InvalidInput, "a NUL byte in the path")))?;
+    // SAFETY: a valid fd and NUL-terminated path.
+    let rc = unsafe { libbpf_rs::libbpf_sys::bpf_obj_pin(fd.as_raw_fd(), c.as_ptr()) };
+    if rc < 0 {
+        return Err(err(io::Error::from_raw_os_error(-rc)));
+    }
+    Ok(())
+}
+
+/// The name prefix of a replacement pinned next to the pin it replaces.
+pub(crate) const NEXT_PREFIX: &str = "next-";
 
 /// A family's pin directory, held by this process (see [`FamilyPins::lock`]).
 #[derive(Debug)]

@@ -10,12 +10,11 @@
 //! `links/if<ifindex>-<in|out>`.
 
 use std::collections::BTreeSet;
-use std::ffi::CString;
 use std::fmt;
 use std::fs;
 use std::mem::MaybeUninit;
 use std::net::IpAddr;
-use std::os::fd::{AsFd, AsRawFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
@@ -618,7 +617,7 @@ impl TcDataplane {
         } else if !missing.is_empty() {
             return Err(TcError::Partial { dir: pins.dir().to_path_buf(), missing });
         } else {
-            upgrade::clear_stray(&[pins.dir().join("progs"), pins.links_dir()]);
+            pins.clear_stray();
         }
         let dir = pins.maps_dir();
         let upgrade = upgrade::apply("tc", &dir, || upgrade_programs(&pins, cfg.netns.as_deref()))?;
@@ -1026,18 +1025,9 @@ fn attach_in_ns(prog_fd: i32, ifindex: u32, dir: Direction, path: &Path) -> Resu
     // SAFETY: valid program fd and options.
     let fd = unsafe { libbpf_sys::bpf_link_create(prog_fd, ifindex as i32, attach_type, &opts) };
     if fd >= 0 {
-        let c = CString::new(path.as_os_str().as_encoded_bytes())
-            .map_err(|e| TcError::Io(IoError::new("pin path", std::io::Error::other(e))))?;
-        // SAFETY: valid link fd and NUL-terminated path.
-        let rc = unsafe { libbpf_sys::bpf_obj_pin(fd, c.as_ptr()) };
-        // SAFETY: we own fd; the pin keeps the link.
-        unsafe { libc::close(fd) };
-        if rc != 0 {
-            return Err(TcError::Io(IoError::new(
-                format!("pinning {}", path.display()),
-                std::io::Error::from_raw_os_error(-rc),
-            )));
-        }
+        // SAFETY: a new link fd we own; the pin keeps the link.
+        let link = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+        crate::pins::pin_fd(link.as_fd(), path)?;
         return Ok(AttachMode::Tcx);
     }
     if -fd != libc::EINVAL && -fd != libc::EOPNOTSUPP {

@@ -13,7 +13,7 @@
 //! covers the contract between programs too (skb cb, chain flags, the fins),
 //! so any mix works — and an empty build id (the first step), which the next
 //! opener of any build sees and finishes the upgrade; stray `next-*` pins of a
-//! cut-short step are cleared first ([`clear_stray`]).
+//! cut-short step are cleared first ([`FamilyPins::clear_stray`](crate::pins::FamilyPins::clear_stray)).
 //!
 //! Sockets already in the SOCKMAP keep the sk_msg program they were added
 //! under (the kernel copies it into each socket's psock): connections open
@@ -103,13 +103,7 @@ pub(crate) fn obj_get(step: &str, p: &Path) -> Result<OwnedFd, UpgradeError> {
 }
 
 pub(crate) fn obj_pin(step: &str, fd: BorrowedFd<'_>, p: &Path) -> Result<(), UpgradeError> {
-    let c = cpath(step, p)?;
-    // SAFETY: a valid fd and NUL-terminated path.
-    let rc = unsafe { libbpf_sys::bpf_obj_pin(fd.as_raw_fd(), c.as_ptr()) };
-    if rc < 0 {
-        return Err(step_err(step, rc));
-    }
-    Ok(())
+    crate::pins::pin_fd(fd, p).map_err(|e| UpgradeError::Step { step: step.to_string(), source: e.source })
 }
 
 /// Pins `fd` at `path` in one step for a reader: pinned next to it first,
@@ -118,7 +112,7 @@ fn pin_over(step: &str, fd: BorrowedFd<'_>, path: &Path) -> Result<(), UpgradeEr
     let next = next_path(path);
     let _ = fs::remove_file(&next);
     obj_pin(&format!("{step} (pinning {})", next.display()), fd, &next)?;
-    // A process killed here leaves the `next-` pin for clear_stray.
+    // A process killed here leaves the `next-` pin for FamilyPins::clear_stray.
     let r = fault_point(&format!("{step}/pinned")).and_then(|()| {
         fs::rename(&next, path)
             .map_err(|source| UpgradeError::Step { step: format!("{step} (renaming over {})", path.display()), source })
@@ -133,22 +127,7 @@ fn pin_over(step: &str, fd: BorrowedFd<'_>, path: &Path) -> Result<(), UpgradeEr
 /// refuses names with a dot).
 fn next_path(path: &Path) -> PathBuf {
     let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    path.with_file_name(format!("{NEXT_PREFIX}{name}"))
-}
-
-const NEXT_PREFIX: &str = "next-";
-
-/// Removes the `next-*` pins a cut-short upgrade left in `dirs`.
-pub(crate) fn clear_stray(dirs: &[PathBuf]) {
-    for d in dirs {
-        let Ok(entries) = fs::read_dir(d) else { continue };
-        for e in entries.flatten() {
-            if e.file_name().to_string_lossy().starts_with(NEXT_PREFIX) {
-                tracing::info!(pin = %e.path().display(), "removing a pin a cut-short upgrade left");
-                let _ = fs::remove_file(e.path());
-            }
-        }
-    }
+    path.with_file_name(format!("{}{name}", crate::pins::NEXT_PREFIX))
 }
 
 pub(crate) fn prog_fd_by_id(step: &str, id: u32) -> Result<OwnedFd, UpgradeError> {

@@ -20,8 +20,8 @@ use meshwarp_core::{
     Endpoint, EndpointPair, FailurePolicy, FastPathMode, Hook, Phase, PluginChain, PluginError, PluginManifest,
 };
 use meshwarp_testbed::{
-    accept_timeout, echo_integrity, exchange, read_exact_ready, KernelTest, NodeWithPods, OverlayEgress, StreamEcho,
-    TcTest, TwoNodes,
+    accept_timeout, child_dataplane_config, child_test, echo_integrity, exchange, read_exact_ready, KernelTest,
+    NodeWithPods, OverlayEgress, StreamEcho, TcTest, TwoNodes,
 };
 
 const T: Duration = Duration::from_secs(60);
@@ -642,26 +642,12 @@ fn a_chain_holds_eight_plugins_and_refuses_a_ninth() -> Result<()> {
     Ok(())
 }
 
-/// The child process of [`a_process_killed_at_any_step_of_a_plugin_change_adopts_a_consistent_state`]:
-/// opens the pins named in its environment, starts the plugin change named
-/// there, and is killed by the injected fault on the way.
-#[test]
-#[ignore = "run as a child process by a_process_killed_at_any_step_of_a_plugin_change_adopts_a_consistent_state"]
-fn plugin_child() -> Result<()> {
-    let var = |n: &str| std::env::var(n).with_context(|| format!("{n}: run only as a child process"));
-    let cfg = meshwarp_core::DataplaneConfig {
-        pin_root: var("MW_CHILD_PIN_ROOT")?.into(),
-        cgroup: Some(var("MW_CHILD_CGROUP")?.into()),
-        trusted_readers: std::env::current_exe().into_iter().collect(),
-        ..meshwarp_core::DataplaneConfig::default()
-    };
-    let dp = meshwarp_core::Dataplane::open(&cfg)?;
-    let op = var("MW_PLUGIN_OP")?;
-    if op == "open" {
-        return Ok(());
-    }
+/// The child's part of the plugin crash test: opens the parent's pins and
+/// starts the change `MW_PLUGIN_OP` names; the injected fault kills it.
+fn plugin_change_child(cfg: &meshwarp_core::DataplaneConfig) -> Result<()> {
+    let dp = meshwarp_core::Dataplane::open(cfg)?;
     let c = PluginChain::open(Some(&dp), None)?;
-    match op.as_str() {
+    match std::env::var("MW_PLUGIN_OP")?.as_str() {
         "load" => drop(c.load(&manifest("extra", Hook::Message, 5), plugins::NOOP_MSG, &[], false, "test")?),
         "replace" => {
             drop(c.load(&manifest("sampler", Hook::Message, 0), plugins::BYTE_SAMPLER, &[3, 0, 0, 0], true, "test")?)
@@ -679,6 +665,9 @@ fn plugin_child() -> Result<()> {
 /// left without a plugin — and traffic through the chain keeps flowing.
 #[test]
 fn a_process_killed_at_any_step_of_a_plugin_change_adopts_a_consistent_state() -> Result<()> {
+    if let Some(cfg) = child_dataplane_config() {
+        return plugin_change_child(&cfg);
+    }
     let mut k = kernel_test!();
     let pods = Pods::new(&k)?;
     let exe = std::env::current_exe()?;
@@ -704,14 +693,10 @@ fn a_process_killed_at_any_step_of_a_plugin_change_adopts_a_consistent_state() -
             drop(c);
             drop(k.dp.take());
 
-            let status = std::process::Command::new(&exe)
-                .args(["--exact", "plugin_child", "--ignored", "--nocapture", "--test-threads=1"])
+            let name = "a_process_killed_at_any_step_of_a_plugin_change_adopts_a_consistent_state";
+            let status = child_test(&exe, name, &k.cfg)
                 .env("MESHWARP_FAULT", format!("kill:{point}"))
-                .env("MW_CHILD_PIN_ROOT", &k.cfg.pin_root)
-                .env("MW_CHILD_CGROUP", k.cfg.cgroup.as_ref().context("test cgroup")?)
                 .env("MW_PLUGIN_OP", op)
-                .stdout(std::process::Stdio::null())
-                .stderr(std::process::Stdio::null())
                 .status()?;
             ensure!(
                 std::os::unix::process::ExitStatusExt::signal(&status) == Some(libc::SIGKILL),
@@ -774,26 +759,22 @@ fn opening_a_data_path_does_not_mark_the_opener_a_splicer() -> Result<()> {
     use meshwarp_bpf::shared::{Exe, ExeKey, EXE_SEEN_SPLICE};
     use meshwarp_core::maps::TypedMap;
 
-    let mut k = kernel_test!();
-    let dir = k.dp().pin_dir().to_path_buf();
-    if !dir.join("links").join(meshwarp_bpf::names::PROG_SYS_ENTER).exists() {
-        // Kernels whose splice sees redirected bytes need no system call watch.
-        ensure!(!k.dp().syscall_watch(), "the system call watch is on but not attached");
-        eprintln!("SKIPPED: this kernel needs no system call watch (splice sees redirected bytes)");
+    // The child (another executable): opens the parent's pins, probing the kernel.
+    if let Some(cfg) = child_dataplane_config() {
+        meshwarp_core::Dataplane::open(&cfg)?;
         return Ok(());
     }
+    let mut k = kernel_test!();
+    let dir = k.dp().pin_dir().to_path_buf();
+    // Only the system call watch marks splicers; kernels whose splice sees
+    // redirected bytes run without it (and then nothing can mark the opener).
+    let watched = dir.join("links").join(meshwarp_bpf::names::PROG_SYS_ENTER).exists();
+    ensure!(watched == k.dp().syscall_watch(), "the system call watch is attached exactly when it is on");
     let scratch = meshwarp_testbed::ScratchDir::new("opener")?;
     let exe = scratch.0.join("opener");
     std::fs::copy(std::env::current_exe()?, &exe)?;
     drop(k.dp.take());
-    let status = std::process::Command::new(&exe)
-        .args(["--exact", "plugin_child", "--ignored", "--test-threads=1"])
-        .env("MW_CHILD_PIN_ROOT", &k.cfg.pin_root)
-        .env("MW_CHILD_CGROUP", k.cfg.cgroup.as_ref().context("test cgroup")?)
-        .env("MW_PLUGIN_OP", "open")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .status()?;
+    let status = child_test(&exe, "opening_a_data_path_does_not_mark_the_opener_a_splicer", &k.cfg).status()?;
     ensure!(status.success(), "the opener: {status:?}");
     let exes: TypedMap<ExeKey, Exe> = TypedMap::pinned(&dir.join("maps"), meshwarp_bpf::names::MAP_EXES)?;
     let key = meshwarp_core::execlass::exe_key(&exe)?;

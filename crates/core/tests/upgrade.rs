@@ -24,9 +24,10 @@ use meshwarp_core::fault::inject as inject_fault;
 use meshwarp_core::maps::TypedMap;
 use meshwarp_core::sys::socket_cookie_of;
 use meshwarp_core::upgrade::running_programs;
-use meshwarp_core::{Dataplane, DataplaneConfig, Endpoint, EndpointPair, FastPathMode, Upgrade};
+use meshwarp_core::{Dataplane, Endpoint, EndpointPair, FastPathMode, Upgrade};
 use meshwarp_testbed::{
-    connect_nonblocking, echo_integrity, round_trip, KernelTest, NodeWithPods, Pattern, StreamEcho,
+    child_dataplane_config, child_test, connect_nonblocking, echo_integrity, round_trip, KernelTest, NodeWithPods,
+    Pattern, StreamEcho,
 };
 use socket2::{Domain, Socket, Type};
 
@@ -272,21 +273,14 @@ fn a_failed_upgrade_step_puts_every_earlier_step_back() -> Result<()> {
     Ok(())
 }
 
-/// The child process of [`a_process_killed_at_any_upgrade_step_leaves_a_working_data_path`]:
-/// adopts the pins named in its environment and is killed by the injected
-/// fault during the upgrade.
-#[test]
-#[ignore = "run as a child process by a_process_killed_at_any_upgrade_step_leaves_a_working_data_path"]
-fn upgrade_child() -> Result<()> {
-    let root = std::env::var("MW_CHILD_PIN_ROOT").context("MW_CHILD_PIN_ROOT: run only as a child process")?;
-    let cgroup = std::env::var("MW_CHILD_CGROUP").context("MW_CHILD_CGROUP")?;
-    let cfg = DataplaneConfig { pin_root: root.into(), cgroup: Some(cgroup.into()), ..DataplaneConfig::default() };
-    let dp = Dataplane::open(&cfg)?;
-    bail!("the child was not killed during its upgrade: {:?}", dp.upgrade())
-}
-
 #[test]
 fn a_process_killed_at_any_upgrade_step_leaves_a_working_data_path() -> Result<()> {
+    // The child: adopts the parent's pins and is killed by the injected
+    // fault during the upgrade.
+    if let Some(cfg) = child_dataplane_config() {
+        let dp = Dataplane::open(&cfg)?;
+        bail!("the child was not killed during its upgrade: {:?}", dp.upgrade());
+    }
     let mut k = kernel_test!(1024);
     let (bed, dir, steps) = learn_steps(&mut k)?;
     let mut live = bed.connect()?;
@@ -296,13 +290,8 @@ fn a_process_killed_at_any_upgrade_step_leaves_a_working_data_path() -> Result<(
         drop(k.dp.take());
         mark_other_build(&dir.join("maps"))?;
         let old = running_programs(&dir)?;
-        let status = std::process::Command::new(&exe)
-            .args(["--exact", "upgrade_child", "--ignored", "--nocapture", "--test-threads=1"])
+        let status = child_test(&exe, "a_process_killed_at_any_upgrade_step_leaves_a_working_data_path", &k.cfg)
             .env("MESHWARP_FAULT", format!("kill:{step}"))
-            .env("MW_CHILD_PIN_ROOT", &k.cfg.pin_root)
-            .env("MW_CHILD_CGROUP", k.cfg.cgroup.as_ref().context("test cgroup")?)
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
             .status()?;
         ensure!(status.signal() == Some(libc::SIGKILL), "child at {step}: {status:?}");
         // Cut short, the instance says no build: whichever opens it next (an

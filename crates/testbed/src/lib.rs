@@ -1088,6 +1088,40 @@ impl Drop for TestCgroup {
     }
 }
 
+/// Crash tests run their own test again as a child process over the
+/// parent's pins (and kill it at a step): in the child,
+/// [`child_dataplane_config`] says which pins, and the test does the child's
+/// part instead of the parent's.
+const CHILD_PIN_ROOT: &str = "MW_CHILD_PIN_ROOT";
+const CHILD_CGROUP: &str = "MW_CHILD_CGROUP";
+
+/// In a child started by [`child_test`]: the parent's data path
+/// configuration (this executable trusted as a reader, as in the parent).
+pub fn child_dataplane_config() -> Option<DataplaneConfig> {
+    let pin_root = std::env::var_os(CHILD_PIN_ROOT)?;
+    Some(DataplaneConfig {
+        pin_root: pin_root.into(),
+        cgroup: std::env::var_os(CHILD_CGROUP).map(PathBuf::from),
+        trusted_readers: std::env::current_exe().into_iter().collect(),
+        ..DataplaneConfig::default()
+    })
+}
+
+/// Test `name` of executable `exe` (this test binary, or a copy of it) run
+/// alone as a child over `cfg`'s pins, its output discarded; the caller adds
+/// what else the child needs (`MESHWARP_FAULT`, ...).
+pub fn child_test(exe: &Path, name: &str, cfg: &DataplaneConfig) -> Command {
+    let mut c = Command::new(exe);
+    c.args(["--exact", name, "--nocapture", "--test-threads=1"])
+        .env(CHILD_PIN_ROOT, &cfg.pin_root)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
+    if let Some(cg) = &cfg.cgroup {
+        c.env(CHILD_CGROUP, cg);
+    }
+    c
+}
+
 /// A data path loaded for one test: its own pin root and cgroup, removed on drop.
 #[derive(Debug)]
 pub struct KernelTest {
