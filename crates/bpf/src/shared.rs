@@ -17,7 +17,7 @@ pub struct Build {
 pub const BUILD_LEN: usize = 16;
 
 /// `MW_SCHEMA_VERSION`: bumped whenever a pinned map's key or value changes.
-pub const SCHEMA_VERSION: u32 = 12;
+pub const SCHEMA_VERSION: u32 = 13;
 
 pub const AF_INET: u32 = 2;
 pub const AF_INET6: u32 = 10;
@@ -75,6 +75,27 @@ pub const CFG_SPLICE_BLIND: u32 = 2;
 pub const CFG_FIONREAD_PSOCK: u32 = 4;
 pub const CFG_BLOCKING_EAGAIN: u32 = 8;
 pub const CFG_SYSCALL_WATCH: u32 = 16;
+pub const CFG_LATENCY: u32 = 32;
+pub const CFG_LAT_ALL: u32 = 64;
+/// `MW_FB_*` (`mw_sock_state.fb`): why a covered connection stays on TCP.
+pub const FB_NONE: u32 = 0;
+pub const FB_MODE_NEVER: u32 = 1;
+pub const FB_READER: u32 = 2;
+pub const FB_COLLISION: u32 = 3;
+pub const FB_NO_SLOT: u32 = 4;
+pub const FB_INSERT: u32 = 5;
+pub const FB_PEER: u32 = 6;
+pub const FB_SYN_DATA: u32 = 7;
+pub const FB_NO_TARGET: u32 = 8;
+/// `MW_LAT_*`: the latency monitor's metrics (`mw_lat_key.metric`).
+pub const LAT_FAST: u32 = 1;
+pub const LAT_TCP: u32 = 2;
+pub const LAT_SETUP: u32 = 3;
+pub const LAT_RESPONSE: u32 = 4;
+pub const LAT_THINK: u32 = 5;
+pub const LAT_HOP: u32 = 6;
+/// `MW_LAT_BUCKETS`: bucket i counts [2^i, 2^(i+1)) ns.
+pub const LAT_BUCKETS: usize = 32;
 /// `MW_EV_*` (`mw_event.type`).
 pub const EV_CLASSIFY: u32 = 1;
 pub const EV_SPLICE_HIT: u32 = 2;
@@ -278,6 +299,72 @@ pub struct SockState {
     pub rd_pid: u32,
     /// The link's `mw_links` index (with `link`).
     pub slot: u32,
+    /// The connection's id (ISNs), accelerated or not.
+    pub conn: u64,
+    pub tx_msgs: u64,
+    pub tx_bytes: u64,
+    pub req_ts: u64,
+    /// `FB_*`.
+    pub fb: u32,
+    pub pad: u32,
+}
+
+/// `struct mw_lat_key`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct LatKey {
+    pub rule_id: u32,
+    pub metric: u32,
+    /// `LAT_HOP`: the rule whose socket the proxy read (`MW_NO_ID` otherwise).
+    pub from_rule: u32,
+    pub pad: u32,
+}
+
+/// `struct mw_lat_hist` (one per CPU).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct LatHist {
+    pub count: u64,
+    pub sum_ns: u64,
+    pub bucket: [u64; LAT_BUCKETS],
+}
+
+/// `struct mw_conn`: one socket as the `mw_conns` iterator writes it.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct Conn {
+    pub cookie: u64,
+    pub netns: u64,
+    pub conn: u64,
+    pub link: u64,
+    pub family: u32,
+    pub state: u32,
+    pub local_ip: RawAddr,
+    pub remote_ip: RawAddr,
+    pub local_port: u32,
+    pub remote_port: u32,
+    pub rule_id: u32,
+    pub end: u32,
+    pub fb: u32,
+    pub sock_flags: u32,
+    pub owner_tgid: u32,
+    pub reader_tgid: u32,
+    pub exe: ExeKey,
+    pub link_found: u32,
+    pub link_flags: u32,
+    pub end_flags: u32,
+    pub peer_flags: u32,
+    pub tx_dir_flags: u32,
+    pub rx_dir_flags: u32,
+    pub tx_fast_msgs: u64,
+    pub tx_fast_bytes: u64,
+    pub rx_fast_bytes: u64,
+    pub tx_tcp_bytes: u64,
+    pub rx_tcp_bytes: u64,
+    pub tx_segs: u32,
+    pub rx_segs: u32,
+    pub unread: u32,
+    pub pad: u32,
 }
 
 /// `struct mw_sock_owner`.
@@ -724,7 +811,50 @@ mod tests {
         same_layout!(
             SockState,
             types::mw_sock_state,
-            [link, rule_id, flags, end, learn, rd_pub, rd_tgid, rd_seen, skipped, read, psock_rd, rd_pid, slot]
+            [
+                link, rule_id, flags, end, learn, rd_pub, rd_tgid, rd_seen, skipped, read, psock_rd, rd_pid, slot,
+                conn, tx_msgs, tx_bytes, req_ts, fb, pad
+            ]
+        );
+        same_layout!(LatKey, types::mw_lat_key, [rule_id, metric, from_rule, pad]);
+        same_layout!(LatHist, types::mw_lat_hist, [count, sum_ns, bucket]);
+        same_layout!(
+            Conn,
+            types::mw_conn,
+            [
+                cookie,
+                netns,
+                conn,
+                link,
+                family,
+                state,
+                local_ip,
+                remote_ip,
+                local_port,
+                remote_port,
+                rule_id,
+                end,
+                fb,
+                sock_flags,
+                owner_tgid,
+                reader_tgid,
+                exe,
+                link_found,
+                link_flags,
+                end_flags,
+                peer_flags,
+                tx_dir_flags,
+                rx_dir_flags,
+                tx_fast_msgs,
+                tx_fast_bytes,
+                rx_fast_bytes,
+                tx_tcp_bytes,
+                rx_tcp_bytes,
+                tx_segs,
+                rx_segs,
+                unread,
+                pad
+            ]
         );
         same_layout!(SockOwner, types::mw_sock_owner, [exe, tgid, flags]);
         same_layout!(Exe, types::mw_exe, [flags, tgid, comm]);
@@ -788,7 +918,10 @@ mod tests {
         assert_eq!(size_of::<Link>(), 8 + 32 + 16 + 8 + 16 + 32 + 16 + 48 + 8 + 8);
         assert_eq!(size_of::<Dir>(), 24);
         assert_eq!(size_of::<ParkReq>(), 8);
-        assert_eq!(size_of::<SockState>(), 8 + 16 + 32);
+        assert_eq!(size_of::<SockState>(), 8 + 16 + 32 + 32 + 8);
+        assert_eq!(size_of::<LatKey>(), 16);
+        assert_eq!(size_of::<LatHist>(), 16 + 8 * LAT_BUCKETS);
+        assert_eq!(size_of::<Conn>(), 32 + 8 + 32 + 8 + 24 + 16 + 24 + 40 + 16);
         assert_eq!(size_of::<SockOwner>(), 16 + 8);
         assert_eq!(size_of::<Exe>(), 8 + 16);
         assert_eq!(size_of::<Event>(), 16 + 16 + 16 + 32 + 24 + 32);

@@ -27,13 +27,15 @@ use libbpf_rs::{Link, MapCore, MapFlags, MapHandle, ProgramHandle};
 use meshwarp_bpf::names;
 use meshwarp_bpf::shared::{
     Config, CookieVal, Exe, ExeKey, Link as LinkValue, Pod, CFG_BLOCKING_EAGAIN, CFG_FIONREAD_PSOCK, CFG_GUARD,
-    CFG_SPLICE_BLIND, CFG_SYSCALL_WATCH, CHAIN_FIN, EXE_SEEN_SPLICE,
+    CFG_LATENCY, CFG_LAT_ALL, CFG_SPLICE_BLIND, CFG_SYSCALL_WATCH, CHAIN_FIN, EXE_SEEN_SPLICE,
 };
 use meshwarp_bpf::sockredir::SockredirSkelBuilder;
 
+use crate::conns::{ConnFilter, ConnLister, Connection, ConnsError};
 use crate::endpoint::{CaptureRule, EndpointPair};
 use crate::error::{BpfError, IoError};
 use crate::guard::{GuardMode, GuardThread, Incident, Subscribers};
+use crate::latency::{LatencyError, LatencyMonitor};
 use crate::maps::{KernelMaps, MapError, TypedMap};
 use crate::pins::{FamilyPins, PinLock};
 use crate::probe::KernelProbe;
@@ -129,6 +131,10 @@ pub enum DataplaneError {
     Guard(#[from] crate::guard::GuardError),
     #[error(transparent)]
     Upgrade(#[from] UpgradeError),
+    #[error(transparent)]
+    Latency(#[from] LatencyError),
+    #[error(transparent)]
+    Conns(#[from] ConnsError),
 }
 
 fn bpf_err(what: impl Into<String>) -> impl FnOnce(libbpf_rs::Error) -> DataplaneError {
@@ -177,6 +183,8 @@ pub struct Dataplane {
     guard_flags: u32,
     trusted_readers: Vec<PathBuf>,
     subscribers: Arc<Subscribers>,
+    latency: LatencyMonitor,
+    conns: ConnLister,
     /// Dropped first: stops the guard thread.
     guard: Option<GuardThread>,
 }
@@ -222,9 +230,13 @@ impl Dataplane {
 
         let kernel = probe_unmarked(&dir);
         let guard_flags = guard_flags(cfg.guard, &kernel, cfg.syscall_watch);
-        let config = Config { flags: guard_flags, pad: 0 };
-        TypedMap::<u32, Config>::pinned(&dir, names::MAP_CONFIG)?.put(&0, &config)?;
+        // The latency monitor's switch outlives the process that set it.
+        let config_map = TypedMap::<u32, Config>::pinned(&dir, names::MAP_CONFIG)?;
+        let kept = config_map.get(&0)?.unwrap_or_default().flags & (CFG_LATENCY | CFG_LAT_ALL);
+        config_map.put(&0, &Config { flags: guard_flags | kept, pad: 0 })?;
         set_guard_links(&layout, guard_flags)?;
+        let latency = LatencyMonitor::open(&layout)?;
+        let conns = ConnLister::open(&layout)?;
         let subscribers = Arc::new(Subscribers::default());
         // Its thread also serves the policy's unlink requests: it runs with
         // the guard off too, without classifying anything.
@@ -256,8 +268,20 @@ impl Dataplane {
             guard_flags,
             trusted_readers: cfg.trusted_readers.clone(),
             subscribers,
+            latency,
+            conns,
             guard,
         })
+    }
+
+    /// The latency monitor of this data path.
+    pub fn latency(&self) -> &LatencyMonitor {
+        &self.latency
+    }
+
+    /// Every socket this data path holds state for that matches `filter`.
+    pub fn connections(&self, filter: &ConnFilter) -> Result<Vec<Connection>, ConnsError> {
+        self.conns.list(filter)
     }
 
     /// The kernel behaviours the reader guard works around on this node
@@ -374,6 +398,11 @@ impl Dataplane {
         self.registry().stats(rule)
     }
 
+    /// The id the data path knows a registered rule by (latency, connections).
+    pub fn rule_id<R: SockRule>(&self, rule: &R) -> Result<u32, RuleError> {
+        self.registry().id_of(rule)
+    }
+
     pub fn pairs(&self) -> Vec<EndpointPair> {
         self.registry().pairs().into_iter().map(|r| r.rule).collect()
     }
@@ -428,6 +457,8 @@ fn upgrade_programs(layout: &FamilyPins) -> Result<Vec<String>, UpgradeError> {
         swap.link_prog(&layout.link(names::PROG_SETSOCKOPT), p.mw_setsockopt.as_fd())?;
         swap.tp_link(&layout.link(names::PROG_RECV_LEN), p.mw_recv_len.as_fd())?;
         swap.tp_link(&layout.link(names::PROG_SYS_ENTER), p.mw_sys_enter.as_fd())?;
+        swap.tp_link(&layout.link(names::PROG_LAT_SEND), p.mw_lat_send.as_fd())?;
+        swap.tp_link(&layout.link(names::PROG_LAT_SENT), p.mw_lat_sent.as_fd())?;
         for (name, prog) in sockredir_progs(p) {
             swap.prog_pin(&layout.prog(name), prog.as_fd())?;
         }
@@ -438,7 +469,7 @@ fn upgrade_programs(layout: &FamilyPins) -> Result<Vec<String>, UpgradeError> {
 /// The programs of the socket family that are pinned, by pin name.
 fn sockredir_progs<'a>(
     p: &'a meshwarp_bpf::sockredir::SockredirProgs<'a>,
-) -> [(&'static str, &'a libbpf_rs::ProgramMut<'a>); 8] {
+) -> [(&'static str, &'a libbpf_rs::ProgramMut<'a>); 11] {
     [
         (names::PROG_SOCKOPS, &p.mw_sockops),
         (names::PROG_SK_MSG, &p.mw_sk_msg),
@@ -448,6 +479,9 @@ fn sockredir_progs<'a>(
         (names::PROG_DESTROY, &p.mw_destroy),
         (names::PROG_PARK, &p.mw_park),
         (names::PROG_UNLINK, &p.mw_unlink),
+        (names::PROG_LAT_SEND, &p.mw_lat_send),
+        (names::PROG_LAT_SENT, &p.mw_lat_sent),
+        (names::PROG_CONNS, &p.mw_conns),
     ]
 }
 
@@ -601,6 +635,7 @@ fn load_and_pin(cfg: &DataplaneConfig, layout: &FamilyPins) -> Result<(), Datapl
         (&mut maps.mw_capture, cfg.max_rules),
         (&mut maps.mw_stats, cfg.max_rules),
         (&mut maps.mw_owners, cfg.max_rules),
+        (&mut maps.mw_lat_rule, cfg.max_rules),
     ];
     for (map, n) in sizes {
         map.set_max_entries(n).map_err(bpf_err("sizing maps"))?;
@@ -638,6 +673,12 @@ fn load_and_pin(cfg: &DataplaneConfig, layout: &FamilyPins) -> Result<(), Datapl
         (names::MAP_BUILD, &maps.mw_build),
         (names::MAP_CH_CONN, &maps.mw_ch_conn),
         (names::MAP_CH_MSG, &maps.mw_ch_msg),
+        (names::MAP_LAT_RULE, &maps.mw_lat_rule),
+        (names::MAP_LAT_HIST, &maps.mw_lat_hist),
+        (names::MAP_LAT_ZERO, &maps.mw_lat_zero),
+        (names::MAP_LAT_PEND, &maps.mw_lat_pend),
+        (names::MAP_LAT_THR, &maps.mw_lat_thr),
+        (names::MAP_SK_CONN, &maps.mw_sk_conn),
         (names::MAP_CHAIN, &maps.mw_chain),
         (names::MAP_CHAIN_GEN, &maps.mw_chain_gen),
         (names::MAP_PLUG_CFG, &maps.mw_plug_cfg),

@@ -14,12 +14,14 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+pub mod conns;
 pub mod dataplane;
 pub mod endpoint;
 pub mod error;
 pub mod execlass;
 pub mod fault;
 pub mod guard;
+pub mod latency;
 mod loader;
 pub mod maps;
 pub mod netlink;
@@ -36,9 +38,11 @@ pub mod table;
 pub mod tc;
 pub mod upgrade;
 
+pub use conns::{ConnFilter, Connection, PathNow, TcpReason};
 pub use dataplane::{Dataplane, DataplaneConfig, DataplaneError, Origin as DataplaneOrigin};
 pub use endpoint::{CaptureRule, Endpoint, EndpointPair, FastPathMode, NeverRedirectInto, ValidationError};
 pub use guard::{GuardMode, Incident, IncidentKind};
+pub use latency::{Histogram, LatencyMonitor, Metric, Scope as LatencyScope};
 pub use plugin::{FailurePolicy, Hook, Phase, PluginChain, PluginError, PluginManifest};
 pub use probe::{KernelFact, KernelProbe};
 pub use registry::SockRule;

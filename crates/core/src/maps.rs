@@ -241,6 +241,15 @@ impl<K: Pod, V: Pod> PerCpu<K, V> {
         Ok(total)
     }
 
+    /// Every key present now.
+    pub fn keys(&self) -> Result<Vec<K>, MapError> {
+        self.map.keys()
+    }
+
+    pub fn delete(&self, key: &K) -> Result<(), MapError> {
+        self.map.delete(key)
+    }
+
     /// Sets the entry at `key` to `V::default()` on every CPU.
     pub fn zero(&self, key: &K) -> Result<(), MapError> {
         let zeros = vec![V::default().as_bytes().to_vec(); self.ncpus];

@@ -252,6 +252,12 @@ impl<M: RuleMaps> Registry<M> {
         Ok(self.maps.rule_stats(R::table(self).get(rule)?.id)?.into())
     }
 
+    /// The id (counter slot) the data path knows the rule with `rule`'s key by:
+    /// what its latency histograms and connections are keyed with.
+    pub fn id_of<R: SockRule>(&self, rule: &R) -> Result<u32, RuleError> {
+        Ok(R::table(self).get(rule)?.id)
+    }
+
     /// The rule that owns counter slot `id` (what the data path reports), and its owner.
     pub fn rule_by_id(&self, id: u32) -> Option<(RuleRef, String)> {
         let pair = self.pairs.entries().find(|e| e.id == id).map(|e| (RuleRef::Pair(e.rule), e.owner.clone()));

@@ -238,6 +238,51 @@ pub fn iter_link(prog: &libbpf_rs::ProgramHandle) -> io::Result<std::os::fd::Own
     Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
 }
 
+/// A BPF iterator link of `prog` over the elements of the map `map` (an
+/// `iter/bpf_map_elem` or `iter/bpf_sk_storage_map` program).
+pub fn iter_link_map(
+    prog: &libbpf_rs::ProgramHandle,
+    map: std::os::fd::BorrowedFd<'_>,
+) -> io::Result<std::os::fd::OwnedFd> {
+    use libbpf_rs::libbpf_sys as sys;
+    use std::os::fd::{AsFd, FromRawFd};
+    let mut info =
+        sys::bpf_iter_link_info { map: sys::bpf_iter_link_info__bindgen_ty_1 { map_fd: map.as_raw_fd() as u32 } };
+    // SAFETY: a plain C struct for which all-zeroes is the default.
+    let mut opts: sys::bpf_link_create_opts = unsafe { std::mem::zeroed() };
+    opts.sz = std::mem::size_of::<sys::bpf_link_create_opts>() as _;
+    opts.iter_info = &mut info;
+    opts.iter_info_len = std::mem::size_of::<sys::bpf_iter_link_info>() as u32;
+    // SAFETY: valid fds; opts and info outlive the call.
+    let fd = unsafe { sys::bpf_link_create(prog.as_fd().as_raw_fd(), 0, sys::BPF_TRACE_ITER, &opts) };
+    if fd < 0 {
+        return Err(io::Error::from_raw_os_error(-fd));
+    }
+    // SAFETY: a new fd we own.
+    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
+}
+
+/// Everything one iterator of `link` writes.
+pub fn read_iterator(link: std::os::fd::BorrowedFd<'_>) -> io::Result<Vec<u8>> {
+    use std::io::Read;
+    use std::os::fd::FromRawFd;
+    // SAFETY: a valid iter link fd.
+    let fd = unsafe { libbpf_rs::libbpf_sys::bpf_iter_create(link.as_raw_fd()) };
+    if fd < 0 {
+        return Err(io::Error::from_raw_os_error(-fd));
+    }
+    // SAFETY: a new fd we own.
+    let mut f = fs::File::from(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) });
+    let mut out = Vec::new();
+    loop {
+        match f.read_to_end(&mut out) {
+            Ok(_) => return Ok(out),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+}
+
 /// Runs `prog` once with BPF_PROG_TEST_RUN on a minimal Ethernet frame and
 /// context `ctx` (a prefix of the program type's context); its return value.
 pub fn test_run(prog: std::os::fd::BorrowedFd<'_>, ctx: &[u8]) -> io::Result<u32> {

@@ -12,7 +12,7 @@
 #ifndef MESHWARP_SHARED_H
 #define MESHWARP_SHARED_H
 
-#define MW_SCHEMA_VERSION 12
+#define MW_SCHEMA_VERSION 13
 
 #define MW_AF_INET 2
 #define MW_AF_INET6 10
@@ -210,7 +210,7 @@ struct mw_link {
 	__u64 netns[2];           /* each end's network namespace (cookie) */
 	struct mw_dir dir[2];
 	__u32 slot; /* mw_slots index: the ends are at 2 * slot + end in the SOCKMAP */
-	__u32 pad;
+	__u32 pad;  /* observe-only links (mw_observe): why the client end is not accelerated (MW_FB_*) */
 	/* The link id (0: the element is free). mw_links is an array indexed
 	 * by the slot: a program that knows the slot finds the link by index
 	 * and checks the id, instead of hashing it on every message. */
@@ -252,7 +252,26 @@ struct mw_sock_state {
 	__u32 psock_rd; /* bytes its reader took from the psock queue (redirected ones) */
 	__u32 rd_pid;   /* the thread that reads it, MW_RD_SHARED once several did */
 	__u32 slot;     /* the link's mw_links index (with link) */
+	/* The connection's id (ISNs, as mw_link.id) whether accelerated or
+	 * not: the latency monitor and the connection list key on it. */
+	__u64 conn;
+	__u64 tx_msgs;  /* messages this end redirected */
+	__u64 tx_bytes; /* their bytes */
+	__u64 req_ts;   /* latency monitor: the oldest send not answered by a read yet */
+	__u32 fb;       /* why this connection is not accelerated (MW_FB_*) */
+	__u32 pad;
 };
+
+/* mw_sock_state.fb: why a covered connection stays on the TCP path. */
+#define MW_FB_NONE 0
+#define MW_FB_MODE_NEVER 1 /* the rule's mode is never */
+#define MW_FB_READER 2     /* a reader that may block, or not classified yet */
+#define MW_FB_COLLISION 3  /* another connection built the same id */
+#define MW_FB_NO_SLOT 4    /* no free slot (the data path is full) */
+#define MW_FB_INSERT 5     /* the SOCKMAP refused the socket */
+#define MW_FB_PEER 6       /* the other end is not accelerated */
+#define MW_FB_SYN_DATA 7   /* data in the SYN (Fast Open) took the TCP path */
+#define MW_FB_NO_TARGET 8  /* neither end may be given redirected bytes */
 
 /* mw_sock_state.rd_pid: more than one thread read this socket. */
 #define MW_RD_SHARED 0xffffffffu
@@ -326,6 +345,8 @@ struct mw_config {
 #define MW_CFG_FIONREAD_PSOCK 4u    /* kernel: FIONREAD counts only redirected bytes */
 #define MW_CFG_BLOCKING_EAGAIN 8u   /* kernel: a blocked read of a psock can return EAGAIN */
 #define MW_CFG_SYSCALL_WATCH 16u    /* sys_enter watches splice() and FIONREAD */
+#define MW_CFG_LATENCY 32u          /* the latency monitor runs for the rules mw_lat_rule names */
+#define MW_CFG_LAT_ALL 64u          /* ... for every rule (with MW_CFG_LATENCY) */
 
 /* Events for user space (mw_events ring buffer). */
 #define MW_EV_CLASSIFY 1     /* an executable meshwarp has not read yet */
@@ -395,6 +416,90 @@ struct mw_rule_stats {
 	__u64 unlinks;          /* demoted ends taken out of the SOCKMAP (plain TCP, no tcp_bpf) */
 	__u64 relinks;          /* unlinked ends put back when their peer sent */
 	__u64 demotions_behind; /* directions moved to TCP: small writes, the reader MW_POLICY_BEHIND messages behind */
+};
+
+/*
+ * ---- the latency monitor ----
+ *
+ * Log2 histograms per rule and metric (mw_lat_hist, per CPU), recorded only
+ * while mw_config has MW_CFG_LATENCY and the rule is on (MW_CFG_LAT_ALL or
+ * mw_lat_rule[rule id] != 0); its send-side tracepoints are attached only
+ * then, so a monitor that is off costs one flag test per message.
+ */
+#define MW_LAT_FAST 1     /* delivery, fast path: a send to the peer's read that returns it (redirected) */
+#define MW_LAT_TCP 2      /* delivery, TCP path: the same for bytes that crossed TCP */
+#define MW_LAT_SETUP 3    /* connect() to ESTABLISHED, at the client end */
+#define MW_LAT_RESPONSE 4 /* a send to the next read on the same socket: request to response, as the application sees it */
+#define MW_LAT_THINK 5    /* a read to the same thread's next send on the same connection: the application's own time */
+#define MW_LAT_HOP 6      /* a read of one rule's socket to the same thread's next send on another rule's: a proxy between two hops (from_rule -> rule_id) */
+#define MW_LAT_METRICS 6
+/* Bucket i counts [2^i, 2^(i+1)) ns; bucket 0 also takes 0, the last everything above. */
+#define MW_LAT_BUCKETS 32
+
+struct mw_lat_key {
+	__u32 rule_id;
+	__u32 metric;
+	__u32 from_rule; /* MW_LAT_HOP: the rule whose socket the proxy read; MW_NO_ID otherwise */
+	__u32 pad;
+};
+
+struct mw_lat_hist {
+	__u64 count;
+	__u64 sum_ns;
+	__u64 bucket[MW_LAT_BUCKETS];
+};
+
+/* The oldest unread send of one direction of a connection (mw_lat_pend,
+ * value: its time in ns), keyed by the connection and the sending end. */
+struct mw_lat_pend_key {
+	__u64 conn;
+	__u32 end;
+	__u32 pad;
+};
+
+/* A thread's last read of a covered socket (mw_lat_thr, keyed by thread id). */
+struct mw_lat_thread {
+	__u64 ts;
+	__u64 conn;
+	__u32 rule_id;
+	__u32 pad;
+};
+
+/* One socket meshwarp holds, as the mw_conns iterator writes it. */
+struct mw_conn {
+	__u64 cookie;
+	__u64 netns;
+	__u64 conn;       /* mw_sock_state.conn */
+	__u64 link;       /* mw_sock_state.link: 0 when not accelerated */
+	__u32 family;
+	__u32 state;      /* TCP state */
+	__u32 local_ip[4];
+	__u32 remote_ip[4];
+	__u32 local_port;
+	__u32 remote_port;
+	__u32 rule_id;
+	__u32 end;
+	__u32 fb;         /* MW_FB_* */
+	__u32 sock_flags; /* mw_sock_state.flags */
+	__u32 owner_tgid; /* who connected or listened (the reader guard's stamp), 0: unknown */
+	__u32 reader_tgid;
+	struct mw_exe_key exe;
+	/* The link, when the socket holds one (link_found). */
+	__u32 link_found;
+	__u32 link_flags;
+	__u32 end_flags;      /* this end's mw_link.end_flags */
+	__u32 peer_flags;     /* the other end's */
+	__u32 tx_dir_flags;   /* mw_dir.flags of what this end sends */
+	__u32 rx_dir_flags;   /* ... and of what it receives */
+	__u64 tx_fast_msgs;
+	__u64 tx_fast_bytes;
+	__u64 rx_fast_bytes;  /* redirected bytes its reader took (one reader: see MW_RD_SHARED) */
+	__u64 tx_tcp_bytes;   /* bytes sent on TCP (retransmissions not counted) */
+	__u64 rx_tcp_bytes;   /* bytes received on TCP */
+	__u32 tx_segs;        /* data segments sent on TCP */
+	__u32 rx_segs;
+	__u32 unread;         /* redirected bytes waiting in its psock queue */
+	__u32 pad;
 };
 
 /* Which build loaded the programs (mw_build[0]): the hex id of their

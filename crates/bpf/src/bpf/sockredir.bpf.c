@@ -65,9 +65,10 @@ enum level { LV_NONE = 0, LV_SEND = 1, LV_FULL = 2 };
 /* Syscall numbers of this architecture, set by user space before load. */
 const volatile __u32 nr_splice = 0;
 const volatile __u32 nr_ioctl = 0;
-/* Never read: keeps struct mw_event in the object's BTF, where the layout
+/* Never read: keep struct mw_event and mw_conn in the object's BTF, where the layout
  * test of its Rust mirror finds it. */
 const volatile struct mw_event mw_event_btf __attribute__((used)) = {};
+const volatile struct mw_conn mw_conn_btf __attribute__((used)) = {};
 
 extern void *bpf_rdonly_cast(const void *obj, __u32 btf_id) __ksym __weak;
 extern int bpf_sock_destroy(struct sock_common *sk) __ksym __weak;
@@ -153,6 +154,25 @@ MW_MAP(mw_owners, BPF_MAP_TYPE_HASH, __u32, struct mw_owner, 16384, BPF_F_NO_PRE
 /* The build that loaded these programs (struct mw_build, shared.h). */
 MW_MAP(mw_build, BPF_MAP_TYPE_ARRAY, __u32, struct mw_build, 1, 0);
 
+/* ---- the latency monitor (shared.h) ---- */
+
+/* Per rule id: nonzero while the monitor runs for it (sized as mw_stats). */
+MW_MAP(mw_lat_rule, BPF_MAP_TYPE_ARRAY, __u32, __u32, 16384, 0);
+/* Histograms; not preallocated: only rules the monitor ran for take room. */
+MW_MAP(mw_lat_hist, BPF_MAP_TYPE_PERCPU_HASH, struct mw_lat_key, struct mw_lat_hist, 16384, BPF_F_NO_PREALLOC);
+/* Never written: the zeroes a new histogram starts from (too large for the stack). */
+MW_MAP(mw_lat_zero, BPF_MAP_TYPE_ARRAY, __u32, struct mw_lat_hist, 1, 0);
+MW_MAP(mw_lat_pend, BPF_MAP_TYPE_LRU_HASH, struct mw_lat_pend_key, __u64, 65536, 0);
+MW_MAP(mw_lat_thr, BPF_MAP_TYPE_LRU_HASH, __u32, struct mw_lat_thread, 16384, 0);
+
+/* When a client socket called connect() (ns), while the monitor runs. */
+struct {
+	__uint(type, BPF_MAP_TYPE_SK_STORAGE);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, int);
+	__type(value, __u64);
+} mw_sk_conn SEC(".maps");
+
 struct tuple {
 	__u32 family;
 	__u32 local_ip[4];
@@ -179,6 +199,109 @@ static __always_inline __u32 config_flags(void)
 	struct mw_config *c = bpf_map_lookup_elem(&mw_config, &zero);
 
 	return c ? c->flags : 0;
+}
+
+static __always_inline bool lat_on(__u32 cfg, __u32 rule_id)
+{
+	__u32 *on;
+
+	if (!(cfg & MW_CFG_LATENCY))
+		return false;
+	if (cfg & MW_CFG_LAT_ALL)
+		return true;
+	on = bpf_map_lookup_elem(&mw_lat_rule, &rule_id);
+	return on && *on;
+}
+
+static __always_inline __u32 log2_32(__u32 v)
+{
+	__u32 r, shift;
+
+	r = (v > 0xffff) << 4;
+	v >>= r;
+	shift = (v > 0xff) << 3;
+	v >>= shift;
+	r |= shift;
+	shift = (v > 0xf) << 2;
+	v >>= shift;
+	r |= shift;
+	shift = (v > 0x3) << 1;
+	v >>= shift;
+	r |= shift;
+	r |= (v >> 1);
+	return r;
+}
+
+static __always_inline void lat_record(__u32 rule_id, __u32 metric, __u32 from, __u64 ns)
+{
+	struct mw_lat_key k = { .rule_id = rule_id, .metric = metric, .from_rule = from };
+	struct mw_lat_hist *h, *z;
+	__u32 zero = 0, hi = ns >> 32, b;
+
+	h = bpf_map_lookup_elem(&mw_lat_hist, &k);
+	if (!h) {
+		z = bpf_map_lookup_elem(&mw_lat_zero, &zero);
+		if (!z)
+			return;
+		bpf_map_update_elem(&mw_lat_hist, &k, z, BPF_NOEXIST);
+		h = bpf_map_lookup_elem(&mw_lat_hist, &k);
+		if (!h)
+			return;
+	}
+	b = hi ? 32 + log2_32(hi) : log2_32((__u32)ns);
+	if (b >= MW_LAT_BUCKETS)
+		b = MW_LAT_BUCKETS - 1;
+	h->count++;
+	h->sum_ns += ns;
+	h->bucket[b & (MW_LAT_BUCKETS - 1)]++;
+}
+
+/* A send begins on a covered socket (sk_msg, or tcp_sendmsg_locked for the
+ * TCP path): before any of its bytes can reach the peer. The oldest unread
+ * send of each direction and of each socket is what a read answers. */
+static __always_inline void lat_send(struct mw_sock_state *st)
+{
+	struct mw_lat_pend_key k = { .conn = st->conn, .end = st->end & 1 };
+	__u64 now = bpf_ktime_get_ns(), *ts;
+
+	if (!st->conn)
+		return;
+	ts = bpf_map_lookup_elem(&mw_lat_pend, &k);
+	if (!ts)
+		bpf_map_update_elem(&mw_lat_pend, &k, &now, BPF_NOEXIST);
+	else if (!*ts)
+		__sync_val_compare_and_swap(ts, 0, now);
+	if ((st->end & 1) == MW_END_CLIENT && !st->req_ts)
+		__sync_val_compare_and_swap(&st->req_ts, 0, now);
+}
+
+/* A read returned bytes: the peer's oldest unread send was delivered (on the
+ * path the read took them from), a client's request was answered, and this
+ * thread's next send measures its own time (mw_lat_sent). */
+static __always_inline void lat_recv(struct mw_sock_state *st, bool fast)
+{
+	struct mw_lat_pend_key k = { .conn = st->conn, .end = (st->end ^ 1) & 1 };
+	struct mw_lat_thread th = {};
+	__u64 now = bpf_ktime_get_ns(), *ts, t;
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
+
+	if (!st->conn)
+		return;
+	ts = bpf_map_lookup_elem(&mw_lat_pend, &k);
+	if (ts && *ts) {
+		t = __sync_lock_test_and_set(ts, 0);
+		if (t && now > t)
+			lat_record(st->rule_id, fast ? MW_LAT_FAST : MW_LAT_TCP, MW_NO_ID, now - t);
+	}
+	if (st->req_ts) {
+		t = __sync_lock_test_and_set(&st->req_ts, 0);
+		if (t && now > t)
+			lat_record(st->rule_id, MW_LAT_RESPONSE, MW_NO_ID, now - t);
+	}
+	th.ts = now;
+	th.conn = st->conn;
+	th.rule_id = st->rule_id;
+	bpf_map_update_elem(&mw_lat_thr, &tid, &th, BPF_ANY);
 }
 
 static __always_inline void copy_ip(__u32 *dst, const __u32 *src)
@@ -713,12 +836,14 @@ static __always_inline void link_drop(struct mw_link *link, __u64 id)
 
 /* A socket's state at ESTABLISHED: not accelerated yet (link 0), its reads
  * published from rcv_nxt (nothing read). */
-static __always_inline void init_state(struct mw_sock_state *st, __u32 rule_id, __u32 end, __u32 rcv_nxt)
+static __always_inline void init_state(struct mw_sock_state *st, __u32 rule_id, __u32 end, __u32 rcv_nxt,
+				      __u64 conn)
 {
 	__builtin_memset(st, 0, sizeof(*st));
 	st->rule_id = rule_id;
 	st->end = end;
 	st->rd_pub = rcv_nxt;
+	st->conn = conn;
 }
 
 static __always_inline void watch_close(struct bpf_sock_ops *skops)
@@ -764,20 +889,32 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 		count_insert_failure(rs, -ENOMEM);
 		return;
 	}
-	init_state(st, rule->id, MW_END_CLIENT, skops->rcv_nxt);
+	id = ((__u64)skops->snd_una << 32) | skops->rcv_nxt;
+	init_state(st, rule->id, MW_END_CLIENT, skops->rcv_nxt, id);
+	if (lat_on(config_flags(), rule->id)) {
+		__u64 *at = bpf_sk_storage_get(&mw_sk_conn, sk, 0, 0);
+		__u64 now = bpf_ktime_get_ns();
+
+		if (at && *at && now > *at)
+			lat_record(rule->id, MW_LAT_SETUP, MW_NO_ID, now - *at);
+	}
 	/* Data in the SYN (Fast Open) already took the TCP path. */
-	if (tp->syn_data)
+	if (tp->syn_data) {
+		st->fb = MW_FB_SYN_DATA;
 		return;
+	}
 	if (rule->flags & MW_RULE_MODE_NEVER) {
 		d.level = LV_NONE;
+		st->fb = MW_FB_MODE_NEVER;
 		if (rs)
 			rs->fb_mode_never++;
 	} else {
 		decide_end(skops, tp, true, rule->flags, config_flags(), st, &d);
 		count_reason(rs, &d);
+		if (d.level == LV_NONE)
+			st->fb = MW_FB_READER;
 	}
 
-	id = ((__u64)skops->snd_una << 32) | skops->rcv_nxt;
 	cookie = bpf_get_socket_cookie(skops);
 	link = bpf_map_lookup_elem(&mw_scratch, &zero);
 	if (!link)
@@ -811,6 +948,7 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 		link->flags = MW_LINK_OBSERVE;
 		link->end_flags[MW_END_CLIENT] = 0;
 		link->id = id;
+		link->pad = st->fb; /* why, for the server end's connection list */
 		if (!bpf_map_update_elem(&mw_observe, &id, link, BPF_NOEXIST)) {
 			st->link = id;
 			st->slot = MW_NO_SLOT;
@@ -826,6 +964,7 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 			__sync_fetch_and_or(&existing->flags, MW_LINK_POISONED);
 		if (rs)
 			rs->fb_collision++;
+		st->fb = MW_FB_COLLISION;
 		return;
 	}
 	if (err) {
@@ -833,6 +972,7 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 		if (gs)
 			gs->no_slot++;
 		count_insert_failure(rs, -E2BIG);
+		st->fb = MW_FB_NO_SLOT;
 		return;
 	}
 	link->slot = slot;
@@ -842,6 +982,7 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 	if (err) {
 		slot_free(slot, id);
 		count_insert_failure(rs, err);
+		st->fb = MW_FB_INSERT;
 		return;
 	}
 	pos = slot * 2 + MW_END_CLIENT;
@@ -851,6 +992,7 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 		if (existing && __sync_val_compare_and_swap(&existing->id, id, 0) == id)
 			slot_free(slot, id);
 		count_insert_failure(rs, err);
+		st->fb = MW_FB_INSERT;
 		return;
 	}
 	cv.link = id;
@@ -944,11 +1086,12 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 		release_client(id, link);
 		return;
 	}
-	init_state(st, link->rule_id, MW_END_SERVER, skops->rcv_nxt);
+	init_state(st, link->rule_id, MW_END_SERVER, skops->rcv_nxt, id);
 	rule_flags = (link->end_flags[MW_END_SERVER] & MW_EF_R_RULE) ? MW_RULE_NO_TARGET_SERVER : 0;
 	decide_end(skops, tp, false, rule_flags, config_flags(), st, &d);
 	if (old & MW_LINK_OBSERVE) {
 		/* Its reader is observed (st); nothing is accelerated. */
+		st->fb = link->pad ? link->pad : MW_FB_PEER;
 		bpf_map_delete_elem(&mw_observe, &id);
 		return;
 	}
@@ -960,6 +1103,7 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 	to_client = client_flags & MW_EF_TARGET;
 	to_server = d.level == LV_FULL;
 	if (d.level == LV_NONE || (!to_client && !to_server)) {
+		st->fb = d.level == LV_NONE ? MW_FB_READER : MW_FB_NO_TARGET;
 		release_client(id, link);
 		return;
 	}
@@ -967,6 +1111,7 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 	err = bpf_sock_map_update(skops, &mw_sockmap, &pos, BPF_NOEXIST);
 	if (err) {
 		count_insert_failure(rs, err);
+		st->fb = MW_FB_INSERT;
 		release_client(id, link);
 		return;
 	}
@@ -1098,9 +1243,16 @@ static __always_inline void run_conn_chain(struct bpf_sock_ops *skops, const str
 /* connect() of a covered connection, or listen(): stamp the owner. */
 static __always_inline void on_connect(struct bpf_sock_ops *skops)
 {
+	struct bpf_sock *sk = skops->sk;
 	struct tuple t;
 	__u32 kind;
 
+	if ((config_flags() & MW_CFG_LATENCY) && sk) {
+		__u64 *at = bpf_sk_storage_get(&mw_sk_conn, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
+
+		if (at)
+			*at = bpf_ktime_get_ns();
+	}
 	if (!(config_flags() & MW_CFG_GUARD) || !load_tuple(skops, &t))
 		return;
 	if (match_active(&t, &kind))
@@ -1353,6 +1505,8 @@ static __always_inline int finish_msg(struct sk_msg_md *msg, struct bpf_sock *sk
 		rs->msgs++;
 		rs->bytes += size;
 	}
+	st->tx_msgs++;
+	st->tx_bytes += size;
 	return SK_PASS;
 }
 
@@ -1383,6 +1537,8 @@ int mw_sk_msg(struct sk_msg_md *msg)
 	st = msg_state(sk);
 	if (!st || !sk)
 		return SK_PASS;
+	if (lat_on(config_flags(), st->rule_id))
+		lat_send(st);
 	if (mw_active_chain(MW_HOOK_MESSAGE, &gen)) {
 		struct mw_sk_chain *ch = bpf_sk_storage_get(&mw_sk_chain, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
 
@@ -1431,6 +1587,7 @@ int BPF_PROG(mw_recv_len, struct sock *sk, int ret, int flags)
 	struct tcp_sock *tp;
 	struct mw_link *link;
 	__u32 bit, tgid, seq, pid, old, peer_dir;
+	bool fast = false;
 
 	st = bpf_sk_storage_get(&mw_sk_state, sk, 0, 0);
 	if (!st)
@@ -1465,6 +1622,7 @@ int BPF_PROG(mw_recv_len, struct sock *sk, int ret, int flags)
 		if (tp) {
 			seq = tp->copied_seq;
 			barrier_var(seq);
+			fast = seq == st->rd_pub && st->slot != MW_NO_SLOT;
 			/* tcp_bpf_recvmsg reads either the psock queue or the TCP
 			 * queue: a read that left copied_seq alone took redirected
 			 * bytes. Two concurrent readers could miscount; such a
@@ -1483,6 +1641,8 @@ int BPF_PROG(mw_recv_len, struct sock *sk, int ret, int flags)
 			}
 		}
 	}
+	if (ret > 0 && !(flags & MSG_PEEK) && lat_on(config_flags(), st->rule_id))
+		lat_recv(st, fast);
 	if ((st->flags & MW_SOCK_DEMOTED) && ret > 0 && !st->read)
 		st->read = 1;
 	/* Who reads, and how: once per process and way of reading. */
@@ -1835,6 +1995,123 @@ int mw_park(struct bpf_iter__tcp *ctx)
 	if (rs)
 		rs->relinks++;
 	req->result = MW_PARK_DONE;
+	return 0;
+}
+
+/* ---- the latency monitor's send side (attached only while it runs) ---- */
+
+/* A send on the TCP path begins (before its bytes are queued): redirected
+ * sends are stamped by sk_msg instead, which this never sees. */
+SEC("tp_btf/tcp_sendmsg_locked")
+int BPF_PROG(mw_lat_send, const struct sock *sk, const struct msghdr *msg, const struct sk_buff *skb,
+	     int size_goal)
+{
+	struct mw_sock_state *st = bpf_sk_storage_get(&mw_sk_state, (struct sock *)sk, 0, 0);
+
+	if (st && lat_on(config_flags(), st->rule_id))
+		lat_send(st);
+	return 0;
+}
+
+/* A send returned: the time since the same thread's last read of a covered
+ * socket is its own (the same connection, at the server end: think time) or
+ * a proxy's between two hops (another connection). One sample per read. */
+SEC("tp_btf/sock_send_length")
+int BPF_PROG(mw_lat_sent, struct sock *sk, int ret, int flags)
+{
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
+	struct mw_lat_thread *th;
+	struct mw_sock_state *st;
+	__u64 now;
+
+	if (ret <= 0)
+		return 0;
+	st = bpf_sk_storage_get(&mw_sk_state, sk, 0, 0);
+	if (!st || !st->conn || !lat_on(config_flags(), st->rule_id))
+		return 0;
+	th = bpf_map_lookup_elem(&mw_lat_thr, &tid);
+	if (!th || !th->ts)
+		return 0;
+	now = bpf_ktime_get_ns();
+	if (now > th->ts) {
+		if (th->conn != st->conn)
+			lat_record(st->rule_id, MW_LAT_HOP, th->rule_id, now - th->ts);
+		else if ((st->end & 1) == MW_END_SERVER)
+			lat_record(st->rule_id, MW_LAT_THINK, MW_NO_ID, now - th->ts);
+	}
+	th->ts = 0;
+	return 0;
+}
+
+/* ---- the connection list ---- */
+
+/* Every socket with meshwarp state (covered, accelerated or not), in every
+ * network namespace: one struct mw_conn each for user space. */
+SEC("iter/bpf_sk_storage_map")
+int mw_conns(struct bpf_iter__bpf_sk_storage_map *ctx)
+{
+	struct mw_sock_state *st = ctx->value;
+	struct sock *sk = ctx->sk;
+	struct mw_sock_owner *own;
+	struct mw_conn c = {};
+	struct mw_link *link;
+	struct tcp_sock *tp;
+	__u32 end, peer;
+
+	if (!sk || !st)
+		return 0;
+	end = st->end & 1;
+	peer = end ^ 1;
+	c.cookie = bpf_get_socket_cookie(sk);
+	c.netns = sk->__sk_common.skc_net.net->net_cookie;
+	c.conn = st->conn;
+	c.link = st->link;
+	c.family = sk->__sk_common.skc_family;
+	c.state = sk->__sk_common.skc_state;
+	if (c.family == MW_AF_INET6) {
+		BPF_CORE_READ_INTO(&c.local_ip, sk, __sk_common.skc_v6_rcv_saddr.in6_u.u6_addr32);
+		BPF_CORE_READ_INTO(&c.remote_ip, sk, __sk_common.skc_v6_daddr.in6_u.u6_addr32);
+	} else {
+		c.local_ip[0] = sk->__sk_common.skc_rcv_saddr;
+		c.remote_ip[0] = sk->__sk_common.skc_daddr;
+	}
+	c.local_port = sk->__sk_common.skc_num;
+	c.remote_port = bpf_ntohs(sk->__sk_common.skc_dport);
+	c.rule_id = st->rule_id;
+	c.end = end;
+	c.fb = st->fb;
+	c.sock_flags = st->flags;
+	c.reader_tgid = st->rd_tgid;
+	own = bpf_sk_storage_get(&mw_sk_owner, sk, 0, 0);
+	if (own && (own->flags & MW_OWN_KNOWN)) {
+		c.owner_tgid = own->tgid;
+		c.exe = own->exe;
+	}
+	if (st->link && st->slot != MW_NO_SLOT) {
+		link = link_at(st->slot, st->link);
+		if (link) {
+			c.link_found = 1;
+			c.link_flags = link->flags;
+			c.end_flags = link->end_flags[end];
+			c.peer_flags = link->end_flags[peer];
+			c.tx_dir_flags = link->dir[end].flags;
+			c.rx_dir_flags = link->dir[peer].flags;
+		} else if (!c.fb) {
+			c.fb = MW_FB_PEER; /* the server end released it */
+		}
+	}
+	c.tx_fast_msgs = st->tx_msgs;
+	c.tx_fast_bytes = st->tx_bytes;
+	c.rx_fast_bytes = st->psock_rd;
+	tp = bpf_skc_to_tcp_sock(sk);
+	if (tp) {
+		c.tx_tcp_bytes = tp->bytes_sent - tp->bytes_retrans;
+		c.rx_tcp_bytes = tp->bytes_received;
+		c.tx_segs = tp->data_segs_out;
+		c.rx_segs = tp->data_segs_in;
+	}
+	c.unread = psock_pending(sk);
+	bpf_seq_write(ctx->meta->seq, &c, sizeof(c));
 	return 0;
 }
 

@@ -1,0 +1,348 @@
+//! The latency monitor: per-rule log2 histograms the socket programs record
+//! in the kernel (`mw_lat_hist`), switched on and off at run time node-wide or
+//! per rule.
+//!
+//! What is measured ([`Metric`]): delivery of a send to the peer's read on the
+//! fast path and on the TCP path, connection setup, request to response at a
+//! client end, an application's own time between a read and its reply, and a
+//! proxy's time between reading one rule's socket and writing another's
+//! ([`Metric::Hop`]): the hops of a mesh request, app → sidecar → sidecar →
+//! app, stitched through the rules they cross.
+//!
+//! Off costs the data path one flag test per message: the monitor's send-side
+//! tracepoints (`mw_lat_send` on `tcp_sendmsg_locked`, `mw_lat_sent` on
+//! `sock_send_length`) are pinned links only while it runs.
+
+use std::collections::BTreeSet;
+use std::fmt;
+use std::fs;
+use std::os::fd::AsFd;
+use std::path::PathBuf;
+
+use libbpf_rs::ProgramHandle;
+use meshwarp_bpf::names;
+use meshwarp_bpf::shared::{
+    Config, LatHist, LatKey, CFG_LATENCY, CFG_LAT_ALL, LAT_BUCKETS, LAT_FAST, LAT_HOP, LAT_RESPONSE, LAT_SETUP,
+    LAT_TCP, LAT_THINK,
+};
+
+use crate::error::{BpfError, IoError};
+use crate::maps::{MapError, PerCpu, TypedMap};
+use crate::pins::FamilyPins;
+use crate::upgrade::{self, UpgradeError};
+
+/// `MW_NO_ID`: no rule.
+const NO_ID: u32 = u32::MAX;
+
+#[derive(Debug, thiserror::Error)]
+pub enum LatencyError {
+    #[error(transparent)]
+    Map(#[from] MapError),
+    #[error(transparent)]
+    Bpf(#[from] BpfError),
+    #[error(transparent)]
+    Io(#[from] IoError),
+    #[error(transparent)]
+    Attach(#[from] UpgradeError),
+    #[error("rule id {id} is out of range (the data path has room for {max} rules)")]
+    RuleOutOfRange { id: u32, max: u32 },
+}
+
+/// What one histogram measures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Metric {
+    /// A send to the peer's read that returns it, bytes redirected.
+    Fast,
+    /// The same for bytes that crossed the TCP path.
+    Tcp,
+    /// connect() to ESTABLISHED, at the client end.
+    Setup,
+    /// A client end's send to its next read: request to response as the
+    /// application sees it.
+    Response,
+    /// A server end's read to the same thread's next send on it: the
+    /// application's own time (think time).
+    Think,
+    /// A read of one rule's socket to the same thread's next send on another
+    /// connection: a proxy between two hops.
+    Hop,
+}
+
+impl Metric {
+    pub const ALL: [Metric; 6] =
+        [Metric::Fast, Metric::Tcp, Metric::Setup, Metric::Response, Metric::Think, Metric::Hop];
+
+    fn code(self) -> u32 {
+        match self {
+            Metric::Fast => LAT_FAST,
+            Metric::Tcp => LAT_TCP,
+            Metric::Setup => LAT_SETUP,
+            Metric::Response => LAT_RESPONSE,
+            Metric::Think => LAT_THINK,
+            Metric::Hop => LAT_HOP,
+        }
+    }
+
+    fn from_code(code: u32) -> Option<Self> {
+        Self::ALL.into_iter().find(|m| m.code() == code)
+    }
+
+    /// Its stable name (API, metrics labels, CLI).
+    pub fn name(self) -> &'static str {
+        match self {
+            Metric::Fast => "fast",
+            Metric::Tcp => "tcp",
+            Metric::Setup => "setup",
+            Metric::Response => "response",
+            Metric::Think => "think",
+            Metric::Hop => "hop",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|m| m.name() == name)
+    }
+}
+
+impl fmt::Display for Metric {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Buckets of every histogram: bucket i counts [2^i, 2^(i+1)) ns (the first
+/// also 0, the last everything above).
+pub const BUCKETS: usize = LAT_BUCKETS;
+
+/// One histogram, summed over CPUs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Histogram {
+    pub rule_id: u32,
+    pub metric: Metric,
+    /// [`Metric::Hop`]: the rule whose socket the proxy read.
+    pub from_rule: Option<u32>,
+    pub count: u64,
+    pub sum_ns: u64,
+    pub buckets: [u64; BUCKETS],
+}
+
+impl Histogram {
+    /// Bucket `i`'s bounds in ns, `[lower, upper)`.
+    pub fn bounds(i: usize) -> (u64, u64) {
+        let lower = if i == 0 { 0 } else { 1u64 << i };
+        (lower, 1u64 << (i + 1))
+    }
+
+    pub fn mean_ns(&self) -> Option<u64> {
+        self.sum_ns.checked_div(self.count)
+    }
+
+    /// The `q` quantile (0..=1), interpolated within its bucket.
+    pub fn quantile_ns(&self, q: f64) -> Option<u64> {
+        let total: u64 = self.buckets.iter().sum();
+        if total == 0 {
+            return None;
+        }
+        let rank = (q.clamp(0.0, 1.0) * total as f64).max(1.0);
+        let mut seen = 0u64;
+        for (i, &n) in self.buckets.iter().enumerate() {
+            if n == 0 {
+                continue;
+            }
+            if (seen + n) as f64 >= rank {
+                let (lo, hi) = Self::bounds(i);
+                let within = (rank - seen as f64) / n as f64;
+                return Some(lo + ((hi - lo) as f64 * within) as u64);
+            }
+            seen += n;
+        }
+        Some(Self::bounds(BUCKETS - 1).1)
+    }
+
+    /// The index of the bucket holding `ns`.
+    pub fn bucket_of(ns: u64) -> usize {
+        if ns <= 1 {
+            return 0;
+        }
+        (63 - ns.leading_zeros() as usize).min(BUCKETS - 1)
+    }
+}
+
+/// For which rules the monitor runs.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum Scope {
+    #[default]
+    Off,
+    /// Every rule.
+    All,
+    /// These rule ids.
+    Rules(BTreeSet<u32>),
+}
+
+/// The monitor of one socket data path (its pinned maps and programs).
+#[derive(Debug)]
+pub struct LatencyMonitor {
+    layout: FamilyPins,
+    config: TypedMap<u32, Config>,
+    rules: TypedMap<u32, u32>,
+    hists: PerCpu<LatKey, LatHist>,
+}
+
+impl LatencyMonitor {
+    pub(crate) fn open(layout: &FamilyPins) -> Result<Self, LatencyError> {
+        let dir = layout.maps_dir();
+        Ok(Self {
+            layout: layout.clone(),
+            config: TypedMap::pinned(&dir, names::MAP_CONFIG)?,
+            rules: TypedMap::pinned(&dir, names::MAP_LAT_RULE)?,
+            hists: PerCpu::pinned(&dir, names::MAP_LAT_HIST)?,
+        })
+    }
+
+    /// Where it runs now.
+    pub fn scope(&self) -> Result<Scope, LatencyError> {
+        let flags = self.config.get(&0)?.unwrap_or_default().flags;
+        if flags & CFG_LATENCY == 0 {
+            return Ok(Scope::Off);
+        }
+        if flags & CFG_LAT_ALL != 0 {
+            return Ok(Scope::All);
+        }
+        let on = self.rules.entries()?.into_iter().filter(|(_, v)| *v != 0).map(|(k, _)| k).collect();
+        Ok(Scope::Rules(on))
+    }
+
+    /// Runs the monitor for `scope` (replacing what ran before). Turning it
+    /// on attaches the send-side tracepoints before the programs start
+    /// stamping; turning it off stops the stamping, then detaches them.
+    pub fn set(&self, scope: &Scope) -> Result<(), LatencyError> {
+        let max = self.rules.capacity();
+        if let Scope::Rules(ids) = scope {
+            if let Some(&id) = ids.iter().find(|&&id| id >= max) {
+                return Err(LatencyError::RuleOutOfRange { id, max });
+            }
+        }
+        let on = *scope != Scope::Off;
+        if on {
+            self.set_links(true)?;
+        }
+        let want: BTreeSet<u32> = match scope {
+            Scope::Rules(ids) => ids.clone(),
+            _ => BTreeSet::new(),
+        };
+        for (id, v) in self.rules.entries()? {
+            if v != 0 && !want.contains(&id) {
+                self.rules.put(&id, &0)?;
+            }
+        }
+        for id in &want {
+            self.rules.put(id, &1)?;
+        }
+        let mut cfg = self.config.get(&0)?.unwrap_or_default();
+        cfg.flags &= !(CFG_LATENCY | CFG_LAT_ALL);
+        match scope {
+            Scope::Off => {}
+            Scope::All => cfg.flags |= CFG_LATENCY | CFG_LAT_ALL,
+            Scope::Rules(_) => cfg.flags |= CFG_LATENCY,
+        }
+        self.config.put(&0, &cfg)?;
+        if !on {
+            self.set_links(false)?;
+        }
+        tracing::info!(?scope, "latency monitor");
+        Ok(())
+    }
+
+    fn set_links(&self, on: bool) -> Result<(), LatencyError> {
+        for name in [names::PROG_LAT_SEND, names::PROG_LAT_SENT] {
+            let path: PathBuf = self.layout.link(name);
+            match (on, path.exists()) {
+                (true, false) => {
+                    let prog = ProgramHandle::from_pinned_path(self.layout.prog(name))
+                        .map_err(|e| BpfError::new(format!("opening pinned program {name}"), e))?;
+                    let step = format!("attaching {name}");
+                    let link = upgrade::raw_tp_open(&step, prog.as_fd())?;
+                    upgrade::obj_pin(&step, link.as_fd(), &path)?;
+                }
+                (false, true) => fs::remove_file(&path).map_err(|e| IoError::new(path.display().to_string(), e))?,
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// Every histogram recorded (for the rules in `rules`, all if empty).
+    pub fn histograms(&self, rules: &BTreeSet<u32>) -> Result<Vec<Histogram>, LatencyError> {
+        let mut out = Vec::new();
+        for key in self.hists.keys()? {
+            if !rules.is_empty() && !rules.contains(&key.rule_id) {
+                continue;
+            }
+            let Some(metric) = Metric::from_code(key.metric) else { continue };
+            let h = self.hists.sum(&key, add_hist)?;
+            out.push(Histogram {
+                rule_id: key.rule_id,
+                metric,
+                from_rule: (key.from_rule != NO_ID).then_some(key.from_rule),
+                count: h.count,
+                sum_ns: h.sum_ns,
+                buckets: h.bucket,
+            });
+        }
+        out.sort_by_key(|h| (h.rule_id, h.metric, h.from_rule));
+        Ok(out)
+    }
+
+    /// Forgets the histograms of `rules` (all if empty).
+    pub fn reset(&self, rules: &BTreeSet<u32>) -> Result<(), LatencyError> {
+        for key in self.hists.keys()? {
+            if rules.is_empty() || rules.contains(&key.rule_id) {
+                self.hists.delete(&key)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn add_hist(a: &mut LatHist, b: &LatHist) {
+    a.count = a.count.wrapping_add(b.count);
+    a.sum_ns = a.sum_ns.wrapping_add(b.sum_ns);
+    for (x, y) in a.bucket.iter_mut().zip(b.bucket.iter()) {
+        *x = x.wrapping_add(*y);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_match_the_programs_log2() {
+        assert_eq!(Histogram::bucket_of(0), 0);
+        assert_eq!(Histogram::bucket_of(1), 0);
+        assert_eq!(Histogram::bucket_of(2), 1);
+        assert_eq!(Histogram::bucket_of(3), 1);
+        assert_eq!(Histogram::bucket_of(2_000_000), 20);
+        assert_eq!(Histogram::bucket_of(u64::MAX), BUCKETS - 1);
+        assert_eq!(Histogram::bounds(20), (1 << 20, 1 << 21));
+    }
+
+    #[test]
+    fn quantiles_interpolate_within_a_bucket() {
+        let mut h = Histogram {
+            rule_id: 0,
+            metric: Metric::Fast,
+            from_rule: None,
+            count: 100,
+            sum_ns: 0,
+            buckets: [0; BUCKETS],
+        };
+        h.buckets[10] = 50;
+        h.buckets[20] = 50;
+        let p50 = h.quantile_ns(0.5).unwrap();
+        assert!((1 << 10..1 << 11).contains(&p50) || p50 == 1 << 11, "{p50}");
+        let p99 = h.quantile_ns(0.99).unwrap();
+        assert!((1 << 20..=1 << 21).contains(&p99), "{p99}");
+        assert_eq!(Metric::from_name("hop"), Some(Metric::Hop));
+    }
+}
