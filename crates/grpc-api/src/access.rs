@@ -261,9 +261,10 @@ scoped!(owner: CreatePairRequest, UpdatePairRequest, DeletePairRequest, BatchUps
     DeleteRouteRequest, BatchUpsertRoutesRequest, BatchDeleteRoutesRequest);
 scoped!(read: GetPairRequest, ListPairsRequest, GetCaptureRuleRequest, ListCaptureRulesRequest, GetRouteRequest,
     ListRoutesRequest, ListAttachmentsRequest, GetStatsRequest, ListPluginsRequest, WatchRequest,
-    GetNodeInfoRequest);
+    GetNodeInfoRequest, GetLatencyRequest, WatchLatencyRequest, ListConnectionsRequest);
 scoped!(admin: AttachInterfaceRequest, DetachInterfaceRequest);
-scoped!(admin_as_owner: LoadPluginRequest, UnloadPluginRequest, UpdatePluginConfigRequest);
+// The latency monitor is node-wide: whoever switches it switches it for every rule's owner.
+scoped!(admin_as_owner: LoadPluginRequest, UnloadPluginRequest, UpdatePluginConfigRequest, SetLatencyRequest);
 
 /// PERMISSION_DENIED unless the caller's rights cover what `req` does.
 #[allow(clippy::result_large_err)]

@@ -2,7 +2,7 @@
 //! revision and a Watch event; watchers resume from a revision of the same
 //! instance or are told to list again (OUT_OF_RANGE).
 
-use std::collections::VecDeque;
+use std::collections::{BTreeSet, VecDeque};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use meshwarp_core::node::Node;
 use meshwarp_core::tc::{Direction as TcDirection, IfaceRef, InstalledRoute, Prefix, TcDataplane};
-use meshwarp_core::{CaptureRule, Dataplane, EndpointPair, PluginChain};
+use meshwarp_core::{CaptureRule, Dataplane, EndpointPair, LatencyScope, PluginChain};
 use meshwarp_core::{Outcome, Registered};
 use tokio::sync::broadcast;
 use tokio_stream::wrappers::errors::BroadcastStreamRecvError;
@@ -22,7 +22,7 @@ use crate::convert::{self, RulePb, Violations};
 use crate::metrics::Metrics;
 use crate::pb::node_service_server::NodeService;
 use crate::pb::{self, watch_response::Resource, EventType};
-use crate::status::{from_plugin, from_rule, from_tc, invalid, invalid_field};
+use crate::status::{from_latency, from_plugin, from_rule, from_tc, invalid, invalid_field};
 
 /// Limits and identity of one server instance. Every limit answers with its
 /// value named: RESOURCE_EXHAUSTED for a size or count beyond it,
@@ -176,6 +176,7 @@ pub struct NodeServer {
 }
 
 type WatchStream = Pin<Box<dyn Stream<Item = Result<pb::WatchResponse, Status>> + Send>>;
+type LatencyStream = Pin<Box<dyn Stream<Item = Result<pb::GetLatencyResponse, Status>> + Send>>;
 
 /// Parses every item of a batch, collecting all violations with their index.
 fn parse_all<P, T>(
@@ -895,6 +896,105 @@ impl NodeServer {
         Ok(Box::pin(stream))
     }
 
+    /// The ids of the rules a selector names; none named: empty (every rule).
+    fn selected_rules(&self, sel: Option<&pb::RuleSelector>) -> Result<BTreeSet<u32>, Status> {
+        let Some(sel) = sel else { return Ok(BTreeSet::new()) };
+        let mut v = Violations::default();
+        let mut ids = BTreeSet::new();
+        let reg = self.dp.registry();
+        for (i, k) in sel.pairs.iter().enumerate() {
+            match EndpointPair::from_key(&format!("rules.pairs[{i}]"), Some(k)) {
+                Ok(p) => ids.insert(reg.id_of(&p).map_err(|e| from_rule(&e))?),
+                Err(e) => {
+                    v.0.extend(e.0);
+                    continue;
+                }
+            };
+        }
+        for (i, k) in sel.capture_rules.iter().enumerate() {
+            match CaptureRule::from_key(&format!("rules.capture_rules[{i}]"), Some(k)) {
+                Ok(r) => ids.insert(reg.id_of(&r).map_err(|e| from_rule(&e))?),
+                Err(e) => {
+                    v.0.extend(e.0);
+                    continue;
+                }
+            };
+        }
+        v.into_result(ids).map_err(|v| invalid(&v))
+    }
+
+    fn set_latency(&self, r: pb::SetLatencyRequest) -> Result<pb::SetLatencyResponse, Status> {
+        self.mutation(&r.owner, Ok(()))?;
+        let ids = self.selected_rules(r.rules.as_ref())?;
+        let scope = match (r.enabled, ids.is_empty()) {
+            (false, _) => LatencyScope::Off,
+            (true, true) => LatencyScope::All,
+            (true, false) => LatencyScope::Rules(ids.clone()),
+        };
+        let mon = self.dp.latency();
+        mon.set(&scope).map_err(|e| from_latency(&e))?;
+        if r.reset {
+            mon.reset(&ids).map_err(|e| from_latency(&e))?;
+        }
+        tracing::info!(owner = %r.owner, ?scope, reset = r.reset, "latency monitor switched");
+        Ok(pb::SetLatencyResponse { state: Some(convert::latency_state_to_pb(&scope)) })
+    }
+
+    fn get_latency(&self, r: pb::GetLatencyRequest) -> Result<pb::GetLatencyResponse, Status> {
+        let ids = self.selected_rules(r.rules.as_ref())?;
+        let mon = self.dp.latency();
+        let scope = mon.scope().map_err(|e| from_latency(&e))?;
+        let hists = mon.histograms(&ids).map_err(|e| from_latency(&e))?;
+        let reg = self.dp.registry();
+        let rule = |id: u32| convert::rule_ref_to_pb(id, reg.rule_by_id(id));
+        let histograms =
+            hists.iter().map(|h| convert::histogram_to_pb(h, rule(h.rule_id), h.from_rule.map(rule))).collect();
+        Ok(pb::GetLatencyResponse { state: Some(convert::latency_state_to_pb(&scope)), histograms })
+    }
+
+    fn watch_latency(&self, r: pb::WatchLatencyRequest, caller: String) -> Result<LatencyStream, Status> {
+        let every = match r.interval_ms {
+            0 => 1000,
+            n if n < 100 => return Err(invalid_field("interval_ms", format!("{n} is less than 100"))),
+            n => n,
+        };
+        let req = pb::GetLatencyRequest { rules: r.rules };
+        // Checked now: a bad selector fails the call, not the first message.
+        self.get_latency(req.clone())?;
+        let watcher = WatcherSlot::take(&self.watchers, &caller, &self.cfg)?;
+        let this = self.clone();
+        let ticks = tokio_stream::wrappers::IntervalStream::new(tokio::time::interval(
+            std::time::Duration::from_millis(u64::from(every)),
+        ));
+        let stream = ticks.then(move |_| {
+            let (this, req) = (this.clone(), req.clone());
+            let _held = &watcher;
+            async move {
+                tokio::task::spawn_blocking(move || this.get_latency(req))
+                    .await
+                    .unwrap_or_else(|e| Err(Status::internal(format!("latency read: {e}"))))
+            }
+        });
+        Ok(Box::pin(stream))
+    }
+
+    fn list_connections(&self, r: pb::ListConnectionsRequest) -> Result<pb::ListConnectionsResponse, Status> {
+        let (filter, size, after) = convert::conn_query_from_pb(&r).map_err(|v| invalid(&v))?;
+        let all = self.dp.connections(&filter).map_err(|e| Status::internal(e.to_string()))?;
+        let mut rest = all.into_iter().filter(|c| after.is_none_or(|a| c.cookie > a)).peekable();
+        let page: Vec<_> = rest.by_ref().take(size).collect();
+        let next_page_token = match (rest.peek(), page.last()) {
+            (Some(_), Some(last)) => last.cookie.to_string(),
+            _ => String::new(),
+        };
+        let reg = self.dp.registry();
+        let connections = page
+            .iter()
+            .map(|c| convert::connection_to_pb(c, convert::rule_ref_to_pb(c.rule_id, reg.rule_by_id(c.rule_id))))
+            .collect();
+        Ok(pb::ListConnectionsResponse { connections, next_page_token })
+    }
+
     /// Each family's running build and what starting did about another one.
     fn families(&self) -> Vec<pb::FamilyPrograms> {
         let family = |name: &str, build: String, u: &meshwarp_core::Upgrade| {
@@ -1166,6 +1266,34 @@ impl NodeService for NodeServer {
         req: Request<pb::GetNodeInfoRequest>,
     ) -> Result<Response<pb::GetNodeInfoResponse>, Status> {
         rpc!(self, "GetNodeInfo", req, node_info)
+    }
+
+    async fn set_latency(
+        &self,
+        req: Request<pb::SetLatencyRequest>,
+    ) -> Result<Response<pb::SetLatencyResponse>, Status> {
+        rpc!(self, "SetLatency", req, set_latency)
+    }
+    async fn get_latency(
+        &self,
+        req: Request<pb::GetLatencyRequest>,
+    ) -> Result<Response<pb::GetLatencyResponse>, Status> {
+        rpc!(self, "GetLatency", req, get_latency)
+    }
+
+    type WatchLatencyStream = LatencyStream;
+
+    async fn watch_latency(
+        &self,
+        req: Request<pb::WatchLatencyRequest>,
+    ) -> Result<Response<Self::WatchLatencyStream>, Status> {
+        rpc!(self, "WatchLatency", req, watch_latency, caller)
+    }
+    async fn list_connections(
+        &self,
+        req: Request<pb::ListConnectionsRequest>,
+    ) -> Result<Response<pb::ListConnectionsResponse>, Status> {
+        rpc!(self, "ListConnections", req, list_connections)
     }
 }
 

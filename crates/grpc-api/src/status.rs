@@ -38,6 +38,15 @@ pub fn from_rule(e: &RuleError) -> Status {
     }
 }
 
+/// The code a latency-monitor failure maps to.
+pub fn from_latency(e: &meshwarp_core::latency::LatencyError) -> Status {
+    use meshwarp_core::latency::LatencyError;
+    match e {
+        LatencyError::RuleOutOfRange { .. } => Status::invalid_argument(e.to_string()),
+        _ => Status::internal(e.to_string()),
+    }
+}
+
 /// The code a tc data-path failure maps to.
 pub fn from_tc(e: &meshwarp_core::tc::TcError) -> Status {
     use meshwarp_core::tc::{RouteError, TcError};

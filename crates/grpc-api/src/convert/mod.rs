@@ -1,12 +1,15 @@
 //! Proto <-> core conversions, one module per family: socket rules
-//! ([`sock`]), interface routes ([`tc`]) and plugins ([`plugin`]). Parsing
+//! ([`sock`]), interface routes ([`tc`]), plugins ([`plugin`]) and the
+//! latency monitor and connection list ([`monitor`]). Parsing
 //! collects every field violation with its proto path, so a client learns all
 //! that is wrong with a request at once.
 
+mod monitor;
 mod plugin;
 mod sock;
 mod tc;
 
+pub use monitor::*;
 pub use plugin::*;
 pub use sock::*;
 pub use tc::*;
