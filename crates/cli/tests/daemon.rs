@@ -1187,3 +1187,119 @@ fn plugins_over_the_cli_change_real_traffic_and_refusals_change_nothing() -> Res
     ensure!(!left.contains("ports") && left.contains("limit"), "{left}");
     Ok(())
 }
+
+/// The latency monitor and the connection list over the API: switched on for
+/// one pair by key, a server's 2 ms wait shows in that pair's think-time
+/// histogram over GetLatency, WatchLatency and /metrics; ListConnections
+/// pages through both ends of every connection; bad input gets the right
+/// code and changes nothing.
+#[test]
+fn latency_and_connections_over_the_api() -> Result<()> {
+    let env = env_or_skip!();
+    let metrics = free_loopback_port()?;
+    let _d = env.start(&["--metrics-listen", &metrics.to_string()])?;
+    let net = NodeWithPods::new(2)?;
+    let (c_ip, s_ip) = (net.pods[0].v4.to_string(), net.pods[1].v4.to_string());
+    let server = SocketAddr::new(net.pods[1].v4.into(), 8095);
+    let listener = net.pods[1].ns.listen(server)?;
+    let rt = rt();
+    rt.block_on(async {
+        let mut c = env.client().await;
+        c.create_pair(create(pair(&c_ip, &s_ip, 8095), OWNER)).await?;
+        let unknown = pb::RuleSelector { pairs: vec![key(&c_ip, &s_ip, 9999)], ..Default::default() };
+        let r = c
+            .set_latency(pb::SetLatencyRequest {
+                owner: OWNER.into(),
+                enabled: true,
+                rules: Some(unknown),
+                reset: false,
+            })
+            .await;
+        ensure!(code_of(r) == Code::NotFound);
+        let st = c.get_latency(pb::GetLatencyRequest::default()).await?.into_inner();
+        ensure!(st.state.is_some_and(|s| !s.enabled), "a refused switch changes nothing");
+        let sel = pb::RuleSelector { pairs: vec![key(&c_ip, &s_ip, 8095)], ..Default::default() };
+        let on = c
+            .set_latency(pb::SetLatencyRequest {
+                owner: OWNER.into(),
+                enabled: true,
+                rules: Some(sel.clone()),
+                reset: true,
+            })
+            .await?
+            .into_inner();
+        ensure!(on.state.is_some_and(|s| s.enabled && !s.all_rules && s.rule_ids.len() == 1));
+        Ok::<_, anyhow::Error>(())
+    })?;
+
+    let mut conns = Vec::new();
+    for _ in 0..3 {
+        let mut cl = net.pods[0].ns.connect(server)?;
+        let mut sv = accept_timeout(&listener, Duration::from_secs(5))?;
+        let mut buf = [0u8; 64];
+        for i in 0..10u8 {
+            meshwarp_testbed::write_all_ready(&mut cl, &[i; 64], Some(Duration::from_secs(10)))?;
+            meshwarp_testbed::read_exact_ready(&mut sv, &mut buf, Some(Duration::from_secs(10)))?;
+            std::thread::sleep(Duration::from_millis(2));
+            meshwarp_testbed::write_all_ready(&mut sv, &buf, Some(Duration::from_secs(10)))?;
+            meshwarp_testbed::read_exact_ready(&mut cl, &mut buf, Some(Duration::from_secs(10)))?;
+            ensure!(buf == [i; 64]);
+        }
+        conns.push((cl, sv));
+    }
+
+    rt.block_on(async {
+        let mut c = env.client().await;
+        let lat = c.get_latency(pb::GetLatencyRequest::default()).await?.into_inner();
+        let think = lat
+            .histograms
+            .iter()
+            .find(|h| h.metric == pb::LatencyMetric::Think as i32)
+            .context("think time over the API")?;
+        ensure!(think.count >= 30 && think.buckets[..20].iter().sum::<u64>() == 0, "{think:?}");
+        ensure!(think.p50_ns >= 1 << 20, "{think:?}");
+        ensure!(
+            matches!(think.rule.as_ref().and_then(|r| r.rule.as_ref()), Some(pb::rule_ref::Rule::Pair(p)) if p.owner == OWNER),
+            "names the pair: {think:?}"
+        );
+        let r = c.watch_latency(pb::WatchLatencyRequest { rules: None, interval_ms: 50 }).await;
+        ensure!(code_of(r) == Code::InvalidArgument);
+        let mut w = c.watch_latency(pb::WatchLatencyRequest { rules: None, interval_ms: 100 }).await?.into_inner();
+        for _ in 0..2 {
+            let m = tokio::time::timeout(Duration::from_secs(5), w.next()).await?.context("stream ended")??;
+            ensure!(m.histograms.iter().any(|h| h.metric == pb::LatencyMetric::Think as i32), "{m:?}");
+        }
+
+        let mut seen = Vec::new();
+        let mut token = String::new();
+        loop {
+            let page = c
+                .list_connections(pb::ListConnectionsRequest {
+                    port: Some(8095),
+                    page_size: 2,
+                    page_token: token.clone(),
+                    ..Default::default()
+                })
+                .await?
+                .into_inner();
+            ensure!(page.connections.len() <= 2);
+            seen.extend(page.connections);
+            if page.next_page_token.is_empty() {
+                break;
+            }
+            token = page.next_page_token;
+        }
+        ensure!(seen.len() == 6, "both ends of 3 connections in pages of 2: {seen:#?}");
+        ensure!(seen.windows(2).all(|w| w[0].cookie < w[1].cookie), "ordered by cookie, no repeats");
+        ensure!(seen.iter().all(|x| x.accelerated && x.tx_path.as_ref().is_some_and(|p| p.fast)), "{seen:#?}");
+        let r = c.list_connections(pb::ListConnectionsRequest { page_size: 5000, ..Default::default() }).await;
+        ensure!(code_of(r) == Code::InvalidArgument);
+        let r = c.list_connections(pb::ListConnectionsRequest { page_token: "x".into(), ..Default::default() }).await;
+        ensure!(code_of(r) == Code::InvalidArgument);
+        Ok::<_, anyhow::Error>(())
+    })?;
+    let body = http_get(metrics, "/metrics")?;
+    ensure!(body.contains("meshwarp_path_latency_seconds_bucket{") && body.contains("metric=\"think\""), "{body}");
+    drop(conns);
+    Ok(())
+}

@@ -53,6 +53,57 @@ pub struct FeatureLabel {
     pub feature: String,
 }
 
+/// Labels of one latency histogram: the rule (its id and what it is), the
+/// metric, and for a hop the rule it came from.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct LatencyLabels {
+    pub rule_id: String,
+    pub rule: String,
+    pub metric: String,
+    pub from_rule_id: String,
+}
+
+/// The data path's latency histograms as read at the last scrape: the
+/// kernel keeps log2 buckets, exported as they are (`le` = 2^(i+1) ns).
+#[derive(Debug, Default)]
+struct LatencyCollector {
+    now: Mutex<Vec<(LatencyLabels, meshwarp_core::Histogram)>>,
+}
+
+impl prometheus_client::collector::Collector for LatencyCollector {
+    fn encode(&self, mut encoder: prometheus_client::encoding::DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let now = self.now.lock().unwrap_or_else(|p| p.into_inner());
+        if now.is_empty() {
+            return Ok(());
+        }
+        let mut family = encoder.encode_descriptor(
+            "path_latency_seconds",
+            "Latency monitor, per rule: delivery on the fast and TCP paths, setup, response, think time, proxy hops",
+            None,
+            prometheus_client::metrics::MetricType::Histogram,
+        )?;
+        for (labels, h) in now.iter() {
+            let last = h.buckets.len() - 1;
+            let buckets: Vec<(f64, u64)> = h
+                .buckets
+                .iter()
+                .enumerate()
+                .map(|(i, &n)| {
+                    let upper = meshwarp_core::Histogram::bounds(i).1 as f64 / 1e9;
+                    (if i == last { f64::INFINITY } else { upper }, n)
+                })
+                .collect();
+            family.encode_family(labels)?.encode_histogram::<prometheus_client::encoding::NoLabelSet>(
+                h.sum_ns as f64 / 1e9,
+                h.count,
+                &buckets,
+                None,
+            )?;
+        }
+        Ok(())
+    }
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct IncidentLabels {
     pub kind: String,
@@ -122,6 +173,7 @@ pub struct Metrics {
     incidents: Family<IncidentLabels, Counter>,
     policy: Family<TransitionLabels, Counter>,
     policy_tcp_msgs: Counter,
+    path_latency: std::sync::Arc<LatencyCollector>,
 }
 
 impl Default for Metrics {
@@ -197,6 +249,8 @@ impl Metrics {
             "Adaptive policy: messages demoted directions sent on the TCP path (all rules)",
             policy_tcp_msgs.clone(),
         );
+        let path_latency = std::sync::Arc::new(LatencyCollector::default());
+        registry.register_collector(Box::new(std::sync::Arc::clone(&path_latency)));
         Self {
             registry: Mutex::new(registry),
             totals: Mutex::new(Totals::default()),
@@ -215,7 +269,32 @@ impl Metrics {
             incidents,
             policy,
             policy_tcp_msgs,
+            path_latency,
         }
+    }
+
+    /// The latency monitor's histograms, labelled with their rules.
+    fn render_latency(&self, dp: &Dataplane) {
+        let hists = dp.latency().histograms(&std::collections::BTreeSet::new()).unwrap_or_default();
+        let reg = dp.registry();
+        let describe = |id: u32| match reg.rule_by_id(id) {
+            Some((meshwarp_core::registry::RuleRef::Pair(p), _)) => format!("pair {p}"),
+            Some((meshwarp_core::registry::RuleRef::Capture(c), _)) => format!("capture {c}"),
+            None => String::new(),
+        };
+        let now = hists
+            .into_iter()
+            .map(|h| {
+                let labels = LatencyLabels {
+                    rule_id: h.rule_id.to_string(),
+                    rule: describe(h.rule_id),
+                    metric: h.metric.name().to_string(),
+                    from_rule_id: h.from_rule.map(|r| r.to_string()).unwrap_or_default(),
+                };
+                (labels, h)
+            })
+            .collect();
+        *self.path_latency.now.lock().unwrap_or_else(|p| p.into_inner()) = now;
     }
 
     /// Counts one reader guard incident.
@@ -236,6 +315,7 @@ impl Metrics {
     /// The text exposition, with data-path counters read now.
     pub fn render(&self, dp: &Dataplane, plugins: Option<&PluginChain>) -> String {
         self.render_plugins(plugins);
+        self.render_latency(dp);
         let reg = dp.registry();
         let flat = |c: meshwarp_core::RuleCounters| -> RuleTotals {
             [
