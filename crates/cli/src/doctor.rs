@@ -114,6 +114,13 @@ pub fn run(pin_root: &Path) -> Result<()> {
             fix: "kernel needs CONFIG_BPF_EVENTS and CONFIG_FTRACE_SYSCALLS",
         },
         Check {
+            name: "latency monitor",
+            ok: kernel_btf_has("btf_trace_tcp_sendmsg_locked", libbpf_sys::BTF_KIND_TYPEDEF)
+                && kernel_btf_has("btf_trace_sock_send_length", libbpf_sys::BTF_KIND_TYPEDEF),
+            detail: "tp_btf tcp_sendmsg_locked and sock_send_length (attached only while it runs)".into(),
+            fix: "kernel 6.13 or newer (the data path's programs include them)",
+        },
+        Check {
             name: "cgroup sockopt",
             ok: prog_type(libbpf_sys::BPF_PROG_TYPE_CGROUP_SOCKOPT),
             detail: "cgroup/setsockopt: SO_RCVLOWAT and TCP_ULP on accelerated sockets".into(),
