@@ -111,15 +111,15 @@ pub mod names {
     pub const PROG_DESTROY: &str = "mw_destroy";
     pub const PROG_PARK: &str = "mw_park";
     pub const PROG_UNLINK: &str = "mw_unlink";
-    /// The latency monitor's send side (tracepoints attached while it runs).
+    /// The latency monitor's TCP-path send side (attached while it runs).
     pub const PROG_LAT_SEND: &str = "mw_lat_send";
-    pub const PROG_LAT_SENT: &str = "mw_lat_sent";
     /// The connection list (an iterator over `mw_sk_state`).
     pub const PROG_CONNS: &str = "mw_conns";
     pub const MAP_LAT_RULE: &str = "mw_lat_rule";
     pub const MAP_LAT_HIST: &str = "mw_lat_hist";
     pub const MAP_LAT_ZERO: &str = "mw_lat_zero";
     pub const MAP_LAT_PEND: &str = "mw_lat_pend";
+    pub const MAP_LAT_SLOT: &str = "mw_lat_slot";
     pub const MAP_LAT_THR: &str = "mw_lat_thr";
     pub const MAP_SK_CONN: &str = "mw_sk_conn";
     pub const MAP_SK_STATE: &str = "mw_sk_state";
@@ -158,7 +158,7 @@ pub mod names {
     /// Per CPU: the interface and direction of the packet a chain runs for.
     pub const MAP_PKT_DIR: &str = "mw_pkt_dir";
     /// The sockredir family's programs that are pinned.
-    pub const SOCKREDIR_PROGS: [&str; 11] = [
+    pub const SOCKREDIR_PROGS: [&str; 10] = [
         PROG_SOCKOPS,
         PROG_SK_MSG,
         PROG_RECV_LEN,
@@ -168,7 +168,6 @@ pub mod names {
         PROG_PARK,
         PROG_UNLINK,
         PROG_LAT_SEND,
-        PROG_LAT_SENT,
         PROG_CONNS,
     ];
     /// The tcredir family's programs that are pinned.
@@ -181,7 +180,7 @@ pub mod names {
     pub const TCREDIR_MAPS: [&str; 8] =
         [MAP_RT4, MAP_RT6, MAP_RT_STATS, MAP_ATT_STATS, MAP_RT_OWNER, MAP_CH_PKT, MAP_BUILD, MAP_PKT_DIR];
     /// The sockredir family's own maps (besides [`PLUGIN_HOST_MAPS`]), in pin order.
-    pub const SOCKREDIR_MAPS: [&str; 30] = [
+    pub const SOCKREDIR_MAPS: [&str; 31] = [
         MAP_SOCKMAP,
         MAP_SLOTS,
         MAP_PAIRS,
@@ -210,6 +209,7 @@ pub mod names {
         MAP_LAT_HIST,
         MAP_LAT_ZERO,
         MAP_LAT_PEND,
+        MAP_LAT_SLOT,
         MAP_LAT_THR,
         MAP_SK_CONN,
     ];

@@ -1,9 +1,11 @@
 //! `meshwarp`: the node daemon (`serve`), a gRPC client for everything a
-//! controller or operator does (`pair`, `capture`, `stats`, `watch`, `node`),
-//! `doctor`, `uninstall` and the `demo`.
+//! controller or operator does (`pair`, `capture`, `stats`, `watch`, `node`)
+//! and observes (`latency`, `conns`, `top`), `doctor`, `uninstall` and the
+//! `demo`.
 
 mod demo;
 mod doctor;
+mod live;
 mod mesh;
 mod remote;
 
@@ -14,6 +16,8 @@ use std::process::ExitCode;
 use anyhow::{Context, Result};
 use clap::{CommandFactory, Parser, Subcommand};
 use meshwarp_cli::config;
+use meshwarp_cli::conns::ConnsFilterArgs;
+use meshwarp_cli::latency::{MetricArg, RuleSelectorArgs};
 use meshwarp_core::dataplane::DEFAULT_PIN_ROOT;
 
 #[derive(Debug, Parser)]
@@ -149,6 +153,32 @@ enum Cmd {
     },
     /// About the node.
     Node(Remote<NodeCmd>),
+    /// Latency monitor: per-rule histograms of fast-path and TCP delivery,
+    /// connection setup, response, think time and proxy hops. Without a
+    /// subcommand: `latency show`.
+    Latency(LatencyArgs),
+    /// Connections meshwarp holds state for: path per direction (fast or
+    /// tcp:<reason>), process, traffic. Cookies in decimal; `ss -e` prints
+    /// the same cookie in hex as `sk:` (--cookie takes 0x... and sk:... too).
+    Conns {
+        #[command(flatten)]
+        remote: RemoteArgs,
+        #[command(flatten)]
+        filter: ConnsFilterArgs,
+    },
+    /// Live view per rule, busiest first: connections (how many fully
+    /// fast), bytes/s on the fast path and TCP, messages/s, latency p50/p99.
+    /// Refreshed in place until Ctrl-C.
+    Top {
+        #[command(flatten)]
+        remote: RemoteArgs,
+        /// Between two refreshes, in ms (at least 100).
+        #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(100..))]
+        interval_ms: u32,
+        /// Refresh this many times, then exit.
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+        count: Option<u64>,
+    },
     /// Check what this machine offers meshwarp and how to fix what is missing.
     Doctor {
         #[command(flatten)]
@@ -447,6 +477,75 @@ pub enum RouteCmd {
     },
 }
 
+/// `meshwarp latency`: a subcommand, or the flags of `latency show` (the
+/// connection flags go anywhere, as for every command that talks to a node).
+#[derive(Debug, clap::Args)]
+pub struct LatencyArgs {
+    #[command(flatten)]
+    remote: RemoteArgs,
+    #[command(subcommand)]
+    cmd: Option<LatencyCmd>,
+    #[command(flatten)]
+    show: LatencyShowArgs,
+}
+
+/// What `latency show` (and `latency` alone) prints.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct LatencyShowArgs {
+    #[command(flatten)]
+    rules: RuleSelectorArgs,
+    /// Only this metric (default: every one). Repeatable.
+    #[arg(long = "metric", value_name = "METRIC", value_enum)]
+    metrics: Vec<MetricArg>,
+    /// Also draw the histograms (and, with proxy hops, the per-hop
+    /// breakdown) into this SVG file.
+    #[arg(long, value_name = "FILE")]
+    svg: Option<PathBuf>,
+}
+
+impl LatencyShowArgs {
+    /// Whether any of its flags was given.
+    fn given(&self) -> bool {
+        !self.rules.is_empty() || !self.metrics.is_empty() || self.svg.is_some()
+    }
+}
+
+#[derive(Debug, Subcommand)]
+pub enum LatencyCmd {
+    /// Switch the monitor on: for the rules named (replacing the previous
+    /// set; NOT_FOUND for an unknown one), or for every rule, also those
+    /// registered later.
+    On {
+        #[command(flatten)]
+        rules: RuleSelectorArgs,
+        /// Forget the histograms recorded so far (of the rules named, or all).
+        #[arg(long)]
+        reset: bool,
+    },
+    /// Switch the monitor off on every rule (one flag test per message left).
+    Off {
+        /// Also forget the histograms recorded so far.
+        #[arg(long)]
+        reset: bool,
+    },
+    /// The histograms: count, mean, p50/p90/p99, and the buckets drawn.
+    Show(LatencyShowArgs),
+    /// The histograms (cumulative) every interval, redrawn in place until Ctrl-C.
+    Watch {
+        #[command(flatten)]
+        rules: RuleSelectorArgs,
+        /// Only this metric (default: every one). Repeatable.
+        #[arg(long = "metric", value_name = "METRIC", value_enum)]
+        metrics: Vec<MetricArg>,
+        /// Between two updates, in ms (at least 100).
+        #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(100..))]
+        interval_ms: u32,
+        /// Stop after this many updates.
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+        count: Option<u64>,
+    },
+}
+
 #[derive(Debug, Subcommand)]
 enum BenchCmd {
     /// The end-to-end mesh benchmark: wrk -> haproxy sidecars (Istio-style capture) -> nginx,
@@ -536,11 +635,35 @@ fn run(cli: Cli) -> Result<()> {
         | Cmd::Plugin(Remote { remote, .. })
         | Cmd::Stats { remote }
         | Cmd::Watch { remote, .. }
-        | Cmd::Node(Remote { remote, .. }) => {
+        | Cmd::Node(Remote { remote, .. })
+        | Cmd::Latency(LatencyArgs { remote, .. })
+        | Cmd::Conns { remote, .. }
+        | Cmd::Top { remote, .. } => {
+            check_flags(&cli.cmd)?;
             init_logs("warn", false);
             let rt = tokio::runtime::Runtime::new()?;
             rt.block_on(remote_cmd(remote, &cli.cmd))
         }
+    }
+}
+
+/// Flags the parser accepts that make no sense together, refused before
+/// connecting.
+fn check_flags(cmd: &Cmd) -> Result<()> {
+    match cmd {
+        Cmd::Latency(LatencyArgs { cmd: Some(sub), show, .. }) if show.given() => {
+            let name = match sub {
+                LatencyCmd::On { .. } => "on",
+                LatencyCmd::Off { .. } => "off",
+                LatencyCmd::Show(_) => "show",
+                LatencyCmd::Watch { .. } => "watch",
+            };
+            anyhow::bail!("--pair, --capture, --metric and --svg go after `latency {name}`")
+        }
+        Cmd::Top { remote, .. } if remote.json || remote.output != remote::Output::Table => {
+            anyhow::bail!("top shows a table only; for JSON/YAML use `conns -o json` and `latency show -o json`")
+        }
+        _ => Ok(()),
     }
 }
 
@@ -582,6 +705,21 @@ async fn remote_cmd(args: &RemoteArgs, cmd: &Cmd) -> Result<()> {
         Cmd::Stats { .. } => c.stats().await,
         Cmd::Watch { after, instance, .. } => c.watch(*after, instance).await,
         Cmd::Node(Remote { cmd: NodeCmd::Info, .. }) => c.node_info().await,
+        Cmd::Latency(l) => match &l.cmd {
+            Some(LatencyCmd::On { rules, reset }) => live::latency_set(&mut c, true, rules, *reset).await,
+            Some(LatencyCmd::Off { reset }) => {
+                live::latency_set(&mut c, false, &RuleSelectorArgs::default(), *reset).await
+            }
+            Some(LatencyCmd::Show(show)) => {
+                live::latency_show(&mut c, &show.rules, &show.metrics, show.svg.as_deref()).await
+            }
+            None => live::latency_show(&mut c, &l.show.rules, &l.show.metrics, l.show.svg.as_deref()).await,
+            Some(LatencyCmd::Watch { rules, metrics, interval_ms, count }) => {
+                live::latency_watch(&mut c, rules, metrics, *interval_ms, *count).await
+            }
+        },
+        Cmd::Conns { filter, .. } => live::conns(&mut c, filter).await,
+        Cmd::Top { interval_ms, count, .. } => live::top(&mut c, *interval_ms, *count).await,
         _ => Ok(()),
     }
 }
@@ -624,5 +762,35 @@ mod cli_tests {
             has("meshwarp serve", "pin-root") && !has("meshwarp serve", "owner") && !has("meshwarp serve", "output")
         );
         assert!(!has("meshwarp serve", "tls-client-cert") && !has("meshwarp doctor", "addr"));
+        assert!(has("meshwarp latency on", "pair") && has("meshwarp latency on", "owner"));
+        assert!(has("meshwarp conns", "cookie") && has("meshwarp top", "addr") && !has("meshwarp top", "pin-root"));
+    }
+
+    /// `latency` alone is `latency show` with its flags; connection flags go
+    /// before or after the subcommand; cookies in hex.
+    #[test]
+    fn latency_and_conns_command_lines() {
+        let cli = Cli::try_parse_from(["meshwarp", "latency", "--metric", "hop", "--svg", "x.svg"]).unwrap();
+        let Cmd::Latency(l) = &cli.cmd else { panic!("{cli:?}") };
+        assert!(l.cmd.is_none() && l.show.metrics == [MetricArg::Hop] && l.show.svg.is_some());
+        assert!(check_flags(&cli.cmd).is_ok());
+
+        let cli =
+            Cli::try_parse_from(["meshwarp", "latency", "--addr", "/x.sock", "on", "--pair", "10.0.0.1=10.0.0.2:80"])
+                .unwrap();
+        let Cmd::Latency(l) = &cli.cmd else { panic!("{cli:?}") };
+        assert_eq!(l.remote.addr, "/x.sock");
+        assert!(matches!(&l.cmd, Some(LatencyCmd::On { rules, reset: false }) if rules.pairs.len() == 1));
+
+        // Flags of `show` before another subcommand: refused, not ignored.
+        let cli = Cli::try_parse_from(["meshwarp", "latency", "--svg", "x.svg", "off"]).unwrap();
+        assert!(check_flags(&cli.cmd).is_err());
+
+        let cli = Cli::try_parse_from(["meshwarp", "conns", "--cookie", "0x1f", "--path", "tcp"]).unwrap();
+        let Cmd::Conns { filter, .. } = &cli.cmd else { panic!("{cli:?}") };
+        assert_eq!(filter.cookie, Some(31));
+        let top = Cli::try_parse_from(["meshwarp", "top", "-o", "json"]).unwrap();
+        assert!(check_flags(&top.cmd).is_err());
+        assert!(Cli::try_parse_from(["meshwarp", "top", "--interval-ms", "10"]).is_err());
     }
 }

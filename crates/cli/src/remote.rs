@@ -4,7 +4,7 @@
 use std::net::{IpAddr, SocketAddr};
 
 use anyhow::{Context, Result};
-use comfy_table::{presets, CellAlignment, ContentArrangement, Table};
+use meshwarp_cli::output::table;
 use meshwarp_grpc_api::pb::node_service_client::NodeServiceClient;
 use meshwarp_grpc_api::pb::{self, watch_response::Resource};
 use serde::Serialize;
@@ -133,24 +133,6 @@ fn never_into(n: &RuleOptions) -> Vec<i32> {
         .collect()
 }
 
-/// A plain table: no borders, each column as wide as its widest cell (an
-/// IPv6 endpoint widens its column instead of shifting the row); the
-/// columns named in `right` (numbers) aligned right.
-fn table(header: &[&str], right: &[usize]) -> Table {
-    let mut t = Table::new();
-    t.load_style(presets::NOTHING).set_content_arrangement(ContentArrangement::Disabled).set_header(header.to_vec());
-    for &i in right {
-        if let Some(c) = t.column_mut(i) {
-            c.set_cell_alignment(CellAlignment::Right);
-        }
-    }
-    // Rows start at the margin, as the hand-padded tables did.
-    if let Some(c) = t.column_mut(0) {
-        c.set_padding((0, 1));
-    }
-    t
-}
-
 /// The header and cells of a rule's counters, as in `counters_cols`.
 const COUNTER_COLS: [&str; 4] = ["SOCKETS", "MSGS", "BYTES", "FALLBACKS"];
 
@@ -199,8 +181,24 @@ impl Remote {
         Ok(Self { c, owner: owner.into(), out })
     }
 
+    /// The node's client, for the commands that make their own calls
+    /// ([`crate::live`]).
+    pub fn client(&mut self) -> &mut NodeServiceClient<Channel> {
+        &mut self.c
+    }
+
+    /// `--owner`.
+    pub fn owner(&self) -> &str {
+        &self.owner
+    }
+
+    /// `--output` (`--json`: JSON).
+    pub fn output(&self) -> Output {
+        self.out
+    }
+
     /// Prints `msg` as JSON/YAML, or calls `table` for the table format.
-    fn emit<T: Serialize>(&self, msg: &T, table: impl FnOnce()) -> Result<()> {
+    pub fn emit<T: Serialize>(&self, msg: &T, table: impl FnOnce()) -> Result<()> {
         match self.out {
             Output::Table => table(),
             Output::Json => println!("{}", serde_json::to_string_pretty(msg)?),

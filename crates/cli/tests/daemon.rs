@@ -1300,6 +1300,30 @@ fn latency_and_connections_over_the_api() -> Result<()> {
     })?;
     let body = http_get(metrics, "/metrics")?;
     ensure!(body.contains("meshwarp_path_latency_seconds_bucket{") && body.contains("metric=\"think\""), "{body}");
+
+    // The same through the CLI: histograms drawn, JSON, an SVG picture, the
+    // connection list (found by the cookie ss prints in hex) and top.
+    let ok = |o: Output| -> Result<String> {
+        ensure!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        Ok(String::from_utf8_lossy(&o.stdout).into_owned())
+    };
+    let shown = ok(env.cli(&["latency", "show", "--metric", "think"]))?;
+    ensure!(shown.contains("think") && shown.contains('█') && shown.contains("ms"), "{shown}");
+    let json: serde_json::Value = serde_json::from_str(&ok(env.cli(&["latency", "show", "-o", "json"]))?)?;
+    ensure!(json.to_string().contains("\"think\""), "{json}");
+    let svg = env.scratch.0.join("latency.svg");
+    ok(env.cli(&["latency", "show", "--svg", svg.to_str().unwrap()]))?;
+    let pic = std::fs::read_to_string(&svg)?;
+    ensure!(pic.starts_with("<svg") && pic.contains("<rect") && pic.contains("think"), "{pic}");
+    let cookie = meshwarp_core::sys::socket_cookie_of(&conns[0].0)?;
+    let listed = ok(env.cli(&["conns", "--cookie", &format!("sk:{cookie:x}")]))?;
+    ensure!(listed.contains(&cookie.to_string()) && listed.contains("fast"), "{listed}");
+    let all = ok(env.cli(&["conns", "--port", "8095", "-o", "json"]))?;
+    ensure!(all.matches("\"cookie\"").count() == 6, "{all}");
+    let top = ok(env.cli(&["top", "--count", "2", "--interval-ms", "100"]))?;
+    ensure!(top.contains(&c_ip) && !top.contains('\x1b'), "plain frames when not a terminal: {top}");
+    ok(env.cli(&["latency", "off"]))?;
+    ensure!(ok(env.cli(&["latency", "show", "-o", "json"]))?.contains("\"enabled\": false"));
     drop(conns);
     Ok(())
 }

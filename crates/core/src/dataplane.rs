@@ -458,7 +458,6 @@ fn upgrade_programs(layout: &FamilyPins) -> Result<Vec<String>, UpgradeError> {
         swap.tp_link(&layout.link(names::PROG_RECV_LEN), p.mw_recv_len.as_fd())?;
         swap.tp_link(&layout.link(names::PROG_SYS_ENTER), p.mw_sys_enter.as_fd())?;
         swap.tp_link(&layout.link(names::PROG_LAT_SEND), p.mw_lat_send.as_fd())?;
-        swap.tp_link(&layout.link(names::PROG_LAT_SENT), p.mw_lat_sent.as_fd())?;
         for (name, prog) in sockredir_progs(p) {
             swap.prog_pin(&layout.prog(name), prog.as_fd())?;
         }
@@ -469,7 +468,7 @@ fn upgrade_programs(layout: &FamilyPins) -> Result<Vec<String>, UpgradeError> {
 /// The programs of the socket family that are pinned, by pin name.
 fn sockredir_progs<'a>(
     p: &'a meshwarp_bpf::sockredir::SockredirProgs<'a>,
-) -> [(&'static str, &'a libbpf_rs::ProgramMut<'a>); 11] {
+) -> [(&'static str, &'a libbpf_rs::ProgramMut<'a>); 10] {
     [
         (names::PROG_SOCKOPS, &p.mw_sockops),
         (names::PROG_SK_MSG, &p.mw_sk_msg),
@@ -480,7 +479,6 @@ fn sockredir_progs<'a>(
         (names::PROG_PARK, &p.mw_park),
         (names::PROG_UNLINK, &p.mw_unlink),
         (names::PROG_LAT_SEND, &p.mw_lat_send),
-        (names::PROG_LAT_SENT, &p.mw_lat_sent),
         (names::PROG_CONNS, &p.mw_conns),
     ]
 }
@@ -627,6 +625,7 @@ fn load_and_pin(cfg: &DataplaneConfig, layout: &FamilyPins) -> Result<(), Datapl
     let maps = &mut open.maps;
     let sizes = [
         (&mut maps.mw_sockmap, sockmap_entries),
+        (&mut maps.mw_lat_slot, sockmap_entries),
         (&mut maps.mw_slots, slots(cfg.max_sockets)),
         (&mut maps.mw_links, slots(cfg.max_sockets)),
         (&mut maps.mw_observe, cfg.max_sockets),
@@ -677,6 +676,7 @@ fn load_and_pin(cfg: &DataplaneConfig, layout: &FamilyPins) -> Result<(), Datapl
         (names::MAP_LAT_HIST, &maps.mw_lat_hist),
         (names::MAP_LAT_ZERO, &maps.mw_lat_zero),
         (names::MAP_LAT_PEND, &maps.mw_lat_pend),
+        (names::MAP_LAT_SLOT, &maps.mw_lat_slot),
         (names::MAP_LAT_THR, &maps.mw_lat_thr),
         (names::MAP_SK_CONN, &maps.mw_sk_conn),
         (names::MAP_CHAIN, &maps.mw_chain),

@@ -9,9 +9,9 @@
 //! ([`Metric::Hop`]): the hops of a mesh request, app → sidecar → sidecar →
 //! app, stitched through the rules they cross.
 //!
-//! Off costs the data path one flag test per message: the monitor's send-side
-//! tracepoints (`mw_lat_send` on `tcp_sendmsg_locked`, `mw_lat_sent` on
-//! `sock_send_length`) are pinned links only while it runs.
+//! Off costs the data path one flag test per message: sk_msg and the read
+//! tracepoint test the switch, and the TCP-path send tracepoint (`mw_lat_send`
+//! on `tcp_sendmsg_locked`) is a pinned link only while it runs.
 
 use std::collections::BTreeSet;
 use std::fmt;
@@ -213,8 +213,8 @@ impl LatencyMonitor {
     }
 
     /// Runs the monitor for `scope` (replacing what ran before). Turning it
-    /// on attaches the send-side tracepoints before the programs start
-    /// stamping; turning it off stops the stamping, then detaches them.
+    /// on attaches the TCP-path send tracepoint before the programs start
+    /// stamping; turning it off stops the stamping, then detaches it.
     pub fn set(&self, scope: &Scope) -> Result<(), LatencyError> {
         let max = self.rules.capacity();
         if let Scope::Rules(ids) = scope {
@@ -253,20 +253,20 @@ impl LatencyMonitor {
         Ok(())
     }
 
+    /// Attaches (pins a link of) or detaches the TCP-path send tracepoint.
     fn set_links(&self, on: bool) -> Result<(), LatencyError> {
-        for name in [names::PROG_LAT_SEND, names::PROG_LAT_SENT] {
-            let path: PathBuf = self.layout.link(name);
-            match (on, path.exists()) {
-                (true, false) => {
-                    let prog = ProgramHandle::from_pinned_path(self.layout.prog(name))
-                        .map_err(|e| BpfError::new(format!("opening pinned program {name}"), e))?;
-                    let step = format!("attaching {name}");
-                    let link = upgrade::raw_tp_open(&step, prog.as_fd())?;
-                    upgrade::obj_pin(&step, link.as_fd(), &path)?;
-                }
-                (false, true) => fs::remove_file(&path).map_err(|e| IoError::new(path.display().to_string(), e))?,
-                _ => {}
+        let name = names::PROG_LAT_SEND;
+        let path: PathBuf = self.layout.link(name);
+        match (on, path.exists()) {
+            (true, false) => {
+                let prog = ProgramHandle::from_pinned_path(self.layout.prog(name))
+                    .map_err(|e| BpfError::new(format!("opening pinned program {name}"), e))?;
+                let step = format!("attaching {name}");
+                let link = upgrade::raw_tp_open(&step, prog.as_fd())?;
+                upgrade::obj_pin(&step, link.as_fd(), &path)?;
             }
+            (false, true) => fs::remove_file(&path).map_err(|e| IoError::new(path.display().to_string(), e))?,
+            _ => {}
         }
         Ok(())
     }

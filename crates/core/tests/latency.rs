@@ -89,15 +89,17 @@ fn rounds(c: &mut TcpStream, s: TcpStream, n: usize, len: usize, wait: Duration)
 /// A server that waits 2 ms before replying: its think time and the
 /// client's response time are at least 2 ms, every sample; the fast path's
 /// deliveries are not (and no byte took TCP under mode always). A second
-/// rule the monitor is not on for records nothing.
+/// rule the monitor is not on for records nothing; a third, mode never,
+/// records its deliveries as TCP.
 #[test]
 fn a_server_that_waits_2ms_shows_in_its_rules_buckets() -> Result<()> {
     let k = kernel_test!();
     let net = NodeWithPods::new(2)?;
     let (l, _p, id) = pair(&k, &net, 0, 1, 8301, FastPathMode::Always)?;
     let (l2, _p2, id2) = pair(&k, &net, 0, 1, 8302, FastPathMode::Always)?;
-    k.dp().latency().set(&LatencyScope::Rules(BTreeSet::from([id])))?;
-    ensure!(k.dp().latency().scope()? == LatencyScope::Rules(BTreeSet::from([id])));
+    let (l3, _p3, id3) = pair(&k, &net, 0, 1, 8303, FastPathMode::Never)?;
+    k.dp().latency().set(&LatencyScope::Rules(BTreeSet::from([id, id3])))?;
+    ensure!(k.dp().latency().scope()? == LatencyScope::Rules(BTreeSet::from([id, id3])));
 
     let mut c = net.pods[0].ns.connect(SocketAddr::new(net.pods[1].addr(false), 8301))?;
     let s = accept_timeout(&l, Duration::from_secs(10))?;
@@ -105,6 +107,9 @@ fn a_server_that_waits_2ms_shows_in_its_rules_buckets() -> Result<()> {
     let mut c2 = net.pods[0].ns.connect(SocketAddr::new(net.pods[1].addr(false), 8302))?;
     let s2 = accept_timeout(&l2, Duration::from_secs(10))?;
     rounds(&mut c2, s2, 30, 64, Duration::from_millis(2))?;
+    let mut c3 = net.pods[0].ns.connect(SocketAddr::new(net.pods[1].addr(false), 8303))?;
+    let s3 = accept_timeout(&l3, Duration::from_secs(10))?;
+    rounds(&mut c3, s3, 30, 64, Duration::ZERO)?;
 
     let hs = k.dp().latency().histograms(&BTreeSet::new())?;
     let think = hist(&hs, id, Metric::Think, None).context("think time recorded")?;
@@ -119,10 +124,14 @@ fn a_server_that_waits_2ms_shows_in_its_rules_buckets() -> Result<()> {
     ensure!(hist(&hs, id, Metric::Tcp, None).is_none_or(|h| h.count == 0), "mode always took TCP: {hs:?}");
     ensure!(hist(&hs, id, Metric::Setup, None).is_some_and(|h| h.count >= 1), "setup: {hs:?}");
     ensure!(hs.iter().all(|h| h.rule_id != id2), "a rule the monitor is off for recorded: {hs:?}");
+    // Mode never: every delivery crossed TCP (the bridge and both veths).
+    let tcp = hist(&hs, id3, Metric::Tcp, None).context("TCP-path deliveries recorded")?;
+    ensure!(tcp.count >= 50, "tcp: {tcp:?}");
+    ensure!(hist(&hs, id3, Metric::Fast, None).is_none(), "mode never took the fast path: {hs:?}");
 
     k.dp().latency().set(&LatencyScope::Off)?;
     let links = k.cfg.pin_root.join(format!("v{}", meshwarp_core::dataplane::SCHEMA_VERSION)).join("links");
-    ensure!(!links.join("mw_lat_send").exists() && !links.join("mw_lat_sent").exists(), "send side detached");
+    ensure!(!links.join("mw_lat_send").exists(), "send side detached");
     Ok(())
 }
 

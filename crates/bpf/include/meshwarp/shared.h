@@ -423,7 +423,7 @@ struct mw_rule_stats {
  *
  * Log2 histograms per rule and metric (mw_lat_hist, per CPU), recorded only
  * while mw_config has MW_CFG_LATENCY and the rule is on (MW_CFG_LAT_ALL or
- * mw_lat_rule[rule id] != 0); its send-side tracepoints are attached only
+ * mw_lat_rule[rule id] != 0); its TCP-path send tracepoint is attached only
  * then, so a monitor that is off costs one flag test per message.
  */
 #define MW_LAT_FAST 1     /* delivery, fast path: a send to the peer's read that returns it (redirected) */
@@ -457,10 +457,11 @@ struct mw_lat_pend_key {
 	__u32 pad;
 };
 
-/* A thread's last read of a covered socket (mw_lat_thr, keyed by thread id). */
+/* The last read of a covered socket on a CPU (mw_lat_thr) and its thread. */
 struct mw_lat_thread {
 	__u64 ts;
 	__u64 conn;
+	__u64 pid_tgid;
 	__u32 rule_id;
 	__u32 pad;
 };

@@ -162,8 +162,16 @@ MW_MAP(mw_lat_rule, BPF_MAP_TYPE_ARRAY, __u32, __u32, 16384, 0);
 MW_MAP(mw_lat_hist, BPF_MAP_TYPE_PERCPU_HASH, struct mw_lat_key, struct mw_lat_hist, 16384, BPF_F_NO_PREALLOC);
 /* Never written: the zeroes a new histogram starts from (too large for the stack). */
 MW_MAP(mw_lat_zero, BPF_MAP_TYPE_ARRAY, __u32, struct mw_lat_hist, 1, 0);
+/* The oldest unread send of each direction: for accelerated links by
+ * SOCKMAP position (2 * slot + sending end, sized as mw_sockmap: an index,
+ * no hashing on the fast path), for the others by connection id. */
+MW_MAP(mw_lat_slot, BPF_MAP_TYPE_ARRAY, __u32, __u64, 65536, 0);
 MW_MAP(mw_lat_pend, BPF_MAP_TYPE_LRU_HASH, struct mw_lat_pend_key, __u64, 65536, 0);
-MW_MAP(mw_lat_thr, BPF_MAP_TYPE_LRU_HASH, __u32, struct mw_lat_thread, 16384, 0);
+
+/* Per CPU: the last read of a covered socket, and by which thread. Its
+ * next send on this CPU is the thread's answer (a thread that migrates in
+ * between loses that one sample). */
+MW_MAP(mw_lat_thr, BPF_MAP_TYPE_PERCPU_ARRAY, __u32, struct mw_lat_thread, 1, 0);
 
 /* When a client socket called connect() (ns), while the monitor runs. */
 struct {
@@ -259,51 +267,6 @@ static __always_inline void lat_record(__u32 rule_id, __u32 metric, __u32 from, 
 /* A send begins on a covered socket (sk_msg, or tcp_sendmsg_locked for the
  * TCP path): before any of its bytes can reach the peer. The oldest unread
  * send of each direction and of each socket is what a read answers. */
-static __always_inline void lat_send(struct mw_sock_state *st)
-{
-	struct mw_lat_pend_key k = { .conn = st->conn, .end = st->end & 1 };
-	__u64 now = bpf_ktime_get_ns(), *ts;
-
-	if (!st->conn)
-		return;
-	ts = bpf_map_lookup_elem(&mw_lat_pend, &k);
-	if (!ts)
-		bpf_map_update_elem(&mw_lat_pend, &k, &now, BPF_NOEXIST);
-	else if (!*ts)
-		__sync_val_compare_and_swap(ts, 0, now);
-	if ((st->end & 1) == MW_END_CLIENT && !st->req_ts)
-		__sync_val_compare_and_swap(&st->req_ts, 0, now);
-}
-
-/* A read returned bytes: the peer's oldest unread send was delivered (on the
- * path the read took them from), a client's request was answered, and this
- * thread's next send measures its own time (mw_lat_sent). */
-static __always_inline void lat_recv(struct mw_sock_state *st, bool fast)
-{
-	struct mw_lat_pend_key k = { .conn = st->conn, .end = (st->end ^ 1) & 1 };
-	struct mw_lat_thread th = {};
-	__u64 now = bpf_ktime_get_ns(), *ts, t;
-	__u32 tid = (__u32)bpf_get_current_pid_tgid();
-
-	if (!st->conn)
-		return;
-	ts = bpf_map_lookup_elem(&mw_lat_pend, &k);
-	if (ts && *ts) {
-		t = __sync_lock_test_and_set(ts, 0);
-		if (t && now > t)
-			lat_record(st->rule_id, fast ? MW_LAT_FAST : MW_LAT_TCP, MW_NO_ID, now - t);
-	}
-	if (st->req_ts) {
-		t = __sync_lock_test_and_set(&st->req_ts, 0);
-		if (t && now > t)
-			lat_record(st->rule_id, MW_LAT_RESPONSE, MW_NO_ID, now - t);
-	}
-	th.ts = now;
-	th.conn = st->conn;
-	th.rule_id = st->rule_id;
-	bpf_map_update_elem(&mw_lat_thr, &tid, &th, BPF_ANY);
-}
-
 static __always_inline void copy_ip(__u32 *dst, const __u32 *src)
 {
 	dst[0] = src[0];
@@ -851,6 +814,107 @@ static __always_inline void watch_close(struct bpf_sock_ops *skops)
 	bpf_sock_ops_cb_flags_set(skops, skops->bpf_sock_ops_cb_flags | BPF_SOCK_OPS_STATE_CB_FLAG);
 }
 
+/* Where the oldest unread send of direction `end` (its sending end) is kept. */
+static __always_inline __u64 *lat_pending(struct mw_sock_state *st, __u32 end, __u64 now)
+{
+	struct mw_lat_pend_key k = { .conn = st->conn, .end = end & 1 };
+	__u32 pos;
+	__u64 *ts;
+
+	/* Both ends agree: an accelerated link's ends both see it; once the
+	 * server end released it, neither does. */
+	if (st->link && st->slot != MW_NO_SLOT && link_at(st->slot, st->link)) {
+		pos = st->slot * 2 + (end & 1);
+		return bpf_map_lookup_elem(&mw_lat_slot, &pos);
+	}
+	ts = bpf_map_lookup_elem(&mw_lat_pend, &k);
+	if (!ts && now) {
+		__u64 zero = 0;
+
+		bpf_map_update_elem(&mw_lat_pend, &k, &zero, BPF_NOEXIST);
+		ts = bpf_map_lookup_elem(&mw_lat_pend, &k);
+	}
+	return ts;
+}
+
+static __always_inline void lat_send(struct mw_sock_state *st)
+{
+	__u64 now = bpf_ktime_get_ns(), *ts;
+	struct mw_lat_thread *th;
+	__u32 zero = 0;
+
+	if (!st->conn)
+		return;
+	/* Plain loads and stores: only this end's sends (under its socket
+	 * lock) set a stamp, only its peer's reads clear one; a race loses one
+	 * sample, never makes one up. */
+	ts = lat_pending(st, st->end, now);
+	if (ts && !*ts)
+		*ts = now;
+	/* The time since this thread's last read: its own (the same
+	 * connection, at the server end: think time) or a proxy's between two
+	 * hops (another connection). One sample per read. */
+	th = bpf_map_lookup_elem(&mw_lat_thr, &zero);
+	if (th && th->ts && th->pid_tgid == bpf_get_current_pid_tgid()) {
+		if (now > th->ts) {
+			if (th->conn != st->conn)
+				lat_record(st->rule_id, MW_LAT_HOP, th->rule_id, now - th->ts);
+			else if ((st->end & 1) == MW_END_SERVER)
+				lat_record(st->rule_id, MW_LAT_THINK, MW_NO_ID, now - th->ts);
+		}
+		th->ts = 0;
+	}
+	if ((st->end & 1) == MW_END_CLIENT && !st->req_ts)
+		st->req_ts = now;
+}
+
+/* A read returned bytes: the peer's oldest unread send was delivered (on the
+ * path the read took them from), a client's request was answered, and this
+ * thread's next send measures its own time (lat_send). */
+static __always_inline void lat_recv(struct mw_sock_state *st, bool fast)
+{
+	struct mw_lat_thread *th;
+	__u64 now = bpf_ktime_get_ns(), *ts, t;
+	__u32 zero = 0;
+
+	if (!st->conn)
+		return;
+	ts = lat_pending(st, st->end ^ 1, 0);
+	if (ts && *ts) {
+		t = *ts;
+		*ts = 0;
+		if (now > t)
+			lat_record(st->rule_id, fast ? MW_LAT_FAST : MW_LAT_TCP, MW_NO_ID, now - t);
+	}
+	if (st->req_ts) {
+		t = st->req_ts;
+		st->req_ts = 0;
+		if (now > t)
+			lat_record(st->rule_id, MW_LAT_RESPONSE, MW_NO_ID, now - t);
+	}
+	th = bpf_map_lookup_elem(&mw_lat_thr, &zero);
+	if (th) {
+		th->ts = now;
+		th->conn = st->conn;
+		th->pid_tgid = bpf_get_current_pid_tgid();
+		th->rule_id = st->rule_id;
+	}
+}
+
+/* A new link's slot: no send of the connection that held it before is pending. */
+static __always_inline void lat_slot_clear(__u32 slot)
+{
+	__u32 pos = slot * 2;
+	__u64 *ts = bpf_map_lookup_elem(&mw_lat_slot, &pos);
+
+	if (ts)
+		*ts = 0;
+	pos++;
+	ts = bpf_map_lookup_elem(&mw_lat_slot, &pos);
+	if (ts)
+		*ts = 0;
+}
+
 /* ---- ESTABLISHED ---- */
 
 /* The client end: creates the link (if it may be accelerated at all) and
@@ -978,6 +1042,7 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 	link->slot = slot;
 	link->flags |= MW_LINK_SLOT;
 	link->id = id;
+	lat_slot_clear(slot);
 	err = bpf_map_update_elem(&mw_links, &slot, link, BPF_ANY);
 	if (err) {
 		slot_free(slot, id);
@@ -2010,36 +2075,6 @@ int BPF_PROG(mw_lat_send, const struct sock *sk, const struct msghdr *msg, const
 
 	if (st && lat_on(config_flags(), st->rule_id))
 		lat_send(st);
-	return 0;
-}
-
-/* A send returned: the time since the same thread's last read of a covered
- * socket is its own (the same connection, at the server end: think time) or
- * a proxy's between two hops (another connection). One sample per read. */
-SEC("tp_btf/sock_send_length")
-int BPF_PROG(mw_lat_sent, struct sock *sk, int ret, int flags)
-{
-	__u32 tid = (__u32)bpf_get_current_pid_tgid();
-	struct mw_lat_thread *th;
-	struct mw_sock_state *st;
-	__u64 now;
-
-	if (ret <= 0)
-		return 0;
-	st = bpf_sk_storage_get(&mw_sk_state, sk, 0, 0);
-	if (!st || !st->conn || !lat_on(config_flags(), st->rule_id))
-		return 0;
-	th = bpf_map_lookup_elem(&mw_lat_thr, &tid);
-	if (!th || !th->ts)
-		return 0;
-	now = bpf_ktime_get_ns();
-	if (now > th->ts) {
-		if (th->conn != st->conn)
-			lat_record(st->rule_id, MW_LAT_HOP, th->rule_id, now - th->ts);
-		else if ((st->end & 1) == MW_END_SERVER)
-			lat_record(st->rule_id, MW_LAT_THINK, MW_NO_ID, now - th->ts);
-	}
-	th->ts = 0;
 	return 0;
 }
 
