@@ -80,7 +80,9 @@ pub async fn latency_watch(
     let work = async {
         let mut n = 0u64;
         while let Some(resp) = stream.next().await {
-            let report = LatencyReport::from_pb(&resp.context("latency stream")?, metrics);
+            let w = resp.context("latency stream")?;
+            let snapshot = pb::GetLatencyResponse { state: w.state, histograms: w.histograms };
+            let report = LatencyReport::from_pb(&snapshot, metrics);
             n += 1;
             if out == Output::Table {
                 let head = format!("every {interval_ms} ms (update {n}), Ctrl-C to stop; ");

@@ -176,7 +176,7 @@ pub struct NodeServer {
 }
 
 type WatchStream = Pin<Box<dyn Stream<Item = Result<pb::WatchResponse, Status>> + Send>>;
-type LatencyStream = Pin<Box<dyn Stream<Item = Result<pb::GetLatencyResponse, Status>> + Send>>;
+type LatencyStream = Pin<Box<dyn Stream<Item = Result<pb::WatchLatencyResponse, Status>> + Send>>;
 
 /// Parses every item of a batch, collecting all violations with their index.
 fn parse_all<P, T>(
@@ -973,6 +973,7 @@ impl NodeServer {
                 tokio::task::spawn_blocking(move || this.get_latency(req))
                     .await
                     .unwrap_or_else(|e| Err(Status::internal(format!("latency read: {e}"))))
+                    .map(|r| pb::WatchLatencyResponse { state: r.state, histograms: r.histograms })
             }
         });
         Ok(Box::pin(stream))
