@@ -73,14 +73,6 @@ fn rtt_64b(c: &mut Criterion) {
     }
 }
 
-/// (run_time_ns, run_cnt) of the newest program named `name`.
-fn cost_by_name(name: &str) -> Option<(u64, u64)> {
-    libbpf_rs::query::ProgInfoIter::default()
-        .filter(|p| p.name.to_str() == Some(name))
-        .max_by_key(|p| p.id)
-        .map(|p| (p.run_time_ns, p.run_cnt))
-}
-
 /// The 64 B round trip of a registered pair with the latency monitor off
 /// and on (its rule only), interleaved twice; the per-run cost of every
 /// program on the way (bpf_stats), on and off.
@@ -104,7 +96,7 @@ fn rtt_64b_monitor(c: &mut Criterion) {
     g.sample_size(30).measurement_time(Duration::from_secs(4)).warm_up_time(Duration::from_secs(1));
     for round in 1..=2 {
         for on in [false, true] {
-            k.dp().latency().set(&scope(on)).expect("switch the monitor");
+            k.dp().latency().set(&scope(on), false).expect("switch the monitor");
             let label = format!("monitor_{}_{round}", if on { "on" } else { "off" });
             bench_rtt::<_, MSG>(&mut g, &label, &mut fast);
         }
@@ -116,12 +108,12 @@ fn rtt_64b_monitor(c: &mut Criterion) {
     let _ = std::fs::write(BPF_STATS, "1");
     let (msg, mut buf) = ([0x42u8; MSG], [0u8; MSG]);
     for on in [false, true] {
-        k.dp().latency().set(&scope(on)).expect("switch the monitor");
-        let before = progs.map(|p| cost_by_name(p).unwrap_or_default());
+        k.dp().latency().set(&scope(on), false).expect("switch the monitor");
+        let before = progs.map(|p| k.dp().prog_id(p).ok().and_then(prog_cost).unwrap_or_default());
         for _ in 0..100_000 {
             meshwarp_testbed::round_trip(&mut fast, &msg, &mut buf).expect("round trip");
         }
-        let after = progs.map(|p| cost_by_name(p).unwrap_or_default());
+        let after = progs.map(|p| k.dp().prog_id(p).ok().and_then(prog_cost).unwrap_or_default());
         let per = |i: usize| {
             let (ns, runs) = (after[i].0 - before[i].0, after[i].1 - before[i].1);
             if runs == 0 {

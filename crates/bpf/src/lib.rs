@@ -158,7 +158,7 @@ pub mod names {
     /// Per CPU: the interface and direction of the packet a chain runs for.
     pub const MAP_PKT_DIR: &str = "mw_pkt_dir";
     /// The sockredir family's programs that are pinned.
-    pub const SOCKREDIR_PROGS: [&str; 10] = [
+    pub const SOCKREDIR_PROGS: [&str; 9] = [
         PROG_SOCKOPS,
         PROG_SK_MSG,
         PROG_RECV_LEN,
@@ -167,9 +167,11 @@ pub mod names {
         PROG_DESTROY,
         PROG_PARK,
         PROG_UNLINK,
-        PROG_LAT_SEND,
         PROG_CONNS,
     ];
+    /// Pinned only where the kernel has what they attach to
+    /// (`tcp_sendmsg_locked`: 6.13 and newer).
+    pub const SOCKREDIR_OPTIONAL_PROGS: [&str; 1] = [PROG_LAT_SEND];
     /// The tcredir family's programs that are pinned.
     pub const TCREDIR_PROGS: [&str; 2] = [PROG_TC_INGRESS, PROG_TC_EGRESS];
     /// The maps of a family's plugin chain (`chain.h`), which every family

@@ -408,6 +408,8 @@ pub struct ServiceKey {
 pub struct Config {
     pub flags: u32,
     pub pad: u32,
+    /// With `CFG_LAT_ALL`: when the monitor was switched on (CLOCK_MONOTONIC ns).
+    pub lat_since: u64,
 }
 
 /// `struct mw_event`: what the programs tell user space.
@@ -860,7 +862,7 @@ mod tests {
         same_layout!(Exe, types::mw_exe, [flags, tgid, comm]);
         same_layout!(ExeClass, types::mw_exe_class, [flags, pad]);
         same_layout!(ServiceKey, types::mw_service_key, [netns, port, family]);
-        same_layout!(Config, types::mw_config, [flags, pad]);
+        same_layout!(Config, types::mw_config, [flags, pad, lat_since]);
         same_layout!(
             RuleStats,
             types::mw_rule_stats,

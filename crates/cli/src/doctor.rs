@@ -115,10 +115,9 @@ pub fn run(pin_root: &Path) -> Result<()> {
         },
         Check {
             name: "latency monitor",
-            ok: kernel_btf_has("btf_trace_tcp_sendmsg_locked", libbpf_sys::BTF_KIND_TYPEDEF)
-                && kernel_btf_has("btf_trace_sock_send_length", libbpf_sys::BTF_KIND_TYPEDEF),
-            detail: "tp_btf tcp_sendmsg_locked and sock_send_length (attached only while it runs)".into(),
-            fix: "kernel 6.13 or newer (the data path's programs include them)",
+            ok: kernel_btf_has("btf_trace_tcp_sendmsg_locked", libbpf_sys::BTF_KIND_TYPEDEF),
+            detail: "tp_btf tcp_sendmsg_locked, attached while it runs: stamps TCP-path sends of sockets outside the SOCKMAP".into(),
+            fix: "kernel 6.13 or newer; without it the rest runs and those sends are not measured",
         },
         Check {
             name: "cgroup sockopt",

@@ -12,9 +12,9 @@ use std::path::Path;
 use libbpf_rs::{MapHandle, ProgramHandle};
 use meshwarp_bpf::names;
 use meshwarp_bpf::shared::{
-    Conn, Exe, ExeKey, Pod, DIR_TCP, DIR_UNLINKED, EF_CLOSED, EF_NOSEND, EF_PARKED, EF_R_LOWAT, EF_R_RULE, EF_R_SPLICE,
-    EF_R_ULP, EF_TARGET, FB_COLLISION, FB_INSERT, FB_MODE_NEVER, FB_NO_SLOT, FB_NO_TARGET, FB_PEER, FB_READER,
-    FB_SYN_DATA, LINK_HIT, LINK_POISONED,
+    Conn, Exe, ExeKey, Pod, DIR_TCP, DIR_UNLINKED, EF_CLOSED, EF_NOSEND, EF_PARKED, EF_PSOCK, EF_R_LOWAT, EF_R_RULE,
+    EF_R_SPLICE, EF_R_ULP, EF_TARGET, FB_COLLISION, FB_INSERT, FB_MODE_NEVER, FB_NO_SLOT, FB_NO_TARGET, FB_PEER,
+    FB_READER, FB_SYN_DATA, LINK_HIT, LINK_POISONED,
 };
 
 use crate::error::{BpfError, IoError};
@@ -109,7 +109,9 @@ impl TcpReason {
 
     /// Why a receiving end is not a target, from its `end_flags`.
     fn of_target(flags: u32) -> Self {
-        if flags & EF_R_SPLICE != 0 {
+        if flags & EF_PSOCK == 0 {
+            TcpReason::Peer // it never joined the link
+        } else if flags & EF_R_SPLICE != 0 {
             TcpReason::Splice
         } else if flags & EF_R_LOWAT != 0 {
             TcpReason::RcvLowat
@@ -377,12 +379,13 @@ fn proc_comm(pid: u32) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use meshwarp_bpf::shared::EF_PSOCK;
 
     #[test]
     fn a_direction_is_fast_only_into_a_target_not_demoted() {
         let mut c = Conn { link_found: 1, end_flags: EF_PSOCK | EF_TARGET, peer_flags: EF_PSOCK, ..Conn::default() };
         assert_eq!(paths(&c), (PathNow::Tcp(TcpReason::NoTarget), PathNow::Fast));
+        let joining = Conn { peer_flags: 0, ..c };
+        assert_eq!(paths(&joining).0, PathNow::Tcp(TcpReason::Peer));
         c.peer_flags |= EF_R_SPLICE;
         assert_eq!(paths(&c).0, PathNow::Tcp(TcpReason::Splice));
         c.peer_flags = EF_PSOCK | EF_TARGET;

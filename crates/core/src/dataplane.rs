@@ -232,8 +232,9 @@ impl Dataplane {
         let guard_flags = guard_flags(cfg.guard, &kernel, cfg.syscall_watch);
         // The latency monitor's switch outlives the process that set it.
         let config_map = TypedMap::<u32, Config>::pinned(&dir, names::MAP_CONFIG)?;
-        let kept = config_map.get(&0)?.unwrap_or_default().flags & (CFG_LATENCY | CFG_LAT_ALL);
-        config_map.put(&0, &Config { flags: guard_flags | kept, pad: 0 })?;
+        let before = config_map.get(&0)?.unwrap_or_default();
+        let kept = before.flags & (CFG_LATENCY | CFG_LAT_ALL);
+        config_map.put(&0, &Config { flags: guard_flags | kept, pad: 0, lat_since: before.lat_since })?;
         set_guard_links(&layout, guard_flags)?;
         let latency = LatencyMonitor::open(&layout)?;
         let conns = ConnLister::open(&layout)?;
@@ -368,7 +369,8 @@ impl Dataplane {
         self.prog_id(names::PROG_SK_MSG)
     }
 
-    fn prog_id(&self, name: &str) -> Result<u32, DataplaneError> {
+    /// The id of this instance's pinned program `name` (`names::PROG_*`).
+    pub fn prog_id(&self, name: &str) -> Result<u32, DataplaneError> {
         let p = ProgramHandle::from_pinned_path(self.layout.prog(name))
             .map_err(bpf_err(format!("opening pinned program {name}")))?;
         Ok(p.id())
@@ -461,6 +463,9 @@ fn upgrade_programs(layout: &FamilyPins) -> Result<Vec<String>, UpgradeError> {
         for (name, prog) in sockredir_progs(p) {
             swap.prog_pin(&layout.prog(name), prog.as_fd())?;
         }
+        if layout.prog(names::PROG_LAT_SEND).exists() {
+            swap.prog_pin(&layout.prog(names::PROG_LAT_SEND), p.mw_lat_send.as_fd())?;
+        }
         Ok(())
     })
 }
@@ -468,7 +473,7 @@ fn upgrade_programs(layout: &FamilyPins) -> Result<Vec<String>, UpgradeError> {
 /// The programs of the socket family that are pinned, by pin name.
 fn sockredir_progs<'a>(
     p: &'a meshwarp_bpf::sockredir::SockredirProgs<'a>,
-) -> [(&'static str, &'a libbpf_rs::ProgramMut<'a>); 10] {
+) -> [(&'static str, &'a libbpf_rs::ProgramMut<'a>); 9] {
     [
         (names::PROG_SOCKOPS, &p.mw_sockops),
         (names::PROG_SK_MSG, &p.mw_sk_msg),
@@ -478,7 +483,6 @@ fn sockredir_progs<'a>(
         (names::PROG_DESTROY, &p.mw_destroy),
         (names::PROG_PARK, &p.mw_park),
         (names::PROG_UNLINK, &p.mw_unlink),
-        (names::PROG_LAT_SEND, &p.mw_lat_send),
         (names::PROG_CONNS, &p.mw_conns),
     ]
 }
@@ -490,12 +494,40 @@ fn open_object(
     nr_slots: u32,
 ) -> Result<meshwarp_bpf::sockredir::OpenSockredirSkel<'_>, libbpf_rs::Error> {
     let mut open = SockredirSkelBuilder::default().open(obj)?;
+    // The latency monitor's TCP-path send stamps need a tracepoint older
+    // kernels lack: without it the rest loads, and the program is not pinned.
+    if !has_tcp_sendmsg_tracepoint() {
+        open.progs.mw_lat_send.set_autoload(false);
+    }
     if let Some(ro) = open.maps.rodata_data.as_mut() {
         ro.nr_splice = libc::SYS_splice as u32;
         ro.nr_ioctl = libc::SYS_ioctl as u32;
         ro.nr_slots = nr_slots;
     }
     Ok(open)
+}
+
+/// Whether the kernel has the `tcp_sendmsg_locked` tracepoint (BTF), which
+/// `mw_lat_send` attaches to (Linux 6.13 and newer). Probed once.
+fn has_tcp_sendmsg_tracepoint() -> bool {
+    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *HAS.get_or_init(|| {
+        let name = c"btf_trace_tcp_sendmsg_locked";
+        // SAFETY: libbpf loads the kernel's BTF; NULL-checked; freed below.
+        unsafe {
+            let btf = libbpf_rs::libbpf_sys::btf__load_vmlinux_btf();
+            if btf.is_null() {
+                return false;
+            }
+            let found = libbpf_rs::libbpf_sys::btf__find_by_name_kind(
+                btf,
+                name.as_ptr(),
+                libbpf_rs::libbpf_sys::BTF_KIND_TYPEDEF,
+            ) > 0;
+            libbpf_rs::libbpf_sys::btf__free(btf);
+            found
+        }
+    })
 }
 
 /// The kernel probe's answers (run once per process). The probe splices its
@@ -635,6 +667,8 @@ fn load_and_pin(cfg: &DataplaneConfig, layout: &FamilyPins) -> Result<(), Datapl
         (&mut maps.mw_stats, cfg.max_rules),
         (&mut maps.mw_owners, cfg.max_rules),
         (&mut maps.mw_lat_rule, cfg.max_rules),
+        // Room for every metric of every rule, and as many hops.
+        (&mut maps.mw_lat_hist, cfg.max_rules.saturating_mul(8)),
     ];
     for (map, n) in sizes {
         map.set_max_entries(n).map_err(bpf_err("sizing maps"))?;
@@ -692,7 +726,8 @@ fn load_and_pin(cfg: &DataplaneConfig, layout: &FamilyPins) -> Result<(), Datapl
         handle.pin(&path).map_err(bpf_err(format!("pinning {}", path.display())))?;
         guard.paths.push(path);
     }
-    for (name, prog) in sockredir_progs(&skel.progs) {
+    let optional = has_tcp_sendmsg_tracepoint().then_some((names::PROG_LAT_SEND, &skel.progs.mw_lat_send));
+    for (name, prog) in sockredir_progs(&skel.progs).into_iter().chain(optional) {
         let path = layout.prog(name);
         let handle = ProgramHandle::try_from(prog).map_err(bpf_err(format!("handle of program {name}")))?;
         handle.pin(&path).map_err(bpf_err(format!("pinning {}", path.display())))?;

@@ -18,6 +18,7 @@ use std::fmt;
 use std::fs;
 use std::os::fd::AsFd;
 use std::path::PathBuf;
+use std::sync::Mutex;
 
 use libbpf_rs::ProgramHandle;
 use meshwarp_bpf::names;
@@ -184,8 +185,18 @@ pub enum Scope {
 pub struct LatencyMonitor {
     layout: FamilyPins,
     config: TypedMap<u32, Config>,
-    rules: TypedMap<u32, u32>,
+    rules: TypedMap<u32, u64>,
     hists: PerCpu<LatKey, LatHist>,
+    /// One switch at a time: a switch is several map writes.
+    switching: Mutex<()>,
+}
+
+/// CLOCK_MONOTONIC in ns: the programs' `bpf_ktime_get_ns`.
+fn monotonic_ns() -> u64 {
+    nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)
+        .map(|t| (t.tv_sec() as u64).saturating_mul(1_000_000_000).saturating_add(t.tv_nsec() as u64))
+        .unwrap_or(1)
+        .max(1)
 }
 
 impl LatencyMonitor {
@@ -196,6 +207,7 @@ impl LatencyMonitor {
             config: TypedMap::pinned(&dir, names::MAP_CONFIG)?,
             rules: TypedMap::pinned(&dir, names::MAP_LAT_RULE)?,
             hists: PerCpu::pinned(&dir, names::MAP_LAT_HIST)?,
+            switching: Mutex::new(()),
         })
     }
 
@@ -212,16 +224,55 @@ impl LatencyMonitor {
         Ok(Scope::Rules(on))
     }
 
-    /// Runs the monitor for `scope` (replacing what ran before). Turning it
-    /// on attaches the TCP-path send tracepoint before the programs start
-    /// stamping; turning it off stops the stamping, then detaches it.
-    pub fn set(&self, scope: &Scope) -> Result<(), LatencyError> {
+    /// Runs the monitor for `scope` (replacing what ran before); with
+    /// `reset`, forgets the histograms of its rules (all for
+    /// [`Scope::All`] and [`Scope::Off`]). A rule switched on now only counts
+    /// sends from now on. Turning it on attaches the TCP-path send
+    /// tracepoint before the programs start stamping; turning it off stops
+    /// the stamping, then detaches it. On an error the previous switch is
+    /// put back (histograms a reset already deleted stay deleted).
+    pub fn set(&self, scope: &Scope, reset: bool) -> Result<(), LatencyError> {
         let max = self.rules.capacity();
         if let Scope::Rules(ids) = scope {
             if let Some(&id) = ids.iter().find(|&&id| id >= max) {
                 return Err(LatencyError::RuleOutOfRange { id, max });
             }
         }
+        let _one = self.switching.lock().unwrap_or_else(|p| p.into_inner());
+        let before_cfg = self.config.get(&0)?.unwrap_or_default();
+        let before_rules: Vec<(u32, u64)> = self.rules.entries()?.into_iter().filter(|(_, v)| *v != 0).collect();
+        let before_links = self.layout.link(names::PROG_LAT_SEND).exists();
+        let applied = self.apply(scope, &before_cfg, &before_rules).and_then(|()| match (reset, scope) {
+            (false, _) => Ok(()),
+            (true, Scope::Rules(ids)) => self.reset(ids),
+            (true, _) => self.reset(&BTreeSet::new()),
+        });
+        if let Err(e) = applied {
+            tracing::warn!("switching the latency monitor failed, putting the previous switch back: {e}");
+            let restored = (|| -> Result<(), LatencyError> {
+                for (id, v) in self.rules.entries()? {
+                    let was = before_rules.iter().find(|(k, _)| *k == id).map_or(0, |(_, v)| *v);
+                    if v != was {
+                        self.rules.put(&id, &was)?;
+                    }
+                }
+                for (id, v) in &before_rules {
+                    self.rules.put(id, v)?;
+                }
+                self.config.put(&0, &before_cfg)?;
+                self.set_links(before_links)
+            })();
+            if let Err(r) = restored {
+                tracing::error!("putting the previous latency switch back failed: {r}");
+            }
+            return Err(e);
+        }
+        tracing::info!(?scope, reset, "latency monitor");
+        Ok(())
+    }
+
+    fn apply(&self, scope: &Scope, cfg: &Config, on_before: &[(u32, u64)]) -> Result<(), LatencyError> {
+        let now = monotonic_ns();
         let on = *scope != Scope::Off;
         if on {
             self.set_links(true)?;
@@ -230,36 +281,51 @@ impl LatencyMonitor {
             Scope::Rules(ids) => ids.clone(),
             _ => BTreeSet::new(),
         };
-        for (id, v) in self.rules.entries()? {
-            if v != 0 && !want.contains(&id) {
-                self.rules.put(&id, &0)?;
+        for (id, _) in on_before {
+            if !want.contains(id) {
+                self.rules.put(id, &0)?;
             }
         }
         for id in &want {
-            self.rules.put(id, &1)?;
+            // A rule on already keeps its start: its stamps stay valid.
+            if !on_before.iter().any(|(k, _)| k == id) {
+                self.rules.put(id, &now)?;
+            }
         }
-        let mut cfg = self.config.get(&0)?.unwrap_or_default();
-        cfg.flags &= !(CFG_LATENCY | CFG_LAT_ALL);
+        let mut next = *cfg;
+        let was_all = cfg.flags & CFG_LATENCY != 0 && cfg.flags & CFG_LAT_ALL != 0;
+        next.flags &= !(CFG_LATENCY | CFG_LAT_ALL);
         match scope {
             Scope::Off => {}
-            Scope::All => cfg.flags |= CFG_LATENCY | CFG_LAT_ALL,
-            Scope::Rules(_) => cfg.flags |= CFG_LATENCY,
+            Scope::All => {
+                next.flags |= CFG_LATENCY | CFG_LAT_ALL;
+                if !was_all {
+                    next.lat_since = now;
+                }
+            }
+            Scope::Rules(_) => next.flags |= CFG_LATENCY,
         }
-        self.config.put(&0, &cfg)?;
+        self.config.put(&0, &next)?;
         if !on {
             self.set_links(false)?;
         }
-        tracing::info!(?scope, "latency monitor");
         Ok(())
     }
 
     /// Attaches (pins a link of) or detaches the TCP-path send tracepoint.
+    /// A kernel without `tcp_sendmsg_locked` has no such program: sends of
+    /// sockets outside the SOCKMAP are then not stamped.
     fn set_links(&self, on: bool) -> Result<(), LatencyError> {
         let name = names::PROG_LAT_SEND;
         let path: PathBuf = self.layout.link(name);
         match (on, path.exists()) {
             (true, false) => {
-                let prog = ProgramHandle::from_pinned_path(self.layout.prog(name))
+                let prog_path = self.layout.prog(name);
+                if !prog_path.exists() {
+                    tracing::warn!("this kernel has no tcp_sendmsg_locked tracepoint: TCP-path sends of sockets outside the SOCKMAP are not measured");
+                    return Ok(());
+                }
+                let prog = ProgramHandle::from_pinned_path(prog_path)
                     .map_err(|e| BpfError::new(format!("opening pinned program {name}"), e))?;
                 let step = format!("attaching {name}");
                 let link = upgrade::raw_tp_open(&step, prog.as_fd())?;

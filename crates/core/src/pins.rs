@@ -155,9 +155,12 @@ impl FamilyPins {
             Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
             Err(e) => Err(IoError::new(format!("unpinning {}", p.display()), e)),
         };
-        if let Ok(entries) = fs::read_dir(self.links_dir()) {
-            for e in entries.flatten() {
-                unpin(&e.path())?;
+        // Every link, and every program: the optional ones too.
+        for d in [self.links_dir(), self.dir.join("progs")] {
+            if let Ok(entries) = fs::read_dir(d) {
+                for e in entries.flatten() {
+                    unpin(&e.path())?;
+                }
             }
         }
         remove_plugin_pins(&self.dir)

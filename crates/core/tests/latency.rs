@@ -98,7 +98,7 @@ fn a_server_that_waits_2ms_shows_in_its_rules_buckets() -> Result<()> {
     let (l, _p, id) = pair(&k, &net, 0, 1, 8301, FastPathMode::Always)?;
     let (l2, _p2, id2) = pair(&k, &net, 0, 1, 8302, FastPathMode::Always)?;
     let (l3, _p3, id3) = pair(&k, &net, 0, 1, 8303, FastPathMode::Never)?;
-    k.dp().latency().set(&LatencyScope::Rules(BTreeSet::from([id, id3])))?;
+    k.dp().latency().set(&LatencyScope::Rules(BTreeSet::from([id, id3])), false)?;
     ensure!(k.dp().latency().scope()? == LatencyScope::Rules(BTreeSet::from([id, id3])));
 
     let mut c = net.pods[0].ns.connect(SocketAddr::new(net.pods[1].addr(false), 8301))?;
@@ -129,7 +129,7 @@ fn a_server_that_waits_2ms_shows_in_its_rules_buckets() -> Result<()> {
     ensure!(tcp.count >= 50, "tcp: {tcp:?}");
     ensure!(hist(&hs, id3, Metric::Fast, None).is_none(), "mode never took the fast path: {hs:?}");
 
-    k.dp().latency().set(&LatencyScope::Off)?;
+    k.dp().latency().set(&LatencyScope::Off, false)?;
     let links = k.cfg.pin_root.join(format!("v{}", meshwarp_core::dataplane::SCHEMA_VERSION)).join("links");
     ensure!(!links.join("mw_lat_send").exists(), "send side detached");
     Ok(())
@@ -145,7 +145,7 @@ fn a_proxy_that_waits_2ms_shows_as_that_hop() -> Result<()> {
     let net = NodeWithPods::new(3)?;
     let (l_in, _a, a) = pair(&k, &net, 0, 1, 8311, FastPathMode::Always)?;
     let (l_up, _b, b) = pair(&k, &net, 1, 2, 8312, FastPathMode::Always)?;
-    k.dp().latency().set(&LatencyScope::All)?;
+    k.dp().latency().set(&LatencyScope::All, false)?;
 
     let mut c = net.pods[0].ns.connect(SocketAddr::new(net.pods[1].addr(false), 8311))?;
     let down = accept_timeout(&l_in, Duration::from_secs(10))?;
@@ -296,7 +296,7 @@ fn switching_the_monitor_under_traffic_loses_nothing() -> Result<()> {
             let scopes = [LatencyScope::All, LatencyScope::Off, LatencyScope::Rules(BTreeSet::from([id]))];
             let mut n = 0;
             while !stop.load(Ordering::Relaxed) {
-                k.dp().latency().set(&scopes[n as usize % 3])?;
+                k.dp().latency().set(&scopes[n as usize % 3], false)?;
                 n += 1;
                 thread::sleep(Duration::from_millis(5));
             }
@@ -322,11 +322,49 @@ fn switching_the_monitor_under_traffic_loses_nothing() -> Result<()> {
     ensure!(switches >= 10, "switched {switches} times");
     ensure!(!k.dp().latency().histograms(&BTreeSet::new())?.is_empty(), "recorded while on");
 
-    k.dp().latency().set(&LatencyScope::Off)?;
+    k.dp().latency().set(&LatencyScope::Off, false)?;
     let before = k.dp().latency().histograms(&BTreeSet::new())?;
     let c = net.pods[0].ns.connect(to)?;
     echo_integrity(c, 99, 256 * 1024, Duration::from_secs(60))?;
     ensure!(k.dp().latency().histograms(&BTreeSet::new())? == before, "grew while off");
     drop(echo);
+    Ok(())
+}
+
+/// A send stamped before the monitor went off and on again is not measured
+/// across the gap (it would report the whole off period), and a rule id
+/// freed and given to a new rule starts with the monitor off and no
+/// histograms.
+#[test]
+fn stamps_from_before_a_switch_and_a_reused_rule_id_are_not_carried_over() -> Result<()> {
+    let k = kernel_test!();
+    let net = NodeWithPods::new(2)?;
+    let (l, p, id) = pair(&k, &net, 0, 1, 8341, FastPathMode::Always)?;
+    k.dp().latency().set(&LatencyScope::Rules(BTreeSet::from([id])), false)?;
+    let mut c = net.pods[0].ns.connect(SocketAddr::new(net.pods[1].addr(false), 8341))?;
+    let mut s = accept_timeout(&l, Duration::from_secs(10))?;
+    rounds(&mut c, s.try_clone()?, 5, 64, Duration::ZERO)?;
+    // Sent while on, read after off -> 200 ms -> on.
+    write_all_ready(&mut c, &[7; 64], T)?;
+    k.dp().latency().set(&LatencyScope::Off, false)?;
+    thread::sleep(Duration::from_millis(200));
+    k.dp().latency().set(&LatencyScope::Rules(BTreeSet::from([id])), false)?;
+    let mut buf = [0u8; 64];
+    read_exact_ready(&mut s, &mut buf, T)?;
+    write_all_ready(&mut s, &buf, T)?;
+    read_exact_ready(&mut c, &mut buf, T)?;
+    let hs = k.dp().latency().histograms(&BTreeSet::from([id]))?;
+    let fast = hist(&hs, id, Metric::Fast, None).context("fast deliveries")?;
+    ensure!(fast.count >= 10, "{fast:?}");
+    ensure!(fast.buckets[26..].iter().sum::<u64>() == 0, "a 200 ms gap was measured: {fast:?}");
+
+    drop((c, s));
+    k.dp().remove(&p)?;
+    let net2 = SocketAddr::new(net.pods[1].addr(false), 8342);
+    let p2 = EndpointPair::new(net.pods[0].addr(false), net2.into())?;
+    k.dp().insert(&p2, "test")?;
+    ensure!(k.dp().rule_id(&p2)? == id, "the freed id is given again");
+    ensure!(k.dp().latency().scope()? == LatencyScope::Rules(BTreeSet::new()), "monitor off for the new rule");
+    ensure!(k.dp().latency().histograms(&BTreeSet::from([id]))?.is_empty(), "no histograms carried over");
     Ok(())
 }

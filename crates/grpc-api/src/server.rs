@@ -251,6 +251,35 @@ fn event_type(o: Outcome) -> Option<EventType> {
     }
 }
 
+/// The ids of the rules a selector names; none named: empty (every rule).
+fn selected_rules(
+    reg: &meshwarp_core::registry::Registry<meshwarp_core::maps::KernelMaps>,
+    sel: Option<&pb::RuleSelector>,
+) -> Result<BTreeSet<u32>, Status> {
+    let Some(sel) = sel else { return Ok(BTreeSet::new()) };
+    let mut v = Violations::default();
+    let mut ids = BTreeSet::new();
+    for (i, k) in sel.pairs.iter().enumerate() {
+        match EndpointPair::from_key(&format!("rules.pairs[{i}]"), Some(k)) {
+            Ok(p) => ids.insert(reg.id_of(&p).map_err(|e| from_rule(&e))?),
+            Err(e) => {
+                v.0.extend(e.0);
+                continue;
+            }
+        };
+    }
+    for (i, k) in sel.capture_rules.iter().enumerate() {
+        match CaptureRule::from_key(&format!("rules.capture_rules[{i}]"), Some(k)) {
+            Ok(r) => ids.insert(reg.id_of(&r).map_err(|e| from_rule(&e))?),
+            Err(e) => {
+                v.0.extend(e.0);
+                continue;
+            }
+        };
+    }
+    v.into_result(ids).map_err(|v| invalid(&v))
+}
+
 impl NodeServer {
     /// Serves `node`: its socket family, and its tc family and plugin
     /// chains where it has them.
@@ -896,52 +925,25 @@ impl NodeServer {
         Ok(Box::pin(stream))
     }
 
-    /// The ids of the rules a selector names; none named: empty (every rule).
-    fn selected_rules(&self, sel: Option<&pb::RuleSelector>) -> Result<BTreeSet<u32>, Status> {
-        let Some(sel) = sel else { return Ok(BTreeSet::new()) };
-        let mut v = Violations::default();
-        let mut ids = BTreeSet::new();
-        let reg = self.dp.registry();
-        for (i, k) in sel.pairs.iter().enumerate() {
-            match EndpointPair::from_key(&format!("rules.pairs[{i}]"), Some(k)) {
-                Ok(p) => ids.insert(reg.id_of(&p).map_err(|e| from_rule(&e))?),
-                Err(e) => {
-                    v.0.extend(e.0);
-                    continue;
-                }
-            };
-        }
-        for (i, k) in sel.capture_rules.iter().enumerate() {
-            match CaptureRule::from_key(&format!("rules.capture_rules[{i}]"), Some(k)) {
-                Ok(r) => ids.insert(reg.id_of(&r).map_err(|e| from_rule(&e))?),
-                Err(e) => {
-                    v.0.extend(e.0);
-                    continue;
-                }
-            };
-        }
-        v.into_result(ids).map_err(|v| invalid(&v))
-    }
-
     fn set_latency(&self, r: pb::SetLatencyRequest) -> Result<pb::SetLatencyResponse, Status> {
         self.mutation(&r.owner, Ok(()))?;
-        let ids = self.selected_rules(r.rules.as_ref())?;
+        // Rules are not removed while the switch resolves and applies them
+        // (rule changes take the registry too).
+        let reg = self.dp.registry();
+        let ids = selected_rules(&reg, r.rules.as_ref())?;
         let scope = match (r.enabled, ids.is_empty()) {
             (false, _) => LatencyScope::Off,
             (true, true) => LatencyScope::All,
             (true, false) => LatencyScope::Rules(ids.clone()),
         };
-        let mon = self.dp.latency();
-        mon.set(&scope).map_err(|e| from_latency(&e))?;
-        if r.reset {
-            mon.reset(&ids).map_err(|e| from_latency(&e))?;
-        }
+        self.dp.latency().set(&scope, r.reset).map_err(|e| from_latency(&e))?;
+        drop(reg);
         tracing::info!(owner = %r.owner, ?scope, reset = r.reset, "latency monitor switched");
         Ok(pb::SetLatencyResponse { state: Some(convert::latency_state_to_pb(&scope)) })
     }
 
     fn get_latency(&self, r: pb::GetLatencyRequest) -> Result<pb::GetLatencyResponse, Status> {
-        let ids = self.selected_rules(r.rules.as_ref())?;
+        let ids = selected_rules(&self.dp.registry(), r.rules.as_ref())?;
         let mon = self.dp.latency();
         let scope = mon.scope().map_err(|e| from_latency(&e))?;
         let hists = mon.histograms(&ids).map_err(|e| from_latency(&e))?;

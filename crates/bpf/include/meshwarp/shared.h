@@ -337,6 +337,9 @@ struct mw_service_key {
 struct mw_config {
 	__u32 flags;
 	__u32 pad;
+	/* With MW_CFG_LAT_ALL: when the monitor was switched on (CLOCK_MONOTONIC
+	 * ns); stamps older than that are dropped, never recorded. */
+	__u64 lat_since;
 };
 
 /* mw_config.flags */
@@ -422,9 +425,10 @@ struct mw_rule_stats {
  * ---- the latency monitor ----
  *
  * Log2 histograms per rule and metric (mw_lat_hist, per CPU), recorded only
- * while mw_config has MW_CFG_LATENCY and the rule is on (MW_CFG_LAT_ALL or
- * mw_lat_rule[rule id] != 0); its TCP-path send tracepoint is attached only
- * then, so a monitor that is off costs one flag test per message.
+ * while mw_config has MW_CFG_LATENCY and the rule is on (MW_CFG_LAT_ALL, or
+ * mw_lat_rule[rule id]: when it was switched on, 0 = off); its TCP-path send
+ * tracepoint is attached only then, so a monitor that is off costs one flag
+ * test per message. A stamp older than the switch is dropped.
  */
 #define MW_LAT_FAST 1     /* delivery, fast path: a send to the peer's read that returns it (redirected) */
 #define MW_LAT_TCP 2      /* delivery, TCP path: the same for bytes that crossed TCP */
@@ -457,13 +461,13 @@ struct mw_lat_pend_key {
 	__u32 pad;
 };
 
-/* The last read of a covered socket on a CPU (mw_lat_thr) and its thread. */
+/* A thread's last read of a covered socket (mw_lat_thr, keyed by thread id). */
 struct mw_lat_thread {
 	__u64 ts;
 	__u64 conn;
 	__u64 pid_tgid;
 	__u32 rule_id;
-	__u32 pad;
+	__u32 end; /* the end it read */
 };
 
 /* One socket meshwarp holds, as the mw_conns iterator writes it. */

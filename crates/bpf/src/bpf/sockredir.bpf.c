@@ -157,7 +157,7 @@ MW_MAP(mw_build, BPF_MAP_TYPE_ARRAY, __u32, struct mw_build, 1, 0);
 /* ---- the latency monitor (shared.h) ---- */
 
 /* Per rule id: nonzero while the monitor runs for it (sized as mw_stats). */
-MW_MAP(mw_lat_rule, BPF_MAP_TYPE_ARRAY, __u32, __u32, 16384, 0);
+MW_MAP(mw_lat_rule, BPF_MAP_TYPE_ARRAY, __u32, __u64, 16384, 0);
 /* Histograms; not preallocated: only rules the monitor ran for take room. */
 MW_MAP(mw_lat_hist, BPF_MAP_TYPE_PERCPU_HASH, struct mw_lat_key, struct mw_lat_hist, 16384, BPF_F_NO_PREALLOC);
 /* Never written: the zeroes a new histogram starts from (too large for the stack). */
@@ -168,10 +168,9 @@ MW_MAP(mw_lat_zero, BPF_MAP_TYPE_ARRAY, __u32, struct mw_lat_hist, 1, 0);
 MW_MAP(mw_lat_slot, BPF_MAP_TYPE_ARRAY, __u32, __u64, 65536, 0);
 MW_MAP(mw_lat_pend, BPF_MAP_TYPE_LRU_HASH, struct mw_lat_pend_key, __u64, 65536, 0);
 
-/* Per CPU: the last read of a covered socket, and by which thread. Its
- * next send on this CPU is the thread's answer (a thread that migrates in
- * between loses that one sample). */
-MW_MAP(mw_lat_thr, BPF_MAP_TYPE_PERCPU_ARRAY, __u32, struct mw_lat_thread, 1, 0);
+/* Each thread's last read of a covered socket (by thread id; written in
+ * place, inserted once per thread; LRU: gone threads age out). */
+MW_MAP(mw_lat_thr, BPF_MAP_TYPE_LRU_HASH, __u32, struct mw_lat_thread, 16384, 0);
 
 /* When a client socket called connect() (ns), while the monitor runs. */
 struct {
@@ -209,16 +208,19 @@ static __always_inline __u32 config_flags(void)
 	return c ? c->flags : 0;
 }
 
-static __always_inline bool lat_on(__u32 cfg, __u32 rule_id)
+/* When the monitor was switched on for `rule_id` (0: it is off). */
+static __always_inline __u64 lat_since(__u32 rule_id)
 {
-	__u32 *on;
+	__u32 zero = 0;
+	struct mw_config *c = bpf_map_lookup_elem(&mw_config, &zero);
+	__u64 *on;
 
-	if (!(cfg & MW_CFG_LATENCY))
-		return false;
-	if (cfg & MW_CFG_LAT_ALL)
-		return true;
+	if (!c || !(c->flags & MW_CFG_LATENCY))
+		return 0;
+	if (c->flags & MW_CFG_LAT_ALL)
+		return c->lat_since;
 	on = bpf_map_lookup_elem(&mw_lat_rule, &rule_id);
-	return on && *on;
+	return on ? *on : 0;
 }
 
 static __always_inline __u32 log2_32(__u32 v)
@@ -837,11 +839,11 @@ static __always_inline __u64 *lat_pending(struct mw_sock_state *st, __u32 end, _
 	return ts;
 }
 
-static __always_inline void lat_send(struct mw_sock_state *st)
+static __always_inline void lat_send(struct mw_sock_state *st, __u64 since)
 {
 	__u64 now = bpf_ktime_get_ns(), *ts;
 	struct mw_lat_thread *th;
-	__u32 zero = 0;
+	__u32 tid = (__u32)bpf_get_current_pid_tgid(), end = st->end & 1;
 
 	if (!st->conn)
 		return;
@@ -851,15 +853,16 @@ static __always_inline void lat_send(struct mw_sock_state *st)
 	ts = lat_pending(st, st->end, now);
 	if (ts && !*ts)
 		*ts = now;
-	/* The time since this thread's last read: its own (the same
-	 * connection, at the server end: think time) or a proxy's between two
-	 * hops (another connection). One sample per read. */
-	th = bpf_map_lookup_elem(&mw_lat_thr, &zero);
+	/* The time since this thread's last read: a server's own (it read its
+	 * end of this connection: think time) or a proxy's between two hops (it
+	 * read one connection's server end and writes another's client end, or
+	 * the way back). One sample per read. */
+	th = bpf_map_lookup_elem(&mw_lat_thr, &tid);
 	if (th && th->ts && th->pid_tgid == bpf_get_current_pid_tgid()) {
-		if (now > th->ts) {
-			if (th->conn != st->conn)
+		if (now > th->ts && th->ts >= since) {
+			if (th->conn != st->conn && th->end != end)
 				lat_record(st->rule_id, MW_LAT_HOP, th->rule_id, now - th->ts);
-			else if ((st->end & 1) == MW_END_SERVER)
+			else if (th->conn == st->conn && end == MW_END_SERVER && th->end == MW_END_SERVER)
 				lat_record(st->rule_id, MW_LAT_THINK, MW_NO_ID, now - th->ts);
 		}
 		th->ts = 0;
@@ -871,11 +874,11 @@ static __always_inline void lat_send(struct mw_sock_state *st)
 /* A read returned bytes: the peer's oldest unread send was delivered (on the
  * path the read took them from), a client's request was answered, and this
  * thread's next send measures its own time (lat_send). */
-static __always_inline void lat_recv(struct mw_sock_state *st, bool fast)
+static __always_inline void lat_recv(struct mw_sock_state *st, bool fast, __u64 since)
 {
 	struct mw_lat_thread *th;
 	__u64 now = bpf_ktime_get_ns(), *ts, t;
-	__u32 zero = 0;
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
 
 	if (!st->conn)
 		return;
@@ -883,21 +886,32 @@ static __always_inline void lat_recv(struct mw_sock_state *st, bool fast)
 	if (ts && *ts) {
 		t = *ts;
 		*ts = 0;
-		if (now > t)
+		if (now > t && t >= since)
 			lat_record(st->rule_id, fast ? MW_LAT_FAST : MW_LAT_TCP, MW_NO_ID, now - t);
 	}
 	if (st->req_ts) {
 		t = st->req_ts;
 		st->req_ts = 0;
-		if (now > t)
+		if (now > t && t >= since)
 			lat_record(st->rule_id, MW_LAT_RESPONSE, MW_NO_ID, now - t);
 	}
-	th = bpf_map_lookup_elem(&mw_lat_thr, &zero);
+	th = bpf_map_lookup_elem(&mw_lat_thr, &tid);
 	if (th) {
 		th->ts = now;
 		th->conn = st->conn;
 		th->pid_tgid = bpf_get_current_pid_tgid();
 		th->rule_id = st->rule_id;
+		th->end = st->end & 1;
+	} else {
+		struct mw_lat_thread fresh = {
+			.ts = now,
+			.conn = st->conn,
+			.pid_tgid = bpf_get_current_pid_tgid(),
+			.rule_id = st->rule_id,
+			.end = st->end & 1,
+		};
+
+		bpf_map_update_elem(&mw_lat_thr, &tid, &fresh, BPF_NOEXIST);
 	}
 }
 
@@ -932,7 +946,7 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 	struct tcp_sock *tp;
 	struct mw_rule *rule;
 	__u32 kind = 0, zero = 0, slot = 0, pos;
-	__u64 id, cookie;
+	__u64 id, cookie, since;
 	long err;
 
 	rule = match_active(t, &kind);
@@ -955,11 +969,12 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 	}
 	id = ((__u64)skops->snd_una << 32) | skops->rcv_nxt;
 	init_state(st, rule->id, MW_END_CLIENT, skops->rcv_nxt, id);
-	if (lat_on(config_flags(), rule->id)) {
+	since = lat_since(rule->id);
+	if (since) {
 		__u64 *at = bpf_sk_storage_get(&mw_sk_conn, sk, 0, 0);
 		__u64 now = bpf_ktime_get_ns();
 
-		if (at && *at && now > *at)
+		if (at && *at >= since && now > *at)
 			lat_record(rule->id, MW_LAT_SETUP, MW_NO_ID, now - *at);
 	}
 	/* Data in the SYN (Fast Open) already took the TCP path. */
@@ -1597,13 +1612,15 @@ int mw_sk_msg(struct sk_msg_md *msg)
 {
 	struct bpf_sock *sk = msg->sk;
 	struct mw_sock_state *st;
+	__u64 since;
 	__u32 gen;
 
 	st = msg_state(sk);
 	if (!st || !sk)
 		return SK_PASS;
-	if (lat_on(config_flags(), st->rule_id))
-		lat_send(st);
+	since = lat_since(st->rule_id);
+	if (since)
+		lat_send(st, since);
 	if (mw_active_chain(MW_HOOK_MESSAGE, &gen)) {
 		struct mw_sk_chain *ch = bpf_sk_storage_get(&mw_sk_chain, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
 
@@ -1706,8 +1723,12 @@ int BPF_PROG(mw_recv_len, struct sock *sk, int ret, int flags)
 			}
 		}
 	}
-	if (ret > 0 && !(flags & MSG_PEEK) && lat_on(config_flags(), st->rule_id))
-		lat_recv(st, fast);
+	if (ret > 0 && !(flags & MSG_PEEK)) {
+		__u64 since = lat_since(st->rule_id);
+
+		if (since)
+			lat_recv(st, fast, since);
+	}
 	if ((st->flags & MW_SOCK_DEMOTED) && ret > 0 && !st->read)
 		st->read = 1;
 	/* Who reads, and how: once per process and way of reading. */
@@ -2072,9 +2093,13 @@ int BPF_PROG(mw_lat_send, const struct sock *sk, const struct msghdr *msg, const
 	     int size_goal)
 {
 	struct mw_sock_state *st = bpf_sk_storage_get(&mw_sk_state, (struct sock *)sk, 0, 0);
+	__u64 since;
 
-	if (st && lat_on(config_flags(), st->rule_id))
-		lat_send(st);
+	if (!st)
+		return 0;
+	since = lat_since(st->rule_id);
+	if (since)
+		lat_send(st, since);
 	return 0;
 }
 
