@@ -1324,18 +1324,23 @@ static __always_inline void run_conn_chain(struct bpf_sock_ops *skops, const str
 static __always_inline void on_connect(struct bpf_sock_ops *skops)
 {
 	struct bpf_sock *sk = skops->sk;
+	__u32 kind, cfg = config_flags();
+	struct mw_rule *rule;
 	struct tuple t;
-	__u32 kind;
 
-	if ((config_flags() & MW_CFG_LATENCY) && sk) {
+	if (!(cfg & (MW_CFG_GUARD | MW_CFG_LATENCY)) || !load_tuple(skops, &t))
+		return;
+	rule = match_active(&t, &kind);
+	if (!rule)
+		return;
+	/* Covered connections only, and only rules the monitor runs for. */
+	if (sk && lat_since(rule->id)) {
 		__u64 *at = bpf_sk_storage_get(&mw_sk_conn, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
 
 		if (at)
 			*at = bpf_ktime_get_ns();
 	}
-	if (!(config_flags() & MW_CFG_GUARD) || !load_tuple(skops, &t))
-		return;
-	if (match_active(&t, &kind))
+	if (cfg & MW_CFG_GUARD)
 		stamp_owner(skops);
 }
 
