@@ -5,16 +5,16 @@
 
 use std::fmt;
 use std::fs;
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::Path;
 
 use libbpf_rs::{MapHandle, ProgramHandle};
 use meshwarp_bpf::names;
 use meshwarp_bpf::shared::{
-    Conn, Exe, ExeKey, Pod, DIR_TCP, DIR_UNLINKED, EF_CLOSED, EF_NOSEND, EF_PARKED, EF_PSOCK, EF_R_LOWAT, EF_R_RULE,
-    EF_R_SPLICE, EF_R_ULP, EF_TARGET, FB_COLLISION, FB_INSERT, FB_MODE_NEVER, FB_NO_SLOT, FB_NO_TARGET, FB_PEER,
-    FB_READER, FB_SYN_DATA, LINK_HIT, LINK_POISONED,
+    ip_from_raw, str_of, Conn, Exe, ExeKey, Pod, DIR_TCP, DIR_UNLINKED, EF_CLOSED, EF_NOSEND, EF_PARKED, EF_PSOCK,
+    EF_R_LOWAT, EF_R_RULE, EF_R_SPLICE, EF_R_ULP, EF_TARGET, FB_COLLISION, FB_INSERT, FB_MODE_NEVER, FB_NO_SLOT,
+    FB_NO_TARGET, FB_PEER, FB_READER, FB_SYN_DATA, LINK_HIT, LINK_POISONED,
 };
 
 use crate::error::{BpfError, IoError};
@@ -218,18 +218,10 @@ impl Connection {
     }
 
     fn from_raw(c: &Conn, comm: Option<String>) -> Self {
+        // A dual-stack socket's IPv4-mapped address is shown as IPv4, as ss does.
         let addr = |ip: &[u32; 4], port: u32| {
-            let ip = if c.family == meshwarp_bpf::shared::AF_INET6 {
-                let mut b = [0u8; 16];
-                for (i, w) in ip.iter().enumerate() {
-                    b[i * 4..i * 4 + 4].copy_from_slice(&w.to_ne_bytes());
-                }
-                let v6 = Ipv6Addr::from(b);
-                v6.to_ipv4_mapped().map(IpAddr::V4).unwrap_or(IpAddr::V6(v6))
-            } else {
-                IpAddr::V4(Ipv4Addr::from(ip[0].to_ne_bytes()))
-            };
-            SocketAddr::new(ip, port as u16)
+            let ip = ip_from_raw(*ip, c.family).unwrap_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED));
+            SocketAddr::new(ip.to_canonical(), port as u16)
         };
         let (tx_path, rx_path) = paths(c);
         Self {
@@ -365,9 +357,7 @@ impl ConnLister {
         if key.ino == 0 {
             return None;
         }
-        let e = self.exes.get(key).ok().flatten()?;
-        let end = e.comm.iter().position(|&b| b == 0).unwrap_or(e.comm.len());
-        Some(String::from_utf8_lossy(&e.comm[..end]).into_owned())
+        Some(str_of(&self.exes.get(key).ok().flatten()?.comm))
     }
 }
 

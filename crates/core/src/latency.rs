@@ -250,14 +250,12 @@ impl LatencyMonitor {
         if let Err(e) = applied {
             tracing::warn!("switching the latency monitor failed, putting the previous switch back: {e}");
             let restored = (|| -> Result<(), LatencyError> {
+                // Every entry (an array: all ids are present) back to its value before.
                 for (id, v) in self.rules.entries()? {
                     let was = before_rules.iter().find(|(k, _)| *k == id).map_or(0, |(_, v)| *v);
                     if v != was {
                         self.rules.put(&id, &was)?;
                     }
-                }
-                for (id, v) in &before_rules {
-                    self.rules.put(id, v)?;
                 }
                 self.config.put(&0, &before_cfg)?;
                 self.set_links(before_links)

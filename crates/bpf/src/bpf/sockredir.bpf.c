@@ -156,7 +156,8 @@ MW_MAP(mw_build, BPF_MAP_TYPE_ARRAY, __u32, struct mw_build, 1, 0);
 
 /* ---- the latency monitor (shared.h) ---- */
 
-/* Per rule id: nonzero while the monitor runs for it (sized as mw_stats). */
+/* Per rule id: when the monitor was switched on for it, 0 while off (sized
+ * as mw_stats). */
 MW_MAP(mw_lat_rule, BPF_MAP_TYPE_ARRAY, __u32, __u64, 16384, 0);
 /* Histograms; not preallocated: only rules the monitor ran for take room. */
 MW_MAP(mw_lat_hist, BPF_MAP_TYPE_PERCPU_HASH, struct mw_lat_key, struct mw_lat_hist, 16384, BPF_F_NO_PREALLOC);
@@ -266,9 +267,6 @@ static __always_inline void lat_record(__u32 rule_id, __u32 metric, __u32 from, 
 	h->bucket[b & (MW_LAT_BUCKETS - 1)]++;
 }
 
-/* A send begins on a covered socket (sk_msg, or tcp_sendmsg_locked for the
- * TCP path): before any of its bytes can reach the peer. The oldest unread
- * send of each direction and of each socket is what a read answers. */
 static __always_inline void copy_ip(__u32 *dst, const __u32 *src)
 {
 	dst[0] = src[0];
@@ -816,8 +814,9 @@ static __always_inline void watch_close(struct bpf_sock_ops *skops)
 	bpf_sock_ops_cb_flags_set(skops, skops->bpf_sock_ops_cb_flags | BPF_SOCK_OPS_STATE_CB_FLAG);
 }
 
-/* Where the oldest unread send of direction `end` (its sending end) is kept. */
-static __always_inline __u64 *lat_pending(struct mw_sock_state *st, __u32 end, __u64 now)
+/* Where the oldest unread send of direction `end` (its sending end) is kept;
+ * `create`: make room for it (a send) rather than only look (a read). */
+static __always_inline __u64 *lat_pending(struct mw_sock_state *st, __u32 end, bool create)
 {
 	struct mw_lat_pend_key k = { .conn = st->conn, .end = end & 1 };
 	__u32 pos;
@@ -830,7 +829,7 @@ static __always_inline __u64 *lat_pending(struct mw_sock_state *st, __u32 end, _
 		return bpf_map_lookup_elem(&mw_lat_slot, &pos);
 	}
 	ts = bpf_map_lookup_elem(&mw_lat_pend, &k);
-	if (!ts && now) {
+	if (!ts && create) {
 		__u64 zero = 0;
 
 		bpf_map_update_elem(&mw_lat_pend, &k, &zero, BPF_NOEXIST);
@@ -839,6 +838,9 @@ static __always_inline __u64 *lat_pending(struct mw_sock_state *st, __u32 end, _
 	return ts;
 }
 
+/* A send begins on a covered socket (sk_msg, or tcp_sendmsg_locked for the
+ * TCP path): before any of its bytes can reach the peer. The oldest unread
+ * send of each direction and of each socket is what a read answers. */
 static __always_inline void lat_send(struct mw_sock_state *st, __u64 since)
 {
 	__u64 now = bpf_ktime_get_ns(), *ts;
@@ -850,7 +852,7 @@ static __always_inline void lat_send(struct mw_sock_state *st, __u64 since)
 	/* Plain loads and stores: only this end's sends (under its socket
 	 * lock) set a stamp, only its peer's reads clear one; a race loses one
 	 * sample, never makes one up. */
-	ts = lat_pending(st, st->end, now);
+	ts = lat_pending(st, end, true);
 	if (ts && !*ts)
 		*ts = now;
 	/* The time since this thread's last read: a server's own (it read its
@@ -867,7 +869,7 @@ static __always_inline void lat_send(struct mw_sock_state *st, __u64 since)
 		}
 		th->ts = 0;
 	}
-	if ((st->end & 1) == MW_END_CLIENT && !st->req_ts)
+	if (end == MW_END_CLIENT && !st->req_ts)
 		st->req_ts = now;
 }
 
@@ -882,7 +884,7 @@ static __always_inline void lat_recv(struct mw_sock_state *st, bool fast, __u64 
 
 	if (!st->conn)
 		return;
-	ts = lat_pending(st, st->end ^ 1, 0);
+	ts = lat_pending(st, st->end ^ 1, false);
 	if (ts && *ts) {
 		t = *ts;
 		*ts = 0;
