@@ -117,6 +117,7 @@ pub mod names {
     pub const PROG_CONNS: &str = "mw_conns";
     pub const MAP_LAT_RULE: &str = "mw_lat_rule";
     pub const MAP_LAT_HIST: &str = "mw_lat_hist";
+    pub const MAP_LAT_ROWS: &str = "mw_lat_rows";
     pub const MAP_LAT_ZERO: &str = "mw_lat_zero";
     pub const MAP_LAT_PEND: &str = "mw_lat_pend";
     pub const MAP_LAT_SLOT: &str = "mw_lat_slot";
@@ -182,7 +183,7 @@ pub mod names {
     pub const TCREDIR_MAPS: [&str; 8] =
         [MAP_RT4, MAP_RT6, MAP_RT_STATS, MAP_ATT_STATS, MAP_RT_OWNER, MAP_CH_PKT, MAP_BUILD, MAP_PKT_DIR];
     /// The sockredir family's own maps (besides [`PLUGIN_HOST_MAPS`]), in pin order.
-    pub const SOCKREDIR_MAPS: [&str; 31] = [
+    pub const SOCKREDIR_MAPS: [&str; 32] = [
         MAP_SOCKMAP,
         MAP_SLOTS,
         MAP_PAIRS,
@@ -209,6 +210,7 @@ pub mod names {
         MAP_CH_MSG,
         MAP_LAT_RULE,
         MAP_LAT_HIST,
+        MAP_LAT_ROWS,
         MAP_LAT_ZERO,
         MAP_LAT_PEND,
         MAP_LAT_SLOT,

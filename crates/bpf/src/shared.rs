@@ -17,7 +17,7 @@ pub struct Build {
 pub const BUILD_LEN: usize = 16;
 
 /// `MW_SCHEMA_VERSION`: bumped whenever a pinned map's key or value changes.
-pub const SCHEMA_VERSION: u32 = 13;
+pub const SCHEMA_VERSION: u32 = 14;
 
 pub const AF_INET: u32 = 2;
 pub const AF_INET6: u32 = 10;
@@ -94,6 +94,10 @@ pub const LAT_SETUP: u32 = 3;
 pub const LAT_RESPONSE: u32 = 4;
 pub const LAT_THINK: u32 = 5;
 pub const LAT_HOP: u32 = 6;
+/// `MW_LAT_ROW_METRICS`: the metrics of a row of `mw_lat_rows` (all but hops).
+pub const LAT_ROW_METRICS: u32 = 5;
+/// `MW_LAT_ROWS`: rule ids below this keep their histograms in `mw_lat_rows`.
+pub const LAT_ROWS: u32 = 256;
 /// `MW_LAT_BUCKETS`: bucket i counts [2^i, 2^(i+1)) ns.
 pub const LAT_BUCKETS: usize = 32;
 /// `MW_EV_*` (`mw_event.type`).
@@ -763,6 +767,18 @@ mod tests {
         let header = include_str!("../include/meshwarp/shared.h");
         let line = header.lines().find(|l| l.starts_with("#define MW_SCHEMA_VERSION ")).expect("MW_SCHEMA_VERSION");
         assert_eq!(line.rsplit(' ').next(), Some(SCHEMA_VERSION.to_string().as_str()));
+    }
+
+    #[test]
+    fn latency_rows_match_the_header() {
+        let header = include_str!("../include/meshwarp/shared.h");
+        let define = |name: &str| {
+            let line = header.lines().find(|l| l.starts_with(&format!("#define {name} "))).expect(name);
+            line.split_whitespace().nth(2).and_then(|v| v.parse::<u32>().ok()).expect(name)
+        };
+        assert_eq!(define("MW_LAT_ROWS"), LAT_ROWS);
+        assert_eq!(define("MW_LAT_ROW_METRICS"), LAT_ROW_METRICS);
+        assert_eq!(define("MW_LAT_HOP"), LAT_ROW_METRICS + 1, "a row holds every metric before the hop");
     }
 
     /// Checks size, alignment and every field offset against the skeleton's

@@ -27,7 +27,7 @@ use libbpf_rs::{Link, MapCore, MapFlags, MapHandle, ProgramHandle};
 use meshwarp_bpf::names;
 use meshwarp_bpf::shared::{
     Config, CookieVal, Exe, ExeKey, Link as LinkValue, Pod, CFG_BLOCKING_EAGAIN, CFG_FIONREAD_PSOCK, CFG_GUARD,
-    CFG_LATENCY, CFG_LAT_ALL, CFG_SPLICE_BLIND, CFG_SYSCALL_WATCH, CHAIN_FIN, EXE_SEEN_SPLICE,
+    CFG_LATENCY, CFG_LAT_ALL, CFG_SPLICE_BLIND, CFG_SYSCALL_WATCH, CHAIN_FIN, EXE_SEEN_SPLICE, LAT_ROWS, LAT_ROW_METRICS,
 };
 use meshwarp_bpf::sockredir::SockredirSkelBuilder;
 
@@ -669,6 +669,7 @@ fn load_and_pin(cfg: &DataplaneConfig, layout: &FamilyPins) -> Result<(), Datapl
         (&mut maps.mw_lat_rule, cfg.max_rules),
         // Room for every metric of every rule, and as many hops.
         (&mut maps.mw_lat_hist, cfg.max_rules.saturating_mul(8)),
+        (&mut maps.mw_lat_rows, cfg.max_rules.min(LAT_ROWS) * LAT_ROW_METRICS),
     ];
     for (map, n) in sizes {
         map.set_max_entries(n).map_err(bpf_err("sizing maps"))?;
@@ -708,6 +709,7 @@ fn load_and_pin(cfg: &DataplaneConfig, layout: &FamilyPins) -> Result<(), Datapl
         (names::MAP_CH_MSG, &maps.mw_ch_msg),
         (names::MAP_LAT_RULE, &maps.mw_lat_rule),
         (names::MAP_LAT_HIST, &maps.mw_lat_hist),
+        (names::MAP_LAT_ROWS, &maps.mw_lat_rows),
         (names::MAP_LAT_ZERO, &maps.mw_lat_zero),
         (names::MAP_LAT_PEND, &maps.mw_lat_pend),
         (names::MAP_LAT_SLOT, &maps.mw_lat_slot),

@@ -1,6 +1,7 @@
 //! The latency monitor: per-rule log2 histograms the socket programs record
-//! in the kernel (`mw_lat_hist`), switched on and off at run time node-wide or
-//! per rule.
+//! in the kernel (`mw_lat_rows` by index for the first rule ids, `mw_lat_hist`
+//! hashed for the others and for hops), switched on and off at run time
+//! node-wide or per rule.
 //!
 //! What is measured ([`Metric`]): delivery of a send to the peer's read on the
 //! fast path and on the TCP path, connection setup, request to response at a
@@ -13,7 +14,7 @@
 //! tracepoint test the switch, and the TCP-path send tracepoint (`mw_lat_send`
 //! on `tcp_sendmsg_locked`) is a pinned link only while it runs.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::fs;
 use std::os::fd::AsFd;
@@ -23,8 +24,8 @@ use std::sync::Mutex;
 use libbpf_rs::ProgramHandle;
 use meshwarp_bpf::names;
 use meshwarp_bpf::shared::{
-    Config, LatHist, LatKey, CFG_LATENCY, CFG_LAT_ALL, LAT_BUCKETS, LAT_FAST, LAT_HOP, LAT_RESPONSE, LAT_SETUP,
-    LAT_TCP, LAT_THINK,
+    Config, LatHist, LatKey, CFG_LATENCY, CFG_LAT_ALL, LAT_BUCKETS, LAT_FAST, LAT_HOP, LAT_RESPONSE, LAT_ROW_METRICS,
+    LAT_SETUP, LAT_TCP, LAT_THINK,
 };
 
 use crate::error::{BpfError, IoError};
@@ -186,6 +187,7 @@ pub struct LatencyMonitor {
     layout: FamilyPins,
     config: TypedMap<u32, Config>,
     rules: TypedMap<u32, u64>,
+    rows: Rows,
     hists: PerCpu<LatKey, LatHist>,
     /// One switch at a time: a switch is several map writes.
     switching: Mutex<()>,
@@ -206,6 +208,7 @@ impl LatencyMonitor {
             layout: layout.clone(),
             config: TypedMap::pinned(&dir, names::MAP_CONFIG)?,
             rules: TypedMap::pinned(&dir, names::MAP_LAT_RULE)?,
+            rows: Rows::open(&dir)?,
             hists: PerCpu::pinned(&dir, names::MAP_LAT_HIST)?,
             switching: Mutex::new(()),
         })
@@ -337,31 +340,91 @@ impl LatencyMonitor {
 
     /// Every histogram recorded (for the rules in `rules`, all if empty).
     pub fn histograms(&self, rules: &BTreeSet<u32>) -> Result<Vec<Histogram>, LatencyError> {
-        let mut out = Vec::new();
-        for key in self.hists.keys()? {
-            if !rules.is_empty() && !rules.contains(&key.rule_id) {
-                continue;
+        let mut acc: BTreeMap<(u32, Metric, Option<u32>), LatHist> = BTreeMap::new();
+        let mut add = |rule_id: u32, code: u32, from: u32, h: &LatHist| {
+            if let Some(metric) = Metric::from_code(code) {
+                add_hist(acc.entry((rule_id, metric, (from != NO_ID).then_some(from))).or_default(), h);
             }
-            let Some(metric) = Metric::from_code(key.metric) else { continue };
-            let h = self.hists.sum(&key, add_hist)?;
-            out.push(Histogram {
-                rule_id: key.rule_id,
+        };
+        for id in self.rows.ids(rules) {
+            for (code, h) in self.rows.of(id)? {
+                add(id, code, NO_ID, &h);
+            }
+        }
+        for key in self.hists.keys()? {
+            if rules.is_empty() || rules.contains(&key.rule_id) {
+                add(key.rule_id, key.metric, key.from_rule, &self.hists.sum(&key, add_hist)?);
+            }
+        }
+        Ok(acc
+            .into_iter()
+            .map(|((rule_id, metric, from_rule), h)| Histogram {
+                rule_id,
                 metric,
-                from_rule: (key.from_rule != NO_ID).then_some(key.from_rule),
+                from_rule,
                 count: h.count,
                 sum_ns: h.sum_ns,
                 buckets: h.bucket,
-            });
-        }
-        out.sort_by_key(|h| (h.rule_id, h.metric, h.from_rule));
-        Ok(out)
+            })
+            .collect())
     }
 
     /// Forgets the histograms of `rules` (all if empty).
     pub fn reset(&self, rules: &BTreeSet<u32>) -> Result<(), LatencyError> {
+        for id in self.rows.ids(rules) {
+            self.rows.zero(id)?;
+        }
         for key in self.hists.keys()? {
             if rules.is_empty() || rules.contains(&key.rule_id) {
                 self.hists.delete(&key)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `mw_lat_rows`: the histograms of the first rule ids, a row of
+/// [`LAT_ROW_METRICS`] per rule (metric `m` at `id * LAT_ROW_METRICS + m - 1`).
+#[derive(Debug)]
+pub(crate) struct Rows(PerCpu<u32, LatHist>);
+
+impl Rows {
+    pub(crate) fn open(maps_dir: &std::path::Path) -> Result<Self, MapError> {
+        PerCpu::pinned(maps_dir, names::MAP_LAT_ROWS).map(Self)
+    }
+
+    /// How many rule ids have a row.
+    fn len(&self) -> u32 {
+        self.0.capacity() / LAT_ROW_METRICS
+    }
+
+    /// The ids of `rules` that have a row (all rows if empty).
+    fn ids(&self, rules: &BTreeSet<u32>) -> Vec<u32> {
+        let n = self.len();
+        if rules.is_empty() {
+            (0..n).collect()
+        } else {
+            rules.iter().copied().filter(|&id| id < n).collect()
+        }
+    }
+
+    /// The metrics rule `id` recorded (code, histogram summed over CPUs).
+    fn of(&self, id: u32) -> Result<Vec<(u32, LatHist)>, MapError> {
+        let mut out = Vec::new();
+        for m in 0..LAT_ROW_METRICS {
+            let h = self.0.sum(&(id * LAT_ROW_METRICS + m), add_hist)?;
+            if h.count > 0 {
+                out.push((m + 1, h));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Zeroes rule `id`'s row, if it has one.
+    pub(crate) fn zero(&self, id: u32) -> Result<(), MapError> {
+        if id < self.len() {
+            for m in 0..LAT_ROW_METRICS {
+                self.0.zero(&(id * LAT_ROW_METRICS + m))?;
             }
         }
         Ok(())

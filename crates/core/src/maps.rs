@@ -82,6 +82,7 @@ pub struct KernelMaps {
     /// The latency monitor's switch and histograms, per rule id: a slot given
     /// to a new rule starts with the monitor off and no histograms.
     lat_rule: TypedMap<u32, u64>,
+    lat_rows: crate::latency::Rows,
     lat_hist: PerCpu<LatKey, LatHist>,
 }
 
@@ -206,6 +207,7 @@ impl KernelMaps {
             global: PerCpu::pinned(maps_dir, names::MAP_GLOBAL)?,
             owners: TypedMap::pinned(maps_dir, names::MAP_OWNERS)?,
             lat_rule: TypedMap::pinned(maps_dir, names::MAP_LAT_RULE)?,
+            lat_rows: crate::latency::Rows::open(maps_dir)?,
             lat_hist: PerCpu::pinned(maps_dir, names::MAP_LAT_HIST)?,
         })
     }
@@ -306,6 +308,7 @@ impl SlotMaps for KernelMaps {
     fn reset_slot(&mut self, id: u32) -> Result<(), MapError> {
         self.stats.zero(&id)?;
         self.lat_rule.put(&id, &0)?;
+        self.lat_rows.zero(id)?;
         for k in self.lat_hist.keys()? {
             if k.rule_id == id || k.from_rule == id {
                 self.lat_hist.delete(&k)?;

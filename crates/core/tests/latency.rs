@@ -368,3 +368,50 @@ fn stamps_from_before_a_switch_and_a_reused_rule_id_are_not_carried_over() -> Re
     ensure!(k.dp().latency().histograms(&BTreeSet::from([id]))?.is_empty(), "no histograms carried over");
     Ok(())
 }
+
+/// The first rule ids record by index (`mw_lat_rows`), the ones past them in
+/// the hash: both show, side by side, in the same histograms, and a reset
+/// or a reused id clears either.
+#[test]
+fn rules_past_the_indexed_rows_record_in_the_hash_alike() -> Result<()> {
+    let Some(k) = KernelTest::start_sized(1024, 400) else {
+        return Ok(());
+    };
+    let net = NodeWithPods::new(2)?;
+    let (l_low, _, low) = pair(&k, &net, 0, 1, 8351, FastPathMode::Always)?;
+    // Fill every indexed row; the next rule takes an id past them.
+    let rows = meshwarp_bpf::shared::LAT_ROWS;
+    for port in 0..rows - 1 {
+        let p = EndpointPair::new(net.pods[0].addr(false), SocketAddr::new(net.pods[1].addr(false), 20000 + port as u16).into())?;
+        k.dp().insert(&p, "filler")?;
+    }
+    let (l_high, p_high, high) = pair(&k, &net, 0, 1, 8352, FastPathMode::Always)?;
+    ensure!(low < rows && high >= rows, "ids {low} and {high} straddle the {rows} rows");
+    k.dp().latency().set(&LatencyScope::All, false)?;
+    for (l, port) in [(&l_low, 8351), (&l_high, 8352)] {
+        let mut c = net.pods[0].ns.connect(SocketAddr::new(net.pods[1].addr(false), port))?;
+        let s = accept_timeout(l, Duration::from_secs(10))?;
+        rounds(&mut c, s, 8, 64, Duration::from_millis(2))?;
+    }
+    let hs = k.dp().latency().histograms(&BTreeSet::new())?;
+    for id in [low, high] {
+        let think = hist(&hs, id, Metric::Think, None).with_context(|| format!("rule {id}: think time in {hs:?}"))?;
+        ensure!(think.count == 8 && below(think, BUCKET_1MS) == 0, "rule {id}: {think:?}");
+        let fast = hist(&hs, id, Metric::Fast, None).with_context(|| format!("rule {id}: deliveries"))?;
+        ensure!(fast.count >= 16, "rule {id}: {fast:?}");
+    }
+    // Histograms of one rule only; a reset of one leaves the other.
+    let only_high = k.dp().latency().histograms(&BTreeSet::from([high]))?;
+    ensure!(!only_high.is_empty() && only_high.iter().all(|h| h.rule_id == high), "{only_high:?}");
+    k.dp().latency().reset(&BTreeSet::from([low]))?;
+    let hs = k.dp().latency().histograms(&BTreeSet::new())?;
+    ensure!(hs.iter().all(|h| h.rule_id != low) && hs.iter().any(|h| h.rule_id == high), "{hs:?}");
+    // A freed id past the rows is given again clean.
+    k.dp().latency().set(&LatencyScope::Off, false)?;
+    k.dp().remove(&p_high)?;
+    let again = EndpointPair::new(net.pods[0].addr(false), SocketAddr::new(net.pods[1].addr(false), 8353).into())?;
+    k.dp().insert(&again, "test")?;
+    ensure!(k.dp().rule_id(&again)? == high, "the freed id is given again");
+    ensure!(k.dp().latency().histograms(&BTreeSet::from([high]))?.is_empty(), "no histograms carried over");
+    Ok(())
+}

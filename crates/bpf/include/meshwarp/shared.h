@@ -12,7 +12,7 @@
 #ifndef MESHWARP_SHARED_H
 #define MESHWARP_SHARED_H
 
-#define MW_SCHEMA_VERSION 13
+#define MW_SCHEMA_VERSION 14
 
 #define MW_AF_INET 2
 #define MW_AF_INET6 10
@@ -424,7 +424,7 @@ struct mw_rule_stats {
 /*
  * ---- the latency monitor ----
  *
- * Log2 histograms per rule and metric (mw_lat_hist, per CPU), recorded only
+ * Log2 histograms per rule and metric (mw_lat_rows, mw_lat_hist; per CPU), recorded only
  * while mw_config has MW_CFG_LATENCY and the rule is on (MW_CFG_LAT_ALL, or
  * mw_lat_rule[rule id]: when it was switched on, 0 = off); its TCP-path send
  * tracepoint is attached only then, so a monitor that is off costs one flag
@@ -437,6 +437,11 @@ struct mw_rule_stats {
 #define MW_LAT_THINK 5    /* a read to the same thread's next send on the same connection: the application's own time */
 #define MW_LAT_HOP 6      /* a read of one rule's socket to the same thread's next send on another rule's: a proxy between two hops (from_rule -> rule_id) */
 #define MW_LAT_METRICS 6
+/* The metrics of one rule's row in mw_lat_rows (every one but MW_LAT_HOP). */
+#define MW_LAT_ROW_METRICS 5
+/* Rule ids below this have their rows in mw_lat_rows, found by index (ids are
+ * handed out lowest first); the others, and every hop, hash in mw_lat_hist. */
+#define MW_LAT_ROWS 256
 /* Bucket i counts [2^i, 2^(i+1)) ns; bucket 0 also takes 0, the last everything above. */
 #define MW_LAT_BUCKETS 32
 
@@ -461,11 +466,10 @@ struct mw_lat_pend_key {
 	__u32 pad;
 };
 
-/* A thread's last read of a covered socket (mw_lat_thr, keyed by thread id). */
+/* A thread's last read of a covered socket (mw_lat_thr: the thread's task storage). */
 struct mw_lat_thread {
 	__u64 ts;
 	__u64 conn;
-	__u64 pid_tgid;
 	__u32 rule_id;
 	__u32 end; /* the end it read */
 };

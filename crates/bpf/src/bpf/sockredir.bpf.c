@@ -159,7 +159,12 @@ MW_MAP(mw_build, BPF_MAP_TYPE_ARRAY, __u32, struct mw_build, 1, 0);
 /* Per rule id: when the monitor was switched on for it, 0 while off (sized
  * as mw_stats). */
 MW_MAP(mw_lat_rule, BPF_MAP_TYPE_ARRAY, __u32, __u64, 16384, 0);
-/* Histograms; not preallocated: only rules the monitor ran for take room. */
+/* Histograms of rules below MW_LAT_ROWS, at rule_id * MW_LAT_ROW_METRICS +
+ * metric - 1: an index, no hashing per sample (sized at load, at most
+ * MW_LAT_ROWS rows). */
+MW_MAP(mw_lat_rows, BPF_MAP_TYPE_PERCPU_ARRAY, __u32, struct mw_lat_hist, MW_LAT_ROWS * MW_LAT_ROW_METRICS, 0);
+/* The other rules' histograms and every hop's; not preallocated: only rules
+ * the monitor ran for take room. */
 MW_MAP(mw_lat_hist, BPF_MAP_TYPE_PERCPU_HASH, struct mw_lat_key, struct mw_lat_hist, 16384, BPF_F_NO_PREALLOC);
 /* Never written: the zeroes a new histogram starts from (too large for the stack). */
 MW_MAP(mw_lat_zero, BPF_MAP_TYPE_ARRAY, __u32, struct mw_lat_hist, 1, 0);
@@ -169,9 +174,14 @@ MW_MAP(mw_lat_zero, BPF_MAP_TYPE_ARRAY, __u32, struct mw_lat_hist, 1, 0);
 MW_MAP(mw_lat_slot, BPF_MAP_TYPE_ARRAY, __u32, __u64, 65536, 0);
 MW_MAP(mw_lat_pend, BPF_MAP_TYPE_LRU_HASH, struct mw_lat_pend_key, __u64, 65536, 0);
 
-/* Each thread's last read of a covered socket (by thread id; written in
- * place, inserted once per thread; LRU: gone threads age out). */
-MW_MAP(mw_lat_thr, BPF_MAP_TYPE_LRU_HASH, __u32, struct mw_lat_thread, 16384, 0);
+/* Each thread's last read of a covered socket: task storage, found through
+ * the task itself (no hashing per message) and gone with the thread. */
+struct {
+	__uint(type, BPF_MAP_TYPE_TASK_STORAGE);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, int);
+	__type(value, struct mw_lat_thread);
+} mw_lat_thr SEC(".maps");
 
 /* When a client socket called connect() (ns), while the monitor runs. */
 struct {
@@ -246,10 +256,15 @@ static __always_inline __u32 log2_32(__u32 v)
 static __always_inline void lat_record(__u32 rule_id, __u32 metric, __u32 from, __u64 ns)
 {
 	struct mw_lat_key k = { .rule_id = rule_id, .metric = metric, .from_rule = from };
-	struct mw_lat_hist *h, *z;
-	__u32 zero = 0, hi = ns >> 32, b;
+	struct mw_lat_hist *h = NULL, *z;
+	__u32 zero = 0, hi = ns >> 32, b, row;
 
-	h = bpf_map_lookup_elem(&mw_lat_hist, &k);
+	if (metric != MW_LAT_HOP && rule_id < MW_LAT_ROWS) {
+		row = rule_id * MW_LAT_ROW_METRICS + metric - 1;
+		h = bpf_map_lookup_elem(&mw_lat_rows, &row);
+	}
+	if (!h)
+		h = bpf_map_lookup_elem(&mw_lat_hist, &k);
 	if (!h) {
 		z = bpf_map_lookup_elem(&mw_lat_zero, &zero);
 		if (!z)
@@ -845,7 +860,7 @@ static __always_inline void lat_send(struct mw_sock_state *st, __u64 since)
 {
 	__u64 now = bpf_ktime_get_ns(), *ts;
 	struct mw_lat_thread *th;
-	__u32 tid = (__u32)bpf_get_current_pid_tgid(), end = st->end & 1;
+	__u32 end = st->end & 1;
 
 	if (!st->conn)
 		return;
@@ -859,8 +874,8 @@ static __always_inline void lat_send(struct mw_sock_state *st, __u64 since)
 	 * end of this connection: think time) or a proxy's between two hops (it
 	 * read one connection's server end and writes another's client end, or
 	 * the way back). One sample per read. */
-	th = bpf_map_lookup_elem(&mw_lat_thr, &tid);
-	if (th && th->ts && th->pid_tgid == bpf_get_current_pid_tgid()) {
+	th = bpf_task_storage_get(&mw_lat_thr, bpf_get_current_task_btf(), 0, 0);
+	if (th && th->ts) {
 		if (now > th->ts && th->ts >= since) {
 			if (th->conn != st->conn && th->end != end)
 				lat_record(st->rule_id, MW_LAT_HOP, th->rule_id, now - th->ts);
@@ -880,7 +895,6 @@ static __always_inline void lat_recv(struct mw_sock_state *st, bool fast, __u64 
 {
 	struct mw_lat_thread *th;
 	__u64 now = bpf_ktime_get_ns(), *ts, t;
-	__u32 tid = (__u32)bpf_get_current_pid_tgid();
 
 	if (!st->conn)
 		return;
@@ -897,23 +911,12 @@ static __always_inline void lat_recv(struct mw_sock_state *st, bool fast, __u64 
 		if (now > t && t >= since)
 			lat_record(st->rule_id, MW_LAT_RESPONSE, MW_NO_ID, now - t);
 	}
-	th = bpf_map_lookup_elem(&mw_lat_thr, &tid);
+	th = bpf_task_storage_get(&mw_lat_thr, bpf_get_current_task_btf(), 0, BPF_LOCAL_STORAGE_GET_F_CREATE);
 	if (th) {
 		th->ts = now;
 		th->conn = st->conn;
-		th->pid_tgid = bpf_get_current_pid_tgid();
 		th->rule_id = st->rule_id;
 		th->end = st->end & 1;
-	} else {
-		struct mw_lat_thread fresh = {
-			.ts = now,
-			.conn = st->conn,
-			.pid_tgid = bpf_get_current_pid_tgid(),
-			.rule_id = st->rule_id,
-			.end = st->end & 1,
-		};
-
-		bpf_map_update_elem(&mw_lat_thr, &tid, &fresh, BPF_NOEXIST);
 	}
 }
 
