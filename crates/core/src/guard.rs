@@ -189,17 +189,30 @@ impl Drop for GuardThread {
     }
 }
 
-/// The lock that makes one guard per pin root; `None` if another holds it.
-fn guard_lock(pin_dir: &Path) -> Result<Option<nix::fcntl::Flock<fs::File>>, GuardError> {
-    let dir = Path::new("/run/meshwarp");
-    fs::create_dir_all(dir).map_err(|source| GuardError::Io(IoError::new("creating /run/meshwarp", source)))?;
+/// Where the guard of the data path pinned at `pin_dir` takes its lock.
+fn lock_path(pin_dir: &Path) -> PathBuf {
     // FNV-1a of the pin directory: one lock per data path.
     let hash = pin_dir
         .as_os_str()
         .as_encoded_bytes()
         .iter()
         .fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3));
-    let path = dir.join(format!("guard-{hash:016x}.lock"));
+    Path::new(LOCK_DIR).join(format!("guard-{hash:016x}.lock"))
+}
+
+const LOCK_DIR: &str = "/run/meshwarp";
+
+/// Removes the guard lock file of a data path that was uninstalled (one
+/// file per pin root would otherwise pile up in /run).
+pub(crate) fn remove_lock(pin_dir: &Path) {
+    let _ = fs::remove_file(lock_path(pin_dir));
+}
+
+/// The lock that makes one guard per pin root; `None` if another holds it.
+fn guard_lock(pin_dir: &Path) -> Result<Option<nix::fcntl::Flock<fs::File>>, GuardError> {
+    fs::create_dir_all(LOCK_DIR)
+        .map_err(|source| GuardError::Io(IoError::new(format!("creating {LOCK_DIR}"), source)))?;
+    let path = lock_path(pin_dir);
     let file = fs::OpenOptions::new()
         .create(true)
         .truncate(false)

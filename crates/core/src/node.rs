@@ -101,9 +101,10 @@ pub enum NodeError {
     Tc(#[from] TcError),
 }
 
-/// Removes meshwarp's pins (of this schema) under `pin_root` and nothing
-/// else: the tc family (its tcx links first, so interfaces stop running it)
-/// then the socket family. New connections take the normal TCP path;
+/// Removes meshwarp's pins under `pin_root` and nothing else: the tc family
+/// (its tcx links first, so interfaces stop running it) then the socket
+/// family, of this schema and of any other a previous or later build left
+/// (`v<N>`: the daemon refuses to start next to those). New connections take the normal TCP path;
 /// connections accelerated before stay on their fast path until they close
 /// (their sockets keep the programs and maps alive); routed packets take the
 /// kernel's forwarding again. The caller holds the pins or knows no process
@@ -111,6 +112,13 @@ pub enum NodeError {
 pub fn uninstall(pin_root: &Path) -> Result<(), NodeError> {
     tc::remove_pinned(pin_root)?;
     dataplane::remove_pinned(pin_root)?;
+    for dir in crate::pins::other_schema_dirs(pin_root) {
+        tracing::info!(dir = %dir.display(), "removing the pins of another meshwarp schema");
+        crate::pins::remove_schema_dir(&dir).map_err(|e| NodeError::Dataplane(DataplaneError::Io(e)))?;
+    }
+    crate::guard::remove_lock(&crate::pins::schema_dir(pin_root));
+    // Only if empty now: anything else there is not ours.
+    let _ = std::fs::remove_dir(pin_root);
     Ok(())
 }
 

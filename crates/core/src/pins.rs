@@ -197,6 +197,65 @@ pub(crate) const NEXT_PREFIX: &str = "next-";
 #[derive(Debug)]
 pub struct PinLock(#[allow(dead_code)] nix::fcntl::Flock<fs::File>);
 
+/// The schema directories under `pin_root` other than this build's
+/// (`v<N>`): pins an older or newer meshwarp left, which this build cannot
+/// read (its maps' layouts differ) but can remove.
+pub fn other_schema_dirs(pin_root: &Path) -> Vec<PathBuf> {
+    let ours = format!("v{SCHEMA_VERSION}");
+    let mut dirs: Vec<PathBuf> = fs::read_dir(pin_root)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            name != ours && name.len() > 1 && name.starts_with('v') && name[1..].bytes().all(|b| b.is_ascii_digit())
+        })
+        .map(|e| e.path())
+        .collect();
+    dirs.sort();
+    dirs
+}
+
+/// Unpins everything under another schema's directory (see
+/// [`other_schema_dirs`]), whose pin names this build does not know: the
+/// links of its tc family and of its socket family first (which detaches
+/// what they attach), then every other pin of the family layout (`links`,
+/// `progs`, `maps`, `plugins`, `tc`), then the directories. Refused while
+/// a process of that build holds the directory (its lock).
+pub fn remove_schema_dir(dir: &Path) -> Result<(), IoError> {
+    let err = |what: &Path, e| IoError::new(format!("unpinning {}", what.display()), e);
+    let _held = [dir.join("tc"), dir.to_path_buf()]
+        .into_iter()
+        .filter(|d| d.is_dir())
+        .map(|d| FamilyPins { dir: d, progs: &[], maps: &[], links: &[] }.lock())
+        .collect::<Result<Vec<_>, _>>()?;
+    for links in [dir.join("tc").join("links"), dir.join("links")] {
+        for e in fs::read_dir(&links).into_iter().flatten().flatten() {
+            fs::remove_file(e.path()).map_err(|x| err(&e.path(), x))?;
+        }
+    }
+    for sub in ["tc", "links", "progs", "maps", "plugins"] {
+        remove_tree(&dir.join(sub)).map_err(|x| err(&dir.join(sub), x))?;
+    }
+    let _ = fs::remove_dir(dir);
+    Ok(())
+}
+
+/// Removes the files and directories under `dir` (pins, on bpffs), and it.
+fn remove_tree(dir: &Path) -> io::Result<()> {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return Ok(());
+    };
+    for e in entries.flatten() {
+        if e.file_type()?.is_dir() {
+            remove_tree(&e.path())?;
+        } else {
+            fs::remove_file(e.path())?;
+        }
+    }
+    fs::remove_dir(dir)
+}
+
 /// The directory of plugin `id` of the chain of the family pinned in `family_dir`.
 pub fn plugin_dir(family_dir: &Path, id: u32) -> PathBuf {
     family_dir.join("plugins").join(id.to_string())

@@ -382,7 +382,10 @@ fn rules_past_the_indexed_rows_record_in_the_hash_alike() -> Result<()> {
     // Fill every indexed row; the next rule takes an id past them.
     let rows = meshwarp_bpf::shared::LAT_ROWS;
     for port in 0..rows - 1 {
-        let p = EndpointPair::new(net.pods[0].addr(false), SocketAddr::new(net.pods[1].addr(false), 20000 + port as u16).into())?;
+        let p = EndpointPair::new(
+            net.pods[0].addr(false),
+            SocketAddr::new(net.pods[1].addr(false), 20000 + port as u16).into(),
+        )?;
         k.dp().insert(&p, "filler")?;
     }
     let (l_high, p_high, high) = pair(&k, &net, 0, 1, 8352, FastPathMode::Always)?;

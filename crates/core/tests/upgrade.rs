@@ -375,3 +375,47 @@ fn uninstall_under_traffic_loses_no_byte() -> Result<()> {
     );
     Ok(())
 }
+
+/// Pins another schema left (here: this build's, renamed to the schema
+/// before it, links attached) make the data path refuse to start, as the
+/// error says, until `meshwarp uninstall` — which removes them, detaching
+/// their programs, so the next start loads afresh and redirects.
+#[test]
+fn uninstall_removes_the_pins_of_another_schema() -> Result<()> {
+    let mut k = kernel_test!(1024);
+    let bed = Bed::new(k.dp())?;
+    fresh_connection_is_redirected(k.dp(), &bed, 40).context("before")?;
+    let dir = k.dp().pin_dir().to_path_buf();
+    let old: Vec<u32> = running_programs(&dir)?.into_values().collect();
+    drop(k.dp.take());
+    let ours = meshwarp_bpf::shared::SCHEMA_VERSION;
+    let other = k.cfg.pin_root.join(format!("v{}", ours - 1));
+    std::fs::rename(&dir, &other)?;
+    match Dataplane::open(&k.cfg) {
+        Err(meshwarp_core::dataplane::DataplaneError::Schema { found, .. }) => {
+            ensure!(found == format!("v{}", ours - 1), "found {found}")
+        }
+        other => bail!("opened next to another schema's pins: {other:?}"),
+    }
+    meshwarp_core::node::uninstall(&k.cfg.pin_root)?;
+    ensure!(!other.exists(), "{} is still there", other.display());
+    // Its programs go once nothing holds them (freed after an RCU grace period).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let loaded: Vec<u32> =
+            libbpf_rs::query::ProgInfoIter::default().map(|p| p.id).filter(|id| old.contains(id)).collect();
+        if loaded.is_empty() {
+            break;
+        }
+        ensure!(Instant::now() < deadline, "programs {loaded:?} of the removed schema are still loaded");
+        thread::sleep(Duration::from_millis(50));
+    }
+    k.dp = Some(Dataplane::open(&k.cfg)?);
+    k.dp().insert(&bed.pair, "test")?;
+    // The echo server listened before this data path was loaded: its first
+    // connection teaches the reader guard who reads it (TCP, reason
+    // "reader"); the next one is redirected.
+    let first = bed.connect()?;
+    echo_integrity(first, 42, 4096, T)?;
+    fresh_connection_is_redirected(k.dp(), &bed, 41).context("after the uninstall, loaded afresh")
+}

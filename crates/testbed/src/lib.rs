@@ -54,6 +54,58 @@ pub fn unique_name(prefix: &str) -> String {
     format!("{prefix}{}-{}", std::process::id() % 100_000, SEQ.fetch_add(1, Ordering::Relaxed))
 }
 
+/// Removes what test processes that died without running their guards' drop
+/// (a timeout's SIGKILL, a killed bench) left behind, named by their process
+/// id (see [`unique_name`]): pin roots, whose programs stay attached to every
+/// socket call of the host (tracepoints are global) and slow every later
+/// test and measurement; network namespaces; cgroups. Only names whose
+/// process id no live process has; once per process.
+pub fn sweep_leftovers() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let live: std::collections::HashSet<u32> = std::fs::read_dir("/proc")
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+            .map(|pid| pid % 100_000)
+            .collect();
+        let dead = |tag: Option<&str>| tag.and_then(|t| t.parse::<u32>().ok()).is_some_and(|p| !live.contains(&p));
+        // meshwarp-<what>-<pid>-<n>
+        let ours = |name: &str| name.starts_with("meshwarp-") && dead(name.split('-').nth(2));
+        let entries = |dir: &Path| -> Vec<(String, PathBuf)> {
+            std::fs::read_dir(dir)
+                .into_iter()
+                .flatten()
+                .flatten()
+                .filter_map(|e| Some((e.file_name().into_string().ok()?, e.path())))
+                .collect()
+        };
+        for (name, path) in entries(Path::new("/sys/fs/bpf")) {
+            if ours(&name) {
+                match uninstall(&path) {
+                    Ok(()) => eprintln!("testbed: removed the pins a dead test process left at {}", path.display()),
+                    Err(e) => eprintln!("testbed: could not remove the leftover pins at {}: {e}", path.display()),
+                }
+            }
+        }
+        // mw<pid>-<n><role>
+        for (name, _) in entries(Path::new("/run/netns")) {
+            let pid = name.strip_prefix("mw").and_then(|r| r.split('-').next());
+            if pid.is_some_and(|p| !p.is_empty()) && dead(pid) && run("ip", &["netns", "del", &name]).is_ok() {
+                eprintln!("testbed: removed the network namespace {name} a dead test process left");
+            }
+        }
+        if let Ok(root) = meshwarp_core::sys::cgroup2_root() {
+            for (name, path) in entries(&root) {
+                if ours(&name) && std::fs::remove_dir(&path).is_ok() {
+                    eprintln!("testbed: removed the cgroup {} a dead test process left", path.display());
+                }
+            }
+        }
+    });
+}
+
 /// Runs a command; its stderr goes into the error.
 pub fn run(cmd: &str, args: &[&str]) -> Result<String> {
     let out = Command::new(cmd)
@@ -78,6 +130,7 @@ pub struct NetNs {
 impl NetNs {
     /// Creates `mw<pid>-<n><role>`, with loopback up.
     pub fn new(role: &str) -> Result<Self> {
+        sweep_leftovers();
         let name = format!("{}{role}", unique_name("mw"));
         run("ip", &["netns", "add", &name])?;
         let ns = Self { name };
@@ -1150,6 +1203,7 @@ impl KernelTest {
     /// (e.g. the reader guard off).
     pub fn start_with(max_sockets: u32, max_rules: u32, f: impl FnOnce(&mut DataplaneConfig)) -> Option<Self> {
         let lock = KERNEL_LOCK.lock().unwrap_or_else(|p| p.into_inner());
+        sweep_leftovers();
         let cgroup = match TestCgroup::new() {
             Ok(c) => c,
             Err(e) => return missing_feature(&format!("cgroup v2 (for sockops): {e}")),
@@ -1199,6 +1253,7 @@ pub struct TcTest {
 impl TcTest {
     /// Loads it for `node`; a refusal follows [`missing_feature`].
     pub fn start(node: &NetNs) -> Option<Self> {
+        sweep_leftovers();
         let pin_root = PathBuf::from(format!("/sys/fs/bpf/{}", unique_name("meshwarp-tctest-")));
         let cfg = meshwarp_core::tc::TcConfig { pin_root: pin_root.clone(), netns: Some(node.path()), max_routes: 64 };
         match meshwarp_core::tc::TcDataplane::open(&cfg) {
