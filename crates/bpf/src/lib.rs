@@ -180,8 +180,21 @@ pub mod names {
     pub const PLUGIN_HOST_MAPS: [&str; 6] =
         [MAP_CHAIN, MAP_CHAIN_GEN, MAP_PLUG_CFG, MAP_PLUG_STATS, MAP_PLUG_META, MAP_GRACE];
     /// The tcredir family's own maps (besides [`PLUGIN_HOST_MAPS`]).
-    pub const TCREDIR_MAPS: [&str; 8] =
-        [MAP_RT4, MAP_RT6, MAP_RT_STATS, MAP_ATT_STATS, MAP_RT_OWNER, MAP_CH_PKT, MAP_BUILD, MAP_PKT_DIR];
+    pub const TCREDIR_MAPS: [&str; 13] = [
+        MAP_RT4,
+        MAP_RT6,
+        MAP_RT_STATS,
+        MAP_ATT_STATS,
+        MAP_RT_OWNER,
+        MAP_CH_PKT,
+        MAP_BUILD,
+        MAP_PKT_DIR,
+        MAP_CONFIG,
+        MAP_LAT_RULE,
+        MAP_LAT_ROWS,
+        MAP_LAT_HIST,
+        MAP_LAT_ZERO,
+    ];
     /// The sockredir family's own maps (besides [`PLUGIN_HOST_MAPS`]), in pin order.
     pub const SOCKREDIR_MAPS: [&str; 32] = [
         MAP_SOCKMAP,

@@ -94,8 +94,11 @@ pub const LAT_SETUP: u32 = 3;
 pub const LAT_RESPONSE: u32 = 4;
 pub const LAT_THINK: u32 = 5;
 pub const LAT_HOP: u32 = 6;
+pub const LAT_TRANSIT: u32 = 7;
 /// `MW_LAT_ROW_METRICS`: the metrics of a row of `mw_lat_rows` (all but hops).
 pub const LAT_ROW_METRICS: u32 = 5;
+/// `MW_LAT_RT_ROW_METRICS`: the tc family's rows hold one metric, transit.
+pub const LAT_RT_ROW_METRICS: u32 = 1;
 /// `MW_LAT_ROWS`: rule ids below this keep their histograms in `mw_lat_rows`.
 pub const LAT_ROWS: u32 = 256;
 /// `MW_LAT_BUCKETS`: bucket i counts [2^i, 2^(i+1)) ns.
@@ -778,6 +781,8 @@ mod tests {
         };
         assert_eq!(define("MW_LAT_ROWS"), LAT_ROWS);
         assert_eq!(define("MW_LAT_ROW_METRICS"), LAT_ROW_METRICS);
+        assert_eq!(define("MW_LAT_RT_ROW_METRICS"), LAT_RT_ROW_METRICS);
+        assert_eq!(define("MW_LAT_TRANSIT"), LAT_TRANSIT);
         assert_eq!(define("MW_LAT_HOP"), LAT_ROW_METRICS + 1, "a row holds every metric before the hop");
     }
 

@@ -27,6 +27,9 @@ pub enum MetricArg {
     Think,
     /// A proxy's read on one rule's socket to its send on another's.
     Hop,
+    /// An interface route's: a packet's time from its sender's TCP
+    /// transmit to the route that redirects it.
+    Transit,
 }
 
 impl MetricArg {
@@ -39,6 +42,7 @@ impl MetricArg {
             MetricArg::Response => pb::LatencyMetric::Response,
             MetricArg::Think => pb::LatencyMetric::Think,
             MetricArg::Hop => pb::LatencyMetric::Hop,
+            MetricArg::Transit => pb::LatencyMetric::Transit,
         }
     }
 
@@ -51,6 +55,7 @@ impl MetricArg {
             pb::LatencyMetric::Response => MetricArg::Response,
             pb::LatencyMetric::Think => MetricArg::Think,
             pb::LatencyMetric::Hop => MetricArg::Hop,
+            pb::LatencyMetric::Transit => MetricArg::Transit,
             pb::LatencyMetric::Unspecified => return None,
         })
     }
@@ -64,6 +69,7 @@ impl MetricArg {
             MetricArg::Response => "response (send to next read)",
             MetricArg::Think => "think (read to next send)",
             MetricArg::Hop => "proxy hop",
+            MetricArg::Transit => "route transit (sender's TCP transmit to the route)",
         }
     }
 }
@@ -103,11 +109,32 @@ pub fn parse_capture_key(s: &str) -> Result<CaptureKeyArg, String> {
     Ok(CaptureKeyArg { client, dst })
 }
 
+/// Parses `--route IFACE[:egress]=DST/LEN`: the route on IFACE's ingress
+/// (or egress) hook for that destination prefix.
+pub fn parse_route_key(s: &str) -> Result<pb::RouteKey, String> {
+    let (at, dst) = s.split_once('=').ok_or_else(|| format!("{s:?} is not IFACE[:egress]=DST/LEN"))?;
+    let (attach, egress) = match at.rsplit_once(':') {
+        Some((a, "egress")) => (a, true),
+        Some((a, "ingress")) => (a, false),
+        Some((_, d)) => return Err(format!("{d:?} is not a direction (ingress, egress)")),
+        None => (at, false),
+    };
+    if attach.is_empty() || dst.is_empty() {
+        return Err(format!("{s:?} is not IFACE[:egress]=DST/LEN"));
+    }
+    Ok(pb::RouteKey {
+        attach: crate::output::iface(attach),
+        direction: crate::output::dir(egress),
+        dst: crate::output::prefix(dst),
+    })
+}
+
 fn endpoint(a: SocketAddr) -> Option<pb::Endpoint> {
     Some(pb::Endpoint { ip: a.ip().to_string(), port: u32::from(a.port()) })
 }
 
-/// The rules a latency command is about, by key; none: every rule.
+/// The rules and routes a latency command is about, by key; none: every
+/// rule and route.
 #[derive(Debug, Clone, Default, clap::Args)]
 pub struct RuleSelectorArgs {
     /// A pair, as CLIENT_IP=SERVER_IP:PORT ([IPv6]:PORT for IPv6). Repeatable.
@@ -117,6 +144,10 @@ pub struct RuleSelectorArgs {
     /// CLIENT_IP=DST_IP:PORT. Repeatable.
     #[arg(long = "capture", value_name = "[CLIENT_IP=]DST_IP:PORT", value_parser = parse_capture_key)]
     pub captures: Vec<CaptureKeyArg>,
+    /// An interface route, as IFACE=DST/LEN (its ingress hook) or
+    /// IFACE:egress=DST/LEN. Repeatable.
+    #[arg(long = "route", value_name = "IFACE[:egress]=DST/LEN", value_parser = parse_route_key)]
+    pub routes: Vec<pb::RouteKey>,
 }
 
 impl RuleSelectorArgs {
@@ -136,6 +167,7 @@ impl RuleSelectorArgs {
                     original_dst: endpoint(c.dst),
                 })
                 .collect(),
+            routes: self.routes.clone(),
         }
     }
 
@@ -150,24 +182,34 @@ pub struct StateView {
     pub enabled: bool,
     pub all_rules: bool,
     pub rule_ids: Vec<u32>,
+    pub route_ids: Vec<u32>,
 }
 
 impl StateView {
     pub fn from_pb(s: &Option<pb::LatencyState>) -> Self {
         let s = s.clone().unwrap_or_default();
-        Self { enabled: s.enabled, all_rules: s.all_rules, rule_ids: s.rule_ids }
+        Self { enabled: s.enabled, all_rules: s.all_rules, rule_ids: s.rule_ids, route_ids: s.route_ids }
     }
 
-    /// `latency monitor off`, `... on for every rule`, `... on for rules 3, 7`.
+    /// `latency monitor off`, `... on for every rule`, `... on for rules 3,
+    /// 7`, `... on for rule 3 and route 0`.
     pub fn line(&self) -> String {
+        let list = |what: &str, ids: &[u32]| {
+            let s = if ids.len() == 1 { "" } else { "s" };
+            let ids: Vec<String> = ids.iter().map(u32::to_string).collect();
+            format!("{what}{s} {}", ids.join(", "))
+        };
         if !self.enabled {
             "latency monitor off".into()
-        } else if self.all_rules || self.rule_ids.is_empty() {
+        } else if self.all_rules || (self.rule_ids.is_empty() && self.route_ids.is_empty()) {
             "latency monitor on for every rule".into()
         } else {
-            let ids: Vec<String> = self.rule_ids.iter().map(u32::to_string).collect();
-            let s = if ids.len() == 1 { "" } else { "s" };
-            format!("latency monitor on for rule{s} {}", ids.join(", "))
+            let parts: Vec<String> = [("rule", &self.rule_ids), ("route", &self.route_ids)]
+                .into_iter()
+                .filter(|(_, ids)| !ids.is_empty())
+                .map(|(what, ids)| list(what, ids))
+                .collect();
+            format!("latency monitor on for {}", parts.join(" and "))
         }
     }
 }
@@ -417,7 +459,15 @@ pub(crate) mod tests {
         assert_eq!(parse_capture_key("10.96.0.10:80").unwrap().client, None);
         let c = parse_capture_key("10.0.0.5=10.96.0.10:80").unwrap();
         assert_eq!(c.client, Some("10.0.0.5".parse().unwrap()));
-        let sel = RuleSelectorArgs { pairs: vec![p], captures: vec![c] }.to_pb();
+        let r = parse_route_key("vpod0:egress=198.18.0.0/24").unwrap();
+        assert_eq!(r.direction, pb::Direction::Egress as i32);
+        assert_eq!(r.dst.as_ref().unwrap().length, 24);
+        assert_eq!(parse_route_key("vpod0=198.18.0.3").unwrap().direction, pb::Direction::Ingress as i32);
+        for bad in ["vpod0", "=10.0.0.0/8", "vpod0:up=10.0.0.0/8"] {
+            assert!(parse_route_key(bad).is_err(), "{bad}");
+        }
+        let sel = RuleSelectorArgs { pairs: vec![p], captures: vec![c], routes: vec![r] }.to_pb();
+        assert_eq!(sel.routes.len(), 1);
         assert_eq!(sel.pairs[0].client_ip, "10.0.0.1");
         assert_eq!(sel.pairs[0].server.as_ref().unwrap().port, 80);
         assert_eq!(sel.capture_rules[0].client_ip, "10.0.0.5");
@@ -437,7 +487,7 @@ pub(crate) mod tests {
         let a = pair_ref(3, "10.0.0.1", "10.0.0.2", 80);
         let b = pair_ref(2, "10.0.0.2", "10.0.0.3", 80);
         let resp = pb::GetLatencyResponse {
-            state: Some(pb::LatencyState { enabled: true, all_rules: true, rule_ids: vec![] }),
+            state: Some(pb::LatencyState { enabled: true, all_rules: true, ..Default::default() }),
             histograms: vec![
                 hist(a.clone(), pb::LatencyMetric::Tcp, None, &[(10, 1)]),
                 hist(a.clone(), pb::LatencyMetric::Fast, None, &[(12, 4), (14, 1)]),
@@ -496,7 +546,9 @@ pub(crate) mod tests {
         let text = render_report(&r);
         assert!(text.starts_with("latency monitor off\n"), "{text}");
         assert!(text.contains("latency on"), "{text}");
-        let on = StateView { enabled: true, all_rules: false, rule_ids: vec![3, 7] };
+        let on = StateView { enabled: true, all_rules: false, rule_ids: vec![3, 7], route_ids: vec![] };
         assert_eq!(on.line(), "latency monitor on for rules 3, 7");
+        let both = StateView { enabled: true, all_rules: false, rule_ids: vec![3], route_ids: vec![0] };
+        assert_eq!(both.line(), "latency monitor on for rule 3 and route 0");
     }
 }

@@ -89,6 +89,7 @@ pub fn rule_description(r: &pb::RuleRef) -> String {
             let from = if c.client_ip.is_empty() { String::new() } else { format!(" from {}", c.client_ip) };
             format!("capture -> {} at {}{from}", show_endpoint(&c.original_dst), show_endpoint(&c.listener))
         }
+        Some(pb::rule_ref::Rule::Route(r)) => format!("route {}", show_route(r)),
         None => String::new(),
     }
 }
@@ -100,6 +101,53 @@ pub fn rule_name(r: &pb::RuleRef) -> String {
         d if d.is_empty() => format!("rule {}", r.rule_id),
         d => format!("rule {} ({d})", r.rule_id),
     }
+}
+
+/// An interface by name, or by index when `name` is a number.
+pub fn iface(name: &str) -> Option<pb::Interface> {
+    let r = match name.parse::<u32>() {
+        Ok(i) => pb::interface::Ref::Index(i),
+        Err(_) => pb::interface::Ref::Name(name.to_string()),
+    };
+    Some(pb::Interface { r#ref: Some(r) })
+}
+
+/// An interface as a table shows it: its name, or `#index`.
+pub fn show_iface(i: &Option<pb::Interface>) -> String {
+    match i.as_ref().and_then(|i| i.r#ref.as_ref()) {
+        Some(pb::interface::Ref::Name(n)) => n.clone(),
+        Some(pb::interface::Ref::Index(x)) => format!("#{x}"),
+        None => "-".into(),
+    }
+}
+
+/// The tc hook: egress, else ingress.
+pub fn dir(egress: bool) -> i32 {
+    if egress {
+        pb::Direction::Egress as i32
+    } else {
+        pb::Direction::Ingress as i32
+    }
+}
+
+/// "198.18.2.0/24" into a prefix (the server validates the parts).
+pub fn prefix(s: &str) -> Option<pb::IpPrefix> {
+    let (ip, len) = s.split_once('/').unwrap_or((s, ""));
+    let length = len.parse().unwrap_or(if ip.contains(':') { 128 } else { 32 });
+    Some(pb::IpPrefix { ip: ip.to_string(), length })
+}
+
+/// A route in one line: `IFACE DIR DST -> ACTION TARGET ...`.
+pub fn show_route(r: &pb::InterfaceRoute) -> String {
+    let d = if r.direction == pb::Direction::Egress as i32 { "egress" } else { "ingress" };
+    let a = pb::RouteAction::try_from(r.action).map(|a| a.as_str_name()).unwrap_or("?");
+    let dst = r.dst.as_ref().map(|p| format!("{}/{}", p.ip, p.length)).unwrap_or_default();
+    format!(
+        "{} {d} {dst} -> {} {}",
+        show_iface(&r.attach),
+        a.trim_start_matches("ROUTE_ACTION_"),
+        show_iface(&r.target)
+    )
 }
 
 #[cfg(test)]

@@ -4,7 +4,7 @@
 use std::net::{IpAddr, SocketAddr};
 
 use anyhow::{Context, Result};
-use meshwarp_cli::output::table;
+use meshwarp_cli::output::{dir, iface, prefix, show_route, table};
 use meshwarp_grpc_api::pb::node_service_client::NodeServiceClient;
 use meshwarp_grpc_api::pb::{self, watch_response::Resource};
 use serde::Serialize;
@@ -16,51 +16,8 @@ use crate::{
     CaptureCmd, ConfigArg, HookArg, ModeArg, PairCmd, PhaseArg, PluginCmd, RouteAt, RouteCmd, RuleEndArg, RuleOptions,
 };
 
-fn iface(name: &str) -> Option<pb::Interface> {
-    let r = match name.parse::<u32>() {
-        Ok(i) => pb::interface::Ref::Index(i),
-        Err(_) => pb::interface::Ref::Name(name.to_string()),
-    };
-    Some(pb::Interface { r#ref: Some(r) })
-}
-
-fn show_iface(i: &Option<pb::Interface>) -> String {
-    match i.as_ref().and_then(|i| i.r#ref.as_ref()) {
-        Some(pb::interface::Ref::Name(n)) => n.clone(),
-        Some(pb::interface::Ref::Index(x)) => format!("#{x}"),
-        None => "-".into(),
-    }
-}
-
-fn dir(egress: bool) -> i32 {
-    if egress {
-        pb::Direction::Egress as i32
-    } else {
-        pb::Direction::Ingress as i32
-    }
-}
-
-/// "198.18.2.0/24" into a prefix (the server validates the parts).
-fn prefix(s: &str) -> Option<pb::IpPrefix> {
-    let (ip, len) = s.split_once('/').unwrap_or((s, ""));
-    let length = len.parse().unwrap_or(if ip.contains(':') { 128 } else { 32 });
-    Some(pb::IpPrefix { ip: ip.to_string(), length })
-}
-
 fn route_key(at: &RouteAt) -> Option<pb::RouteKey> {
     Some(pb::RouteKey { attach: iface(&at.attach), direction: dir(at.egress), dst: prefix(&at.dst) })
-}
-
-fn show_route(r: &pb::InterfaceRoute) -> String {
-    let d = if r.direction == pb::Direction::Egress as i32 { "egress" } else { "ingress" };
-    let a = pb::RouteAction::try_from(r.action).map(|a| a.as_str_name()).unwrap_or("?");
-    let dst = r.dst.as_ref().map(|p| format!("{}/{}", p.ip, p.length)).unwrap_or_default();
-    format!(
-        "{} {d} {dst} -> {} {}",
-        show_iface(&r.attach),
-        a.trim_start_matches("ROUTE_ACTION_"),
-        show_iface(&r.target)
-    )
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]

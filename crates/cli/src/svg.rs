@@ -37,6 +37,7 @@ fn color(m: MetricArg) -> RGBColor {
         MetricArg::Response => RGBColor(52, 73, 94),
         MetricArg::Think => RGBColor(142, 68, 173),
         MetricArg::Hop => RGBColor(41, 128, 185),
+        MetricArg::Transit => RGBColor(192, 57, 43),
     }
 }
 
@@ -249,7 +250,7 @@ mod tests {
         let r1 = pair_ref(1, "10.0.0.1", "10.0.0.9", 15001);
         let r2 = pair_ref(2, "10.0.0.9", "10.0.0.2", 80);
         let resp = pb::GetLatencyResponse {
-            state: Some(pb::LatencyState { enabled: true, all_rules: true, rule_ids: vec![] }),
+            state: Some(pb::LatencyState { enabled: true, all_rules: true, ..Default::default() }),
             histograms: vec![
                 hist(r2.clone(), pb::LatencyMetric::Fast, None, &[(13, 30)]),
                 hist(r2.clone(), pb::LatencyMetric::Think, None, &[(21, 10)]),

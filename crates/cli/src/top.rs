@@ -324,7 +324,7 @@ mod tests {
         rates.insert(3, RuleRates { fast_bytes: 10.0, ..Default::default() });
         rates.insert(5, RuleRates { fast_bytes: 2048.0, tcp_bytes: 1024.0, fast_msgs: 1500.0 });
         let latency = pb::GetLatencyResponse {
-            state: Some(pb::LatencyState { enabled: true, all_rules: true, rule_ids: vec![] }),
+            state: Some(pb::LatencyState { enabled: true, all_rules: true, ..Default::default() }),
             histograms: vec![
                 hist(pair_ref(5, "10.0.0.5", "10.0.0.6", 80), pb::LatencyMetric::Response, None, &[(20, 1)]),
                 hist(pair_ref(5, "10.0.0.5", "10.0.0.6", 80), pb::LatencyMetric::Think, None, &[(20, 1)]),

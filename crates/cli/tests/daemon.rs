@@ -1018,6 +1018,21 @@ fn interface_routes_over_the_api_and_stale_events() -> Result<()> {
     ensure!(packets > 0, "route counted no packets: {got}");
     ensure!(ok(&["attachments"])?.lines().count() >= 2);
 
+    // The latency monitor for this route: transit samples, named by the route.
+    let sel = format!("vpod0={dst}");
+    let on = ok(&["latency", "on", "--route", &sel])?;
+    ensure!(on.contains("route 0"), "{on}");
+    let c = net.a.pods[0].ns.connect(server)?;
+    let s = meshwarp_testbed::accept_timeout(&l, Duration::from_secs(5))?;
+    meshwarp_testbed::exchange(c, s, 78, 256 * 1024, Duration::from_secs(30))?;
+    let shown: serde_json::Value = serde_json::from_str(&ok(&["latency", "show", "-o", "json", "--route", &sel])?)?;
+    let text = shown.to_string();
+    ensure!(text.contains("\"transit\"") && text.contains("vpod0 ingress 198.18.2.0/24"), "{text}");
+    ensure!(!text.contains("\"think\""), "only the route's histograms: {text}");
+    let out = env.cli(&["latency", "on", "--route", "vpod0=198.18.9.0/24"]);
+    ensure!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("NotFound"));
+    ok(&["latency", "off"])?;
+
     // Invalid input.
     let bad = |args: &[&str], want: &str| -> Result<()> {
         let out = env.cli(args);

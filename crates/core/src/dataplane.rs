@@ -237,7 +237,7 @@ impl Dataplane {
         let kept = before.flags & (CFG_LATENCY | CFG_LAT_ALL);
         config_map.put(&0, &Config { flags: guard_flags | kept, pad: 0, lat_since: before.lat_since })?;
         set_guard_links(&layout, guard_flags)?;
-        let latency = LatencyMonitor::open(&layout)?;
+        let latency = LatencyMonitor::sockets(&layout)?;
         let conns = ConnLister::open(&layout)?;
         let subscribers = Arc::new(Subscribers::default());
         // Its thread also serves the policy's unlink requests: it runs with

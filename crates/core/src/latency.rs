@@ -10,6 +10,10 @@
 //! ([`Metric::Hop`]): the hops of a mesh request, app → sidecar → sidecar →
 //! app, stitched through the rules they cross.
 //!
+//! Interface routes (the tc family) have a monitor of their own with one
+//! metric, [`Metric::Transit`]: a packet's time from its sender's TCP transmit
+//! to the route that redirects it.
+//!
 //! Off costs the data path one flag test per message: sk_msg and the read
 //! tracepoint test the switch, and the TCP-path send tracepoint (`mw_lat_send`
 //! on `tcp_sendmsg_locked`) is a pinned link only while it runs.
@@ -25,7 +29,7 @@ use libbpf_rs::ProgramHandle;
 use meshwarp_bpf::names;
 use meshwarp_bpf::shared::{
     Config, LatHist, LatKey, CFG_LATENCY, CFG_LAT_ALL, LAT_BUCKETS, LAT_FAST, LAT_HOP, LAT_RESPONSE, LAT_ROW_METRICS,
-    LAT_SETUP, LAT_TCP, LAT_THINK,
+    LAT_RT_ROW_METRICS, LAT_SETUP, LAT_TCP, LAT_THINK, LAT_TRANSIT,
 };
 
 use crate::error::{BpfError, IoError};
@@ -68,11 +72,15 @@ pub enum Metric {
     /// A read of one rule's socket to the same thread's next send on another
     /// connection: a proxy between two hops.
     Hop,
+    /// An interface route's: a packet's time from its sender's TCP transmit
+    /// to the route that redirects it (the sender's queues and devices).
+    /// Its histogram's `rule_id` is a route id.
+    Transit,
 }
 
 impl Metric {
-    pub const ALL: [Metric; 6] =
-        [Metric::Fast, Metric::Tcp, Metric::Setup, Metric::Response, Metric::Think, Metric::Hop];
+    pub const ALL: [Metric; 7] =
+        [Metric::Fast, Metric::Tcp, Metric::Setup, Metric::Response, Metric::Think, Metric::Hop, Metric::Transit];
 
     fn code(self) -> u32 {
         match self {
@@ -82,6 +90,7 @@ impl Metric {
             Metric::Response => LAT_RESPONSE,
             Metric::Think => LAT_THINK,
             Metric::Hop => LAT_HOP,
+            Metric::Transit => LAT_TRANSIT,
         }
     }
 
@@ -98,6 +107,7 @@ impl Metric {
             Metric::Response => "response",
             Metric::Think => "think",
             Metric::Hop => "hop",
+            Metric::Transit => "transit",
         }
     }
 
@@ -186,9 +196,10 @@ pub enum Scope {
 pub struct LatencyMonitor {
     layout: FamilyPins,
     config: TypedMap<u32, Config>,
-    rules: TypedMap<u32, u64>,
-    rows: Rows,
-    hists: PerCpu<LatKey, LatHist>,
+    lat: RuleLatency,
+    /// The program that stamps TCP-path sends, attached only while the
+    /// monitor runs (the socket family's; none for routes).
+    send_prog: Option<&'static str>,
     /// One switch at a time: a switch is several map writes.
     switching: Mutex<()>,
 }
@@ -202,14 +213,23 @@ fn monotonic_ns() -> u64 {
 }
 
 impl LatencyMonitor {
-    pub(crate) fn open(layout: &FamilyPins) -> Result<Self, LatencyError> {
+    /// The monitor of the socket family pinned at `layout`.
+    pub(crate) fn sockets(layout: &FamilyPins) -> Result<Self, LatencyError> {
+        Self::open(layout, RowShape::SOCKETS, Some(names::PROG_LAT_SEND))
+    }
+
+    /// The monitor of the tc family pinned at `layout` (interface routes).
+    pub(crate) fn routes(layout: &FamilyPins) -> Result<Self, LatencyError> {
+        Self::open(layout, RowShape::ROUTES, None)
+    }
+
+    fn open(layout: &FamilyPins, shape: RowShape, send_prog: Option<&'static str>) -> Result<Self, LatencyError> {
         let dir = layout.maps_dir();
         Ok(Self {
             layout: layout.clone(),
             config: TypedMap::pinned(&dir, names::MAP_CONFIG)?,
-            rules: TypedMap::pinned(&dir, names::MAP_LAT_RULE)?,
-            rows: Rows::open(&dir)?,
-            hists: PerCpu::pinned(&dir, names::MAP_LAT_HIST)?,
+            lat: RuleLatency::open(&dir, shape)?,
+            send_prog,
             switching: Mutex::new(()),
         })
     }
@@ -223,7 +243,7 @@ impl LatencyMonitor {
         if flags & CFG_LAT_ALL != 0 {
             return Ok(Scope::All);
         }
-        let on = self.rules.entries()?.into_iter().filter(|(_, v)| *v != 0).map(|(k, _)| k).collect();
+        let on = self.lat.rules.entries()?.into_iter().filter(|(_, v)| *v != 0).map(|(k, _)| k).collect();
         Ok(Scope::Rules(on))
     }
 
@@ -235,7 +255,7 @@ impl LatencyMonitor {
     /// the stamping, then detaches it. On an error the previous switch is
     /// put back (histograms a reset already deleted stay deleted).
     pub fn set(&self, scope: &Scope, reset: bool) -> Result<(), LatencyError> {
-        let max = self.rules.capacity();
+        let max = self.lat.rules.capacity();
         if let Scope::Rules(ids) = scope {
             if let Some(&id) = ids.iter().find(|&&id| id >= max) {
                 return Err(LatencyError::RuleOutOfRange { id, max });
@@ -243,8 +263,8 @@ impl LatencyMonitor {
         }
         let _one = self.switching.lock().unwrap_or_else(|p| p.into_inner());
         let before_cfg = self.config.get(&0)?.unwrap_or_default();
-        let before_rules: Vec<(u32, u64)> = self.rules.entries()?.into_iter().filter(|(_, v)| *v != 0).collect();
-        let before_links = self.layout.link(names::PROG_LAT_SEND).exists();
+        let before_rules: Vec<(u32, u64)> = self.lat.rules.entries()?.into_iter().filter(|(_, v)| *v != 0).collect();
+        let before_links = self.send_prog.is_some_and(|p| self.layout.link(p).exists());
         let applied = self.apply(scope, &before_cfg, &before_rules).and_then(|()| match (reset, scope) {
             (false, _) => Ok(()),
             (true, Scope::Rules(ids)) => self.reset(ids),
@@ -254,10 +274,10 @@ impl LatencyMonitor {
             tracing::warn!("switching the latency monitor failed, putting the previous switch back: {e}");
             let restored = (|| -> Result<(), LatencyError> {
                 // Every entry (an array: all ids are present) back to its value before.
-                for (id, v) in self.rules.entries()? {
+                for (id, v) in self.lat.rules.entries()? {
                     let was = before_rules.iter().find(|(k, _)| *k == id).map_or(0, |(_, v)| *v);
                     if v != was {
-                        self.rules.put(&id, &was)?;
+                        self.lat.rules.put(&id, &was)?;
                     }
                 }
                 self.config.put(&0, &before_cfg)?;
@@ -284,13 +304,13 @@ impl LatencyMonitor {
         };
         for (id, _) in on_before {
             if !want.contains(id) {
-                self.rules.put(id, &0)?;
+                self.lat.rules.put(id, &0)?;
             }
         }
         for id in &want {
             // A rule on already keeps its start: its stamps stay valid.
             if !on_before.iter().any(|(k, _)| k == id) {
-                self.rules.put(id, &now)?;
+                self.lat.rules.put(id, &now)?;
             }
         }
         let mut next = *cfg;
@@ -317,7 +337,9 @@ impl LatencyMonitor {
     /// A kernel without `tcp_sendmsg_locked` has no such program: sends of
     /// sockets outside the SOCKMAP are then not stamped.
     fn set_links(&self, on: bool) -> Result<(), LatencyError> {
-        let name = names::PROG_LAT_SEND;
+        let Some(name) = self.send_prog else {
+            return Ok(());
+        };
         let path: PathBuf = self.layout.link(name);
         match (on, path.exists()) {
             (true, false) => {
@@ -346,14 +368,14 @@ impl LatencyMonitor {
                 add_hist(acc.entry((rule_id, metric, (from != NO_ID).then_some(from))).or_default(), h);
             }
         };
-        for id in self.rows.ids(rules) {
-            for (code, h) in self.rows.of(id)? {
+        for id in self.lat.rows.ids(rules) {
+            for (code, h) in self.lat.rows.of(id)? {
                 add(id, code, NO_ID, &h);
             }
         }
-        for key in self.hists.keys()? {
+        for key in self.lat.hists.keys()? {
             if rules.is_empty() || rules.contains(&key.rule_id) {
-                add(key.rule_id, key.metric, key.from_rule, &self.hists.sum(&key, add_hist)?);
+                add(key.rule_id, key.metric, key.from_rule, &self.lat.hists.sum(&key, add_hist)?);
             }
         }
         Ok(acc
@@ -371,12 +393,60 @@ impl LatencyMonitor {
 
     /// Forgets the histograms of `rules` (all if empty).
     pub fn reset(&self, rules: &BTreeSet<u32>) -> Result<(), LatencyError> {
-        for id in self.rows.ids(rules) {
-            self.rows.zero(id)?;
+        for id in self.lat.rows.ids(rules) {
+            self.lat.rows.zero(id)?;
         }
-        for key in self.hists.keys()? {
+        for key in self.lat.hists.keys()? {
             if rules.is_empty() || rules.contains(&key.rule_id) {
-                self.hists.delete(&key)?;
+                self.lat.hists.delete(&key)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// How a family's rows in `mw_lat_rows` are laid out: `metrics` per rule
+/// id, from the metric coded `first` on.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RowShape {
+    metrics: u32,
+    first: u32,
+}
+
+impl RowShape {
+    /// Sockets: every metric but the hop.
+    pub(crate) const SOCKETS: RowShape = RowShape { metrics: LAT_ROW_METRICS, first: LAT_FAST };
+    /// Routes: transit.
+    pub(crate) const ROUTES: RowShape = RowShape { metrics: LAT_RT_ROW_METRICS, first: LAT_TRANSIT };
+}
+
+/// One family's latency maps per rule id: the switch (`mw_lat_rule`), the
+/// rows of the first ids (`mw_lat_rows`) and the hash of the others and of
+/// hops (`mw_lat_hist`).
+#[derive(Debug)]
+pub(crate) struct RuleLatency {
+    rules: TypedMap<u32, u64>,
+    rows: Rows,
+    hists: PerCpu<LatKey, LatHist>,
+}
+
+impl RuleLatency {
+    pub(crate) fn open(maps_dir: &std::path::Path, shape: RowShape) -> Result<Self, MapError> {
+        Ok(Self {
+            rules: TypedMap::pinned(maps_dir, names::MAP_LAT_RULE)?,
+            rows: Rows { map: PerCpu::pinned(maps_dir, names::MAP_LAT_ROWS)?, shape },
+            hists: PerCpu::pinned(maps_dir, names::MAP_LAT_HIST)?,
+        })
+    }
+
+    /// A rule id given to a new rule starts with the monitor off and no
+    /// histograms (its own, or a hop's from it).
+    pub(crate) fn forget(&self, id: u32) -> Result<(), MapError> {
+        self.rules.put(&id, &0)?;
+        self.rows.zero(id)?;
+        for k in self.hists.keys()? {
+            if k.rule_id == id || k.from_rule == id {
+                self.hists.delete(&k)?;
             }
         }
         Ok(())
@@ -384,18 +454,17 @@ impl LatencyMonitor {
 }
 
 /// `mw_lat_rows`: the histograms of the first rule ids, a row of
-/// [`LAT_ROW_METRICS`] per rule (metric `m` at `id * LAT_ROW_METRICS + m - 1`).
+/// `shape.metrics` per id (metric `m` at `id * metrics + m - first`).
 #[derive(Debug)]
-pub(crate) struct Rows(PerCpu<u32, LatHist>);
+struct Rows {
+    map: PerCpu<u32, LatHist>,
+    shape: RowShape,
+}
 
 impl Rows {
-    pub(crate) fn open(maps_dir: &std::path::Path) -> Result<Self, MapError> {
-        PerCpu::pinned(maps_dir, names::MAP_LAT_ROWS).map(Self)
-    }
-
     /// How many rule ids have a row.
     fn len(&self) -> u32 {
-        self.0.capacity() / LAT_ROW_METRICS
+        self.map.capacity() / self.shape.metrics
     }
 
     /// The ids of `rules` that have a row (all rows if empty).
@@ -411,20 +480,20 @@ impl Rows {
     /// The metrics rule `id` recorded (code, histogram summed over CPUs).
     fn of(&self, id: u32) -> Result<Vec<(u32, LatHist)>, MapError> {
         let mut out = Vec::new();
-        for m in 0..LAT_ROW_METRICS {
-            let h = self.0.sum(&(id * LAT_ROW_METRICS + m), add_hist)?;
+        for m in 0..self.shape.metrics {
+            let h = self.map.sum(&(id * self.shape.metrics + m), add_hist)?;
             if h.count > 0 {
-                out.push((m + 1, h));
+                out.push((self.shape.first + m, h));
             }
         }
         Ok(out)
     }
 
     /// Zeroes rule `id`'s row, if it has one.
-    pub(crate) fn zero(&self, id: u32) -> Result<(), MapError> {
+    fn zero(&self, id: u32) -> Result<(), MapError> {
         if id < self.len() {
-            for m in 0..LAT_ROW_METRICS {
-                self.0.zero(&(id * LAT_ROW_METRICS + m))?;
+            for m in 0..self.shape.metrics {
+                self.map.zero(&(id * self.shape.metrics + m))?;
             }
         }
         Ok(())

@@ -17,7 +17,7 @@ use std::os::fd::{AsFd, AsRawFd};
 
 use libbpf_rs::{ErrorKind, MapCore, MapFlags, MapHandle, MapType};
 use meshwarp_bpf::names;
-use meshwarp_bpf::shared::{CaptureKey, GlobalStats, LatHist, LatKey, OwnerName, PairKey, Pod, Rule, RuleStats};
+use meshwarp_bpf::shared::{CaptureKey, GlobalStats, OwnerName, PairKey, Pod, Rule, RuleStats};
 
 /// A failed map operation.
 #[derive(Debug, thiserror::Error)]
@@ -81,9 +81,7 @@ pub struct KernelMaps {
     owners: TypedMap<u32, OwnerName>,
     /// The latency monitor's switch and histograms, per rule id: a slot given
     /// to a new rule starts with the monitor off and no histograms.
-    lat_rule: TypedMap<u32, u64>,
-    lat_rows: crate::latency::Rows,
-    lat_hist: PerCpu<LatKey, LatHist>,
+    lat: crate::latency::RuleLatency,
 }
 
 fn kernel(op: &'static str, map: &'static str) -> impl FnOnce(libbpf_rs::Error) -> MapError {
@@ -206,9 +204,7 @@ impl KernelMaps {
             stats: PerCpu::pinned(maps_dir, names::MAP_STATS)?,
             global: PerCpu::pinned(maps_dir, names::MAP_GLOBAL)?,
             owners: TypedMap::pinned(maps_dir, names::MAP_OWNERS)?,
-            lat_rule: TypedMap::pinned(maps_dir, names::MAP_LAT_RULE)?,
-            lat_rows: crate::latency::Rows::open(maps_dir)?,
-            lat_hist: PerCpu::pinned(maps_dir, names::MAP_LAT_HIST)?,
+            lat: crate::latency::RuleLatency::open(maps_dir, crate::latency::RowShape::SOCKETS)?,
         })
     }
 }
@@ -307,14 +303,7 @@ impl SlotMaps for KernelMaps {
 
     fn reset_slot(&mut self, id: u32) -> Result<(), MapError> {
         self.stats.zero(&id)?;
-        self.lat_rule.put(&id, &0)?;
-        self.lat_rows.zero(id)?;
-        for k in self.lat_hist.keys()? {
-            if k.rule_id == id || k.from_rule == id {
-                self.lat_hist.delete(&k)?;
-            }
-        }
-        Ok(())
+        self.lat.forget(id)
     }
 
     fn put_owner(&mut self, id: u32, owner: &OwnerName) -> Result<(), MapError> {

@@ -23,12 +23,13 @@ use libbpf_rs::{libbpf_sys, MapCore, MapFlags, MapHandle, ProgramHandle};
 use meshwarp_bpf::names;
 use meshwarp_bpf::shared::{
     AttachKey, AttachStats, OwnerName, Pod, RouteKey4, RouteKey6, RouteStats, RouteValue, ACT_REDIRECT,
-    ACT_REDIRECT_NEIGH, ACT_REDIRECT_PEER, AF_INET, AF_INET6, CHAIN_FIN, DIR_EGRESS, DIR_INGRESS, ROUTE_HAS_NEXTHOP,
-    ROUTE_HAS_SRC, ROUTE_KEY_PREFIX_BITS, ROUTE_REWRITE_MAC,
+    ACT_REDIRECT_NEIGH, ACT_REDIRECT_PEER, AF_INET, AF_INET6, CHAIN_FIN, DIR_EGRESS, DIR_INGRESS, LAT_ROWS,
+    LAT_RT_ROW_METRICS, ROUTE_HAS_NEXTHOP, ROUTE_HAS_SRC, ROUTE_KEY_PREFIX_BITS, ROUTE_REWRITE_MAC,
 };
 use meshwarp_bpf::tcredir::{TcredirProgs, TcredirSkelBuilder};
 
 use crate::error::{BpfError, IoError};
+use crate::latency::{LatencyError, LatencyMonitor};
 use crate::maps::PerCpu;
 use crate::maps::{MapError, SlotMaps, TypedMap};
 pub use crate::netlink::IfaceRef;
@@ -212,6 +213,8 @@ pub enum TcError {
     },
     #[error(transparent)]
     Io(#[from] crate::error::IoError),
+    #[error(transparent)]
+    Latency(#[from] LatencyError),
     /// Owners, slots, batches: what the rule table refused.
     #[error(transparent)]
     Rule(#[from] RuleError),
@@ -282,6 +285,8 @@ struct TcMaps {
     rt6: TypedMap<RouteKey6, RouteValue>,
     rt_stats: PerCpu<u32, RouteStats>,
     rt_owner: TypedMap<u32, OwnerName>,
+    /// The latency monitor's switch and histograms per route id.
+    lat: crate::latency::RuleLatency,
 }
 
 // The maps are kernel objects written through shared handles, so the table
@@ -292,7 +297,8 @@ impl SlotMaps for &TcMaps {
     }
 
     fn reset_slot(&mut self, id: u32) -> Result<(), MapError> {
-        self.rt_stats.zero(&id)
+        self.rt_stats.zero(&id)?;
+        self.lat.forget(id)
     }
 
     fn put_owner(&mut self, id: u32, owner: &OwnerName) -> Result<(), MapError> {
@@ -371,6 +377,13 @@ pub struct InstalledRoute {
     id: u32,
 }
 
+impl InstalledRoute {
+    /// The id the data path knows the route by (counters, latency).
+    pub fn id(&self) -> u32 {
+        self.id
+    }
+}
+
 impl From<&Entry<ResolvedRoute>> for InstalledRoute {
     fn from(e: &Entry<ResolvedRoute>) -> Self {
         let r = e.rule.clone();
@@ -413,6 +426,7 @@ pub struct TcDataplane {
     _pin_lock: PinLock,
     netns: Option<PathBuf>,
     maps: TcMaps,
+    latency: LatencyMonitor,
     att_stats: PerCpu<AttachKey, AttachStats>,
     /// What opening did about programs of another build.
     upgrade: Upgrade,
@@ -428,8 +442,18 @@ fn load_and_pin(cfg: &TcConfig, pins: &FamilyPins) -> Result<(), TcError> {
     pins.create_dirs()?;
     let mut obj = MaybeUninit::uninit();
     let mut open = TcredirSkelBuilder::default().open(&mut obj).map_err(bpf("opening the tc object"))?;
-    for m in [&mut open.maps.mw_rt4, &mut open.maps.mw_rt6, &mut open.maps.mw_rt_stats, &mut open.maps.mw_rt_owner] {
-        m.set_max_entries(cfg.max_routes).map_err(bpf("sizing route maps"))?;
+    let maps = &mut open.maps;
+    let sizes = [
+        (&mut maps.mw_rt4, cfg.max_routes),
+        (&mut maps.mw_rt6, cfg.max_routes),
+        (&mut maps.mw_rt_stats, cfg.max_routes),
+        (&mut maps.mw_rt_owner, cfg.max_routes),
+        (&mut maps.mw_lat_rule, cfg.max_routes),
+        (&mut maps.mw_lat_hist, cfg.max_routes),
+        (&mut maps.mw_lat_rows, cfg.max_routes.min(LAT_ROWS) * LAT_RT_ROW_METRICS),
+    ];
+    for (m, n) in sizes {
+        m.set_max_entries(n).map_err(bpf("sizing route maps"))?;
     }
     let (loaded, log) = crate::loader::with_libbpf_log(|| open.load());
     let skel = loaded.map_err(|source| TcError::Load { source, log })?;
@@ -448,6 +472,11 @@ fn load_and_pin(cfg: &TcConfig, pins: &FamilyPins) -> Result<(), TcError> {
         (names::MAP_GRACE, &skel.maps.mw_grace),
         (names::MAP_BUILD, &skel.maps.mw_build),
         (names::MAP_PKT_DIR, &skel.maps.mw_pkt_dir),
+        (names::MAP_CONFIG, &skel.maps.mw_config),
+        (names::MAP_LAT_RULE, &skel.maps.mw_lat_rule),
+        (names::MAP_LAT_ROWS, &skel.maps.mw_lat_rows),
+        (names::MAP_LAT_HIST, &skel.maps.mw_lat_hist),
+        (names::MAP_LAT_ZERO, &skel.maps.mw_lat_zero),
     ];
     skel.maps
         .mw_build
@@ -627,7 +656,9 @@ impl TcDataplane {
                 rt6: TypedMap::pinned(&dir, names::MAP_RT6)?,
                 rt_stats: PerCpu::pinned(&dir, names::MAP_RT_STATS)?,
                 rt_owner: TypedMap::pinned(&dir, names::MAP_RT_OWNER)?,
+                lat: crate::latency::RuleLatency::open(&dir, crate::latency::RowShape::ROUTES)?,
             },
+            latency: LatencyMonitor::routes(&pins)?,
             att_stats: PerCpu::pinned(&dir, names::MAP_ATT_STATS)?,
             netns: cfg.netns.clone(),
             upgrade,
@@ -637,6 +668,11 @@ impl TcDataplane {
         };
         dp.reconcile()?;
         Ok(dp)
+    }
+
+    /// The latency monitor of the routes (transit per route id).
+    pub fn latency(&self) -> &LatencyMonitor {
+        &self.latency
     }
 
     /// Whether opening replaced another build's programs (or failed to).

@@ -424,3 +424,76 @@ fn an_upgrade_replaces_the_program_of_a_clsact_filter() -> Result<()> {
     ensure!(running == new.id() && running != old_id, "the filter runs {running}, old {old_id}, new {}", new.id());
     Ok(())
 }
+
+/// The latency monitor of interface routes: a route on pod 0's veth that
+/// puts its packets straight into pod 1 records each redirected packet's
+/// time since pod 0's TCP sent it — nothing while off, well under a
+/// millisecond on an idle path, and milliseconds once a token bucket on pod
+/// 0's eth0 queues its packets (netem is not built into these kernels; tbf
+/// is). The stream stays whole throughout.
+#[test]
+fn route_transit_latency_shows_the_senders_queue() -> Result<()> {
+    use meshwarp_core::{LatencyScope, Metric};
+    use std::collections::BTreeSet;
+
+    let net = NodeWithPods::new(2)?;
+    let dst = SocketAddr::new(net.pods[1].addr(false), PORT);
+    let listener = net.pods[1].ns.listen(dst)?;
+    let stream = |seed: u64| -> Result<()> {
+        let c = net.pods[0].ns.connect(dst)?;
+        let s = accept_timeout(&listener, T)?;
+        Ok(exchange(c, s, seed, 1 << 20, T)?)
+    };
+    stream(1)?; // the normal path first: neighbours resolved
+    let Some(t) = TcTest::start(&net.node) else {
+        return Ok(());
+    };
+    let route = InterfaceRoute {
+        attach: IfaceRef::Name(net.pods[0].host_veth.clone()),
+        direction: Direction::Ingress,
+        dst: Prefix::new("dst", net.pods[1].addr(false), 32)?,
+        src: None,
+        action: RouteAction::RedirectPeer(IfaceRef::Name(net.pods[1].host_veth.clone())),
+        rewrite: None,
+    };
+    t.tc().attach(&route.attach, Direction::Ingress)?;
+    t.tc().insert_route(&route, "test")?;
+    let installed = t.tc().routes().into_iter().next().context("the route")?;
+    let id = installed.id();
+    let transit = || -> Result<Option<meshwarp_core::Histogram>> {
+        let hs = t.tc().latency().histograms(&BTreeSet::from([id]))?;
+        ensure!(hs.iter().all(|h| h.metric == Metric::Transit && h.rule_id == id), "{hs:?}");
+        Ok(hs.into_iter().next())
+    };
+
+    stream(2)?;
+    ensure!(t.tc().route_stats(&installed)?.packets > 0, "the route redirected pod 0's packets");
+    ensure!(transit()?.is_none(), "the monitor is off: nothing recorded");
+
+    t.tc().latency().set(&LatencyScope::Rules(BTreeSet::from([id])), false)?;
+    stream(3)?;
+    let idle = transit()?.context("transit samples with the monitor on")?;
+    let p50 = idle.quantile_ns(0.5).unwrap_or(u64::MAX);
+    ensure!(idle.count >= 16 && p50 < 1_000_000, "an idle veth: p50 {p50} ns, {idle:?}");
+
+    // 8 Mbit/s: TCP keeps tens of kilobytes queued in the bucket, tens of ms.
+    net.pods[0].ns.exec(&[
+        "tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", "8mbit", "burst", "16kb", "latency", "2s",
+    ])?;
+    t.tc().latency().reset(&BTreeSet::new())?;
+    stream(4)?;
+    let queued = transit()?.context("transit samples behind the token bucket")?;
+    let p90 = queued.quantile_ns(0.9).unwrap_or(0);
+    ensure!(queued.count >= 16 && p90 >= 1_000_000, "behind an 8 Mbit/s bucket: p90 {p90} ns, {queued:?}");
+    net.pods[0].ns.exec(&["tc", "qdisc", "del", "dev", "eth0", "root"])?;
+    eprintln!(
+        "route transit: idle p50 {p50} ns ({} packets); behind the bucket p90 {p90} ns ({} packets)",
+        idle.count, queued.count
+    );
+
+    t.tc().latency().set(&LatencyScope::Off, false)?;
+    let before = transit()?.map_or(0, |h| h.count);
+    stream(5)?;
+    ensure!(transit()?.map_or(0, |h| h.count) == before, "nothing recorded once off");
+    Ok(())
+}

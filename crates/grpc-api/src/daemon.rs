@@ -252,14 +252,15 @@ pub async fn run(opts: DaemonOptions, shutdown: impl Future<Output = ()> + Send 
     if let Some(addr) = opts.metrics_listen {
         let l = TcpListener::bind(addr).await.map_err(io(format!("binding metrics {addr}")))?;
         tracing::info!(%addr, "serving /metrics");
-        let (m, d, plugins) = (Arc::clone(&metrics), Arc::clone(&dp), node.plugins());
+        let (m, d, plugins, tc) = (Arc::clone(&metrics), Arc::clone(&dp), node.plugins(), node.tc_family());
         let app = axum::Router::new().route(
             "/metrics",
             axum::routing::get(move || {
-                let (m, d, p) = (Arc::clone(&m), Arc::clone(&d), plugins.clone());
+                let (m, d, p, tc) = (Arc::clone(&m), Arc::clone(&d), plugins.clone(), tc.clone());
                 async move {
-                    let body =
-                        tokio::task::spawn_blocking(move || m.render(&d, p.as_deref())).await.unwrap_or_default();
+                    let body = tokio::task::spawn_blocking(move || m.render(&d, tc.as_deref(), p.as_deref()))
+                        .await
+                        .unwrap_or_default();
                     (
                         [(
                             axum::http::header::CONTENT_TYPE,

@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::Duration;
 
+use meshwarp_core::tc::TcDataplane;
 use meshwarp_core::{Dataplane, PluginChain};
 use prometheus_client::encoding::{text::encode, EncodeLabelSet};
 use prometheus_client::metrics::counter::Counter;
@@ -78,7 +79,7 @@ impl prometheus_client::collector::Collector for LatencyCollector {
         }
         let mut family = encoder.encode_descriptor(
             "path_latency_seconds",
-            "Latency monitor, per rule: delivery on the fast and TCP paths, setup, response, think time, proxy hops",
+            "Latency monitor, per rule: delivery on the fast and TCP paths, setup, response, think time, proxy hops; per interface route: transit",
             None,
             prometheus_client::metrics::MetricType::Histogram,
         )?;
@@ -273,8 +274,9 @@ impl Metrics {
         }
     }
 
-    /// The latency monitor's histograms, labelled with their rules.
-    fn render_latency(&self, dp: &Dataplane) {
+    /// The latency monitor's histograms, labelled with their rules (and
+    /// routes: metric "transit", `rule` "route ...").
+    fn render_latency(&self, dp: &Dataplane, tc: Option<&TcDataplane>) {
         let hists = dp.latency().histograms(&std::collections::BTreeSet::new()).unwrap_or_default();
         let reg = dp.registry();
         let describe = |id: u32| match reg.rule_by_id(id) {
@@ -282,7 +284,7 @@ impl Metrics {
             Some((meshwarp_core::registry::RuleRef::Capture(c), _)) => format!("capture {c}"),
             None => String::new(),
         };
-        let now = hists
+        let mut now: Vec<_> = hists
             .into_iter()
             .map(|h| {
                 let labels = LatencyLabels {
@@ -294,6 +296,20 @@ impl Metrics {
                 (labels, h)
             })
             .collect();
+        if let Some(tc) = tc {
+            let routes = tc.routes();
+            let hists = tc.latency().histograms(&std::collections::BTreeSet::new()).unwrap_or_default();
+            now.extend(hists.into_iter().map(|h| {
+                let route = routes.iter().find(|r| r.id() == h.rule_id);
+                let labels = LatencyLabels {
+                    rule_id: h.rule_id.to_string(),
+                    rule: route.map(|r| format!("route {}", r.route)).unwrap_or_default(),
+                    metric: h.metric.name().to_string(),
+                    from_rule_id: String::new(),
+                };
+                (labels, h)
+            }));
+        }
         *self.path_latency.now.lock().unwrap_or_else(|p| p.into_inner()) = now;
     }
 
@@ -313,9 +329,9 @@ impl Metrics {
     }
 
     /// The text exposition, with data-path counters read now.
-    pub fn render(&self, dp: &Dataplane, plugins: Option<&PluginChain>) -> String {
+    pub fn render(&self, dp: &Dataplane, tc: Option<&TcDataplane>, plugins: Option<&PluginChain>) -> String {
         self.render_plugins(plugins);
-        self.render_latency(dp);
+        self.render_latency(dp, tc);
         let reg = dp.registry();
         let flat = |c: meshwarp_core::RuleCounters| -> RuleTotals {
             [

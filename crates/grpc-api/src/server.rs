@@ -252,6 +252,13 @@ fn event_type(o: Outcome) -> Option<EventType> {
 }
 
 /// The ids of the rules a selector names; none named: empty (every rule).
+/// What a latency request selects (see `NodeServer::latency_selection`).
+struct LatencySelection {
+    all: bool,
+    rules: BTreeSet<u32>,
+    routes: BTreeSet<u32>,
+}
+
 fn selected_rules(
     reg: &meshwarp_core::registry::Registry<meshwarp_core::maps::KernelMaps>,
     sel: Option<&pb::RuleSelector>,
@@ -302,6 +309,11 @@ impl NodeServer {
     }
 
     /// The node's plugin chains, if it has them.
+    /// The tc family, where this node has it.
+    pub fn tc_family(&self) -> Option<Arc<TcDataplane>> {
+        self.tc.as_ref().ok().cloned()
+    }
+
     pub fn plugins(&self) -> Option<Arc<PluginChain>> {
         self.plugins.as_ref().ok().cloned()
     }
@@ -925,33 +937,87 @@ impl NodeServer {
         Ok(Box::pin(stream))
     }
 
+    /// What a latency selector names: pair and capture rule ids, route ids;
+    /// `all` when it names nothing (every rule and route). An unknown key is
+    /// NOT_FOUND; a route on a node without tc redirection FAILED_PRECONDITION.
+    fn latency_selection(
+        &self,
+        reg: &meshwarp_core::registry::Registry<meshwarp_core::maps::KernelMaps>,
+        sel: Option<&pb::RuleSelector>,
+    ) -> Result<LatencySelection, Status> {
+        let rules = selected_rules(reg, sel)?;
+        let mut routes = BTreeSet::new();
+        let keys = sel.map(|s| s.routes.as_slice()).unwrap_or_default();
+        if !keys.is_empty() {
+            let tc = self.tc()?;
+            for (i, k) in keys.iter().enumerate() {
+                let key =
+                    convert::route_key_from_pb(&format!("rules.routes[{i}]"), Some(k)).map_err(|v| invalid(&v))?;
+                let found = self
+                    .find_route(tc, &key)?
+                    .ok_or_else(|| Status::not_found(format!("route {} on {} is not registered", key.2, key.0)))?;
+                routes.insert(found.id());
+            }
+        }
+        Ok(LatencySelection { all: rules.is_empty() && routes.is_empty(), rules, routes })
+    }
+
     fn set_latency(&self, r: pb::SetLatencyRequest) -> Result<pb::SetLatencyResponse, Status> {
         self.mutation(&r.owner, Ok(()))?;
         // Rules are not removed while the switch resolves and applies them
         // (rule changes take the registry too).
         let reg = self.dp.registry();
-        let ids = selected_rules(&reg, r.rules.as_ref())?;
-        let scope = match (r.enabled, ids.is_empty()) {
+        let sel = self.latency_selection(&reg, r.rules.as_ref())?;
+        let scope = |ids: &BTreeSet<u32>| match (r.enabled, sel.all) {
             (false, _) => LatencyScope::Off,
             (true, true) => LatencyScope::All,
             (true, false) => LatencyScope::Rules(ids.clone()),
         };
-        self.dp.latency().set(&scope, r.reset).map_err(|e| from_latency(&e))?;
+        let (rules, routes) = (scope(&sel.rules), scope(&sel.routes));
+        let tc = self.tc.as_deref().ok();
+        let rules_before = self.dp.latency().scope().map_err(|e| from_latency(&e))?;
+        self.dp.latency().set(&rules, r.reset && (sel.all || !sel.rules.is_empty())).map_err(|e| from_latency(&e))?;
+        if let Some(tc) = tc {
+            let reset = r.reset && (sel.all || !sel.routes.is_empty());
+            if let Err(e) = tc.latency().set(&routes, reset) {
+                // All or nothing: the rules' switch goes back too.
+                let _ = self.dp.latency().set(&rules_before, false);
+                return Err(from_latency(&e));
+            }
+        }
         drop(reg);
-        tracing::info!(owner = %r.owner, ?scope, reset = r.reset, "latency monitor switched");
-        Ok(pb::SetLatencyResponse { state: Some(convert::latency_state_to_pb(&scope)) })
+        tracing::info!(owner = %r.owner, ?rules, ?routes, reset = r.reset, "latency monitor switched");
+        let routes = tc.map(|_| &routes);
+        Ok(pb::SetLatencyResponse { state: Some(convert::latency_state_to_pb(&rules, routes)) })
     }
 
     fn get_latency(&self, r: pb::GetLatencyRequest) -> Result<pb::GetLatencyResponse, Status> {
-        let ids = selected_rules(&self.dp.registry(), r.rules.as_ref())?;
+        let reg = self.dp.registry();
+        let sel = self.latency_selection(&reg, r.rules.as_ref())?;
         let mon = self.dp.latency();
         let scope = mon.scope().map_err(|e| from_latency(&e))?;
-        let hists = mon.histograms(&ids).map_err(|e| from_latency(&e))?;
-        let reg = self.dp.registry();
-        let rule = |id: u32| convert::rule_ref_to_pb(id, reg.rule_by_id(id));
-        let histograms =
-            hists.iter().map(|h| convert::histogram_to_pb(h, rule(h.rule_id), h.from_rule.map(rule))).collect();
-        Ok(pb::GetLatencyResponse { state: Some(convert::latency_state_to_pb(&scope)), histograms })
+        let mut histograms = Vec::new();
+        if sel.all || !sel.rules.is_empty() {
+            let rule = |id: u32| convert::rule_ref_to_pb(id, reg.rule_by_id(id));
+            let hists = mon.histograms(&sel.rules).map_err(|e| from_latency(&e))?;
+            histograms
+                .extend(hists.iter().map(|h| convert::histogram_to_pb(h, rule(h.rule_id), h.from_rule.map(rule))));
+        }
+        let tc = self.tc.as_deref().ok();
+        let route_scope = match tc {
+            Some(tc) => Some(tc.latency().scope().map_err(|e| from_latency(&e))?),
+            None => None,
+        };
+        if let Some(tc) = tc.filter(|_| sel.all || !sel.routes.is_empty()) {
+            let installed = tc.routes();
+            let route = |id: u32| convert::route_ref_to_pb(id, installed.iter().find(|r| r.id() == id));
+            let hists = tc.latency().histograms(&sel.routes).map_err(|e| from_latency(&e))?;
+            histograms.extend(hists.iter().map(|h| convert::histogram_to_pb(h, route(h.rule_id), None)));
+        }
+        Ok(pb::GetLatencyResponse {
+            state: Some(convert::latency_state_to_pb(&scope, route_scope.as_ref())),
+            histograms,
+        })
     }
 
     fn watch_latency(&self, r: pb::WatchLatencyRequest, caller: String) -> Result<LatencyStream, Status> {

@@ -57,6 +57,7 @@ pub fn from_tc(e: &meshwarp_core::tc::TcError) -> Status {
         }
         TcError::Invalid(_) => Status::invalid_argument(msg),
         TcError::Rule(e) => from_rule(e),
+        TcError::Latency(e) => from_latency(e),
         TcError::Netlink(_)
         | TcError::Bpf { .. }
         | TcError::Load { .. }

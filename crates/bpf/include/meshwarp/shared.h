@@ -436,9 +436,17 @@ struct mw_rule_stats {
 #define MW_LAT_RESPONSE 4 /* a send to the next read on the same socket: request to response, as the application sees it */
 #define MW_LAT_THINK 5    /* a read to the same thread's next send on the same connection: the application's own time */
 #define MW_LAT_HOP 6      /* a read of one rule's socket to the same thread's next send on another rule's: a proxy between two hops (from_rule -> rule_id) */
-#define MW_LAT_METRICS 6
+/* An interface route (the tc family): a packet's time from its sender's TCP
+ * transmit (the departure time TCP stamps, skb->tstamp, kept across veth
+ * and namespaces) to the route that redirects it: the sender's qdisc and
+ * device queues. Packets without that stamp (forwarded from elsewhere) are
+ * not measured. */
+#define MW_LAT_TRANSIT 7
+#define MW_LAT_METRICS 7
 /* The metrics of one rule's row in mw_lat_rows (every one but MW_LAT_HOP). */
 #define MW_LAT_ROW_METRICS 5
+/* The tc family's rows: one metric per route, MW_LAT_TRANSIT. */
+#define MW_LAT_RT_ROW_METRICS 1
 /* Rule ids below this have their rows in mw_lat_rows, found by index (ids are
  * handed out lowest first); the others, and every hop, hash in mw_lat_hist. */
 #define MW_LAT_ROWS 256

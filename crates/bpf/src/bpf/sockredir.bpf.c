@@ -34,6 +34,7 @@
 #include <bpf/bpf_core_read.h>
 #include "meshwarp/shared.h"
 #include "meshwarp/chain.h"
+#include "meshwarp/latency.h"
 
 #define TCP_CLOSE_STATE 7 /* enum tcp_state TCP_CLOSE */
 #define TCP_ESTABLISHED_STATE 1
@@ -234,30 +235,11 @@ static __always_inline __u64 lat_since(__u32 rule_id)
 	return on ? *on : 0;
 }
 
-static __always_inline __u32 log2_32(__u32 v)
-{
-	__u32 r, shift;
-
-	r = (v > 0xffff) << 4;
-	v >>= r;
-	shift = (v > 0xff) << 3;
-	v >>= shift;
-	r |= shift;
-	shift = (v > 0xf) << 2;
-	v >>= shift;
-	r |= shift;
-	shift = (v > 0x3) << 1;
-	v >>= shift;
-	r |= shift;
-	r |= (v >> 1);
-	return r;
-}
-
 static __always_inline void lat_record(__u32 rule_id, __u32 metric, __u32 from, __u64 ns)
 {
 	struct mw_lat_key k = { .rule_id = rule_id, .metric = metric, .from_rule = from };
 	struct mw_lat_hist *h = NULL, *z;
-	__u32 zero = 0, hi = ns >> 32, b, row;
+	__u32 zero = 0, row;
 
 	if (metric != MW_LAT_HOP && rule_id < MW_LAT_ROWS) {
 		row = rule_id * MW_LAT_ROW_METRICS + metric - 1;
@@ -274,12 +256,7 @@ static __always_inline void lat_record(__u32 rule_id, __u32 metric, __u32 from, 
 		if (!h)
 			return;
 	}
-	b = hi ? 32 + log2_32(hi) : log2_32((__u32)ns);
-	if (b >= MW_LAT_BUCKETS)
-		b = MW_LAT_BUCKETS - 1;
-	h->count++;
-	h->sum_ns += ns;
-	h->bucket[b & (MW_LAT_BUCKETS - 1)]++;
+	mw_hist_add(h, ns);
 }
 
 static __always_inline void copy_ip(__u32 *dst, const __u32 *src)

@@ -12,6 +12,7 @@
 #include <bpf/bpf_endian.h>
 #include "meshwarp/shared.h"
 #include "meshwarp/chain.h"
+#include "meshwarp/latency.h"
 
 #define TC_ACT_OK 0
 #define TC_ACT_SHOT 2
@@ -40,6 +41,19 @@ MW_MAP(mw_build, BPF_MAP_TYPE_ARRAY, __u32, struct mw_build, 1, 0);
  * word, direction in the low), per CPU: plugins can rewrite skb->cb, so the
  * finisher acts only when the chain state there agrees with this. */
 MW_MAP(mw_pkt_dir, BPF_MAP_TYPE_PERCPU_ARRAY, __u32, __u64, 1, 0);
+
+/* ---- the latency monitor (shared.h): transit time per route ---- */
+
+/* Its switch: flags MW_CFG_LATENCY (| MW_CFG_LAT_ALL, since lat_since). */
+MW_MAP(mw_config, BPF_MAP_TYPE_ARRAY, __u32, struct mw_config, 1, 0);
+/* Per route id: when the monitor was switched on for it, 0 while off. */
+MW_MAP(mw_lat_rule, BPF_MAP_TYPE_ARRAY, __u32, __u64, 16384, 0);
+/* Histograms of route ids below MW_LAT_ROWS, by index (sized at load). */
+MW_MAP(mw_lat_rows, BPF_MAP_TYPE_PERCPU_ARRAY, __u32, struct mw_lat_hist, MW_LAT_ROWS * MW_LAT_RT_ROW_METRICS, 0);
+/* The other routes' histograms; not preallocated. */
+MW_MAP(mw_lat_hist, BPF_MAP_TYPE_PERCPU_HASH, struct mw_lat_key, struct mw_lat_hist, 16384, BPF_F_NO_PREALLOC);
+/* Never written: the zeroes a new histogram starts from. */
+MW_MAP(mw_lat_zero, BPF_MAP_TYPE_ARRAY, __u32, struct mw_lat_hist, 1, 0);
 
 /* Plugin metadata and the grace-period map (chain.h). */
 MW_DEFINE_HOST_PLUGIN_MAPS();
@@ -80,6 +94,48 @@ static __always_inline void count_attach(struct __sk_buff *skb, __u32 dir, bool 
 	s->packets++;
 	if (miss)
 		s->misses++;
+}
+
+/* A packet route `id` redirected: its age since its sender's TCP transmit,
+ * while the monitor runs for the route. Only a monotonic delivery time is
+ * TCP's departure stamp (reading tstamp_type also lets ingress see it). */
+static __always_inline void route_latency(struct __sk_buff *skb, __u32 id)
+{
+	struct mw_lat_key k = { .rule_id = id, .metric = MW_LAT_TRANSIT, .from_rule = MW_NO_ID };
+	struct mw_lat_hist *h, *z;
+	struct mw_config *c;
+	__u64 since, t, now, *on;
+	__u32 zero = 0;
+
+	c = bpf_map_lookup_elem(&mw_config, &zero);
+	if (!c || !(c->flags & MW_CFG_LATENCY))
+		return;
+	if (c->flags & MW_CFG_LAT_ALL) {
+		since = c->lat_since;
+	} else {
+		on = bpf_map_lookup_elem(&mw_lat_rule, &id);
+		since = on ? *on : 0;
+	}
+	if (!since || skb->tstamp_type != BPF_SKB_TSTAMP_DELIVERY_MONO)
+		return;
+	t = skb->tstamp;
+	now = bpf_ktime_get_ns();
+	/* A departure time ahead of now is pacing's (EDT), not a transmit. */
+	if (t < since || now < t)
+		return;
+	h = id < MW_LAT_ROWS ? bpf_map_lookup_elem(&mw_lat_rows, &id) : NULL;
+	if (!h)
+		h = bpf_map_lookup_elem(&mw_lat_hist, &k);
+	if (!h) {
+		z = bpf_map_lookup_elem(&mw_lat_zero, &zero);
+		if (!z)
+			return;
+		bpf_map_update_elem(&mw_lat_hist, &k, z, BPF_NOEXIST);
+		h = bpf_map_lookup_elem(&mw_lat_hist, &k);
+		if (!h)
+			return;
+	}
+	mw_hist_add(h, now - t);
 }
 
 static __always_inline int apply(struct __sk_buff *skb, const struct mw_route *r)
@@ -125,6 +181,7 @@ static __always_inline int apply(struct __sk_buff *skb, const struct mw_route *r
 		st->packets++;
 		st->bytes += skb->len;
 	}
+	route_latency(skb, r->id);
 	return TC_ACT_REDIRECT;
 refused:
 	if (st)

@@ -2,6 +2,7 @@
 
 use meshwarp_core::conns::Traffic;
 use meshwarp_core::registry::RuleRef;
+use meshwarp_core::tc::InstalledRoute;
 use meshwarp_core::{ConnFilter, Connection, Histogram, LatencyScope, Metric, PathNow, Registered};
 
 use super::Violations;
@@ -17,6 +18,12 @@ pub fn rule_ref_to_pb(id: u32, found: Option<(RuleRef, String)>) -> pb::RuleRef 
     pb::RuleRef { rule_id: id, rule }
 }
 
+/// Route `id` as a latency histogram's rule (`found`: the route with that
+/// id now, if any).
+pub fn route_ref_to_pb(id: u32, found: Option<&InstalledRoute>) -> pb::RuleRef {
+    pb::RuleRef { rule_id: id, rule: found.map(|r| pb::rule_ref::Rule::Route(super::route_to_pb(r, None))) }
+}
+
 pub fn metric_to_pb(m: Metric) -> pb::LatencyMetric {
     match m {
         Metric::Fast => pb::LatencyMetric::Fast,
@@ -25,6 +32,7 @@ pub fn metric_to_pb(m: Metric) -> pb::LatencyMetric {
         Metric::Response => pb::LatencyMetric::Response,
         Metric::Think => pb::LatencyMetric::Think,
         Metric::Hop => pb::LatencyMetric::Hop,
+        Metric::Transit => pb::LatencyMetric::Transit,
     }
 }
 
@@ -43,13 +51,19 @@ pub fn histogram_to_pb(h: &Histogram, rule: pb::RuleRef, from_rule: Option<pb::R
     }
 }
 
-pub fn latency_state_to_pb(s: &LatencyScope) -> pb::LatencyState {
-    match s {
-        LatencyScope::Off => pb::LatencyState::default(),
-        LatencyScope::All => pb::LatencyState { enabled: true, all_rules: true, rule_ids: Vec::new() },
-        LatencyScope::Rules(ids) => {
-            pb::LatencyState { enabled: true, all_rules: false, rule_ids: ids.iter().copied().collect() }
-        }
+/// Where the monitor runs: for pairs and capture rules (`rules`), and for
+/// interface routes (`routes`; `None` on a node without tc redirection).
+pub fn latency_state_to_pb(rules: &LatencyScope, routes: Option<&LatencyScope>) -> pb::LatencyState {
+    let ids = |s: Option<&LatencyScope>| match s {
+        Some(LatencyScope::Rules(ids)) => ids.iter().copied().collect(),
+        _ => Vec::new(),
+    };
+    let on = |s: Option<&LatencyScope>| s.is_some_and(|s| *s != LatencyScope::Off);
+    pb::LatencyState {
+        enabled: on(Some(rules)) || on(routes),
+        all_rules: *rules == LatencyScope::All && routes.is_none_or(|r| *r == LatencyScope::All),
+        rule_ids: ids(Some(rules)),
+        route_ids: ids(routes),
     }
 }
 

@@ -1,0 +1,42 @@
+/* SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause) */
+/*
+ * The latency monitor's histogram arithmetic, shared by the families that
+ * record (struct mw_lat_hist, shared.h): bucket i counts [2^i, 2^(i+1)) ns.
+ * Each family keeps its own maps and decides what a sample is.
+ */
+#ifndef MESHWARP_LATENCY_H
+#define MESHWARP_LATENCY_H
+
+static __always_inline __u32 mw_log2_32(__u32 v)
+{
+	__u32 r, shift;
+
+	r = (v > 0xffff) << 4;
+	v >>= r;
+	shift = (v > 0xff) << 3;
+	v >>= shift;
+	r |= shift;
+	shift = (v > 0xf) << 2;
+	v >>= shift;
+	r |= shift;
+	shift = (v > 0x3) << 1;
+	v >>= shift;
+	r |= shift;
+	r |= (v >> 1);
+	return r;
+}
+
+/* Adds one sample of `ns` (plain increments: the histograms are per CPU). */
+static __always_inline void mw_hist_add(struct mw_lat_hist *h, __u64 ns)
+{
+	__u32 hi = ns >> 32, b;
+
+	b = hi ? 32 + mw_log2_32(hi) : mw_log2_32((__u32)ns);
+	if (b >= MW_LAT_BUCKETS)
+		b = MW_LAT_BUCKETS - 1;
+	h->count++;
+	h->sum_ns += ns;
+	h->bucket[b & (MW_LAT_BUCKETS - 1)]++;
+}
+
+#endif /* MESHWARP_LATENCY_H */
