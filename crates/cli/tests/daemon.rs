@@ -1342,3 +1342,132 @@ fn latency_and_connections_over_the_api() -> Result<()> {
     drop(conns);
     Ok(())
 }
+
+/// SyncOwner: a controller's whole desired state in one call — pairs,
+/// capture rules and routes replaced together, what changed returned and
+/// announced on Watch, another owner's rules untouched, a stale generation
+/// refused, a failure in the routes undoing the rules; a lease that is not
+/// renewed removes everything of its owner.
+#[test]
+fn sync_owner_replaces_an_owners_desired_state() -> Result<()> {
+    let env = env_or_skip!();
+    let net = NodeWithPods::new(2)?;
+    let _d = env.start(&["--netns", net.node.path().to_str().unwrap()])?;
+    let (c_ip, s_ip) = (net.pods[0].v4.to_string(), net.pods[1].v4.to_string());
+    let route = |dst: &str, to: &str| pb::InterfaceRoute {
+        attach: Some(pb::Interface { r#ref: Some(pb::interface::Ref::Name("vpod0".into())) }),
+        direction: pb::Direction::Ingress as i32,
+        dst: Some(pb::IpPrefix { ip: dst.into(), length: 32 }),
+        action: pb::RouteAction::RedirectPeer as i32,
+        target: Some(pb::Interface { r#ref: Some(pb::interface::Ref::Name(to.into())) }),
+        ..Default::default()
+    };
+    let capture =
+        pb::CaptureRule { original_dst: ep("10.96.0.10", 80), listener: ep("127.0.0.1", 15001), ..Default::default() };
+    let sync = |generation: u64,
+                pairs: Vec<pb::EndpointPair>,
+                capture_rules: Vec<pb::CaptureRule>,
+                routes: Vec<pb::InterfaceRoute>,
+                lease_seconds: u32| pb::SyncOwnerRequest {
+        owner: "ctl".into(),
+        generation,
+        pairs,
+        capture_rules,
+        routes,
+        lease_seconds,
+    };
+    let counts = |c: &Option<pb::SyncCounts>| c.map(|c| (c.created, c.updated, c.deleted, c.unchanged));
+    let server = SocketAddr::new(net.pods[1].v4.into(), 8096);
+    let listener = net.pods[1].ns.listen(server)?;
+    rt().block_on(async {
+        let mut c = env.client().await;
+        c.create_pair(create(pair(&c_ip, &s_ip, 9000), "other")).await?;
+        let listed = c.list_pairs(pb::ListPairsRequest::default()).await?.into_inner();
+        let mut w = c
+            .watch(pb::WatchRequest { after_revision: listed.revision, instance_id: listed.instance_id })
+            .await?
+            .into_inner();
+
+        let r = sync(
+            1,
+            vec![pair(&c_ip, &s_ip, 8096), pair(&c_ip, &s_ip, 8097)],
+            vec![capture.clone()],
+            vec![route(&s_ip, "vpod1")],
+            0,
+        );
+        let first = c.sync_owner(r).await?.into_inner();
+        ensure!(counts(&first.pairs) == Some((2, 0, 0, 0)) && counts(&first.capture_rules) == Some((1, 0, 0, 0)));
+        ensure!(counts(&first.routes) == Some((1, 0, 0, 0)) && first.changes.len() == 4, "{first:?}");
+        for ev in &first.changes {
+            let got = tokio::time::timeout(Duration::from_secs(5), w.next()).await?.context("watch")??;
+            ensure!(got == *ev, "Watch carries the sync's changes: {got:?} vs {ev:?}");
+        }
+
+        // Generation 2 drops a pair and the capture rule, adds a pair, keeps the route.
+        let r =
+            sync(2, vec![pair(&c_ip, &s_ip, 8096), pair(&c_ip, &s_ip, 8098)], vec![], vec![route(&s_ip, "vpod1")], 0);
+        let second = c.sync_owner(r).await?.into_inner();
+        ensure!(counts(&second.pairs) == Some((1, 0, 1, 1)), "{second:?}");
+        ensure!(counts(&second.capture_rules) == Some((0, 0, 1, 0)) && counts(&second.routes) == Some((0, 0, 0, 1)));
+        let mine = |l: pb::ListPairsResponse| {
+            let mut ports: Vec<u32> = l.pairs.iter().map(|p| p.server.as_ref().map_or(0, |e| e.port)).collect();
+            ports.sort();
+            ports
+        };
+        let ctl = pb::ListPairsRequest { owner: "ctl".into() };
+        ensure!(mine(c.list_pairs(ctl.clone()).await?.into_inner()) == vec![8096, 8098]);
+        let other = pb::ListPairsRequest { owner: "other".into() };
+        ensure!(mine(c.list_pairs(other).await?.into_inner()) == vec![9000], "another owner's pair is untouched");
+
+        // Refused, nothing changed: a stale generation, another owner's
+        // rule, a route that names no interface (after the rules' part).
+        let stale = c.sync_owner(sync(1, vec![], vec![], vec![], 0)).await;
+        ensure!(code_of(stale) == Code::Aborted);
+        let theirs = c.sync_owner(sync(3, vec![pair(&c_ip, &s_ip, 9000)], vec![], vec![], 0)).await;
+        ensure!(code_of(theirs) == Code::PermissionDenied);
+        let bad_route =
+            c.sync_owner(sync(3, vec![pair(&c_ip, &s_ip, 8099)], vec![], vec![route(&s_ip, "nosuch0")], 0)).await;
+        ensure!(code_of(bad_route) == Code::InvalidArgument);
+        ensure!(mine(c.list_pairs(ctl.clone()).await?.into_inner()) == vec![8096, 8098], "nothing changed");
+        ensure!(c.list_routes(pb::ListRoutesRequest::default()).await?.into_inner().routes.len() == 1);
+        // The same generation again is applied again: a retry changes nothing more.
+        let r =
+            sync(2, vec![pair(&c_ip, &s_ip, 8096), pair(&c_ip, &s_ip, 8098)], vec![], vec![route(&s_ip, "vpod1")], 0);
+        ensure!(c.sync_owner(r).await?.into_inner().changes.is_empty());
+        Ok::<_, anyhow::Error>(())
+    })?;
+
+    // A pair the sync created accelerates real traffic.
+    let cl = net.pods[0].ns.connect(server)?;
+    let sv = accept_timeout(&listener, Duration::from_secs(5))?;
+    meshwarp_testbed::exchange(cl, sv, 5, 256 * 1024, Duration::from_secs(30))?;
+    rt().block_on(async {
+        let mut c = env.client().await;
+        let got = c.get_pair(pb::GetPairRequest { key: Some(key(&c_ip, &s_ip, 8096)) }).await?.into_inner();
+        ensure!(got.counters.is_some_and(|k| k.redirected_bytes > 0), "the synced pair redirects");
+
+        // A lease of 2 s: renewed once, then left to end.
+        let r = sync(4, vec![pair(&c_ip, &s_ip, 8096)], vec![], vec![route(&s_ip, "vpod1")], 2);
+        c.sync_owner(r).await?;
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let renewed = c.renew_lease(pb::RenewLeaseRequest { owner: "ctl".into() }).await?.into_inner();
+        ensure!(renewed.lease_seconds == 2 && renewed.generation == 4);
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        ensure!(mine_count(&mut c, "ctl").await? == 1, "renewed: still there");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while mine_count(&mut c, "ctl").await? != 0 {
+            ensure!(Instant::now() < deadline, "the lease ended but the rules stayed");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        ensure!(c.list_routes(pb::ListRoutesRequest::default()).await?.into_inner().routes.is_empty());
+        ensure!(mine_count(&mut c, "other").await? == 1, "another owner's pair is untouched");
+        let gone = c.renew_lease(pb::RenewLeaseRequest { owner: "ctl".into() }).await;
+        ensure!(code_of(gone) == Code::FailedPrecondition, "no lease after it ended");
+        Ok::<_, anyhow::Error>(())
+    })?;
+    Ok(())
+}
+
+async fn mine_count(c: &mut NodeServiceClient<Channel>, owner: &str) -> Result<usize> {
+    Ok(c.list_pairs(pb::ListPairsRequest { owner: owner.into() }).await?.into_inner().pairs.len())
+}

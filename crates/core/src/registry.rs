@@ -16,7 +16,7 @@ use meshwarp_bpf::shared::{
 use crate::endpoint::{CaptureRule, Endpoint, EndpointPair, FastPathMode, NeverRedirectInto};
 use crate::maps::{MapError, RuleMaps};
 use crate::stats::{GlobalCounters, RuleCounters};
-use crate::table::{self, Outcome, Registered, RuleError, Slots, Stored, Table};
+use crate::table::{self, Outcome, Registered, Replaced, RuleError, Slots, Stored, Table};
 
 /// The map key of a mirror pair.
 pub fn pair_key(pair: &EndpointPair) -> PairKey {
@@ -291,6 +291,60 @@ impl<M: RuleMaps> Registry<M> {
     pub fn global_stats(&self) -> Result<GlobalCounters, RuleError> {
         Ok(self.maps.global_stats()?)
     }
+
+    /// Makes everything `owner` registered here exactly `pairs` and
+    /// `captures` (a controller's full desired state): rules it left out are
+    /// removed, new ones created, changed ones updated, in one step — all or
+    /// nothing, across both kinds (they share the counter slots: the stale
+    /// rules of both go before any new one takes a slot).
+    pub fn replace_owner(
+        &mut self,
+        owner: &str,
+        pairs: &[EndpointPair],
+        captures: &[CaptureRule],
+    ) -> Result<OwnerSync, RuleError> {
+        let (stale_p, new_p) = self.pairs.plan_replace(pairs, owner)?;
+        let (stale_c, new_c) = self.captures.plan_replace(captures, owner)?;
+        let capacity = self.maps.slot_capacity();
+        if self.slots.used() - stale_p.len() - stale_c.len() + new_p + new_c > capacity as usize {
+            return Err(RuleError::Full { capacity });
+        }
+        let mut done = OwnerSync {
+            pairs: self.pairs.remove_stale(&mut self.maps, &mut self.slots, &stale_p, owner)?,
+            captures: Replaced::default(),
+        };
+        let rest = (|| {
+            done.captures = self.captures.remove_stale(&mut self.maps, &mut self.slots, &stale_c, owner)?;
+            self.pairs.upsert_desired(&mut self.maps, &mut self.slots, pairs, owner, &mut done.pairs)?;
+            self.captures.upsert_desired(&mut self.maps, &mut self.slots, captures, owner, &mut done.captures)
+        })();
+        match rest {
+            Ok(()) => Ok(done),
+            Err(e) => {
+                self.revert_owner(done);
+                Err(e)
+            }
+        }
+    }
+
+    /// Puts back what [`Registry::replace_owner`] changed (a later step of the
+    /// same sync, in another family, failed).
+    pub fn revert_owner(&mut self, done: OwnerSync) {
+        let (maps, slots) = (&mut self.maps, &mut self.slots);
+        self.captures.undo_created(maps, slots, &done.captures);
+        self.pairs.undo_created(maps, slots, &done.pairs);
+        self.captures.undo_updated(maps, slots, &done.captures);
+        self.pairs.undo_updated(maps, slots, &done.pairs);
+        self.captures.undo_deleted(maps, slots, done.captures);
+        self.pairs.undo_deleted(maps, slots, done.pairs);
+    }
+}
+
+/// What [`Registry::replace_owner`] changed, per kind.
+#[derive(Debug, Clone, Default)]
+pub struct OwnerSync {
+    pub pairs: Replaced<EndpointPair>,
+    pub captures: Replaced<CaptureRule>,
 }
 
 #[cfg(test)]
@@ -311,6 +365,75 @@ mod tests {
 
     fn capture(c: Option<&str>, d: &str, l: &str, lp: u16) -> CaptureRule {
         CaptureRule::new(c.map(ip), Endpoint::new(ip(d), 80), Endpoint::new(ip(l), lp)).unwrap()
+    }
+
+    #[test]
+    fn replace_owner_makes_an_owners_rules_the_desired_set() {
+        let mut reg = Registry::reconcile(MemoryMaps::with_capacity(6)).unwrap();
+        let (a, b, c) = (
+            pair("198.18.0.2", "198.18.0.3", 80),
+            pair("198.18.0.2", "198.18.0.3", 81),
+            pair("198.18.0.2", "198.18.0.3", 82),
+        );
+        let cap = capture(None, "10.96.0.10", "127.0.0.1", 15001);
+        let theirs = pair("198.18.0.9", "198.18.0.3", 80);
+        reg.insert(&a, "ctl").unwrap();
+        reg.insert(&b, "ctl").unwrap();
+        reg.insert(&cap, "ctl").unwrap();
+        reg.insert(&theirs, "other").unwrap();
+        let moved = capture(None, "10.96.0.10", "127.0.0.1", 15006);
+        let done = reg.replace_owner("ctl", &[b, c], &[moved]).unwrap();
+        assert_eq!(done.pairs.created, vec![c]);
+        assert_eq!(done.pairs.deleted.iter().map(|e| e.rule).collect::<Vec<_>>(), vec![a]);
+        assert_eq!(done.pairs.unchanged, 1);
+        assert_eq!(done.captures.updated, vec![(moved, cap)]);
+        let mine = |reg: &Registry<MemoryMaps>| {
+            reg.pairs().into_iter().filter(|r| r.owner == "ctl").map(|r| r.rule).collect::<Vec<_>>()
+        };
+        assert_eq!(mine(&reg), vec![b, c]);
+        assert_eq!(reg.get(&theirs).unwrap().owner, "other", "another owner's rule is left alone");
+        // The same set again changes nothing; an empty set removes everything of the owner.
+        let again = reg.replace_owner("ctl", &[b, c], &[moved]).unwrap();
+        assert!(again.pairs.is_empty() && again.captures.is_empty());
+        let gone = reg.replace_owner("ctl", &[], &[]).unwrap();
+        assert_eq!((gone.pairs.deleted.len(), gone.captures.deleted.len()), (2, 1));
+        assert_eq!(reg.pairs().len(), 1);
+    }
+
+    #[test]
+    fn replace_owner_is_all_or_nothing_and_reverts() {
+        let mut reg = Registry::reconcile(MemoryMaps::with_capacity(4)).unwrap();
+        let p = |port| pair("198.18.0.2", "198.18.0.3", port);
+        reg.insert(&p(80), "ctl").unwrap();
+        reg.insert(&p(81), "ctl").unwrap();
+        reg.insert(&p(90), "other").unwrap();
+        let before = snapshot(&reg);
+        // Another owner's rule in the set, a key twice, more than fits: refused, nothing changed.
+        assert!(matches!(reg.replace_owner("ctl", &[p(90)], &[]), Err(RuleError::OwnerMismatch { .. })));
+        assert!(matches!(reg.replace_owner("ctl", &[p(82), p(82)], &[]), Err(RuleError::DuplicateInBatch(_))));
+        assert!(matches!(reg.replace_owner("ctl", &[p(1), p(2), p(3), p(4)], &[]), Err(RuleError::Full { .. })));
+        assert_eq!(snapshot(&reg), before);
+        // Fits once the owner's stale rules go: 3 new in 4 slots, 2 of them freed.
+        reg.replace_owner("ctl", &[p(1), p(2), p(3)], &[]).unwrap();
+        assert_eq!(reg.pairs().len(), 4);
+        // A map write failing half-way puts everything back, slots and owners too.
+        let before = snapshot(&reg);
+        for (fail_at, delete) in [(1, false), (2, false), (1, true), (2, true)] {
+            if delete {
+                reg.maps.fail_delete_in = Some(fail_at);
+            } else {
+                reg.maps.fail_write_in = Some(fail_at);
+            }
+            let r = reg.replace_owner("ctl", &[p(1), p(5)], &[capture(None, "10.96.0.10", "127.0.0.1", 15001)]);
+            (reg.maps.fail_write_in, reg.maps.fail_delete_in) = (None, None);
+            assert!(r.is_err(), "write {fail_at} failed");
+            assert_eq!(snapshot(&reg), before, "after a failed write {fail_at}");
+            assert_eq!(format!("{:?}", reg.captures()), "[]");
+        }
+        // A later step elsewhere failed: revert_owner puts a completed replace back.
+        let done = reg.replace_owner("ctl", &[p(1), p(5)], &[capture(None, "10.96.0.10", "127.0.0.1", 15001)]).unwrap();
+        reg.revert_owner(done);
+        assert_eq!(snapshot(&reg), before);
     }
 
     #[test]

@@ -399,6 +399,161 @@ impl<R: Rule> Table<R> {
     }
 }
 
+/// What making one owner's rules of a kind equal a desired set changed
+/// ([`Table::replace_owner`]), with what it takes to put it back.
+#[derive(Debug, Clone)]
+pub struct Replaced<R> {
+    /// Rules that did not exist.
+    pub created: Vec<R>,
+    /// Rules whose value changed: (now, before).
+    pub updated: Vec<(R, R)>,
+    /// The owner's rules not in the desired set, as they were.
+    pub deleted: Vec<Entry<R>>,
+    pub unchanged: usize,
+}
+
+impl<R> Default for Replaced<R> {
+    fn default() -> Self {
+        Self { created: Vec::new(), updated: Vec::new(), deleted: Vec::new(), unchanged: 0 }
+    }
+}
+
+impl<R> Replaced<R> {
+    /// Nothing changed.
+    pub fn is_empty(&self) -> bool {
+        self.created.is_empty() && self.updated.is_empty() && self.deleted.is_empty()
+    }
+}
+
+impl<R: Rule> Table<R> {
+    /// The owner's rules a desired set leaves out, and how many of the set
+    /// are new; refuses a set naming a key twice or a rule another owner has.
+    pub fn plan_replace(&self, desired: &[R], owner: &str) -> Result<(Vec<R>, usize), RuleError> {
+        let new = self.precheck(desired, owner)?;
+        let keep: BTreeSet<R::Key> = desired.iter().map(Rule::rule_key).collect();
+        let stale = self
+            .entries
+            .values()
+            .filter(|e| e.owner == owner && !keep.contains(&e.rule.rule_key()))
+            .map(|e| e.rule.clone());
+        Ok((stale.collect(), new))
+    }
+
+    /// Removes `stale` (from [`Table::plan_replace`]): the first half of a
+    /// replace, all or nothing.
+    pub fn remove_stale<M: SlotMaps>(
+        &mut self,
+        maps: &mut M,
+        slots: &mut Slots,
+        stale: &[R],
+        owner: &str,
+    ) -> Result<Replaced<R>, RuleError>
+    where
+        R: Stored<M>,
+    {
+        let deleted = self.batch_delete(maps, slots, stale, owner, false)?;
+        Ok(Replaced { deleted: deleted.into_iter().flatten().collect(), ..Replaced::default() })
+    }
+
+    /// Upserts `desired` into a replace whose stale rules `done` removed: the
+    /// second half, all or nothing (on failure the upserts are undone; the
+    /// caller puts `done` back with [`Table::revert`]).
+    pub fn upsert_desired<M: SlotMaps>(
+        &mut self,
+        maps: &mut M,
+        slots: &mut Slots,
+        desired: &[R],
+        owner: &str,
+        done: &mut Replaced<R>,
+    ) -> Result<(), RuleError>
+    where
+        R: Stored<M>,
+    {
+        let before: Vec<Option<R>> =
+            desired.iter().map(|r| self.get_key(&r.rule_key()).map(|e| e.rule.clone())).collect();
+        let outcomes = self.batch_upsert(maps, slots, desired, owner)?;
+        for ((r, o), prev) in desired.iter().zip(outcomes).zip(before) {
+            match (o, prev) {
+                (Outcome::Created, _) => done.created.push(r.clone()),
+                (Outcome::Updated, Some(p)) => done.updated.push((r.clone(), p)),
+                _ => done.unchanged += 1,
+            }
+        }
+        Ok(())
+    }
+
+    /// Makes `owner`'s rules of this kind exactly `desired`: the ones left out
+    /// are removed, new ones created, changed ones updated. All or nothing.
+    pub fn replace_owner<M: SlotMaps>(
+        &mut self,
+        maps: &mut M,
+        slots: &mut Slots,
+        desired: &[R],
+        owner: &str,
+    ) -> Result<Replaced<R>, RuleError>
+    where
+        R: Stored<M>,
+    {
+        let (stale, new) = self.plan_replace(desired, owner)?;
+        let capacity = maps.slot_capacity();
+        if slots.used() - stale.len() + new > capacity as usize {
+            return Err(RuleError::Full { capacity });
+        }
+        let mut done = self.remove_stale(maps, slots, &stale, owner)?;
+        if let Err(e) = self.upsert_desired(maps, slots, desired, owner, &mut done) {
+            self.revert(maps, slots, done);
+            return Err(e);
+        }
+        Ok(done)
+    }
+
+    /// Puts back what a replace changed (a later step of the same sync
+    /// failed): created rules go, updated ones get their old value, deleted
+    /// ones return with their slots and counters. Tables sharing slots undo
+    /// phase by phase ([`Table::undo_created`], then
+    /// [`Table::undo_updated`], then [`Table::undo_deleted`]), so a slot
+    /// one kind freed and another took is free again before it is claimed.
+    pub fn revert<M: SlotMaps>(&mut self, maps: &mut M, slots: &mut Slots, done: Replaced<R>)
+    where
+        R: Stored<M>,
+    {
+        self.undo_created(maps, slots, &done);
+        self.undo_updated(maps, slots, &done);
+        self.undo_deleted(maps, slots, done);
+    }
+
+    pub fn undo_created<M: SlotMaps>(&mut self, maps: &mut M, slots: &mut Slots, done: &Replaced<R>)
+    where
+        R: Stored<M>,
+    {
+        for r in done.created.iter().rev() {
+            let _ = self.delete(maps, slots, r, None);
+        }
+    }
+
+    pub fn undo_updated<M: SlotMaps>(&mut self, maps: &mut M, slots: &mut Slots, done: &Replaced<R>)
+    where
+        R: Stored<M>,
+    {
+        for (_, before) in done.updated.iter().rev() {
+            if let Some(owner) = self.get_key(&before.rule_key()).map(|e| e.owner.clone()) {
+                let _ = self.upsert(maps, slots, before, &owner);
+            }
+        }
+    }
+
+    pub fn undo_deleted<M: SlotMaps>(&mut self, maps: &mut M, slots: &mut Slots, done: Replaced<R>)
+    where
+        R: Stored<M>,
+    {
+        for e in done.deleted.into_iter().rev() {
+            if let Err(err) = self.reinstate(maps, slots, e) {
+                tracing::error!("putting back a rule a failed replace removed: {err}");
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -418,6 +418,18 @@ struct TcState {
     stale: Vec<StaleRoute>,
 }
 
+/// What [`TcDataplane::replace_owner_routes`] changed.
+#[derive(Debug, Clone)]
+pub struct RouteSync {
+    pub created: Vec<InstalledRoute>,
+    /// As they are now.
+    pub updated: Vec<InstalledRoute>,
+    /// As they were.
+    pub deleted: Vec<InstalledRoute>,
+    pub unchanged: usize,
+    done: table::Replaced<ResolvedRoute>,
+}
+
 /// The tc redirection data path of one node.
 #[derive(Debug)]
 pub struct TcDataplane {
@@ -818,6 +830,32 @@ impl TcDataplane {
         let st = &mut *guard;
         st.routes.create(&mut &self.maps, &mut st.slots, &resolved, owner)?;
         Ok(st.routes.get(&resolved)?.into())
+    }
+
+    /// Makes the routes `owner` registered exactly `routes` (a controller's
+    /// full desired state): routes left out are removed, new ones created,
+    /// changed ones updated; all or nothing. Every route is checked against
+    /// the node's interfaces before anything changes.
+    pub fn replace_owner_routes(&self, owner: &str, routes: &[InterfaceRoute]) -> Result<RouteSync, TcError> {
+        let resolved = routes.iter().map(|r| self.resolve(r)).collect::<Result<Vec<_>, _>>()?;
+        let mut guard = crate::sys::lock(&self.state);
+        let st = &mut *guard;
+        let done = st.routes.replace_owner(&mut &self.maps, &mut st.slots, &resolved, owner)?;
+        let now = |r: &ResolvedRoute| st.routes.get(r).ok().map(InstalledRoute::from);
+        Ok(RouteSync {
+            created: done.created.iter().filter_map(now).collect(),
+            updated: done.updated.iter().filter_map(|(r, _)| now(r)).collect(),
+            deleted: done.deleted.iter().map(InstalledRoute::from).collect(),
+            unchanged: done.unchanged,
+            done,
+        })
+    }
+
+    /// Puts back what [`TcDataplane::replace_owner_routes`] changed.
+    pub fn revert_routes(&self, sync: RouteSync) {
+        let mut guard = crate::sys::lock(&self.state);
+        let st = &mut *guard;
+        st.routes.revert(&mut &self.maps, &mut st.slots, sync.done);
     }
 
     /// Creates the route, or replaces the one with the same attach point,

@@ -258,7 +258,7 @@ macro_rules! scoped {
 scoped!(owner: CreatePairRequest, UpdatePairRequest, DeletePairRequest, BatchUpsertPairsRequest,
     BatchDeletePairsRequest, CreateCaptureRuleRequest, UpdateCaptureRuleRequest, DeleteCaptureRuleRequest,
     BatchUpsertCaptureRulesRequest, BatchDeleteCaptureRulesRequest, CreateRouteRequest, UpdateRouteRequest,
-    DeleteRouteRequest, BatchUpsertRoutesRequest, BatchDeleteRoutesRequest);
+    DeleteRouteRequest, BatchUpsertRoutesRequest, BatchDeleteRoutesRequest, SyncOwnerRequest, RenewLeaseRequest);
 scoped!(read: GetPairRequest, ListPairsRequest, GetCaptureRuleRequest, ListCaptureRulesRequest, GetRouteRequest,
     ListRoutesRequest, ListAttachmentsRequest, GetStatsRequest, ListPluginsRequest, WatchRequest,
     GetNodeInfoRequest, GetLatencyRequest, WatchLatencyRequest, ListConnectionsRequest);

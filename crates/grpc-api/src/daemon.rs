@@ -286,7 +286,7 @@ pub async fn run(opts: DaemonOptions, shutdown: impl Future<Output = ()> + Send 
         });
     }
     // Interfaces come and go with pods: routes naming a vanished one leave the
-    // data path and are announced as stale.
+    // data path and are announced as stale. Leases are checked as often.
     {
         let (node, mut stop) = (node.clone(), stop_tx.subscribe());
         servers.spawn(async move {
@@ -300,6 +300,8 @@ pub async fn run(opts: DaemonOptions, shutdown: impl Future<Output = ()> + Send 
                                 tracing::warn!("refreshing routes: {}", e.message());
                             }
                         }
+                        // Owners whose controller stopped renewing its lease.
+                        node.expire_leases_now().await;
                     }
                 }
             }

@@ -2,11 +2,11 @@
 //! revision and a Watch event; watchers resume from a revision of the same
 //! instance or are told to list again (OUT_OF_RANGE).
 
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use meshwarp_core::node::Node;
 use meshwarp_core::tc::{Direction as TcDirection, IfaceRef, InstalledRoute, Prefix, TcDataplane};
@@ -173,6 +173,16 @@ pub struct NodeServer {
     /// went away; the drain takes it (write) so that nothing still changes
     /// maps or pins when the daemon stops or cleans up.
     inflight: Arc<tokio::sync::RwLock<()>>,
+    /// SyncOwner's generation and lease per owner (this daemon's memory).
+    owners: Arc<Mutex<HashMap<String, OwnerState>>>,
+}
+
+/// What the node keeps of one owner's SyncOwner calls.
+#[derive(Debug, Clone, Copy)]
+struct OwnerState {
+    generation: u64,
+    /// Its length, and when it ends unless renewed.
+    lease: Option<(Duration, Instant)>,
 }
 
 type WatchStream = Pin<Box<dyn Stream<Item = Result<pb::WatchResponse, Status>> + Send>>;
@@ -252,6 +262,28 @@ fn event_type(o: Outcome) -> Option<EventType> {
 }
 
 /// The ids of the rules a selector names; none named: empty (every rule).
+/// The body of a SyncOwner request, every violation reported together.
+type SyncBody = (Vec<EndpointPair>, Vec<CaptureRule>, Vec<meshwarp_core::tc::InterfaceRoute>);
+
+fn parse_sync(r: &pb::SyncOwnerRequest) -> Result<SyncBody, Violations> {
+    let mut v = Violations::default();
+    if r.generation == 0 {
+        v.add("generation", "must be at least 1");
+    }
+    let pairs = parse_all("pairs", &r.pairs, EndpointPair::from_pb);
+    let captures = parse_all("capture_rules", &r.capture_rules, CaptureRule::from_pb);
+    let routes = parse_all("routes", &r.routes, convert::route_from_pb);
+    match (pairs, captures, routes) {
+        (Ok(p), Ok(c), Ok(t)) => v.into_result((p, c, t)),
+        (p, c, t) => {
+            for e in [p.err(), c.err(), t.err()].into_iter().flatten() {
+                v.0.extend(e.0);
+            }
+            Err(v)
+        }
+    }
+}
+
 /// What a latency request selects (see `NodeServer::latency_selection`).
 struct LatencySelection {
     all: bool,
@@ -305,15 +337,16 @@ impl NodeServer {
             plugin_ops: Arc::new(Mutex::new(())),
             watchers: Arc::default(),
             inflight: Arc::new(tokio::sync::RwLock::new(())),
+            owners: Arc::default(),
         }
     }
 
-    /// The node's plugin chains, if it has them.
     /// The tc family, where this node has it.
     pub fn tc_family(&self) -> Option<Arc<TcDataplane>> {
         self.tc.as_ref().ok().cloned()
     }
 
+    /// The node's plugin chains, if it has them.
     pub fn plugins(&self) -> Option<Arc<PluginChain>> {
         self.plugins.as_ref().ok().cloned()
     }
@@ -937,6 +970,166 @@ impl NodeServer {
         Ok(Box::pin(stream))
     }
 
+    /// Replaces everything `r.owner` registered with its desired state (see
+    /// the proto): the generation is checked, both families change or
+    /// neither, and every change is a Watch event.
+    fn sync_owner(&self, r: pb::SyncOwnerRequest) -> Result<pb::SyncOwnerResponse, Status> {
+        let (pairs, captures, routes) = self.mutation(&r.owner, parse_sync(&r))?;
+        for (field, n) in [("pairs", pairs.len()), ("capture_rules", captures.len()), ("routes", routes.len())] {
+            if n > self.cfg.max_batch_size {
+                return Err(Status::resource_exhausted(format!(
+                    "{field}: {n} entries exceed the limit of {}",
+                    self.cfg.max_batch_size
+                )));
+            }
+        }
+        let tc = match (&self.tc, routes.is_empty()) {
+            (Ok(tc), _) => Some(tc.as_ref()),
+            (Err(_), true) => None,
+            (Err(_), false) => Some(self.tc()?),
+        };
+        let mut owners = self.owners.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(last) = owners.get(&r.owner).filter(|o| r.generation < o.generation) {
+            return Err(Status::aborted(format!(
+                "generation {} of owner {:?} is older than the {} this node applied: nothing changed",
+                r.generation, r.owner, last.generation
+            )));
+        }
+        let mut log = self.log.lock();
+        let mut reg = self.dp.registry();
+        let done = reg.replace_owner(&r.owner, &pairs, &captures).map_err(|e| from_rule(&e))?;
+        let routes_done = match tc.map(|tc| tc.replace_owner_routes(&r.owner, &routes)) {
+            Some(Err(e)) => {
+                reg.revert_owner(done);
+                return Err(from_tc(&e));
+            }
+            Some(Ok(t)) => Some(t),
+            None => None,
+        };
+        drop(reg);
+        let owner = r.owner.clone();
+        let mut changes = Vec::new();
+        let mut push = |log: &mut LogInner, ty: EventType, res: Resource| {
+            self.log.push(log, ty, res);
+            changes.extend(log.history.back().cloned());
+        };
+        let counts = |c: usize, u: usize, d: usize, n: usize| pb::SyncCounts {
+            created: c as u32,
+            updated: u as u32,
+            deleted: d as u32,
+            unchanged: n as u32,
+        };
+        for e in &done.pairs.deleted {
+            push(&mut log, EventType::Deleted, Resource::Pair(convert::pair_to_pb(&e.registered())));
+        }
+        for e in &done.captures.deleted {
+            push(&mut log, EventType::Deleted, Resource::CaptureRule(convert::capture_to_pb(&e.registered())));
+        }
+        for p in &done.pairs.created {
+            push(
+                &mut log,
+                EventType::Created,
+                Resource::Pair(convert::pair_to_pb(&Registered { rule: *p, owner: owner.clone() })),
+            );
+        }
+        for (p, _) in &done.pairs.updated {
+            push(
+                &mut log,
+                EventType::Updated,
+                Resource::Pair(convert::pair_to_pb(&Registered { rule: *p, owner: owner.clone() })),
+            );
+        }
+        for c in &done.captures.created {
+            push(
+                &mut log,
+                EventType::Created,
+                Resource::CaptureRule(convert::capture_to_pb(&Registered { rule: *c, owner: owner.clone() })),
+            );
+        }
+        for (c, _) in &done.captures.updated {
+            push(
+                &mut log,
+                EventType::Updated,
+                Resource::CaptureRule(convert::capture_to_pb(&Registered { rule: *c, owner: owner.clone() })),
+            );
+        }
+        let mut route_counts = pb::SyncCounts::default();
+        if let Some(t) = &routes_done {
+            for x in &t.deleted {
+                push(&mut log, EventType::Deleted, Resource::Route(convert::route_to_pb(x, None)));
+            }
+            for x in &t.created {
+                push(&mut log, EventType::Created, Resource::Route(convert::route_to_pb(x, None)));
+            }
+            for x in &t.updated {
+                push(&mut log, EventType::Updated, Resource::Route(convert::route_to_pb(x, None)));
+            }
+            route_counts = counts(t.created.len(), t.updated.len(), t.deleted.len(), t.unchanged);
+        }
+        let lease = (r.lease_seconds > 0).then(|| {
+            let len = Duration::from_secs(u64::from(r.lease_seconds));
+            (len, Instant::now() + len)
+        });
+        owners.insert(r.owner.clone(), OwnerState { generation: r.generation, lease });
+        let (p, c) = (&done.pairs, &done.captures);
+        tracing::info!(owner = %r.owner, generation = r.generation, changes = changes.len(), "owner synced");
+        Ok(pb::SyncOwnerResponse {
+            revision: log.revision,
+            instance_id: self.log.instance_id.clone(),
+            generation: r.generation,
+            pairs: Some(counts(p.created.len(), p.updated.len(), p.deleted.len(), p.unchanged)),
+            capture_rules: Some(counts(c.created.len(), c.updated.len(), c.deleted.len(), c.unchanged)),
+            routes: Some(route_counts),
+            changes,
+        })
+    }
+
+    fn renew_lease(&self, r: pb::RenewLeaseRequest) -> Result<pb::RenewLeaseResponse, Status> {
+        self.mutation(&r.owner, Ok(()))?;
+        let mut owners = self.owners.lock().unwrap_or_else(|p| p.into_inner());
+        let st = owners.get_mut(&r.owner).ok_or_else(|| {
+            Status::not_found(format!("owner {:?} has no lease here (SyncOwner with lease_seconds first)", r.owner))
+        })?;
+        let Some((len, _)) = st.lease else {
+            return Err(Status::failed_precondition(format!("owner {:?} synced without a lease", r.owner)));
+        };
+        st.lease = Some((len, Instant::now() + len));
+        Ok(pb::RenewLeaseResponse { lease_seconds: len.as_secs() as u32, generation: st.generation })
+    }
+
+    /// Removes the rules and routes of every owner whose lease ended (the
+    /// controller stopped renewing it); returns those owners.
+    pub fn expire_leases(&self) -> Vec<String> {
+        let now = Instant::now();
+        let expired: Vec<(String, OwnerState)> = {
+            let owners = self.owners.lock().unwrap_or_else(|p| p.into_inner());
+            owners
+                .iter()
+                .filter(|(_, o)| o.lease.is_some_and(|(_, end)| end <= now))
+                .map(|(k, v)| (k.clone(), *v))
+                .collect()
+        };
+        let mut gone = Vec::new();
+        for (owner, st) in expired {
+            // Removing is a sync to the empty set at the same generation.
+            let req = pb::SyncOwnerRequest { owner: owner.clone(), generation: st.generation, ..Default::default() };
+            match self.sync_owner(req) {
+                Ok(resp) => {
+                    tracing::warn!(%owner, removed = resp.changes.len(), "the owner's lease ended: its rules and routes are removed");
+                    gone.push(owner);
+                }
+                Err(e) => tracing::warn!(%owner, "removing the rules of an owner whose lease ended: {}", e.message()),
+            }
+        }
+        gone
+    }
+
+    /// [`Self::expire_leases`] on a blocking thread.
+    pub async fn expire_leases_now(&self) -> Vec<String> {
+        let this = self.clone();
+        tokio::task::spawn_blocking(move || this.expire_leases()).await.unwrap_or_default()
+    }
+
     /// What a latency selector names: pair and capture rule ids, route ids;
     /// `all` when it names nothing (every rule and route). An unknown key is
     /// NOT_FOUND; a route on a node without tc redirection FAILED_PRECONDITION.
@@ -1363,6 +1556,15 @@ impl NodeService for NodeServer {
         req: Request<pb::ListConnectionsRequest>,
     ) -> Result<Response<pb::ListConnectionsResponse>, Status> {
         rpc!(self, "ListConnections", req, list_connections)
+    }
+    async fn sync_owner(&self, req: Request<pb::SyncOwnerRequest>) -> Result<Response<pb::SyncOwnerResponse>, Status> {
+        rpc!(self, "SyncOwner", req, sync_owner)
+    }
+    async fn renew_lease(
+        &self,
+        req: Request<pb::RenewLeaseRequest>,
+    ) -> Result<Response<pb::RenewLeaseResponse>, Status> {
+        rpc!(self, "RenewLease", req, renew_lease)
     }
 }
 
