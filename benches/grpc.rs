@@ -64,7 +64,10 @@ fn control_path(c: &mut Criterion) {
             crt.block_on(async {
                 let t = Instant::now();
                 for _ in 0..iters {
-                    client.list_pairs(pb::ListPairsRequest { owner: "nobody".into() }).await.expect("ListPairs");
+                    client
+                        .list_pairs(pb::ListPairsRequest { owner: "nobody".into(), ..Default::default() })
+                        .await
+                        .expect("ListPairs");
                 }
                 t.elapsed()
             })

@@ -67,7 +67,7 @@ fn to_pb(p: &Pair) -> pb::EndpointPair {
 /// Makes the node's pairs of `owner` equal to `want`; returns the revision and
 /// instance to watch from.
 async fn sync(c: &mut NodeServiceClient<Channel>, owner: &str, want: &BTreeSet<Pair>) -> Result<(u64, String)> {
-    let listed = c.list_pairs(pb::ListPairsRequest { owner: owner.into() }).await?.into_inner();
+    let listed = c.list_pairs(pb::ListPairsRequest { owner: owner.into(), ..Default::default() }).await?.into_inner();
     let have: BTreeSet<Pair> = listed
         .pairs
         .iter()

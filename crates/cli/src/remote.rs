@@ -212,7 +212,11 @@ impl Remote {
                 })
             }
             PairCmd::Ls { owned_by } => {
-                let r = self.c.list_pairs(pb::ListPairsRequest { owner: owned_by.clone() }).await?.into_inner();
+                let r = self
+                    .c
+                    .list_pairs(pb::ListPairsRequest { owner: owned_by.clone(), ..Default::default() })
+                    .await?
+                    .into_inner();
                 self.emit(&r, || {
                     let mut t = table(&["CLIENT", "SERVER", "OWNER", "MODE"], &[]);
                     for p in &r.pairs {
@@ -262,7 +266,7 @@ impl Remote {
             CaptureCmd::Ls { owned_by } => {
                 let r = self
                     .c
-                    .list_capture_rules(pb::ListCaptureRulesRequest { owner: owned_by.clone() })
+                    .list_capture_rules(pb::ListCaptureRulesRequest { owner: owned_by.clone(), ..Default::default() })
                     .await?
                     .into_inner();
                 self.emit(&r, || {
@@ -339,7 +343,7 @@ impl Remote {
             RouteCmd::Ls { stale } => {
                 let r = self
                     .c
-                    .list_routes(pb::ListRoutesRequest { owner: String::new(), include_stale: *stale })
+                    .list_routes(pb::ListRoutesRequest { include_stale: *stale, ..Default::default() })
                     .await?
                     .into_inner();
                 self.emit(&r, || {

@@ -1079,7 +1079,7 @@ fn interface_routes_over_the_api_and_stale_events() -> Result<()> {
         let Some(Resource::Route(r)) = ev.resource else { bail!("{ev:?}") };
         ensure!(r.stale && r.stale_reason.contains("vpod0"), "{r:?}");
         let now =
-            c.list_routes(pb::ListRoutesRequest { owner: String::new(), include_stale: true }).await?.into_inner();
+            c.list_routes(pb::ListRoutesRequest { include_stale: true, ..Default::default() }).await?.into_inner();
         ensure!(now.routes.len() == 1 && now.routes[0].stale, "{now:?}");
         let live = c.list_routes(pb::ListRoutesRequest::default()).await?.into_inner();
         ensure!(live.routes.is_empty());
@@ -1414,10 +1414,45 @@ fn sync_owner_replaces_an_owners_desired_state() -> Result<()> {
             ports.sort();
             ports
         };
-        let ctl = pb::ListPairsRequest { owner: "ctl".into() };
+        let ctl = pb::ListPairsRequest { owner: "ctl".into(), ..Default::default() };
         ensure!(mine(c.list_pairs(ctl.clone()).await?.into_inner()) == vec![8096, 8098]);
-        let other = pb::ListPairsRequest { owner: "other".into() };
+        let other = pb::ListPairsRequest { owner: "other".into(), ..Default::default() };
         ensure!(mine(c.list_pairs(other).await?.into_inner()) == vec![9000], "another owner's pair is untouched");
+
+        // Paging: one pair per page, in key order; a pair created between
+        // pages neither repeats nor skips one listed before.
+        let mut seen = Vec::new();
+        let mut token = String::new();
+        loop {
+            let req = pb::ListPairsRequest { page_size: 1, page_token: token.clone(), ..Default::default() };
+            let page = c.list_pairs(req).await?.into_inner();
+            ensure!(page.pairs.len() <= 1, "{page:?}");
+            seen.extend(page.pairs.iter().map(|p| p.server.as_ref().map_or(0, |e| e.port)));
+            if seen.len() == 1 {
+                c.create_pair(create(pair(&c_ip, &s_ip, 8000), "other")).await?;
+            }
+            if page.next_page_token.is_empty() {
+                break;
+            }
+            token = page.next_page_token;
+        }
+        let mut uniq = seen.clone();
+        uniq.sort();
+        uniq.dedup();
+        ensure!(uniq.len() == seen.len() && [8096, 8098, 9000].iter().all(|p| seen.contains(p)), "{seen:?}");
+        let too_big = c.list_pairs(pb::ListPairsRequest { page_size: 1001, ..Default::default() }).await;
+        ensure!(code_of(too_big) == Code::InvalidArgument);
+        let bad =
+            c.list_pairs(pb::ListPairsRequest { page_size: 1, page_token: "zz".into(), ..Default::default() }).await;
+        ensure!(code_of(bad) == Code::InvalidArgument);
+        let routes = c.list_routes(pb::ListRoutesRequest { page_size: 1, ..Default::default() }).await?.into_inner();
+        ensure!(routes.routes.len() == 1 && routes.next_page_token.is_empty());
+        c.delete_pair(pb::DeletePairRequest {
+            key: Some(key(&c_ip, &s_ip, 8000)),
+            owner: "other".into(),
+            ..Default::default()
+        })
+        .await?;
 
         // Refused, nothing changed: a stale generation, another owner's
         // rule, a route that names no interface (after the rules' part).
@@ -1469,5 +1504,5 @@ fn sync_owner_replaces_an_owners_desired_state() -> Result<()> {
 }
 
 async fn mine_count(c: &mut NodeServiceClient<Channel>, owner: &str) -> Result<usize> {
-    Ok(c.list_pairs(pb::ListPairsRequest { owner: owner.into() }).await?.into_inner().pairs.len())
+    Ok(c.list_pairs(pb::ListPairsRequest { owner: owner.into(), ..Default::default() }).await?.into_inner().pairs.len())
 }

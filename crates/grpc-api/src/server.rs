@@ -262,6 +262,41 @@ fn event_type(o: Outcome) -> Option<EventType> {
 }
 
 /// The ids of the rules a selector names; none named: empty (every rule).
+/// The most a List response holds (page_size).
+const MAX_LIST_PAGE: u32 = 1000;
+
+/// One page of `items` (each with its page key, unique within the list):
+/// those whose key follows `token`'s, in key order, at most `size` (0: all);
+/// and the token of the next page (empty: this is the last).
+fn page<T>(mut items: Vec<(String, T)>, size: u32, token: &str) -> Result<(Vec<T>, String), Status> {
+    if size > MAX_LIST_PAGE {
+        return Err(invalid_field("page_size", format!("{size} is more than {MAX_LIST_PAGE}")));
+    }
+    let after = if token.is_empty() {
+        None
+    } else {
+        let bad = || invalid_field("page_token", "not a token this service returned");
+        let bytes: Vec<u8> = (0..token.len())
+            .step_by(2)
+            .map(|i| token.get(i..i + 2).and_then(|h| u8::from_str_radix(h, 16).ok()))
+            .collect::<Option<_>>()
+            .ok_or_else(bad)?;
+        Some(String::from_utf8(bytes).map_err(|_| bad())?)
+    };
+    items.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut rest = items.into_iter().filter(|(k, _)| after.as_ref().is_none_or(|a| k > a)).peekable();
+    let take = if size == 0 { usize::MAX } else { size as usize };
+    let mut out = Vec::new();
+    let mut last = String::new();
+    while out.len() < take {
+        let Some((k, t)) = rest.next() else { break };
+        last = k;
+        out.push(t);
+    }
+    let next = if rest.peek().is_some() { last.bytes().map(|b| format!("{b:02x}")).collect() } else { String::new() };
+    Ok((out, next))
+}
+
 /// The body of a SyncOwner request, every violation reported together.
 type SyncBody = (Vec<EndpointPair>, Vec<CaptureRule>, Vec<meshwarp_core::tc::InterfaceRoute>);
 
@@ -533,17 +568,31 @@ impl NodeServer {
         let tc = self.tc()?;
         let log = self.log.lock();
         let mine = |o: &str| r.owner.is_empty() || o == r.owner;
-        let mut routes: Vec<_> =
-            tc.routes().iter().filter(|x| mine(&x.owner)).map(|x| convert::route_to_pb(x, None)).collect();
+        // Page keys: attach point, direction, destination; stale ones apart.
+        let key = |x: &InstalledRoute, stale: &str| {
+            format!("{:010}|{:?}|{}{stale}", x.attach_ifindex, x.route.direction, x.route.dst)
+        };
+        let mut routes: Vec<_> = tc
+            .routes()
+            .iter()
+            .filter(|x| mine(&x.owner))
+            .map(|x| (key(x, ""), convert::route_to_pb(x, None)))
+            .collect();
         if r.include_stale {
             routes.extend(
                 tc.stale_routes()
                     .iter()
                     .filter(|s| mine(&s.route.owner))
-                    .map(|s| convert::route_to_pb(&s.route, Some(&s.reason))),
+                    .map(|s| (key(&s.route, "|stale"), convert::route_to_pb(&s.route, Some(&s.reason)))),
             );
         }
-        Ok(pb::ListRoutesResponse { routes, revision: log.revision, instance_id: self.log.instance_id.clone() })
+        let (routes, next_page_token) = page(routes, r.page_size, &r.page_token)?;
+        Ok(pb::ListRoutesResponse {
+            routes,
+            revision: log.revision,
+            instance_id: self.log.instance_id.clone(),
+            next_page_token,
+        })
     }
 
     fn batch_upsert_routes(&self, r: pb::BatchUpsertRoutesRequest) -> Result<pb::BatchUpsertRoutesResponse, Status> {
@@ -756,17 +805,25 @@ impl NodeServer {
     }
 
     /// The rules of `owner` (all when empty), the revision and the instance.
-    fn list_rules<R: RulePb>(&self, owner: &str) -> (Vec<R::Pb>, u64, String) {
+    /// One page of the rules of kind `R` (of `owner`, or all): the rules,
+    /// the revision, the instance id and the next page's token.
+    fn list_rules<R: RulePb>(
+        &self,
+        owner: &str,
+        size: u32,
+        token: &str,
+    ) -> Result<(Vec<R::Pb>, u64, String, String), Status> {
         let log = self.log.lock();
-        let rules = self
+        let rules: Vec<_> = self
             .dp
             .registry()
             .list::<R>()
-            .iter()
+            .into_iter()
             .filter(|r| owner.is_empty() || r.owner == owner)
-            .map(R::to_pb)
+            .map(|r| (format!("{:?}", meshwarp_core::table::Rule::rule_key(&r.rule)), R::to_pb(&r)))
             .collect();
-        (rules, log.revision, self.log.instance_id.clone())
+        let (rules, next) = page(rules, size, token)?;
+        Ok((rules, log.revision, self.log.instance_id.clone(), next))
     }
 
     /// Returns (created, updated, unchanged, revision).
@@ -844,8 +901,9 @@ impl NodeServer {
     }
 
     fn list_pairs(&self, r: pb::ListPairsRequest) -> Result<pb::ListPairsResponse, Status> {
-        let (pairs, revision, instance_id) = self.list_rules::<EndpointPair>(&r.owner);
-        Ok(pb::ListPairsResponse { pairs, revision, instance_id })
+        let (pairs, revision, instance_id, next_page_token) =
+            self.list_rules::<EndpointPair>(&r.owner, r.page_size, &r.page_token)?;
+        Ok(pb::ListPairsResponse { pairs, revision, instance_id, next_page_token })
     }
 
     fn batch_upsert_pairs(&self, r: pb::BatchUpsertPairsRequest) -> Result<pb::BatchUpsertPairsResponse, Status> {
@@ -882,8 +940,9 @@ impl NodeServer {
     }
 
     fn list_captures(&self, r: pb::ListCaptureRulesRequest) -> Result<pb::ListCaptureRulesResponse, Status> {
-        let (rules, revision, instance_id) = self.list_rules::<CaptureRule>(&r.owner);
-        Ok(pb::ListCaptureRulesResponse { rules, revision, instance_id })
+        let (rules, revision, instance_id, next_page_token) =
+            self.list_rules::<CaptureRule>(&r.owner, r.page_size, &r.page_token)?;
+        Ok(pb::ListCaptureRulesResponse { rules, revision, instance_id, next_page_token })
     }
 
     fn batch_upsert_captures(
