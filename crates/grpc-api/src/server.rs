@@ -262,6 +262,15 @@ fn event_type(o: Outcome) -> Option<EventType> {
 }
 
 /// The ids of the rules a selector names; none named: empty (every rule).
+/// One page of a List of rules: the rules, the node revision it reflects,
+/// the instance and the next page's token.
+struct RulePage<T> {
+    rules: Vec<T>,
+    revision: u64,
+    instance_id: String,
+    next: String,
+}
+
 /// The most a List response holds (page_size).
 const MAX_LIST_PAGE: u32 = 1000;
 
@@ -805,14 +814,8 @@ impl NodeServer {
     }
 
     /// The rules of `owner` (all when empty), the revision and the instance.
-    /// One page of the rules of kind `R` (of `owner`, or all): the rules,
-    /// the revision, the instance id and the next page's token.
-    fn list_rules<R: RulePb>(
-        &self,
-        owner: &str,
-        size: u32,
-        token: &str,
-    ) -> Result<(Vec<R::Pb>, u64, String, String), Status> {
+    /// One page of the rules of kind `R` (of `owner`, or all).
+    fn list_rules<R: RulePb>(&self, owner: &str, size: u32, token: &str) -> Result<RulePage<R::Pb>, Status> {
         let log = self.log.lock();
         let rules: Vec<_> = self
             .dp
@@ -823,7 +826,7 @@ impl NodeServer {
             .map(|r| (format!("{:?}", meshwarp_core::table::Rule::rule_key(&r.rule)), R::to_pb(&r)))
             .collect();
         let (rules, next) = page(rules, size, token)?;
-        Ok((rules, log.revision, self.log.instance_id.clone(), next))
+        Ok(RulePage { rules, revision: log.revision, instance_id: self.log.instance_id.clone(), next })
     }
 
     /// Returns (created, updated, unchanged, revision).
@@ -901,9 +904,13 @@ impl NodeServer {
     }
 
     fn list_pairs(&self, r: pb::ListPairsRequest) -> Result<pb::ListPairsResponse, Status> {
-        let (pairs, revision, instance_id, next_page_token) =
-            self.list_rules::<EndpointPair>(&r.owner, r.page_size, &r.page_token)?;
-        Ok(pb::ListPairsResponse { pairs, revision, instance_id, next_page_token })
+        let p = self.list_rules::<EndpointPair>(&r.owner, r.page_size, &r.page_token)?;
+        Ok(pb::ListPairsResponse {
+            pairs: p.rules,
+            revision: p.revision,
+            instance_id: p.instance_id,
+            next_page_token: p.next,
+        })
     }
 
     fn batch_upsert_pairs(&self, r: pb::BatchUpsertPairsRequest) -> Result<pb::BatchUpsertPairsResponse, Status> {
@@ -940,9 +947,13 @@ impl NodeServer {
     }
 
     fn list_captures(&self, r: pb::ListCaptureRulesRequest) -> Result<pb::ListCaptureRulesResponse, Status> {
-        let (rules, revision, instance_id, next_page_token) =
-            self.list_rules::<CaptureRule>(&r.owner, r.page_size, &r.page_token)?;
-        Ok(pb::ListCaptureRulesResponse { rules, revision, instance_id, next_page_token })
+        let p = self.list_rules::<CaptureRule>(&r.owner, r.page_size, &r.page_token)?;
+        Ok(pb::ListCaptureRulesResponse {
+            rules: p.rules,
+            revision: p.revision,
+            instance_id: p.instance_id,
+            next_page_token: p.next,
+        })
     }
 
     fn batch_upsert_captures(
