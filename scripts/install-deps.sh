@@ -39,3 +39,21 @@ if ! command -v cargo >/dev/null 2>&1; then
 fi
 # rustfmt and clippy are part of `make test`.
 rustup component add rustfmt clippy >/dev/null 2>&1 || true
+
+# The Helm chart's test (crates/cli/tests/deploy.rs) lints and renders it with
+# helm. Debian has no helm package and download sites are unreachable here, so
+# it is built from the Go module proxy (about two minutes, once per machine).
+HELM_VERSION=v3.19.0
+if ! command -v helm >/dev/null 2>&1; then
+  if command -v go >/dev/null 2>&1; then
+    echo "install-deps: building helm $HELM_VERSION from the Go module proxy"
+    if [ "$(id -u)" -eq 0 ]; then
+      GOBIN=/usr/local/bin go install "helm.sh/helm/v3/cmd/helm@$HELM_VERSION"
+    else
+      go install "helm.sh/helm/v3/cmd/helm@$HELM_VERSION"
+      echo "install-deps: helm is in $(go env GOPATH)/bin: add it to PATH" >&2
+    fi
+  else
+    echo "install-deps: go not found: helm cannot be built; the chart test fails under CI=true" >&2
+  fi
+fi

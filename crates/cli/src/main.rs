@@ -184,6 +184,16 @@ enum Cmd {
         #[command(flatten)]
         pins: PinArgs,
     },
+    /// Ask the node service's gRPC health service (grpc.health.v1) whether
+    /// it serves: exit 0 if SERVING (a readiness probe), 1 otherwise.
+    Health {
+        /// Node service address: a Unix socket path or http(s)://HOST:PORT.
+        #[arg(long, env = "MESHWARP_ADDR", default_value = meshwarp_grpc_api::client::DEFAULT_SOCKET)]
+        addr: String,
+        /// Give up after this many milliseconds.
+        #[arg(long, default_value_t = 2000)]
+        timeout_ms: u64,
+    },
     /// Detach and unpin everything meshwarp pinned under --pin-root.
     Uninstall {
         #[command(flatten)]
@@ -605,6 +615,24 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Doctor { pins } => {
             init_logs("warn", false);
             doctor::run(&pins.pin_root())
+        }
+        Cmd::Health { addr, timeout_ms } => {
+            let rt = tokio::runtime::Runtime::new()?;
+            let status = rt.block_on(async {
+                tokio::time::timeout(std::time::Duration::from_millis(*timeout_ms), async {
+                    use tonic_health::pb::{health_client::HealthClient, HealthCheckRequest};
+                    let ch = meshwarp_grpc_api::client::channel(addr).await?;
+                    let service = "meshwarp.node.v1alpha1.NodeService".to_string();
+                    let r = HealthClient::new(ch).check(HealthCheckRequest { service }).await?.into_inner();
+                    anyhow::Ok(r.status)
+                })
+                .await
+                .context("no answer in time")?
+            })?;
+            let serving = tonic_health::pb::health_check_response::ServingStatus::Serving as i32;
+            anyhow::ensure!(status == serving, "the node service is not serving (health status {status})");
+            println!("SERVING");
+            Ok(())
         }
         Cmd::Uninstall { pins } => {
             // Refused while a daemon holds the pins: stop it first (or run it

@@ -1352,7 +1352,10 @@ fn latency_and_connections_over_the_api() -> Result<()> {
 fn sync_owner_replaces_an_owners_desired_state() -> Result<()> {
     let env = env_or_skip!();
     let net = NodeWithPods::new(2)?;
-    let _d = env.start(&["--netns", net.node.path().to_str().unwrap()])?;
+    let d = env.start(&["--netns", net.node.path().to_str().unwrap()])?;
+    // The readiness probe of deploy/: gRPC health over the socket.
+    let health = env.cli(&["health"]);
+    ensure!(health.status.success() && String::from_utf8_lossy(&health.stdout).contains("SERVING"));
     let (c_ip, s_ip) = (net.pods[0].v4.to_string(), net.pods[1].v4.to_string());
     let route = |dst: &str, to: &str| pb::InterfaceRoute {
         attach: Some(pb::Interface { r#ref: Some(pb::interface::Ref::Name("vpod0".into())) }),
@@ -1500,6 +1503,8 @@ fn sync_owner_replaces_an_owners_desired_state() -> Result<()> {
         ensure!(code_of(gone) == Code::FailedPrecondition, "no lease after it ended");
         Ok::<_, anyhow::Error>(())
     })?;
+    drop(d);
+    ensure!(!env.cli(&["health", "--timeout-ms", "500"]).status.success(), "no daemon: the probe fails");
     Ok(())
 }
 
