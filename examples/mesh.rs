@@ -1,0 +1,386 @@
+//! What a meshed pod's sidecar captures, as meshwarp rules: the translation a
+//! mesh controller runs for the pods of its node (the Kubernetes side reads
+//! the objects; the meshwarp side sends the result with SyncOwner).
+//!
+//! Istio's injector adds the `istio-proxy` container (UID 1337) and the
+//! `sidecar.istio.io/status` annotation; istio-iptables then redirects the
+//! pod's outbound TCP (except the proxy's own, UID 1337) to 15001 and its
+//! inbound TCP to 15006, honouring `traffic.sidecar.istio.io/*`
+//! include/exclude annotations; the proxy reaches the app from 127.0.0.6.
+//! Linkerd's injector adds `linkerd-proxy` (UID 2102) and
+//! `linkerd.io/proxy-version`; linkerd-init redirects outbound to 4140 and
+//! inbound to 4143, skipping `config.linkerd.io/skip-{inbound,outbound}-ports`.
+//!
+//! Each captured connection becomes a capture rule (the origin socket and
+//! the proxy's accepted socket are paired by the client endpoint); the
+//! proxy's own connection to the app becomes a pair. An excluded port or
+//! range gets no rule: iptables does not capture it, and meshwarp never
+//! accelerates it either.
+
+use std::collections::BTreeSet;
+use std::net::IpAddr;
+
+use k8s_openapi::api::core::v1::{Pod, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use meshwarp_client::pb;
+
+/// Which sidecar a pod runs, and how its init container captures.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Sidecar {
+    pub mesh: Mesh,
+    pub pod_ip: IpAddr,
+    /// The proxy's UID (its own traffic is not captured).
+    pub proxy_uid: u32,
+    pub outbound_port: u16,
+    pub inbound_port: u16,
+    /// Where the proxy connects to the app from (Istio: 127.0.0.6).
+    pub inbound_source: IpAddr,
+    /// Inbound ports captured: `None` every port the pod's containers expose.
+    pub inbound_include: Option<BTreeSet<u16>>,
+    pub inbound_exclude: BTreeSet<u16>,
+    pub outbound_exclude_ports: BTreeSet<u16>,
+    /// Outbound destinations captured: `None` all.
+    pub outbound_include_ranges: Option<Vec<Cidr>>,
+    pub outbound_exclude_ranges: Vec<Cidr>,
+    /// The app's ports (every container's but the proxy's).
+    pub app_ports: BTreeSet<u16>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mesh {
+    Istio,
+    Linkerd,
+}
+
+impl Mesh {
+    pub fn name(self) -> &'static str {
+        match self {
+            Mesh::Istio => "istio",
+            Mesh::Linkerd => "linkerd",
+        }
+    }
+}
+
+/// An address range of an include/exclude annotation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Cidr {
+    pub addr: IpAddr,
+    pub len: u8,
+}
+
+impl Cidr {
+    pub fn parse(s: &str) -> Option<Self> {
+        let (a, l) = s.trim().split_once('/').unwrap_or((s.trim(), ""));
+        let addr: IpAddr = a.parse().ok()?;
+        let max = if addr.is_ipv4() { 32 } else { 128 };
+        let len = if l.is_empty() { max } else { l.parse().ok().filter(|&n| n <= max)? };
+        Some(Self { addr, len })
+    }
+
+    pub fn contains(&self, ip: IpAddr) -> bool {
+        match (self.addr, ip) {
+            (IpAddr::V4(a), IpAddr::V4(b)) => {
+                let mask = if self.len == 0 { 0 } else { u32::MAX << (32 - u32::from(self.len)) };
+                u32::from(a) & mask == u32::from(b) & mask
+            }
+            (IpAddr::V6(a), IpAddr::V6(b)) => {
+                let mask = if self.len == 0 { 0 } else { u128::MAX << (128 - u32::from(self.len)) };
+                u128::from(a) & mask == u128::from(b) & mask
+            }
+            _ => false,
+        }
+    }
+}
+
+/// A ports annotation: "8080,9090", "*" (`None`: every port), "" (none).
+fn ports(s: &str) -> Option<BTreeSet<u16>> {
+    let s = s.trim();
+    if s == "*" {
+        return None;
+    }
+    Some(
+        s.split(',')
+            .flat_map(|p| {
+                // Linkerd also takes ranges: "4567-4570".
+                let (lo, hi) = p.trim().split_once('-').unwrap_or((p.trim(), p.trim()));
+                let (lo, hi) = (lo.parse::<u16>().ok(), hi.parse::<u16>().ok());
+                match (lo, hi) {
+                    (Some(lo), Some(hi)) if lo <= hi => (lo..=hi).collect::<Vec<_>>(),
+                    _ => Vec::new(),
+                }
+            })
+            .collect(),
+    )
+}
+
+fn cidrs(s: &str) -> Option<Vec<Cidr>> {
+    let s = s.trim();
+    if s == "*" {
+        return None;
+    }
+    Some(s.split(',').filter_map(Cidr::parse).collect())
+}
+
+/// The pod's sidecar as its injector configured it; `None` for a pod
+/// without one (or without an IP yet).
+pub fn sidecar_of(pod: &Pod) -> Option<Sidecar> {
+    let ann = pod.metadata.annotations.clone().unwrap_or_default();
+    let spec = pod.spec.as_ref()?;
+    let pod_ip: IpAddr = pod.status.as_ref()?.pod_ip.as_ref()?.parse().ok()?;
+    let has = |name: &str| spec.containers.iter().any(|c| c.name == name);
+    let (mesh, proxy) = if has("istio-proxy") && ann.contains_key("sidecar.istio.io/status") {
+        (Mesh::Istio, "istio-proxy")
+    } else if has("linkerd-proxy") && ann.contains_key("linkerd.io/proxy-version") {
+        (Mesh::Linkerd, "linkerd-proxy")
+    } else {
+        return None;
+    };
+    let app_ports: BTreeSet<u16> = spec
+        .containers
+        .iter()
+        .filter(|c| c.name != proxy)
+        .flat_map(|c| c.ports.iter().flatten())
+        .filter(|p| p.protocol.as_deref().unwrap_or("TCP") == "TCP")
+        .filter_map(|p| u16::try_from(p.container_port).ok())
+        .collect();
+    let get = |k: &str| ann.get(k).map(String::as_str);
+    let uid = |default: u32| {
+        spec.containers
+            .iter()
+            .find(|c| c.name == proxy)
+            .and_then(|c| c.security_context.as_ref()?.run_as_user)
+            .and_then(|u| u32::try_from(u).ok())
+            .unwrap_or(default)
+    };
+    Some(match mesh {
+        Mesh::Istio => Sidecar {
+            mesh,
+            pod_ip,
+            proxy_uid: uid(1337),
+            outbound_port: 15001,
+            inbound_port: 15006,
+            inbound_source: IpAddr::from([127, 0, 0, 6]),
+            inbound_include: get("traffic.sidecar.istio.io/includeInboundPorts").and_then(ports),
+            inbound_exclude: get("traffic.sidecar.istio.io/excludeInboundPorts").and_then(ports).unwrap_or_default(),
+            outbound_exclude_ports: get("traffic.sidecar.istio.io/excludeOutboundPorts")
+                .and_then(ports)
+                .unwrap_or_default(),
+            outbound_include_ranges: get("traffic.sidecar.istio.io/includeOutboundIPRanges").and_then(cidrs),
+            outbound_exclude_ranges: get("traffic.sidecar.istio.io/excludeOutboundIPRanges")
+                .and_then(cidrs)
+                .unwrap_or_default(),
+            app_ports,
+        },
+        Mesh::Linkerd => Sidecar {
+            mesh,
+            pod_ip,
+            proxy_uid: uid(2102),
+            outbound_port: 4140,
+            inbound_port: 4143,
+            // linkerd2-proxy forwards inbound connections to the app's
+            // original destination from the pod's own address.
+            inbound_source: pod_ip,
+            inbound_include: None,
+            inbound_exclude: get("config.linkerd.io/skip-inbound-ports").and_then(ports).unwrap_or_default(),
+            outbound_exclude_ports: get("config.linkerd.io/skip-outbound-ports").and_then(ports).unwrap_or_default(),
+            outbound_include_ranges: None,
+            outbound_exclude_ranges: get("config.linkerd.io/skip-outbound-ips").and_then(cidrs).unwrap_or_default(),
+            app_ports,
+        },
+    })
+}
+
+impl Sidecar {
+    /// Whether the init container captures the app's connection to `dst:port`.
+    pub fn captures_outbound(&self, dst: IpAddr, port: u16) -> bool {
+        !self.outbound_exclude_ports.contains(&port)
+            && !self.outbound_exclude_ranges.iter().any(|c| c.contains(dst))
+            && self.outbound_include_ranges.as_ref().is_none_or(|r| r.iter().any(|c| c.contains(dst)))
+            && dst.is_ipv4() == self.pod_ip.is_ipv4()
+    }
+
+    /// Whether it captures connections to the pod's `port`.
+    pub fn captures_inbound(&self, port: u16) -> bool {
+        port != self.inbound_port
+            && port != self.outbound_port
+            && !self.inbound_exclude.contains(&port)
+            && self.inbound_include.as_ref().is_none_or(|p| p.contains(&port))
+    }
+}
+
+/// A destination a pod may call: a service's cluster IP, or for a headless
+/// service each ready endpoint.
+pub fn destinations(services: &[Service], slices: &[EndpointSlice]) -> BTreeSet<(IpAddr, u16)> {
+    let mut out = BTreeSet::new();
+    for s in services {
+        let Some(spec) = &s.spec else { continue };
+        let tcp_ports: Vec<u16> = spec
+            .ports
+            .iter()
+            .flatten()
+            .filter(|p| p.protocol.as_deref().unwrap_or("TCP") == "TCP")
+            .filter_map(|p| u16::try_from(p.port).ok())
+            .collect();
+        let ips: Vec<IpAddr> = spec.cluster_ips.iter().flatten().filter_map(|ip| ip.parse().ok()).collect();
+        if !ips.is_empty() {
+            out.extend(ips.iter().flat_map(|ip| tcp_ports.iter().map(move |p| (*ip, *p))));
+            continue;
+        }
+        // Headless: the pods are called directly.
+        let name = s.metadata.name.as_deref().unwrap_or_default();
+        let ns = s.metadata.namespace.as_deref();
+        for slice in slices.iter().filter(|e| {
+            e.metadata.namespace.as_deref() == ns
+                && e.metadata.labels.as_ref().and_then(|l| l.get("kubernetes.io/service-name")).map(String::as_str)
+                    == Some(name)
+        }) {
+            let ports: Vec<u16> = slice
+                .ports
+                .iter()
+                .flatten()
+                .filter(|p| p.protocol.as_deref().unwrap_or("TCP") == "TCP")
+                .filter_map(|p| p.port.and_then(|p| u16::try_from(p).ok()))
+                .collect();
+            for ep in slice.endpoints.iter().filter(|e| e.conditions.as_ref().and_then(|c| c.ready) != Some(false)) {
+                for ip in ep.addresses.iter().filter_map(|a| a.parse::<IpAddr>().ok()) {
+                    out.extend(ports.iter().map(|p| (ip, *p)));
+                }
+            }
+        }
+    }
+    out
+}
+
+fn endpoint(ip: IpAddr, port: u16) -> Option<pb::Endpoint> {
+    Some(pb::Endpoint { ip: ip.to_string(), port: u32::from(port) })
+}
+
+/// The rules of one node: for each meshed pod on it, its captured outbound
+/// connections to every destination, its captured inbound ports, and its
+/// proxy's connections to the app.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Desired {
+    pub pairs: Vec<pb::EndpointPair>,
+    pub capture_rules: Vec<pb::CaptureRule>,
+}
+
+pub fn desired(node: &str, pods: &[Pod], services: &[Service], slices: &[EndpointSlice]) -> Desired {
+    let dests = destinations(services, slices);
+    let mut d = Desired::default();
+    let lo = |ip: IpAddr| {
+        if ip.is_ipv4() {
+            IpAddr::from([127, 0, 0, 1])
+        } else {
+            IpAddr::from([0u16, 0, 0, 0, 0, 0, 0, 1])
+        }
+    };
+    for pod in pods {
+        if pod.spec.as_ref().and_then(|s| s.node_name.as_deref()) != Some(node) {
+            continue;
+        }
+        let Some(sc) = sidecar_of(pod) else { continue };
+        for &(dst, port) in dests.iter().filter(|(ip, p)| sc.captures_outbound(*ip, *p)) {
+            d.capture_rules.push(pb::CaptureRule {
+                client_ip: sc.pod_ip.to_string(),
+                original_dst: endpoint(dst, port),
+                listener: endpoint(lo(sc.pod_ip), sc.outbound_port),
+                ..Default::default()
+            });
+        }
+        for &port in sc.app_ports.iter().filter(|p| sc.captures_inbound(**p)) {
+            d.capture_rules.push(pb::CaptureRule {
+                original_dst: endpoint(sc.pod_ip, port),
+                listener: endpoint(sc.pod_ip, sc.inbound_port),
+                ..Default::default()
+            });
+            d.pairs.push(pb::EndpointPair {
+                client_ip: sc.inbound_source.to_string(),
+                server: endpoint(sc.pod_ip, port),
+                ..Default::default()
+            });
+        }
+    }
+    d
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pod(file: &str) -> Pod {
+        serde_json::from_str(
+            &std::fs::read_to_string(format!("{}/testdata/{file}", env!("CARGO_MANIFEST_DIR"))).unwrap(),
+        )
+        .unwrap()
+    }
+
+    fn list<T: k8s_openapi::ListableResource + for<'de> serde::Deserialize<'de>>(file: &str) -> Vec<T> {
+        let text = std::fs::read_to_string(format!("{}/testdata/{file}", env!("CARGO_MANIFEST_DIR"))).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        v["items"].as_array().unwrap().iter().map(|i| serde_json::from_value(i.clone()).unwrap()).collect()
+    }
+
+    fn dsts(d: &Desired, listener_port: u32) -> Vec<String> {
+        d.capture_rules
+            .iter()
+            .filter(|c| c.listener.as_ref().is_some_and(|l| l.port == listener_port))
+            .map(|c| c.original_dst.as_ref().map(|e| format!("{}:{}", e.ip, e.port)).unwrap_or_default())
+            .collect()
+    }
+
+    #[test]
+    fn istio_injected_pod_gets_what_istio_iptables_captures() {
+        let (p, services, slices) =
+            (pod("istio-pod.json"), list::<Service>("services.json"), list::<EndpointSlice>("endpointslices.json"));
+        let sc = sidecar_of(&p).unwrap();
+        assert_eq!((sc.mesh, sc.proxy_uid, sc.outbound_port, sc.inbound_port), (Mesh::Istio, 1337, 15001, 15006));
+        let d = desired("node-a", std::slice::from_ref(&p), &services, &slices);
+        // Outbound: ratings yes; postgres (excluded port 5432) and legacy
+        // (excluded range 10.96.200.0/24) never; DNS over TCP yes, over UDP not TCP.
+        let out = dsts(&d, 15001);
+        assert!(out.contains(&"10.96.12.40:9080".to_string()), "{out:?}");
+        assert!(out.contains(&"10.96.0.10:53".to_string()), "{out:?}");
+        assert!(!out.iter().any(|o| o.ends_with(":5432") || o.starts_with("10.96.200.")), "{out:?}");
+        // Headless services: their ready endpoints, not the terminating one.
+        assert!(out.contains(&"10.244.2.31:8080".to_string()) && !out.contains(&"10.244.1.40:8080".to_string()));
+        assert!(d
+            .capture_rules
+            .iter()
+            .filter(|c| c.listener.as_ref().is_some_and(|l| l.port == 15001))
+            .all(|c| { c.client_ip == "10.244.1.17" && c.listener.as_ref().is_some_and(|l| l.ip == "127.0.0.1") }));
+        // Inbound: 9080 captured to pod_ip:15006 (9081 excluded; the proxy's 15090 is not the app's).
+        assert_eq!(dsts(&d, 15006), vec!["10.244.1.17:9080"]);
+        assert_eq!(d.pairs.len(), 1);
+        assert_eq!(d.pairs[0].client_ip, "127.0.0.6");
+        assert_eq!(d.pairs[0].server, endpoint("10.244.1.17".parse().unwrap(), 9080));
+        // Another node's controller registers nothing for it.
+        assert_eq!(desired("node-b", &[p], &services, &slices), Desired::default());
+    }
+
+    #[test]
+    fn linkerd_injected_pod_skips_its_skip_ports() {
+        let (p, services, slices) =
+            (pod("linkerd-pod.json"), list::<Service>("services.json"), list::<EndpointSlice>("endpointslices.json"));
+        let sc = sidecar_of(&p).unwrap();
+        assert_eq!((sc.mesh, sc.proxy_uid, sc.outbound_port, sc.inbound_port), (Mesh::Linkerd, 2102, 4140, 4143));
+        let d = desired("node-a", &[p], &services, &slices);
+        let out = dsts(&d, 4140);
+        assert!(out.contains(&"10.96.12.40:9080".to_string()), "{out:?}");
+        assert!(!out.iter().any(|o| o.ends_with(":6379")), "skip-outbound-ports 6379: {out:?}");
+        assert_eq!(dsts(&d, 4143), vec!["10.244.1.23:8080"], "8081 is skipped, the proxy's ports are not the app's");
+        assert_eq!(d.pairs[0].client_ip, "10.244.1.23");
+    }
+
+    #[test]
+    fn pods_without_a_sidecar_and_annotation_syntax() {
+        let mut p = pod("istio-pod.json");
+        p.metadata.annotations.as_mut().unwrap().remove("sidecar.istio.io/status");
+        assert!(sidecar_of(&p).is_none(), "the container alone is not injection");
+        assert_eq!(ports("*"), None);
+        assert_eq!(ports("80, 4567-4569,x"), Some(BTreeSet::from([80, 4567, 4568, 4569])));
+        let c = Cidr::parse("10.96.0.0/12").unwrap();
+        assert!(c.contains("10.100.1.1".parse().unwrap()) && !c.contains("10.112.0.1".parse().unwrap()));
+        assert!(Cidr::parse("10.0.0.0/33").is_none());
+        assert!(Cidr::parse("fd00::/8").unwrap().contains("fd12::1".parse().unwrap()));
+    }
+}
