@@ -7,7 +7,7 @@
 use std::net::SocketAddr;
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::CommandExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -1510,4 +1510,133 @@ fn sync_owner_replaces_an_owners_desired_state() -> Result<()> {
 
 async fn mine_count(c: &mut NodeServiceClient<Channel>, owner: &str) -> Result<usize> {
     Ok(c.list_pairs(pb::ListPairsRequest { owner: owner.into(), ..Default::default() }).await?.into_inner().pairs.len())
+}
+
+/// The Istio translation of the mesh controller (examples/mesh.rs) against a
+/// real daemon and real capture: a pod as Istio's injector writes it (its IP
+/// the test pod's), iptables in the pod as istio-iptables writes them (UID
+/// 1337 let out, the excluded port returned, the rest redirected to 15001),
+/// a sidecar on 127.0.0.1:15001 whose upstream sockets are UID 1337. The
+/// service port is captured and its connection redirected; the excluded port
+/// gets no rule and stays on plain TCP; a restart of the daemon, then of the
+/// controller (a newer generation), loses no rule and no byte.
+#[test]
+fn istio_pods_get_exactly_what_istio_iptables_captures() -> Result<()> {
+    use meshwarp_examples::mesh;
+    let env = env_or_skip!();
+    let mut d = env.start(&[])?;
+    let net = NodeWithPods::new(2)?;
+    let (app, server) = (&net.pods[0], &net.pods[1]);
+    let vip: std::net::IpAddr = "10.96.12.40".parse()?;
+    // The pod and services as the cluster would show them.
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/testdata");
+    let mut pod: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(fixtures.join("istio-pod.json"))?)?;
+    pod["status"]["podIP"] = app.v4.to_string().into();
+    pod["status"]["podIPs"] = serde_json::json!([{ "ip": app.v4.to_string() }]);
+    let pod: k8s_openapi::api::core::v1::Pod = serde_json::from_value(pod)?;
+    let services: Vec<k8s_openapi::api::core::v1::Service> = serde_json::from_value(serde_json::json!([
+        {"metadata": {"name": "ratings", "namespace": "bookinfo"},
+         "spec": {"clusterIP": vip.to_string(), "clusterIPs": [vip.to_string()], "ports": [{"port": 9080, "protocol": "TCP"}]}},
+        {"metadata": {"name": "postgres", "namespace": "bookinfo"},
+         "spec": {"clusterIP": "None", "ports": [{"port": 5432, "protocol": "TCP"}]}}
+    ]))?;
+    let slices: Vec<k8s_openapi::api::discovery::v1::EndpointSlice> = serde_json::from_value(serde_json::json!([
+        {"metadata": {"name": "postgres-1", "namespace": "bookinfo", "labels": {"kubernetes.io/service-name": "postgres"}},
+         "addressType": "IPv4", "endpoints": [{"addresses": [server.v4.to_string()]}], "ports": [{"port": 5432, "protocol": "TCP"}]}
+    ]))?;
+    let want = mesh::desired("node-a", &[pod], &services, &slices);
+    let rules: Vec<String> = want
+        .capture_rules
+        .iter()
+        .map(|c| c.original_dst.as_ref().map(|e| format!("{}:{}", e.ip, e.port)).unwrap_or_default())
+        .collect();
+    ensure!(rules.contains(&format!("{vip}:9080")) && !rules.iter().any(|r| r.ends_with(":5432")), "{rules:?}");
+
+    // istio-iptables' outbound chain (the inbound side is the server pod's, unmeshed here).
+    for rule in [
+        "-N ISTIO_REDIRECT",
+        "-A ISTIO_REDIRECT -p tcp -j REDIRECT --to-ports 15001",
+        "-N ISTIO_OUTPUT",
+        "-A OUTPUT -p tcp -j ISTIO_OUTPUT",
+        "-A ISTIO_OUTPUT -o lo -s 127.0.0.6/32 -j RETURN",
+        "-A ISTIO_OUTPUT -m owner --uid-owner 1337 -j RETURN",
+        "-A ISTIO_OUTPUT -m owner --gid-owner 1337 -j RETURN",
+        "-A ISTIO_OUTPUT -d 127.0.0.1/32 -j RETURN",
+        "-A ISTIO_OUTPUT -p tcp --dport 5432 -j RETURN",
+        "-A ISTIO_OUTPUT -j ISTIO_REDIRECT",
+    ] {
+        let mut args = vec!["iptables", "-w", "-t", "nat"];
+        args.extend(rule.split(' '));
+        app.ns.exec(&args)?;
+    }
+    let sidecar = meshwarp_testbed::CaptureProxy::start_as(
+        &app.ns,
+        "127.0.0.1:15001".parse()?,
+        SocketAddr::new(server.v4.into(), 9080),
+        None,
+        Some(1337),
+    )?;
+    let _echo_svc = meshwarp_testbed::StreamEcho::start(server.ns.listen(SocketAddr::new(server.v4.into(), 9080))?)?;
+    let _echo_db = meshwarp_testbed::StreamEcho::start(server.ns.listen(SocketAddr::new(server.v4.into(), 5432))?)?;
+
+    let sync = |generation: u64| pb::SyncOwnerRequest {
+        owner: "mesh-controller".into(),
+        generation,
+        pairs: want.pairs.clone(),
+        capture_rules: want.capture_rules.clone(),
+        ..Default::default()
+    };
+    let rt = rt();
+    let first = rt.block_on(async { env.client().await.sync_owner(sync(1)).await })?.into_inner();
+    ensure!(first.changes.len() == want.pairs.len() + want.capture_rules.len(), "{first:?}");
+
+    let check = |seed: u64| -> Result<()> {
+        // The service: captured to the sidecar, the app's socket redirected to it.
+        let c = app.ns.connect(SocketAddr::new(vip, 9080))?;
+        let cookie = meshwarp_core::sys::socket_cookie_of(&c)?;
+        let s = c.try_clone()?;
+        meshwarp_testbed::echo_integrity(s, seed, 256 * 1024, Duration::from_secs(30))?;
+        let conns: Vec<pb::Connection> = rt
+            .block_on(async {
+                env.client()
+                    .await
+                    .list_connections(pb::ListConnectionsRequest { cookie: Some(cookie), ..Default::default() })
+                    .await
+            })?
+            .into_inner()
+            .connections;
+        // Every byte of the stream went both ways on the fast path.
+        let fast = |t: &Option<pb::ConnectionTraffic>| t.as_ref().map_or(0, |t| t.fast_bytes);
+        ensure!(conns.iter().any(|x| fast(&x.tx) == 256 * 1024 && fast(&x.rx) == 256 * 1024), "{conns:?}");
+        ensure!(sidecar.original_dsts.lock().unwrap().contains(&SocketAddr::new(vip, 9080)));
+        // The excluded port: not captured, not held by meshwarp at all.
+        let c = app.ns.connect(SocketAddr::new(server.v4.into(), 5432))?;
+        let cookie = meshwarp_core::sys::socket_cookie_of(&c)?;
+        meshwarp_testbed::echo_integrity(c, seed + 1, 256 * 1024, Duration::from_secs(30))?;
+        let held = rt
+            .block_on(async {
+                env.client()
+                    .await
+                    .list_connections(pb::ListConnectionsRequest { cookie: Some(cookie), ..Default::default() })
+                    .await
+            })?
+            .into_inner()
+            .connections;
+        ensure!(held.is_empty(), "an excluded port is never accelerated: {held:?}");
+        Ok(())
+    };
+    check(10).context("first sync")?;
+
+    // The daemon restarts: the pins keep the rules; the controller's next sync changes nothing.
+    drop(d);
+    d = env.start(&[])?;
+    let again = rt.block_on(async { env.client().await.sync_owner(sync(2)).await })?.into_inner();
+    ensure!(again.changes.is_empty(), "no rule lost across the daemon's restart: {again:?}");
+    check(20).context("after the daemon restarted")?;
+    // The controller restarts: a newer generation, the same desired state.
+    let restarted = rt.block_on(async { env.client().await.sync_owner(sync(3)).await })?.into_inner();
+    ensure!(restarted.changes.is_empty());
+    check(30).context("after the controller restarted")?;
+    drop(d);
+    Ok(())
 }

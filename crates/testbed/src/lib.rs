@@ -887,6 +887,19 @@ impl CaptureProxy {
     /// As [`CaptureProxy::start`], connecting upstream from `source` (e.g.
     /// Istio's inbound passthrough address 127.0.0.6).
     pub fn start_from(ns: &NetNs, listen: SocketAddr, upstream: SocketAddr, source: Option<IpAddr>) -> Result<Self> {
+        Self::start_as(ns, listen, upstream, source, None)
+    }
+
+    /// As [`CaptureProxy::start_from`], its upstream sockets owned by `uid`
+    /// (their fsuid), as a sidecar's are (Istio's 1337, Linkerd's 2102): an
+    /// iptables `-m owner --uid-owner` rule then lets them out uncaptured.
+    pub fn start_as(
+        ns: &NetNs,
+        listen: SocketAddr,
+        upstream: SocketAddr,
+        source: Option<IpAddr>,
+        uid: Option<u32>,
+    ) -> Result<Self> {
         let listener = ns.listen(listen)?;
         listener.set_nonblocking(true).map_err(io_err("nonblocking proxy listener"))?;
         let file = std::fs::File::open(ns.path()).map_err(io_err("opening netns"))?;
@@ -897,6 +910,11 @@ impl CaptureProxy {
             // Upstream connections are made from the pod's namespace.
             if setns(file.as_fd(), CloneFlags::CLONE_NEWNET).is_err() {
                 return;
+            }
+            if let Some(uid) = uid {
+                // This thread's sockets get `uid` (setfsuid is per thread).
+                // SAFETY: a plain system call on the calling thread.
+                unsafe { libc::setfsuid(uid) };
             }
             while !stop2.load(Ordering::Relaxed) {
                 match listener.accept() {

@@ -1,0 +1,203 @@
+//! A mesh controller for one node: watches the pods of its node and the
+//! services and endpoint slices of the cluster (kube-rs), translates the
+//! Istio- and Linkerd-injected pods into meshwarp capture rules and pairs
+//! (`meshwarp_examples::mesh`), and keeps the node agent equal to that with
+//! SyncOwner — one call per change, a generation that grows across its own
+//! restarts (milliseconds since the epoch), and a lease it renews, so its
+//! rules go away if it dies and stays away. When the agent restarts (the
+//! call fails, or its instance changes) it syncs again.
+//!
+//! ```text
+//! cargo run -p meshwarp-examples --example mesh_controller -- --node "$NODE_NAME"
+//! cargo run -p meshwarp-examples --example mesh_controller -- --node node-a --from-json DIR --once
+//! ```
+//! `--from-json DIR` reads `pods.json`, `services.json` and
+//! `endpointslices.json` (lists as `kubectl get -o json` prints them) instead
+//! of an API server, once or every `--interval-ms`.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use anyhow::{Context, Result};
+use k8s_openapi::api::core::v1::{Pod, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use kube::runtime::{reflector, watcher, WatchStreamExt};
+use kube::Api;
+use meshwarp_client::pb;
+use meshwarp_client::pb::node_service_client::NodeServiceClient;
+use meshwarp_examples::mesh::{desired, Desired};
+use tokio_stream::StreamExt;
+use tonic::transport::Channel;
+
+#[derive(Debug, clap::Parser)]
+struct Args {
+    /// The node whose pods this controller handles (its agent's socket is local).
+    #[arg(long, env = "NODE_NAME")]
+    node: String,
+    /// Node agent address.
+    #[arg(long, default_value = meshwarp_client::DEFAULT_SOCKET)]
+    addr: String,
+    #[arg(long, default_value = "mesh-controller")]
+    owner: String,
+    /// The agent removes this controller's rules if it is silent this long.
+    #[arg(long, default_value_t = 30)]
+    lease_seconds: u32,
+    /// Read the objects from this directory's JSON lists instead of an API server.
+    #[arg(long)]
+    from_json: Option<PathBuf>,
+    /// With --from-json: sync once and exit.
+    #[arg(long)]
+    once: bool,
+    #[arg(long, default_value_t = 1000)]
+    interval_ms: u64,
+}
+
+/// The agent side: one SyncOwner per change or lease period.
+struct Agent {
+    addr: String,
+    owner: String,
+    lease_seconds: u32,
+    client: Option<NodeServiceClient<Channel>>,
+    /// What the agent holds since the last successful sync (None: unknown).
+    synced: Option<Desired>,
+}
+
+/// Larger at every call, also across restarts of this controller.
+fn generation() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(1, |d| d.as_millis() as u64)
+}
+
+impl Agent {
+    async fn sync(&mut self, want: &Desired, force: bool) -> Result<()> {
+        if let (false, Some(c)) = (force || self.synced.as_ref() != Some(want), self.client.as_mut()) {
+            // Nothing new: the lease is renewed instead.
+            if c.renew_lease(pb::RenewLeaseRequest { owner: self.owner.clone() }).await.is_ok() {
+                return Ok(());
+            }
+            // The agent forgot us (it restarted): sync again below.
+        }
+        if self.client.is_none() {
+            self.client = Some(meshwarp_client::connect(&self.addr).await.context("connecting to the node agent")?);
+        }
+        let req = pb::SyncOwnerRequest {
+            owner: self.owner.clone(),
+            generation: generation(),
+            pairs: want.pairs.clone(),
+            capture_rules: want.capture_rules.clone(),
+            routes: Vec::new(),
+            lease_seconds: self.lease_seconds,
+        };
+        let c = self.client.as_mut().context("no connection")?;
+        match c.sync_owner(req).await {
+            Ok(r) => {
+                let r = r.into_inner();
+                println!(
+                    "synced generation {}: {} change(s), {} capture rule(s), {} pair(s)",
+                    r.generation,
+                    r.changes.len(),
+                    want.capture_rules.len(),
+                    want.pairs.len()
+                );
+                self.synced = Some(want.clone());
+                Ok(())
+            }
+            Err(e) => {
+                // Reconnect next time (the agent may have restarted).
+                self.client = None;
+                self.synced = None;
+                Err(anyhow::anyhow!("SyncOwner: {} ({:?})", e.message(), e.code()))
+            }
+        }
+    }
+}
+
+fn read_list<T: for<'de> serde::Deserialize<'de>>(dir: &Path, file: &str) -> Result<Vec<T>> {
+    let path = dir.join(file);
+    let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    let v: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+    let items = v.get("items").and_then(|i| i.as_array()).cloned().unwrap_or_else(|| vec![v]);
+    items
+        .into_iter()
+        .map(|i| serde_json::from_value(i).with_context(|| format!("an object of {}", path.display())))
+        .collect()
+}
+
+async fn from_json(args: &Args, dir: &Path, agent: &mut Agent) -> Result<()> {
+    loop {
+        let (pods, services, slices) = (
+            read_list::<Pod>(dir, "pods.json")?,
+            read_list::<Service>(dir, "services.json")?,
+            read_list::<EndpointSlice>(dir, "endpointslices.json")?,
+        );
+        let want = desired(&args.node, &pods, &services, &slices);
+        let synced = agent.sync(&want, false).await;
+        if args.once {
+            return synced;
+        }
+        if let Err(e) = synced {
+            eprintln!("{e:#}; retrying");
+        }
+        tokio::time::sleep(Duration::from_millis(args.interval_ms)).await;
+    }
+}
+
+async fn from_cluster(args: &Args, agent: &mut Agent) -> Result<()> {
+    let client = kube::Client::try_default().await.context("a Kubernetes client (in-cluster or kubeconfig)")?;
+    let on_node = watcher::Config::default().fields(&format!("spec.nodeName={}", args.node));
+    let (pods, pod_writer) = reflector::store::<Pod>();
+    let (services, svc_writer) = reflector::store::<Service>();
+    let (slices, slice_writer) = reflector::store::<EndpointSlice>();
+    let mut changes = futures_merge(vec![
+        Box::pin(watcher(Api::<Pod>::all(client.clone()), on_node).reflect(pod_writer).applied_objects().map(|_| ())),
+        Box::pin(
+            watcher(Api::<Service>::all(client.clone()), watcher::Config::default())
+                .reflect(svc_writer)
+                .applied_objects()
+                .map(|_| ()),
+        ),
+        Box::pin(
+            watcher(Api::<EndpointSlice>::all(client), watcher::Config::default())
+                .reflect(slice_writer)
+                .applied_objects()
+                .map(|_| ()),
+        ),
+    ]);
+    let lease = Duration::from_secs(u64::from(args.lease_seconds.max(3)) / 3);
+    let mut tick = tokio::time::interval(lease);
+    loop {
+        tokio::select! {
+            _ = changes.next() => {}
+            _ = tick.tick() => {}
+        }
+        let own = |s: Vec<std::sync::Arc<Pod>>| s.iter().map(|p| (**p).clone()).collect::<Vec<_>>();
+        let svcs: Vec<Service> = services.state().iter().map(|s| (**s).clone()).collect();
+        let eps: Vec<EndpointSlice> = slices.state().iter().map(|s| (**s).clone()).collect();
+        let want = desired(&args.node, &own(pods.state()), &svcs, &eps);
+        if let Err(e) = agent.sync(&want, false).await {
+            eprintln!("{e:#}; retrying at the next change or tick");
+        }
+    }
+}
+
+/// The three watch streams as one stream of "something changed".
+fn futures_merge(
+    streams: Vec<std::pin::Pin<Box<dyn tokio_stream::Stream<Item = ()> + Send>>>,
+) -> impl tokio_stream::Stream<Item = ()> {
+    tokio_stream::StreamMap::from_iter(streams.into_iter().enumerate()).map(|(_, ())| ())
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    let args = <Args as clap::Parser>::parse();
+    let mut agent = Agent {
+        addr: args.addr.clone(),
+        owner: args.owner.clone(),
+        lease_seconds: args.lease_seconds,
+        client: None,
+        synced: None,
+    };
+    match &args.from_json {
+        Some(dir) => from_json(&args, dir, &mut agent).await,
+        None => from_cluster(&args, &mut agent).await,
+    }
+}
