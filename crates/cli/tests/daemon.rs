@@ -1512,48 +1512,83 @@ async fn mine_count(c: &mut NodeServiceClient<Channel>, owner: &str) -> Result<u
     Ok(c.list_pairs(pb::ListPairsRequest { owner: owner.into(), ..Default::default() }).await?.into_inner().pairs.len())
 }
 
-/// The Istio translation of the mesh controller (examples/mesh.rs) against a
-/// real daemon and real capture: a pod as Istio's injector writes it (its IP
-/// the test pod's), iptables in the pod as istio-iptables writes them (UID
-/// 1337 let out, the excluded port returned, the rest redirected to 15001),
-/// a sidecar on 127.0.0.1:15001 whose upstream sockets are UID 1337. The
-/// service port is captured and its connection redirected; the excluded port
-/// gets no rule and stays on plain TCP; a restart of the daemon, then of the
-/// controller (a newer generation), loses no rule and no byte.
+/// A pod of a fixture (`examples/testdata`) given a test pod's address.
+fn fixture_pod(file: &str, ip: std::net::Ipv4Addr) -> Result<k8s_openapi::api::core::v1::Pod> {
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/testdata");
+    let mut pod: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(fixtures.join(file))?)?;
+    pod["status"]["podIP"] = ip.to_string().into();
+    pod["status"]["podIPs"] = serde_json::json!([{ "ip": ip.to_string() }]);
+    Ok(serde_json::from_value(pod)?)
+}
+
+/// Adds iptables nat rules (one per line, as `iptables -t nat` takes them) in `ns`.
+fn iptables_nat(ns: &meshwarp_testbed::NetNs, rules: &[String]) -> Result<()> {
+    for rule in rules {
+        let mut args = vec!["iptables", "-w", "-t", "nat"];
+        args.extend(rule.split(' '));
+        ns.exec(&args)?;
+    }
+    Ok(())
+}
+
+/// Redirected bytes of every rule, by what the rule is.
+fn redirected(rt: &tokio::runtime::Runtime, env: &Env) -> Result<std::collections::BTreeMap<String, u64>> {
+    let st = rt.block_on(async { env.client().await.get_stats(pb::GetStatsRequest::default()).await })?.into_inner();
+    let ep = |e: &Option<pb::Endpoint>| e.as_ref().map(|e| format!("{}:{}", e.ip, e.port)).unwrap_or_default();
+    let bytes = |c: &Option<pb::RuleCounters>| c.as_ref().map_or(0, |c| c.redirected_bytes);
+    let mut out = std::collections::BTreeMap::new();
+    for p in st.pairs {
+        let pair = p.pair.unwrap_or_default();
+        out.insert(format!("pair {}->{}", pair.client_ip, ep(&pair.server)), bytes(&p.counters));
+    }
+    for c in st.capture_rules {
+        let r = c.rule.unwrap_or_default();
+        out.insert(format!("capture {}->{}", r.client_ip, ep(&r.original_dst)), bytes(&c.counters));
+    }
+    Ok(out)
+}
+
+/// The mesh controller's translation (examples/mesh.rs) against a real
+/// daemon and real capture, for Istio: two pods as Istio's injector writes
+/// them (their IPs the test pods'), each with the iptables istio-iptables
+/// writes (outbound: UID 1337 let out, the excluded port 5432 returned, the
+/// rest to 15001; inbound: the proxy's ports and the excluded 9081 returned,
+/// the rest to 15006), sidecars whose upstream sockets are UID 1337 and the
+/// inbound one connecting from 127.0.0.6. A request app A -> service ->
+/// sidecar A -> sidecar B -> app B is redirected at every hop; the excluded
+/// ports get no rule and meshwarp never holds their connections; a restart
+/// of the daemon, then of the controller (a newer generation), loses no rule
+/// and no byte.
 #[test]
 fn istio_pods_get_exactly_what_istio_iptables_captures() -> Result<()> {
     use meshwarp_examples::mesh;
     let env = env_or_skip!();
     let mut d = env.start(&[])?;
-    let net = NodeWithPods::new(2)?;
-    let (app, server) = (&net.pods[0], &net.pods[1]);
+    let net = NodeWithPods::new(3)?;
+    let (a, b, plain) = (&net.pods[0], &net.pods[1], &net.pods[2]);
     let vip: std::net::IpAddr = "10.96.12.40".parse()?;
-    // The pod and services as the cluster would show them.
-    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/testdata");
-    let mut pod: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(fixtures.join("istio-pod.json"))?)?;
-    pod["status"]["podIP"] = app.v4.to_string().into();
-    pod["status"]["podIPs"] = serde_json::json!([{ "ip": app.v4.to_string() }]);
-    let pod: k8s_openapi::api::core::v1::Pod = serde_json::from_value(pod)?;
+    let pods = [fixture_pod("istio-pod.json", a.v4)?, fixture_pod("istio-pod.json", b.v4)?];
     let services: Vec<k8s_openapi::api::core::v1::Service> = serde_json::from_value(serde_json::json!([
-        {"metadata": {"name": "ratings", "namespace": "bookinfo"},
+        {"metadata": {"name": "reviews", "namespace": "bookinfo"},
          "spec": {"clusterIP": vip.to_string(), "clusterIPs": [vip.to_string()], "ports": [{"port": 9080, "protocol": "TCP"}]}},
         {"metadata": {"name": "postgres", "namespace": "bookinfo"},
          "spec": {"clusterIP": "None", "ports": [{"port": 5432, "protocol": "TCP"}]}}
     ]))?;
     let slices: Vec<k8s_openapi::api::discovery::v1::EndpointSlice> = serde_json::from_value(serde_json::json!([
         {"metadata": {"name": "postgres-1", "namespace": "bookinfo", "labels": {"kubernetes.io/service-name": "postgres"}},
-         "addressType": "IPv4", "endpoints": [{"addresses": [server.v4.to_string()]}], "ports": [{"port": 5432, "protocol": "TCP"}]}
+         "addressType": "IPv4", "endpoints": [{"addresses": [b.v4.to_string()]}], "ports": [{"port": 5432, "protocol": "TCP"}]}
     ]))?;
-    let want = mesh::desired("node-a", &[pod], &services, &slices);
-    let rules: Vec<String> = want
+    let want = mesh::desired("node-a", &pods, &services, &slices);
+    let dsts: Vec<String> = want
         .capture_rules
         .iter()
         .map(|c| c.original_dst.as_ref().map(|e| format!("{}:{}", e.ip, e.port)).unwrap_or_default())
         .collect();
-    ensure!(rules.contains(&format!("{vip}:9080")) && !rules.iter().any(|r| r.ends_with(":5432")), "{rules:?}");
+    ensure!(dsts.contains(&format!("{vip}:9080")) && dsts.contains(&format!("{}:9080", b.v4)), "{dsts:?}");
+    ensure!(!dsts.iter().any(|r| r.ends_with(":5432") || r.ends_with(":9081")), "excluded ports: {dsts:?}");
 
-    // istio-iptables' outbound chain (the inbound side is the server pod's, unmeshed here).
-    for rule in [
+    // istio-iptables, as it writes them for these annotations.
+    let outbound = [
         "-N ISTIO_REDIRECT",
         "-A ISTIO_REDIRECT -p tcp -j REDIRECT --to-ports 15001",
         "-N ISTIO_OUTPUT",
@@ -1564,20 +1599,34 @@ fn istio_pods_get_exactly_what_istio_iptables_captures() -> Result<()> {
         "-A ISTIO_OUTPUT -d 127.0.0.1/32 -j RETURN",
         "-A ISTIO_OUTPUT -p tcp --dport 5432 -j RETURN",
         "-A ISTIO_OUTPUT -j ISTIO_REDIRECT",
-    ] {
-        let mut args = vec!["iptables", "-w", "-t", "nat"];
-        args.extend(rule.split(' '));
-        app.ns.exec(&args)?;
+    ];
+    let inbound = [
+        "-N ISTIO_IN_REDIRECT",
+        "-A ISTIO_IN_REDIRECT -p tcp -j REDIRECT --to-ports 15006",
+        "-N ISTIO_INBOUND",
+        "-A PREROUTING -p tcp -j ISTIO_INBOUND",
+        "-A ISTIO_INBOUND -p tcp --dport 15008 -j RETURN",
+        "-A ISTIO_INBOUND -p tcp --dport 15090 -j RETURN",
+        "-A ISTIO_INBOUND -p tcp --dport 15021 -j RETURN",
+        "-A ISTIO_INBOUND -p tcp --dport 15020 -j RETURN",
+        "-A ISTIO_INBOUND -p tcp --dport 9081 -j RETURN",
+        "-A ISTIO_INBOUND -p tcp -j ISTIO_IN_REDIRECT",
+    ];
+    for pod in [a, b] {
+        let rules: Vec<String> = outbound.iter().chain(inbound.iter()).map(|r| r.to_string()).collect();
+        iptables_nat(&pod.ns, &rules)?;
     }
-    let sidecar = meshwarp_testbed::CaptureProxy::start_as(
-        &app.ns,
-        "127.0.0.1:15001".parse()?,
-        SocketAddr::new(server.v4.into(), 9080),
-        None,
-        Some(1337),
-    )?;
-    let _echo_svc = meshwarp_testbed::StreamEcho::start(server.ns.listen(SocketAddr::new(server.v4.into(), 9080))?)?;
-    let _echo_db = meshwarp_testbed::StreamEcho::start(server.ns.listen(SocketAddr::new(server.v4.into(), 5432))?)?;
+    let (svc_b, admin_b) = (SocketAddr::new(b.v4.into(), 9080), SocketAddr::new(b.v4.into(), 9081));
+    // Sidecar A sends the service's requests to pod B (as its endpoint);
+    // sidecar B hands them to app B from 127.0.0.6. Both as UID 1337.
+    let uid = Some(1337);
+    let _out_a = meshwarp_testbed::CaptureProxy::start_as(&a.ns, "127.0.0.1:15001".parse()?, svc_b, None, uid)?;
+    let in_b = SocketAddr::new(b.v4.into(), 15006);
+    let localhost6 = Some("127.0.0.6".parse()?);
+    let _in_b = meshwarp_testbed::CaptureProxy::start_as(&b.ns, in_b, svc_b, localhost6, uid)?;
+    let _app_b = meshwarp_testbed::StreamEcho::start(b.ns.listen(svc_b)?)?;
+    let _admin_b = meshwarp_testbed::StreamEcho::start(b.ns.listen(admin_b)?)?;
+    let _db_b = meshwarp_testbed::StreamEcho::start(b.ns.listen(SocketAddr::new(b.v4.into(), 5432))?)?;
 
     let sync = |generation: u64| pb::SyncOwnerRequest {
         owner: "mesh-controller".into(),
@@ -1590,39 +1639,35 @@ fn istio_pods_get_exactly_what_istio_iptables_captures() -> Result<()> {
     let first = rt.block_on(async { env.client().await.sync_owner(sync(1)).await })?.into_inner();
     ensure!(first.changes.len() == want.pairs.len() + want.capture_rules.len(), "{first:?}");
 
+    let held = |c: &std::net::TcpStream| -> Result<Vec<pb::Connection>> {
+        let cookie = Some(meshwarp_core::sys::socket_cookie_of(c)?);
+        let req = pb::ListConnectionsRequest { cookie, ..Default::default() };
+        Ok(rt.block_on(async { env.client().await.list_connections(req).await })?.into_inner().connections)
+    };
     let check = |seed: u64| -> Result<()> {
-        // The service: captured to the sidecar, the app's socket redirected to it.
-        let c = app.ns.connect(SocketAddr::new(vip, 9080))?;
-        let cookie = meshwarp_core::sys::socket_cookie_of(&c)?;
-        let s = c.try_clone()?;
-        meshwarp_testbed::echo_integrity(s, seed, 256 * 1024, Duration::from_secs(30))?;
-        let conns: Vec<pb::Connection> = rt
-            .block_on(async {
-                env.client()
-                    .await
-                    .list_connections(pb::ListConnectionsRequest { cookie: Some(cookie), ..Default::default() })
-                    .await
-            })?
-            .into_inner()
-            .connections;
-        // Every byte of the stream went both ways on the fast path.
-        let fast = |t: &Option<pb::ConnectionTraffic>| t.as_ref().map_or(0, |t| t.fast_bytes);
-        ensure!(conns.iter().any(|x| fast(&x.tx) == 256 * 1024 && fast(&x.rx) == 256 * 1024), "{conns:?}");
-        ensure!(sidecar.original_dsts.lock().unwrap().contains(&SocketAddr::new(vip, 9080)));
-        // The excluded port: not captured, not held by meshwarp at all.
-        let c = app.ns.connect(SocketAddr::new(server.v4.into(), 5432))?;
-        let cookie = meshwarp_core::sys::socket_cookie_of(&c)?;
-        meshwarp_testbed::echo_integrity(c, seed + 1, 256 * 1024, Duration::from_secs(30))?;
-        let held = rt
-            .block_on(async {
-                env.client()
-                    .await
-                    .list_connections(pb::ListConnectionsRequest { cookie: Some(cookie), ..Default::default() })
-                    .await
-            })?
-            .into_inner()
-            .connections;
-        ensure!(held.is_empty(), "an excluded port is never accelerated: {held:?}");
+        let before = redirected(&rt, &env)?;
+        let len = 256 * 1024;
+        // App A -> the service: three hops, each on the fast path.
+        let c = a.ns.connect(SocketAddr::new(vip, 9080))?;
+        meshwarp_testbed::echo_integrity(c, seed, len, Duration::from_secs(30))?;
+        // An unmeshed pod -> pod B's service port: captured inbound, two hops.
+        let c = plain.ns.connect(svc_b)?;
+        meshwarp_testbed::echo_integrity(c, seed + 1, len, Duration::from_secs(30))?;
+        let after = redirected(&rt, &env)?;
+        let grew = |k: &str| after.get(k).copied().unwrap_or(0) - before.get(k).copied().unwrap_or(0);
+        for (rule, min) in [
+            (format!("capture {}->{vip}:9080", a.v4), 2 * len as u64),
+            (format!("capture ->{svc_b}"), 4 * len as u64),
+            (format!("pair 127.0.0.6->{svc_b}"), 4 * len as u64),
+        ] {
+            ensure!(grew(&rule) >= min, "{rule}: {} bytes redirected, want {min}; {after:?}", grew(&rule));
+        }
+        // The excluded ports: not captured, and meshwarp holds nothing of them.
+        for (from, to) in [(a, SocketAddr::new(b.v4.into(), 5432)), (plain, admin_b)] {
+            let c = from.ns.connect(to)?;
+            ensure!(held(&c)?.is_empty(), "{to} is excluded: never accelerated");
+            meshwarp_testbed::echo_integrity(c, seed + 2, len, Duration::from_secs(30))?;
+        }
         Ok(())
     };
     check(10).context("first sync")?;
@@ -1638,5 +1683,98 @@ fn istio_pods_get_exactly_what_istio_iptables_captures() -> Result<()> {
     ensure!(restarted.changes.is_empty());
     check(30).context("after the controller restarted")?;
     drop(d);
+    Ok(())
+}
+
+/// The same for Linkerd: pods as its injector writes them, the iptables
+/// linkerd-init writes (UID 2102 let out, skip-outbound-ports 6379 and
+/// skip-inbound-ports 8081 returned, outbound to 4140, inbound to 4143), and
+/// proxies that reach the app from the pod's own address. App A -> service
+/// -> proxy A -> proxy B -> app B is redirected at every hop; the skipped
+/// ports never are.
+#[test]
+fn linkerd_pods_get_exactly_what_linkerd_init_captures() -> Result<()> {
+    use meshwarp_examples::mesh;
+    let env = env_or_skip!();
+    let _d = env.start(&[])?;
+    let net = NodeWithPods::new(3)?;
+    let (a, b, plain) = (&net.pods[0], &net.pods[1], &net.pods[2]);
+    let vip: std::net::IpAddr = "10.96.40.7".parse()?;
+    let pods = [fixture_pod("linkerd-pod.json", a.v4)?, fixture_pod("linkerd-pod.json", b.v4)?];
+    let services: Vec<k8s_openapi::api::core::v1::Service> = serde_json::from_value(serde_json::json!([
+        {"metadata": {"name": "web-svc", "namespace": "emojivoto"},
+         "spec": {"clusterIP": vip.to_string(), "clusterIPs": [vip.to_string()], "ports": [{"port": 8080, "protocol": "TCP"}]}},
+        {"metadata": {"name": "redis", "namespace": "emojivoto"},
+         "spec": {"clusterIP": "None", "ports": [{"port": 6379, "protocol": "TCP"}]}}
+    ]))?;
+    let slices: Vec<k8s_openapi::api::discovery::v1::EndpointSlice> = serde_json::from_value(serde_json::json!([
+        {"metadata": {"name": "redis-1", "namespace": "emojivoto", "labels": {"kubernetes.io/service-name": "redis"}},
+         "addressType": "IPv4", "endpoints": [{"addresses": [b.v4.to_string()]}], "ports": [{"port": 6379, "protocol": "TCP"}]}
+    ]))?;
+    let want = mesh::desired("node-a", &pods, &services, &slices);
+    let dsts: Vec<String> = want
+        .capture_rules
+        .iter()
+        .map(|c| c.original_dst.as_ref().map(|e| format!("{}:{}", e.ip, e.port)).unwrap_or_default())
+        .collect();
+    ensure!(!dsts.iter().any(|r| r.ends_with(":6379") || r.ends_with(":8081")), "skipped ports: {dsts:?}");
+    // linkerd-init (proxy-init), as it writes them for these annotations.
+    let rules: Vec<String> = [
+        "-N PROXY_INIT_REDIRECT",
+        "-A PROXY_INIT_REDIRECT -p tcp --match multiport --dports 4190,4191,4567,4568,8081 -j RETURN",
+        "-A PROXY_INIT_REDIRECT -p tcp -j REDIRECT --to-port 4143",
+        "-A PREROUTING -j PROXY_INIT_REDIRECT",
+        "-N PROXY_INIT_OUTPUT",
+        "-A PROXY_INIT_OUTPUT -m owner --uid-owner 2102 -j RETURN",
+        "-A PROXY_INIT_OUTPUT -o lo -j RETURN",
+        "-A PROXY_INIT_OUTPUT -p tcp --match multiport --dports 4567,4568,6379 -j RETURN",
+        "-A PROXY_INIT_OUTPUT -p tcp -j REDIRECT --to-port 4140",
+        "-A OUTPUT -j PROXY_INIT_OUTPUT",
+    ]
+    .iter()
+    .map(|r| r.to_string())
+    .collect();
+    for pod in [a, b] {
+        iptables_nat(&pod.ns, &rules)?;
+    }
+    let (svc_b, metrics_b) = (SocketAddr::new(b.v4.into(), 8080), SocketAddr::new(b.v4.into(), 8081));
+    let uid = Some(2102);
+    let _out_a = meshwarp_testbed::CaptureProxy::start_as(&a.ns, "127.0.0.1:4140".parse()?, svc_b, None, uid)?;
+    let in_b = SocketAddr::new(b.v4.into(), 4143);
+    let _in_b = meshwarp_testbed::CaptureProxy::start_as(&b.ns, in_b, svc_b, Some(b.v4.into()), uid)?;
+    let _app_b = meshwarp_testbed::StreamEcho::start(b.ns.listen(svc_b)?)?;
+    let _metrics_b = meshwarp_testbed::StreamEcho::start(b.ns.listen(metrics_b)?)?;
+    let _redis_b = meshwarp_testbed::StreamEcho::start(b.ns.listen(SocketAddr::new(b.v4.into(), 6379))?)?;
+    let rt = rt();
+    let req = pb::SyncOwnerRequest {
+        owner: "mesh-controller".into(),
+        generation: 1,
+        pairs: want.pairs.clone(),
+        capture_rules: want.capture_rules.clone(),
+        ..Default::default()
+    };
+    rt.block_on(async { env.client().await.sync_owner(req).await })?;
+
+    let len = 256 * 1024;
+    let c = a.ns.connect(SocketAddr::new(vip, 8080))?;
+    meshwarp_testbed::echo_integrity(c, 40, len, Duration::from_secs(30))?;
+    let after = redirected(&rt, &env)?;
+    for (rule, min) in [
+        (format!("capture {}->{vip}:8080", a.v4), 2 * len as u64),
+        (format!("capture ->{svc_b}"), 2 * len as u64),
+        (format!("pair {}->{svc_b}", b.v4), 2 * len as u64),
+    ] {
+        let got = after.get(&rule).copied().unwrap_or(0);
+        ensure!(got >= min, "{rule}: {got} bytes redirected, want {min}; {after:?}");
+    }
+    // Skipped outbound (app A -> redis) and skipped inbound (an unmeshed pod -> B's 8081).
+    for (from, to) in [(a, SocketAddr::new(b.v4.into(), 6379)), (plain, metrics_b)] {
+        let c = from.ns.connect(to)?;
+        let cookie = Some(meshwarp_core::sys::socket_cookie_of(&c)?);
+        let req = pb::ListConnectionsRequest { cookie, ..Default::default() };
+        let held = rt.block_on(async { env.client().await.list_connections(req).await })?.into_inner().connections;
+        ensure!(held.is_empty(), "{to} is skipped: never accelerated ({held:?})");
+        meshwarp_testbed::echo_integrity(c, 41, len, Duration::from_secs(30))?;
+    }
     Ok(())
 }
