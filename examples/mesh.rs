@@ -20,9 +20,13 @@
 use std::collections::BTreeSet;
 use std::net::IpAddr;
 
+use std::time::{SystemTime, UNIX_EPOCH};
+
 use k8s_openapi::api::core::v1::{Pod, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use meshwarp_client::pb;
+use meshwarp_client::pb::node_service_client::NodeServiceClient;
+use tonic::transport::Channel;
 
 /// Which sidecar a pod runs, and how its init container captures.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -184,7 +188,7 @@ pub fn sidecar_of(pod: &Pod) -> Option<Sidecar> {
             inbound_exclude: get("config.linkerd.io/skip-inbound-ports").and_then(ports).unwrap_or_default(),
             outbound_exclude_ports: get("config.linkerd.io/skip-outbound-ports").and_then(ports).unwrap_or_default(),
             outbound_include_ranges: None,
-            outbound_exclude_ranges: get("config.linkerd.io/skip-outbound-ips").and_then(cidrs).unwrap_or_default(),
+            outbound_exclude_ranges: get("config.linkerd.io/skip-subnets").and_then(cidrs).unwrap_or_default(),
             app_ports,
         },
     })
@@ -301,6 +305,75 @@ pub fn desired(node: &str, pods: &[Pod], services: &[Service], slices: &[Endpoin
         }
     }
     d
+}
+
+/// Why a sync did not reach the node agent.
+#[derive(Debug, thiserror::Error)]
+pub enum SyncError {
+    #[error(transparent)]
+    Connect(#[from] meshwarp_client::ClientError),
+    #[error("SyncOwner: {} ({:?})", .0.message(), .0.code())]
+    Rpc(tonic::Status),
+}
+
+/// The node agent, as the controller sees it: one SyncOwner per change, a
+/// lease renewal otherwise.
+#[derive(Debug)]
+pub struct Agent {
+    addr: String,
+    owner: String,
+    lease_seconds: u32,
+    client: Option<NodeServiceClient<Channel>>,
+    /// What the agent holds since the last successful sync (None: unknown).
+    synced: Option<Desired>,
+}
+
+/// Larger at every call, also across restarts of the controller
+/// (milliseconds since the epoch), so a restarted controller is never stale.
+fn generation() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(1, |d| d.as_millis() as u64)
+}
+
+impl Agent {
+    pub fn new(addr: &str, owner: &str, lease_seconds: u32) -> Self {
+        Self { addr: addr.to_string(), owner: owner.to_string(), lease_seconds, client: None, synced: None }
+    }
+
+    /// Makes the agent hold `want`: a SyncOwner when it changed (or the
+    /// agent may have forgotten it), else a lease renewal. A failed call
+    /// drops the connection; the next one reconnects and syncs in full.
+    /// Returns the changes the agent made.
+    pub async fn sync(&mut self, want: &Desired) -> Result<usize, SyncError> {
+        if let (true, Some(c)) = (self.synced.as_ref() == Some(want), self.client.as_mut()) {
+            if c.renew_lease(pb::RenewLeaseRequest { owner: self.owner.clone() }).await.is_ok() {
+                return Ok(0);
+            }
+            // The agent forgot this owner (it restarted): sync in full.
+        }
+        let c = match self.client.as_mut() {
+            Some(c) => c,
+            None => self.client.insert(meshwarp_client::connect(&self.addr).await?),
+        };
+        let req = pb::SyncOwnerRequest {
+            owner: self.owner.clone(),
+            generation: generation(),
+            pairs: want.pairs.clone(),
+            capture_rules: want.capture_rules.clone(),
+            routes: Vec::new(),
+            lease_seconds: self.lease_seconds,
+        };
+        match c.sync_owner(req).await {
+            Ok(r) => {
+                self.synced = Some(want.clone());
+                Ok(r.into_inner().changes.len())
+            }
+            Err(e) => {
+                self.client = None;
+                self.synced = None;
+                Err(SyncError::Rpc(e))
+            }
+        }
+    }
 }
 
 #[cfg(test)]

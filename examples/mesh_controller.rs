@@ -16,18 +16,15 @@
 //! of an API server, once or every `--interval-ms`.
 
 use std::path::{Path, PathBuf};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use anyhow::{Context, Result};
 use k8s_openapi::api::core::v1::{Pod, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::runtime::{reflector, watcher, WatchStreamExt};
 use kube::Api;
-use meshwarp_client::pb;
-use meshwarp_client::pb::node_service_client::NodeServiceClient;
-use meshwarp_examples::mesh::{desired, Desired};
+use meshwarp_examples::mesh::{desired, Agent};
 use tokio_stream::StreamExt;
-use tonic::transport::Channel;
 
 #[derive(Debug, clap::Parser)]
 struct Args {
@@ -52,65 +49,6 @@ struct Args {
     interval_ms: u64,
 }
 
-/// The agent side: one SyncOwner per change or lease period.
-struct Agent {
-    addr: String,
-    owner: String,
-    lease_seconds: u32,
-    client: Option<NodeServiceClient<Channel>>,
-    /// What the agent holds since the last successful sync (None: unknown).
-    synced: Option<Desired>,
-}
-
-/// Larger at every call, also across restarts of this controller.
-fn generation() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(1, |d| d.as_millis() as u64)
-}
-
-impl Agent {
-    async fn sync(&mut self, want: &Desired, force: bool) -> Result<()> {
-        if let (false, Some(c)) = (force || self.synced.as_ref() != Some(want), self.client.as_mut()) {
-            // Nothing new: the lease is renewed instead.
-            if c.renew_lease(pb::RenewLeaseRequest { owner: self.owner.clone() }).await.is_ok() {
-                return Ok(());
-            }
-            // The agent forgot us (it restarted): sync again below.
-        }
-        if self.client.is_none() {
-            self.client = Some(meshwarp_client::connect(&self.addr).await.context("connecting to the node agent")?);
-        }
-        let req = pb::SyncOwnerRequest {
-            owner: self.owner.clone(),
-            generation: generation(),
-            pairs: want.pairs.clone(),
-            capture_rules: want.capture_rules.clone(),
-            routes: Vec::new(),
-            lease_seconds: self.lease_seconds,
-        };
-        let c = self.client.as_mut().context("no connection")?;
-        match c.sync_owner(req).await {
-            Ok(r) => {
-                let r = r.into_inner();
-                println!(
-                    "synced generation {}: {} change(s), {} capture rule(s), {} pair(s)",
-                    r.generation,
-                    r.changes.len(),
-                    want.capture_rules.len(),
-                    want.pairs.len()
-                );
-                self.synced = Some(want.clone());
-                Ok(())
-            }
-            Err(e) => {
-                // Reconnect next time (the agent may have restarted).
-                self.client = None;
-                self.synced = None;
-                Err(anyhow::anyhow!("SyncOwner: {} ({:?})", e.message(), e.code()))
-            }
-        }
-    }
-}
-
 fn read_list<T: for<'de> serde::Deserialize<'de>>(dir: &Path, file: &str) -> Result<Vec<T>> {
     let path = dir.join(file);
     let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
@@ -130,12 +68,20 @@ async fn from_json(args: &Args, dir: &Path, agent: &mut Agent) -> Result<()> {
             read_list::<EndpointSlice>(dir, "endpointslices.json")?,
         );
         let want = desired(&args.node, &pods, &services, &slices);
-        let synced = agent.sync(&want, false).await;
+        let synced = agent.sync(&want).await;
         if args.once {
-            return synced;
+            let changes = synced?;
+            println!(
+                "synced: {changes} change(s), {} capture rule(s), {} pair(s)",
+                want.capture_rules.len(),
+                want.pairs.len()
+            );
+            return Ok(());
         }
-        if let Err(e) = synced {
-            eprintln!("{e:#}; retrying");
+        match synced {
+            Ok(0) => {}
+            Ok(n) => println!("synced: {n} change(s)"),
+            Err(e) => eprintln!("{e}; retrying"),
         }
         tokio::time::sleep(Duration::from_millis(args.interval_ms)).await;
     }
@@ -173,8 +119,10 @@ async fn from_cluster(args: &Args, agent: &mut Agent) -> Result<()> {
         let svcs: Vec<Service> = services.state().iter().map(|s| (**s).clone()).collect();
         let eps: Vec<EndpointSlice> = slices.state().iter().map(|s| (**s).clone()).collect();
         let want = desired(&args.node, &own(pods.state()), &svcs, &eps);
-        if let Err(e) = agent.sync(&want, false).await {
-            eprintln!("{e:#}; retrying at the next change or tick");
+        match agent.sync(&want).await {
+            Ok(0) => {}
+            Ok(n) => println!("synced: {n} change(s)"),
+            Err(e) => eprintln!("{e}; retrying at the next change or tick"),
         }
     }
 }
@@ -189,13 +137,7 @@ fn futures_merge(
 #[tokio::main]
 async fn main() -> Result<()> {
     let args = <Args as clap::Parser>::parse();
-    let mut agent = Agent {
-        addr: args.addr.clone(),
-        owner: args.owner.clone(),
-        lease_seconds: args.lease_seconds,
-        client: None,
-        synced: None,
-    };
+    let mut agent = Agent::new(&args.addr, &args.owner, args.lease_seconds);
     match &args.from_json {
         Some(dir) => from_json(&args, dir, &mut agent).await,
         None => from_cluster(&args, &mut agent).await,
