@@ -1548,6 +1548,38 @@ fn redirected(rt: &tokio::runtime::Runtime, env: &Env) -> Result<std::collection
     Ok(out)
 }
 
+/// What the mesh controller registers on this node for two pods of
+/// `fixture` (at `a` and `b`): a service on `vip:port` and a headless one on
+/// `b:skipped` (a port the fixture excludes). Returns the desired rules and
+/// the original destinations of its capture rules.
+fn mesh_desired(
+    fixture: &str,
+    a: std::net::Ipv4Addr,
+    b: std::net::Ipv4Addr,
+    vip: std::net::IpAddr,
+    port: u16,
+    skipped: u16,
+) -> Result<(meshwarp_examples::mesh::Desired, Vec<String>)> {
+    let pods = [fixture_pod(fixture, a)?, fixture_pod(fixture, b)?];
+    let services: Vec<k8s_openapi::api::core::v1::Service> = serde_json::from_value(serde_json::json!([
+        {"metadata": {"name": "svc", "namespace": "default"},
+         "spec": {"clusterIP": vip.to_string(), "clusterIPs": [vip.to_string()], "ports": [{"port": port, "protocol": "TCP"}]}},
+        {"metadata": {"name": "headless", "namespace": "default"},
+         "spec": {"clusterIP": "None", "ports": [{"port": skipped, "protocol": "TCP"}]}}
+    ]))?;
+    let slices: Vec<k8s_openapi::api::discovery::v1::EndpointSlice> = serde_json::from_value(serde_json::json!([
+        {"metadata": {"name": "headless-1", "namespace": "default", "labels": {"kubernetes.io/service-name": "headless"}},
+         "addressType": "IPv4", "endpoints": [{"addresses": [b.to_string()]}], "ports": [{"port": skipped, "protocol": "TCP"}]}
+    ]))?;
+    let want = meshwarp_examples::mesh::desired("node-a", &pods, &services, &slices);
+    let dsts = want
+        .capture_rules
+        .iter()
+        .map(|c| c.original_dst.as_ref().map(|e| format!("{}:{}", e.ip, e.port)).unwrap_or_default())
+        .collect();
+    Ok((want, dsts))
+}
+
 /// The mesh controller's translation (examples/mesh.rs) against a real
 /// daemon and real capture, for Istio: two pods as Istio's injector writes
 /// them (their IPs the test pods'), each with the iptables istio-iptables
@@ -1561,29 +1593,12 @@ fn redirected(rt: &tokio::runtime::Runtime, env: &Env) -> Result<std::collection
 /// and no byte.
 #[test]
 fn istio_pods_get_exactly_what_istio_iptables_captures() -> Result<()> {
-    use meshwarp_examples::mesh;
     let env = env_or_skip!();
     let mut d = env.start(&[])?;
     let net = NodeWithPods::new(3)?;
     let (a, b, plain) = (&net.pods[0], &net.pods[1], &net.pods[2]);
     let vip: std::net::IpAddr = "10.96.12.40".parse()?;
-    let pods = [fixture_pod("istio-pod.json", a.v4)?, fixture_pod("istio-pod.json", b.v4)?];
-    let services: Vec<k8s_openapi::api::core::v1::Service> = serde_json::from_value(serde_json::json!([
-        {"metadata": {"name": "reviews", "namespace": "bookinfo"},
-         "spec": {"clusterIP": vip.to_string(), "clusterIPs": [vip.to_string()], "ports": [{"port": 9080, "protocol": "TCP"}]}},
-        {"metadata": {"name": "postgres", "namespace": "bookinfo"},
-         "spec": {"clusterIP": "None", "ports": [{"port": 5432, "protocol": "TCP"}]}}
-    ]))?;
-    let slices: Vec<k8s_openapi::api::discovery::v1::EndpointSlice> = serde_json::from_value(serde_json::json!([
-        {"metadata": {"name": "postgres-1", "namespace": "bookinfo", "labels": {"kubernetes.io/service-name": "postgres"}},
-         "addressType": "IPv4", "endpoints": [{"addresses": [b.v4.to_string()]}], "ports": [{"port": 5432, "protocol": "TCP"}]}
-    ]))?;
-    let want = mesh::desired("node-a", &pods, &services, &slices);
-    let dsts: Vec<String> = want
-        .capture_rules
-        .iter()
-        .map(|c| c.original_dst.as_ref().map(|e| format!("{}:{}", e.ip, e.port)).unwrap_or_default())
-        .collect();
+    let (want, dsts) = mesh_desired("istio-pod.json", a.v4, b.v4, vip, 9080, 5432)?;
     ensure!(dsts.contains(&format!("{vip}:9080")) && dsts.contains(&format!("{}:9080", b.v4)), "{dsts:?}");
     ensure!(!dsts.iter().any(|r| r.ends_with(":5432") || r.ends_with(":9081")), "excluded ports: {dsts:?}");
 
@@ -1694,29 +1709,12 @@ fn istio_pods_get_exactly_what_istio_iptables_captures() -> Result<()> {
 /// ports never are.
 #[test]
 fn linkerd_pods_get_exactly_what_linkerd_init_captures() -> Result<()> {
-    use meshwarp_examples::mesh;
     let env = env_or_skip!();
     let _d = env.start(&[])?;
     let net = NodeWithPods::new(3)?;
     let (a, b, plain) = (&net.pods[0], &net.pods[1], &net.pods[2]);
     let vip: std::net::IpAddr = "10.96.40.7".parse()?;
-    let pods = [fixture_pod("linkerd-pod.json", a.v4)?, fixture_pod("linkerd-pod.json", b.v4)?];
-    let services: Vec<k8s_openapi::api::core::v1::Service> = serde_json::from_value(serde_json::json!([
-        {"metadata": {"name": "web-svc", "namespace": "emojivoto"},
-         "spec": {"clusterIP": vip.to_string(), "clusterIPs": [vip.to_string()], "ports": [{"port": 8080, "protocol": "TCP"}]}},
-        {"metadata": {"name": "redis", "namespace": "emojivoto"},
-         "spec": {"clusterIP": "None", "ports": [{"port": 6379, "protocol": "TCP"}]}}
-    ]))?;
-    let slices: Vec<k8s_openapi::api::discovery::v1::EndpointSlice> = serde_json::from_value(serde_json::json!([
-        {"metadata": {"name": "redis-1", "namespace": "emojivoto", "labels": {"kubernetes.io/service-name": "redis"}},
-         "addressType": "IPv4", "endpoints": [{"addresses": [b.v4.to_string()]}], "ports": [{"port": 6379, "protocol": "TCP"}]}
-    ]))?;
-    let want = mesh::desired("node-a", &pods, &services, &slices);
-    let dsts: Vec<String> = want
-        .capture_rules
-        .iter()
-        .map(|c| c.original_dst.as_ref().map(|e| format!("{}:{}", e.ip, e.port)).unwrap_or_default())
-        .collect();
+    let (want, dsts) = mesh_desired("linkerd-pod.json", a.v4, b.v4, vip, 8080, 6379)?;
     ensure!(!dsts.iter().any(|r| r.ends_with(":6379") || r.ends_with(":8081")), "skipped ports: {dsts:?}");
     // linkerd-init (proxy-init), as it writes them for these annotations.
     let rules: Vec<String> = [

@@ -39,4 +39,21 @@ static __always_inline void mw_hist_add(struct mw_lat_hist *h, __u64 ns)
 	h->bucket[b & (MW_LAT_BUCKETS - 1)]++;
 }
 
+/* The histogram of `k` in the per-CPU hash `hist`, made from `zero_map`'s
+ * never-written entry 0 the first time (too large for the stack). Each
+ * family passes its own maps. */
+static __always_inline struct mw_lat_hist *mw_hist_of(void *hist, void *zero_map, const struct mw_lat_key *k)
+{
+	struct mw_lat_hist *h = bpf_map_lookup_elem(hist, k), *z;
+	__u32 zero = 0;
+
+	if (h)
+		return h;
+	z = bpf_map_lookup_elem(zero_map, &zero);
+	if (!z)
+		return NULL;
+	bpf_map_update_elem(hist, k, z, BPF_NOEXIST);
+	return bpf_map_lookup_elem(hist, k);
+}
+
 #endif /* MESHWARP_LATENCY_H */

@@ -238,25 +238,17 @@ static __always_inline __u64 lat_since(__u32 rule_id)
 static __always_inline void lat_record(__u32 rule_id, __u32 metric, __u32 from, __u64 ns)
 {
 	struct mw_lat_key k = { .rule_id = rule_id, .metric = metric, .from_rule = from };
-	struct mw_lat_hist *h = NULL, *z;
-	__u32 zero = 0, row;
+	struct mw_lat_hist *h = NULL;
+	__u32 row;
 
 	if (metric != MW_LAT_HOP && rule_id < MW_LAT_ROWS) {
 		row = rule_id * MW_LAT_ROW_METRICS + metric - 1;
 		h = bpf_map_lookup_elem(&mw_lat_rows, &row);
 	}
 	if (!h)
-		h = bpf_map_lookup_elem(&mw_lat_hist, &k);
-	if (!h) {
-		z = bpf_map_lookup_elem(&mw_lat_zero, &zero);
-		if (!z)
-			return;
-		bpf_map_update_elem(&mw_lat_hist, &k, z, BPF_NOEXIST);
-		h = bpf_map_lookup_elem(&mw_lat_hist, &k);
-		if (!h)
-			return;
-	}
-	mw_hist_add(h, ns);
+		h = mw_hist_of(&mw_lat_hist, &mw_lat_zero, &k);
+	if (h)
+		mw_hist_add(h, ns);
 }
 
 static __always_inline void copy_ip(__u32 *dst, const __u32 *src)

@@ -102,7 +102,7 @@ static __always_inline void count_attach(struct __sk_buff *skb, __u32 dir, bool 
 static __always_inline void route_latency(struct __sk_buff *skb, __u32 id)
 {
 	struct mw_lat_key k = { .rule_id = id, .metric = MW_LAT_TRANSIT, .from_rule = MW_NO_ID };
-	struct mw_lat_hist *h, *z;
+	struct mw_lat_hist *h;
 	struct mw_config *c;
 	__u64 since, t, now, *on;
 	__u32 zero = 0;
@@ -125,17 +125,9 @@ static __always_inline void route_latency(struct __sk_buff *skb, __u32 id)
 		return;
 	h = id < MW_LAT_ROWS ? bpf_map_lookup_elem(&mw_lat_rows, &id) : NULL;
 	if (!h)
-		h = bpf_map_lookup_elem(&mw_lat_hist, &k);
-	if (!h) {
-		z = bpf_map_lookup_elem(&mw_lat_zero, &zero);
-		if (!z)
-			return;
-		bpf_map_update_elem(&mw_lat_hist, &k, z, BPF_NOEXIST);
-		h = bpf_map_lookup_elem(&mw_lat_hist, &k);
-		if (!h)
-			return;
-	}
-	mw_hist_add(h, now - t);
+		h = mw_hist_of(&mw_lat_hist, &mw_lat_zero, &k);
+	if (h)
+		mw_hist_add(h, now - t);
 }
 
 static __always_inline int apply(struct __sk_buff *skb, const struct mw_route *r)
