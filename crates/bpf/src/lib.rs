@@ -122,6 +122,7 @@ pub mod names {
     pub const MAP_LAT_PEND: &str = "mw_lat_pend";
     pub const MAP_LAT_SLOT: &str = "mw_lat_slot";
     pub const MAP_LAT_THR: &str = "mw_lat_thr";
+    pub const MAP_LAT_THRH: &str = "mw_lat_thrh";
     pub const MAP_SK_CONN: &str = "mw_sk_conn";
     pub const MAP_SK_STATE: &str = "mw_sk_state";
     /// A socket's place in its plugin chain (`struct mw_sk_chain`).
@@ -196,7 +197,7 @@ pub mod names {
         MAP_LAT_ZERO,
     ];
     /// The sockredir family's own maps (besides [`PLUGIN_HOST_MAPS`]), in pin order.
-    pub const SOCKREDIR_MAPS: [&str; 32] = [
+    pub const SOCKREDIR_MAPS: [&str; 33] = [
         MAP_SOCKMAP,
         MAP_SLOTS,
         MAP_PAIRS,
@@ -228,6 +229,7 @@ pub mod names {
         MAP_LAT_PEND,
         MAP_LAT_SLOT,
         MAP_LAT_THR,
+        MAP_LAT_THRH,
         MAP_SK_CONN,
     ];
 }

@@ -504,8 +504,28 @@ fn open_object(
         ro.nr_splice = libc::SYS_splice as u32;
         ro.nr_ioctl = libc::SYS_ioctl as u32;
         ro.nr_slots = nr_slots;
+        ro.mw_task_storage = sk_msg_has_task_storage();
     }
     Ok(open)
+}
+
+/// Whether sk_msg programs may call `bpf_task_storage_get` (Linux 6.15 and
+/// newer; the latency monitor keeps each thread's last read there, else in
+/// an LRU hash). Probed once.
+fn sk_msg_has_task_storage() -> bool {
+    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *HAS.get_or_init(|| {
+        use libbpf_rs::libbpf_sys;
+        // SAFETY: the probe loads a tiny program and takes no pointers but the (null) options.
+        let rc = unsafe {
+            libbpf_sys::libbpf_probe_bpf_helper(
+                libbpf_sys::BPF_PROG_TYPE_SK_MSG,
+                libbpf_sys::BPF_FUNC_task_storage_get,
+                std::ptr::null(),
+            )
+        };
+        rc == 1
+    })
 }
 
 /// Whether the kernel has the `tcp_sendmsg_locked` tracepoint (BTF), which
@@ -715,6 +735,7 @@ fn load_and_pin(cfg: &DataplaneConfig, layout: &FamilyPins) -> Result<(), Datapl
         (names::MAP_LAT_PEND, &maps.mw_lat_pend),
         (names::MAP_LAT_SLOT, &maps.mw_lat_slot),
         (names::MAP_LAT_THR, &maps.mw_lat_thr),
+        (names::MAP_LAT_THRH, &maps.mw_lat_thrh),
         (names::MAP_SK_CONN, &maps.mw_sk_conn),
         (names::MAP_CHAIN, &maps.mw_chain),
         (names::MAP_CHAIN_GEN, &maps.mw_chain_gen),

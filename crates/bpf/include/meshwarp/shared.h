@@ -474,10 +474,12 @@ struct mw_lat_pend_key {
 	__u32 pad;
 };
 
-/* A thread's last read of a covered socket (mw_lat_thr: the thread's task storage). */
+/* A thread's last read of a covered socket (mw_lat_thr: the thread's task
+ * storage; mw_lat_thrh on kernels whose sk_msg cannot use it). */
 struct mw_lat_thread {
 	__u64 ts;
 	__u64 conn;
+	__u64 pid_tgid; /* mw_lat_thrh: whose thread id this is */
 	__u32 rule_id;
 	__u32 end; /* the end it read */
 };

@@ -176,13 +176,17 @@ MW_MAP(mw_lat_slot, BPF_MAP_TYPE_ARRAY, __u32, __u64, 65536, 0);
 MW_MAP(mw_lat_pend, BPF_MAP_TYPE_LRU_HASH, struct mw_lat_pend_key, __u64, 65536, 0);
 
 /* Each thread's last read of a covered socket: task storage, found through
- * the task itself (no hashing per message) and gone with the thread. */
+ * the task itself (no hashing per message) and gone with the thread, where
+ * sk_msg may use it (Linux 6.15 on; probed at load, mw_task_storage); else
+ * an LRU hash by thread id (gone threads age out). */
+const volatile bool mw_task_storage = false;
 struct {
 	__uint(type, BPF_MAP_TYPE_TASK_STORAGE);
 	__uint(map_flags, BPF_F_NO_PREALLOC);
 	__type(key, int);
 	__type(value, struct mw_lat_thread);
 } mw_lat_thr SEC(".maps");
+MW_MAP(mw_lat_thrh, BPF_MAP_TYPE_LRU_HASH, __u32, struct mw_lat_thread, 16384, 0);
 
 /* When a client socket called connect() (ns), while the monitor runs. */
 struct {
@@ -822,6 +826,33 @@ static __always_inline __u64 *lat_pending(struct mw_sock_state *st, __u32 end, b
 	return ts;
 }
 
+/* This thread's record of its last read (`create`: make one if missing). */
+static __always_inline struct mw_lat_thread *lat_thread(bool create)
+{
+	struct mw_lat_thread *th;
+	__u64 id = bpf_get_current_pid_tgid();
+	__u32 tid = (__u32)id;
+
+	if (mw_task_storage)
+		return bpf_task_storage_get(&mw_lat_thr, bpf_get_current_task_btf(), 0,
+					    create ? BPF_LOCAL_STORAGE_GET_F_CREATE : 0);
+	th = bpf_map_lookup_elem(&mw_lat_thrh, &tid);
+	if (th && th->pid_tgid != id) {
+		/* A thread id reused by another process: not its reads. */
+		if (!create)
+			return NULL;
+		th->ts = 0;
+		th->pid_tgid = id;
+	}
+	if (!th && create) {
+		struct mw_lat_thread fresh = { .pid_tgid = id };
+
+		bpf_map_update_elem(&mw_lat_thrh, &tid, &fresh, BPF_NOEXIST);
+		th = bpf_map_lookup_elem(&mw_lat_thrh, &tid);
+	}
+	return th;
+}
+
 /* A send begins on a covered socket (sk_msg, or tcp_sendmsg_locked for the
  * TCP path): before any of its bytes can reach the peer. The oldest unread
  * send of each direction and of each socket is what a read answers. */
@@ -843,7 +874,7 @@ static __always_inline void lat_send(struct mw_sock_state *st, __u64 since)
 	 * end of this connection: think time) or a proxy's between two hops (it
 	 * read one connection's server end and writes another's client end, or
 	 * the way back). One sample per read. */
-	th = bpf_task_storage_get(&mw_lat_thr, bpf_get_current_task_btf(), 0, 0);
+	th = lat_thread(false);
 	if (th && th->ts) {
 		if (now > th->ts && th->ts >= since) {
 			if (th->conn != st->conn && th->end != end)
@@ -880,7 +911,7 @@ static __always_inline void lat_recv(struct mw_sock_state *st, bool fast, __u64 
 		if (now > t && t >= since)
 			lat_record(st->rule_id, MW_LAT_RESPONSE, MW_NO_ID, now - t);
 	}
-	th = bpf_task_storage_get(&mw_lat_thr, bpf_get_current_task_btf(), 0, BPF_LOCAL_STORAGE_GET_F_CREATE);
+	th = lat_thread(true);
 	if (th) {
 		th->ts = now;
 		th->conn = st->conn;
