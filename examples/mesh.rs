@@ -125,17 +125,35 @@ fn cidrs(s: &str) -> Option<Vec<Cidr>> {
     Some(s.split(',').filter_map(Cidr::parse).collect())
 }
 
+/// The value of `flag` in an init container's arguments (`-x VALUE`,
+/// `--flag VALUE` or `--flag=VALUE`).
+fn arg<'a>(args: &'a [String], flag: &str) -> Option<&'a str> {
+    let eq = format!("{flag}=");
+    args.iter().enumerate().find_map(|(i, a)| {
+        if a == flag {
+            args.get(i + 1).map(String::as_str)
+        } else {
+            a.strip_prefix(eq.as_str())
+        }
+    })
+}
+
 /// The pod's sidecar as its injector configured it; `None` for a pod
-/// without one (or without an IP yet).
+/// without one (or without an IP yet). What the init container
+/// (istio-init, linkerd-init) was told wins: it is what iptables captures,
+/// mesh-wide settings included; without one (the mesh's CNI plugin writes
+/// the rules) the pod's annotations say it.
 pub fn sidecar_of(pod: &Pod) -> Option<Sidecar> {
     let ann = pod.metadata.annotations.clone().unwrap_or_default();
     let spec = pod.spec.as_ref()?;
     let pod_ip: IpAddr = pod.status.as_ref()?.pod_ip.as_ref()?.parse().ok()?;
-    let has = |name: &str| spec.containers.iter().any(|c| c.name == name);
-    let (mesh, proxy) = if has("istio-proxy") && ann.contains_key("sidecar.istio.io/status") {
-        (Mesh::Istio, "istio-proxy")
+    // A native sidecar is an init container that keeps running.
+    let containers = || spec.containers.iter().chain(spec.init_containers.iter().flatten());
+    let has = |name: &str| containers().any(|c| c.name == name);
+    let (mesh, proxy, init) = if has("istio-proxy") && ann.contains_key("sidecar.istio.io/status") {
+        (Mesh::Istio, "istio-proxy", "istio-init")
     } else if has("linkerd-proxy") && ann.contains_key("linkerd.io/proxy-version") {
-        (Mesh::Linkerd, "linkerd-proxy")
+        (Mesh::Linkerd, "linkerd-proxy", "linkerd-init")
     } else {
         return None;
     };
@@ -147,48 +165,65 @@ pub fn sidecar_of(pod: &Pod) -> Option<Sidecar> {
         .filter(|p| p.protocol.as_deref().unwrap_or("TCP") == "TCP")
         .filter_map(|p| u16::try_from(p.container_port).ok())
         .collect();
-    let get = |k: &str| ann.get(k).map(String::as_str);
-    let uid = |default: u32| {
-        spec.containers
-            .iter()
+    let init_args: Option<Vec<String>> = spec
+        .init_containers
+        .iter()
+        .flatten()
+        .find(|c| c.name == init)
+        .map(|c| c.command.iter().flatten().chain(c.args.iter().flatten()).cloned().collect());
+    // From the init container's arguments if it has them, else from the annotation.
+    let setting = |flag: &str, annotation: &str| -> Option<String> {
+        match &init_args {
+            Some(args) => arg(args, flag).map(str::to_string),
+            None => ann.get(annotation).cloned(),
+        }
+    };
+    let port_of = |flag: &str, default: u16| {
+        init_args.as_ref().and_then(|a| arg(a, flag)).and_then(|v| v.parse().ok()).unwrap_or(default)
+    };
+    let uid = |flag: &str, default: u32| {
+        let from_init = init_args.as_ref().and_then(|a| arg(a, flag)).and_then(|v| v.parse().ok());
+        let from_proxy = containers()
             .find(|c| c.name == proxy)
             .and_then(|c| c.security_context.as_ref()?.run_as_user)
-            .and_then(|u| u32::try_from(u).ok())
-            .unwrap_or(default)
+            .and_then(|u| u32::try_from(u).ok());
+        from_init.or(from_proxy).unwrap_or(default)
     };
+    let port_set = |flag: &str, annotation: &str| setting(flag, annotation).and_then(|v| ports(&v)).unwrap_or_default();
     Some(match mesh {
         Mesh::Istio => Sidecar {
             mesh,
             pod_ip,
-            proxy_uid: uid(1337),
-            outbound_port: 15001,
-            inbound_port: 15006,
+            proxy_uid: uid("-u", 1337),
+            outbound_port: port_of("-p", 15001),
+            inbound_port: port_of("-z", 15006),
             inbound_source: IpAddr::from([127, 0, 0, 6]),
-            inbound_include: get("traffic.sidecar.istio.io/includeInboundPorts").and_then(ports),
-            inbound_exclude: get("traffic.sidecar.istio.io/excludeInboundPorts").and_then(ports).unwrap_or_default(),
-            outbound_exclude_ports: get("traffic.sidecar.istio.io/excludeOutboundPorts")
-                .and_then(ports)
-                .unwrap_or_default(),
-            outbound_include_ranges: get("traffic.sidecar.istio.io/includeOutboundIPRanges").and_then(cidrs),
-            outbound_exclude_ranges: get("traffic.sidecar.istio.io/excludeOutboundIPRanges")
-                .and_then(cidrs)
+            inbound_include: setting("-b", "traffic.sidecar.istio.io/includeInboundPorts").and_then(|v| ports(&v)),
+            inbound_exclude: port_set("-d", "traffic.sidecar.istio.io/excludeInboundPorts"),
+            outbound_exclude_ports: port_set("-o", "traffic.sidecar.istio.io/excludeOutboundPorts"),
+            outbound_include_ranges: setting("-i", "traffic.sidecar.istio.io/includeOutboundIPRanges")
+                .and_then(|v| cidrs(&v)),
+            outbound_exclude_ranges: setting("-x", "traffic.sidecar.istio.io/excludeOutboundIPRanges")
+                .and_then(|v| cidrs(&v))
                 .unwrap_or_default(),
             app_ports,
         },
         Mesh::Linkerd => Sidecar {
             mesh,
             pod_ip,
-            proxy_uid: uid(2102),
-            outbound_port: 4140,
-            inbound_port: 4143,
+            proxy_uid: uid("--proxy-uid", 2102),
+            outbound_port: port_of("--outgoing-proxy-port", 4140),
+            inbound_port: port_of("--incoming-proxy-port", 4143),
             // linkerd2-proxy forwards inbound connections to the app's
             // original destination from the pod's own address.
             inbound_source: pod_ip,
             inbound_include: None,
-            inbound_exclude: get("config.linkerd.io/skip-inbound-ports").and_then(ports).unwrap_or_default(),
-            outbound_exclude_ports: get("config.linkerd.io/skip-outbound-ports").and_then(ports).unwrap_or_default(),
+            inbound_exclude: port_set("--inbound-ports-to-ignore", "config.linkerd.io/skip-inbound-ports"),
+            outbound_exclude_ports: port_set("--outbound-ports-to-ignore", "config.linkerd.io/skip-outbound-ports"),
             outbound_include_ranges: None,
-            outbound_exclude_ranges: get("config.linkerd.io/skip-subnets").and_then(cidrs).unwrap_or_default(),
+            outbound_exclude_ranges: setting("--subnets-to-ignore", "config.linkerd.io/skip-subnets")
+                .and_then(|v| cidrs(&v))
+                .unwrap_or_default(),
             app_ports,
         },
     })
@@ -197,7 +232,9 @@ pub fn sidecar_of(pod: &Pod) -> Option<Sidecar> {
 impl Sidecar {
     /// Whether the init container captures the app's connection to `dst:port`.
     pub fn captures_outbound(&self, dst: IpAddr, port: u16) -> bool {
-        !self.outbound_exclude_ports.contains(&port)
+        // The pod calling itself goes over lo, which neither mesh captures.
+        dst != self.pod_ip
+            && !self.outbound_exclude_ports.contains(&port)
             && !self.outbound_exclude_ranges.iter().any(|c| c.contains(dst))
             && self.outbound_include_ranges.as_ref().is_none_or(|r| r.iter().any(|c| c.contains(dst)))
             && dst.is_ipv4() == self.pod_ip.is_ipv4()
@@ -326,17 +363,31 @@ pub struct Agent {
     client: Option<NodeServiceClient<Channel>>,
     /// What the agent holds since the last successful sync (None: unknown).
     synced: Option<Desired>,
+    /// The last generation sent.
+    generation: u64,
 }
 
-/// Larger at every call, also across restarts of the controller
-/// (milliseconds since the epoch), so a restarted controller is never stale.
-fn generation() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(1, |d| d.as_millis() as u64)
+impl Agent {
+    /// Larger at every call, also across restarts of the controller
+    /// (milliseconds since the epoch), so a restarted controller is never
+    /// stale; never smaller than the last, should the clock step back.
+    fn next_generation(&mut self) -> u64 {
+        let now = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+        self.generation = now.max(self.generation + 1);
+        self.generation
+    }
 }
 
 impl Agent {
     pub fn new(addr: &str, owner: &str, lease_seconds: u32) -> Self {
-        Self { addr: addr.to_string(), owner: owner.to_string(), lease_seconds, client: None, synced: None }
+        Self {
+            addr: addr.to_string(),
+            owner: owner.to_string(),
+            lease_seconds,
+            client: None,
+            synced: None,
+            generation: 0,
+        }
     }
 
     /// Makes the agent hold `want`: a SyncOwner when it changed (or the
@@ -350,13 +401,14 @@ impl Agent {
             }
             // The agent forgot this owner (it restarted): sync in full.
         }
+        let generation = self.next_generation();
         let c = match self.client.as_mut() {
             Some(c) => c,
             None => self.client.insert(meshwarp_client::connect(&self.addr).await?),
         };
         let req = pb::SyncOwnerRequest {
             owner: self.owner.clone(),
-            generation: generation(),
+            generation,
             pairs: want.pairs.clone(),
             capture_rules: want.capture_rules.clone(),
             routes: Vec::new(),
@@ -442,6 +494,37 @@ mod tests {
         assert!(!out.iter().any(|o| o.ends_with(":6379")), "skip-outbound-ports 6379: {out:?}");
         assert_eq!(dsts(&d, 4143), vec!["10.244.1.23:8080"], "8081 is skipped, the proxy's ports are not the app's");
         assert_eq!(d.pairs[0].client_ip, "10.244.1.23");
+    }
+
+    #[test]
+    fn the_init_containers_arguments_win_and_native_sidecars_count() {
+        // A mesh-wide exclusion the injector passed to istio-init only.
+        let mut p = pod("istio-pod.json");
+        let ann = p.metadata.annotations.as_mut().unwrap();
+        ann.retain(|k, _| !k.starts_with("traffic.sidecar.istio.io/"));
+        let spec = p.spec.as_mut().unwrap();
+        let init = spec.init_containers.as_mut().unwrap();
+        let args = init[0].args.as_mut().unwrap();
+        let o = args.iter().position(|a| a == "-o").unwrap();
+        args[o + 1] = "5432,6379".into();
+        let sc = sidecar_of(&p).unwrap();
+        assert_eq!(sc.outbound_exclude_ports, BTreeSet::from([5432, 6379]));
+        assert!(!sc.captures_outbound("10.96.30.5".parse().unwrap(), 6379));
+        assert!(!sc.captures_inbound(9081), "-d from istio-init");
+        assert!(!sc.captures_outbound(sc.pod_ip, 9080), "itself, over lo");
+        // Without istio-init (Istio's CNI plugin), the annotations say it.
+        let mut cni = pod("istio-pod.json");
+        cni.spec.as_mut().unwrap().init_containers = None;
+        assert!(!sidecar_of(&cni).unwrap().captures_inbound(9081));
+        // The proxy as a native sidecar (an init container that keeps running).
+        let mut native = pod("linkerd-pod.json");
+        let spec = native.spec.as_mut().unwrap();
+        let proxy = spec.containers.remove(0);
+        assert_eq!(proxy.name, "linkerd-proxy");
+        spec.init_containers.as_mut().unwrap().push(proxy);
+        let sc = sidecar_of(&native).unwrap();
+        assert_eq!((sc.mesh, sc.proxy_uid, sc.app_ports.clone()), (Mesh::Linkerd, 2102, BTreeSet::from([8080, 8081])));
+        assert!(!sc.captures_inbound(4190) && !sc.captures_inbound(8081), "--inbound-ports-to-ignore");
     }
 
     #[test]

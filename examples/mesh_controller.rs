@@ -19,6 +19,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{Context, Result};
+use futures::FutureExt;
 use k8s_openapi::api::core::v1::{Pod, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::runtime::{reflector, watcher, WatchStreamExt};
@@ -94,20 +95,33 @@ async fn from_cluster(args: &Args, agent: &mut Agent) -> Result<()> {
     let (services, svc_writer) = reflector::store::<Service>();
     let (slices, slice_writer) = reflector::store::<EndpointSlice>();
     let mut changes = futures_merge(vec![
-        Box::pin(watcher(Api::<Pod>::all(client.clone()), on_node).reflect(pod_writer).applied_objects().map(|_| ())),
+        Box::pin(watcher(Api::<Pod>::all(client.clone()), on_node).default_backoff().reflect(pod_writer).map(|_| ())),
         Box::pin(
             watcher(Api::<Service>::all(client.clone()), watcher::Config::default())
+                .default_backoff()
                 .reflect(svc_writer)
-                .applied_objects()
                 .map(|_| ()),
         ),
         Box::pin(
             watcher(Api::<EndpointSlice>::all(client), watcher::Config::default())
+                .default_backoff()
                 .reflect(slice_writer)
-                .applied_objects()
                 .map(|_| ()),
         ),
     ]);
+    // The first sync replaces everything this owner had: wait until every
+    // store holds the cluster's objects, not a partial view.
+    let ready = async {
+        while changes.next().await.is_some() {
+            if pods.wait_until_ready().now_or_never().is_some()
+                && services.wait_until_ready().now_or_never().is_some()
+                && slices.wait_until_ready().now_or_never().is_some()
+            {
+                return;
+            }
+        }
+    };
+    ready.await;
     let lease = Duration::from_secs(u64::from(args.lease_seconds.max(3)) / 3);
     let mut tick = tokio::time::interval(lease);
     loop {
@@ -127,7 +141,8 @@ async fn from_cluster(args: &Args, agent: &mut Agent) -> Result<()> {
     }
 }
 
-/// The three watch streams as one stream of "something changed".
+/// The three watch streams (every event, the initial listing's included) as
+/// one stream of "something changed".
 fn futures_merge(
     streams: Vec<std::pin::Pin<Box<dyn tokio_stream::Stream<Item = ()> + Send>>>,
 ) -> impl tokio_stream::Stream<Item = ()> {

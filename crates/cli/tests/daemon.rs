@@ -1021,7 +1021,7 @@ fn interface_routes_over_the_api_and_stale_events() -> Result<()> {
     // The latency monitor for this route: transit samples, named by the route.
     let sel = format!("vpod0={dst}");
     let on = ok(&["latency", "on", "--route", &sel])?;
-    ensure!(on.contains("route 0"), "{on}");
+    ensure!(on.contains("route 0") && !on.contains("rule"), "routes only: {on}");
     let c = net.a.pods[0].ns.connect(server)?;
     let s = meshwarp_testbed::accept_timeout(&l, Duration::from_secs(5))?;
     meshwarp_testbed::exchange(c, s, 78, 256 * 1024, Duration::from_secs(30))?;

@@ -295,9 +295,23 @@ impl<M: RuleMaps> Registry<M> {
     /// Makes everything `owner` registered here exactly `pairs` and
     /// `captures` (a controller's full desired state): rules it left out are
     /// removed, new ones created, changed ones updated, in one step — all or
-    /// nothing, across both kinds (they share the counter slots: the stale
-    /// rules of both go before any new one takes a slot).
+    /// nothing, across both kinds.
     pub fn replace_owner(
+        &mut self,
+        owner: &str,
+        pairs: &[EndpointPair],
+        captures: &[CaptureRule],
+    ) -> Result<OwnerSync, RuleError> {
+        let done = self.begin_replace_owner(owner, pairs, captures)?;
+        self.commit_owner(&done);
+        Ok(done)
+    }
+
+    /// [`Registry::replace_owner`] as the first step of a larger change (a
+    /// sync that also replaces routes): the removed rules keep their slots
+    /// and counters until [`Registry::commit_owner`], or come back whole with
+    /// [`Registry::revert_owner`]; one of the two must follow.
+    pub fn begin_replace_owner(
         &mut self,
         owner: &str,
         pairs: &[EndpointPair],
@@ -305,8 +319,10 @@ impl<M: RuleMaps> Registry<M> {
     ) -> Result<OwnerSync, RuleError> {
         let (stale_p, new_p) = self.pairs.plan_replace(pairs, owner)?;
         let (stale_c, new_c) = self.captures.plan_replace(captures, owner)?;
+        // Removed rules keep their slots until the whole sync commits (an
+        // undo gives them back their counters): new rules need room beside them.
         let capacity = self.maps.slot_capacity();
-        if self.slots.used() - stale_p.len() - stale_c.len() + new_p + new_c > capacity as usize {
+        if self.slots.used() + new_p + new_c > capacity as usize {
             return Err(RuleError::Full { capacity });
         }
         let mut done = OwnerSync {
@@ -327,8 +343,15 @@ impl<M: RuleMaps> Registry<M> {
         }
     }
 
-    /// Puts back what [`Registry::replace_owner`] changed (a later step of the
-    /// same sync, in another family, failed).
+    /// Ends a [`Registry::begin_replace_owner`] that will not be undone
+    /// (every family of the sync succeeded): the removed rules' slots become free.
+    pub fn commit_owner(&mut self, done: &OwnerSync) {
+        Table::commit(&mut self.slots, &done.pairs);
+        Table::commit(&mut self.slots, &done.captures);
+    }
+
+    /// Puts back what [`Registry::begin_replace_owner`] changed (a later step
+    /// of the same sync, in another family, failed).
     pub fn revert_owner(&mut self, done: OwnerSync) {
         let (maps, slots) = (&mut self.maps, &mut self.slots);
         self.captures.undo_created(maps, slots, &done.captures);
@@ -402,7 +425,7 @@ mod tests {
 
     #[test]
     fn replace_owner_is_all_or_nothing_and_reverts() {
-        let mut reg = Registry::reconcile(MemoryMaps::with_capacity(4)).unwrap();
+        let mut reg = Registry::reconcile(MemoryMaps::with_capacity(6)).unwrap();
         let p = |port| pair("198.18.0.2", "198.18.0.3", port);
         reg.insert(&p(80), "ctl").unwrap();
         reg.insert(&p(81), "ctl").unwrap();
@@ -411,29 +434,43 @@ mod tests {
         // Another owner's rule in the set, a key twice, more than fits: refused, nothing changed.
         assert!(matches!(reg.replace_owner("ctl", &[p(90)], &[]), Err(RuleError::OwnerMismatch { .. })));
         assert!(matches!(reg.replace_owner("ctl", &[p(82), p(82)], &[]), Err(RuleError::DuplicateInBatch(_))));
+        // The removed rules keep their slots until the sync commits: 4 new
+        // beside 3 held do not fit in 6.
         assert!(matches!(reg.replace_owner("ctl", &[p(1), p(2), p(3), p(4)], &[]), Err(RuleError::Full { .. })));
         assert_eq!(snapshot(&reg), before);
-        // Fits once the owner's stale rules go: 3 new in 4 slots, 2 of them freed.
         reg.replace_owner("ctl", &[p(1), p(2), p(3)], &[]).unwrap();
         assert_eq!(reg.pairs().len(), 4);
-        // A map write failing half-way puts everything back, slots and owners too.
+        // Every rule has counted traffic: an undo must give each its own counters back.
+        let ids: Vec<u32> = reg.pairs().iter().map(|r| reg.id_of(&r.rule).unwrap()).collect();
+        for (i, id) in ids.iter().enumerate() {
+            reg.maps.stats.insert(*id, RuleStats { msgs: 100 + i as u64, ..RuleStats::default() });
+        }
+        // A map write or delete failing half-way puts everything back, slots,
+        // owners and counters too.
         let before = snapshot(&reg);
+        let want = |reg: &mut Registry<MemoryMaps>| {
+            reg.begin_replace_owner("ctl", &[p(1), p(5)], &[capture(None, "10.96.0.10", "127.0.0.1", 15001)])
+        };
         for (fail_at, delete) in [(1, false), (2, false), (1, true), (2, true)] {
             if delete {
                 reg.maps.fail_delete_in = Some(fail_at);
             } else {
                 reg.maps.fail_write_in = Some(fail_at);
             }
-            let r = reg.replace_owner("ctl", &[p(1), p(5)], &[capture(None, "10.96.0.10", "127.0.0.1", 15001)]);
+            let r = want(&mut reg);
             (reg.maps.fail_write_in, reg.maps.fail_delete_in) = (None, None);
             assert!(r.is_err(), "write {fail_at} failed");
             assert_eq!(snapshot(&reg), before, "after a failed write {fail_at}");
             assert_eq!(format!("{:?}", reg.captures()), "[]");
         }
         // A later step elsewhere failed: revert_owner puts a completed replace back.
-        let done = reg.replace_owner("ctl", &[p(1), p(5)], &[capture(None, "10.96.0.10", "127.0.0.1", 15001)]).unwrap();
+        let done = want(&mut reg).unwrap();
         reg.revert_owner(done);
         assert_eq!(snapshot(&reg), before);
+        // Committed, the removed rules' slots are free again.
+        let done = want(&mut reg).unwrap();
+        reg.commit_owner(&done);
+        assert_eq!(reg.usage().0, 4, "p(1), p(5), the capture rule and the other owner's");
     }
 
     #[test]

@@ -440,7 +440,9 @@ impl<R: Rule> Table<R> {
     }
 
     /// Removes `stale` (from [`Table::plan_replace`]): the first half of a
-    /// replace, all or nothing.
+    /// replace, all or nothing. Their slots stay reserved (neither free nor
+    /// zeroed) until [`Table::commit`], so an undo gives each rule back its
+    /// own counters.
     pub fn remove_stale<M: SlotMaps>(
         &mut self,
         maps: &mut M,
@@ -451,8 +453,20 @@ impl<R: Rule> Table<R> {
     where
         R: Stored<M>,
     {
-        let deleted = self.batch_delete(maps, slots, stale, owner, false)?;
-        Ok(Replaced { deleted: deleted.into_iter().flatten().collect(), ..Replaced::default() })
+        let deleted: Vec<Entry<R>> =
+            self.batch_delete(maps, slots, stale, owner, false)?.into_iter().flatten().collect();
+        for e in &deleted {
+            slots.claim(e.id);
+        }
+        Ok(Replaced { deleted, ..Replaced::default() })
+    }
+
+    /// Ends a replace that will not be undone: the removed rules' slots
+    /// become free.
+    pub fn commit(slots: &mut Slots, done: &Replaced<R>) {
+        for e in &done.deleted {
+            slots.release(e.id);
+        }
     }
 
     /// Upserts `desired` into a replace whose stale rules `done` removed: the
@@ -483,7 +497,8 @@ impl<R: Rule> Table<R> {
     }
 
     /// Makes `owner`'s rules of this kind exactly `desired`: the ones left out
-    /// are removed, new ones created, changed ones updated. All or nothing.
+    /// are removed, new ones created, changed ones updated. All or nothing;
+    /// committed when it returns.
     pub fn replace_owner<M: SlotMaps>(
         &mut self,
         maps: &mut M,
@@ -495,8 +510,10 @@ impl<R: Rule> Table<R> {
         R: Stored<M>,
     {
         let (stale, new) = self.plan_replace(desired, owner)?;
+        // The removed rules' slots are reused only after the replace (see
+        // remove_stale): the new rules need room beside them.
         let capacity = maps.slot_capacity();
-        if slots.used() - stale.len() + new > capacity as usize {
+        if slots.used() + new > capacity as usize {
             return Err(RuleError::Full { capacity });
         }
         let mut done = self.remove_stale(maps, slots, &stale, owner)?;
@@ -504,6 +521,7 @@ impl<R: Rule> Table<R> {
             self.revert(maps, slots, done);
             return Err(e);
         }
+        Self::commit(slots, &done);
         Ok(done)
     }
 
@@ -547,6 +565,8 @@ impl<R: Rule> Table<R> {
         R: Stored<M>,
     {
         for e in done.deleted.into_iter().rev() {
+            // Its slot was kept for it (remove_stale).
+            slots.release(e.id);
             if let Err(err) = self.reinstate(maps, slots, e) {
                 tracing::error!("putting back a rule a failed replace removed: {err}");
             }

@@ -427,7 +427,6 @@ pub struct RouteSync {
     /// As they were.
     pub deleted: Vec<InstalledRoute>,
     pub unchanged: usize,
-    done: table::Replaced<ResolvedRoute>,
 }
 
 /// The tc redirection data path of one node.
@@ -832,6 +831,21 @@ impl TcDataplane {
         Ok(st.routes.get(&resolved)?.into())
     }
 
+    /// Whether [`TcDataplane::replace_owner_routes`] would be refused for
+    /// what the routes say (an interface that does not exist, a key twice,
+    /// another owner's route, no room), without changing anything: a sync
+    /// that also changes rules checks its routes before it touches them.
+    pub fn check_replace(&self, owner: &str, routes: &[InterfaceRoute]) -> Result<(), TcError> {
+        let resolved = routes.iter().map(|r| self.resolve(r)).collect::<Result<Vec<_>, _>>()?;
+        let st = crate::sys::lock(&self.state);
+        let (_, new) = st.routes.plan_replace(&resolved, owner)?;
+        let capacity = (&self.maps).slot_capacity();
+        if st.slots.used() + new > capacity as usize {
+            return Err(RuleError::Full { capacity }.into());
+        }
+        Ok(())
+    }
+
     /// Makes the routes `owner` registered exactly `routes` (a controller's
     /// full desired state): routes left out are removed, new ones created,
     /// changed ones updated; all or nothing. Every route is checked against
@@ -847,15 +861,7 @@ impl TcDataplane {
             updated: done.updated.iter().filter_map(|(r, _)| now(r)).collect(),
             deleted: done.deleted.iter().map(InstalledRoute::from).collect(),
             unchanged: done.unchanged,
-            done,
         })
-    }
-
-    /// Puts back what [`TcDataplane::replace_owner_routes`] changed.
-    pub fn revert_routes(&self, sync: RouteSync) {
-        let mut guard = crate::sys::lock(&self.state);
-        let st = &mut *guard;
-        st.routes.revert(&mut &self.maps, &mut st.slots, sync.done);
     }
 
     /// Creates the route, or replaces the one with the same attach point,

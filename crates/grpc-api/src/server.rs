@@ -591,8 +591,12 @@ impl NodeServer {
             routes.extend(
                 tc.stale_routes()
                     .iter()
-                    .filter(|s| mine(&s.route.owner))
-                    .map(|s| (key(&s.route, "|stale"), convert::route_to_pb(&s.route, Some(&s.reason)))),
+                    .enumerate()
+                    .filter(|(_, s)| mine(&s.route.owner))
+                    // The same route can go stale twice: its place makes the key unique.
+                    .map(|(i, s)| {
+                        (key(&s.route, &format!("|stale{i:06}")), convert::route_to_pb(&s.route, Some(&s.reason)))
+                    }),
             );
         }
         let (routes, next_page_token) = page(routes, r.page_size, &r.page_token)?;
@@ -1044,6 +1048,13 @@ impl NodeServer {
     /// the proto): the generation is checked, both families change or
     /// neither, and every change is a Watch event.
     fn sync_owner(&self, r: pb::SyncOwnerRequest) -> Result<pb::SyncOwnerResponse, Status> {
+        self.sync(r, false).map(|resp| resp.unwrap_or_default())
+    }
+
+    /// The body of SyncOwner; with `if_lease_ended`, only if the owner's
+    /// lease has ended still (checked under the owners' lock, so a renewal
+    /// or a sync that came in meanwhile wins): `None` when it had not.
+    fn sync(&self, r: pb::SyncOwnerRequest, if_lease_ended: bool) -> Result<Option<pb::SyncOwnerResponse>, Status> {
         let (pairs, captures, routes) = self.mutation(&r.owner, parse_sync(&r))?;
         for (field, n) in [("pairs", pairs.len()), ("capture_rules", captures.len()), ("routes", routes.len())] {
             if n > self.cfg.max_batch_size {
@@ -1059,15 +1070,26 @@ impl NodeServer {
             (Err(_), false) => Some(self.tc()?),
         };
         let mut owners = self.owners.lock().unwrap_or_else(|p| p.into_inner());
+        if if_lease_ended {
+            let ended =
+                |o: &OwnerState| o.generation == r.generation && o.lease.is_some_and(|(_, end)| end <= Instant::now());
+            if !owners.get(&r.owner).is_some_and(ended) {
+                return Ok(None);
+            }
+        }
         if let Some(last) = owners.get(&r.owner).filter(|o| r.generation < o.generation) {
             return Err(Status::aborted(format!(
                 "generation {} of owner {:?} is older than the {} this node applied: nothing changed",
                 r.generation, r.owner, last.generation
             )));
         }
+        // The routes are checked (interfaces, owners, room) before the rules change.
+        if let Some(tc) = tc {
+            tc.check_replace(&r.owner, &routes).map_err(|e| from_tc(&e))?;
+        }
         let mut log = self.log.lock();
         let mut reg = self.dp.registry();
-        let done = reg.replace_owner(&r.owner, &pairs, &captures).map_err(|e| from_rule(&e))?;
+        let done = reg.begin_replace_owner(&r.owner, &pairs, &captures).map_err(|e| from_rule(&e))?;
         let routes_done = match tc.map(|tc| tc.replace_owner_routes(&r.owner, &routes)) {
             Some(Err(e)) => {
                 reg.revert_owner(done);
@@ -1076,6 +1098,7 @@ impl NodeServer {
             Some(Ok(t)) => Some(t),
             None => None,
         };
+        reg.commit_owner(&done);
         drop(reg);
         let owner = r.owner.clone();
         let mut changes = Vec::new();
@@ -1143,7 +1166,7 @@ impl NodeServer {
         owners.insert(r.owner.clone(), OwnerState { generation: r.generation, lease });
         let (p, c) = (&done.pairs, &done.captures);
         tracing::info!(owner = %r.owner, generation = r.generation, changes = changes.len(), "owner synced");
-        Ok(pb::SyncOwnerResponse {
+        Ok(Some(pb::SyncOwnerResponse {
             revision: log.revision,
             instance_id: self.log.instance_id.clone(),
             generation: r.generation,
@@ -1151,7 +1174,7 @@ impl NodeServer {
             capture_rules: Some(counts(c.created.len(), c.updated.len(), c.deleted.len(), c.unchanged)),
             routes: Some(route_counts),
             changes,
-        })
+        }))
     }
 
     fn renew_lease(&self, r: pb::RenewLeaseRequest) -> Result<pb::RenewLeaseResponse, Status> {
@@ -1183,21 +1206,22 @@ impl NodeServer {
         for (owner, st) in expired {
             // Removing is a sync to the empty set at the same generation.
             let req = pb::SyncOwnerRequest { owner: owner.clone(), generation: st.generation, ..Default::default() };
-            match self.sync_owner(req) {
-                Ok(resp) => {
+            match self.sync(req, true) {
+                Ok(Some(resp)) => {
                     tracing::warn!(%owner, removed = resp.changes.len(), "the owner's lease ended: its rules and routes are removed");
                     gone.push(owner);
                 }
+                // Renewed or synced again meanwhile.
+                Ok(None) => {}
                 Err(e) => tracing::warn!(%owner, "removing the rules of an owner whose lease ended: {}", e.message()),
             }
         }
         gone
     }
 
-    /// [`Self::expire_leases`] on a blocking thread.
+    /// [`Self::expire_leases`] as an RPC body would run it (a drain waits for it).
     pub async fn expire_leases_now(&self) -> Vec<String> {
-        let this = self.clone();
-        tokio::task::spawn_blocking(move || this.expire_leases()).await.unwrap_or_default()
+        self.blocking("expiring leases", |this| Ok(this.expire_leases())).await.unwrap_or_default()
     }
 
     /// What a latency selector names: pair and capture rule ids, route ids;
@@ -1216,9 +1240,12 @@ impl NodeServer {
             for (i, k) in keys.iter().enumerate() {
                 let key =
                     convert::route_key_from_pb(&format!("rules.routes[{i}]"), Some(k)).map_err(|v| invalid(&v))?;
+                let missing = || Status::not_found(format!("route {} on {} is not registered", key.2, key.0));
+                // An interface that does not exist has no route either.
                 let found = self
-                    .find_route(tc, &key)?
-                    .ok_or_else(|| Status::not_found(format!("route {} on {} is not registered", key.2, key.0)))?;
+                    .find_route(tc, &key)
+                    .map_err(|s| if s.code() == tonic::Code::InvalidArgument { missing() } else { s })?
+                    .ok_or_else(missing)?;
                 routes.insert(found.id());
             }
         }
@@ -1231,9 +1258,12 @@ impl NodeServer {
         // (rule changes take the registry too).
         let reg = self.dp.registry();
         let sel = self.latency_selection(&reg, r.rules.as_ref())?;
+        // A selector that names only routes (or only rules) switches the
+        // other family off: the set replaces the previous one.
         let scope = |ids: &BTreeSet<u32>| match (r.enabled, sel.all) {
             (false, _) => LatencyScope::Off,
             (true, true) => LatencyScope::All,
+            (true, false) if ids.is_empty() => LatencyScope::Off,
             (true, false) => LatencyScope::Rules(ids.clone()),
         };
         let (rules, routes) = (scope(&sel.rules), scope(&sel.routes));

@@ -63,6 +63,20 @@ pub fn unique_name(prefix: &str) -> String {
 pub fn sweep_leftovers() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
+        let entries = |dir: &Path| -> Vec<(String, PathBuf)> {
+            std::fs::read_dir(dir)
+                .into_iter()
+                .flatten()
+                .flatten()
+                .filter_map(|e| Some((e.file_name().into_string().ok()?, e.path())))
+                .collect()
+        };
+        // Listed before the live processes are: what a process started
+        // after that snapshot makes is not in these lists.
+        let pins = entries(Path::new("/sys/fs/bpf"));
+        let netns = entries(Path::new("/run/netns"));
+        let cgroup_root = meshwarp_core::sys::cgroup2_root().ok();
+        let cgroups = cgroup_root.as_deref().map(entries).unwrap_or_default();
         let live: std::collections::HashSet<u32> = std::fs::read_dir("/proc")
             .into_iter()
             .flatten()
@@ -73,34 +87,27 @@ pub fn sweep_leftovers() {
         let dead = |tag: Option<&str>| tag.and_then(|t| t.parse::<u32>().ok()).is_some_and(|p| !live.contains(&p));
         // meshwarp-<what>-<pid>-<n>
         let ours = |name: &str| name.starts_with("meshwarp-") && dead(name.split('-').nth(2));
-        let entries = |dir: &Path| -> Vec<(String, PathBuf)> {
-            std::fs::read_dir(dir)
-                .into_iter()
-                .flatten()
-                .flatten()
-                .filter_map(|e| Some((e.file_name().into_string().ok()?, e.path())))
-                .collect()
-        };
-        for (name, path) in entries(Path::new("/sys/fs/bpf")) {
+        for (name, path) in pins {
             if ours(&name) {
-                match uninstall(&path) {
+                // Refused while a process holds the pins (one in another PID
+                // namespace, say): those are not leftovers.
+                match meshwarp_core::node::uninstall_unheld(&path) {
                     Ok(()) => eprintln!("testbed: removed the pins a dead test process left at {}", path.display()),
                     Err(e) => eprintln!("testbed: could not remove the leftover pins at {}: {e}", path.display()),
                 }
             }
         }
         // mw<pid>-<n><role>
-        for (name, _) in entries(Path::new("/run/netns")) {
+        for (name, _) in netns {
             let pid = name.strip_prefix("mw").and_then(|r| r.split('-').next());
             if pid.is_some_and(|p| !p.is_empty()) && dead(pid) && run("ip", &["netns", "del", &name]).is_ok() {
                 eprintln!("testbed: removed the network namespace {name} a dead test process left");
             }
         }
-        if let Ok(root) = meshwarp_core::sys::cgroup2_root() {
-            for (name, path) in entries(&root) {
-                if ours(&name) && std::fs::remove_dir(&path).is_ok() {
-                    eprintln!("testbed: removed the cgroup {} a dead test process left", path.display());
-                }
+        for (name, path) in cgroups {
+            // rmdir refuses a cgroup that still has processes.
+            if ours(&name) && std::fs::remove_dir(&path).is_ok() {
+                eprintln!("testbed: removed the cgroup {} a dead test process left", path.display());
             }
         }
     });
