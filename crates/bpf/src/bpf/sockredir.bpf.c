@@ -830,12 +830,14 @@ static __always_inline __u64 *lat_pending(struct mw_sock_state *st, __u32 end, b
 static __always_inline struct mw_lat_thread *lat_thread(bool create)
 {
 	struct mw_lat_thread *th;
-	__u64 id = bpf_get_current_pid_tgid();
-	__u32 tid = (__u32)id;
+	__u64 id;
+	__u32 tid;
 
 	if (mw_task_storage)
 		return bpf_task_storage_get(&mw_lat_thr, bpf_get_current_task_btf(), 0,
 					    create ? BPF_LOCAL_STORAGE_GET_F_CREATE : 0);
+	id = bpf_get_current_pid_tgid();
+	tid = (__u32)id;
 	th = bpf_map_lookup_elem(&mw_lat_thrh, &tid);
 	if (th && th->pid_tgid != id) {
 		/* A thread id reused by another process: not its reads. */
