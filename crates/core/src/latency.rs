@@ -28,12 +28,12 @@ use std::sync::Mutex;
 use libbpf_rs::ProgramHandle;
 use meshwarp_bpf::names;
 use meshwarp_bpf::shared::{
-    Config, LatHist, LatKey, CFG_LATENCY, CFG_LAT_ALL, LAT_BUCKETS, LAT_FAST, LAT_HOP, LAT_RESPONSE, LAT_ROW_METRICS,
-    LAT_RT_ROW_METRICS, LAT_SETUP, LAT_TCP, LAT_THINK, LAT_TRANSIT,
+    Config, LatHist, CFG_LATENCY, CFG_LAT_ALL, LAT_BUCKETS, LAT_FAST, LAT_HOP, LAT_RESPONSE, LAT_SETUP, LAT_TCP,
+    LAT_THINK, LAT_TRANSIT,
 };
 
 use crate::error::{BpfError, IoError};
-use crate::maps::{MapError, PerCpu, TypedMap};
+use crate::maps::{add_hist, MapError, RowShape, RuleLatency, TypedMap};
 use crate::pins::FamilyPins;
 use crate::upgrade::{self, UpgradeError};
 
@@ -402,109 +402,6 @@ impl LatencyMonitor {
             }
         }
         Ok(())
-    }
-}
-
-/// How a family's rows in `mw_lat_rows` are laid out: `metrics` per rule
-/// id, from the metric coded `first` on.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct RowShape {
-    metrics: u32,
-    first: u32,
-}
-
-impl RowShape {
-    /// Sockets: every metric but the hop.
-    pub(crate) const SOCKETS: RowShape = RowShape { metrics: LAT_ROW_METRICS, first: LAT_FAST };
-    /// Routes: transit.
-    pub(crate) const ROUTES: RowShape = RowShape { metrics: LAT_RT_ROW_METRICS, first: LAT_TRANSIT };
-}
-
-/// One family's latency maps per rule id: the switch (`mw_lat_rule`), the
-/// rows of the first ids (`mw_lat_rows`) and the hash of the others and of
-/// hops (`mw_lat_hist`).
-#[derive(Debug)]
-pub(crate) struct RuleLatency {
-    rules: TypedMap<u32, u64>,
-    rows: Rows,
-    hists: PerCpu<LatKey, LatHist>,
-}
-
-impl RuleLatency {
-    pub(crate) fn open(maps_dir: &std::path::Path, shape: RowShape) -> Result<Self, MapError> {
-        Ok(Self {
-            rules: TypedMap::pinned(maps_dir, names::MAP_LAT_RULE)?,
-            rows: Rows { map: PerCpu::pinned(maps_dir, names::MAP_LAT_ROWS)?, shape },
-            hists: PerCpu::pinned(maps_dir, names::MAP_LAT_HIST)?,
-        })
-    }
-
-    /// A rule id given to a new rule starts with the monitor off and no
-    /// histograms (its own, or a hop's from it).
-    pub(crate) fn forget(&self, id: u32) -> Result<(), MapError> {
-        self.rules.put(&id, &0)?;
-        self.rows.zero(id)?;
-        for k in self.hists.keys()? {
-            if k.rule_id == id || k.from_rule == id {
-                self.hists.delete(&k)?;
-            }
-        }
-        Ok(())
-    }
-}
-
-/// `mw_lat_rows`: the histograms of the first rule ids, a row of
-/// `shape.metrics` per id (metric `m` at `id * metrics + m - first`).
-#[derive(Debug)]
-struct Rows {
-    map: PerCpu<u32, LatHist>,
-    shape: RowShape,
-}
-
-impl Rows {
-    /// How many rule ids have a row.
-    fn len(&self) -> u32 {
-        self.map.capacity() / self.shape.metrics
-    }
-
-    /// The ids of `rules` that have a row (all rows if empty).
-    fn ids(&self, rules: &BTreeSet<u32>) -> Vec<u32> {
-        let n = self.len();
-        if rules.is_empty() {
-            (0..n).collect()
-        } else {
-            rules.iter().copied().filter(|&id| id < n).collect()
-        }
-    }
-
-    /// The metrics rule `id` recorded (code, histogram summed over CPUs).
-    fn of(&self, id: u32) -> Result<Vec<(u32, LatHist)>, MapError> {
-        let mut out = Vec::new();
-        for m in 0..self.shape.metrics {
-            let h = self.map.sum(&(id * self.shape.metrics + m), add_hist)?;
-            if h.count > 0 {
-                out.push((self.shape.first + m, h));
-            }
-        }
-        Ok(out)
-    }
-
-    /// Zeroes rule `id`'s row, if it has one.
-    fn zero(&self, id: u32) -> Result<(), MapError> {
-        if id < self.len() {
-            for m in 0..self.shape.metrics {
-                self.map.zero(&(id * self.shape.metrics + m))?;
-            }
-        }
-        Ok(())
-    }
-}
-
-fn add_hist(a: &mut LatHist, b: &LatHist) {
-    a.count = a.count.wrapping_add(b.count);
-    a.sum_ns = a.sum_ns.wrapping_add(b.sum_ns);
-    for (x, y) in a.bucket.iter_mut().zip(b.bucket.iter()) {
-        *x = x.wrapping_add(*y);
     }
 }
 

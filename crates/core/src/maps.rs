@@ -7,7 +7,9 @@
 //! path; [`KernelMaps`] implements it over the pinned maps, [`MemoryMaps`]
 //! over plain collections so that validation and reconciliation are
 //! unit-tested without root. The kernel path itself is covered by the
-//! integration tests.
+//! integration tests. [`RuleLatency`] is the latency monitor's maps per rule
+//! id in one family (switch, indexed rows, hash), which `crate::latency`
+//! switches and reads and the registries clear when they reuse an id.
 
 use std::collections::HashMap;
 use std::marker::PhantomData;
@@ -17,7 +19,10 @@ use std::os::fd::{AsFd, AsRawFd};
 
 use libbpf_rs::{ErrorKind, MapCore, MapFlags, MapHandle, MapType};
 use meshwarp_bpf::names;
-use meshwarp_bpf::shared::{CaptureKey, GlobalStats, OwnerName, PairKey, Pod, Rule, RuleStats};
+use meshwarp_bpf::shared::{
+    CaptureKey, GlobalStats, LatHist, LatKey, OwnerName, PairKey, Pod, Rule, RuleStats, LAT_FAST, LAT_ROW_METRICS,
+    LAT_RT_ROW_METRICS, LAT_TRANSIT,
+};
 
 /// A failed map operation.
 #[derive(Debug, thiserror::Error)]
@@ -81,7 +86,7 @@ pub struct KernelMaps {
     owners: TypedMap<u32, OwnerName>,
     /// The latency monitor's switch and histograms, per rule id: a slot given
     /// to a new rule starts with the monitor off and no histograms.
-    lat: crate::latency::RuleLatency,
+    lat: RuleLatency,
 }
 
 fn kernel(op: &'static str, map: &'static str) -> impl FnOnce(libbpf_rs::Error) -> MapError {
@@ -204,7 +209,7 @@ impl KernelMaps {
             stats: PerCpu::pinned(maps_dir, names::MAP_STATS)?,
             global: PerCpu::pinned(maps_dir, names::MAP_GLOBAL)?,
             owners: TypedMap::pinned(maps_dir, names::MAP_OWNERS)?,
-            lat: crate::latency::RuleLatency::open(maps_dir, crate::latency::RowShape::SOCKETS)?,
+            lat: RuleLatency::open(maps_dir, RowShape::SOCKETS)?,
         })
     }
 }
@@ -467,6 +472,112 @@ impl RuleMaps for MemoryMaps {
 
     fn owners(&self) -> Result<Vec<(u32, OwnerName)>, MapError> {
         Ok(self.owners.iter().map(|(k, v)| (*k, *v)).collect())
+    }
+}
+
+// ---- the latency monitor's maps per rule id (crate::latency reads and switches them) ----
+
+/// How a family's rows in `mw_lat_rows` are laid out: `metrics` per rule
+/// id, from the metric coded `first` on.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RowShape {
+    metrics: u32,
+    first: u32,
+}
+
+impl RowShape {
+    /// Sockets: every metric but the hop.
+    pub(crate) const SOCKETS: RowShape = RowShape { metrics: LAT_ROW_METRICS, first: LAT_FAST };
+    /// Routes: transit.
+    pub(crate) const ROUTES: RowShape = RowShape { metrics: LAT_RT_ROW_METRICS, first: LAT_TRANSIT };
+}
+
+/// One family's latency maps per rule id: the switch (`mw_lat_rule`), the
+/// rows of the first ids (`mw_lat_rows`) and the hash of the others and of
+/// hops (`mw_lat_hist`).
+#[derive(Debug)]
+pub(crate) struct RuleLatency {
+    pub(crate) rules: TypedMap<u32, u64>,
+    pub(crate) rows: Rows,
+    pub(crate) hists: PerCpu<LatKey, LatHist>,
+}
+
+impl RuleLatency {
+    pub(crate) fn open(maps_dir: &Path, shape: RowShape) -> Result<Self, MapError> {
+        Ok(Self {
+            rules: TypedMap::pinned(maps_dir, names::MAP_LAT_RULE)?,
+            rows: Rows { map: PerCpu::pinned(maps_dir, names::MAP_LAT_ROWS)?, shape },
+            hists: PerCpu::pinned(maps_dir, names::MAP_LAT_HIST)?,
+        })
+    }
+
+    /// A rule id given to a new rule starts with the monitor off and no
+    /// histograms (its own, or a hop's from it).
+    pub(crate) fn forget(&self, id: u32) -> Result<(), MapError> {
+        self.rules.put(&id, &0)?;
+        self.rows.zero(id)?;
+        for k in self.hists.keys()? {
+            if k.rule_id == id || k.from_rule == id {
+                self.hists.delete(&k)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `mw_lat_rows`: the histograms of the first rule ids, a row of
+/// `shape.metrics` per id (metric `m` at `id * metrics + m - first`).
+#[derive(Debug)]
+pub(crate) struct Rows {
+    map: PerCpu<u32, LatHist>,
+    shape: RowShape,
+}
+
+impl Rows {
+    /// How many rule ids have a row.
+    fn len(&self) -> u32 {
+        self.map.capacity() / self.shape.metrics
+    }
+
+    /// The ids of `rules` that have a row (all rows if empty).
+    pub(crate) fn ids(&self, rules: &std::collections::BTreeSet<u32>) -> Vec<u32> {
+        let n = self.len();
+        if rules.is_empty() {
+            (0..n).collect()
+        } else {
+            rules.iter().copied().filter(|&id| id < n).collect()
+        }
+    }
+
+    /// The metrics rule `id` recorded (code, histogram summed over CPUs).
+    pub(crate) fn of(&self, id: u32) -> Result<Vec<(u32, LatHist)>, MapError> {
+        let mut out = Vec::new();
+        for m in 0..self.shape.metrics {
+            let h = self.map.sum(&(id * self.shape.metrics + m), add_hist)?;
+            if h.count > 0 {
+                out.push((self.shape.first + m, h));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Zeroes rule `id`'s row, if it has one.
+    pub(crate) fn zero(&self, id: u32) -> Result<(), MapError> {
+        if id < self.len() {
+            for m in 0..self.shape.metrics {
+                self.map.zero(&(id * self.shape.metrics + m))?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Adds latency histogram `b` into `a` (per-CPU sums).
+pub(crate) fn add_hist(a: &mut LatHist, b: &LatHist) {
+    a.count = a.count.wrapping_add(b.count);
+    a.sum_ns = a.sum_ns.wrapping_add(b.sum_ns);
+    for (x, y) in a.bucket.iter_mut().zip(b.bucket.iter()) {
+        *x = x.wrapping_add(*y);
     }
 }
 

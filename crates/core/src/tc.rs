@@ -286,7 +286,7 @@ struct TcMaps {
     rt_stats: PerCpu<u32, RouteStats>,
     rt_owner: TypedMap<u32, OwnerName>,
     /// The latency monitor's switch and histograms per route id.
-    lat: crate::latency::RuleLatency,
+    lat: crate::maps::RuleLatency,
 }
 
 // The maps are kernel objects written through shared handles, so the table
@@ -667,7 +667,7 @@ impl TcDataplane {
                 rt6: TypedMap::pinned(&dir, names::MAP_RT6)?,
                 rt_stats: PerCpu::pinned(&dir, names::MAP_RT_STATS)?,
                 rt_owner: TypedMap::pinned(&dir, names::MAP_RT_OWNER)?,
-                lat: crate::latency::RuleLatency::open(&dir, crate::latency::RowShape::ROUTES)?,
+                lat: crate::maps::RuleLatency::open(&dir, crate::maps::RowShape::ROUTES)?,
             },
             latency: LatencyMonitor::routes(&pins)?,
             att_stats: PerCpu::pinned(&dir, names::MAP_ATT_STATS)?,
