@@ -1681,19 +1681,23 @@ int BPF_PROG(mw_recv_len, struct sock *sk, int ret, int flags)
 	struct tcp_sock *tp;
 	struct mw_link *link;
 	__u32 bit, tgid, seq, pid, old, peer_dir;
+	__u64 id;
 	bool fast = false;
 
 	st = bpf_sk_storage_get(&mw_sk_state, sk, 0, 0);
 	if (!st)
 		return 0;
+	id = bpf_get_current_pid_tgid();
 	if (ret < 0 && ret != -EAGAIN)
 		return 0;
 	/* How far this end's reader consumed its TCP queue: the peer's policy
 	 * promotes its direction only once it is all read. Reads of redirected
 	 * bytes do not move copied_seq, so the fast path publishes nothing. */
 	if (st->link && ret > 0 && !(flags & MSG_PEEK)) {
-		tp = bpf_skc_to_tcp_sock(sk);
-		pid = (__u32)bpf_get_current_pid_tgid();
+		/* Only TCP sockets have mw_sk_state: a cast the verifier inlines
+		 * (no helper call on every read). */
+		tp = bpf_core_cast(sk, struct tcp_sock);
+		pid = (__u32)id;
 		/* Counting psock reads needs one reader at a time (below); out of
 		 * band and error-queue reads move no copied_seq either: ambiguous. */
 		peer_dir = (st->end ^ 1) & 1;
@@ -1746,7 +1750,7 @@ int BPF_PROG(mw_recv_len, struct sock *sk, int ret, int flags)
 	/* Who reads, and how: once per process and way of reading. */
 	bit = (!(flags & MSG_DONTWAIT) && !(sock_file_flags(sk) & O_NONBLOCK)) ? MW_EXE_SEEN_BLOCKING
 										  : MW_EXE_SEEN_NONBLOCKING;
-	tgid = bpf_get_current_pid_tgid() >> 32;
+	tgid = id >> 32;
 	if (st->rd_tgid == tgid && (st->rd_seen & bit) && !st->learn)
 		return 0;
 	if (!(config_flags() & MW_CFG_GUARD) || !current_exe(&exe))
