@@ -292,6 +292,16 @@ pub fn destinations(services: &[Service], slices: &[EndpointSlice]) -> BTreeSet<
     out
 }
 
+/// The objects of a JSON document as `kubectl get -o json` prints it: a
+/// List's items, or the one object it is.
+pub fn objects_from_json<T: serde::de::DeserializeOwned>(text: &str) -> Result<Vec<T>, serde_json::Error> {
+    let v: serde_json::Value = serde_json::from_str(text)?;
+    match v.get("items").and_then(|i| i.as_array()) {
+        Some(items) => items.iter().map(|i| T::deserialize(i)).collect(),
+        None => Ok(vec![T::deserialize(v)?]),
+    }
+}
+
 fn endpoint(ip: IpAddr, port: u16) -> Option<pb::Endpoint> {
     Some(pb::Endpoint { ip: ip.to_string(), port: u32::from(port) })
 }
@@ -432,17 +442,13 @@ impl Agent {
 mod tests {
     use super::*;
 
-    fn pod(file: &str) -> Pod {
-        serde_json::from_str(
-            &std::fs::read_to_string(format!("{}/testdata/{file}", env!("CARGO_MANIFEST_DIR"))).unwrap(),
-        )
-        .unwrap()
+    fn list<T: serde::de::DeserializeOwned>(file: &str) -> Vec<T> {
+        let text = std::fs::read_to_string(format!("{}/testdata/{file}", env!("CARGO_MANIFEST_DIR"))).unwrap();
+        objects_from_json(&text).unwrap()
     }
 
-    fn list<T: k8s_openapi::ListableResource + for<'de> serde::Deserialize<'de>>(file: &str) -> Vec<T> {
-        let text = std::fs::read_to_string(format!("{}/testdata/{file}", env!("CARGO_MANIFEST_DIR"))).unwrap();
-        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
-        v["items"].as_array().unwrap().iter().map(|i| serde_json::from_value(i.clone()).unwrap()).collect()
+    fn pod(file: &str) -> Pod {
+        list::<Pod>(file).remove(0)
     }
 
     fn dsts(d: &Desired, listener_port: u32) -> Vec<String> {

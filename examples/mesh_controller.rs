@@ -24,7 +24,7 @@ use k8s_openapi::api::core::v1::{Pod, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::runtime::{reflector, watcher, WatchStreamExt};
 use kube::Api;
-use meshwarp_examples::mesh::{desired, Agent};
+use meshwarp_examples::mesh::{desired, objects_from_json, Agent};
 use tokio_stream::StreamExt;
 
 #[derive(Debug, clap::Parser)]
@@ -50,15 +50,10 @@ struct Args {
     interval_ms: u64,
 }
 
-fn read_list<T: for<'de> serde::Deserialize<'de>>(dir: &Path, file: &str) -> Result<Vec<T>> {
+fn read_list<T: serde::de::DeserializeOwned>(dir: &Path, file: &str) -> Result<Vec<T>> {
     let path = dir.join(file);
     let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
-    let v: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
-    let items = v.get("items").and_then(|i| i.as_array()).cloned().unwrap_or_else(|| vec![v]);
-    items
-        .into_iter()
-        .map(|i| serde_json::from_value(i).with_context(|| format!("an object of {}", path.display())))
-        .collect()
+    objects_from_json(&text).with_context(|| format!("parsing {}", path.display()))
 }
 
 async fn from_json(args: &Args, dir: &Path, agent: &mut Agent) -> Result<()> {

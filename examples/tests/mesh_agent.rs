@@ -12,16 +12,14 @@ use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
 use meshwarp_core::dataplane::DataplaneConfig;
-use meshwarp_examples::mesh::{desired, Agent};
+use meshwarp_examples::mesh::{desired, objects_from_json, Agent};
 use meshwarp_grpc_api::daemon::{DaemonOptions, EmbeddedNode};
 use meshwarp_grpc_api::pb;
 use meshwarp_testbed::{unique_name, ScratchDir, TestCgroup};
 
-fn fixture<T: for<'de> serde::Deserialize<'de>>(file: &str) -> Result<Vec<T>> {
+fn fixture<T: serde::de::DeserializeOwned>(file: &str) -> Result<Vec<T>> {
     let path = format!("{}/testdata/{file}", env!("CARGO_MANIFEST_DIR"));
-    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path)?)?;
-    let items = v.get("items").and_then(|i| i.as_array()).cloned().unwrap_or_else(|| vec![v]);
-    items.into_iter().map(|i| serde_json::from_value(i).context(path.clone())).collect()
+    objects_from_json(&std::fs::read_to_string(&path)?).context(path)
 }
 
 #[test]

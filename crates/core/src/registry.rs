@@ -321,10 +321,7 @@ impl<M: RuleMaps> Registry<M> {
         let (stale_c, new_c) = self.captures.plan_replace(captures, owner)?;
         // Removed rules keep their slots until the whole sync commits (an
         // undo gives them back their counters): new rules need room beside them.
-        let capacity = self.maps.slot_capacity();
-        if self.slots.used() + new_p + new_c > capacity as usize {
-            return Err(RuleError::Full { capacity });
-        }
+        self.slots.room_for(new_p + new_c, self.maps.slot_capacity())?;
         let mut done = OwnerSync {
             pairs: self.pairs.remove_stale(&mut self.maps, &mut self.slots, &stale_p, owner)?,
             captures: Replaced::default(),

@@ -120,6 +120,15 @@ impl Slots {
         self.used.len()
     }
 
+    /// [`RuleError::Full`] unless `new` more rules fit beside the slots in
+    /// use (reserved ones included) among `capacity`.
+    pub fn room_for(&self, new: usize, capacity: u32) -> Result<(), RuleError> {
+        if self.used() + new > capacity as usize {
+            return Err(RuleError::Full { capacity });
+        }
+        Ok(())
+    }
+
     /// After adoption: every slot below the highest used one that is not in
     /// use is free.
     pub fn rebuild_free(&mut self) {
@@ -336,10 +345,7 @@ impl<R: Rule> Table<R> {
         R: Stored<M>,
     {
         let new = self.precheck(rules, owner)?;
-        let capacity = maps.slot_capacity();
-        if slots.used() + new > capacity as usize {
-            return Err(RuleError::Full { capacity });
-        }
+        slots.room_for(new, maps.slot_capacity())?;
         let mut done: Vec<(&R, Outcome, Option<R>)> = Vec::with_capacity(rules.len());
         for r in rules {
             let previous = self.entries.get(&r.rule_key()).map(|e| e.rule.clone());
@@ -512,10 +518,7 @@ impl<R: Rule> Table<R> {
         let (stale, new) = self.plan_replace(desired, owner)?;
         // The removed rules' slots are reused only after the replace (see
         // remove_stale): the new rules need room beside them.
-        let capacity = maps.slot_capacity();
-        if slots.used() + new > capacity as usize {
-            return Err(RuleError::Full { capacity });
-        }
+        slots.room_for(new, maps.slot_capacity())?;
         let mut done = self.remove_stale(maps, slots, &stale, owner)?;
         if let Err(e) = self.upsert_desired(maps, slots, desired, owner, &mut done) {
             self.revert(maps, slots, done);

@@ -839,11 +839,7 @@ impl TcDataplane {
         let resolved = routes.iter().map(|r| self.resolve(r)).collect::<Result<Vec<_>, _>>()?;
         let st = crate::sys::lock(&self.state);
         let (_, new) = st.routes.plan_replace(&resolved, owner)?;
-        let capacity = (&self.maps).slot_capacity();
-        if st.slots.used() + new > capacity as usize {
-            return Err(RuleError::Full { capacity }.into());
-        }
-        Ok(())
+        Ok(st.slots.room_for(new, (&self.maps).slot_capacity())?)
     }
 
     /// Makes the routes `owner` registered exactly `routes` (a controller's

@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use meshwarp_core::node::Node;
+use meshwarp_core::table::Replaced;
 use meshwarp_core::tc::{Direction as TcDirection, IfaceRef, InstalledRoute, Prefix, TcDataplane};
 use meshwarp_core::{CaptureRule, Dataplane, EndpointPair, LatencyScope, PluginChain};
 use meshwarp_core::{Outcome, Registered};
@@ -304,6 +305,28 @@ fn page<T>(mut items: Vec<(String, T)>, size: u32, token: &str) -> Result<(Vec<T
     }
     let next = if rest.peek().is_some() { last.bytes().map(|b| format!("{b:02x}")).collect() } else { String::new() };
     Ok((out, next))
+}
+
+/// A Watch event to append: what happened, to what.
+type Event = (EventType, Resource);
+
+/// The Watch events of one kind's part of a sync: its removals, and its
+/// creations and updates.
+fn rule_events<R: RulePb>(done: &Replaced<R>, owner: &str) -> (Vec<Event>, Vec<Event>) {
+    let event = |ty, rule: &R| (ty, R::resource(R::to_pb(&Registered { rule: *rule, owner: owner.to_string() })));
+    let gone = done.deleted.iter().map(|e| (EventType::Deleted, R::resource(R::to_pb(&e.registered())))).collect();
+    let created = done.created.iter().map(|r| event(EventType::Created, r));
+    let updated = done.updated.iter().map(|(r, _)| event(EventType::Updated, r));
+    (gone, created.chain(updated).collect())
+}
+
+fn sync_counts(created: usize, updated: usize, deleted: usize, unchanged: usize) -> pb::SyncCounts {
+    pb::SyncCounts {
+        created: created as u32,
+        updated: updated as u32,
+        deleted: deleted as u32,
+        unchanged: unchanged as u32,
+    }
 }
 
 /// The body of a SyncOwner request, every violation reported together.
@@ -1100,64 +1123,23 @@ impl NodeServer {
         };
         reg.commit_owner(&done);
         drop(reg);
-        let owner = r.owner.clone();
-        let mut changes = Vec::new();
-        let mut push = |log: &mut LogInner, ty: EventType, res: Resource| {
-            self.log.push(log, ty, res);
-            changes.extend(log.history.back().cloned());
-        };
-        let counts = |c: usize, u: usize, d: usize, n: usize| pb::SyncCounts {
-            created: c as u32,
-            updated: u as u32,
-            deleted: d as u32,
-            unchanged: n as u32,
-        };
-        for e in &done.pairs.deleted {
-            push(&mut log, EventType::Deleted, Resource::Pair(convert::pair_to_pb(&e.registered())));
-        }
-        for e in &done.captures.deleted {
-            push(&mut log, EventType::Deleted, Resource::CaptureRule(convert::capture_to_pb(&e.registered())));
-        }
-        for p in &done.pairs.created {
-            push(
-                &mut log,
-                EventType::Created,
-                Resource::Pair(convert::pair_to_pb(&Registered { rule: *p, owner: owner.clone() })),
-            );
-        }
-        for (p, _) in &done.pairs.updated {
-            push(
-                &mut log,
-                EventType::Updated,
-                Resource::Pair(convert::pair_to_pb(&Registered { rule: *p, owner: owner.clone() })),
-            );
-        }
-        for c in &done.captures.created {
-            push(
-                &mut log,
-                EventType::Created,
-                Resource::CaptureRule(convert::capture_to_pb(&Registered { rule: *c, owner: owner.clone() })),
-            );
-        }
-        for (c, _) in &done.captures.updated {
-            push(
-                &mut log,
-                EventType::Updated,
-                Resource::CaptureRule(convert::capture_to_pb(&Registered { rule: *c, owner: owner.clone() })),
-            );
-        }
+        // Removals first (both kinds), then creations and updates, then routes.
+        let (pair_gone, pair_set) = rule_events(&done.pairs, &r.owner);
+        let (capture_gone, capture_set) = rule_events(&done.captures, &r.owner);
+        let mut events: Vec<Event> = pair_gone.into_iter().chain(capture_gone).collect();
+        events.extend(pair_set.into_iter().chain(capture_set));
         let mut route_counts = pb::SyncCounts::default();
         if let Some(t) = &routes_done {
-            for x in &t.deleted {
-                push(&mut log, EventType::Deleted, Resource::Route(convert::route_to_pb(x, None)));
-            }
-            for x in &t.created {
-                push(&mut log, EventType::Created, Resource::Route(convert::route_to_pb(x, None)));
-            }
-            for x in &t.updated {
-                push(&mut log, EventType::Updated, Resource::Route(convert::route_to_pb(x, None)));
-            }
-            route_counts = counts(t.created.len(), t.updated.len(), t.deleted.len(), t.unchanged);
+            let route = |ty, x: &InstalledRoute| (ty, Resource::Route(convert::route_to_pb(x, None)));
+            events.extend(t.deleted.iter().map(|x| route(EventType::Deleted, x)));
+            events.extend(t.created.iter().map(|x| route(EventType::Created, x)));
+            events.extend(t.updated.iter().map(|x| route(EventType::Updated, x)));
+            route_counts = sync_counts(t.created.len(), t.updated.len(), t.deleted.len(), t.unchanged);
+        }
+        let mut changes = Vec::with_capacity(events.len());
+        for (ty, res) in events {
+            self.log.push(&mut log, ty, res);
+            changes.extend(log.history.back().cloned());
         }
         let lease = (r.lease_seconds > 0).then(|| {
             let len = Duration::from_secs(u64::from(r.lease_seconds));
@@ -1170,8 +1152,8 @@ impl NodeServer {
             revision: log.revision,
             instance_id: self.log.instance_id.clone(),
             generation: r.generation,
-            pairs: Some(counts(p.created.len(), p.updated.len(), p.deleted.len(), p.unchanged)),
-            capture_rules: Some(counts(c.created.len(), c.updated.len(), c.deleted.len(), c.unchanged)),
+            pairs: Some(sync_counts(p.created.len(), p.updated.len(), p.deleted.len(), p.unchanged)),
+            capture_rules: Some(sync_counts(c.created.len(), c.updated.len(), c.deleted.len(), c.unchanged)),
             routes: Some(route_counts),
             changes,
         }))
