@@ -2,8 +2,9 @@
 //! TCP, the same with the endpoint pair registered (sk_msg redirect), and a
 //! Unix socket pair. Loopback runs inside a namespace of its own; sockops is
 //! attached to a cgroup of this process only. Then the redirected pair with
-//! the latency monitor off and on for its rule, interleaved, with each
-//! program's bpf_stats per run.
+//! the latency monitor off, on (adaptive sampling, the default) and on
+//! measuring every message, interleaved, with each program's bpf_stats per
+//! run.
 //!
 //! `cargo bench -p meshwarp-benches --bench redirect` (as root).
 
@@ -11,14 +12,16 @@ use std::collections::BTreeSet;
 use std::io::{Read, Write};
 use std::net::SocketAddr;
 use std::os::unix::net::UnixStream;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use meshwarp_core::{Endpoint, EndpointPair, LatencyScope};
+use meshwarp_core::{Endpoint, EndpointPair, LatencySampling, LatencyScope};
 use meshwarp_testbed::{KernelTest, NetNs};
 
 const MSG: usize = 64;
 const BPF_STATS: &str = "/proc/sys/kernel/bpf_stats_enabled";
+/// Turns per contender in the interleaved comparison.
+const INTERLEAVED: usize = 21;
 
 #[path = "common.rs"]
 mod common;
@@ -51,6 +54,29 @@ fn rtt_64b(c: &mut Criterion) {
     bench_rtt::<_, MSG>(&mut g, "sk_msg_redirect", &mut fast);
     bench_rtt::<_, MSG>(&mut g, "unix_socket", &mut unix);
     g.finish();
+    // The ratios, from turns of the three in alternation.
+    let (msg, mut buf) = ([0x42u8; MSG], [0u8; MSG]);
+    let m = interleaved_medians(
+        3,
+        INTERLEAVED,
+        |_| {},
+        |i| {
+            match i {
+                0 => meshwarp_testbed::round_trip(&mut tcp, &msg, &mut buf),
+                1 => meshwarp_testbed::round_trip(&mut fast, &msg, &mut buf),
+                _ => meshwarp_testbed::round_trip(&mut unix, &msg, &mut buf),
+            }
+            .expect("round trip")
+        },
+    );
+    eprintln!(
+        "interleaved medians ({INTERLEAVED} turns of {TURN}): TCP {:.2} µs, redirected {:.2} µs ({:.3}x TCP), Unix {:.2} µs (redirected {:.3}x Unix)",
+        m[0] / 1e3,
+        m[1] / 1e3,
+        m[1] / m[0],
+        m[2] / 1e3,
+        m[1] / m[2]
+    );
     // The program's run time (bpf_stats) over 100 000 more round trips,
     // apart from the timed ones: bpf_stats reads the clock twice around
     // every program run (each system call's too, with the syscall watch),
@@ -58,7 +84,6 @@ fn rtt_64b(c: &mut Criterion) {
     let stats_enabled = std::fs::read_to_string(BPF_STATS).unwrap_or_default();
     let _ = std::fs::write(BPF_STATS, "1");
     let before = k.dp().sk_msg_prog_id().ok().and_then(prog_cost).unwrap_or_default();
-    let (msg, mut buf) = ([0x42u8; MSG], [0u8; MSG]);
     for _ in 0..100_000 {
         meshwarp_testbed::round_trip(&mut fast, &msg, &mut buf).expect("round trip");
     }
@@ -73,9 +98,10 @@ fn rtt_64b(c: &mut Criterion) {
     }
 }
 
-/// The 64 B round trip of a registered pair with the latency monitor off
-/// and on (its rule only), interleaved twice; the per-run cost of every
-/// program on the way (bpf_stats), on and off.
+/// The 64 B round trip of a registered pair with the latency monitor off,
+/// on (adaptive sampling) and on for every message (its rule only),
+/// interleaved twice; the per-run cost of every program on the way
+/// (bpf_stats) in each.
 fn rtt_64b_monitor(c: &mut Criterion) {
     let Some(k) = KernelTest::start(1024) else {
         return;
@@ -87,7 +113,15 @@ fn rtt_64b_monitor(c: &mut Criterion) {
     let id = k.dp().rule_id(&pair).expect("rule id");
     let mut fast = tcp_pair(&ns, addr, MSG);
     let progs = ["mw_sk_msg", "mw_recv_len", "mw_lat_send"];
-    let scope = |on: bool| if on { LatencyScope::Rules(BTreeSet::from([id])) } else { LatencyScope::Off };
+    let modes = [("off", None), ("adaptive", Some(LatencySampling::Adaptive)), ("every", Some(LatencySampling::Every))];
+    let switch = |mode: Option<LatencySampling>| {
+        let mon = k.dp().latency();
+        match mode {
+            None => mon.set(&LatencyScope::Off, false),
+            Some(s) => mon.set_sampling(s).and_then(|()| mon.set(&LatencyScope::Rules(BTreeSet::from([id])), false)),
+        }
+        .expect("switch the monitor");
+    };
 
     // Timed without bpf_stats, which adds two clock reads to every program
     // run (and the monitor runs one program more).
@@ -95,20 +129,35 @@ fn rtt_64b_monitor(c: &mut Criterion) {
     g.throughput(Throughput::Elements(1));
     g.sample_size(30).measurement_time(Duration::from_secs(4)).warm_up_time(Duration::from_secs(1));
     for round in 1..=2 {
-        for on in [false, true] {
-            k.dp().latency().set(&scope(on), false).expect("switch the monitor");
-            let label = format!("monitor_{}_{round}", if on { "on" } else { "off" });
-            bench_rtt::<_, MSG>(&mut g, &label, &mut fast);
+        for (name, mode) in modes {
+            switch(mode);
+            bench_rtt::<_, MSG>(&mut g, &format!("monitor_{name}_{round}"), &mut fast);
         }
     }
     g.finish();
+    // The ratios, from turns of the three modes in alternation on the
+    // same connection.
+    let (msg, mut buf) = ([0x42u8; MSG], [0u8; MSG]);
+    let m = interleaved_medians(
+        modes.len(),
+        INTERLEAVED,
+        |i| switch(modes[i].1),
+        |_| meshwarp_testbed::round_trip(&mut fast, &msg, &mut buf).expect("round trip"),
+    );
+    eprintln!(
+        "interleaved medians ({INTERLEAVED} turns of {TURN}): monitor off {:.2} µs, adaptive {:.2} µs ({:.3}x), every message {:.2} µs ({:.3}x)",
+        m[0] / 1e3,
+        m[1] / 1e3,
+        m[1] / m[0],
+        m[2] / 1e3,
+        m[2] / m[0]
+    );
 
-    // Then each program's cost per run, off and on: 100 000 round trips each.
+    // Then each program's cost per run in each mode: 100 000 round trips each.
     let stats_enabled = std::fs::read_to_string(BPF_STATS).unwrap_or_default();
     let _ = std::fs::write(BPF_STATS, "1");
-    let (msg, mut buf) = ([0x42u8; MSG], [0u8; MSG]);
-    for on in [false, true] {
-        k.dp().latency().set(&scope(on), false).expect("switch the monitor");
+    for (name, mode) in modes {
+        switch(mode);
         let before = progs.map(|p| k.dp().prog_id(p).ok().and_then(prog_cost).unwrap_or_default());
         for _ in 0..100_000 {
             meshwarp_testbed::round_trip(&mut fast, &msg, &mut buf).expect("round trip");
@@ -122,17 +171,45 @@ fn rtt_64b_monitor(c: &mut Criterion) {
                 format!("{:.0} ns", ns as f64 / runs as f64)
             }
         };
-        eprintln!(
-            "monitor {}: per run (bpf_stats) sk_msg {}, recv_len {}, lat_send {}",
-            if on { "on" } else { "off" },
-            per(0),
-            per(1),
-            per(2)
-        );
+        eprintln!("monitor {name}: per run (bpf_stats) sk_msg {}, recv_len {}, lat_send {}", per(0), per(1), per(2));
     }
     let _ = std::fs::write(BPF_STATS, stats_enabled.trim());
     let hists = k.dp().latency().histograms(&BTreeSet::from([id])).expect("histograms");
     assert!(hists.iter().any(|h| h.count > 0), "the monitor recorded nothing");
+}
+
+/// Round trips per contender and turn in [`interleaved_medians`].
+pub const TURN: u32 = 20_000;
+
+/// A finer A/B than criterion's back-to-back groups on a noisy machine:
+/// `n` contenders take turns of [`TURN`] round trips (`rounds` times, in
+/// order; `prepare(i)` runs before contender i's turn, e.g. to flip a switch,
+/// and `one(i)` is one of its round trips); each one's median time per round
+/// trip over its turns, in ns.
+pub fn interleaved_medians(
+    n: usize,
+    rounds: usize,
+    mut prepare: impl FnMut(usize),
+    mut one: impl FnMut(usize),
+) -> Vec<f64> {
+    let mut times = vec![Vec::with_capacity(rounds); n];
+    for _ in 0..rounds {
+        for (i, t) in times.iter_mut().enumerate() {
+            prepare(i);
+            let start = Instant::now();
+            for _ in 0..TURN {
+                one(i);
+            }
+            t.push(start.elapsed().as_nanos() as f64 / f64::from(TURN));
+        }
+    }
+    times
+        .into_iter()
+        .map(|mut t| {
+            t.sort_by(f64::total_cmp);
+            t[t.len() / 2]
+        })
+        .collect()
 }
 
 criterion_group!(benches, rtt_64b, rtt_64b_monitor);

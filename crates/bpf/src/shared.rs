@@ -17,7 +17,7 @@ pub struct Build {
 pub const BUILD_LEN: usize = 16;
 
 /// `MW_SCHEMA_VERSION`: bumped whenever a pinned map's key or value changes.
-pub const SCHEMA_VERSION: u32 = 14;
+pub const SCHEMA_VERSION: u32 = 15;
 
 pub const AF_INET: u32 = 2;
 pub const AF_INET6: u32 = 10;
@@ -77,6 +77,9 @@ pub const CFG_BLOCKING_EAGAIN: u32 = 8;
 pub const CFG_SYSCALL_WATCH: u32 = 16;
 pub const CFG_LATENCY: u32 = 32;
 pub const CFG_LAT_ALL: u32 = 64;
+pub const CFG_LAT_EVERY: u32 = 128;
+/// Sampling: at most this many sends skipped between a socket's own samples.
+pub const LAT_SKIP_MAX: u32 = 63;
 /// `MW_FB_*` (`mw_sock_state.fb`): why a covered connection stays on TCP.
 pub const FB_NONE: u32 = 0;
 pub const FB_MODE_NEVER: u32 = 1;
@@ -313,6 +316,11 @@ pub struct SockState {
     pub req_ts: u64,
     /// `FB_*`.
     pub fb: u32,
+    /// Latency sampling: this end's last own sample (ns >> 10, wrapping),
+    /// sends left to skip, and the skip count its last sample chose.
+    pub lat_last: u32,
+    pub lat_skip: u16,
+    pub lat_cap: u16,
     pub pad: u32,
 }
 
@@ -777,9 +785,12 @@ mod tests {
         let header = include_str!("../include/meshwarp/shared.h");
         let define = |name: &str| {
             let line = header.lines().find(|l| l.starts_with(&format!("#define {name} "))).expect(name);
-            line.split_whitespace().nth(2).and_then(|v| v.parse::<u32>().ok()).expect(name)
+            line.split_whitespace().nth(2).and_then(|v| v.trim_end_matches('u').parse::<u32>().ok()).expect(name)
         };
         assert_eq!(define("MW_LAT_ROWS"), LAT_ROWS);
+        assert_eq!(define("MW_CFG_LAT_ALL"), CFG_LAT_ALL);
+        assert_eq!(define("MW_CFG_LAT_EVERY"), CFG_LAT_EVERY);
+        assert_eq!(define("MW_LAT_SKIP_MAX"), LAT_SKIP_MAX);
         assert_eq!(define("MW_LAT_ROW_METRICS"), LAT_ROW_METRICS);
         assert_eq!(define("MW_LAT_RT_ROW_METRICS"), LAT_RT_ROW_METRICS);
         assert_eq!(define("MW_LAT_TRANSIT"), LAT_TRANSIT);
@@ -836,7 +847,7 @@ mod tests {
             types::mw_sock_state,
             [
                 link, rule_id, flags, end, learn, rd_pub, rd_tgid, rd_seen, skipped, read, psock_rd, rd_pid, slot,
-                conn, tx_msgs, tx_bytes, req_ts, fb, pad
+                conn, tx_msgs, tx_bytes, req_ts, fb, lat_last, lat_skip, lat_cap, pad
             ]
         );
         same_layout!(LatKey, types::mw_lat_key, [rule_id, metric, from_rule, pad]);
@@ -941,7 +952,7 @@ mod tests {
         assert_eq!(size_of::<Link>(), 8 + 32 + 16 + 8 + 16 + 32 + 16 + 48 + 8 + 8);
         assert_eq!(size_of::<Dir>(), 24);
         assert_eq!(size_of::<ParkReq>(), 8);
-        assert_eq!(size_of::<SockState>(), 8 + 16 + 32 + 32 + 8);
+        assert_eq!(size_of::<SockState>(), 8 + 16 + 32 + 32 + 16);
         assert_eq!(size_of::<LatKey>(), 16);
         assert_eq!(size_of::<LatHist>(), 16 + 8 * LAT_BUCKETS);
         assert_eq!(size_of::<Conn>(), 32 + 8 + 32 + 8 + 24 + 16 + 24 + 40 + 16);

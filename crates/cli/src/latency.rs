@@ -176,19 +176,45 @@ impl RuleSelectorArgs {
     }
 }
 
-/// Where the monitor runs.
+/// `latency on --sampling`: which messages the monitor measures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum SamplingArg {
+    /// Every message of sockets that send less than about once per ms, one
+    /// request in up to 64 (with its whole chain of hops) on busier ones.
+    Adaptive,
+    /// Every message: exact counts, at a higher cost per message.
+    Every,
+}
+
+impl SamplingArg {
+    pub fn to_pb(self) -> pb::LatencySampling {
+        match self {
+            SamplingArg::Adaptive => pb::LatencySampling::Adaptive,
+            SamplingArg::Every => pb::LatencySampling::Every,
+        }
+    }
+}
+
+/// Where the monitor runs, and how it samples.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 pub struct StateView {
     pub enabled: bool,
     pub all_rules: bool,
     pub rule_ids: Vec<u32>,
     pub route_ids: Vec<u32>,
+    /// `adaptive` or `every` (empty from a node that does not say).
+    pub sampling: String,
 }
 
 impl StateView {
     pub fn from_pb(s: &Option<pb::LatencyState>) -> Self {
         let s = s.clone().unwrap_or_default();
-        Self { enabled: s.enabled, all_rules: s.all_rules, rule_ids: s.rule_ids, route_ids: s.route_ids }
+        let sampling = match s.sampling() {
+            pb::LatencySampling::Unspecified => String::new(),
+            pb::LatencySampling::Adaptive => "adaptive".into(),
+            pb::LatencySampling::Every => "every".into(),
+        };
+        Self { enabled: s.enabled, all_rules: s.all_rules, rule_ids: s.rule_ids, route_ids: s.route_ids, sampling }
     }
 
     /// `latency monitor off`, `... on for every rule`, `... on for rules 3,
@@ -199,17 +225,22 @@ impl StateView {
             let ids: Vec<String> = ids.iter().map(u32::to_string).collect();
             format!("{what}{s} {}", ids.join(", "))
         };
+        let sampling = match self.sampling.as_str() {
+            "" => String::new(),
+            "every" => ", every message".into(),
+            s => format!(", sampling {s}"),
+        };
         if !self.enabled {
             "latency monitor off".into()
         } else if self.all_rules || (self.rule_ids.is_empty() && self.route_ids.is_empty()) {
-            "latency monitor on for every rule".into()
+            format!("latency monitor on for every rule{sampling}")
         } else {
             let parts: Vec<String> = [("rule", &self.rule_ids), ("route", &self.route_ids)]
                 .into_iter()
                 .filter(|(_, ids)| !ids.is_empty())
                 .map(|(what, ids)| list(what, ids))
                 .collect();
-            format!("latency monitor on for {}", parts.join(" and "))
+            format!("latency monitor on for {}{sampling}", parts.join(" and "))
         }
     }
 }
@@ -546,9 +577,13 @@ pub(crate) mod tests {
         let text = render_report(&r);
         assert!(text.starts_with("latency monitor off\n"), "{text}");
         assert!(text.contains("latency on"), "{text}");
-        let on = StateView { enabled: true, all_rules: false, rule_ids: vec![3, 7], route_ids: vec![] };
+        let on = StateView { enabled: true, rule_ids: vec![3, 7], ..Default::default() };
         assert_eq!(on.line(), "latency monitor on for rules 3, 7");
-        let both = StateView { enabled: true, all_rules: false, rule_ids: vec![3], route_ids: vec![0] };
+        let both = StateView { enabled: true, rule_ids: vec![3], route_ids: vec![0], ..Default::default() };
         assert_eq!(both.line(), "latency monitor on for rule 3 and route 0");
+        let sampled = StateView { enabled: true, all_rules: true, sampling: "adaptive".into(), ..Default::default() };
+        assert_eq!(sampled.line(), "latency monitor on for every rule, sampling adaptive");
+        let every = StateView { enabled: true, rule_ids: vec![3], sampling: "every".into(), ..Default::default() };
+        assert_eq!(every.line(), "latency monitor on for rule 3, every message");
     }
 }

@@ -10,16 +10,28 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use meshwarp_cli::conns::{self, ConnsFilterArgs};
-use meshwarp_cli::latency::{render_report, LatencyReport, MetricArg, RuleSelectorArgs, StateView};
+use meshwarp_cli::latency::{render_report, LatencyReport, MetricArg, RuleSelectorArgs, SamplingArg, StateView};
 use meshwarp_cli::top::{self, Frame, Screen, Snapshot};
 use meshwarp_grpc_api::pb;
 use tokio_stream::StreamExt;
 
 use crate::remote::{Output, Remote};
 
-/// `latency on` (`enabled`) and `latency off`.
-pub async fn latency_set(r: &mut Remote, enabled: bool, rules: &RuleSelectorArgs, reset: bool) -> Result<()> {
-    let req = pb::SetLatencyRequest { owner: r.owner().to_string(), enabled, rules: Some(rules.to_pb()), reset };
+/// `latency on` (`enabled`) and `latency off`; `sampling`: `None` keeps the node's.
+pub async fn latency_set(
+    r: &mut Remote,
+    enabled: bool,
+    rules: &RuleSelectorArgs,
+    reset: bool,
+    sampling: Option<SamplingArg>,
+) -> Result<()> {
+    let req = pb::SetLatencyRequest {
+        owner: r.owner().to_string(),
+        enabled,
+        rules: Some(rules.to_pb()),
+        reset,
+        sampling: sampling.map_or(pb::LatencySampling::Unspecified, SamplingArg::to_pb).into(),
+    };
     let resp = r.client().set_latency(req).await?.into_inner();
     r.emit(&resp, || {
         let reset = if reset { " (histograms reset)" } else { "" };

@@ -17,7 +17,7 @@ use anyhow::{Context, Result};
 use clap::{CommandFactory, Parser, Subcommand};
 use meshwarp_cli::config;
 use meshwarp_cli::conns::ConnsFilterArgs;
-use meshwarp_cli::latency::{MetricArg, RuleSelectorArgs};
+use meshwarp_cli::latency::{MetricArg, RuleSelectorArgs, SamplingArg};
 use meshwarp_core::dataplane::DEFAULT_PIN_ROOT;
 
 #[derive(Debug, Parser)]
@@ -531,6 +531,10 @@ pub enum LatencyCmd {
         /// Forget the histograms recorded so far (of the rules named, or all).
         #[arg(long)]
         reset: bool,
+        /// Which messages to measure (node-wide; default: as it is, adaptive
+        /// on a new node).
+        #[arg(long, value_enum)]
+        sampling: Option<SamplingArg>,
     },
     /// Switch the monitor off on every rule (one flag test per message left).
     Off {
@@ -734,9 +738,11 @@ async fn remote_cmd(args: &RemoteArgs, cmd: &Cmd) -> Result<()> {
         Cmd::Watch { after, instance, .. } => c.watch(*after, instance).await,
         Cmd::Node(Remote { cmd: NodeCmd::Info, .. }) => c.node_info().await,
         Cmd::Latency(l) => match &l.cmd {
-            Some(LatencyCmd::On { rules, reset }) => live::latency_set(&mut c, true, rules, *reset).await,
+            Some(LatencyCmd::On { rules, reset, sampling }) => {
+                live::latency_set(&mut c, true, rules, *reset, *sampling).await
+            }
             Some(LatencyCmd::Off { reset }) => {
-                live::latency_set(&mut c, false, &RuleSelectorArgs::default(), *reset).await
+                live::latency_set(&mut c, false, &RuleSelectorArgs::default(), *reset, None).await
             }
             Some(LatencyCmd::Show(show)) => {
                 live::latency_show(&mut c, &show.rules, &show.metrics, show.svg.as_deref()).await
@@ -808,7 +814,9 @@ mod cli_tests {
                 .unwrap();
         let Cmd::Latency(l) = &cli.cmd else { panic!("{cli:?}") };
         assert_eq!(l.remote.addr, "/x.sock");
-        assert!(matches!(&l.cmd, Some(LatencyCmd::On { rules, reset: false }) if rules.pairs.len() == 1));
+        assert!(
+            matches!(&l.cmd, Some(LatencyCmd::On { rules, reset: false, sampling: None }) if rules.pairs.len() == 1)
+        );
 
         // Flags of `show` before another subcommand: refused, not ignored.
         let cli = Cli::try_parse_from(["meshwarp", "latency", "--svg", "x.svg", "off"]).unwrap();

@@ -1228,11 +1228,24 @@ fn latency_and_connections_over_the_api() -> Result<()> {
                 enabled: true,
                 rules: Some(unknown),
                 reset: false,
+                sampling: pb::LatencySampling::Every.into(),
             })
             .await;
         ensure!(code_of(r) == Code::NotFound);
+        let r = c
+            .set_latency(pb::SetLatencyRequest {
+                owner: OWNER.into(),
+                enabled: true,
+                sampling: 9,
+                ..Default::default()
+            })
+            .await;
+        ensure!(code_of(r) == Code::InvalidArgument, "an unknown sampling");
         let st = c.get_latency(pb::GetLatencyRequest::default()).await?.into_inner();
-        ensure!(st.state.is_some_and(|s| !s.enabled), "a refused switch changes nothing");
+        ensure!(
+            st.state.is_some_and(|s| !s.enabled && s.sampling() == pb::LatencySampling::Adaptive),
+            "a refused switch changes nothing, sampling included"
+        );
         let sel = pb::RuleSelector { pairs: vec![key(&c_ip, &s_ip, 8095)], ..Default::default() };
         let on = c
             .set_latency(pb::SetLatencyRequest {
@@ -1240,10 +1253,14 @@ fn latency_and_connections_over_the_api() -> Result<()> {
                 enabled: true,
                 rules: Some(sel.clone()),
                 reset: true,
+                sampling: pb::LatencySampling::Every.into(),
             })
             .await?
             .into_inner();
-        ensure!(on.state.is_some_and(|s| s.enabled && !s.all_rules && s.rule_ids.len() == 1));
+        ensure!(on.state.is_some_and(|s| s.enabled
+            && !s.all_rules
+            && s.rule_ids.len() == 1
+            && s.sampling() == pb::LatencySampling::Every));
         Ok::<_, anyhow::Error>(())
     })?;
 
@@ -1337,8 +1354,11 @@ fn latency_and_connections_over_the_api() -> Result<()> {
     ensure!(all.matches("\"cookie\"").count() == 6, "{all}");
     let top = ok(env.cli(&["top", "--count", "2", "--interval-ms", "100"]))?;
     ensure!(top.contains(&c_ip) && !top.contains('\x1b'), "plain frames when not a terminal: {top}");
+    let back = ok(env.cli(&["latency", "on", "--pair", &format!("{c_ip}={s_ip}:8095"), "--sampling", "adaptive"]))?;
+    ensure!(back.contains("sampling adaptive"), "{back}");
     ok(env.cli(&["latency", "off"]))?;
-    ensure!(ok(env.cli(&["latency", "show", "-o", "json"]))?.contains("\"enabled\": false"));
+    let off = ok(env.cli(&["latency", "show", "-o", "json"]))?;
+    ensure!(off.contains("\"enabled\": false") && off.contains("\"sampling\": \"adaptive\""), "kept while off: {off}");
     drop(conns);
     Ok(())
 }

@@ -27,7 +27,7 @@ use libbpf_rs::{Link, MapCore, MapFlags, MapHandle, ProgramHandle};
 use meshwarp_bpf::names;
 use meshwarp_bpf::shared::{
     Config, CookieVal, Exe, ExeKey, Link as LinkValue, Pod, CFG_BLOCKING_EAGAIN, CFG_FIONREAD_PSOCK, CFG_GUARD,
-    CFG_LATENCY, CFG_LAT_ALL, CFG_SPLICE_BLIND, CFG_SYSCALL_WATCH, CHAIN_FIN, EXE_SEEN_SPLICE, LAT_ROWS,
+    CFG_LATENCY, CFG_LAT_ALL, CFG_LAT_EVERY, CFG_SPLICE_BLIND, CFG_SYSCALL_WATCH, CHAIN_FIN, EXE_SEEN_SPLICE, LAT_ROWS,
     LAT_ROW_METRICS,
 };
 use meshwarp_bpf::sockredir::SockredirSkelBuilder;
@@ -234,7 +234,7 @@ impl Dataplane {
         // The latency monitor's switch outlives the process that set it.
         let config_map = TypedMap::<u32, Config>::pinned(&dir, names::MAP_CONFIG)?;
         let before = config_map.get(&0)?.unwrap_or_default();
-        let kept = before.flags & (CFG_LATENCY | CFG_LAT_ALL);
+        let kept = before.flags & (CFG_LATENCY | CFG_LAT_ALL | CFG_LAT_EVERY);
         config_map.put(&0, &Config { flags: guard_flags | kept, pad: 0, lat_since: before.lat_since })?;
         set_guard_links(&layout, guard_flags)?;
         let latency = LatencyMonitor::sockets(&layout)?;

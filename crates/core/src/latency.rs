@@ -16,7 +16,11 @@
 //!
 //! Off costs the data path one flag test per message: sk_msg and the read
 //! tracepoint test the switch, and the TCP-path send tracepoint (`mw_lat_send`
-//! on `tcp_sendmsg_locked`) is a pinned link only while it runs.
+//! on `tcp_sendmsg_locked`) is a pinned link only while it runs. On, it
+//! samples ([`Sampling`]): every message of a socket that sends less than
+//! about once per ms, and on busier sockets one request in up to 64 with its
+//! whole chain (delivery, think time, each hop, the response), so that its
+//! cost stays a few percent of the fastest round trip.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -28,8 +32,8 @@ use std::sync::Mutex;
 use libbpf_rs::ProgramHandle;
 use meshwarp_bpf::names;
 use meshwarp_bpf::shared::{
-    Config, LatHist, CFG_LATENCY, CFG_LAT_ALL, LAT_BUCKETS, LAT_FAST, LAT_HOP, LAT_RESPONSE, LAT_SETUP, LAT_TCP,
-    LAT_THINK, LAT_TRANSIT,
+    Config, LatHist, CFG_LATENCY, CFG_LAT_ALL, CFG_LAT_EVERY, LAT_BUCKETS, LAT_FAST, LAT_HOP, LAT_RESPONSE, LAT_SETUP,
+    LAT_TCP, LAT_THINK, LAT_TRANSIT,
 };
 
 use crate::error::{BpfError, IoError};
@@ -191,6 +195,31 @@ pub enum Scope {
     Rules(BTreeSet<u32>),
 }
 
+/// Which messages the monitor measures (node-wide; routes measure every
+/// packet either way).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Sampling {
+    /// Every message of a socket that sends less than about once per ms; a
+    /// busier socket starts a measured chain after skipping up to
+    /// [`meshwarp_bpf::shared::LAT_SKIP_MAX`] sends, and every read and send
+    /// that request's stamp reaches is measured with it. Counts in the
+    /// histograms are then samples, not messages.
+    #[default]
+    Adaptive,
+    /// Every message: exact counts, at about twice the cost of the data
+    /// path's own programs (benches/README.md).
+    Every,
+}
+
+impl Sampling {
+    pub fn name(self) -> &'static str {
+        match self {
+            Sampling::Adaptive => "adaptive",
+            Sampling::Every => "every",
+        }
+    }
+}
+
 /// The monitor of one socket data path (its pinned maps and programs).
 #[derive(Debug)]
 pub struct LatencyMonitor {
@@ -245,6 +274,29 @@ impl LatencyMonitor {
         }
         let on = self.lat.rules.entries()?.into_iter().filter(|(_, v)| *v != 0).map(|(k, _)| k).collect();
         Ok(Scope::Rules(on))
+    }
+
+    /// How it samples (kept while it is off, and across restarts).
+    pub fn sampling(&self) -> Result<Sampling, LatencyError> {
+        let flags = self.config.get(&0)?.unwrap_or_default().flags;
+        Ok(if flags & CFG_LAT_EVERY != 0 { Sampling::Every } else { Sampling::Adaptive })
+    }
+
+    /// Switches how it samples, from the next message on; histograms are
+    /// kept.
+    pub fn set_sampling(&self, sampling: Sampling) -> Result<(), LatencyError> {
+        let _one = self.switching.lock().unwrap_or_else(|p| p.into_inner());
+        let mut cfg = self.config.get(&0)?.unwrap_or_default();
+        let before = cfg.flags;
+        match sampling {
+            Sampling::Every => cfg.flags |= CFG_LAT_EVERY,
+            Sampling::Adaptive => cfg.flags &= !CFG_LAT_EVERY,
+        }
+        if cfg.flags != before {
+            self.config.put(&0, &cfg)?;
+            tracing::info!(sampling = sampling.name(), "latency monitor sampling");
+        }
+        Ok(())
     }
 
     /// Runs the monitor for `scope` (replacing what ran before); with

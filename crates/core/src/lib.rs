@@ -42,7 +42,7 @@ pub use conns::{ConnFilter, Connection, PathNow, TcpReason};
 pub use dataplane::{Dataplane, DataplaneConfig, DataplaneError, Origin as DataplaneOrigin};
 pub use endpoint::{CaptureRule, Endpoint, EndpointPair, FastPathMode, NeverRedirectInto, ValidationError};
 pub use guard::{GuardMode, Incident, IncidentKind};
-pub use latency::{Histogram, LatencyMonitor, Metric, Scope as LatencyScope};
+pub use latency::{Histogram, LatencyMonitor, Metric, Sampling as LatencySampling, Scope as LatencyScope};
 pub use plugin::{FailurePolicy, Hook, Phase, PluginChain, PluginError, PluginManifest};
 pub use probe::{KernelFact, KernelProbe};
 pub use registry::SockRule;

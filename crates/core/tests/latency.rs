@@ -21,7 +21,9 @@ use std::thread;
 use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
-use meshwarp_core::{ConnFilter, EndpointPair, FastPathMode, Histogram, LatencyScope, Metric, PathNow, TcpReason};
+use meshwarp_core::{
+    ConnFilter, EndpointPair, FastPathMode, Histogram, LatencySampling, LatencyScope, Metric, PathNow, TcpReason,
+};
 use meshwarp_testbed::{
     accept_timeout, echo_integrity, read_exact_ready, spawn_echo, write_all_ready, KernelTest, NodeWithPods, StreamEcho,
 };
@@ -98,6 +100,8 @@ fn a_server_that_waits_2ms_shows_in_its_rules_buckets() -> Result<()> {
     let (l, _p, id) = pair(&k, &net, 0, 1, 8301, FastPathMode::Always)?;
     let (l2, _p2, id2) = pair(&k, &net, 0, 1, 8302, FastPathMode::Always)?;
     let (l3, _p3, id3) = pair(&k, &net, 0, 1, 8303, FastPathMode::Never)?;
+    // Exact counts: every message (rule 3's rounds do not wait).
+    k.dp().latency().set_sampling(LatencySampling::Every)?;
     k.dp().latency().set(&LatencyScope::Rules(BTreeSet::from([id, id3])), false)?;
     ensure!(k.dp().latency().scope()? == LatencyScope::Rules(BTreeSet::from([id, id3])));
 
@@ -279,6 +283,47 @@ fn the_connection_list_matches_ss_and_names_fallbacks() -> Result<()> {
     Ok(())
 }
 
+/// Adaptive sampling, the default: a connection that waits 2 ms per round
+/// is measured on every message; a busy one starts a measured request only
+/// every few (at most 64) sends, and each such request is measured whole
+/// (as many think times as responses); switched to every message, the same
+/// connection counts exactly. Every reply arrives intact throughout.
+#[test]
+fn sampling_measures_slow_sockets_fully_and_busy_ones_in_whole_requests() -> Result<()> {
+    let k = kernel_test!();
+    let net = NodeWithPods::new(2)?;
+    let (l, _p, id) = pair(&k, &net, 0, 1, 8361, FastPathMode::Always)?;
+    ensure!(k.dp().latency().sampling()? == LatencySampling::Adaptive, "adaptive by default");
+    k.dp().latency().set(&LatencyScope::Rules(BTreeSet::from([id])), false)?;
+    let count = |metric: Metric| -> Result<u64> {
+        let hs = k.dp().latency().histograms(&BTreeSet::from([id]))?;
+        Ok(hist(&hs, id, metric, None).map_or(0, |h| h.count))
+    };
+    let to = SocketAddr::new(net.pods[1].addr(false), 8361);
+
+    let mut c = net.pods[0].ns.connect(to)?;
+    let s = accept_timeout(&l, Duration::from_secs(10))?;
+    rounds(&mut c, s, 20, 64, Duration::from_millis(2))?;
+    ensure!(count(Metric::Think)? == 20 && count(Metric::Response)? == 20, "slow: every message");
+
+    const BUSY: u64 = 3000;
+    k.dp().latency().reset(&BTreeSet::from([id]))?;
+    let mut c = net.pods[0].ns.connect(to)?;
+    let s = accept_timeout(&l, Duration::from_secs(10))?;
+    rounds(&mut c, s.try_clone()?, BUSY as usize, 64, Duration::ZERO)?;
+    let (think, resp) = (count(Metric::Think)?, count(Metric::Response)?);
+    eprintln!("busy connection: {resp} of {BUSY} requests sampled (think times: {think})");
+    ensure!((BUSY / 65..=BUSY / 2).contains(&resp), "busy: {resp} of {BUSY} requests sampled");
+    ensure!(think.abs_diff(resp) <= 2, "a sampled request is measured whole: think {think}, response {resp}");
+
+    k.dp().latency().set_sampling(LatencySampling::Every)?;
+    k.dp().latency().reset(&BTreeSet::from([id]))?;
+    rounds(&mut c, s, 500, 64, Duration::ZERO)?;
+    ensure!(count(Metric::Response)? == 500 && count(Metric::Think)? == 500, "every message: exact counts");
+    ensure!(k.dp().latency().sampling()? == LatencySampling::Every);
+    Ok(())
+}
+
 /// Four clients stream checksummed bytes through an echo server, each over
 /// 8 new connections in turn, while a thread switches the monitor between
 /// off, every rule and one rule every 5 ms: every byte arrives; once off,
@@ -340,6 +385,7 @@ fn stamps_from_before_a_switch_and_a_reused_rule_id_are_not_carried_over() -> Re
     let k = kernel_test!();
     let net = NodeWithPods::new(2)?;
     let (l, p, id) = pair(&k, &net, 0, 1, 8341, FastPathMode::Always)?;
+    k.dp().latency().set_sampling(LatencySampling::Every)?;
     k.dp().latency().set(&LatencyScope::Rules(BTreeSet::from([id])), false)?;
     let mut c = net.pods[0].ns.connect(SocketAddr::new(net.pods[1].addr(false), 8341))?;
     let mut s = accept_timeout(&l, Duration::from_secs(10))?;

@@ -79,7 +79,7 @@ impl prometheus_client::collector::Collector for LatencyCollector {
         }
         let mut family = encoder.encode_descriptor(
             "path_latency_seconds",
-            "Latency monitor, per rule: delivery on the fast and TCP paths, setup, response, think time, proxy hops; per interface route: transit",
+            "Latency monitor, per rule: delivery on the fast and TCP paths, setup, response, think time, proxy hops (samples: every message, or adaptive sampling on busy sockets); per interface route: transit",
             None,
             prometheus_client::metrics::MetricType::Histogram,
         )?;

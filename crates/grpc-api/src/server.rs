@@ -1236,6 +1236,7 @@ impl NodeServer {
 
     fn set_latency(&self, r: pb::SetLatencyRequest) -> Result<pb::SetLatencyResponse, Status> {
         self.mutation(&r.owner, Ok(()))?;
+        let sampling = convert::sampling_from_pb(r.sampling).map_err(|v| invalid(&v))?;
         // Rules are not removed while the switch resolves and applies them
         // (rule changes take the registry too).
         let reg = self.dp.registry();
@@ -1250,20 +1251,35 @@ impl NodeServer {
         };
         let (rules, routes) = (scope(&sel.rules), scope(&sel.routes));
         let tc = self.tc.as_deref().ok();
-        let rules_before = self.dp.latency().scope().map_err(|e| from_latency(&e))?;
-        self.dp.latency().set(&rules, r.reset && (sel.all || !sel.rules.is_empty())).map_err(|e| from_latency(&e))?;
+        let mon = self.dp.latency();
+        let rules_before = mon.scope().map_err(|e| from_latency(&e))?;
+        let sampling_before = mon.sampling().map_err(|e| from_latency(&e))?;
+        // Sampling first: a monitor switched on now samples as asked from
+        // its first message.
+        if let Some(s) = sampling {
+            mon.set_sampling(s).map_err(|e| from_latency(&e))?;
+        }
+        let put_back = || {
+            let _ = mon.set(&rules_before, false);
+            let _ = mon.set_sampling(sampling_before);
+        };
+        if let Err(e) = mon.set(&rules, r.reset && (sel.all || !sel.rules.is_empty())) {
+            put_back();
+            return Err(from_latency(&e));
+        }
         if let Some(tc) = tc {
             let reset = r.reset && (sel.all || !sel.routes.is_empty());
             if let Err(e) = tc.latency().set(&routes, reset) {
                 // All or nothing: the rules' switch goes back too.
-                let _ = self.dp.latency().set(&rules_before, false);
+                put_back();
                 return Err(from_latency(&e));
             }
         }
         drop(reg);
-        tracing::info!(owner = %r.owner, ?rules, ?routes, reset = r.reset, "latency monitor switched");
+        let sampling = sampling.unwrap_or(sampling_before);
+        tracing::info!(owner = %r.owner, ?rules, ?routes, reset = r.reset, sampling = sampling.name(), "latency monitor switched");
         let routes = tc.map(|_| &routes);
-        Ok(pb::SetLatencyResponse { state: Some(convert::latency_state_to_pb(&rules, routes)) })
+        Ok(pb::SetLatencyResponse { state: Some(convert::latency_state_to_pb(&rules, routes, sampling)) })
     }
 
     fn get_latency(&self, r: pb::GetLatencyRequest) -> Result<pb::GetLatencyResponse, Status> {
@@ -1271,6 +1287,7 @@ impl NodeServer {
         let sel = self.latency_selection(&reg, r.rules.as_ref())?;
         let mon = self.dp.latency();
         let scope = mon.scope().map_err(|e| from_latency(&e))?;
+        let sampling = mon.sampling().map_err(|e| from_latency(&e))?;
         let mut histograms = Vec::new();
         if sel.all || !sel.rules.is_empty() {
             let rule = |id: u32| convert::rule_ref_to_pb(id, reg.rule_by_id(id));
@@ -1290,7 +1307,7 @@ impl NodeServer {
             histograms.extend(hists.iter().map(|h| convert::histogram_to_pb(h, route(h.rule_id), None)));
         }
         Ok(pb::GetLatencyResponse {
-            state: Some(convert::latency_state_to_pb(&scope, route_scope.as_ref())),
+            state: Some(convert::latency_state_to_pb(&scope, route_scope.as_ref(), sampling)),
             histograms,
         })
     }

@@ -12,7 +12,7 @@
 #ifndef MESHWARP_SHARED_H
 #define MESHWARP_SHARED_H
 
-#define MW_SCHEMA_VERSION 14
+#define MW_SCHEMA_VERSION 15
 
 #define MW_AF_INET 2
 #define MW_AF_INET6 10
@@ -259,6 +259,12 @@ struct mw_sock_state {
 	__u64 tx_bytes; /* their bytes */
 	__u64 req_ts;   /* latency monitor: the oldest send not answered by a read yet */
 	__u32 fb;       /* why this connection is not accelerated (MW_FB_*) */
+	/* Latency monitor sampling (sends, under the socket lock): the time of
+	 * this end's last sample of its own (ns >> 10, wrapping), the sends
+	 * still to skip before the next, and how many the last sample chose. */
+	__u32 lat_last;
+	__u16 lat_skip;
+	__u16 lat_cap;
 	__u32 pad;
 };
 
@@ -350,6 +356,16 @@ struct mw_config {
 #define MW_CFG_SYSCALL_WATCH 16u    /* sys_enter watches splice() and FIONREAD */
 #define MW_CFG_LATENCY 32u          /* the latency monitor runs for the rules mw_lat_rule names */
 #define MW_CFG_LAT_ALL 64u          /* ... for every rule (with MW_CFG_LATENCY) */
+#define MW_CFG_LAT_EVERY 128u       /* ... measuring every message (else sampled: MW_LAT_SKIP_MAX) */
+
+/* Sampling, MW_CFG_LAT_EVERY off: a sampled request carries its stamp along
+ * its chain (read, the thread's next send, ...); a socket starts a chain of
+ * its own after skipping up to MW_LAT_SKIP_MAX sends, the count doubling
+ * while its samples come less than MW_LAT_GAP apart (units of 1024 ns) and
+ * halving otherwise: sockets that send less than about once per ms are
+ * measured on every message. */
+#define MW_LAT_SKIP_MAX 63u
+#define MW_LAT_GAP 1000u
 
 /* Events for user space (mw_events ring buffer). */
 #define MW_EV_CLASSIFY 1     /* an executable meshwarp has not read yet */

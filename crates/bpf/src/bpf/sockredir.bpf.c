@@ -855,57 +855,98 @@ static __always_inline struct mw_lat_thread *lat_thread(bool create)
 	return th;
 }
 
+/* Whether the monitor measures every message (MW_CFG_LAT_EVERY) rather than
+ * sampling. */
+static __always_inline bool lat_every(void)
+{
+	return config_flags() & MW_CFG_LAT_EVERY;
+}
+
 /* A send begins on a covered socket (sk_msg, or tcp_sendmsg_locked for the
  * TCP path): before any of its bytes can reach the peer. The oldest unread
- * send of each direction and of each socket is what a read answers. */
+ * send of each direction and of each socket is what a read answers.
+ *
+ * Sampled (not MW_CFG_LAT_EVERY): a send is measured when this thread's last
+ * read carried a sample (a request's chain through its hops), or when this
+ * socket's own count of sends to skip runs out. Other sends read no clock. */
 static __always_inline void lat_send(struct mw_sock_state *st, __u64 since)
 {
-	__u64 now = bpf_ktime_get_ns(), *ts;
+	__u32 end = st->end & 1, metric = 0, from = MW_NO_ID, gap, cap;
+	__u64 now, *ts, then = 0;
 	struct mw_lat_thread *th;
-	__u32 end = st->end & 1;
+	bool every, own;
 
 	if (!st->conn)
 		return;
-	/* Plain loads and stores: only this end's sends (under its socket
-	 * lock) set a stamp, only its peer's reads clear one; a race loses one
-	 * sample, never makes one up. */
-	ts = lat_pending(st, end, true);
-	if (ts && !*ts)
-		*ts = now;
 	/* The time since this thread's last read: a server's own (it read its
 	 * end of this connection: think time) or a proxy's between two hops (it
 	 * read one connection's server end and writes another's client end, or
-	 * the way back). One sample per read. */
+	 * the way back). One sample per read. Plain loads and stores: only this
+	 * end's sends (under its socket lock) set a stamp, only its peer's
+	 * reads clear one; a race loses one sample, never makes one up. */
 	th = lat_thread(false);
 	if (th && th->ts) {
-		if (now > th->ts && th->ts >= since) {
-			if (th->conn != st->conn && th->end != end)
-				lat_record(st->rule_id, MW_LAT_HOP, th->rule_id, now - th->ts);
-			else if (th->conn == st->conn && end == MW_END_SERVER && th->end == MW_END_SERVER)
-				lat_record(st->rule_id, MW_LAT_THINK, MW_NO_ID, now - th->ts);
+		if (th->conn != st->conn && th->end != end) {
+			metric = MW_LAT_HOP;
+			from = th->rule_id;
+		} else if (th->conn == st->conn && end == MW_END_SERVER && th->end == MW_END_SERVER) {
+			metric = MW_LAT_THINK;
 		}
+		then = th->ts;
 		th->ts = 0;
 	}
+	every = lat_every();
+	own = every || !st->lat_skip;
+	if (!own && !metric) {
+		st->lat_skip--;
+		return;
+	}
+	now = bpf_ktime_get_ns();
+	if (own && !every) {
+		/* Skip twice as many sends while this end's own samples come
+		 * closer than MW_LAT_GAP, half as many once they do not. */
+		gap = (__u32)(now >> 10) - st->lat_last;
+		st->lat_last = (__u32)(now >> 10);
+		cap = st->lat_cap;
+		cap = gap < MW_LAT_GAP ? cap * 2 + 1 : cap / 2;
+		if (cap > MW_LAT_SKIP_MAX)
+			cap = MW_LAT_SKIP_MAX;
+		st->lat_cap = cap;
+		st->lat_skip = cap;
+	}
+	if (metric && now > then && then >= since)
+		lat_record(st->rule_id, metric, from, now - then);
+	ts = lat_pending(st, end, true);
+	if (ts && !*ts)
+		*ts = now;
 	if (end == MW_END_CLIENT && !st->req_ts)
 		st->req_ts = now;
 }
 
 /* A read returned bytes: the peer's oldest unread send was delivered (on the
  * path the read took them from), a client's request was answered, and this
- * thread's next send measures its own time (lat_send). */
+ * thread's next send measures its own time (lat_send). Sampled, a read that
+ * carries no stamp reads no clock, and leaves this thread nothing to carry. */
 static __always_inline void lat_recv(struct mw_sock_state *st, bool fast, __u64 since)
 {
 	struct mw_lat_thread *th;
-	__u64 now = bpf_ktime_get_ns(), *ts, t;
+	__u64 now, *ts, t, pend;
 
 	if (!st->conn)
 		return;
 	ts = lat_pending(st, st->end ^ 1, false);
-	if (ts && *ts) {
-		t = *ts;
+	pend = ts ? *ts : 0;
+	if (!pend && !st->req_ts && !lat_every()) {
+		th = lat_thread(false);
+		if (th)
+			th->ts = 0;
+		return;
+	}
+	now = bpf_ktime_get_ns();
+	if (ts && pend) {
 		*ts = 0;
-		if (now > t && t >= since)
-			lat_record(st->rule_id, fast ? MW_LAT_FAST : MW_LAT_TCP, MW_NO_ID, now - t);
+		if (now > pend && pend >= since)
+			lat_record(st->rule_id, fast ? MW_LAT_FAST : MW_LAT_TCP, MW_NO_ID, now - pend);
 	}
 	if (st->req_ts) {
 		t = st->req_ts;
@@ -1551,7 +1592,9 @@ static __always_inline int finish_msg(struct sk_msg_md *msg, struct bpf_sock *sk
 			rs->fb_no_peer++;
 		return SK_PASS;
 	}
-	tp = bpf_skc_to_tcp_sock(sk);
+	/* Only TCP sockets have mw_sk_state: a cast the verifier inlines
+	 * rather than a helper call on every message. */
+	tp = bpf_core_cast(sk, struct tcp_sock);
 	if (!tp)
 		return SK_PASS;
 	if (!policy_allows(msg, link, st, tp, rs))

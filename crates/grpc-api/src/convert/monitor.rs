@@ -3,7 +3,7 @@
 use meshwarp_core::conns::Traffic;
 use meshwarp_core::registry::RuleRef;
 use meshwarp_core::tc::InstalledRoute;
-use meshwarp_core::{ConnFilter, Connection, Histogram, LatencyScope, Metric, PathNow, Registered};
+use meshwarp_core::{ConnFilter, Connection, Histogram, LatencySampling, LatencyScope, Metric, PathNow, Registered};
 
 use super::Violations;
 use crate::pb;
@@ -53,7 +53,11 @@ pub fn histogram_to_pb(h: &Histogram, rule: pb::RuleRef, from_rule: Option<pb::R
 
 /// Where the monitor runs: for pairs and capture rules (`rules`), and for
 /// interface routes (`routes`; `None` on a node without tc redirection).
-pub fn latency_state_to_pb(rules: &LatencyScope, routes: Option<&LatencyScope>) -> pb::LatencyState {
+pub fn latency_state_to_pb(
+    rules: &LatencyScope,
+    routes: Option<&LatencyScope>,
+    sampling: LatencySampling,
+) -> pb::LatencyState {
     let ids = |s: Option<&LatencyScope>| match s {
         Some(LatencyScope::Rules(ids)) => ids.iter().copied().collect(),
         _ => Vec::new(),
@@ -64,6 +68,28 @@ pub fn latency_state_to_pb(rules: &LatencyScope, routes: Option<&LatencyScope>) 
         all_rules: *rules == LatencyScope::All && routes.is_none_or(|r| *r == LatencyScope::All),
         rule_ids: ids(Some(rules)),
         route_ids: ids(routes),
+        sampling: sampling_to_pb(sampling).into(),
+    }
+}
+
+pub fn sampling_to_pb(s: LatencySampling) -> pb::LatencySampling {
+    match s {
+        LatencySampling::Adaptive => pb::LatencySampling::Adaptive,
+        LatencySampling::Every => pb::LatencySampling::Every,
+    }
+}
+
+/// A SetLatencyRequest's sampling: `None` keeps the node's.
+pub fn sampling_from_pb(v: i32) -> Result<Option<LatencySampling>, Violations> {
+    match pb::LatencySampling::try_from(v) {
+        Ok(pb::LatencySampling::Unspecified) => Ok(None),
+        Ok(pb::LatencySampling::Adaptive) => Ok(Some(LatencySampling::Adaptive)),
+        Ok(pb::LatencySampling::Every) => Ok(Some(LatencySampling::Every)),
+        Err(_) => {
+            let mut bad = Violations::default();
+            bad.add("sampling", format!("unknown LatencySampling {v}"));
+            Err(bad)
+        }
     }
 }
 
