@@ -14,6 +14,7 @@
 use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpStream};
 use std::os::unix::net::UnixStream;
+use std::os::unix::thread::JoinHandleExt;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
@@ -23,6 +24,17 @@ use meshwarp_testbed::{
 };
 
 const SIZES: [usize; 5] = [64, 1024, 16 * 1024, 64 * 1024, 1 << 20];
+/// Interleaved request/response comparison: turns per path, round trips per turn.
+const RR_TURNS: usize = 15;
+const RR_TURN: u32 = 2_000;
+
+#[path = "interleave.rs"]
+mod interleave;
+use interleave::interleaved_medians;
+
+/// A socket `rtt` drives, of either family.
+trait ReadWriteFd: Read + Write + std::os::fd::AsFd {}
+impl<T: Read + Write + std::os::fd::AsFd> ReadWriteFd for T {}
 const VIP: &str = "198.19.0.10";
 
 /// The bench namespace: loopback, plus an interface (a veth whose peer stays
@@ -39,7 +51,34 @@ fn bench_ns() -> NetNs {
 }
 
 /// A connected client whose peer echoes `msg` bytes at a time.
-fn echo_conn(ns: &NetNs, listen: SocketAddr, connect: SocketAddr, msg: usize, nodelay: bool) -> TcpStream {
+/// Pins a thread to one CPU (its placement decides whether a round trip
+/// wakes a halted vCPU, a bigger difference here than any path's).
+fn pin(thread: libc::pthread_t, cpu: usize) {
+    // SAFETY: a zeroed cpu_set_t is empty; the thread is alive (its handle is held).
+    let rc = unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        libc::pthread_setaffinity_np(thread, std::mem::size_of::<libc::cpu_set_t>(), &set)
+    };
+    assert_eq!(rc, 0, "pinning a thread to CPU {cpu}");
+}
+
+/// Lets a thread run on every CPU again.
+fn pin_any(thread: libc::pthread_t) {
+    // SAFETY: as in `pin`.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        for cpu in 0..libc::CPU_SETSIZE as usize {
+            libc::CPU_SET(cpu, &mut set);
+        }
+        libc::pthread_setaffinity_np(thread, std::mem::size_of::<libc::cpu_set_t>(), &set);
+    }
+}
+
+/// The echo server's thread of a connection, to pin.
+type Echo = std::thread::JoinHandle<std::io::Result<()>>;
+
+fn echo_conn(ns: &NetNs, listen: SocketAddr, connect: SocketAddr, msg: usize, nodelay: bool) -> (TcpStream, Echo) {
     let l = ns.listen(listen).expect("listen");
     let c = ns.connect(connect).expect("connect");
     let s = accept_timeout(&l, Duration::from_secs(5)).expect("accept");
@@ -48,17 +87,18 @@ fn echo_conn(ns: &NetNs, listen: SocketAddr, connect: SocketAddr, msg: usize, no
     // Blocking round trips (see common.rs).
     c.set_nonblocking(false).expect("blocking");
     s.set_nonblocking(false).expect("blocking");
-    spawn_echo(s, msg);
-    c
+    let echo = spawn_echo(s, msg);
+    (c, echo)
 }
 
-fn unix_echo(msg: usize) -> UnixStream {
+fn unix_echo(msg: usize) -> (UnixStream, Echo) {
     let (c, mut s) = UnixStream::pair().expect("unix pair");
-    std::thread::spawn(move || {
+    let echo = std::thread::spawn(move || {
         let mut buf = vec![0u8; msg];
         while s.read_exact(&mut buf).is_ok() && s.write_all(&buf).is_ok() {}
+        Ok(())
     });
-    c
+    (c, echo)
 }
 
 fn rtt<S: Read + Write + std::os::fd::AsFd>(s: &mut S, msg: &[u8], buf: &mut [u8], iters: u64) -> Duration {
@@ -102,13 +142,14 @@ fn paths(c: &mut Criterion) {
         let mut buf = vec![0u8; size];
         g.throughput(Throughput::Bytes(2 * size as u64));
         let p = next_port();
-        let mut plain = k.cgroup.outside(|| echo_conn(&ns, lo(p), lo(p), size, true)).expect("outside cgroup");
+        let (mut plain, e0) = k.cgroup.outside(|| echo_conn(&ns, lo(p), lo(p), size, true)).expect("outside cgroup");
         let p = next_port();
-        let mut seen = echo_conn(&ns, lo(p), lo(p), size, true);
-        let mut redir = echo_conn(&ns, lo(9301), lo(9301), size, true);
-        let mut adapt = echo_conn(&ns, lo(9302), lo(9302), size, true);
-        let mut captured = echo_conn(&ns, lo(15001), SocketAddr::new(vip, 80), size, true);
-        let mut unix = unix_echo(size);
+        let (mut seen, e1) = echo_conn(&ns, lo(p), lo(p), size, true);
+        let (mut redir, e2) = echo_conn(&ns, lo(9301), lo(9301), size, true);
+        let (mut adapt, e3) = echo_conn(&ns, lo(9302), lo(9302), size, true);
+        let (mut captured, e4) = echo_conn(&ns, lo(15001), SocketAddr::new(vip, 80), size, true);
+        let (mut unix, e5) = unix_echo(size);
+        let echoes = [e0, e1, e2, e3, e4, e5];
         // One exchange each, so the check below holds whatever a filter runs.
         for s in [&mut redir, &mut adapt, &mut captured] {
             rtt(s, &msg, &mut buf, 1);
@@ -131,14 +172,59 @@ fn paths(c: &mut Criterion) {
         g.bench_with_input(BenchmarkId::new("unix", size), &size, |b, _| {
             b.iter_custom(|n| rtt(&mut unix, &msg, &mut buf, n))
         });
+        // The goal's cells again, the six in alternation (criterion's
+        // groups run back to back, and this host drifts by more than the
+        // differences between paths), with the threads placed: client and
+        // echo on one CPU, then on two (where a round trip wakes the other,
+        // often halted, vCPU). Unpinned, the scheduler's choice per
+        // connection decides a cell more than its path does.
+        if size <= 1024 {
+            let names = ["tcp", "tcp_not_covered", "redirect_mirror", "redirect_adaptive", "redirect_capture", "unix"];
+            for (placement, echo_cpu) in [("one CPU", 1), ("two CPUs", 0)] {
+                // SAFETY: pthread_self is always valid.
+                pin(unsafe { libc::pthread_self() }, 1);
+                for e in &echoes {
+                    pin(e.as_pthread_t(), echo_cpu);
+                }
+                let m = interleaved_medians(
+                    6,
+                    RR_TURNS,
+                    RR_TURN,
+                    |_| {},
+                    |i| {
+                        let s: &mut dyn ReadWriteFd = match i {
+                            0 => &mut plain,
+                            1 => &mut seen,
+                            2 => &mut redir,
+                            3 => &mut adapt,
+                            4 => &mut captured,
+                            _ => &mut unix,
+                        };
+                        rtt(&mut { s }, &msg, &mut buf, 1);
+                    },
+                );
+                let cells: Vec<String> =
+                    names.iter().zip(&m).map(|(n, t)| format!("{n} {:.1} us ({:.2}x)", t / 1e3, t / m[0])).collect();
+                eprintln!(
+                    "rr {size} B, {placement}, interleaved medians ({RR_TURNS} turns of {RR_TURN}): {}",
+                    cells.join(", ")
+                );
+            }
+            // SAFETY: pthread_self is always valid.
+            let me = unsafe { libc::pthread_self() };
+            for e in echoes.iter().map(|e| e.as_pthread_t()).chain([me]) {
+                pin_any(e);
+            }
+        }
         // Each listener served one connection; drop them before the next size.
-        drop((plain, seen, redir, adapt, captured, unix));
+        drop((plain, seen, redir, adapt, captured, unix, echoes));
     }
     g.finish();
     let st = k.dp().stats(&mirror).expect("stats");
     let cs = k.dp().stats(&capture).expect("stats");
     assert!(st.redirected_msgs > 0 && cs.redirected_msgs > 0, "redirected paths were not redirected: {st:?} {cs:?}");
-    eprintln!("mirror pair: {st:?}\ncapture rule: {cs:?}");
+    let ad = k.dp().stats(&adaptive).expect("stats");
+    eprintln!("mirror pair: {st:?}\ncapture rule: {cs:?}\nadaptive pair after rr: {ad:?}");
     stream(c, &k, &ns, &mirror, &adaptive);
     control(c, &k);
 }

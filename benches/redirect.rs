@@ -12,7 +12,7 @@ use std::collections::BTreeSet;
 use std::io::{Read, Write};
 use std::net::SocketAddr;
 use std::os::unix::net::UnixStream;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use meshwarp_core::{Endpoint, EndpointPair, LatencySampling, LatencyScope};
@@ -26,6 +26,12 @@ const INTERLEAVED: usize = 21;
 #[path = "common.rs"]
 mod common;
 use common::{bench_rtt, prog_cost, tcp_pair};
+#[path = "interleave.rs"]
+mod interleave;
+use interleave::interleaved_medians;
+
+/// Round trips per contender and turn in the interleaved comparisons.
+const TURN: u32 = 20_000;
 
 fn rtt_64b(c: &mut Criterion) {
     let Some(k) = KernelTest::start(1024) else {
@@ -59,6 +65,7 @@ fn rtt_64b(c: &mut Criterion) {
     let m = interleaved_medians(
         3,
         INTERLEAVED,
+        TURN,
         |_| {},
         |i| {
             match i {
@@ -141,6 +148,7 @@ fn rtt_64b_monitor(c: &mut Criterion) {
     let m = interleaved_medians(
         modes.len(),
         INTERLEAVED,
+        TURN,
         |i| switch(modes[i].1),
         |_| meshwarp_testbed::round_trip(&mut fast, &msg, &mut buf).expect("round trip"),
     );
@@ -176,40 +184,6 @@ fn rtt_64b_monitor(c: &mut Criterion) {
     let _ = std::fs::write(BPF_STATS, stats_enabled.trim());
     let hists = k.dp().latency().histograms(&BTreeSet::from([id])).expect("histograms");
     assert!(hists.iter().any(|h| h.count > 0), "the monitor recorded nothing");
-}
-
-/// Round trips per contender and turn in [`interleaved_medians`].
-pub const TURN: u32 = 20_000;
-
-/// A finer A/B than criterion's back-to-back groups on a noisy machine:
-/// `n` contenders take turns of [`TURN`] round trips (`rounds` times, in
-/// order; `prepare(i)` runs before contender i's turn, e.g. to flip a switch,
-/// and `one(i)` is one of its round trips); each one's median time per round
-/// trip over its turns, in ns.
-pub fn interleaved_medians(
-    n: usize,
-    rounds: usize,
-    mut prepare: impl FnMut(usize),
-    mut one: impl FnMut(usize),
-) -> Vec<f64> {
-    let mut times = vec![Vec::with_capacity(rounds); n];
-    for _ in 0..rounds {
-        for (i, t) in times.iter_mut().enumerate() {
-            prepare(i);
-            let start = Instant::now();
-            for _ in 0..TURN {
-                one(i);
-            }
-            t.push(start.elapsed().as_nanos() as f64 / f64::from(TURN));
-        }
-    }
-    times
-        .into_iter()
-        .map(|mut t| {
-            t.sort_by(f64::total_cmp);
-            t[t.len() / 2]
-        })
-        .collect()
 }
 
 criterion_group!(benches, rtt_64b, rtt_64b_monitor);
