@@ -190,10 +190,6 @@ struct mw_dir {
  * MW_POLICY_CHECK messages of the run), TCP, which sends a backlog as a few
  * large segments, costs less per byte than one psock message per write. */
 #define MW_POLICY_BEHIND 256
-/* A stream of large writes (averaging MW_POLICY_SMALL or more) moves to TCP
- * once this many redirected bytes wait unread: the psock queue takes all a
- * sender writes, TCP's buffers stop it after a few MiB. */
-#define MW_POLICY_BACKLOG (4u << 20)
 
 /* The connection both accelerated ends share (mw_links, indexed by its slot;
  * found from the id alone by probing the slots the id hashes to). */

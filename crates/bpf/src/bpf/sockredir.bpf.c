@@ -1542,19 +1542,12 @@ static __always_inline bool policy_allows(struct sk_msg_md *msg, struct mw_link 
 	if (link->flags & MW_LINK_FIXED)
 		return true;
 	if (run > MW_POLICY_RUN) {
-		/* A stream: look now and then whether its reader keeps up
-		 * (run_bytes holds the run's first MW_POLICY_RUN messages).
-		 * Small writes TCP does not coalesce may be MW_POLICY_BEHIND
-		 * messages behind; large ones MW_POLICY_BACKLOG bytes, about
-		 * what TCP's buffers would let a sender run ahead (the psock
-		 * queue has no such bound). */
-		__u32 unread = d->redir - d->psock_read;
-
-		if ((run % MW_POLICY_CHECK) || (d->flags & MW_DIR_RD_SHARED))
-			return true;
-		if (d->run_bytes >= MW_POLICY_RUN * MW_POLICY_SMALL ? unread <= MW_POLICY_BACKLOG
-								     : (__u64)unread * MW_POLICY_RUN <
-									       (__u64)MW_POLICY_BEHIND * d->run_bytes)
+		/* A stream of small writes TCP does not coalesce: look now
+		 * and then whether its reader keeps up (run_bytes holds the
+		 * run's first MW_POLICY_RUN messages). */
+		if ((run % MW_POLICY_CHECK) || d->run_bytes >= MW_POLICY_RUN * MW_POLICY_SMALL ||
+		    (d->flags & MW_DIR_RD_SHARED) ||
+		    (__u64)(d->redir - d->psock_read) * MW_POLICY_RUN < (__u64)MW_POLICY_BEHIND * d->run_bytes)
 			return true;
 		behind = true;
 	} else {
