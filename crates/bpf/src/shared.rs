@@ -316,12 +316,14 @@ pub struct SockState {
     pub req_ts: u64,
     /// `FB_*`.
     pub fb: u32,
-    /// Latency sampling: this end's last own sample (ns >> 10, wrapping),
-    /// sends left to skip, and the skip count its last sample chose.
+    /// Latency sampling: this end's last own sample (ns >> 10, wrapping).
     pub lat_last: u32,
+    /// Sends left to skip before its next own sample.
     pub lat_skip: u16,
+    /// The skip count its last own sample chose.
     pub lat_cap: u16,
-    pub pad: u32,
+    /// TCP-path sends: the write_seq the send last seen ends at.
+    pub lat_end: u32,
 }
 
 /// `struct mw_lat_key`.
@@ -847,7 +849,7 @@ mod tests {
             types::mw_sock_state,
             [
                 link, rule_id, flags, end, learn, rd_pub, rd_tgid, rd_seen, skipped, read, psock_rd, rd_pid, slot,
-                conn, tx_msgs, tx_bytes, req_ts, fb, lat_last, lat_skip, lat_cap, pad
+                conn, tx_msgs, tx_bytes, req_ts, fb, lat_last, lat_skip, lat_cap, lat_end
             ]
         );
         same_layout!(LatKey, types::mw_lat_key, [rule_id, metric, from_rule, pad]);

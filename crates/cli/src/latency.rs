@@ -187,6 +187,7 @@ pub enum SamplingArg {
 }
 
 impl SamplingArg {
+    /// The API's value.
     pub fn to_pb(self) -> pb::LatencySampling {
         match self {
             SamplingArg::Adaptive => pb::LatencySampling::Adaptive,

@@ -201,9 +201,11 @@ pub enum Scope {
 pub enum Sampling {
     /// Every message of a socket that sends less than about once per ms; a
     /// busier socket starts a measured chain after skipping up to
-    /// [`meshwarp_bpf::shared::LAT_SKIP_MAX`] sends, and every read and send
-    /// that request's stamp reaches is measured with it. Counts in the
-    /// histograms are then samples, not messages.
+    /// [`meshwarp_bpf::shared::LAT_SKIP_MAX`] sends (the count doubles
+    /// while its samples come closer than ~1 ms, halves otherwise, and
+    /// starts over within 8 sends after ~20 ms of quiet), and every read and send that
+    /// request's stamp reaches is measured with it. Counts in the histograms
+    /// are then samples, not messages.
     #[default]
     Adaptive,
     /// Every message: exact counts, at about twice the cost of the data
@@ -212,6 +214,7 @@ pub enum Sampling {
 }
 
 impl Sampling {
+    /// Its name in the API's logs and the CLI (`adaptive`, `every`).
     pub fn name(self) -> &'static str {
         match self {
             Sampling::Adaptive => "adaptive",

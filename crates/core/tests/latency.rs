@@ -316,6 +316,30 @@ fn sampling_measures_slow_sockets_fully_and_busy_ones_in_whole_requests() -> Res
     ensure!((BUSY / 65..=BUSY / 2).contains(&resp), "busy: {resp} of {BUSY} requests sampled");
     ensure!(think.abs_diff(resp) <= 2, "a sampled request is measured whole: think {think}, response {resp}");
 
+    // Quiet again: after a pause, within 8 sends every message counts (the
+    // busy socket had skipped up to 63; halving alone would take 120).
+    thread::sleep(Duration::from_millis(50));
+    rounds(&mut c, s.try_clone()?, 8, 64, Duration::from_millis(2))?;
+    k.dp().latency().reset(&BTreeSet::from([id]))?;
+    rounds(&mut c, s.try_clone()?, 10, 64, Duration::from_millis(2))?;
+    let (think, resp) = (count(Metric::Think)?, count(Metric::Response)?);
+    ensure!(think == 10 && resp == 10, "quiet after busy: every message, not {think} think and {resp} responses");
+
+    // The TCP path, with messages of many segments read in pieces: one
+    // send is one send (the send tracepoint fires per segment), and a
+    // request read in pieces keeps its chain (think time).
+    let (l2, _p2, id2) = pair(&k, &net, 0, 1, 8362, FastPathMode::Never)?;
+    k.dp().latency().set(&LatencyScope::Rules(BTreeSet::from([id, id2])), false)?;
+    let mut c2 = net.pods[0].ns.connect(SocketAddr::new(net.pods[1].addr(false), 8362))?;
+    let s2 = accept_timeout(&l2, Duration::from_secs(10))?;
+    rounds(&mut c2, s2, 10, 256 << 10, Duration::from_millis(2))?;
+    let hs = k.dp().latency().histograms(&BTreeSet::from([id2]))?;
+    let n = |m: Metric| hist(&hs, id2, m, None).map_or(0, |h| h.count);
+    ensure!(
+        n(Metric::Tcp) == 20 && n(Metric::Response) == 10 && n(Metric::Think) == 10,
+        "TCP path, 256 KiB messages: {hs:?}"
+    );
+
     k.dp().latency().set_sampling(LatencySampling::Every)?;
     k.dp().latency().reset(&BTreeSet::from([id]))?;
     rounds(&mut c, s, 500, 64, Duration::ZERO)?;

@@ -265,7 +265,10 @@ struct mw_sock_state {
 	__u32 lat_last;
 	__u16 lat_skip;
 	__u16 lat_cap;
-	__u32 pad;
+	/* The TCP-path send tracepoint fires once per skb a send fills: the
+	 * write_seq the send it saw last will end at (write_seq + bytes left
+	 * stays the same through one send, and across a retried partial one). */
+	__u32 lat_end;
 };
 
 /* mw_sock_state.fb: why a covered connection stays on the TCP path. */
@@ -366,6 +369,9 @@ struct mw_config {
  * measured on every message. */
 #define MW_LAT_SKIP_MAX 63u
 #define MW_LAT_GAP 1000u
+/* ... and a socket whose last own sample is older than this (units of 1024
+ * ns, ~20 ms) measures every send again, found within 8 sends. */
+#define MW_LAT_IDLE 20000u
 
 /* Events for user space (mw_events ring buffer). */
 #define MW_EV_CLASSIFY 1     /* an executable meshwarp has not read yet */

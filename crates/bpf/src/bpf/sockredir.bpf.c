@@ -898,17 +898,31 @@ static __always_inline void lat_send(struct mw_sock_state *st, __u64 since)
 	every = lat_every();
 	own = every || !st->lat_skip;
 	if (!own && !metric) {
-		st->lat_skip--;
-		return;
+		/* A socket busy once and quiet now is measured again: its first
+		 * skipped send after an own sample, and every 8th after that,
+		 * look whether that sample is older than MW_LAT_IDLE (a clock
+		 * read on one send in eight at most). */
+		if (st->lat_skip == st->lat_cap || !(st->lat_skip & 7)) {
+			if ((__u32)(bpf_ktime_get_ns() >> 10) - st->lat_last > MW_LAT_IDLE) {
+				st->lat_skip = 0;
+				st->lat_cap = 0;
+				own = true;
+			}
+		}
+		if (!own) {
+			st->lat_skip--;
+			return;
+		}
 	}
 	now = bpf_ktime_get_ns();
 	if (own && !every) {
 		/* Skip twice as many sends while this end's own samples come
-		 * closer than MW_LAT_GAP, half as many once they do not. */
+		 * closer than MW_LAT_GAP, half as many once they do not, none
+		 * after a quiet MW_LAT_IDLE. */
 		gap = (__u32)(now >> 10) - st->lat_last;
 		st->lat_last = (__u32)(now >> 10);
 		cap = st->lat_cap;
-		cap = gap < MW_LAT_GAP ? cap * 2 + 1 : cap / 2;
+		cap = gap < MW_LAT_GAP ? cap * 2 + 1 : gap > MW_LAT_IDLE ? 0 : cap / 2;
 		if (cap > MW_LAT_SKIP_MAX)
 			cap = MW_LAT_SKIP_MAX;
 		st->lat_cap = cap;
@@ -937,8 +951,11 @@ static __always_inline void lat_recv(struct mw_sock_state *st, bool fast, __u64 
 	ts = lat_pending(st, st->end ^ 1, false);
 	pend = ts ? *ts : 0;
 	if (!pend && !st->req_ts && !lat_every()) {
+		/* Nothing sampled arrives: this thread's next send starts no
+		 * chain, unless this is the rest of the very message whose
+		 * first read carried the stamp (read in pieces). */
 		th = lat_thread(false);
-		if (th)
+		if (th && (th->conn != st->conn || th->end != (st->end & 1)))
 			th->ts = 0;
 		return;
 	}
@@ -2152,10 +2169,23 @@ int BPF_PROG(mw_lat_send, const struct sock *sk, const struct msghdr *msg, const
 	     int size_goal)
 {
 	struct mw_sock_state *st = bpf_sk_storage_get(&mw_sk_state, (struct sock *)sk, 0, 0);
+	struct tcp_sock *tp = bpf_core_cast(sk, struct tcp_sock);
+	__u32 end;
 	__u64 since;
 
 	if (!st)
 		return 0;
+	/* A socket in the SOCKMAP: sk_msg saw the send (what it passes to TCP
+	 * comes back here once per page). Otherwise the tracepoint fires once
+	 * per skb a send fills: a pass is a new send only if it ends elsewhere
+	 * than the one seen last (copying moves write_seq and the bytes left
+	 * alike). */
+	if ((unsigned long)sk->sk_user_data & ~SK_USER_DATA_FLAGS)
+		return 0;
+	end = tp->write_seq + (__u32)msg->msg_iter.count;
+	if (end == st->lat_end)
+		return 0;
+	st->lat_end = end;
 	since = lat_since(st->rule_id);
 	if (since)
 		lat_send(st, since);

@@ -72,6 +72,7 @@ pub fn latency_state_to_pb(
     }
 }
 
+/// The monitor's sampling, as LatencyState says it.
 pub fn sampling_to_pb(s: LatencySampling) -> pb::LatencySampling {
     match s {
         LatencySampling::Adaptive => pb::LatencySampling::Adaptive,
