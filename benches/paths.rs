@@ -50,30 +50,19 @@ fn bench_ns() -> NetNs {
     ns
 }
 
-/// Pins a thread to one CPU (its placement decides whether a round trip
-/// wakes a halted vCPU, a bigger difference here than any path's).
-fn pin(thread: libc::pthread_t, cpu: usize) {
+/// Lets a thread run on `cpus` only: one CPU to place it (its placement
+/// decides whether a round trip wakes a halted vCPU, a bigger difference here
+/// than any path's), every CPU to let it go again.
+fn set_cpus(thread: libc::pthread_t, cpus: impl IntoIterator<Item = usize>) {
     // SAFETY: a zeroed cpu_set_t is empty; the thread is alive (its handle is held).
     let rc = unsafe {
         let mut set: libc::cpu_set_t = std::mem::zeroed();
-        libc::CPU_SET(cpu, &mut set);
-        libc::pthread_setaffinity_np(thread, std::mem::size_of::<libc::cpu_set_t>(), &set)
-    };
-    assert_eq!(rc, 0, "pinning a thread to CPU {cpu}");
-}
-
-/// Lets a thread run on every CPU again (the placement is only for the
-/// interleaved comparison).
-fn pin_any(thread: libc::pthread_t) {
-    // SAFETY: as in `pin`.
-    let rc = unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        for cpu in 0..libc::CPU_SETSIZE as usize {
+        for cpu in cpus {
             libc::CPU_SET(cpu, &mut set);
         }
         libc::pthread_setaffinity_np(thread, std::mem::size_of::<libc::cpu_set_t>(), &set)
     };
-    assert_eq!(rc, 0, "unpinning a thread");
+    assert_eq!(rc, 0, "setting a thread's CPUs");
 }
 
 /// The echo server's thread of a connection, to pin.
@@ -189,9 +178,9 @@ fn paths(c: &mut Criterion) {
             let names = ["tcp", "tcp_not_covered", "redirect_mirror", "redirect_adaptive", "redirect_capture", "unix"];
             for (placement, echo_cpu) in [("one CPU", 1), ("two CPUs", 0)] {
                 // SAFETY: pthread_self is always valid.
-                pin(unsafe { libc::pthread_self() }, 1);
+                set_cpus(unsafe { libc::pthread_self() }, [1]);
                 for e in &echoes {
-                    pin(e.as_pthread_t(), echo_cpu);
+                    set_cpus(e.as_pthread_t(), [echo_cpu]);
                 }
                 let m = interleaved_medians(
                     6,
@@ -220,7 +209,7 @@ fn paths(c: &mut Criterion) {
             // SAFETY: pthread_self is always valid.
             let me = unsafe { libc::pthread_self() };
             for e in echoes.iter().map(|e| e.as_pthread_t()).chain([me]) {
-                pin_any(e);
+                set_cpus(e, 0..libc::CPU_SETSIZE as usize);
             }
         }
         // Each listener served one connection; drop them before the next size.

@@ -210,11 +210,10 @@ pub struct StateView {
 impl StateView {
     pub fn from_pb(s: &Option<pb::LatencyState>) -> Self {
         let s = s.clone().unwrap_or_default();
-        let sampling = match s.sampling() {
-            pb::LatencySampling::Unspecified => String::new(),
-            pb::LatencySampling::Adaptive => "adaptive".into(),
-            pb::LatencySampling::Every => "every".into(),
-        };
+        let sampling = meshwarp_grpc_api::convert::sampling_from_pb(s.sampling)
+            .ok()
+            .flatten()
+            .map_or_else(String::new, |s| s.name().to_string());
         Self { enabled: s.enabled, all_rules: s.all_rules, rule_ids: s.rule_ids, route_ids: s.route_ids, sampling }
     }
 

@@ -224,8 +224,10 @@ static __always_inline __u32 config_flags(void)
 	return c ? c->flags : 0;
 }
 
-/* When the monitor was switched on for `rule_id` (0: it is off). */
-static __always_inline __u64 lat_since(__u32 rule_id)
+/* When the monitor was switched on for `rule_id` (0: it is off); `every`
+ * (if not NULL) says whether it measures every message, from the same
+ * lookup. */
+static __always_inline __u64 lat_since(__u32 rule_id, bool *every)
 {
 	__u32 zero = 0;
 	struct mw_config *c = bpf_map_lookup_elem(&mw_config, &zero);
@@ -233,6 +235,8 @@ static __always_inline __u64 lat_since(__u32 rule_id)
 
 	if (!c || !(c->flags & MW_CFG_LATENCY))
 		return 0;
+	if (every)
+		*every = c->flags & MW_CFG_LAT_EVERY;
 	if (c->flags & MW_CFG_LAT_ALL)
 		return c->lat_since;
 	on = bpf_map_lookup_elem(&mw_lat_rule, &rule_id);
@@ -855,13 +859,6 @@ static __always_inline struct mw_lat_thread *lat_thread(bool create)
 	return th;
 }
 
-/* Whether the monitor measures every message (MW_CFG_LAT_EVERY) rather than
- * sampling. */
-static __always_inline bool lat_every(void)
-{
-	return config_flags() & MW_CFG_LAT_EVERY;
-}
-
 /* A send begins on a covered socket (sk_msg, or tcp_sendmsg_locked for the
  * TCP path): before any of its bytes can reach the peer. The oldest unread
  * send of each direction and of each socket is what a read answers.
@@ -869,12 +866,12 @@ static __always_inline bool lat_every(void)
  * Sampled (not MW_CFG_LAT_EVERY): a send is measured when this thread's last
  * read carried a sample (a request's chain through its hops), or when this
  * socket's own count of sends to skip runs out. Other sends read no clock. */
-static __always_inline void lat_send(struct mw_sock_state *st, __u64 since)
+static __always_inline void lat_send(struct mw_sock_state *st, __u64 since, bool every)
 {
 	__u32 end = st->end & 1, metric = 0, from = MW_NO_ID, gap, cap;
 	__u64 now, *ts, then = 0;
 	struct mw_lat_thread *th;
-	bool every, own;
+	bool own;
 
 	if (!st->conn)
 		return;
@@ -895,7 +892,6 @@ static __always_inline void lat_send(struct mw_sock_state *st, __u64 since)
 		then = th->ts;
 		th->ts = 0;
 	}
-	every = lat_every();
 	own = every || !st->lat_skip;
 	if (!own && !metric) {
 		/* A socket busy once and quiet now is measured again: its first
@@ -941,7 +937,7 @@ static __always_inline void lat_send(struct mw_sock_state *st, __u64 since)
  * path the read took them from), a client's request was answered, and this
  * thread's next send measures its own time (lat_send). Sampled, a read that
  * carries no stamp reads no clock, and leaves this thread nothing to carry. */
-static __always_inline void lat_recv(struct mw_sock_state *st, bool fast, __u64 since)
+static __always_inline void lat_recv(struct mw_sock_state *st, bool fast, __u64 since, bool every)
 {
 	struct mw_lat_thread *th;
 	__u64 now, *ts, t, pend;
@@ -950,7 +946,7 @@ static __always_inline void lat_recv(struct mw_sock_state *st, bool fast, __u64 
 		return;
 	ts = lat_pending(st, st->end ^ 1, false);
 	pend = ts ? *ts : 0;
-	if (!pend && !st->req_ts && !lat_every()) {
+	if (!pend && !st->req_ts && !every) {
 		/* Nothing sampled arrives: this thread's next send starts no
 		 * chain, unless this is the rest of the very message whose
 		 * first read carried the stamp (read in pieces). */
@@ -1034,7 +1030,7 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 	}
 	id = ((__u64)skops->snd_una << 32) | skops->rcv_nxt;
 	init_state(st, rule->id, MW_END_CLIENT, skops->rcv_nxt, id);
-	since = lat_since(rule->id);
+	since = lat_since(rule->id, NULL);
 	if (since) {
 		__u64 *at = bpf_sk_storage_get(&mw_sk_conn, sk, 0, 0);
 		__u64 now = bpf_ktime_get_ns();
@@ -1399,7 +1395,7 @@ static __always_inline void on_connect(struct bpf_sock_ops *skops)
 	if (!rule)
 		return;
 	/* Covered connections only, and only rules the monitor runs for. */
-	if (sk && lat_since(rule->id)) {
+	if (sk && lat_since(rule->id, NULL)) {
 		__u64 *at = bpf_sk_storage_get(&mw_sk_conn, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
 
 		if (at)
@@ -1684,15 +1680,16 @@ int mw_sk_msg(struct sk_msg_md *msg)
 {
 	struct bpf_sock *sk = msg->sk;
 	struct mw_sock_state *st;
+	bool every = false;
 	__u64 since;
 	__u32 gen;
 
 	st = msg_state(sk);
 	if (!st || !sk)
 		return SK_PASS;
-	since = lat_since(st->rule_id);
+	since = lat_since(st->rule_id, &every);
 	if (since)
-		lat_send(st, since);
+		lat_send(st, since, every);
 	if (mw_active_chain(MW_HOOK_MESSAGE, &gen)) {
 		struct mw_sk_chain *ch = bpf_sk_storage_get(&mw_sk_chain, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
 
@@ -1800,10 +1797,11 @@ int BPF_PROG(mw_recv_len, struct sock *sk, int ret, int flags)
 		}
 	}
 	if (ret > 0 && !(flags & MSG_PEEK)) {
-		__u64 since = lat_since(st->rule_id);
+		bool every = false;
+		__u64 since = lat_since(st->rule_id, &every);
 
 		if (since)
-			lat_recv(st, fast, since);
+			lat_recv(st, fast, since, every);
 	}
 	if ((st->flags & MW_SOCK_DEMOTED) && ret > 0 && !st->read)
 		st->read = 1;
@@ -2170,6 +2168,7 @@ int BPF_PROG(mw_lat_send, const struct sock *sk, const struct msghdr *msg, const
 {
 	struct mw_sock_state *st = bpf_sk_storage_get(&mw_sk_state, (struct sock *)sk, 0, 0);
 	struct tcp_sock *tp = bpf_core_cast(sk, struct tcp_sock);
+	bool every = false;
 	__u32 end;
 	__u64 since;
 
@@ -2186,9 +2185,9 @@ int BPF_PROG(mw_lat_send, const struct sock *sk, const struct msghdr *msg, const
 	if (end == st->lat_end)
 		return 0;
 	st->lat_end = end;
-	since = lat_since(st->rule_id);
+	since = lat_since(st->rule_id, &every);
 	if (since)
-		lat_send(st, since);
+		lat_send(st, since, every);
 	return 0;
 }
 
