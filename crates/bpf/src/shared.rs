@@ -17,7 +17,7 @@ pub struct Build {
 pub const BUILD_LEN: usize = 16;
 
 /// `MW_SCHEMA_VERSION`: bumped whenever a pinned map's key or value changes.
-pub const SCHEMA_VERSION: u32 = 15;
+pub const SCHEMA_VERSION: u32 = 16;
 
 pub const AF_INET: u32 = 2;
 pub const AF_INET6: u32 = 10;
@@ -247,6 +247,8 @@ pub struct Link {
     pub flags: u32,
     pub end_flags: [u32; 2],
     pub cookie: [u64; 2],
+    /// Each end's `struct sock` address: a hint for the policy only.
+    pub sk: [u64; 2],
     pub exe: [ExeKey; 2],
     /// Each end's network namespace (cookie).
     pub netns: [u64; 2],
@@ -479,6 +481,7 @@ pub struct RuleStats {
     pub unlinks: u64,
     pub relinks: u64,
     pub demotions_behind: u64,
+    pub fb_reader_busy: u64,
 }
 
 /// `MW_OWNER_LEN`: bytes of an owner name, NUL padding included.
@@ -831,6 +834,7 @@ mod tests {
                 flags,
                 end_flags,
                 cookie,
+                sk,
                 exe,
                 netns,
                 dir,
@@ -921,7 +925,8 @@ mod tests {
                 fb_mode_never,
                 unlinks,
                 relinks,
-                demotions_behind
+                demotions_behind,
+                fb_reader_busy
             ]
         );
         same_layout!(
@@ -951,7 +956,7 @@ mod tests {
         assert_eq!(size_of::<PairKey>(), 16 + 16 + 4 + 4);
         assert_eq!(size_of::<CaptureKey>(), 16 + 16 + 4 + 4);
         assert_eq!(size_of::<Rule>(), 4 + 4 + 16 + 8);
-        assert_eq!(size_of::<Link>(), 8 + 32 + 16 + 8 + 16 + 32 + 16 + 48 + 8 + 8);
+        assert_eq!(size_of::<Link>(), 8 + 32 + 16 + 8 + 16 + 16 + 32 + 16 + 48 + 8 + 8);
         assert_eq!(size_of::<Dir>(), 24);
         assert_eq!(size_of::<ParkReq>(), 8);
         assert_eq!(size_of::<SockState>(), 8 + 16 + 32 + 32 + 16);
@@ -961,7 +966,7 @@ mod tests {
         assert_eq!(size_of::<SockOwner>(), 16 + 8);
         assert_eq!(size_of::<Exe>(), 8 + 16);
         assert_eq!(size_of::<Event>(), 16 + 16 + 16 + 32 + 24 + 32);
-        assert_eq!(size_of::<RuleStats>(), 21 * 8);
+        assert_eq!(size_of::<RuleStats>(), 22 * 8);
         assert_eq!(size_of::<GlobalStats>(), 6 * 8);
         assert_eq!(size_of::<RouteKey4>(), 16);
         assert_eq!(size_of::<RouteKey6>(), 28);

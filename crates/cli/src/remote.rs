@@ -117,7 +117,8 @@ fn counters_cols(c: Option<pb::RuleCounters>) -> [String; 4] {
         + c.fallback_reader
         + c.fallback_splice
         + c.fallback_rcvlowat
-        + c.fallback_ulp;
+        + c.fallback_ulp
+        + c.fallback_reader_busy;
     [c.sockets, c.redirected_msgs, c.redirected_bytes, fb].map(|v| v.to_string())
 }
 
@@ -427,11 +428,12 @@ impl Remote {
                 a.unlinks += c.unlinks;
                 a.relinks += c.relinks;
                 a.demotions_behind += c.demotions_behind;
+                a.fallback_reader_busy += c.fallback_reader_busy;
                 a
             });
             println!(
                 "fallbacks: no peer {}  tcp path {}  map full {}  insert error {}  collision {}  reader {}  splice {}  \
-                 rcvlowat {}  ulp {} (refused {})  splice hits {}",
+                 rcvlowat {}  ulp {} (refused {})  reader busy {}  splice hits {}",
                 t.fallback_no_peer,
                 t.fallback_tcp_path,
                 t.fallback_map_full,
@@ -442,6 +444,7 @@ impl Remote {
                 t.fallback_rcvlowat,
                 t.fallback_ulp,
                 t.ulp_refused,
+                t.fallback_reader_busy,
                 t.splice_hits
             );
             println!("adaptive policy: {}", policy_line(&t));

@@ -55,6 +55,11 @@ pub struct RuleCounters {
     /// small writes TCP does not coalesce (nodelay) and their reader fell
     /// behind (TCP then sends the backlog as a few large segments).
     pub demotions_behind: u64,
+    /// Adaptive policy: messages of a stream TCP would coalesce (Nagle or
+    /// cork, writes under a segment) sent on the TCP path because the
+    /// peer's reader held its socket, copying out: a redirect would have
+    /// waited for it.
+    pub fallback_reader_busy: u64,
 }
 
 impl From<RuleStats> for RuleCounters {
@@ -81,6 +86,7 @@ impl From<RuleStats> for RuleCounters {
             unlinks: s.unlinks,
             relinks: s.relinks,
             demotions_behind: s.demotions_behind,
+            fallback_reader_busy: s.fb_reader_busy,
         }
     }
 }

@@ -3,7 +3,8 @@
 //! to TCP and comes back when a new exchange
 //! starts and every TCP byte was read; the modes `always` and `never`; and
 //! checksummed streams in both directions while directions move back and
-//! forth (nothing lost, duplicated or reordered).
+//! forth (nothing lost, duplicated or reordered); a Nagle stream whose
+//! reader is busy copying out sends on TCP rather than wait for its lock.
 //!
 //! Each test fails (never skips) when CI=true and BPF is refused.
 
@@ -437,5 +438,222 @@ fn streams_survive_demotions_and_promotions() -> Result<()> {
     let st: RuleCounters = k.dp().stats(&pair)?;
     ensure!(st.sockets == 32, "every connection accelerated: {st:?}");
     ensure!(st.demotions_coalesce > 0 && st.promotions > 0, "directions moved both ways: {st:?}");
+    Ok(())
+}
+
+/// An anonymous page whose first touch stops the touching thread until the
+/// test lets it go (userfaultfd, missing-page mode). A reader that copies
+/// into it from `recv` stops inside its copy, holding its socket's lock, as
+/// a reader copying out a large read does for a while.
+struct StallingPage {
+    uffd: std::os::fd::OwnedFd,
+    page: usize,
+    len: usize,
+}
+
+// linux/userfaultfd.h: _IOWR(0xAA, nr, struct)
+const UFFD_API: u64 = 0xAA;
+const UFFDIO_API: libc::c_ulong = 0xC018_AA3F;
+const UFFDIO_REGISTER: libc::c_ulong = 0xC020_AA00;
+const UFFDIO_COPY: libc::c_ulong = 0xC028_AA03;
+const UFFDIO_REGISTER_MODE_MISSING: u64 = 1;
+const UFFD_EVENT_PAGEFAULT: u8 = 0x12;
+
+impl StallingPage {
+    fn new() -> Result<Self> {
+        use std::os::fd::FromRawFd;
+        // SAFETY: plain system calls on memory and a descriptor this owns;
+        // the structs are linux/userfaultfd.h's.
+        unsafe {
+            let fd = libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC | libc::O_NONBLOCK);
+            ensure!(fd >= 0, "userfaultfd: {}", std::io::Error::last_os_error());
+            let uffd = std::os::fd::OwnedFd::from_raw_fd(fd as i32);
+            let mut api = [UFFD_API, 0, 0]; // api, features, ioctls
+            ensure!(libc::ioctl(fd as i32, UFFDIO_API, api.as_mut_ptr()) == 0, "UFFDIO_API");
+            let len = libc::sysconf(libc::_SC_PAGESIZE) as usize;
+            let p = libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            );
+            ensure!(p != libc::MAP_FAILED, "mmap");
+            let page = Self { uffd, page: p as usize, len };
+            let mut reg = [page.page as u64, len as u64, UFFDIO_REGISTER_MODE_MISSING, 0]; // range, mode, ioctls
+            ensure!(
+                libc::ioctl(fd as i32, UFFDIO_REGISTER, reg.as_mut_ptr()) == 0,
+                "UFFDIO_REGISTER: {}",
+                std::io::Error::last_os_error()
+            );
+            Ok(page)
+        }
+    }
+
+    /// Waits until a thread touched the page (and stopped there).
+    fn wait_fault(&self, timeout: Duration) -> Result<()> {
+        use std::os::fd::AsRawFd;
+        let mut pfd = libc::pollfd { fd: self.uffd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        // SAFETY: one pollfd; the message buffer is uffd_msg's 32 bytes.
+        unsafe {
+            ensure!(libc::poll(&mut pfd, 1, timeout.as_millis() as i32) == 1, "nothing touched the page");
+            let mut msg = [0u8; 32];
+            ensure!(libc::read(pfd.fd, msg.as_mut_ptr().cast(), 32) == 32, "reading the fault");
+            ensure!(msg[0] == UFFD_EVENT_PAGEFAULT, "event {:#x}", msg[0]);
+        }
+        Ok(())
+    }
+
+    /// Maps the page (zeros): the stopped thread goes on.
+    fn release(&self) -> Result<()> {
+        use std::os::fd::AsRawFd;
+        let zeros = vec![0u8; self.len];
+        let mut copy = [self.page as u64, zeros.as_ptr() as u64, self.len as u64, 0, 0]; // dst, src, len, mode, copy
+                                                                                         // SAFETY: the source holds len bytes; dst is the registered page.
+        let rc = unsafe { libc::ioctl(self.uffd.as_raw_fd(), UFFDIO_COPY, copy.as_mut_ptr()) };
+        ensure!(rc == 0, "UFFDIO_COPY: {}", std::io::Error::last_os_error());
+        Ok(())
+    }
+}
+
+impl Drop for StallingPage {
+    fn drop(&mut self) {
+        // SAFETY: the mapping this made.
+        unsafe { libc::munmap(self.page as *mut libc::c_void, self.len) };
+    }
+}
+
+/// A stream TCP would coalesce (Nagle on, 8 KiB writes: over the small-write
+/// bar, under a loopback segment), whose reader is busy copying out (here
+/// stopped inside its copy, holding its socket lock): its next message takes
+/// the TCP path instead of waiting for that lock, so the write returns at
+/// once; the message after it stays on TCP until the reader read every TCP
+/// byte, and the next goes on the fast path again. Every byte checked.
+#[test]
+fn a_coalescing_stream_goes_around_a_busy_reader() -> Result<()> {
+    use std::os::fd::AsRawFd;
+    const W: usize = 8192;
+    let k = kernel_test!();
+    let ns = meshwarp_testbed::NetNs::new("busy")?;
+    let addr: SocketAddr = "127.0.0.1:8212".parse()?;
+    let l = ns.listen(addr)?;
+    let pair = EndpointPair::new(addr.ip(), addr.into())?;
+    k.dp().insert(&pair, "test")?;
+    let c = ns.connect(addr)?;
+    c.set_nodelay(false)?;
+    let s = accept_timeout(&l, Duration::from_secs(60))?;
+    let (mut up_w, mut up_r) = (Stream::new(47), Stream::new(47));
+
+    // A run of ten messages without a reply, read as they come: redirected.
+    for _ in 0..10 {
+        up_w.write(&c, W, W)?;
+        up_r.read(&s, W)?;
+    }
+    let st = k.dp().stats(&pair)?;
+    ensure!(st.redirected_msgs == 10 && st.fallback_reader_busy == 0 && st.demotions_coalesce == 0, "{st:?}");
+
+    // One more, which the reader starts copying into the stalling page.
+    up_w.write(&c, W, W)?;
+    let page = StallingPage::new()?;
+    let (at, plen, fd) = (page.page, page.len.min(W), s.as_raw_fd());
+    let got = thread::scope(|scope| -> Result<isize> {
+        // SAFETY: the page stays mapped until the scope ends.
+        let reader = scope.spawn(move || unsafe { libc::recv(fd, at as *mut libc::c_void, plen, 0) });
+        page.wait_fault(Duration::from_secs(10))?;
+        let (tx, rx) = std::sync::mpsc::channel();
+        let up = &mut up_w;
+        let (c, tx) = (&c, tx);
+        let writer = scope.spawn(move || {
+            let r = up.write(c, W, W);
+            tx.send(()).ok();
+            r
+        });
+        let returned = rx.recv_timeout(Duration::from_secs(10)).is_ok();
+        page.release()?; // whatever happened: the reader must go on
+        ensure!(returned, "the write waited for the busy reader's lock");
+        writer.join().unwrap()?;
+        Ok(reader.join().unwrap())
+    })?;
+    ensure!(got == plen as isize, "the stopped read returned {got}");
+    // SAFETY: the page is mapped, and recv filled plen bytes of it.
+    let copied = unsafe { std::slice::from_raw_parts(at as *const u8, plen) };
+    for (i, b) in copied.iter().enumerate() {
+        ensure!(*b == pattern_byte(47, up_r.at + i as u64), "wrong byte at offset {}", up_r.at + i as u64);
+    }
+    up_r.at += plen as u64;
+    let st = k.dp().stats(&pair)?;
+    ensure!(st.fallback_reader_busy == 1 && st.redirected_msgs == 11, "the busy reader's message went on TCP: {st:?}");
+
+    // Not read yet: the next message follows it on TCP.
+    up_w.write(&c, W, W)?;
+    let st = k.dp().stats(&pair)?;
+    ensure!(st.fallback_tcp_path == 1 && st.redirected_msgs == 11, "{st:?}");
+    up_r.read(&s, (W - plen) + 2 * W)?;
+    // All read: the stream is back on the fast path.
+    up_w.write(&c, W, W)?;
+    up_r.read(&s, W)?;
+    let st = k.dp().stats(&pair)?;
+    ensure!(st.redirected_msgs == 12 && st.fallback_reader_busy == 1 && st.demotions_coalesce == 0, "{st:?}");
+    Ok(())
+}
+
+/// Loopback (one segment holds 64 KiB, so 16 KiB Nagle writes are under
+/// it), eight connections each streaming one way (half of them each way; a
+/// reply would end the run) with readers that read in varied pieces, then
+/// a half-close: messages go around busy readers and come back. Every byte
+/// arrives once, in order, then the end of the stream.
+#[test]
+fn streams_around_busy_readers_lose_nothing() -> Result<()> {
+    const LEN: usize = 4 << 20;
+    let k = kernel_test!();
+    let ns = meshwarp_testbed::NetNs::new("busy")?;
+    let addr: SocketAddr = "127.0.0.1:8213".parse()?;
+    let l = ns.listen(addr)?;
+    let pair = EndpointPair::new(addr.ip(), addr.into())?;
+    k.dp().insert(&pair, "test")?;
+    let conns: Vec<(TcpStream, TcpStream)> = (0..8)
+        .map(|_| {
+            let c = ns.connect(addr)?;
+            c.set_nodelay(false)?;
+            Ok((c, accept_timeout(&l, Duration::from_secs(60))?))
+        })
+        .collect::<Result<_>>()?;
+    thread::scope(|scope| -> Result<()> {
+        let mut handles = Vec::new();
+        for (n, (c, s)) in conns.iter().enumerate() {
+            let (from, to) = if n % 2 == 0 { (c, s) } else { (s, c) };
+            let seed = 200 + n as u64;
+            handles.push(scope.spawn(move || -> Result<()> {
+                let mut w = Stream::new(seed);
+                let chunk = [16 << 10, 12 << 10, 30_000][n % 3];
+                w.write(from, LEN, chunk)?;
+                from.shutdown(std::net::Shutdown::Write)?;
+                Ok(())
+            }));
+            handles.push(scope.spawn(move || -> Result<()> {
+                let mut r = Stream::new(seed);
+                let mut left = LEN;
+                let mut i = 0usize;
+                while left > 0 {
+                    let piece = left.min([4096, 65536, 1, 20_000, 131_072][i % 5]);
+                    r.read(to, piece)?;
+                    left -= piece;
+                    i += 1;
+                }
+                let mut end = [0u8; 1];
+                let n = meshwarp_testbed::read_ready(&mut &*to, &mut end, T)?;
+                ensure!(n == 0, "stream {seed}: {n} bytes after the end");
+                Ok(())
+            }));
+        }
+        for h in handles {
+            h.join().unwrap()?;
+        }
+        Ok(())
+    })?;
+    let st = k.dp().stats(&pair)?;
+    ensure!(st.sockets == 16 && st.redirected_msgs > 0, "{st:?}");
+    eprintln!("fallback_reader_busy {}, fallback_tcp_path {}", st.fallback_reader_busy, st.fallback_tcp_path);
     Ok(())
 }

@@ -119,7 +119,7 @@ fn set_total(c: &Counter, v: u64) {
 }
 
 /// One rule's counters, flattened (see `Metrics::render`).
-type RuleTotals = [u64; 20];
+type RuleTotals = [u64; 21];
 
 /// Node-wide totals of per-rule counters that never go back: a rule's counts
 /// live in its slot, which a deleted rule frees and a new rule starts from
@@ -355,6 +355,7 @@ impl Metrics {
                 c.fallback_ulp,
                 c.ulp_refused,
                 c.fallback_mode_never,
+                c.fallback_reader_busy,
             ]
         };
         // Keyed by the rule's identity (an update keeps the key and the
@@ -401,6 +402,7 @@ impl Metrics {
             ("ulp", fb[8]),
             ("ulp_refused", fb[9]),
             ("mode_never", fb[10]),
+            ("reader_busy", fb[11]),
             ("not_covered", not_covered),
         ] {
             set_total(&self.fallbacks.get_or_create(&ReasonLabel { reason: reason.into() }), v);
@@ -463,7 +465,7 @@ mod tests {
     fn rules(list: &[(&str, u64)]) -> HashMap<String, RuleTotals> {
         list.iter()
             .map(|(k, v)| {
-                let mut t = [0; 20];
+                let mut t: RuleTotals = [0; 21];
                 t[0] = *v;
                 (k.to_string(), t)
             })

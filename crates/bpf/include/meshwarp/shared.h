@@ -12,7 +12,7 @@
 #ifndef MESHWARP_SHARED_H
 #define MESHWARP_SHARED_H
 
-#define MW_SCHEMA_VERSION 15
+#define MW_SCHEMA_VERSION 16
 
 #define MW_AF_INET 2
 #define MW_AF_INET6 10
@@ -206,6 +206,9 @@ struct mw_link {
 	__u32 flags;
 	__u32 end_flags[2];
 	__u64 cookie[2];
+	/* Each end's struct sock address, set as it enters the SOCKMAP: a hint
+	 * for the policy (reader_busy), read through an untrusted cast only. */
+	__u64 sk[2];
 	struct mw_exe_key exe[2]; /* who reads each end (owner stamp), for sweeps */
 	__u64 netns[2];           /* each end's network namespace (cookie) */
 	struct mw_dir dir[2];
@@ -441,6 +444,7 @@ struct mw_rule_stats {
 	__u64 unlinks;          /* demoted ends taken out of the SOCKMAP (plain TCP, no tcp_bpf) */
 	__u64 relinks;          /* unlinked ends put back when their peer sent */
 	__u64 demotions_behind; /* directions moved to TCP: small writes, the reader MW_POLICY_BEHIND messages behind */
+	__u64 fb_reader_busy;   /* messages sent on TCP: a coalescing stream, its reader busy copying (reader_busy) */
 };
 
 /*

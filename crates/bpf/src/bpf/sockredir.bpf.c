@@ -1080,6 +1080,7 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 	/* Until the server end claims the link, nothing is redirected into it. */
 	link->end_flags[MW_END_SERVER] = (rule->flags & MW_RULE_NO_TARGET_SERVER) ? MW_EF_R_RULE : 0;
 	link->cookie[MW_END_CLIENT] = cookie;
+	link->sk[MW_END_CLIENT] = (__u64)skops->sk;
 	link->exe[MW_END_CLIENT] = d.exe;
 	link->netns[MW_END_CLIENT] = bpf_get_netns_cookie(skops);
 	if (d.level == LV_NONE) {
@@ -1263,6 +1264,7 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 	cv.slot = slot;
 	bpf_map_update_elem(&mw_cookies, &cookie, &cv, BPF_ANY);
 	link->cookie[MW_END_SERVER] = cookie;
+	link->sk[MW_END_SERVER] = (__u64)skops->sk;
 	link->exe[MW_END_SERVER] = d.exe;
 	link->netns[MW_END_SERVER] = bpf_get_netns_cookie(skops);
 	/* Published last: the client redirects only once this end is in the map. */
@@ -1505,6 +1507,24 @@ static __always_inline void park_self(struct mw_link *link, struct mw_sock_state
 	__sync_fetch_and_and(&link->end_flags[end], ~MW_EF_PARKED);
 }
 
+/*
+ * Whether the peer's reader holds its socket lock (it is copying redirected
+ * bytes out): a redirect now would sleep on that lock in bpf_tcp_ingress until
+ * the copy ends, and on a VM the sender's vCPU may halt meanwhile, where TCP
+ * hands the segment to the socket's backlog and goes on, and Nagle holds the
+ * next writes back into one large segment while the reader is busy. The
+ * address (mw_link.sk) is a hint read through an untrusted cast, which the
+ * verifier guards against faults: it is set while the socket is in the
+ * SOCKMAP; a stale one could only send one message down the TCP path,
+ * which is always safe.
+ */
+static __always_inline bool reader_busy(struct mw_link *link, __u32 peer)
+{
+	struct sock *sk = bpf_core_cast((void *)link->sk[peer & 1], struct sock);
+
+	return sk && sk->sk_lock.owned;
+}
+
 /* The adaptive policy for one message of a direction that may be redirected
  * (mw_dir). Returns false when the message takes the TCP path. This end's
  * sk_msg (under its socket lock) decides its own mw_dir; the peer resets
@@ -1554,6 +1574,14 @@ static __always_inline bool policy_allows(struct sk_msg_md *msg, struct mw_link 
 		d->run_bytes = 0;
 	if (link->flags & MW_LINK_FIXED)
 		return true;
+	/* A stream TCP would coalesce, into a reader busy copying out: TCP
+	 * for this message (see reader_busy). */
+	if (run > MW_POLICY_RUN && coalescing(tp) && d->run_bytes < MW_POLICY_RUN * tp->mss_cache &&
+	    reader_busy(link, (st->end ^ 1) & 1)) {
+		if (rs)
+			rs->fb_reader_busy++;
+		return false;
+	}
 	if (run > MW_POLICY_RUN) {
 		/* A stream of small writes TCP does not coalesce: look now
 		 * and then whether its reader keeps up (run_bytes holds the

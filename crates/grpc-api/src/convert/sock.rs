@@ -254,6 +254,7 @@ pub fn counters_to_pb(c: &RuleCounters) -> pb::RuleCounters {
         unlinks: c.unlinks,
         relinks: c.relinks,
         demotions_behind: c.demotions_behind,
+        fallback_reader_busy: c.fallback_reader_busy,
     }
 }
 
