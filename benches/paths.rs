@@ -7,6 +7,9 @@
 //! - `stream/<conns>x<write>_<nagle>`: one-way bulk throughput, 64 B .. 64 KiB
 //!   writes, 1, 8 and 64 connections, TCP_NODELAY on and off: TCP, mode
 //!   always, mode adaptive (`MESHWARP_BENCH_QUICK=1`: 1 and 8 connections);
+//!   then the same matrix with the paths in alternation (interleaved
+//!   medians, a table on stderr), and placed threads for one connection's
+//!   16 and 64 KiB writes;
 //! - `control`: registering pairs one by one vs in one batch (library).
 //!
 //! `cargo bench -p meshwarp-benches --bench paths` (as root).
@@ -259,7 +262,7 @@ fn stream(c: &mut Criterion, k: &KernelTest, ns: &NetNs, always: &EndpointPair, 
         }
     }
     g.finish();
-    stream_interleaved(ns, always, adaptive);
+    stream_interleaved(ns, conns_list, always, adaptive);
     eprintln!("adaptive pair: {:?}", k.dp().stats(adaptive).expect("stats"));
 }
 
@@ -317,47 +320,59 @@ fn one_stream(
     start.elapsed()
 }
 
-/// The single-connection 16 and 64 KiB cells again, the three paths in
-/// alternation, and with the reader and writer placed: left to the
-/// scheduler, on one CPU, on two. A 32 MiB stream lasts ~15 ms, and its
-/// throughput on this host depends on whether the reader sleeps between
-/// writes (a vCPU halt and wake-up) more than on its path.
-fn stream_interleaved(ns: &NetNs, always: &EndpointPair, adaptive: &EndpointPair) {
+/// The stream matrix again, the three paths in alternation (15 turns of one
+/// stream each, the median of each path's turns), printed as a table.
+/// Criterion runs each path's samples back to back, and this host drifts
+/// between them by more than some cells' differences. The single-connection
+/// 16 and 64 KiB cells also run with the reader and writer placed (on one
+/// CPU, then on two): whether a reader sleeps between writes, a vCPU halt
+/// and wake-up here, decides those more than their path.
+fn stream_interleaved(ns: &NetNs, conns_list: &[usize], always: &EndpointPair, adaptive: &EndpointPair) {
     const TURNS: usize = 15;
     let cpus = std::thread::available_parallelism().map_or(1, usize::from);
     let lo = |p: u16| SocketAddr::new(IpAddr::from([127, 0, 0, 1]), p);
     let ports = [9501u16, always.server().port, adaptive.server().port];
-    let total = 32usize << 20;
-    let mut placements = vec![("unpinned", None)];
+    let mut placed = vec![("unpinned", None)];
     if cpus >= 2 {
-        placements.extend([("one CPU", Some((1, 1))), ("two CPUs", Some((0, 1)))]);
+        placed.extend([("one CPU", Some((1, 1))), ("two CPUs", Some((0, 1)))]);
     } else {
         eprintln!("stream: placed comparison skipped: it places threads on CPUs 0 and 1, this process may use {cpus}");
     }
-    for write in [16usize << 10, 64 << 10] {
-        for nodelay in [false, true] {
-            for &(placement, place) in &placements {
-                let m = interleaved_medians(
-                    3,
-                    TURNS,
-                    1,
-                    |_| {},
-                    |i| {
-                        one_stream(ns, lo(ports[i]), 1, nodelay, write, total, place);
-                    },
-                );
-                let gib = |ns: f64| total as f64 / ns * 1e9 / f64::from(1u32 << 30);
-                eprintln!(
-                    "stream 1x{} KiB {}, {placement}, interleaved medians ({TURNS} turns): tcp {:.2} GiB/s, always {:.2}x, adaptive {:.2}x",
-                    write >> 10,
-                    if nodelay { "nodelay" } else { "nagle" },
-                    gib(m[0]),
-                    m[0] / m[1],
-                    m[0] / m[2],
-                );
+    let mut rows = Vec::new();
+    for write in [64usize, 1024, 16 << 10, 64 << 10] {
+        let total: usize = if write < 1024 { 4 << 20 } else { 32 << 20 };
+        for &conns in conns_list {
+            for nodelay in [true, false] {
+                let placements = if conns == 1 && write >= 16 << 10 { &placed[..] } else { &placed[..1] };
+                for &(placement, place) in placements {
+                    let m = interleaved_medians(
+                        3,
+                        TURNS,
+                        1,
+                        |_| {},
+                        |i| {
+                            one_stream(ns, lo(ports[i]), conns, nodelay, write, total / conns, place);
+                        },
+                    );
+                    let mib = total as f64 / m[0] * 1e9 / f64::from(1u32 << 20);
+                    let mark = |r: f64| if r < 0.95 { " SLOWER" } else { "" };
+                    let (a, d) = (m[0] / m[1], m[0] / m[2]);
+                    rows.push(format!(
+                        "| {conns} x {write} B, {} | {placement} | {mib:.0} MiB/s | {a:.2}x{} | {d:.2}x{} |",
+                        if nodelay { "nodelay" } else { "nagle" },
+                        mark(a),
+                        mark(d),
+                    ));
+                }
             }
         }
     }
+    eprintln!(
+        "stream, interleaved medians ({TURNS} turns per path):\n\
+         | connections x write, Nagle | threads | tcp (not covered) | always / tcp | adaptive / tcp |\n\
+         |---|---|---:|---:|---:|\n{}",
+        rows.join("\n")
+    );
 }
 
 /// Registering 1 000 pairs: one call each vs one all-or-nothing batch.

@@ -51,9 +51,11 @@ pub struct RuleCounters {
     pub unlinks: u64,
     /// Adaptive policy: unlinked ends put back because their peer sent.
     pub relinks: u64,
-    /// Adaptive policy: directions moved to the TCP path because they stream
-    /// small writes TCP does not coalesce (nodelay) and their reader fell
-    /// behind (TCP then sends the backlog as a few large segments).
+    /// Adaptive policy: directions moved to the TCP path because their
+    /// reader fell behind: small writes TCP does not coalesce (nodelay), 256
+    /// messages behind (TCP then sends the backlog as a few large segments),
+    /// or larger writes, as far ahead as TCP's largest buffers could hold
+    /// (`tcp_rmem[2]` + `tcp_wmem[2]`; TCP then stops the writer).
     pub demotions_behind: u64,
     /// Adaptive policy: messages of a stream TCP would coalesce (Nagle or
     /// cork, writes under a segment) sent on the TCP path because the

@@ -1,6 +1,7 @@
 //! The adaptive fast path on a real kernel: a direction that streams small
-//! writes with Nagle on (or nodelay, with a reader that falls behind) moves
-//! to TCP and comes back when a new exchange
+//! writes with Nagle on (or nodelay, with a reader that falls behind, or
+//! large writes further ahead of their reader than TCP's buffers would let
+//! them) moves to TCP and comes back when a new exchange
 //! starts and every TCP byte was read; the modes `always` and `never`; and
 //! checksummed streams in both directions while directions move back and
 //! forth (nothing lost, duplicated or reordered); a Nagle stream whose
@@ -126,7 +127,7 @@ fn a_small_write_stream_is_demoted_then_promoted() -> Result<()> {
     let (mut up_w, mut up_r) = (Stream::new(1), Stream::new(1));
     let (mut down_w, mut down_r) = (Stream::new(2), Stream::new(2));
 
-    stream_one_way(&c, &s, &mut up_w, &mut up_r, 96 * 512, 512)?;
+    stream_one_way(&c, &s, &mut up_w, &mut up_r, 32 * 512, 512)?;
     let st = k.dp().stats(&pair)?;
     ensure!(st.demotions_coalesce == 1 && st.unlinks == 0, "the stream was demoted once: {st:?}");
     ensure!(st.policy_tcp_msgs > 0 && st.redirected_msgs >= 7, "{st:?}");
@@ -178,6 +179,54 @@ fn a_nodelay_stream_moves_to_tcp_when_its_reader_falls_behind() -> Result<()> {
         "demoted at the first check 256 messages behind: {st:?}"
     );
     up_r.read(&s, 320 * 64)?;
+    Ok(())
+}
+
+/// Large writes (64 KiB, nodelay) stay on the fast path while their reader
+/// keeps up. The psock queue takes everything a sender writes, where TCP
+/// stops a sender once the receiver's window and its own send buffer are
+/// full: once as many redirected bytes wait unread as those could hold at
+/// most (`tcp_rmem[2]` of the reader's namespace + `tcp_wmem[2]` of the
+/// writer's; here 2 + 1 MiB), the direction moves to TCP and its writer
+/// feels TCP's backpressure again. Every byte arrives in order.
+#[test]
+fn a_large_write_stream_moves_to_tcp_once_tcp_would_have_stopped_it() -> Result<()> {
+    const CHUNK: usize = 64 << 10;
+    const AHEAD: u64 = 3 << 20;
+    let k = kernel_test!();
+    let (net, l, pair) = pods_pair(&k, 8210, FastPathMode::Adaptive)?;
+    net.pods[1].ns.exec(&["sysctl", "-qw", "net.ipv4.tcp_rmem=4096 131072 2097152"])?;
+    net.pods[0].ns.exec(&["sysctl", "-qw", "net.ipv4.tcp_wmem=4096 16384 1048576"])?;
+    let (c, s) = connections(&net, &l, 8210, 1)?.remove(0);
+    c.set_nodelay(true)?;
+    let (mut up_w, mut up_r) = (Stream::new(49), Stream::new(49));
+    for _ in 0..80 {
+        up_w.write(&c, CHUNK, CHUNK)?;
+        up_r.read(&s, CHUNK)?;
+    }
+    let st = k.dp().stats(&pair)?;
+    ensure!(st.demotions_behind == 0 && st.policy_tcp_msgs == 0, "a reader that keeps up keeps it: {st:?}");
+    let lockstep = st.redirected_bytes;
+    ensure!(lockstep == 80 * CHUNK as u64, "5 MiB in lockstep, all redirected: {st:?}");
+
+    // 16 MiB more while the reader waits: far more than TCP's buffers
+    // hold, so the writer blocks once the direction took TCP.
+    let total = 16 << 20;
+    thread::scope(|scope| -> Result<()> {
+        let writer = scope.spawn(|| up_w.write(&c, total, CHUNK));
+        let st = wait_counters(&k, &pair, "demoted, reader behind", |st| st.demotions_behind == 1)?;
+        let ahead = st.redirected_bytes - lockstep;
+        ensure!(
+            (AHEAD..=AHEAD + 16 * CHUNK as u64).contains(&ahead),
+            "demoted with {ahead} redirected bytes unread (bound 3 MiB, checked every 16 messages): {st:?}"
+        );
+        thread::sleep(Duration::from_millis(200));
+        ensure!(!writer.is_finished(), "the writer waits on TCP's buffers");
+        up_r.read(&s, total)?;
+        writer.join().unwrap()
+    })?;
+    let st = k.dp().stats(&pair)?;
+    ensure!(st.demotions_behind == 1 && st.policy_tcp_msgs > 0, "{st:?}");
     Ok(())
 }
 

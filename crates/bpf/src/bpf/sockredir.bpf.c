@@ -1525,6 +1525,29 @@ static __always_inline bool reader_busy(struct mw_link *link, __u32 peer)
 	return sk && sk->sk_lock.owned;
 }
 
+/*
+ * How far TCP would let this end's sender run ahead of the peer's reader at
+ * most: the peer's largest receive window and this end's largest send buffer
+ * (tcp_rmem[2] and tcp_wmem[2] of their namespaces, up to which autotuning
+ * grows them). Read through untrusted casts (fault-guarded; the peer's
+ * address is a hint, see reader_busy); nothing read: no bound.
+ */
+static __always_inline __u32 tcp_ahead_max(struct tcp_sock *tp, struct mw_link *link, __u32 peer)
+{
+	struct sock *psk = bpf_core_cast((void *)link->sk[peer & 1], struct sock);
+	struct net *own = tp->inet_conn.icsk_inet.sk.__sk_common.skc_net.net;
+	struct net *pnet = psk ? psk->__sk_common.skc_net.net : NULL;
+	__u64 rmem, wmem;
+
+	if (!own || !pnet)
+		return ~0u;
+	rmem = (__u32)pnet->ipv4.sysctl_tcp_rmem[2];
+	wmem = (__u32)own->ipv4.sysctl_tcp_wmem[2];
+	if (!rmem || !wmem || rmem + wmem > ~0u)
+		return ~0u;
+	return rmem + wmem;
+}
+
 /* The adaptive policy for one message of a direction that may be redirected
  * (mw_dir). Returns false when the message takes the TCP path. This end's
  * sk_msg (under its socket lock) decides its own mw_dir; the peer resets
@@ -1583,12 +1606,18 @@ static __always_inline bool policy_allows(struct sk_msg_md *msg, struct mw_link 
 		return false;
 	}
 	if (run > MW_POLICY_RUN) {
-		/* A stream of small writes TCP does not coalesce: look now
-		 * and then whether its reader keeps up (run_bytes holds the
-		 * run's first MW_POLICY_RUN messages). */
-		if ((run % MW_POLICY_CHECK) || d->run_bytes >= MW_POLICY_RUN * MW_POLICY_SMALL ||
-		    (d->flags & MW_DIR_RD_SHARED) ||
-		    (__u64)(d->redir - d->psock_read) * MW_POLICY_RUN < (__u64)MW_POLICY_BEHIND * d->run_bytes)
+		/* A stream: look now and then whether its reader keeps up
+		 * (run_bytes holds the run's first MW_POLICY_RUN messages).
+		 * Small writes TCP does not coalesce may be MW_POLICY_BEHIND
+		 * messages behind; large ones as many bytes as TCP would let
+		 * the sender run ahead (the psock queue has no bound). */
+		__u32 unread = d->redir - d->psock_read;
+
+		if ((run % MW_POLICY_CHECK) || (d->flags & MW_DIR_RD_SHARED))
+			return true;
+		if (d->run_bytes >= MW_POLICY_RUN * MW_POLICY_SMALL ? unread <= tcp_ahead_max(tp, link, st->end ^ 1)
+								     : (__u64)unread * MW_POLICY_RUN <
+									       (__u64)MW_POLICY_BEHIND * d->run_bytes)
 			return true;
 		behind = true;
 	} else {
