@@ -1514,9 +1514,9 @@ static __always_inline void park_self(struct mw_link *link, struct mw_sock_state
  * hands the segment to the socket's backlog and goes on, and Nagle holds the
  * next writes back into one large segment while the reader is busy. The
  * address (mw_link.sk) is a hint read through an untrusted cast, which the
- * verifier guards against faults: it is set while the socket is in the
- * SOCKMAP; a stale one could only send one message down the TCP path,
- * which is always safe.
+ * verifier guards against faults: it is set when the end joins the link and
+ * the socket lives while the peer may redirect into it; a wrong value could
+ * only send one message down the TCP path, which is always safe.
  */
 static __always_inline bool reader_busy(struct mw_link *link, __u32 peer)
 {
@@ -1530,7 +1530,9 @@ static __always_inline bool reader_busy(struct mw_link *link, __u32 peer)
  * most: the peer's largest receive window and this end's largest send buffer
  * (tcp_rmem[2] and tcp_wmem[2] of their namespaces, up to which autotuning
  * grows them). Read through untrusted casts (fault-guarded; the peer's
- * address is a hint, see reader_busy); nothing read: no bound.
+ * address, see reader_busy, is live while this end redirects into it: a
+ * wrong one could at worst demote this direction, and TCP is always safe);
+ * nothing read: no bound.
  */
 static __always_inline __u32 tcp_ahead_max(struct tcp_sock *tp, struct mw_link *link, __u32 peer)
 {
@@ -1597,14 +1599,6 @@ static __always_inline bool policy_allows(struct sk_msg_md *msg, struct mw_link 
 		d->run_bytes = 0;
 	if (link->flags & MW_LINK_FIXED)
 		return true;
-	/* A stream TCP would coalesce, into a reader busy copying out: TCP
-	 * for this message (see reader_busy). */
-	if (run > MW_POLICY_RUN && coalescing(tp) && d->run_bytes < MW_POLICY_RUN * tp->mss_cache &&
-	    reader_busy(link, (st->end ^ 1) & 1)) {
-		if (rs)
-			rs->fb_reader_busy++;
-		return false;
-	}
 	if (run > MW_POLICY_RUN) {
 		/* A stream: look now and then whether its reader keeps up
 		 * (run_bytes holds the run's first MW_POLICY_RUN messages).
@@ -1686,6 +1680,15 @@ static __always_inline int finish_msg(struct sk_msg_md *msg, struct bpf_sock *sk
 	if (link->dir[end].tcp_read != tp->write_seq) {
 		if (rs)
 			rs->fb_tcp_path++;
+		return SK_PASS;
+	}
+	/* A run of writes TCP would coalesce (Nagle or cork, under one
+	 * segment), into a reader busy copying out: TCP for this message
+	 * rather than wait for the reader's lock (see reader_busy). */
+	if (!(link->flags & MW_LINK_FIXED) && link->dir[end].run > MW_POLICY_RUN && coalescing(tp) &&
+	    link->dir[end].run_bytes < MW_POLICY_RUN * tp->mss_cache && reader_busy(link, peer)) {
+		if (rs)
+			rs->fb_reader_busy++;
 		return SK_PASS;
 	}
 	/* Claim the bytes, then look again whether the peer is leaving: its
