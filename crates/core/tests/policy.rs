@@ -580,6 +580,27 @@ impl Drop for StallingPage {
     }
 }
 
+/// A namespace, its loopback pair and the connections to it.
+type LoopbackPair = (meshwarp_testbed::NetNs, EndpointPair, Vec<(TcpStream, TcpStream)>);
+
+/// An adaptive pair on loopback in a namespace of its own (one segment holds
+/// 64 KiB there) and `n` connections to it, Nagle on: (client, server).
+fn loopback_pair(k: &KernelTest, port: u16, n: usize) -> Result<LoopbackPair> {
+    let ns = meshwarp_testbed::NetNs::new("busy")?;
+    let addr = SocketAddr::new(std::net::Ipv4Addr::LOCALHOST.into(), port);
+    let l = ns.listen(addr)?;
+    let pair = EndpointPair::new(addr.ip(), addr.into())?;
+    k.dp().insert(&pair, "test")?;
+    let conns = (0..n)
+        .map(|_| {
+            let c = ns.connect(addr)?;
+            c.set_nodelay(false)?;
+            Ok((c, accept_timeout(&l, Duration::from_secs(60))?))
+        })
+        .collect::<Result<_>>()?;
+    Ok((ns, pair, conns))
+}
+
 /// A stream TCP would coalesce (Nagle on, 8 KiB writes: over the small-write
 /// bar, under a loopback segment), whose reader is busy copying out (here
 /// stopped inside its copy, holding its socket lock): its next message takes
@@ -591,14 +612,8 @@ fn a_coalescing_stream_goes_around_a_busy_reader() -> Result<()> {
     use std::os::fd::AsRawFd;
     const W: usize = 8192;
     let k = kernel_test!();
-    let ns = meshwarp_testbed::NetNs::new("busy")?;
-    let addr: SocketAddr = "127.0.0.1:8212".parse()?;
-    let l = ns.listen(addr)?;
-    let pair = EndpointPair::new(addr.ip(), addr.into())?;
-    k.dp().insert(&pair, "test")?;
-    let c = ns.connect(addr)?;
-    c.set_nodelay(false)?;
-    let s = accept_timeout(&l, Duration::from_secs(60))?;
+    let (_ns, pair, mut conns) = loopback_pair(&k, 8212, 1)?;
+    let (c, s) = conns.remove(0);
     let (mut up_w, mut up_r) = (Stream::new(47), Stream::new(47));
 
     // A run of ten messages without a reply, read as they come: redirected.
@@ -668,18 +683,7 @@ fn a_coalescing_stream_goes_around_a_busy_reader() -> Result<()> {
 fn streams_around_busy_readers_lose_nothing() -> Result<()> {
     const LEN: usize = 4 << 20;
     let k = kernel_test!();
-    let ns = meshwarp_testbed::NetNs::new("busy")?;
-    let addr: SocketAddr = "127.0.0.1:8213".parse()?;
-    let l = ns.listen(addr)?;
-    let pair = EndpointPair::new(addr.ip(), addr.into())?;
-    k.dp().insert(&pair, "test")?;
-    let conns: Vec<(TcpStream, TcpStream)> = (0..8)
-        .map(|_| {
-            let c = ns.connect(addr)?;
-            c.set_nodelay(false)?;
-            Ok((c, accept_timeout(&l, Duration::from_secs(60))?))
-        })
-        .collect::<Result<_>>()?;
+    let (_ns, pair, conns) = loopback_pair(&k, 8213, 8)?;
     thread::scope(|scope| -> Result<()> {
         let mut handles = Vec::new();
         for (n, (c, s)) in conns.iter().enumerate() {
