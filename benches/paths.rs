@@ -237,7 +237,7 @@ fn stream(c: &mut Criterion, k: &KernelTest, ns: &NetNs, always: &EndpointPair, 
     let lo = |p: u16| SocketAddr::new(IpAddr::from([127, 0, 0, 1]), p);
     let conns_list: &[usize] = if quick { &[1, 8] } else { &[1, 8, 64] };
     for write in [64usize, 1024, 16 << 10, 64 << 10] {
-        let total: usize = if write < 1024 { 4 << 20 } else { 32 << 20 };
+        let total = stream_total(write);
         g.throughput(Throughput::Bytes(total as u64));
         for &conns in conns_list {
             for nodelay in [true, false] {
@@ -264,6 +264,16 @@ fn stream(c: &mut Criterion, k: &KernelTest, ns: &NetNs, always: &EndpointPair, 
     g.finish();
     stream_interleaved(ns, conns_list, always, adaptive);
     eprintln!("adaptive pair: {:?}", k.dp().stats(adaptive).expect("stats"));
+}
+
+/// Bytes one stream cell moves (all connections together): small writes are
+/// slow, so their cells move less.
+fn stream_total(write: usize) -> usize {
+    if write < 1024 {
+        4 << 20
+    } else {
+        32 << 20
+    }
 }
 
 /// `place`: the reader's and the writer's CPU (every connection's).
@@ -340,7 +350,7 @@ fn stream_interleaved(ns: &NetNs, conns_list: &[usize], always: &EndpointPair, a
     }
     let mut rows = Vec::new();
     for write in [64usize, 1024, 16 << 10, 64 << 10] {
-        let total: usize = if write < 1024 { 4 << 20 } else { 32 << 20 };
+        let total = stream_total(write);
         for &conns in conns_list {
             for nodelay in [true, false] {
                 let placements = if conns == 1 && write >= 16 << 10 { &placed[..] } else { &placed[..1] };

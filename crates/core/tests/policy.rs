@@ -87,10 +87,19 @@ fn pods_pair(k: &KernelTest, port: u16, mode: FastPathMode) -> Result<(NodeWithP
 /// `n` connections from pod 0 to pod 1's listener `l` on `port`, Nagle on
 /// (client end, server end).
 fn connections(net: &NodeWithPods, l: &TcpListener, port: u16, n: usize) -> Result<Vec<(TcpStream, TcpStream)>> {
-    let to = SocketAddr::new(net.pods[1].addr(false), port);
+    connections_from(&net.pods[0].ns, l, SocketAddr::new(net.pods[1].addr(false), port), n)
+}
+
+/// `n` connections from `ns` to `to`, accepted by `l`, Nagle on.
+fn connections_from(
+    ns: &meshwarp_testbed::NetNs,
+    l: &TcpListener,
+    to: SocketAddr,
+    n: usize,
+) -> Result<Vec<(TcpStream, TcpStream)>> {
     (0..n)
         .map(|_| {
-            let c = net.pods[0].ns.connect(to)?;
+            let c = ns.connect(to)?;
             c.set_nodelay(false)?;
             Ok((c, accept_timeout(l, Duration::from_secs(60))?))
         })
@@ -591,13 +600,7 @@ fn loopback_pair(k: &KernelTest, port: u16, n: usize) -> Result<LoopbackPair> {
     let l = ns.listen(addr)?;
     let pair = EndpointPair::new(addr.ip(), addr.into())?;
     k.dp().insert(&pair, "test")?;
-    let conns = (0..n)
-        .map(|_| {
-            let c = ns.connect(addr)?;
-            c.set_nodelay(false)?;
-            Ok((c, accept_timeout(&l, Duration::from_secs(60))?))
-        })
-        .collect::<Result<_>>()?;
+    let conns = connections_from(&ns, &l, addr, n)?;
     Ok((ns, pair, conns))
 }
 
