@@ -1,7 +1,7 @@
 //! A finer A/B than criterion's back-to-back groups on a noisy machine
-//! (`#[path]`-included by the benches that compare round trips).
+//! (`#[path]`-included by the benches that compare paths).
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// `n` contenders take turns of `turn` round trips (`rounds` times, in
 /// order; `prepare(i)` runs before contender i's turn, e.g. to flip a
@@ -15,15 +15,24 @@ pub fn interleaved_medians(
     mut prepare: impl FnMut(usize),
     mut one: impl FnMut(usize),
 ) -> Vec<f64> {
+    interleaved_timed(n, rounds, |i| {
+        prepare(i);
+        let start = Instant::now();
+        for _ in 0..turn {
+            one(i);
+        }
+        start.elapsed() / turn
+    })
+}
+
+/// `n` contenders take turns (`rounds` times, in order); `turn(i)` runs
+/// contender i's turn and returns the time it measured (without its setup);
+/// each one's median, in ns.
+pub fn interleaved_timed(n: usize, rounds: usize, mut turn: impl FnMut(usize) -> Duration) -> Vec<f64> {
     let mut times = vec![Vec::with_capacity(rounds); n];
     for _ in 0..rounds {
         for (i, t) in times.iter_mut().enumerate() {
-            prepare(i);
-            let start = Instant::now();
-            for _ in 0..turn {
-                one(i);
-            }
-            t.push(start.elapsed().as_nanos() as f64 / f64::from(turn));
+            t.push(turn(i).as_nanos() as f64);
         }
     }
     times

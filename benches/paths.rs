@@ -3,16 +3,21 @@
 //! - `rr/<size>`: request/response round trips of 64 B .. 1 MiB over plain
 //!   loopback TCP with no programs attached, TCP seen by sockops but not
 //!   covered, mirror-paired redirect (mode always, and mode adaptive),
-//!   capture-paired redirect through iptables REDIRECT, and a Unix socket pair;
+//!   capture-paired redirect through iptables REDIRECT, and a Unix socket pair
+//!   (and one whose ends wait in poll(), in the interleaved comparison;
+//!   `MESHWARP_BENCH_HALT_POLL_NS=N` adds the two-CPU comparison with the
+//!   guest's halt polling set to N ns, restored after);
 //! - `stream/<conns>x<write>_<nagle>`: one-way bulk throughput, 64 B .. 64 KiB
 //!   writes, 1, 8 and 64 connections, TCP_NODELAY on and off: TCP, mode
 //!   always, mode adaptive (`MESHWARP_BENCH_QUICK=1`: 1 and 8 connections);
 //!   then the same matrix with the paths in alternation (interleaved
-//!   medians, a table on stderr), and placed threads for one connection's
-//!   16 and 64 KiB writes;
+//!   medians, a table on stderr, with TCP against itself as the noise
+//!   floor), and placed threads for one connection's 16 and 64 KiB writes;
 //! - `control`: registering pairs one by one vs in one batch (library).
 //!
-//! `cargo bench -p meshwarp-benches --bench paths` (as root).
+//! `cargo bench -p meshwarp-benches --bench paths` (as root); a filter
+//! (`-- stream/8x1024B_nagle`, `-- rr`) also selects the interleaved cells,
+//! whose ids are `stream/<conns>x<write>B_<nagle>` and `rr/interleaved/<size>`.
 
 use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpStream};
@@ -33,7 +38,53 @@ const RR_TURN: u32 = 2_000;
 
 #[path = "interleave.rs"]
 mod interleave;
-use interleave::interleaved_medians;
+use interleave::{interleaved_medians, interleaved_timed};
+#[path = "exchange.rs"]
+mod exchange;
+
+/// The bench's filter (criterion's first free argument), which the
+/// interleaved comparisons also follow, as a substring of their cell's
+/// criterion id (`a|b`: either): `--bench paths -- stream/8x1024B_nagle`
+/// runs that one cell.
+fn selected(id: &str) -> bool {
+    let filter = std::env::args().skip(1).find(|a| !a.starts_with('-'));
+    filter.is_none_or(|f| f.split('|').any(|f| id.contains(f)))
+}
+
+/// A number from the environment (`MESHWARP_STREAM_TURNS`, ...), else `default`.
+fn env_or(name: &str, default: usize) -> usize {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+/// The guest's cpuidle halt polling (`haltpoll.guest_halt_poll_ns`) set for
+/// a comparison, and restored when dropped. This VM boots with it at 0: an
+/// idle vCPU halts at once, and waking it takes tens of µs, the largest
+/// cost of a round trip between two CPUs for every path. Only with
+/// `MESHWARP_BENCH_HALT_POLL_NS` (a host-wide knob: never by default).
+struct HaltPoll(Option<String>);
+
+const HALT_POLL: &str = "/sys/module/haltpoll/parameters/guest_halt_poll_ns";
+
+impl HaltPoll {
+    fn set(ns: u64) -> Self {
+        let old = std::fs::read_to_string(HALT_POLL).ok();
+        match &old {
+            Some(_) => std::fs::write(HALT_POLL, ns.to_string()).expect("setting guest_halt_poll_ns"),
+            None => eprintln!("rr: {HALT_POLL} missing (no haltpoll cpuidle driver): the comparison runs as it is"),
+        }
+        Self(old)
+    }
+}
+
+impl Drop for HaltPoll {
+    fn drop(&mut self) {
+        if let Some(old) = &self.0 {
+            if let Err(e) = std::fs::write(HALT_POLL, old.trim()) {
+                eprintln!("rr: restoring {HALT_POLL} to {}: {e}", old.trim());
+            }
+        }
+    }
+}
 
 /// A socket `rtt` drives, of either family.
 trait ReadWriteFd: Read + Write + std::os::fd::AsFd {}
@@ -86,11 +137,20 @@ fn echo_conn(ns: &NetNs, listen: SocketAddr, connect: SocketAddr, msg: usize, no
     (c, echo)
 }
 
-fn unix_echo(msg: usize) -> (UnixStream, Echo) {
+/// A Unix socket pair whose far end echoes. `polled`: both ends wait in
+/// poll() instead of a blocking read. A blocked Unix reader sleeps on the
+/// wait queue its socket's write space is announced on too, so it is woken
+/// as soon as its peer reads what it sent, one step before the answer comes
+/// (a wake-up TCP and the redirect do not give); a poll() waiter for POLLIN
+/// is not. On two CPUs of this VM that early wake-up hides the other vCPU's
+/// halt exit, the largest cost of a round trip.
+fn unix_echo(msg: usize, polled: bool) -> (UnixStream, Echo) {
     let (c, mut s) = UnixStream::pair().expect("unix pair");
+    c.set_nonblocking(polled).expect("nonblocking");
+    s.set_nonblocking(polled).expect("nonblocking");
     let echo = std::thread::spawn(move || {
         let mut buf = vec![0u8; msg];
-        while s.read_exact(&mut buf).is_ok() && s.write_all(&buf).is_ok() {}
+        while read_exact_ready(&mut s, &mut buf, None).is_ok() && write_all_ready(&mut s, &buf, None).is_ok() {}
         Ok(())
     });
     (c, echo)
@@ -143,8 +203,9 @@ fn paths(c: &mut Criterion) {
         let (mut redir, e2) = echo_conn(&ns, lo(9301), lo(9301), size, true);
         let (mut adapt, e3) = echo_conn(&ns, lo(9302), lo(9302), size, true);
         let (mut captured, e4) = echo_conn(&ns, lo(15001), SocketAddr::new(vip, 80), size, true);
-        let (mut unix, e5) = unix_echo(size);
-        let echoes = [e0, e1, e2, e3, e4, e5];
+        let (mut unix, e5) = unix_echo(size, false);
+        let (mut unix_polled, e6) = unix_echo(size, true);
+        let echoes = [e0, e1, e2, e3, e4, e5, e6];
         // One exchange each, so the check below holds whatever a filter runs.
         for s in [&mut redir, &mut adapt, &mut captured] {
             rtt(s, &msg, &mut buf, 1);
@@ -167,7 +228,7 @@ fn paths(c: &mut Criterion) {
         g.bench_with_input(BenchmarkId::new("unix", size), &size, |b, _| {
             b.iter_custom(|n| rtt(&mut unix, &msg, &mut buf, n))
         });
-        // The goal's cells again, the six in alternation (criterion's
+        // The goal's cells again, the seven in alternation (criterion's
         // groups run back to back, and this host drifts by more than the
         // differences between paths), with the threads placed: client and
         // echo on one CPU, then on two (where a round trip wakes the other,
@@ -177,16 +238,29 @@ fn paths(c: &mut Criterion) {
         if size <= 1024 && cpus < 2 {
             eprintln!("rr {size} B: interleaved comparison skipped: it places threads on CPUs 0 and 1, this process may use {cpus}");
         }
-        if size <= 1024 && cpus >= 2 {
-            let names = ["tcp", "tcp_not_covered", "redirect_mirror", "redirect_adaptive", "redirect_capture", "unix"];
-            for (placement, echo_cpu) in [("one CPU", 1), ("two CPUs", 0)] {
+        if size <= 1024 && cpus >= 2 && selected(&format!("rr/interleaved/{size}")) {
+            let names = [
+                "tcp",
+                "tcp_not_covered",
+                "redirect_mirror",
+                "redirect_adaptive",
+                "redirect_capture",
+                "unix",
+                "unix_polled",
+            ];
+            let mut placements = vec![("one CPU".to_string(), 1, None), ("two CPUs".to_string(), 0, None)];
+            if let Some(ns) = std::env::var("MESHWARP_BENCH_HALT_POLL_NS").ok().and_then(|v| v.parse::<u64>().ok()) {
+                placements.push((format!("two CPUs, guest halt polling {ns} ns"), 0, Some(ns)));
+            }
+            for (placement, echo_cpu, halt_poll) in placements {
+                let _poll = halt_poll.map(HaltPoll::set);
                 // SAFETY: pthread_self is always valid.
                 set_cpus(unsafe { libc::pthread_self() }, [1]);
                 for e in &echoes {
                     set_cpus(e.as_pthread_t(), [echo_cpu]);
                 }
                 let m = interleaved_medians(
-                    6,
+                    names.len(),
                     RR_TURNS,
                     RR_TURN,
                     |_| {},
@@ -197,7 +271,8 @@ fn paths(c: &mut Criterion) {
                             2 => &mut redir,
                             3 => &mut adapt,
                             4 => &mut captured,
-                            _ => &mut unix,
+                            5 => &mut unix,
+                            _ => &mut unix_polled,
                         };
                         rtt(&mut { s }, &msg, &mut buf, 1);
                     },
@@ -216,7 +291,7 @@ fn paths(c: &mut Criterion) {
             }
         }
         // Each listener served one connection; drop them before the next size.
-        drop((plain, seen, redir, adapt, captured, unix, echoes));
+        drop((plain, seen, redir, adapt, captured, unix, unix_polled, echoes));
     }
     g.finish();
     let st = k.dp().stats(&mirror).expect("stats");
@@ -225,6 +300,7 @@ fn paths(c: &mut Criterion) {
     let ad = k.dp().stats(&adaptive).expect("stats");
     eprintln!("mirror pair: {st:?}\ncapture rule: {cs:?}\nadaptive pair after rr: {ad:?}");
     stream(c, &k, &ns, &mirror, &adaptive);
+    exchanges(&k, &ns, &mirror, &adaptive);
     control(c, &k);
 }
 
@@ -330,18 +406,23 @@ fn one_stream(
     start.elapsed()
 }
 
-/// The stream matrix again, the three paths in alternation (15 turns of one
-/// stream each, the median of each path's turns), printed as a table.
-/// Criterion runs each path's samples back to back, and this host drifts
-/// between them by more than some cells' differences. The single-connection
-/// 16 and 64 KiB cells also run with the reader and writer placed (on one
-/// CPU, then on two): whether a reader sleeps between writes, a vCPU halt
-/// and wake-up here, decides those more than their path.
+/// The stream matrix again, the paths in alternation (turns of one stream
+/// each, the median of each path's turns), printed as a table. Criterion
+/// runs each path's samples back to back, and this host drifts between them
+/// by more than some cells' differences. TCP runs twice per turn: the second
+/// one's ratio to the first (A/A) is the noise a cell's ratios carry. The
+/// single-connection 16 and 64 KiB cells also run with the reader and writer
+/// placed (on one CPU, then on two): whether a reader sleeps between writes,
+/// a vCPU halt and wake-up here, decides those more than their path.
+/// A cell gets as many turns as make about a second per path (15 to 61: a
+/// median of short streams moves more between runs than its paths differ);
+/// `MESHWARP_STREAM_TURNS` and `MESHWARP_STREAM_MIB` (every cell's bytes)
+/// override the defaults.
 fn stream_interleaved(ns: &NetNs, conns_list: &[usize], always: &EndpointPair, adaptive: &EndpointPair) {
-    const TURNS: usize = 15;
+    let mib = env_or("MESHWARP_STREAM_MIB", 0);
     let cpus = std::thread::available_parallelism().map_or(1, usize::from);
     let lo = |p: u16| SocketAddr::new(IpAddr::from([127, 0, 0, 1]), p);
-    let ports = [9501u16, always.server().port, adaptive.server().port];
+    let ports = [9501u16, always.server().port, adaptive.server().port, 9501];
     let mut placed = vec![("unpinned", None)];
     if cpus >= 2 {
         placed.extend([("one CPU", Some((1, 1))), ("two CPUs", Some((0, 1)))]);
@@ -350,26 +431,26 @@ fn stream_interleaved(ns: &NetNs, conns_list: &[usize], always: &EndpointPair, a
     }
     let mut rows = Vec::new();
     for write in [64usize, 1024, 16 << 10, 64 << 10] {
-        let total = stream_total(write);
+        let total = if mib > 0 { mib << 20 } else { stream_total(write) };
         for &conns in conns_list {
             for nodelay in [true, false] {
+                let nagle = if nodelay { "nodelay" } else { "nagle" };
+                if !selected(&format!("stream/{conns}x{write}B_{nagle}")) {
+                    continue;
+                }
                 let placements = if conns == 1 && write >= 16 << 10 { &placed[..] } else { &placed[..1] };
                 for &(placement, place) in placements {
-                    let m = interleaved_medians(
-                        3,
-                        TURNS,
-                        1,
-                        |_| {},
-                        |i| {
-                            one_stream(ns, lo(ports[i]), conns, nodelay, write, total / conns, place);
-                        },
-                    );
-                    let mib = total as f64 / m[0] * 1e9 / f64::from(1u32 << 20);
+                    // A first stream on TCP (not counted) times the cell.
+                    let first = one_stream(ns, lo(ports[0]), conns, nodelay, write, total / conns, place);
+                    let turns = turns_for(first);
+                    let m = interleaved_timed(ports.len(), turns, |i| {
+                        one_stream(ns, lo(ports[i]), conns, nodelay, write, total / conns, place)
+                    });
+                    let tcp = total as f64 / m[0] * 1e9 / f64::from(1u32 << 20);
                     let mark = |r: f64| if r < 0.95 { " SLOWER" } else { "" };
-                    let (a, d) = (m[0] / m[1], m[0] / m[2]);
+                    let [a, d, aa] = [m[1], m[2], m[3]].map(|t| m[0] / t);
                     rows.push(format!(
-                        "| {conns} x {write} B, {} | {placement} | {mib:.0} MiB/s | {a:.2}x{} | {d:.2}x{} |",
-                        if nodelay { "nodelay" } else { "nagle" },
+                        "| {conns} x {write} B, {nagle} | {placement} | {turns} | {tcp:.0} MiB/s | {a:.2}x{} | {d:.2}x{} | {aa:.2}x |",
                         mark(a),
                         mark(d),
                     ));
@@ -377,12 +458,108 @@ fn stream_interleaved(ns: &NetNs, conns_list: &[usize], always: &EndpointPair, a
             }
         }
     }
-    eprintln!(
-        "stream, interleaved medians ({TURNS} turns per path):\n\
-         | connections x write, Nagle | threads | tcp (not covered) | always / tcp | adaptive / tcp |\n\
-         |---|---|---:|---:|---:|\n{}",
-        rows.join("\n")
-    );
+    if !rows.is_empty() {
+        eprintln!(
+            "stream, interleaved medians:\n\
+             | connections x write, Nagle | threads | turns | tcp (not covered) | always / tcp | adaptive / tcp | tcp again / tcp (A/A) |\n\
+             |---|---|---:|---:|---:|---:|---:|\n{}",
+            rows.join("\n")
+        );
+    }
+}
+
+/// Turns for an interleaved cell whose first run took `first`: about a
+/// second per path, 15 to 61 (`MESHWARP_STREAM_TURNS` fixes it).
+fn turns_for(first: Duration) -> usize {
+    match env_or("MESHWARP_STREAM_TURNS", 0) {
+        0 => (1.0 / first.as_secs_f64()).clamp(15.0, 61.0) as usize,
+        n => n,
+    }
+}
+
+/// One cell of [`exchanges`].
+enum Exchange {
+    Download { size: usize, write: usize, nodelay: bool },
+    Burst { k: usize, size: usize, nodelay: bool },
+}
+
+impl Exchange {
+    fn id(&self) -> String {
+        let nagle = |nodelay: bool| if nodelay { "nodelay" } else { "nagle" };
+        match *self {
+            Self::Download { size, write, nodelay } => {
+                format!("download/{}MiB_{write}B_{}", size >> 20, nagle(nodelay))
+            }
+            Self::Burst { k, size, nodelay } => format!("burst/{k}x{size}B_{}", nagle(nodelay)),
+        }
+    }
+
+    /// Requests (bursts) per turn.
+    fn per_turn(&self) -> u32 {
+        match *self {
+            Self::Download { size, .. } if size > 1 << 20 => 4,
+            Self::Download { .. } => 16,
+            Self::Burst { .. } => 50,
+        }
+    }
+
+    /// One turn on a connection to `addr`: the time per request (burst).
+    fn run(&self, ns: &NetNs, addr: SocketAddr) -> Duration {
+        match *self {
+            Self::Download { size, write, nodelay } => {
+                exchange::download(ns, addr, nodelay, write, size, self.per_turn())
+            }
+            Self::Burst { k, size, nodelay } => exchange::burst(ns, addr, nodelay, k, size, self.per_turn()),
+        }
+    }
+}
+
+/// Downloads (a 64 B request, a 1 or 16 MiB response written in 1 or 16 KiB
+/// writes) and bursts (16 or 64 pipelined requests of 64 B or 1 KiB, each
+/// answered), Nagle on and off: TCP, mode always and mode adaptive in
+/// alternation, TCP again as the noise floor; time per request or burst,
+/// medians, as a table (`download/<size>_<write>B_<nagle>`,
+/// `burst/<k>x<size>B_<nagle>`).
+fn exchanges(k: &KernelTest, ns: &NetNs, always: &EndpointPair, adaptive: &EndpointPair) {
+    let lo = |p: u16| SocketAddr::new(IpAddr::from([127, 0, 0, 1]), p);
+    let ports = [9501u16, always.server().port, adaptive.server().port, 9501];
+    let mut cells = Vec::new();
+    for size in [1usize << 20, 16 << 20] {
+        for write in [1024usize, 16 << 10] {
+            cells.extend([false, true].map(|nodelay| Exchange::Download { size, write, nodelay }));
+        }
+    }
+    for k in [16usize, 64] {
+        for size in [64usize, 1024] {
+            cells.extend([false, true].map(|nodelay| Exchange::Burst { k, size, nodelay }));
+        }
+    }
+    let mut rows = Vec::new();
+    for cell in cells {
+        let id = cell.id();
+        if !selected(&id) {
+            continue;
+        }
+        let turns = turns_for(cell.run(ns, lo(ports[0])) * cell.per_turn());
+        let m = interleaved_timed(ports.len(), turns, |i| cell.run(ns, lo(ports[i])));
+        let mark = |r: f64| if r > 1.05 { " SLOWER" } else { "" };
+        let [a, d, aa] = [m[1], m[2], m[3]].map(|t| t / m[0]);
+        rows.push(format!(
+            "| {id} | {turns} | {:.0} us | {a:.2}x{} | {d:.2}x{} | {aa:.2}x |",
+            m[0] / 1e3,
+            mark(a),
+            mark(d)
+        ));
+    }
+    if !rows.is_empty() {
+        eprintln!(
+            "exchanges, interleaved medians (time per request or burst, ratio to TCP's):\n\
+             | workload | turns | tcp (not covered) | always / tcp | adaptive / tcp | tcp again / tcp (A/A) |\n\
+             |---|---:|---:|---:|---:|---:|\n{}",
+            rows.join("\n")
+        );
+        eprintln!("adaptive pair after the exchanges: {:?}", k.dp().stats(adaptive).expect("stats"));
+    }
 }
 
 /// Registering 1 000 pairs: one call each vs one all-or-nothing batch.

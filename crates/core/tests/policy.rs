@@ -136,12 +136,13 @@ fn a_small_write_stream_is_demoted_then_promoted() -> Result<()> {
     let (mut up_w, mut up_r) = (Stream::new(1), Stream::new(1));
     let (mut down_w, mut down_r) = (Stream::new(2), Stream::new(2));
 
-    stream_one_way(&c, &s, &mut up_w, &mut up_r, 32 * 512, 512)?;
+    // Demoted at message 64 (MW_POLICY_COALESCE), one check after it at 80.
+    stream_one_way(&c, &s, &mut up_w, &mut up_r, 80 * 512, 512)?;
     let st = k.dp().stats(&pair)?;
     ensure!(st.demotions_coalesce == 1 && st.unlinks == 0, "the stream was demoted once: {st:?}");
-    ensure!(st.policy_tcp_msgs > 0 && st.redirected_msgs >= 7, "{st:?}");
-    // Bytes sent on TCP after the demotion: most of the stream.
-    ensure!(st.redirected_bytes <= 8 * 512, "{st:?}");
+    ensure!(st.policy_tcp_msgs > 0 && st.redirected_msgs >= 63, "{st:?}");
+    // Bytes sent on TCP after the demotion: the rest of the stream.
+    ensure!(st.redirected_bytes <= 64 * 512, "{st:?}");
 
     // The server answers; the client's next request starts a new exchange.
     down_w.write(&s, 64, 64)?;
@@ -152,6 +153,60 @@ fn a_small_write_stream_is_demoted_then_promoted() -> Result<()> {
     let after = k.dp().stats(&pair)?;
     ensure!(after.promotions == 1, "promoted once the server read every TCP byte: {after:?}");
     ensure!(after.redirected_bytes == before.redirected_bytes + 100, "the request was redirected: {after:?}");
+    Ok(())
+}
+
+/// Pipelined bursts (a redis client's): 48 small Nagle requests written back
+/// to back, each answered as the server reads it, the answers read after
+/// the burst. A burst is no stream: it stays on the fast path both ways
+/// (split between the paths, its TCP tail would wait on delayed
+/// acknowledgments), every burst; then runs longer than MW_POLICY_COALESCE
+/// move to TCP, and later bursts go on. Every byte checked.
+#[test]
+fn pipelined_bursts_stay_on_the_fast_path() -> Result<()> {
+    const K: usize = 48;
+    let k = kernel_test!();
+    let (net, l, pair) = pods_pair(&k, 8214, FastPathMode::Adaptive)?;
+    let (c, s) = connections(&net, &l, 8214, 1)?.remove(0);
+    let (mut up_w, mut up_r) = (Stream::new(51), Stream::new(51));
+    let (mut down_w, mut down_r) = (Stream::new(52), Stream::new(52));
+    // `written`: the server starts reading once the whole burst is written.
+    let mut burst = |k: usize, written: bool| -> Result<()> {
+        thread::scope(|scope| {
+            let (tx, rx) = std::sync::mpsc::channel::<()>();
+            let (up_r, down_w, s) = (&mut up_r, &mut down_w, &s);
+            let server = scope.spawn(move || -> Result<()> {
+                if written {
+                    // Returns when the writer drops `tx`.
+                    rx.recv().ok();
+                }
+                for _ in 0..k {
+                    up_r.read(s, 64)?;
+                    down_w.write(s, 64, 64)?;
+                }
+                Ok(())
+            });
+            for _ in 0..k {
+                up_w.write(&c, 64, 64)?;
+            }
+            drop(tx);
+            down_r.read(&c, 64 * k)?;
+            server.join().unwrap()
+        })
+    };
+    for _ in 0..20 {
+        burst(K, false)?;
+    }
+    let st = k.dp().stats(&pair)?;
+    ensure!(st.demotions_coalesce == 0 && st.policy_tcp_msgs == 0 && st.fallback_reader_busy == 0, "{st:?}");
+    ensure!(st.redirected_msgs == 2 * 20 * K as u64, "every request and answer redirected: {st:?}");
+    burst(100, true)?;
+    let st = k.dp().stats(&pair)?;
+    ensure!(st.demotions_coalesce == 2, "both runs of 100 (requests, then answers) moved to TCP: {st:?}");
+    // And the next bursts find their way back; every byte still in order.
+    for _ in 0..3 {
+        burst(K, false)?;
+    }
     Ok(())
 }
 
@@ -374,8 +429,8 @@ fn no_promotion_while_tcp_bytes_are_unread() -> Result<()> {
     let (c, s) = connections(&net, &l, 8202, 1)?.remove(0);
     let (mut up_w, mut up_r) = (Stream::new(3), Stream::new(3));
     let (mut down_w, mut down_r) = (Stream::new(4), Stream::new(4));
-    // 32 small writes, not read yet: 8 redirected, then TCP.
-    up_w.write(&c, 32 * 200, 200)?;
+    // 80 small writes, not read yet: 63 redirected, then TCP.
+    up_w.write(&c, 80 * 200, 200)?;
     thread::sleep(Duration::from_millis(50));
     ensure!(k.dp().stats(&pair)?.demotions_coalesce == 1);
     // A reply, then a request, with the stream still unread.
@@ -385,7 +440,7 @@ fn no_promotion_while_tcp_bytes_are_unread() -> Result<()> {
     let st = k.dp().stats(&pair)?;
     ensure!(st.promotions == 0, "not promoted over unread TCP bytes: {st:?}");
     // The reader gets everything in order, then a new exchange promotes.
-    up_r.read(&s, 32 * 200 + 300)?;
+    up_r.read(&s, 80 * 200 + 300)?;
     down_w.write(&s, 10, 10)?;
     down_r.read(&c, 10)?;
     up_w.write(&c, 300, 300)?;
@@ -619,13 +674,15 @@ fn a_coalescing_stream_goes_around_a_busy_reader() -> Result<()> {
     let (c, s) = conns.remove(0);
     let (mut up_w, mut up_r) = (Stream::new(47), Stream::new(47));
 
-    // A run of ten messages without a reply, read as they come: redirected.
-    for _ in 0..10 {
+    // A run without a reply past MW_POLICY_COALESCE (64) messages, read
+    // as they come: redirected.
+    const RUN: u64 = 66;
+    for _ in 0..RUN {
         up_w.write(&c, W, W)?;
         up_r.read(&s, W)?;
     }
     let st = k.dp().stats(&pair)?;
-    ensure!(st.redirected_msgs == 10 && st.fallback_reader_busy == 0 && st.demotions_coalesce == 0, "{st:?}");
+    ensure!(st.redirected_msgs == RUN && st.fallback_reader_busy == 0 && st.demotions_coalesce == 0, "{st:?}");
 
     // One more, which the reader starts copying into the stalling page.
     up_w.write(&c, W, W)?;
@@ -660,18 +717,21 @@ fn a_coalescing_stream_goes_around_a_busy_reader() -> Result<()> {
     }
     up_r.at += plen as u64;
     let st = k.dp().stats(&pair)?;
-    ensure!(st.fallback_reader_busy == 1 && st.redirected_msgs == 11, "the busy reader's message went on TCP: {st:?}");
+    ensure!(
+        st.fallback_reader_busy == 1 && st.redirected_msgs == RUN + 1,
+        "the busy reader's message went on TCP: {st:?}"
+    );
 
     // Not read yet: the next message follows it on TCP.
     up_w.write(&c, W, W)?;
     let st = k.dp().stats(&pair)?;
-    ensure!(st.fallback_tcp_path == 1 && st.redirected_msgs == 11, "{st:?}");
+    ensure!(st.fallback_tcp_path == 1 && st.redirected_msgs == RUN + 1, "{st:?}");
     up_r.read(&s, (W - plen) + 2 * W)?;
     // All read: the stream is back on the fast path.
     up_w.write(&c, W, W)?;
     up_r.read(&s, W)?;
     let st = k.dp().stats(&pair)?;
-    ensure!(st.redirected_msgs == 12 && st.fallback_reader_busy == 1 && st.demotions_coalesce == 0, "{st:?}");
+    ensure!(st.redirected_msgs == RUN + 2 && st.fallback_reader_busy == 1 && st.demotions_coalesce == 0, "{st:?}");
     Ok(())
 }
 

@@ -164,10 +164,10 @@ struct mw_dir {
  * (psock_read stays behind), so no reader-behind check for this direction. */
 #define MW_DIR_RD_SHARED 32u
 
-/* The policy: after MW_POLICY_RUN messages without a reply, a direction whose
- * sender lets TCP coalesce (Nagle or cork) and whose messages averaged under
- * MW_POLICY_SMALL bytes moves to TCP (for nodelay senders see
- * MW_POLICY_BEHIND). Larger writes stay: redirecting them
+/* The policy: after MW_POLICY_COALESCE messages without a reply, a direction
+ * whose sender lets TCP coalesce (Nagle or cork) and whose first
+ * MW_POLICY_RUN messages averaged under MW_POLICY_SMALL bytes moves to TCP
+ * (for nodelay senders see MW_POLICY_BEHIND). Larger writes stay: redirecting them
  * beats TCP (benches/README.md); sk_msg sees a large write in chunks (as
  * send buffer space allows), so the bar sits well below the chunk size.
  * They move only if their reader falls as far behind as TCP's buffers could
@@ -175,6 +175,16 @@ struct mw_dir {
  * is busy copying (reader_busy). */
 #define MW_POLICY_RUN 8
 #define MW_POLICY_SMALL 4096
+/* Not sooner: a burst of pipelined requests (a redis client's) is a run
+ * too, and a burst split between the two paths waits on TCP's timers. Its
+ * tail goes on TCP while the head is still being read, and Nagle holds
+ * that tail until its first segment is acknowledged, which the peer delays
+ * (40 ms) when its answers, redirected, carry no acknowledgment. A burst of
+ * 16 x 64 B Nagle writes, answered one by one, took 44–88 ms per burst
+ * with the demotion at 8 messages, 44 ms on plain TCP, 0.2 ms redirected
+ * (benches/README.md, 2026-11-25 evening). Streams pay the redirect's
+ * per-message cost for 56 messages more. */
+#define MW_POLICY_COALESCE 64
 /* A demoted direction looks at its link on its first send after it read
  * something (a new exchange may have started) and otherwise once per
  * MW_POLICY_CHECK messages; the others cost one storage lookup. */

@@ -1588,9 +1588,13 @@ static __always_inline bool policy_allows(struct sk_msg_md *msg, struct mw_link 
 		st->flags |= MW_SOCK_DEMOTED;
 		if (rs)
 			rs->policy_tcp_msgs += skipped + 1;
-		/* Still streaming after MW_POLICY_UNLINK checks: leave the
-		 * SOCKMAP, so that TCP is plain TCP again. */
-		if (run >= MW_POLICY_RUN + MW_POLICY_UNLINK && !(d->flags & (MW_DIR_UNLINK_REQ | MW_DIR_UNLINKED)) &&
+		/* Still streaming: leave the SOCKMAP, so that TCP is plain
+		 * TCP again; MW_POLICY_UNLINK checks after a demotion at
+		 * MW_POLICY_COALESCE, at the first one after a reader-behind
+		 * demotion (which streamed long before). */
+		if (run >= MW_POLICY_RUN + MW_POLICY_UNLINK &&
+		    (run < MW_POLICY_COALESCE || run >= MW_POLICY_COALESCE + MW_POLICY_UNLINK) &&
+		    !(d->flags & (MW_DIR_UNLINK_REQ | MW_DIR_UNLINKED)) &&
 		    st->rd_pid != MW_RD_SHARED)
 			park_self(link, st, tp);
 		return false;
@@ -1607,17 +1611,17 @@ static __always_inline bool policy_allows(struct sk_msg_md *msg, struct mw_link 
 		 * the sender run ahead (the psock queue has no bound). */
 		__u32 unread = d->redir - d->psock_read;
 
-		if ((run % MW_POLICY_CHECK) || (d->flags & MW_DIR_RD_SHARED))
+		if (run != MW_POLICY_COALESCE && ((run % MW_POLICY_CHECK) || (d->flags & MW_DIR_RD_SHARED)))
 			return true;
-		if (d->run_bytes >= MW_POLICY_RUN * MW_POLICY_SMALL ? unread <= tcp_ahead_max(tp, link, st->end ^ 1)
-								     : (__u64)unread * MW_POLICY_RUN <
-									       (__u64)MW_POLICY_BEHIND * d->run_bytes)
-			return true;
-		behind = true;
+		if (!(run % MW_POLICY_CHECK) && !(d->flags & MW_DIR_RD_SHARED))
+			behind = d->run_bytes >= MW_POLICY_RUN * MW_POLICY_SMALL
+					 ? unread > tcp_ahead_max(tp, link, st->end ^ 1)
+					 : (__u64)unread * MW_POLICY_RUN >= (__u64)MW_POLICY_BEHIND * d->run_bytes;
 	} else {
 		d->run_bytes += size;
 	}
-	if (behind || (run == MW_POLICY_RUN && d->run_bytes < MW_POLICY_RUN * MW_POLICY_SMALL && coalescing(tp))) {
+	if (behind ||
+	    (run == MW_POLICY_COALESCE && d->run_bytes < MW_POLICY_RUN * MW_POLICY_SMALL && coalescing(tp))) {
 		__sync_fetch_and_or(&d->flags, MW_DIR_TCP);
 		st->flags |= MW_SOCK_DEMOTED;
 		st->skipped = 0;
@@ -1682,10 +1686,11 @@ static __always_inline int finish_msg(struct sk_msg_md *msg, struct bpf_sock *sk
 			rs->fb_tcp_path++;
 		return SK_PASS;
 	}
-	/* A run of writes TCP would coalesce (Nagle or cork, under one
-	 * segment), into a reader busy copying out: TCP for this message
-	 * rather than wait for the reader's lock (see reader_busy). */
-	if (!(link->flags & MW_LINK_FIXED) && link->dir[end].run > MW_POLICY_RUN && coalescing(tp) &&
+	/* A stream (past MW_POLICY_COALESCE) of writes TCP would coalesce
+	 * (Nagle or cork, under one segment), into a reader busy copying
+	 * out: TCP for this message rather than wait for the reader's lock
+	 * (see reader_busy). */
+	if (!(link->flags & MW_LINK_FIXED) && link->dir[end].run > MW_POLICY_COALESCE && coalescing(tp) &&
 	    link->dir[end].run_bytes < MW_POLICY_RUN * tp->mss_cache && reader_busy(link, peer)) {
 		if (rs)
 			rs->fb_reader_busy++;
