@@ -59,20 +59,29 @@ pub fn download(ns: &NetNs, addr: SocketAddr, nodelay: bool, write: usize, size:
 }
 
 /// `bursts` times: `k` requests of `size` bytes written back to back, each
-/// answered with `size` bytes as the server reads it (pipelining, as a redis
-/// client does); the client reads the `k` answers once it wrote them all.
-/// Returns the time per burst.
-pub fn burst(ns: &NetNs, addr: SocketAddr, nodelay: bool, k: usize, size: usize, bursts: u32) -> Duration {
+/// answered with `answer` bytes as the server reads it (pipelining, as a
+/// redis client does); the client reads the `k` answers once it wrote them
+/// all. Returns the time per burst.
+pub fn burst(
+    ns: &NetNs,
+    addr: SocketAddr,
+    nodelay: bool,
+    k: usize,
+    size: usize,
+    answer: usize,
+    bursts: u32,
+) -> Duration {
     let (mut c, mut s) = connected(ns, addr, nodelay);
     std::thread::scope(|scope| {
         scope.spawn(move || {
             let mut req = vec![0u8; size];
+            let ans = vec![0x41u8; answer];
             while read_exact_ready(&mut s, &mut req, TIMEOUT).is_ok() {
-                write_all_ready(&mut s, &req, TIMEOUT).expect("answer write");
+                write_all_ready(&mut s, &ans, TIMEOUT).expect("answer write");
             }
         });
         let msg = vec![0x51u8; size];
-        let mut answers = vec![0u8; k * size];
+        let mut answers = vec![0u8; k * answer];
         let start = Instant::now();
         for _ in 0..bursts {
             for _ in 0..k {

@@ -13,11 +13,19 @@
 //!   then the same matrix with the paths in alternation (interleaved
 //!   medians, a table on stderr, with TCP against itself as the noise
 //!   floor), and placed threads for one connection's 16 and 64 KiB writes;
+//! - `download/<size>MiB_<write>B_<nagle>`: a 64 B request answered by 1 or
+//!   16 MiB written in 1 or 16 KiB writes, and
+//!   `burst/<k>x<size>B[_ack<answer>B]_<nagle>`: pipelined requests each
+//!   answered as it is read, interleaved only (a table on stderr, with the
+//!   same noise floor);
 //! - `control`: registering pairs one by one vs in one batch (library).
 //!
 //! `cargo bench -p meshwarp-benches --bench paths` (as root); a filter
-//! (`-- stream/8x1024B_nagle`, `-- rr`) also selects the interleaved cells,
-//! whose ids are `stream/<conns>x<write>B_<nagle>` and `rr/interleaved/<size>`.
+//! (`-- stream/8x1024B_nagle`, `-- rr`, `-- 'download|burst'`) also selects
+//! the interleaved cells, whose ids are `stream/<conns>x<write>B_<nagle>`,
+//! `rr/interleaved/<size>` and the exchanges' above. `MESHWARP_STREAM_TURNS`
+//! fixes the turns of every interleaved stream and exchange cell,
+//! `MESHWARP_STREAM_MIB` the bytes of every stream cell.
 
 use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpStream};
@@ -42,12 +50,38 @@ use interleave::{interleaved_medians, interleaved_timed};
 #[path = "exchange.rs"]
 mod exchange;
 
-/// The bench's filter (criterion's first free argument), which the
-/// interleaved comparisons also follow, as a substring of their cell's
-/// criterion id (`a|b`: either): `--bench paths -- stream/8x1024B_nagle`
-/// runs that one cell.
+/// The bench's filter (criterion's free argument), which the interleaved
+/// comparisons also follow, as a substring of their cell's id (`a|b`:
+/// either; no other regex): `--bench paths -- stream/8x1024B_nagle` runs
+/// that one cell.
 fn selected(id: &str) -> bool {
-    let filter = std::env::args().skip(1).find(|a| !a.starts_with('-'));
+    // Criterion's options that take a value: the value is no filter.
+    const VALUED: [&str; 14] = [
+        "--save-baseline",
+        "--baseline",
+        "--baseline-lenient",
+        "--load-baseline",
+        "--sample-size",
+        "--warm-up-time",
+        "--measurement-time",
+        "--nresamples",
+        "--noise-threshold",
+        "--confidence-level",
+        "--significance-level",
+        "--profile-time",
+        "--plotting-backend",
+        "--output-format",
+    ];
+    let mut args = std::env::args().skip(1);
+    let mut filter = None;
+    while let Some(a) = args.next() {
+        if VALUED.contains(&a.as_str()) || a == "--color" {
+            args.next();
+        } else if !a.starts_with('-') {
+            filter = Some(a);
+            break;
+        }
+    }
     filter.is_none_or(|f| f.split('|').any(|f| id.contains(f)))
 }
 
@@ -60,7 +94,8 @@ fn env_or(name: &str, default: usize) -> usize {
 /// a comparison, and restored when dropped. This VM boots with it at 0: an
 /// idle vCPU halts at once, and waking it takes tens of µs, the largest
 /// cost of a round trip between two CPUs for every path. Only with
-/// `MESHWARP_BENCH_HALT_POLL_NS` (a host-wide knob: never by default).
+/// `MESHWARP_BENCH_HALT_POLL_NS` (a host-wide knob: never by default; a
+/// run killed by a signal leaves it set: write the old value back by hand).
 struct HaltPoll(Option<String>);
 
 const HALT_POLL: &str = "/sys/module/haltpoll/parameters/guest_halt_poll_ns";
@@ -480,7 +515,7 @@ fn turns_for(first: Duration) -> usize {
 /// One cell of [`exchanges`].
 enum Exchange {
     Download { size: usize, write: usize, nodelay: bool },
-    Burst { k: usize, size: usize, nodelay: bool },
+    Burst { k: usize, size: usize, answer: usize, nodelay: bool },
 }
 
 impl Exchange {
@@ -490,7 +525,10 @@ impl Exchange {
             Self::Download { size, write, nodelay } => {
                 format!("download/{}MiB_{write}B_{}", size >> 20, nagle(nodelay))
             }
-            Self::Burst { k, size, nodelay } => format!("burst/{k}x{size}B_{}", nagle(nodelay)),
+            Self::Burst { k, size, answer, nodelay } if answer != size => {
+                format!("burst/{k}x{size}B_ack{answer}B_{}", nagle(nodelay))
+            }
+            Self::Burst { k, size, nodelay, .. } => format!("burst/{k}x{size}B_{}", nagle(nodelay)),
         }
     }
 
@@ -509,18 +547,20 @@ impl Exchange {
             Self::Download { size, write, nodelay } => {
                 exchange::download(ns, addr, nodelay, write, size, self.per_turn())
             }
-            Self::Burst { k, size, nodelay } => exchange::burst(ns, addr, nodelay, k, size, self.per_turn()),
+            Self::Burst { k, size, answer, nodelay } => {
+                exchange::burst(ns, addr, nodelay, k, size, answer, self.per_turn())
+            }
         }
     }
 }
 
 /// Downloads (a 64 B request, a 1 or 16 MiB response written in 1 or 16 KiB
-/// writes) and bursts (16 or 64 pipelined requests of 64 B or 1 KiB, each
-/// answered), Nagle on and off: TCP, mode always and mode adaptive in
+/// writes) and bursts (16 or 100 pipelined requests of 64 B or 1 KiB, each
+/// answered alike; 16 of 16 KiB, each answered with 64 B), Nagle on and off: TCP, mode always and mode adaptive in
 /// alternation, TCP again as the noise floor; time per request or burst,
-/// medians, as a table (`download/<size>_<write>B_<nagle>`,
-/// `burst/<k>x<size>B_<nagle>`).
-fn exchanges(k: &KernelTest, ns: &NetNs, always: &EndpointPair, adaptive: &EndpointPair) {
+/// medians, as a table (`download/<size>MiB_<write>B_<nagle>`,
+/// `burst/<k>x<size>B[_ack<answer>B]_<nagle>`).
+fn exchanges(kt: &KernelTest, ns: &NetNs, always: &EndpointPair, adaptive: &EndpointPair) {
     let lo = |p: u16| SocketAddr::new(IpAddr::from([127, 0, 0, 1]), p);
     let ports = [9501u16, always.server().port, adaptive.server().port, 9501];
     let mut cells = Vec::new();
@@ -529,11 +569,14 @@ fn exchanges(k: &KernelTest, ns: &NetNs, always: &EndpointPair, adaptive: &Endpo
             cells.extend([false, true].map(|nodelay| Exchange::Download { size, write, nodelay }));
         }
     }
-    for k in [16usize, 64] {
+    // Under and over MW_POLICY_COALESCE (64).
+    for n in [16usize, 100] {
         for size in [64usize, 1024] {
-            cells.extend([false, true].map(|nodelay| Exchange::Burst { k, size, nodelay }));
+            cells.extend([false, true].map(|nodelay| Exchange::Burst { k: n, size, answer: size, nodelay }));
         }
     }
+    // Uploads in pieces: large requests, short acknowledgments.
+    cells.extend([false, true].map(|nodelay| Exchange::Burst { k: 16, size: 16 << 10, answer: 64, nodelay }));
     let mut rows = Vec::new();
     for cell in cells {
         let id = cell.id();
@@ -558,7 +601,7 @@ fn exchanges(k: &KernelTest, ns: &NetNs, always: &EndpointPair, adaptive: &Endpo
              |---|---:|---:|---:|---:|---:|\n{}",
             rows.join("\n")
         );
-        eprintln!("adaptive pair after the exchanges: {:?}", k.dp().stats(adaptive).expect("stats"));
+        eprintln!("adaptive pair after the exchanges: {:?}", kt.dp().stats(adaptive).expect("stats"));
     }
 }
 

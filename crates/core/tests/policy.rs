@@ -157,57 +157,66 @@ fn a_small_write_stream_is_demoted_then_promoted() -> Result<()> {
 }
 
 /// Pipelined bursts (a redis client's): 48 small Nagle requests written back
-/// to back, each answered as the server reads it, the answers read after
-/// the burst. A burst is no stream: it stays on the fast path both ways
-/// (split between the paths, its TCP tail would wait on delayed
-/// acknowledgments), every burst; then runs longer than MW_POLICY_COALESCE
-/// move to TCP, and later bursts go on. Every byte checked.
+/// to back, each answered as the server (one thread throughout) reads it, the
+/// answers read after the burst. A burst is no stream: it stays on the fast
+/// path both ways (split between the paths, its TCP tail would wait on
+/// delayed acknowledgments), every burst. Then runs of 100 each way (the
+/// server reads once all are written) move to TCP, and the bursts after
+/// them still arrive whole. Every byte checked.
 #[test]
 fn pipelined_bursts_stay_on_the_fast_path() -> Result<()> {
     const K: usize = 48;
     let k = kernel_test!();
     let (net, l, pair) = pods_pair(&k, 8214, FastPathMode::Adaptive)?;
     let (c, s) = connections(&net, &l, 8214, 1)?.remove(0);
-    let (mut up_w, mut up_r) = (Stream::new(51), Stream::new(51));
-    let (mut down_w, mut down_r) = (Stream::new(52), Stream::new(52));
-    // `written`: the server starts reading once the whole burst is written.
-    let mut burst = |k: usize, written: bool| -> Result<()> {
-        thread::scope(|scope| {
-            let (tx, rx) = std::sync::mpsc::channel::<()>();
-            let (up_r, down_w, s) = (&mut up_r, &mut down_w, &s);
-            let server = scope.spawn(move || -> Result<()> {
-                if written {
-                    // Returns when the writer drops `tx`.
-                    rx.recv().ok();
+    let (mut up_w, mut down_r) = (Stream::new(51), Stream::new(52));
+    let (todo, bursts) = std::sync::mpsc::channel::<usize>();
+    thread::scope(|scope| -> Result<()> {
+        // One reading thread, as a server's event loop (a reader of several
+        // threads would be another case of the policy).
+        let server = scope.spawn(|| -> Result<()> {
+            let (mut up_r, mut down_w) = (Stream::new(51), Stream::new(52));
+            for n in bursts {
+                for _ in 0..n {
+                    up_r.read(&s, 64)?;
+                    down_w.write(&s, 64, 64)?;
                 }
-                for _ in 0..k {
-                    up_r.read(s, 64)?;
-                    down_w.write(s, 64, 64)?;
-                }
-                Ok(())
-            });
-            for _ in 0..k {
+            }
+            Ok(())
+        });
+        // `written`: the server is told of the burst once it is all written.
+        let mut burst = |n: usize, written: bool| -> Result<()> {
+            if !written {
+                todo.send(n)?;
+            }
+            for _ in 0..n {
                 up_w.write(&c, 64, 64)?;
             }
-            drop(tx);
-            down_r.read(&c, 64 * k)?;
-            server.join().unwrap()
-        })
-    };
-    for _ in 0..20 {
-        burst(K, false)?;
-    }
-    let st = k.dp().stats(&pair)?;
-    ensure!(st.demotions_coalesce == 0 && st.policy_tcp_msgs == 0 && st.fallback_reader_busy == 0, "{st:?}");
-    ensure!(st.redirected_msgs == 2 * 20 * K as u64, "every request and answer redirected: {st:?}");
-    burst(100, true)?;
-    let st = k.dp().stats(&pair)?;
-    ensure!(st.demotions_coalesce == 2, "both runs of 100 (requests, then answers) moved to TCP: {st:?}");
-    // And the next bursts find their way back; every byte still in order.
-    for _ in 0..3 {
-        burst(K, false)?;
-    }
-    Ok(())
+            if written {
+                todo.send(n)?;
+            }
+            down_r.read(&c, 64 * n)
+        };
+        let mut run = || -> Result<()> {
+            for _ in 0..20 {
+                burst(K, false)?;
+            }
+            let st = k.dp().stats(&pair)?;
+            ensure!(st.demotions_coalesce == 0 && st.policy_tcp_msgs == 0 && st.fallback_reader_busy == 0, "{st:?}");
+            ensure!(st.redirected_msgs == 2 * 20 * K as u64, "every request and answer redirected: {st:?}");
+            burst(100, true)?;
+            let st = k.dp().stats(&pair)?;
+            ensure!(st.demotions_coalesce == 2, "both runs of 100 (requests, then answers) moved to TCP: {st:?}");
+            for _ in 0..3 {
+                burst(K, false)?;
+            }
+            Ok(())
+        };
+        let result = run();
+        drop(todo);
+        server.join().unwrap()?;
+        result
+    })
 }
 
 /// Nodelay, 64-byte writes, no reply: TCP would not coalesce them, so the

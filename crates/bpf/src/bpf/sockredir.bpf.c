@@ -1606,15 +1606,18 @@ static __always_inline bool policy_allows(struct sk_msg_md *msg, struct mw_link 
 	if (run > MW_POLICY_RUN) {
 		/* A stream: look now and then whether its reader keeps up
 		 * (run_bytes holds the run's first MW_POLICY_RUN messages).
-		 * Small writes TCP does not coalesce may be MW_POLICY_BEHIND
-		 * messages behind; large ones as many bytes as TCP would let
-		 * the sender run ahead (the psock queue has no bound). */
+		 * Small writes may be MW_POLICY_BEHIND messages behind (those
+		 * TCP would coalesce are judged at MW_POLICY_COALESCE: a burst
+		 * until then); large ones as many bytes as TCP would let the
+		 * sender run ahead (the psock queue has no bound). */
 		__u32 unread = d->redir - d->psock_read;
+		bool small = d->run_bytes < MW_POLICY_RUN * MW_POLICY_SMALL;
 
 		if (run != MW_POLICY_COALESCE && ((run % MW_POLICY_CHECK) || (d->flags & MW_DIR_RD_SHARED)))
 			return true;
-		if (!(run % MW_POLICY_CHECK) && !(d->flags & MW_DIR_RD_SHARED))
-			behind = d->run_bytes >= MW_POLICY_RUN * MW_POLICY_SMALL
+		if (!(run % MW_POLICY_CHECK) && !(d->flags & MW_DIR_RD_SHARED) &&
+		    !(small && run < MW_POLICY_COALESCE && coalescing(tp)))
+			behind = !small
 					 ? unread > tcp_ahead_max(tp, link, st->end ^ 1)
 					 : (__u64)unread * MW_POLICY_RUN >= (__u64)MW_POLICY_BEHIND * d->run_bytes;
 	} else {
