@@ -10,10 +10,17 @@ use meshwarp_testbed::{accept_timeout, read_exact_ready, read_ready, write_all_r
 
 const TIMEOUT: Option<Duration> = Some(Duration::from_secs(30));
 
-/// A connected pair in `ns`, both ends with TCP_NODELAY set to `nodelay`.
-fn connected(ns: &NetNs, addr: SocketAddr, nodelay: bool) -> (std::net::TcpStream, std::net::TcpStream) {
-    let l = ns.listen(addr).expect("listen");
-    let c = ns.connect(addr).expect("connect");
+/// A connected pair in `ns` (a listener on `listen`, a client connecting to
+/// `to`: the same address, or one iptables captures to it), both ends with
+/// TCP_NODELAY set to `nodelay`: (client, accepted).
+pub fn connected(
+    ns: &NetNs,
+    listen: SocketAddr,
+    to: SocketAddr,
+    nodelay: bool,
+) -> (std::net::TcpStream, std::net::TcpStream) {
+    let l = ns.listen(listen).expect("listen");
+    let c = ns.connect(to).expect("connect");
     let s = accept_timeout(&l, Duration::from_secs(5)).expect("accept");
     c.set_nodelay(nodelay).expect("nodelay");
     s.set_nodelay(nodelay).expect("nodelay");
@@ -24,7 +31,7 @@ fn connected(ns: &NetNs, addr: SocketAddr, nodelay: bool) -> (std::net::TcpStrea
 /// server writes `write` bytes at a time (keep-alive: one connection).
 /// Returns the time per request.
 pub fn download(ns: &NetNs, addr: SocketAddr, nodelay: bool, write: usize, size: usize, requests: u32) -> Duration {
-    let (mut c, mut s) = connected(ns, addr, nodelay);
+    let (mut c, mut s) = connected(ns, addr, addr, nodelay);
     std::thread::scope(|scope| {
         scope.spawn(move || {
             let mut req = [0u8; 64];
@@ -71,7 +78,7 @@ pub fn burst(
     answer: usize,
     bursts: u32,
 ) -> Duration {
-    let (mut c, mut s) = connected(ns, addr, nodelay);
+    let (mut c, mut s) = connected(ns, addr, addr, nodelay);
     std::thread::scope(|scope| {
         scope.spawn(move || {
             let mut req = vec![0u8; size];

@@ -160,11 +160,7 @@ type Echo = std::thread::JoinHandle<std::io::Result<()>>;
 /// A connected client whose peer echoes `msg` bytes at a time, and the
 /// echoing thread.
 fn echo_conn(ns: &NetNs, listen: SocketAddr, connect: SocketAddr, msg: usize, nodelay: bool) -> (TcpStream, Echo) {
-    let l = ns.listen(listen).expect("listen");
-    let c = ns.connect(connect).expect("connect");
-    let s = accept_timeout(&l, Duration::from_secs(5)).expect("accept");
-    c.set_nodelay(nodelay).expect("nodelay");
-    s.set_nodelay(nodelay).expect("nodelay");
+    let (c, s) = exchange::connected(ns, listen, connect, nodelay);
     // Blocking round trips (see common.rs).
     c.set_nonblocking(false).expect("blocking");
     s.set_nonblocking(false).expect("blocking");

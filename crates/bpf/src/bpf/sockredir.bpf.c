@@ -1562,7 +1562,7 @@ static __always_inline bool policy_allows(struct sk_msg_md *msg, struct mw_link 
 	struct mw_dir *d = &link->dir[st->end & 1];
 	struct mw_dir *o = &link->dir[(st->end ^ 1) & 1];
 	__u32 run, skipped;
-	bool behind = false;
+	bool behind = false, small;
 
 	if (o->run)
 		o->run = 0; /* this message answers the peer's */
@@ -1603,15 +1603,17 @@ static __always_inline bool policy_allows(struct sk_msg_md *msg, struct mw_link 
 		d->run_bytes = 0;
 	if (link->flags & MW_LINK_FIXED)
 		return true;
+	/* run_bytes holds the run's first MW_POLICY_RUN messages. */
+	if (run <= MW_POLICY_RUN)
+		d->run_bytes += size;
+	small = d->run_bytes < MW_POLICY_RUN * MW_POLICY_SMALL;
 	if (run > MW_POLICY_RUN) {
-		/* A stream: look now and then whether its reader keeps up
-		 * (run_bytes holds the run's first MW_POLICY_RUN messages).
+		/* A stream: look now and then whether its reader keeps up.
 		 * Small writes may be MW_POLICY_BEHIND messages behind (those
 		 * TCP would coalesce are judged at MW_POLICY_COALESCE: a burst
 		 * until then); large ones as many bytes as TCP would let the
 		 * sender run ahead (the psock queue has no bound). */
 		__u32 unread = d->redir - d->psock_read;
-		bool small = d->run_bytes < MW_POLICY_RUN * MW_POLICY_SMALL;
 
 		if (run != MW_POLICY_COALESCE && ((run % MW_POLICY_CHECK) || (d->flags & MW_DIR_RD_SHARED)))
 			return true;
@@ -1620,11 +1622,8 @@ static __always_inline bool policy_allows(struct sk_msg_md *msg, struct mw_link 
 			behind = !small
 					 ? unread > tcp_ahead_max(tp, link, st->end ^ 1)
 					 : (__u64)unread * MW_POLICY_RUN >= (__u64)MW_POLICY_BEHIND * d->run_bytes;
-	} else {
-		d->run_bytes += size;
 	}
-	if (behind ||
-	    (run == MW_POLICY_COALESCE && d->run_bytes < MW_POLICY_RUN * MW_POLICY_SMALL && coalescing(tp))) {
+	if (behind || (run == MW_POLICY_COALESCE && small && coalescing(tp))) {
 		__sync_fetch_and_or(&d->flags, MW_DIR_TCP);
 		st->flags |= MW_SOCK_DEMOTED;
 		st->skipped = 0;
