@@ -219,6 +219,40 @@ fn pipelined_bursts_stay_on_the_fast_path() -> Result<()> {
     })
 }
 
+/// Nagle on, 16 KiB writes (under MW_POLICY_BATCH, 32 KiB, so TCP would
+/// gather them into larger segments): a stream whose reader keeps up (here
+/// in lockstep) would wake it once per write on the fast path where TCP
+/// wakes it once per segment, so it moves to TCP at message 64. The same
+/// stream into a reader that has fallen behind (80 writes before it reads)
+/// stays on the fast path: that reader takes many writes per read anyway.
+/// Every byte checked.
+#[test]
+fn a_batched_stream_moves_to_tcp_only_while_its_reader_keeps_up() -> Result<()> {
+    let k = kernel_test!();
+    let (net, l, pair) = pods_pair(&k, 8215, FastPathMode::Adaptive)?;
+    let mut conns = connections(&net, &l, 8215, 2)?;
+    const W: usize = 16 << 10;
+
+    let (c, s) = conns.remove(0);
+    let (mut w, mut r) = (Stream::new(61), Stream::new(61));
+    for _ in 0..80 {
+        w.write(&c, W, W)?;
+        r.read(&s, W)?;
+    }
+    let st = k.dp().stats(&pair)?;
+    ensure!(st.demotions_coalesce == 1 && st.demotions_behind == 0, "a reader in lockstep: demoted: {st:?}");
+    ensure!(st.redirected_msgs == 63, "demoted at message 64: {st:?}");
+
+    let (c, s) = conns.remove(0);
+    let (mut w, mut r) = (Stream::new(62), Stream::new(62));
+    w.write(&c, 80 * W, W)?;
+    r.read(&s, 80 * W)?;
+    let after = k.dp().stats(&pair)?;
+    ensure!(after.demotions_coalesce == 1 && after.demotions_behind == 0, "a reader behind: not demoted: {after:?}");
+    ensure!(after.redirected_msgs == 63 + 80 && after.policy_tcp_msgs == st.policy_tcp_msgs, "{after:?}");
+    Ok(())
+}
+
 /// Nodelay, 64-byte writes, no reply: TCP would not coalesce them, so the
 /// direction stays on the fast path while its reader keeps up (here in
 /// lockstep, hundreds of messages). Once the reader stops reading, the
@@ -669,7 +703,8 @@ fn loopback_pair(k: &KernelTest, port: u16, n: usize) -> Result<LoopbackPair> {
 }
 
 /// A stream TCP would coalesce (Nagle on, 8 KiB writes: over the small-write
-/// bar, under a loopback segment), whose reader is busy copying out (here
+/// bar, under a loopback segment) that stays on the fast path (its reader
+/// was behind at message 64), whose reader is busy copying out (here
 /// stopped inside its copy, holding its socket lock): its next message takes
 /// the TCP path instead of waiting for that lock, so the write returns at
 /// once; the message after it stays on TCP until the reader read every TCP
@@ -683,10 +718,13 @@ fn a_coalescing_stream_goes_around_a_busy_reader() -> Result<()> {
     let (c, s) = conns.remove(0);
     let (mut up_w, mut up_r) = (Stream::new(47), Stream::new(47));
 
-    // A run without a reply past MW_POLICY_COALESCE (64) messages, read
-    // as they come: redirected.
+    // A run without a reply past MW_POLICY_COALESCE (64) messages: its
+    // first 64 written before the reader reads (a reader behind: the run
+    // stays on the fast path), then two more read as they come.
     const RUN: u64 = 66;
-    for _ in 0..RUN {
+    up_w.write(&c, 64 * W, W)?;
+    up_r.read(&s, 64 * W)?;
+    for _ in 64..RUN {
         up_w.write(&c, W, W)?;
         up_r.read(&s, W)?;
     }
@@ -763,7 +801,7 @@ fn streams_around_busy_readers_lose_nothing() -> Result<()> {
             let seed = 200 + n as u64;
             handles.push(scope.spawn(move || -> Result<()> {
                 let mut w = Stream::new(seed);
-                let chunk = [16 << 10, 12 << 10, 30_000][n % 3];
+                let chunk = [16 << 10, 40 << 10, 30_000][n % 3];
                 w.write(from, LEN, chunk)?;
                 from.shutdown(std::net::Shutdown::Write)?;
                 Ok(())

@@ -167,7 +167,8 @@ struct mw_dir {
 /* The policy: after MW_POLICY_COALESCE messages without a reply, a direction
  * whose sender lets TCP coalesce (Nagle or cork) and whose first
  * MW_POLICY_RUN messages averaged under MW_POLICY_SMALL bytes moves to TCP
- * (for nodelay senders see MW_POLICY_BEHIND). Larger writes stay: redirecting them
+ * (for nodelay senders see MW_POLICY_BEHIND; for writes up to
+ * MW_POLICY_BATCH, MW_POLICY_KEEPUP). Larger writes stay: redirecting them
  * beats TCP (benches/README.md); sk_msg sees a large write in chunks (as
  * send buffer space allows), so the bar sits well below the chunk size.
  * They move only if their reader falls as far behind as TCP's buffers could
@@ -175,6 +176,18 @@ struct mw_dir {
  * is busy copying (reader_busy). */
 #define MW_POLICY_RUN 8
 #define MW_POLICY_SMALL 4096
+/* Writes under MW_POLICY_BATCH bytes (on average over the run's first
+ * MW_POLICY_RUN) that TCP would coalesce move to TCP at MW_POLICY_COALESCE
+ * too, when their reader keeps up (no more than MW_POLICY_KEEPUP redirected
+ * bytes unread): such a reader sleeps between writes, and the fast path
+ * wakes it once per write where TCP gathers several writes into one
+ * segment and one wake-up. socat's 8 KiB writes to a reader keeping up took
+ * 1.08x TCP's time; 1 x 16 KiB Nagle streams 0.77-0.92x TCP's throughput
+ * (benches/README.md, 2026-11-25 night). A reader behind takes several
+ * writes per read anyway: there the fast path's cheaper bytes win (8 x 16
+ * KiB Nagle streams 1.45x TCP), and the writes stay. */
+#define MW_POLICY_BATCH 32768
+#define MW_POLICY_KEEPUP 131072
 /* Not sooner: a burst of pipelined requests (a redis client's) is a run
  * too, and a burst split between the two paths waits on TCP's timers. Its
  * tail goes on TCP while the head is still being read, and Nagle holds

@@ -1550,6 +1550,14 @@ static __always_inline __u32 tcp_ahead_max(struct tcp_sock *tp, struct mw_link *
 	return rmem + wmem;
 }
 
+/* A run TCP would gather into fewer, larger segments than its writes:
+ * Nagle or cork on, the first MW_POLICY_RUN writes averaging under
+ * MW_POLICY_BATCH bytes. */
+static __always_inline bool batched(const struct mw_dir *d, struct tcp_sock *tp)
+{
+	return d->run_bytes < MW_POLICY_RUN * MW_POLICY_BATCH && coalescing(tp);
+}
+
 /* The adaptive policy for one message of a direction that may be redirected
  * (mw_dir). Returns false when the message takes the TCP path. This end's
  * sk_msg (under its socket lock) decides its own mw_dir; the peer resets
@@ -1561,7 +1569,7 @@ static __always_inline bool policy_allows(struct sk_msg_md *msg, struct mw_link 
 	__u32 size = msg->size;
 	struct mw_dir *d = &link->dir[st->end & 1];
 	struct mw_dir *o = &link->dir[(st->end ^ 1) & 1];
-	__u32 run, skipped;
+	__u32 run, skipped, unread = 0;
 	bool behind = false, small;
 
 	if (o->run)
@@ -1609,21 +1617,24 @@ static __always_inline bool policy_allows(struct sk_msg_md *msg, struct mw_link 
 	small = d->run_bytes < MW_POLICY_RUN * MW_POLICY_SMALL;
 	if (run > MW_POLICY_RUN) {
 		/* A stream: look now and then whether its reader keeps up.
-		 * Small writes may be MW_POLICY_BEHIND messages behind (those
-		 * TCP would coalesce are judged at MW_POLICY_COALESCE: a burst
+		 * Small writes may be MW_POLICY_BEHIND messages behind (runs
+		 * TCP would batch are judged at MW_POLICY_COALESCE: a burst
 		 * until then); large ones as many bytes as TCP would let the
 		 * sender run ahead (the psock queue has no bound). */
-		__u32 unread = d->redir - d->psock_read;
-
+		unread = d->redir - d->psock_read;
 		if (run != MW_POLICY_COALESCE && ((run % MW_POLICY_CHECK) || (d->flags & MW_DIR_RD_SHARED)))
 			return true;
 		if (!(run % MW_POLICY_CHECK) && !(d->flags & MW_DIR_RD_SHARED) &&
-		    !(small && run < MW_POLICY_COALESCE && coalescing(tp)))
+		    !(run < MW_POLICY_COALESCE && batched(d, tp)))
 			behind = !small
 					 ? unread > tcp_ahead_max(tp, link, st->end ^ 1)
 					 : (__u64)unread * MW_POLICY_RUN >= (__u64)MW_POLICY_BEHIND * d->run_bytes;
 	}
-	if (behind || (run == MW_POLICY_COALESCE && small && coalescing(tp))) {
+	/* A batched run of small writes moves to TCP; one of larger writes
+	 * only while its reader keeps up (unknown for a shared reader:
+	 * TCP, which is never slower). */
+	if (behind || (run == MW_POLICY_COALESCE && batched(d, tp) &&
+		       (small || (d->flags & MW_DIR_RD_SHARED) || unread <= MW_POLICY_KEEPUP))) {
 		__sync_fetch_and_or(&d->flags, MW_DIR_TCP);
 		st->flags |= MW_SOCK_DEMOTED;
 		st->skipped = 0;
@@ -1688,10 +1699,11 @@ static __always_inline int finish_msg(struct sk_msg_md *msg, struct bpf_sock *sk
 			rs->fb_tcp_path++;
 		return SK_PASS;
 	}
-	/* A stream (past MW_POLICY_COALESCE) of writes TCP would coalesce
-	 * (Nagle or cork, under one segment), into a reader busy copying
-	 * out: TCP for this message rather than wait for the reader's lock
-	 * (see reader_busy). */
+	/* A stream (past MW_POLICY_COALESCE, so of writes over
+	 * MW_POLICY_BATCH or into a reader that was behind) that TCP would
+	 * coalesce (Nagle or cork, under one segment), into a reader busy
+	 * copying out: TCP for this message rather than wait for the
+	 * reader's lock (see reader_busy). */
 	if (!(link->flags & MW_LINK_FIXED) && link->dir[end].run > MW_POLICY_COALESCE && coalescing(tp) &&
 	    link->dir[end].run_bytes < MW_POLICY_RUN * tp->mss_cache && reader_busy(link, peer)) {
 		if (rs)

@@ -1,0 +1,339 @@
+//! Real programs through the three socket paths, interleaved (issue: "never
+//! slower than plain TCP"; real programs are the judge of what a connection
+//! does). In one namespace, on loopback, each program serves four ports:
+//! two not covered (plain TCP), one registered in mode always, one in mode
+//! adaptive. The contenders take turns (TCP, always, adaptive, TCP again as
+//! the noise floor) and each cell prints its medians as a table:
+//! - `redis/<test>_c<conns>_P<pipeline>_d<bytes>`: redis-benchmark against
+//!   redis-server (its own requests/s, as time per request);
+//! - `nginx/<size>_<sendfile|write>`: curl fetching static files from nginx
+//!   on one keep-alive connection (curl's `time_total` per transfer, summed),
+//!   with sendfile and TCP_NOPUSH (cork) as Debian ships it, and with plain
+//!   writes;
+//! - `socat/<buffer>B`: socat sending a file (its writes of `-b` bytes, Nagle
+//!   on), read to its end here.
+//!
+//! `cargo bench -p meshwarp-benches --bench apps [-- FILTER]` (as root; the
+//! programs from scripts/install-deps.sh); FILTER selects cells by substring
+//! (`a|b`: either). `MESHWARP_APPS_TURNS` sets the turns per cell (default 9).
+
+use std::io::BufRead;
+use std::net::{IpAddr, SocketAddr};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use meshwarp_core::{Endpoint, EndpointPair, FastPathMode};
+use meshwarp_testbed::{accept_timeout, read_ready, wait_listening, which, KernelTest, NetNs, Program, ScratchDir};
+
+// Shared with the other benches, which use its other functions.
+#[allow(dead_code)]
+#[path = "interleave.rs"]
+mod interleave;
+use interleave::interleaved_in_order;
+
+const T: Duration = Duration::from_secs(60);
+/// The contenders' names and which of a program's four ports each one uses
+/// (TCP again has a server of its own: a turn that follows one on the same
+/// server finds it warm). They take their turns in a new order every round.
+const PATHS: [(&str, u16); 4] = [("tcp", 0), ("always", 1), ("adaptive", 2), ("tcp again", 3)];
+
+fn lo(port: u16) -> SocketAddr {
+    SocketAddr::new(IpAddr::from([127, 0, 0, 1]), port)
+}
+
+/// Cells whose id contains the free argument (`a|b`: either); all without one.
+fn selected(id: &str) -> bool {
+    match std::env::args().skip(1).find(|a| !a.starts_with('-')) {
+        Some(f) => f.split('|').any(|p| id.contains(p)),
+        None => true,
+    }
+}
+
+fn turns() -> usize {
+    std::env::var("MESHWARP_APPS_TURNS").ok().and_then(|v| v.parse().ok()).unwrap_or(9)
+}
+
+/// One table of interleaved cells: `run(cell, port)` is one turn's time per
+/// request (or per transfer) on the program's `port`.
+struct Table {
+    title: &'static str,
+    rows: Vec<String>,
+}
+
+impl Table {
+    fn new(title: &'static str) -> Self {
+        Self { title, rows: Vec::new() }
+    }
+
+    fn cell(&mut self, id: &str, base: u16, mut run: impl FnMut(u16) -> Duration) {
+        if !selected(id) {
+            return;
+        }
+        let turns = turns();
+        let m = interleaved_in_order(PATHS.len(), turns, true, |i| run(base + PATHS[i].1));
+        let mark = |r: f64| if r > 1.05 { " SLOWER" } else { "" };
+        let [a, d, aa] = [m[1], m[2], m[3]].map(|t| t / m[0]);
+        let row =
+            format!("| {id} | {turns} | {:.1} us | {a:.2}x{} | {d:.2}x{} | {aa:.2}x |", m[0] / 1e3, mark(a), mark(d));
+        eprintln!("{row}");
+        self.rows.push(row);
+    }
+
+    /// The table, and what the pairs' connections did (a cell whose
+    /// program never reaches the fast path measures nothing of ours).
+    fn print(&self, k: &KernelTest, pairs: &[EndpointPair; 2]) {
+        if self.rows.is_empty() {
+            return;
+        }
+        eprintln!(
+            "\n{} (interleaved medians, time per request; ratio to TCP's):\n\
+             | workload | turns | tcp (not covered) | always / tcp | adaptive / tcp | tcp again / tcp (A/A) |\n\
+             |---|---:|---:|---:|---:|---:|\n{}\n",
+            self.title,
+            self.rows.join("\n")
+        );
+        for (mode, pair) in ["always", "adaptive"].iter().zip(pairs) {
+            eprintln!("{mode}: {:?}", k.dp().stats(pair).expect("stats"));
+        }
+    }
+}
+
+/// Registers `base+1` (always) and `base+2` (adaptive) on 127.0.0.1.
+fn register(k: &KernelTest, base: u16) -> [EndpointPair; 2] {
+    [(base + 1, FastPathMode::Always), (base + 2, FastPathMode::Adaptive)].map(|(port, mode)| {
+        let pair = EndpointPair::new(lo(0).ip(), Endpoint::new(lo(0).ip(), port)).expect("pair").with_mode(mode);
+        k.dp().insert(&pair, "apps-bench").expect("register pair");
+        pair
+    })
+}
+
+fn need(tools: &[&str]) -> bool {
+    let missing: Vec<_> = tools.iter().filter(|t| which(t).is_none()).collect();
+    if !missing.is_empty() {
+        eprintln!("!!! apps bench: {missing:?} not installed (scripts/install-deps.sh installs them): their cells are left out");
+    }
+    missing.is_empty()
+}
+
+fn redis(k: &KernelTest, ns: &NetNs, dir: &ScratchDir) {
+    const BASE: u16 = 6380;
+    if !need(&["redis-server", "redis-benchmark"]) {
+        return;
+    }
+    let pairs = register(k, BASE);
+    let d = dir.0.display().to_string();
+    let _servers: Vec<Program> = (0..4)
+        .map(|i| {
+            let port = (BASE + i).to_string();
+            let p = Program::spawn(
+                ns,
+                &[
+                    "redis-server",
+                    "--bind",
+                    "127.0.0.1",
+                    "--port",
+                    &port,
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                    "--protected-mode",
+                    "no",
+                    "--dir",
+                    &d,
+                    "--dbfilename",
+                    &format!("dump{port}.rdb"),
+                ],
+            )
+            .expect("redis-server");
+            wait_listening(ns, lo(BASE + i), T).expect("redis-server listening");
+            p
+        })
+        .collect();
+    // GETs find values of the size they ask for: every key of the keyspace
+    // (-r 1000) set first, per value size.
+    let mut filled = Vec::new();
+    let mut table = Table::new("redis-benchmark against redis-server");
+    // (test, connections, pipeline, value bytes)
+    let cells: &[(&str, usize, usize, usize)] = &[
+        ("get", 1, 1, 64),
+        ("get", 1, 16, 64),
+        ("get", 1, 100, 64),
+        ("set", 1, 16, 1024),
+        ("set", 1, 100, 1024),
+        ("get", 50, 1, 1024),
+        ("get", 50, 16, 1024),
+        ("set", 1, 1, 16384),
+        ("get", 1, 1, 262144),
+        ("get", 1, 16, 16384),
+    ];
+    for &(test, c, p, size) in cells {
+        let id = format!("redis/{test}_c{c}_P{p}_d{size}");
+        if !selected(&id) {
+            continue;
+        }
+        if test == "get" && !filled.contains(&size) {
+            for i in 0..4 {
+                redis_benchmark(ns, BASE + i, "set", 50, 16, size, 20_000);
+            }
+            filled.push(size);
+        }
+        // About 0.3 s per turn on TCP: requests from a first run's rate.
+        let mut n = 2000usize;
+        let first = redis_benchmark(ns, BASE, test, c, p, size, n);
+        n = ((0.3 / first.as_secs_f64()) as usize).clamp(200, 2_000_000);
+        table.cell(&id, BASE, |port| redis_benchmark(ns, port, test, c, p, size, n));
+    }
+    table.print(k, &pairs);
+}
+
+/// One redis-benchmark run: its requests/s as time per request.
+fn redis_benchmark(ns: &NetNs, port: u16, test: &str, c: usize, p: usize, size: usize, n: usize) -> Duration {
+    let port = port.to_string();
+    let (c, p, size, n) = (c.to_string(), p.to_string(), size.to_string(), n.to_string());
+    let args = [
+        "ip",
+        "netns",
+        "exec",
+        ns.name(),
+        "redis-benchmark",
+        "-h",
+        "127.0.0.1",
+        "-p",
+        &port,
+        "-c",
+        &c,
+        "-P",
+        &p,
+        "-d",
+        &size,
+        "-n",
+        &n,
+        "-t",
+        test,
+        "-r",
+        "1000",
+        "--csv",
+    ];
+    let out = Command::new(args[0]).args(&args[1..]).stderr(Stdio::null()).output().expect("redis-benchmark");
+    assert!(out.status.success(), "redis-benchmark failed: {}", String::from_utf8_lossy(&out.stderr));
+    // "SET","123456.79",... (a header line first in newer versions).
+    let text = String::from_utf8_lossy(&out.stdout);
+    let rps: f64 = text
+        .lines()
+        .filter_map(|l| l.split(',').nth(1))
+        .find_map(|v| v.trim_matches('"').parse().ok())
+        .unwrap_or_else(|| panic!("no requests/s in redis-benchmark's output: {text}"));
+    Duration::from_secs_f64(1.0 / rps)
+}
+
+fn nginx(k: &KernelTest, ns: &NetNs, dir: &ScratchDir) {
+    const BASE: u16 = 8480;
+    if !need(&["nginx", "curl"]) {
+        return;
+    }
+    let pairs = register(k, BASE);
+    let d = dir.0.display();
+    for (name, size) in [("1k", 1usize << 10), ("1m", 1 << 20), ("16m", 16 << 20)] {
+        std::fs::write(dir.path(name), vec![b'x'; size]).expect("body file");
+    }
+    let servers: String = (0..4)
+        .map(|i| {
+            format!(
+                "server {{ listen 127.0.0.1:{}; root {d}; keepalive_requests 100000; \
+                 location /w/ {{ alias {d}/; sendfile off; tcp_nopush off; }} }}\n",
+                BASE + i
+            )
+        })
+        .collect();
+    let conf = format!(
+        "user root;\nworker_processes 1;\ndaemon off;\npid {d}/nginx.pid;\nerror_log {d}/error.log;\n\
+         events {{ worker_connections 1024; }}\nhttp {{ access_log off; sendfile on; tcp_nopush on; \
+         client_body_temp_path {d}; proxy_temp_path {d}; fastcgi_temp_path {d}; uwsgi_temp_path {d}; scgi_temp_path {d};\n{servers}}}\n"
+    );
+    std::fs::write(dir.path("nginx.conf"), conf).expect("nginx.conf");
+    let _nginx = Program::spawn(ns, &["nginx", "-c", &dir.path("nginx.conf").display().to_string()]).expect("nginx");
+    for i in 0..4 {
+        wait_listening(ns, lo(BASE + i), T).expect("nginx listening");
+    }
+    let mut table = Table::new("curl against nginx (static files, one keep-alive connection)");
+    for (name, count) in [("1k", 200usize), ("1m", 32), ("16m", 4)] {
+        for (how, prefix) in [("sendfile", ""), ("write", "w/")] {
+            let id = format!("nginx/{name}_{how}");
+            table.cell(&id, BASE, |port| curl(ns, port, &format!("{prefix}{name}"), count));
+        }
+    }
+    table.print(k, &pairs);
+}
+
+/// `count` transfers of `path` by one curl on one connection: the mean of
+/// curl's own time_total (process start left out).
+fn curl(ns: &NetNs, port: u16, path: &str, count: usize) -> Duration {
+    let url = format!("http://127.0.0.1:{port}/{path}");
+    let mut cmd = Command::new("ip");
+    cmd.args(["netns", "exec", ns.name(), "curl", "-sS", "--fail", "-w", "%{time_total}\\n"]);
+    for _ in 0..count {
+        cmd.args([url.as_str(), "-o", "/dev/null"]);
+    }
+    let out = cmd.stderr(Stdio::piped()).output().expect("curl");
+    assert!(out.status.success(), "curl {url}: {}", String::from_utf8_lossy(&out.stderr));
+    let times: Vec<f64> = out.stdout.lines().map(|l| l.expect("utf-8").trim().parse().expect("time_total")).collect();
+    assert_eq!(times.len(), count, "curl transfers");
+    Duration::from_secs_f64(times.iter().sum::<f64>() / count as f64)
+}
+
+fn socat(k: &KernelTest, ns: &NetNs, dir: &ScratchDir) {
+    const BASE: u16 = 9680;
+    if !need(&["socat"]) {
+        return;
+    }
+    let pairs = register(k, BASE);
+    let file = dir.path("stream");
+    std::fs::write(&file, vec![0x42u8; 64 << 20]).expect("stream file");
+    let file = file.display().to_string();
+    let listeners: Vec<_> = (0..4).map(|i| ns.listen(lo(BASE + i)).expect("listen")).collect();
+    let mut table = Table::new("socat sending 64 MiB (Nagle on), read here in 64 KiB reads");
+    for buffer in [1024usize, 8192, 65536] {
+        let id = format!("socat/{buffer}B");
+        table.cell(&id, BASE, |port| {
+            let l = &listeners[usize::from(port - BASE)];
+            let b = buffer.to_string();
+            let start = Instant::now();
+            let mut sender = Program::spawn(
+                ns,
+                &["socat", "-u", "-b", &b, &format!("OPEN:{file}"), &format!("TCP:127.0.0.1:{port}")],
+            )
+            .expect("socat");
+            let mut s = accept_timeout(l, T).expect("accept");
+            let mut buf = vec![0u8; 64 << 10];
+            let mut got = 0usize;
+            loop {
+                match read_ready(&mut s, &mut buf, Some(T)) {
+                    Ok(0) => break,
+                    Ok(n) => got += n,
+                    Err(e) => panic!("socat stream: {e}"),
+                }
+            }
+            let t = start.elapsed();
+            assert_eq!(got, 64 << 20, "socat stream bytes");
+            assert!(sender.wait_timeout(T).expect("socat exit").success(), "socat failed");
+            t
+        });
+    }
+    table.print(k, &pairs);
+}
+
+fn main() {
+    // The operator's vouching (`--trust-reader`) for two programs the reader
+    // guard would keep off the fast path for good after one blocking read:
+    // redis-benchmark asks the server's configuration on a blocking
+    // connection first, socat reads blocking sockets after select(). Neither
+    // blocks in a read across its own shutdown(SHUT_WR), the kernel's gap.
+    let trusted: Vec<_> = ["redis-benchmark", "socat"].into_iter().filter_map(which).collect();
+    let Some(k) = KernelTest::start_with(8192, 64, |cfg| cfg.trusted_readers.extend(trusted)) else { return };
+    let ns = NetNs::new("apps").expect("netns");
+    let dir = ScratchDir::new("meshwarp-apps-").expect("scratch dir");
+    redis(&k, &ns, &dir);
+    nginx(&k, &ns, &dir);
+    socat(&k, &ns, &dir);
+}
