@@ -1,13 +1,13 @@
 //! Real programs through the three socket paths, interleaved (issue: "never
 //! slower than plain TCP"; real programs are the judge of what a connection
-//! does). In one namespace, on loopback, each program serves four ports:
-//! two not covered (plain TCP), one registered in mode always, one in mode
-//! adaptive. The contenders take turns (TCP, always, adaptive, TCP again as
+//! does). In one namespace, on loopback, each server (redis-server, nginx,
+//! or this bench reading what socat sends) has four ports: two not covered
+//! (plain TCP), one registered in mode always, one in mode adaptive. The contenders take turns (TCP, always, adaptive, TCP again as
 //! the noise floor) and each cell prints its medians as a table:
 //! - `redis/<test>_c<conns>_P<pipeline>_d<bytes>`: redis-benchmark against
 //!   redis-server (its own requests/s, as time per request);
 //! - `nginx/<size>_<sendfile|write>`: curl fetching static files from nginx
-//!   on one keep-alive connection (curl's `time_total` per transfer, summed),
+//!   on one keep-alive connection (curl's `time_total`, the mean per transfer),
 //!   with sendfile and TCP_NOPUSH (cork) as Debian ships it, and with plain
 //!   writes;
 //! - `socat/<buffer>B`: socat sending a file (its writes of `-b` bytes, Nagle
@@ -53,8 +53,8 @@ fn turns() -> usize {
     std::env::var("MESHWARP_APPS_TURNS").ok().and_then(|v| v.parse().ok()).unwrap_or(9)
 }
 
-/// One table of interleaved cells: `run(cell, port)` is one turn's time per
-/// request (or per transfer) on the program's `port`.
+/// One table of interleaved cells: a cell's `run(port)` is one turn's time
+/// per request (transfer, stream) on the server's `port`.
 struct Table {
     title: &'static str,
     rows: Vec<String>,
@@ -86,7 +86,7 @@ impl Table {
             return;
         }
         eprintln!(
-            "\n{} (interleaved medians, time per request; ratio to TCP's):\n\
+            "\n{} (interleaved medians; time per request, transfer or stream, ratio to TCP's):\n\
              | workload | turns | tcp (not covered) | always / tcp | adaptive / tcp | tcp again / tcp (A/A) |\n\
              |---|---:|---:|---:|---:|---:|\n{}\n",
             self.title,
@@ -151,7 +151,7 @@ fn redis(k: &KernelTest, ns: &NetNs, dir: &ScratchDir) {
         })
         .collect();
     // GETs find values of the size they ask for: every key of the keyspace
-    // (-r 1000) set first, per value size.
+    // (-r 100) set first, per value size.
     let mut filled = Vec::new();
     let mut table = Table::new("redis-benchmark against redis-server");
     // (test, connections, pipeline, value bytes)
@@ -174,12 +174,12 @@ fn redis(k: &KernelTest, ns: &NetNs, dir: &ScratchDir) {
         }
         if test == "get" && !filled.contains(&size) {
             for i in 0..4 {
-                redis_benchmark(ns, BASE + i, "set", 50, 16, size, 20_000);
+                redis_benchmark(ns, BASE + i, "set", 50, 16, size, 2_000);
             }
             filled.push(size);
         }
         // About 0.3 s per turn on TCP: requests from a first run's rate.
-        let mut n = 2000usize;
+        let mut n = 10_000usize;
         let first = redis_benchmark(ns, BASE, test, c, p, size, n);
         n = ((0.3 / first.as_secs_f64()) as usize).clamp(200, 2_000_000);
         table.cell(&id, BASE, |port| redis_benchmark(ns, port, test, c, p, size, n));
@@ -212,10 +212,10 @@ fn redis_benchmark(ns: &NetNs, port: u16, test: &str, c: usize, p: usize, size: 
         "-t",
         test,
         "-r",
-        "1000",
+        "100",
         "--csv",
     ];
-    let out = Command::new(args[0]).args(&args[1..]).stderr(Stdio::null()).output().expect("redis-benchmark");
+    let out = Command::new(args[0]).args(&args[1..]).stderr(Stdio::piped()).output().expect("redis-benchmark");
     assert!(out.status.success(), "redis-benchmark failed: {}", String::from_utf8_lossy(&out.stderr));
     // "SET","123456.79",... (a header line first in newer versions).
     let text = String::from_utf8_lossy(&out.stdout);
@@ -298,13 +298,14 @@ fn socat(k: &KernelTest, ns: &NetNs, dir: &ScratchDir) {
         table.cell(&id, BASE, |port| {
             let l = &listeners[usize::from(port - BASE)];
             let b = buffer.to_string();
-            let start = Instant::now();
             let mut sender = Program::spawn(
                 ns,
                 &["socat", "-u", "-b", &b, &format!("OPEN:{file}"), &format!("TCP:127.0.0.1:{port}")],
             )
             .expect("socat");
             let mut s = accept_timeout(l, T).expect("accept");
+            // From the accept: socat's start is not the path's.
+            let start = Instant::now();
             let mut buf = vec![0u8; 64 << 10];
             let mut got = 0usize;
             loop {

@@ -113,8 +113,12 @@ pub mod names {
     pub const PROG_UNLINK: &str = "mw_unlink";
     /// The latency monitor's TCP-path send side (attached while it runs).
     pub const PROG_LAT_SEND: &str = "mw_lat_send";
-    /// The connection list (an iterator over `mw_sk_state`).
+    /// The connection list: an iterator over `mw_sk_state` (every network
+    /// namespace at once), where the kernel loads map-element iterators.
     pub const PROG_CONNS: &str = "mw_conns";
+    /// The connection list of one network namespace (an iter/tcp program),
+    /// read in each namespace where `mw_conns` is refused.
+    pub const PROG_CONNS_TCP: &str = "mw_conns_tcp";
     pub const MAP_LAT_RULE: &str = "mw_lat_rule";
     pub const MAP_LAT_HIST: &str = "mw_lat_hist";
     pub const MAP_LAT_ROWS: &str = "mw_lat_rows";
@@ -160,7 +164,7 @@ pub mod names {
     /// Per CPU: the interface and direction of the packet a chain runs for.
     pub const MAP_PKT_DIR: &str = "mw_pkt_dir";
     /// The sockredir family's programs that are pinned.
-    pub const SOCKREDIR_PROGS: [&str; 9] = [
+    pub const SOCKREDIR_PROGS: [&str; 8] = [
         PROG_SOCKOPS,
         PROG_SK_MSG,
         PROG_RECV_LEN,
@@ -169,11 +173,12 @@ pub mod names {
         PROG_DESTROY,
         PROG_PARK,
         PROG_UNLINK,
-        PROG_CONNS,
     ];
     /// Pinned only where the kernel has what they attach to
-    /// (`tcp_sendmsg_locked`: 6.13 and newer).
-    pub const SOCKREDIR_OPTIONAL_PROGS: [&str; 1] = [PROG_LAT_SEND];
+    /// (`tcp_sendmsg_locked`: 6.13 and newer) or loads them (map-element
+    /// iterators); `mw_conns_tcp` loads everywhere, but instances pinned by
+    /// builds before it lack it until an upgrade adds it.
+    pub const SOCKREDIR_OPTIONAL_PROGS: [&str; 3] = [PROG_LAT_SEND, PROG_CONNS, PROG_CONNS_TCP];
     /// The tcredir family's programs that are pinned.
     pub const TCREDIR_PROGS: [&str; 2] = [PROG_TC_INGRESS, PROG_TC_EGRESS];
     /// The maps of a family's plugin chain (`chain.h`), which every family
@@ -242,6 +247,7 @@ mod tests {
     fn kernel_names_fit_in_bpf_obj_name_len() {
         let mut all = vec![names::PROG_CONN_FIN, names::PROG_MSG_FIN, names::PROG_PKT_FIN, names::PROG_PLUGIN];
         all.extend(names::SOCKREDIR_PROGS);
+        all.extend(names::SOCKREDIR_OPTIONAL_PROGS);
         all.extend(names::TCREDIR_PROGS);
         all.extend(names::SOCKREDIR_MAPS);
         all.extend(names::TCREDIR_MAPS);

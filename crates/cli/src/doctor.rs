@@ -120,6 +120,19 @@ pub fn run(pin_root: &Path) -> Result<()> {
             fix: "kernel 6.13 or newer; without it the rest runs and those sends are not measured",
         },
         Check {
+            name: "connection list",
+            ok: true,
+            detail: match meshwarp_core::ConnSource::on_this_kernel() {
+                meshwarp_core::ConnSource::SocketStorage => {
+                    "iter/bpf_sk_storage_map: every namespace in one read".into()
+                }
+                meshwarp_core::ConnSource::EachNetns => {
+                    "iter/tcp in each network namespace (this kernel refuses map-element iterators)".into()
+                }
+            },
+            fix: "",
+        },
+        Check {
             name: "cgroup sockopt",
             ok: prog_type(libbpf_sys::BPF_PROG_TYPE_CGROUP_SOCKOPT),
             detail: "cgroup/setsockopt: SO_RCVLOWAT and TCP_ULP on accelerated sockets".into(),

@@ -276,9 +276,10 @@ pub enum RuleEndArg {
 /// How a rule's connections use the fast path.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum ModeArg {
-    /// Per connection and direction: streams of small writes that TCP
-    /// coalesces (Nagle/cork), or whose reader falls behind, move to TCP,
-    /// and come back when safe.
+    /// Per connection and direction: streams of writes that TCP coalesces
+    /// (Nagle/cork; small ones, or up to 32 KiB into a reader that keeps
+    /// up), or whose reader falls behind, move to TCP, and come back when
+    /// safe.
     #[default]
     Adaptive,
     /// Redirect every message the reader guard allows.

@@ -1,7 +1,9 @@
 //! The connection list: every socket meshwarp holds state for (covered by a
 //! rule, accelerated or not), in every network namespace, as the `mw_conns`
-//! iterator reads it from the kernel: tuple, rule, process, traffic per path
-//! and, per direction, whether it takes the fast path or TCP and why.
+//! iterator reads it from the kernel (or, where the kernel refuses
+//! map-element iterators, `mw_conns_tcp` in each namespace): tuple, rule,
+//! process, traffic per path and, per direction, whether it takes the fast
+//! path or TCP and why.
 
 use std::fmt;
 use std::fs;
@@ -60,7 +62,8 @@ pub enum TcpReason {
     Ulp,
     /// The rule says never redirect into the receiving end.
     Rule,
-    /// The adaptive policy demoted the direction (a stream of small writes).
+    /// The adaptive policy demoted the direction (a stream of writes TCP
+    /// would coalesce, or one its reader fell behind on).
     Policy,
     /// The receiving end is leaving or out of the SOCKMAP (the policy unlinked it).
     Parked,
@@ -310,35 +313,113 @@ impl ConnFilter {
     }
 }
 
+/// Where a data path's connection list is read from.
+#[derive(Debug)]
+enum Source {
+    /// `mw_conns` over `mw_sk_state`: every namespace in one read.
+    Storage(OwnedFd),
+    /// `mw_conns_tcp` (iter/tcp), read in each network namespace, where the
+    /// kernel refuses map-element iterators.
+    EachNetns(OwnedFd),
+}
+
+/// Which iterator a [`ConnLister`] reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ConnSource {
+    /// One iterator over the socket storage: every socket with state, in
+    /// every network namespace.
+    SocketStorage,
+    /// An iter/tcp iterator in each network namespace that can be entered
+    /// (see [`crate::sys::netns_paths`]); sockets out of TCP's hash tables
+    /// (closed but still open) are not listed.
+    EachNetns,
+}
+
+impl ConnSource {
+    /// What a data path loaded on this kernel reads (probed once).
+    pub fn on_this_kernel() -> Self {
+        if crate::loader::map_elem_iter_loads() {
+            Self::SocketStorage
+        } else {
+            Self::EachNetns
+        }
+    }
+}
+
 /// Reads the connection list of one socket data path.
 #[derive(Debug)]
 pub struct ConnLister {
-    link: OwnedFd,
+    source: Source,
     exes: TypedMap<ExeKey, Exe>,
 }
 
 impl ConnLister {
     pub(crate) fn open(layout: &FamilyPins) -> Result<Self, ConnsError> {
-        let prog = ProgramHandle::from_pinned_path(layout.prog(names::PROG_CONNS))
-            .map_err(|e| BpfError::new("opening pinned mw_conns", e))?;
-        let state = MapHandle::from_pinned_path(layout.map(names::MAP_SK_STATE))
-            .map_err(|e| BpfError::new("opening pinned mw_sk_state", e))?;
-        let link = crate::sys::iter_link_map(&prog, state.as_fd())
-            .map_err(|e| IoError::new("creating the mw_conns iterator link", e))?;
-        Ok(Self { link, exes: TypedMap::pinned(&layout.maps_dir(), names::MAP_EXES)? })
+        let pinned = |name: &str| {
+            ProgramHandle::from_pinned_path(layout.prog(name))
+                .map_err(|e| BpfError::new(format!("opening pinned {name}"), e))
+        };
+        let source = if layout.prog(names::PROG_CONNS).exists() {
+            let state = MapHandle::from_pinned_path(layout.map(names::MAP_SK_STATE))
+                .map_err(|e| BpfError::new("opening pinned mw_sk_state", e))?;
+            Source::Storage(
+                crate::sys::iter_link_map(&pinned(names::PROG_CONNS)?, state.as_fd())
+                    .map_err(|e| IoError::new("creating the mw_conns iterator link", e))?,
+            )
+        } else {
+            Source::EachNetns(
+                crate::sys::iter_link(&pinned(names::PROG_CONNS_TCP)?)
+                    .map_err(|e| IoError::new("creating the mw_conns_tcp iterator link", e))?,
+            )
+        };
+        Ok(Self { source, exes: TypedMap::pinned(&layout.maps_dir(), names::MAP_EXES)? })
+    }
+
+    /// Which iterator this lister reads.
+    pub fn source(&self) -> ConnSource {
+        match self.source {
+            Source::Storage(_) => ConnSource::SocketStorage,
+            Source::EachNetns(_) => ConnSource::EachNetns,
+        }
+    }
+
+    /// The raw records, one per socket.
+    fn records(&self) -> Result<Vec<Conn>, ConnsError> {
+        let size = std::mem::size_of::<Conn>();
+        let parse = |bytes: Vec<u8>| {
+            if bytes.len() % size != 0 {
+                return Err(ConnsError::Torn { len: bytes.len(), size });
+            }
+            Ok(bytes.chunks_exact(size).filter_map(Conn::from_bytes).collect::<Vec<_>>())
+        };
+        match &self.source {
+            Source::Storage(link) => parse(
+                crate::sys::read_iterator(link.as_fd())
+                    .map_err(|e| IoError::new("reading the mw_conns iterator", e))?,
+            ),
+            Source::EachNetns(link) => {
+                let mut all = Vec::new();
+                for ns in crate::sys::netns_paths(None) {
+                    // A namespace gone since it was listed has no sockets to show.
+                    let Ok(read) = crate::sys::run_in_netns(Some(&ns), || crate::sys::read_iterator(link.as_fd()))
+                    else {
+                        continue;
+                    };
+                    let bytes = read.map_err(|e| {
+                        IoError::new(format!("reading the mw_conns_tcp iterator in {}", ns.display()), e)
+                    })?;
+                    all.extend(parse(bytes)?);
+                }
+                Ok(all)
+            }
+        }
     }
 
     /// Every socket matching `filter`, ordered by cookie.
     pub fn list(&self, filter: &ConnFilter) -> Result<Vec<Connection>, ConnsError> {
-        let bytes = crate::sys::read_iterator(self.link.as_fd())
-            .map_err(|e| IoError::new("reading the mw_conns iterator", e))?;
-        let size = std::mem::size_of::<Conn>();
-        if bytes.len() % size != 0 {
-            return Err(ConnsError::Torn { len: bytes.len(), size });
-        }
-        let mut out: Vec<Connection> = bytes
-            .chunks_exact(size)
-            .filter_map(Conn::from_bytes)
+        let mut out: Vec<Connection> = self
+            .records()?
+            .into_iter()
             .map(|c| {
                 let comm = [c.owner_tgid, c.reader_tgid]
                     .into_iter()

@@ -22,7 +22,7 @@ use std::os::fd::{AsFd, AsRawFd};
 use std::path::{Path, PathBuf};
 use std::sync::{mpsc, Arc, Mutex, MutexGuard};
 
-use libbpf_rs::skel::{OpenSkel, SkelBuilder};
+use libbpf_rs::skel::OpenSkel;
 use libbpf_rs::{Link, MapCore, MapFlags, MapHandle, ProgramHandle};
 use meshwarp_bpf::names;
 use meshwarp_bpf::shared::{
@@ -30,13 +30,13 @@ use meshwarp_bpf::shared::{
     CFG_LATENCY, CFG_LAT_ALL, CFG_LAT_EVERY, CFG_SPLICE_BLIND, CFG_SYSCALL_WATCH, CHAIN_FIN, EXE_SEEN_SPLICE, LAT_ROWS,
     LAT_ROW_METRICS,
 };
-use meshwarp_bpf::sockredir::SockredirSkelBuilder;
 
-use crate::conns::{ConnFilter, ConnLister, Connection, ConnsError};
+use crate::conns::{ConnFilter, ConnLister, ConnSource, Connection, ConnsError};
 use crate::endpoint::{CaptureRule, EndpointPair};
 use crate::error::{BpfError, IoError};
 use crate::guard::{GuardMode, GuardThread, Incident, Subscribers};
 use crate::latency::{LatencyError, LatencyMonitor};
+use crate::loader;
 use crate::maps::{KernelMaps, MapError, TypedMap};
 use crate::pins::{FamilyPins, PinLock};
 use crate::probe::KernelProbe;
@@ -286,6 +286,11 @@ impl Dataplane {
         self.conns.list(filter)
     }
 
+    /// Which iterator the connection list is read from on this kernel.
+    pub fn connection_source(&self) -> ConnSource {
+        self.conns.source()
+    }
+
     /// The kernel behaviours the reader guard works around on this node
     /// (names of [`KernelProbe::facts`]); empty when it is off.
     pub fn guard_gaps(&self) -> Vec<&'static str> {
@@ -447,7 +452,7 @@ fn upgrade_programs(layout: &FamilyPins) -> Result<Vec<String>, UpgradeError> {
     let mut obj = MaybeUninit::uninit();
     // The instance's size, not this process's configuration.
     let nr_slots = upgrade::pinned_max_entries(&layout.map(names::MAP_LINKS))?;
-    let mut open = open_object(&mut obj, nr_slots).map_err(bpf("opening BPF object"))?;
+    let mut open = loader::open_sockredir(&mut obj, nr_slots).map_err(bpf("opening BPF object"))?;
     upgrade::reuse_pinned_maps(open.open_object_mut().maps_mut(), &layout.maps_dir())?;
     let (loaded, log) = crate::loader::with_libbpf_log(|| open.load());
     let skel = loaded.map_err(|source| UpgradeError::Load { source, log })?;
@@ -464,8 +469,13 @@ fn upgrade_programs(layout: &FamilyPins) -> Result<Vec<String>, UpgradeError> {
         for (name, prog) in sockredir_progs(p) {
             swap.prog_pin(&layout.prog(name), prog.as_fd())?;
         }
-        if layout.prog(names::PROG_LAT_SEND).exists() {
-            swap.prog_pin(&layout.prog(names::PROG_LAT_SEND), p.mw_lat_send.as_fd())?;
+        for (name, prog) in optional_progs(p) {
+            // The send side's program goes with its tracepoint link, which
+            // the latency monitor makes; the others are pinned even where
+            // the older build had none.
+            if name != names::PROG_LAT_SEND || layout.prog(name).exists() {
+                swap.prog_pin(&layout.prog(name), prog.as_fd())?;
+            }
         }
         Ok(())
     })
@@ -474,7 +484,7 @@ fn upgrade_programs(layout: &FamilyPins) -> Result<Vec<String>, UpgradeError> {
 /// The programs of the socket family that are pinned, by pin name.
 fn sockredir_progs<'a>(
     p: &'a meshwarp_bpf::sockredir::SockredirProgs<'a>,
-) -> [(&'static str, &'a libbpf_rs::ProgramMut<'a>); 9] {
+) -> [(&'static str, &'a libbpf_rs::ProgramMut<'a>); 8] {
     [
         (names::PROG_SOCKOPS, &p.mw_sockops),
         (names::PROG_SK_MSG, &p.mw_sk_msg),
@@ -484,71 +494,22 @@ fn sockredir_progs<'a>(
         (names::PROG_DESTROY, &p.mw_destroy),
         (names::PROG_PARK, &p.mw_park),
         (names::PROG_UNLINK, &p.mw_unlink),
-        (names::PROG_CONNS, &p.mw_conns),
     ]
 }
 
-/// The socket family's object, opened, with its constants set for an
-/// instance of `nr_slots` link slots.
-fn open_object(
-    obj: &mut MaybeUninit<libbpf_rs::OpenObject>,
-    nr_slots: u32,
-) -> Result<meshwarp_bpf::sockredir::OpenSockredirSkel<'_>, libbpf_rs::Error> {
-    let mut open = SockredirSkelBuilder::default().open(obj)?;
-    // The latency monitor's TCP-path send stamps need a tracepoint older
-    // kernels lack: without it the rest loads, and the program is not pinned.
-    if !has_tcp_sendmsg_tracepoint() {
-        open.progs.mw_lat_send.set_autoload(false);
+/// The socket family's optional programs this kernel loaded, by pin name
+/// (see [`names::SOCKREDIR_OPTIONAL_PROGS`]).
+fn optional_progs<'a>(
+    p: &'a meshwarp_bpf::sockredir::SockredirProgs<'a>,
+) -> Vec<(&'static str, &'a libbpf_rs::ProgramMut<'a>)> {
+    let mut v = vec![(names::PROG_CONNS_TCP, &p.mw_conns_tcp)];
+    if loader::has_tcp_sendmsg_tracepoint() {
+        v.push((names::PROG_LAT_SEND, &p.mw_lat_send));
     }
-    if let Some(ro) = open.maps.rodata_data.as_mut() {
-        ro.nr_splice = libc::SYS_splice as u32;
-        ro.nr_ioctl = libc::SYS_ioctl as u32;
-        ro.nr_slots = nr_slots;
-        ro.mw_task_storage = sk_msg_has_task_storage();
+    if loader::map_elem_iter_loads() {
+        v.push((names::PROG_CONNS, &p.mw_conns));
     }
-    Ok(open)
-}
-
-/// Whether sk_msg programs may call `bpf_task_storage_get` (Linux 6.15 and
-/// newer; the latency monitor keeps each thread's last read there, else in
-/// an LRU hash). Probed once.
-fn sk_msg_has_task_storage() -> bool {
-    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *HAS.get_or_init(|| {
-        use libbpf_rs::libbpf_sys;
-        // SAFETY: the probe loads a tiny program and takes no pointers but the (null) options.
-        let rc = unsafe {
-            libbpf_sys::libbpf_probe_bpf_helper(
-                libbpf_sys::BPF_PROG_TYPE_SK_MSG,
-                libbpf_sys::BPF_FUNC_task_storage_get,
-                std::ptr::null(),
-            )
-        };
-        rc == 1
-    })
-}
-
-/// Whether the kernel has the `tcp_sendmsg_locked` tracepoint (BTF), which
-/// `mw_lat_send` attaches to (Linux 6.13 and newer). Probed once.
-fn has_tcp_sendmsg_tracepoint() -> bool {
-    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *HAS.get_or_init(|| {
-        let name = c"btf_trace_tcp_sendmsg_locked";
-        // SAFETY: libbpf loads the kernel's BTF; NULL-checked; freed below.
-        unsafe {
-            let btf = libbpf_rs::libbpf_sys::btf__load_vmlinux_btf();
-            if btf.is_null() {
-                return false;
-            }
-            let found = libbpf_rs::libbpf_sys::btf__find_by_name_kind(
-                btf,
-                name.as_ptr(),
-                libbpf_rs::libbpf_sys::BTF_KIND_TYPEDEF,
-            ) > 0;
-            libbpf_rs::libbpf_sys::btf__free(btf);
-            found
-        }
-    })
+    v
 }
 
 /// The kernel probe's answers (run once per process). The probe splices its
@@ -673,7 +634,7 @@ fn load_and_pin(cfg: &DataplaneConfig, layout: &FamilyPins) -> Result<(), Datapl
     layout.create_dirs()?;
 
     let mut obj = MaybeUninit::uninit();
-    let mut open = open_object(&mut obj, slots(cfg.max_sockets)).map_err(bpf_err("opening BPF object"))?;
+    let mut open = loader::open_sockredir(&mut obj, slots(cfg.max_sockets)).map_err(bpf_err("opening BPF object"))?;
     let sockmap_entries = slots(cfg.max_sockets) * 2;
     let maps = &mut open.maps;
     let sizes = [
@@ -750,8 +711,7 @@ fn load_and_pin(cfg: &DataplaneConfig, layout: &FamilyPins) -> Result<(), Datapl
         handle.pin(&path).map_err(bpf_err(format!("pinning {}", path.display())))?;
         guard.paths.push(path);
     }
-    let optional = has_tcp_sendmsg_tracepoint().then_some((names::PROG_LAT_SEND, &skel.progs.mw_lat_send));
-    for (name, prog) in sockredir_progs(&skel.progs).into_iter().chain(optional) {
+    for (name, prog) in sockredir_progs(&skel.progs).into_iter().chain(optional_progs(&skel.progs)) {
         let path = layout.prog(name);
         let handle = ProgramHandle::try_from(prog).map_err(bpf_err(format!("handle of program {name}")))?;
         handle.pin(&path).map_err(bpf_err(format!("pinning {}", path.display())))?;

@@ -116,7 +116,8 @@ impl fmt::Display for NeverRedirectInto {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
 pub enum FastPathMode {
     /// Per connection and direction, in the kernel: a direction that streams
-    /// small writes TCP would coalesce (Nagle or cork), or small nodelay
+    /// writes TCP would coalesce (Nagle or cork; small ones, or up to 32 KiB
+    /// into a reader that keeps up), or small nodelay
     /// writes its reader falls behind on, moves to TCP, and comes back when a
     /// new exchange starts and the peer read every TCP byte.
     #[default]

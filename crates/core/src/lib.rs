@@ -38,7 +38,7 @@ pub mod table;
 pub mod tc;
 pub mod upgrade;
 
-pub use conns::{ConnFilter, Connection, PathNow, TcpReason};
+pub use conns::{ConnFilter, ConnSource, Connection, PathNow, TcpReason};
 pub use dataplane::{Dataplane, DataplaneConfig, DataplaneError, Origin as DataplaneOrigin};
 pub use endpoint::{CaptureRule, Endpoint, EndpointPair, FastPathMode, NeverRedirectInto, ValidationError};
 pub use guard::{GuardMode, Incident, IncidentKind};

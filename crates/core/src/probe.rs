@@ -19,10 +19,9 @@ use std::sync::OnceLock;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use libbpf_rs::skel::{OpenSkel, SkelBuilder};
+use libbpf_rs::skel::OpenSkel;
 use libbpf_rs::{Link, MapCore, MapFlags};
 use meshwarp_bpf::shared::{raw_addr, Link as LinkValue, PairKey, Pod, Rule, RuleStats, EF_TARGET, END_SERVER};
-use meshwarp_bpf::sockredir::SockredirSkelBuilder;
 
 /// The probe's loopback address: no rule of a real node names it.
 const PROBE_ADDR: Ipv4Addr = Ipv4Addr::new(127, 77, 0, 1);
@@ -192,12 +191,7 @@ fn probe_in_netns(release: String) -> Result<KernelProbe, ProbeError> {
 
     // A private copy of the programs, guard off (config all zero).
     let mut obj = MaybeUninit::uninit();
-    let mut open = SockredirSkelBuilder::default().open(&mut obj).map_err(bpf_err("opening BPF object"))?;
-    if let Some(ro) = open.maps.rodata_data.as_mut() {
-        ro.nr_splice = libc::SYS_splice as u32;
-        ro.nr_ioctl = libc::SYS_ioctl as u32;
-        ro.nr_slots = 64;
-    }
+    let mut open = crate::loader::open_sockredir(&mut obj, 64).map_err(bpf_err("opening BPF object"))?;
     for (map, n) in [
         (&mut open.maps.mw_sockmap, 128),
         (&mut open.maps.mw_slots, 64),

@@ -37,7 +37,8 @@ pub struct RuleCounters {
     /// Readers that spliced with redirected bytes pending: connection reset.
     pub splice_hits: u64,
     /// Adaptive policy: directions moved to the TCP path because they stream
-    /// small writes that TCP coalesces (Nagle or cork on).
+    /// writes that TCP coalesces (Nagle or cork on): small ones, or up to
+    /// 32 KiB into a reader that keeps up.
     pub demotions_coalesce: u64,
     /// Adaptive policy: directions moved back to the fast path (a new
     /// exchange began and the peer had read every byte sent on TCP).

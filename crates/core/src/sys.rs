@@ -331,8 +331,20 @@ pub fn drain_iterator(link: std::os::fd::BorrowedFd<'_>) -> io::Result<()> {
 /// A path to the network namespace with cookie `cookie`: thread `tid`'s own
 /// first, then named namespaces, then every process's and thread's.
 pub fn find_netns(cookie: u64, tid: u32) -> Option<PathBuf> {
+    netns_paths(Some(tid))
+        .into_iter()
+        .find(|path| run_in_netns(Some(path), netns_cookie_here).ok().flatten() == Some(cookie))
+}
+
+/// One path to each network namespace that can be entered: thread `first`'s
+/// own first (when given), then this process's, the named ones
+/// (/run/netns), then every process's and thread's. A namespace that only
+/// sockets keep alive (no process, no name) is not among them.
+pub fn netns_paths(first: Option<u32>) -> Vec<PathBuf> {
     use std::os::unix::fs::MetadataExt;
-    let mut candidates = vec![PathBuf::from(format!("/proc/{tid}/ns/net"))];
+    let mut candidates: Vec<PathBuf> =
+        first.map(|tid| PathBuf::from(format!("/proc/{tid}/ns/net"))).into_iter().collect();
+    candidates.push(PathBuf::from("/proc/self/ns/net"));
     if let Ok(d) = fs::read_dir("/run/netns") {
         candidates.extend(d.flatten().map(|e| e.path()));
     }
@@ -345,13 +357,7 @@ pub fn find_netns(cookie: u64, tid: u32) -> Option<PathBuf> {
         }
     }
     let mut seen = std::collections::BTreeSet::new();
-    candidates.into_iter().find(|path| {
-        let Ok(m) = fs::metadata(path) else { return false };
-        if !seen.insert((m.dev(), m.ino())) {
-            return false;
-        }
-        run_in_netns(Some(path), netns_cookie_here).ok().flatten() == Some(cookie)
-    })
+    candidates.into_iter().filter(|path| fs::metadata(path).is_ok_and(|m| seen.insert((m.dev(), m.ino())))).collect()
 }
 
 /// The cookie of the calling thread's network namespace.

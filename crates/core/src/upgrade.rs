@@ -328,12 +328,20 @@ impl Swap {
         )
     }
 
-    /// Pins `prog` at `path` in place of the program pinned there.
+    /// Pins `prog` at `path` in place of the program pinned there, or as a
+    /// new pin where the older build had none (its undo unpins it).
     pub(crate) fn prog_pin(&mut self, path: &Path, prog: BorrowedFd<'_>) -> Result<(), UpgradeError> {
         let step = format!("pin {}", file_name(path));
+        let (s, p) = (step.clone(), path.to_path_buf());
+        if !path.exists() {
+            obj_pin(&step, prog, path)?;
+            return self.record(
+                step,
+                Box::new(move || fs::remove_file(&p).map_err(|source| UpgradeError::Step { step: s, source })),
+            );
+        }
         let old = obj_get(&step, path)?;
         pin_over(&step, prog, path)?;
-        let (s, p) = (step.clone(), path.to_path_buf());
         self.record(step, Box::new(move || pin_over(&s, old.as_fd(), &p)))
     }
 

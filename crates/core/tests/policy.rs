@@ -1,5 +1,6 @@
 //! The adaptive fast path on a real kernel: a direction that streams small
-//! writes with Nagle on (or nodelay, with a reader that falls behind, or
+//! writes with Nagle on (or up to 32 KiB into a reader that keeps up, or
+//! nodelay, with a reader that falls behind, or
 //! large writes further ahead of their reader than TCP's buffers would let
 //! them) moves to TCP and comes back when a new exchange
 //! starts and every TCP byte was read; the modes `always` and `never`; and
@@ -123,12 +124,15 @@ fn stream_one_way(
     })
 }
 
-/// Nagle on, 512-byte writes, no reply: the client's direction moves to
+/// Nagle on, 3 KiB writes, no reply: the client's direction moves to
 /// TCP. After the server answers, the next request goes on the fast path
-/// again, since the server had read every TCP byte. Every byte checked.
-/// (Short enough that the client stays in the SOCKMAP: see the unlink tests.)
+/// again, since the server had read every TCP byte; that request starts a
+/// new run, judged on its own writes (not the last run's), so the same
+/// stream, even unread, moves to TCP again. Every byte checked. (Short
+/// enough that the client stays in the SOCKMAP: see the unlink tests.)
 #[test]
 fn a_small_write_stream_is_demoted_then_promoted() -> Result<()> {
+    const W: usize = 3 << 10;
     let k = kernel_test!();
     let (net, l, pair) = pods_pair(&k, 8201, FastPathMode::Adaptive)?;
     let (c, s) = connections(&net, &l, 8201, 1)?.remove(0);
@@ -137,12 +141,12 @@ fn a_small_write_stream_is_demoted_then_promoted() -> Result<()> {
     let (mut down_w, mut down_r) = (Stream::new(2), Stream::new(2));
 
     // Demoted at message 64 (MW_POLICY_COALESCE), one check after it at 80.
-    stream_one_way(&c, &s, &mut up_w, &mut up_r, 80 * 512, 512)?;
+    stream_one_way(&c, &s, &mut up_w, &mut up_r, 80 * W, W)?;
     let st = k.dp().stats(&pair)?;
     ensure!(st.demotions_coalesce == 1 && st.unlinks == 0, "the stream was demoted once: {st:?}");
     ensure!(st.policy_tcp_msgs > 0 && st.redirected_msgs >= 63, "{st:?}");
     // Bytes sent on TCP after the demotion: the rest of the stream.
-    ensure!(st.redirected_bytes <= 64 * 512, "{st:?}");
+    ensure!(st.redirected_bytes <= 64 * W as u64, "{st:?}");
 
     // The server answers; the client's next request starts a new exchange.
     down_w.write(&s, 64, 64)?;
@@ -153,6 +157,17 @@ fn a_small_write_stream_is_demoted_then_promoted() -> Result<()> {
     let after = k.dp().stats(&pair)?;
     ensure!(after.promotions == 1, "promoted once the server read every TCP byte: {after:?}");
     ensure!(after.redirected_bytes == before.redirected_bytes + 100, "the request was redirected: {after:?}");
+
+    // 79 more writes, unread until the end: small writes (100 B + 7 x 3 KiB
+    // in the new run's first 8) move to TCP whether their reader keeps up
+    // or not. Counted with the last run's 8 x 3 KiB, they would pass for
+    // larger writes into a reader behind, and stay.
+    up_w.write(&c, 79 * W, W)?;
+    let st = k.dp().stats(&pair)?;
+    ensure!(st.demotions_coalesce == 2, "the new run was demoted too: {st:?}");
+    // The request was the run's message 1: its writes 1..=62 redirected.
+    ensure!(st.redirected_msgs == after.redirected_msgs + 62, "demoted at the run's message 64: {st:?}");
+    up_r.read(&s, 79 * W)?;
     Ok(())
 }
 

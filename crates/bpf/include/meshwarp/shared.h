@@ -126,9 +126,10 @@ struct mw_exe_key {
 
 /*
  * One direction of a link, indexed by its sending end: the adaptive policy.
- * A direction is demoted to the TCP path when it streams small writes that
- * TCP would coalesce (Nagle or cork on), or small nodelay writes its reader
- * falls behind on (MW_POLICY_BEHIND): bytes already redirected sit in the
+ * A direction is demoted to the TCP path when it streams writes that TCP
+ * would coalesce (Nagle or cork on; small ones, or up to MW_POLICY_BATCH
+ * into a reader that keeps up), or small nodelay writes its reader falls
+ * behind on (MW_POLICY_BEHIND): bytes already redirected sit in the
  * peer's psock queue, which tcp_bpf reads before its TCP queue, so demoting
  * never reorders. It is promoted back only when every byte it sent on TCP has
  * been read by the peer (tcp_read == the sender's write_seq): only then can
@@ -168,9 +169,9 @@ struct mw_dir {
  * whose sender lets TCP coalesce (Nagle or cork) and whose first
  * MW_POLICY_RUN messages averaged under MW_POLICY_SMALL bytes moves to TCP
  * (for nodelay senders see MW_POLICY_BEHIND; for writes up to
- * MW_POLICY_BATCH, MW_POLICY_KEEPUP). Larger writes stay: redirecting them
- * beats TCP (benches/README.md); sk_msg sees a large write in chunks (as
- * send buffer space allows), so the bar sits well below the chunk size.
+ * MW_POLICY_BATCH, MW_POLICY_KEEPUP). Other writes stay: redirecting
+ * them beats TCP (benches/README.md); sk_msg sees a large write in chunks
+ * (as send buffer space allows), so the bars sit well below the chunk size.
  * They move only if their reader falls as far behind as TCP's buffers could
  * hold (tcp_ahead_max), or, with Nagle, a message at a time while the reader
  * is busy copying (reader_busy). */
@@ -179,7 +180,8 @@ struct mw_dir {
 /* Writes under MW_POLICY_BATCH bytes (on average over the run's first
  * MW_POLICY_RUN) that TCP would coalesce move to TCP at MW_POLICY_COALESCE
  * too, when their reader keeps up (no more than MW_POLICY_KEEPUP redirected
- * bytes unread): such a reader sleeps between writes, and the fast path
+ * bytes unread; a reader of several threads, whose reads are not counted,
+ * is taken as keeping up): such a reader sleeps between writes, and the fast path
  * wakes it once per write where TCP gathers several writes into one
  * segment and one wake-up. socat's 8 KiB writes to a reader keeping up took
  * 1.08x TCP's time; 1 x 16 KiB Nagle streams 0.77-0.92x TCP's throughput

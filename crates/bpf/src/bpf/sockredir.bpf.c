@@ -1587,6 +1587,7 @@ static __always_inline bool policy_allows(struct sk_msg_md *msg, struct mw_link 
 		if (run == 1 && d->tcp_read == tp->write_seq) {
 			__sync_fetch_and_and(&d->flags, ~MW_DIR_TCP);
 			st->flags &= ~MW_SOCK_DEMOTED;
+			d->run_bytes = size; /* this message starts the new run */
 			if (rs) {
 				rs->promotions++;
 				rs->policy_tcp_msgs += skipped;
@@ -1631,8 +1632,9 @@ static __always_inline bool policy_allows(struct sk_msg_md *msg, struct mw_link 
 					 : (__u64)unread * MW_POLICY_RUN >= (__u64)MW_POLICY_BEHIND * d->run_bytes;
 	}
 	/* A batched run of small writes moves to TCP; one of larger writes
-	 * only while its reader keeps up (unknown for a shared reader:
-	 * TCP, which is never slower). */
+	 * only while its reader keeps up. Whether a reader of several threads
+	 * keeps up is not known (its reads are not counted): TCP, which costs
+	 * such a run at most the fast path's gain, never a loss. */
 	if (behind || (run == MW_POLICY_COALESCE && batched(d, tp) &&
 		       (small || (d->flags & MW_DIR_RD_SHARED) || unread <= MW_POLICY_KEEPUP))) {
 		__sync_fetch_and_or(&d->flags, MW_DIR_TCP);
@@ -1699,7 +1701,7 @@ static __always_inline int finish_msg(struct sk_msg_md *msg, struct bpf_sock *sk
 			rs->fb_tcp_path++;
 		return SK_PASS;
 	}
-	/* A stream (past MW_POLICY_COALESCE, so of writes over
+	/* A stream (past MW_POLICY_COALESCE, so of writes averaging at least
 	 * MW_POLICY_BATCH or into a reader that was behind) that TCP would
 	 * coalesce (Nagle or cork, under one segment), into a reader busy
 	 * copying out: TCP for this message rather than wait for the
@@ -2272,21 +2274,15 @@ int BPF_PROG(mw_lat_send, const struct sock *sk, const struct msghdr *msg, const
 
 /* ---- the connection list ---- */
 
-/* Every socket with meshwarp state (covered, accelerated or not), in every
- * network namespace: one struct mw_conn each for user space. */
-SEC("iter/bpf_sk_storage_map")
-int mw_conns(struct bpf_iter__bpf_sk_storage_map *ctx)
+/* One struct mw_conn for user space: the socket `sk` with meshwarp state `st`. */
+static __always_inline void conn_write(struct seq_file *seq, struct sock *sk, struct mw_sock_state *st)
 {
-	struct mw_sock_state *st = ctx->value;
-	struct sock *sk = ctx->sk;
 	struct mw_sock_owner *own;
 	struct mw_conn c = {};
 	struct mw_link *link;
 	struct tcp_sock *tp;
 	__u32 end, peer;
 
-	if (!sk || !st)
-		return 0;
 	end = st->end & 1;
 	peer = end ^ 1;
 	c.cookie = bpf_get_socket_cookie(sk);
@@ -2338,7 +2334,41 @@ int mw_conns(struct bpf_iter__bpf_sk_storage_map *ctx)
 		c.rx_segs = tp->data_segs_in;
 	}
 	c.unread = psock_pending(sk);
-	bpf_seq_write(ctx->meta->seq, &c, sizeof(c));
+	bpf_seq_write(seq, &c, sizeof(c));
+}
+
+/* Every socket with meshwarp state (covered, accelerated or not), in every
+ * network namespace at once. Some kernels refuse map-element iterators
+ * (EPERM at load): there user space leaves this out and reads mw_conns_tcp
+ * in each namespace instead. */
+SEC("iter/bpf_sk_storage_map")
+int mw_conns(struct bpf_iter__bpf_sk_storage_map *ctx)
+{
+	struct mw_sock_state *st = ctx->value;
+	struct sock *sk = ctx->sk;
+
+	if (sk && st)
+		conn_write(ctx->meta->seq, sk, st);
+	return 0;
+}
+
+/* The same records for the TCP sockets of the reading thread's network
+ * namespace (iter/tcp walks one namespace's hash tables). */
+SEC("iter/tcp")
+int mw_conns_tcp(struct bpf_iter__tcp *ctx)
+{
+	struct sock_common *skc = ctx->sk_common;
+	struct mw_sock_state *st;
+	struct tcp_sock *tp;
+
+	if (!skc)
+		return 0;
+	tp = bpf_skc_to_tcp_sock(skc);
+	if (!tp)
+		return 0; /* request and time-wait sockets hold no state */
+	st = bpf_sk_storage_get(&mw_sk_state, (struct sock *)tp, 0, 0);
+	if (st)
+		conn_write(ctx->meta->seq, (struct sock *)tp, st);
 	return 0;
 }
 
