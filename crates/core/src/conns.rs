@@ -9,7 +9,7 @@ use std::fmt;
 use std::fs;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::os::fd::{AsFd, OwnedFd};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use libbpf_rs::{MapHandle, ProgramHandle};
 use meshwarp_bpf::names;
@@ -33,6 +33,11 @@ pub enum ConnsError {
     Map(#[from] MapError),
     #[error("the mw_conns iterator wrote {len} bytes, not a whole number of {size}-byte records")]
     Torn { len: usize, size: usize },
+    #[error(
+        "no connection-list program is pinned in {dir} (the programs of an older build run and could not be \
+         upgraded): restart the node service to retry the upgrade"
+    )]
+    NoProgram { dir: PathBuf },
 }
 
 /// Why bytes of a direction take the TCP path.
@@ -321,6 +326,8 @@ enum Source {
     /// `mw_conns_tcp` (iter/tcp), read in each network namespace, where the
     /// kernel refuses map-element iterators.
     EachNetns(OwnedFd),
+    /// Neither is pinned: an older build's programs run (a failed upgrade).
+    Missing(PathBuf),
 }
 
 /// Which iterator a [`ConnLister`] reads.
@@ -366,20 +373,23 @@ impl ConnLister {
                 crate::sys::iter_link_map(&pinned(names::PROG_CONNS)?, state.as_fd())
                     .map_err(|e| IoError::new("creating the mw_conns iterator link", e))?,
             )
-        } else {
+        } else if layout.prog(names::PROG_CONNS_TCP).exists() {
             Source::EachNetns(
                 crate::sys::iter_link(&pinned(names::PROG_CONNS_TCP)?)
                     .map_err(|e| IoError::new("creating the mw_conns_tcp iterator link", e))?,
             )
+        } else {
+            Source::Missing(layout.dir().join("progs"))
         };
         Ok(Self { source, exes: TypedMap::pinned(&layout.maps_dir(), names::MAP_EXES)? })
     }
 
-    /// Which iterator this lister reads.
-    pub fn source(&self) -> ConnSource {
+    /// Which iterator this lister reads (`None`: none is pinned).
+    pub fn source(&self) -> Option<ConnSource> {
         match self.source {
-            Source::Storage(_) => ConnSource::SocketStorage,
-            Source::EachNetns(_) => ConnSource::EachNetns,
+            Source::Storage(_) => Some(ConnSource::SocketStorage),
+            Source::EachNetns(_) => Some(ConnSource::EachNetns),
+            Source::Missing(_) => None,
         }
     }
 
@@ -412,6 +422,7 @@ impl ConnLister {
                 }
                 Ok(all)
             }
+            Source::Missing(dir) => Err(ConnsError::NoProgram { dir: dir.clone() }),
         }
     }
 

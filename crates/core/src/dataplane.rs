@@ -286,8 +286,9 @@ impl Dataplane {
         self.conns.list(filter)
     }
 
-    /// Which iterator the connection list is read from on this kernel.
-    pub fn connection_source(&self) -> ConnSource {
+    /// Which iterator the connection list is read from on this kernel
+    /// (`None`: an older build's programs run without one).
+    pub fn connection_source(&self) -> Option<ConnSource> {
         self.conns.source()
     }
 

@@ -273,6 +273,61 @@ fn a_failed_upgrade_step_puts_every_earlier_step_back() -> Result<()> {
     Ok(())
 }
 
+/// An older build pinned no connection-list program (mw_conns_tcp, and
+/// mw_conns where the kernel loads it, came later): the upgrade pins this
+/// build's, and the list works. Failed at that step, the upgrade unpins it
+/// again, the data path still opens and forwards, and the list says why it
+/// cannot answer.
+#[test]
+fn an_upgrade_adds_the_programs_an_older_build_lacked() -> Result<()> {
+    let mut k = kernel_test!(1024);
+    let bed = Bed::new(k.dp())?;
+    let dir = k.dp().pin_dir().to_path_buf();
+    let list_progs = [names::PROG_CONNS, names::PROG_CONNS_TCP];
+    let source = k.dp().connection_source();
+    ensure!(source.is_some(), "a fresh load pins a connection-list program");
+    let mut live = bed.connect()?;
+    let mut pattern = Pattern::new(3);
+    ping(&mut live, &mut pattern, 1000)?;
+    let listed = |dp: &Dataplane| -> Result<usize> {
+        let filter = meshwarp_core::ConnFilter { port: Some(PORT), ..Default::default() };
+        Ok(dp.connections(&filter)?.len())
+    };
+    ensure!(listed(k.dp())? == 2, "both ends of the live connection");
+
+    let as_older_build = |k: &mut KernelTest| -> Result<()> {
+        drop(k.dp.take());
+        for p in list_progs {
+            let _ = std::fs::remove_file(dir.join("progs").join(p));
+        }
+        mark_other_build(&dir.join("maps"))
+    };
+    // Failed where the pin is added: put back to the older build's pins.
+    as_older_build(&mut k)?;
+    inject_fault(Some(&format!("fail:pin {}", names::PROG_CONNS_TCP)));
+    let opened = Dataplane::open(&k.cfg);
+    inject_fault(None);
+    k.dp = Some(opened?);
+    ensure!(matches!(k.dp().upgrade(), Upgrade::Failed { .. }), "{:?}", k.dp().upgrade());
+    ensure!(list_progs.iter().all(|p| !dir.join("progs").join(p).exists()), "a failed upgrade left a new pin");
+    ensure!(k.dp().connection_source().is_none());
+    let err = k.dp().connections(&meshwarp_core::ConnFilter::default()).unwrap_err().to_string();
+    ensure!(err.contains("no connection-list program"), "{err}");
+    ping(&mut live, &mut pattern, 1000)?;
+    fresh_connection_is_redirected(k.dp(), &bed, 40)?;
+
+    // Upgraded: the pins are there and the list reads them.
+    as_older_build(&mut k)?;
+    k.dp = Some(Dataplane::open(&k.cfg)?);
+    let Upgrade::Done { steps, .. } = k.dp().upgrade().clone() else { bail!("{:?}", k.dp().upgrade()) };
+    ensure!(steps.contains(&format!("pin {}", names::PROG_CONNS_TCP)), "{steps:?}");
+    ensure!(k.dp().connection_source() == source, "{:?} against {source:?}", k.dp().connection_source());
+    ensure!(stray_pins(&dir).is_empty(), "{:?}", stray_pins(&dir));
+    ping(&mut live, &mut pattern, 1000)?;
+    ensure!(listed(k.dp())? == 2, "both ends of the live connection, after the upgrade");
+    Ok(())
+}
+
 #[test]
 fn a_process_killed_at_any_upgrade_step_leaves_a_working_data_path() -> Result<()> {
     // The child: adopts the parent's pins and is killed by the injected

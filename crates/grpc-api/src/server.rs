@@ -1341,7 +1341,11 @@ impl NodeServer {
 
     fn list_connections(&self, r: pb::ListConnectionsRequest) -> Result<pb::ListConnectionsResponse, Status> {
         let (filter, size, after) = convert::conn_query_from_pb(&r).map_err(|v| invalid(&v))?;
-        let all = self.dp.connections(&filter).map_err(|e| Status::internal(e.to_string()))?;
+        let all = self.dp.connections(&filter).map_err(|e| match e {
+            // The programs running are an older build's: a state, not a fault.
+            meshwarp_core::conns::ConnsError::NoProgram { .. } => Status::failed_precondition(e.to_string()),
+            e => Status::internal(e.to_string()),
+        })?;
         let mut rest = all.into_iter().filter(|c| after.is_none_or(|a| c.cookie > a)).peekable();
         let page: Vec<_> = rest.by_ref().take(size).collect();
         let next_page_token = match (rest.peek(), page.last()) {
