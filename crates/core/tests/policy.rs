@@ -240,12 +240,13 @@ fn pipelined_bursts_stay_on_the_fast_path() -> Result<()> {
 /// wakes it once per segment, so it moves to TCP at message 64. The same
 /// stream into a reader that has fallen behind (80 writes before it reads)
 /// stays on the fast path: that reader takes many writes per read anyway.
-/// Every byte checked.
+/// Once such a reader catches up, the next check (every 16 messages) moves
+/// the stream to TCP. Every byte checked.
 #[test]
 fn a_batched_stream_moves_to_tcp_only_while_its_reader_keeps_up() -> Result<()> {
     let k = kernel_test!();
     let (net, l, pair) = pods_pair(&k, 8215, FastPathMode::Adaptive)?;
-    let mut conns = connections(&net, &l, 8215, 2)?;
+    let mut conns = connections(&net, &l, 8215, 3)?;
     const W: usize = 16 << 10;
 
     let (c, s) = conns.remove(0);
@@ -265,6 +266,20 @@ fn a_batched_stream_moves_to_tcp_only_while_its_reader_keeps_up() -> Result<()> 
     let after = k.dp().stats(&pair)?;
     ensure!(after.demotions_coalesce == 1 && after.demotions_behind == 0, "a reader behind: not demoted: {after:?}");
     ensure!(after.redirected_msgs == 63 + 80 && after.policy_tcp_msgs == st.policy_tcp_msgs, "{after:?}");
+
+    // Behind at message 64, then caught up: the check at message 96 (the
+    // 16th in lockstep) finds nothing unread and moves it to TCP.
+    let (c, s) = conns.remove(0);
+    let (mut w, mut r) = (Stream::new(63), Stream::new(63));
+    w.write(&c, 80 * W, W)?;
+    r.read(&s, 80 * W)?;
+    for _ in 0..20 {
+        w.write(&c, W, W)?;
+        r.read(&s, W)?;
+    }
+    let caught_up = k.dp().stats(&pair)?;
+    ensure!(caught_up.demotions_coalesce == 2, "a reader that caught up: demoted: {caught_up:?}");
+    ensure!(caught_up.redirected_msgs == 63 + 80 + 80 + 15, "demoted at message 96: {caught_up:?}");
     Ok(())
 }
 

@@ -1632,10 +1632,12 @@ static __always_inline bool policy_allows(struct sk_msg_md *msg, struct mw_link 
 					 : (__u64)unread * MW_POLICY_RUN >= (__u64)MW_POLICY_BEHIND * d->run_bytes;
 	}
 	/* A batched run of small writes moves to TCP; one of larger writes
-	 * only while its reader keeps up. Whether a reader of several threads
-	 * keeps up is not known (its reads are not counted): TCP, which costs
-	 * such a run at most the fast path's gain, never a loss. */
-	if (behind || (run == MW_POLICY_COALESCE && batched(d, tp) &&
+	 * once its reader keeps up, at MW_POLICY_COALESCE or any check after
+	 * it (a reader behind at one moment may catch up). Whether a reader
+	 * of several threads keeps up is not known (its reads are not
+	 * counted): TCP, which costs such a run at most the fast path's gain,
+	 * never a loss. */
+	if (behind || (run >= MW_POLICY_COALESCE && batched(d, tp) &&
 		       (small || (d->flags & MW_DIR_RD_SHARED) || unread <= MW_POLICY_KEEPUP))) {
 		__sync_fetch_and_or(&d->flags, MW_DIR_TCP);
 		st->flags |= MW_SOCK_DEMOTED;
