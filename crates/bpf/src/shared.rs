@@ -55,6 +55,9 @@ pub const EF_NOSEND: u32 = 4;
 pub const EF_CLOSED: u32 = 8;
 pub const EF_PARKED: u32 = 0x10;
 pub const EF_GONE: u32 = 0x20;
+/// Its reader asks FIONREAD, which this kernel miscounts with a psock: the
+/// policy keeps bytes into it on the fast path.
+pub const EF_FIONREAD: u32 = 0x40;
 pub const EF_R_SPLICE: u32 = 0x100;
 pub const EF_R_LOWAT: u32 = 0x200;
 pub const EF_R_ULP: u32 = 0x400;

@@ -1,7 +1,8 @@
 //! The connection list: every socket meshwarp holds state for (covered by a
 //! rule, accelerated or not), in every network namespace, as the `mw_conns`
 //! iterator reads it from the kernel (or, where the kernel refuses
-//! map-element iterators, `mw_conns_tcp` in each namespace): tuple, rule,
+//! map-element iterators, `mw_conns_tcp` in each namespace a process or a
+//! name holds, see [`ConnSource`]): tuple, rule,
 //! process, traffic per path and, per direction, whether it takes the fast
 //! path or TCP and why.
 
@@ -31,6 +32,8 @@ pub enum ConnsError {
     Io(#[from] IoError),
     #[error(transparent)]
     Map(#[from] MapError),
+    #[error(transparent)]
+    Sys(#[from] crate::sys::SysError),
     #[error("the mw_conns iterator wrote {len} bytes, not a whole number of {size}-byte records")]
     Torn { len: usize, size: usize },
     #[error(
@@ -337,8 +340,9 @@ pub enum ConnSource {
     /// every network namespace.
     SocketStorage,
     /// An iter/tcp iterator in each network namespace that can be entered
-    /// (see [`crate::sys::netns_paths`]); sockets out of TCP's hash tables
-    /// (closed but still open) are not listed.
+    /// (see [`crate::sys::in_each_netns`]); sockets out of TCP's hash tables
+    /// (closed but still open), and namespaces that only sockets keep
+    /// alive, are not listed.
     EachNetns,
 }
 
@@ -408,17 +412,13 @@ impl ConnLister {
                     .map_err(|e| IoError::new("reading the mw_conns iterator", e))?,
             ),
             Source::EachNetns(link) => {
+                let reads = crate::sys::in_each_netns(|ns| {
+                    crate::sys::read_iterator(link.as_fd())
+                        .map_err(|e| IoError::new(format!("reading the mw_conns_tcp iterator in {}", ns.display()), e))
+                })?;
                 let mut all = Vec::new();
-                for ns in crate::sys::netns_paths(None) {
-                    // A namespace gone since it was listed has no sockets to show.
-                    let Ok(read) = crate::sys::run_in_netns(Some(&ns), || crate::sys::read_iterator(link.as_fd()))
-                    else {
-                        continue;
-                    };
-                    let bytes = read.map_err(|e| {
-                        IoError::new(format!("reading the mw_conns_tcp iterator in {}", ns.display()), e)
-                    })?;
-                    all.extend(parse(bytes)?);
+                for bytes in reads {
+                    all.extend(parse(bytes?)?);
                 }
                 Ok(all)
             }
@@ -442,6 +442,9 @@ impl ConnLister {
             .filter(|c| filter.matches(c))
             .collect();
         out.sort_by_key(|c| c.cookie);
+        // iter/tcp may show a socket twice when a read resumes inside a
+        // hash bucket that changed meanwhile.
+        out.dedup_by_key(|c| c.cookie);
         Ok(out)
     }
 

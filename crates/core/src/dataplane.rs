@@ -470,13 +470,22 @@ fn upgrade_programs(layout: &FamilyPins) -> Result<Vec<String>, UpgradeError> {
         for (name, prog) in sockredir_progs(p) {
             swap.prog_pin(&layout.prog(name), prog.as_fd())?;
         }
-        for (name, prog) in optional_progs(p) {
+        let loaded = optional_progs(p);
+        for &(name, prog) in &loaded {
             // The send side's program goes with its tracepoint link, which
             // the latency monitor makes; the others are pinned even where
             // the older build had none.
-            if name != names::PROG_LAT_SEND || layout.prog(name).exists() {
+            if name != names::PROG_LAT_SEND {
+                swap.prog_pin_optional(&layout.prog(name), prog.as_fd())?;
+            } else if layout.prog(name).exists() {
                 swap.prog_pin(&layout.prog(name), prog.as_fd())?;
             }
+        }
+        // The connection list's program over every namespace, pinned by a
+        // build this kernel loaded it for once: it would be read instead of
+        // this build's.
+        if !loaded.iter().any(|(n, _)| *n == names::PROG_CONNS) && layout.prog(names::PROG_CONNS).exists() {
+            swap.prog_unpin(&layout.prog(names::PROG_CONNS))?;
         }
         Ok(())
     })

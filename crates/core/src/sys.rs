@@ -329,35 +329,85 @@ pub fn drain_iterator(link: std::os::fd::BorrowedFd<'_>) -> io::Result<()> {
 }
 
 /// A path to the network namespace with cookie `cookie`: thread `tid`'s own
-/// first, then named namespaces, then every process's and thread's.
+/// first, then named namespaces, then every process's and thread's; each
+/// namespace entered once, and no further than the first match.
 pub fn find_netns(cookie: u64, tid: u32) -> Option<PathBuf> {
-    netns_paths(Some(tid))
-        .into_iter()
-        .find(|path| run_in_netns(Some(path), netns_cookie_here).ok().flatten() == Some(cookie))
+    use std::os::unix::fs::MetadataExt;
+    let mut seen = std::collections::BTreeSet::new();
+    netns_candidates(Some(tid)).find(|path| {
+        let Ok(m) = fs::metadata(path) else { return false };
+        seen.insert((m.dev(), m.ino())) && run_in_netns(Some(path), netns_cookie_here).ok().flatten() == Some(cookie)
+    })
 }
 
-/// One path to each network namespace that can be entered: thread `first`'s
-/// own first (when given), then this process's, the named ones
-/// (/run/netns), then every process's and thread's. A namespace that only
-/// sockets keep alive (no process, no name) is not among them.
-pub fn netns_paths(first: Option<u32>) -> Vec<PathBuf> {
+/// Paths that may name a network namespace, in the order they are tried:
+/// thread `first`'s own (when given), this process's, the named ones
+/// (/run/netns), then every process's and thread's. The same namespace
+/// comes under many paths.
+fn netns_candidates(first: Option<u32>) -> impl Iterator<Item = PathBuf> {
+    let named = fs::read_dir("/run/netns").into_iter().flatten().flatten().map(|e| e.path());
+    let procs = fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| e.file_name().to_str().is_some_and(|n| n.parse::<u32>().is_ok()))
+        .flat_map(|p| {
+            let threads = fs::read_dir(p.path().join("task")).into_iter().flatten().flatten().map(|t| t.path());
+            std::iter::once(p.path()).chain(threads).map(|d| d.join("ns/net"))
+        });
+    first
+        .map(|tid| PathBuf::from(format!("/proc/{tid}/ns/net")))
+        .into_iter()
+        .chain(std::iter::once(PathBuf::from("/proc/self/ns/net")))
+        .chain(named)
+        .chain(procs)
+}
+
+/// Runs `f` once in each network namespace that can be entered (this
+/// process's, the named ones, every process's and thread's), on one scoped
+/// thread that enters them in turn. Namespaces are told apart by the file
+/// opened (not its path, which a reused pid could point elsewhere); a path
+/// gone by the time it is opened (its process exited), or one this process
+/// may not open or enter, is skipped. A
+/// namespace that only sockets keep alive (no process, no name) is not
+/// among them.
+pub fn in_each_netns<T: Send>(mut f: impl FnMut(&Path) -> T + Send) -> Result<Vec<T>, SysError> {
     use std::os::unix::fs::MetadataExt;
-    let mut candidates: Vec<PathBuf> =
-        first.map(|tid| PathBuf::from(format!("/proc/{tid}/ns/net"))).into_iter().collect();
-    candidates.push(PathBuf::from("/proc/self/ns/net"));
-    if let Ok(d) = fs::read_dir("/run/netns") {
-        candidates.extend(d.flatten().map(|e| e.path()));
-    }
-    if let Ok(d) = fs::read_dir("/proc") {
-        for p in d.flatten().filter(|e| e.file_name().to_str().is_some_and(|n| n.parse::<u32>().is_ok())) {
-            candidates.push(p.path().join("ns/net"));
-            if let Ok(t) = fs::read_dir(p.path().join("task")) {
-                candidates.extend(t.flatten().map(|e| e.path().join("ns/net")));
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let mut seen = std::collections::BTreeSet::new();
+            let mut out = Vec::new();
+            for path in netns_candidates(None) {
+                // Gone (its process exited), or not ours to enter (a
+                // process of another user namespace, such as a sandbox's
+                // init): skipped. Anything else is an error.
+                let skip =
+                    |errno: Option<i32>| matches!(errno, Some(libc::ENOENT | libc::ESRCH | libc::EACCES | libc::EPERM));
+                let file = match fs::File::open(&path) {
+                    Ok(f) => f,
+                    Err(e) if skip(e.raw_os_error()) => {
+                        tracing::debug!(path = %path.display(), "network namespace skipped: {e}");
+                        continue;
+                    }
+                    Err(e) => return Err(SysError::Io { path, source: e }),
+                };
+                let m = file.metadata().map_err(io_err(&path))?;
+                if !seen.insert((m.dev(), m.ino())) {
+                    continue;
+                }
+                match nix::sched::setns(std::os::fd::AsFd::as_fd(&file), nix::sched::CloneFlags::CLONE_NEWNET) {
+                    Ok(()) => out.push(f(&path)),
+                    Err(e) if skip(Some(e as i32)) => {
+                        tracing::debug!(path = %path.display(), "network namespace skipped: {e}");
+                    }
+                    Err(source) => return Err(SysError::Setns { path, source }),
+                }
             }
-        }
-    }
-    let mut seen = std::collections::BTreeSet::new();
-    candidates.into_iter().filter(|path| fs::metadata(path).is_ok_and(|m| seen.insert((m.dev(), m.ino())))).collect()
+            Ok(out)
+        })
+        .join()
+        .unwrap_or_else(|p| std::panic::resume_unwind(p))
+    })
 }
 
 /// The cookie of the calling thread's network namespace.

@@ -328,21 +328,38 @@ impl Swap {
         )
     }
 
-    /// Pins `prog` at `path` in place of the program pinned there, or as a
-    /// new pin where the older build had none (its undo unpins it).
+    /// Pins `prog` at `path` in place of the program pinned there.
     pub(crate) fn prog_pin(&mut self, path: &Path, prog: BorrowedFd<'_>) -> Result<(), UpgradeError> {
         let step = format!("pin {}", file_name(path));
-        let (s, p) = (step.clone(), path.to_path_buf());
-        if !path.exists() {
-            obj_pin(&step, prog, path)?;
-            return self.record(
-                step,
-                Box::new(move || fs::remove_file(&p).map_err(|source| UpgradeError::Step { step: s, source })),
-            );
-        }
         let old = obj_get(&step, path)?;
         pin_over(&step, prog, path)?;
+        let (s, p) = (step.clone(), path.to_path_buf());
         self.record(step, Box::new(move || pin_over(&s, old.as_fd(), &p)))
+    }
+
+    /// Pins an optional program at `path`: in place of the one pinned
+    /// there, or new where the older build had none (its undo unpins it).
+    pub(crate) fn prog_pin_optional(&mut self, path: &Path, prog: BorrowedFd<'_>) -> Result<(), UpgradeError> {
+        if path.exists() {
+            return self.prog_pin(path, prog);
+        }
+        let step = format!("pin {}", file_name(path));
+        obj_pin(&step, prog, path)?;
+        let (s, p) = (step.clone(), path.to_path_buf());
+        self.record(
+            step,
+            Box::new(move || fs::remove_file(&p).map_err(|source| UpgradeError::Step { step: s, source })),
+        )
+    }
+
+    /// Unpins an optional program this build does not load here (the undo
+    /// pins it back).
+    pub(crate) fn prog_unpin(&mut self, path: &Path) -> Result<(), UpgradeError> {
+        let step = format!("unpin {}", file_name(path));
+        let old = obj_get(&step, path)?;
+        fs::remove_file(path).map_err(|source| UpgradeError::Step { step: step.clone(), source })?;
+        let (s, p) = (step.clone(), path.to_path_buf());
+        self.record(step, Box::new(move || obj_pin(&s, old.as_fd(), &p)))
     }
 
     /// A step of the family's own (e.g. a tc filter replaced through

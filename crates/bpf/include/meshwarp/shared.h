@@ -112,6 +112,13 @@ struct mw_rule {
 #define MW_EF_PARKED 0x10u
 /* Out of the SOCKMAP for good: it closed with nothing redirected left unread. */
 #define MW_EF_GONE 0x20u
+/* Its reader asks FIONREAD, and this kernel's FIONREAD counts only the
+ * redirected bytes of a socket with a psock: bytes sent into it on TCP
+ * would go uncounted (nginx then waits for them forever), so the adaptive
+ * policy never moves a direction into it to TCP. Set where the kernel has
+ * that gap, at insert (the executable was seen asking, or FIONREAD readers
+ * are not watched) or at its first FIONREAD on the socket. */
+#define MW_EF_FIONREAD 0x40u
 /* Why an end is not, or no longer, a target. */
 #define MW_EF_R_SPLICE 0x100u /* its reader can splice (program), or was seen splicing */
 #define MW_EF_R_LOWAT 0x200u  /* SO_RCVLOWAT: the fast path ignores it */

@@ -503,6 +503,7 @@ struct end_decision {
 	int level;
 	__u32 reason;       /* MW_EF_R_* when not a target */
 	bool reader;        /* NONE because of the reader (unknown, blocking) */
+	bool fionread;      /* a target whose reader FIONREAD would miscount (MW_EF_FIONREAD) */
 	struct mw_exe_key exe;
 };
 
@@ -523,6 +524,7 @@ static __always_inline void decide_end(struct bpf_sock_ops *skops, struct tcp_so
 	d->level = LV_NONE;
 	d->reason = 0;
 	d->reader = false;
+	d->fionread = false;
 	if (s->sk_rcvlowat > 1) {
 		target = false;
 		d->reason = MW_EF_R_LOWAT;
@@ -590,12 +592,20 @@ static __always_inline void decide_end(struct bpf_sock_ops *skops, struct tcp_so
 	}
 	/* A sender whose own incoming bytes come on TCP: FIONREAD would miss
 	 * them. Without the syscall watch, FIONREAD readers are not known. */
-	if (!target && (cfg & MW_CFG_FIONREAD_PSOCK) &&
-	    ((eflags & MW_EXE_SEEN_FIONREAD) || !(cfg & MW_CFG_SYSCALL_WATCH))) {
-		d->reader = true;
-		return;
+	if ((cfg & MW_CFG_FIONREAD_PSOCK) && ((eflags & MW_EXE_SEEN_FIONREAD) || !(cfg & MW_CFG_SYSCALL_WATCH))) {
+		if (!target) {
+			d->reader = true;
+			return;
+		}
+		d->fionread = true;
 	}
 	d->level = target ? LV_FULL : LV_SEND;
+}
+
+/* MW_EF_FIONREAD for an end decided `d`. */
+static __always_inline __u32 fionread_flag(const struct end_decision *d)
+{
+	return d->fionread ? MW_EF_FIONREAD : 0;
 }
 
 static __always_inline void count_reason(struct mw_rule_stats *rs, const struct end_decision *d)
@@ -1076,7 +1086,8 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 	/* Nothing read yet: each direction's reader is at its sender's ISN + 1. */
 	link->dir[MW_END_CLIENT].tcp_read = skops->snd_una;
 	link->dir[MW_END_SERVER].tcp_read = skops->rcv_nxt;
-	link->end_flags[MW_END_CLIENT] = MW_EF_PSOCK | (d.level == LV_FULL ? MW_EF_TARGET : d.reason);
+	link->end_flags[MW_END_CLIENT] =
+		MW_EF_PSOCK | (d.level == LV_FULL ? MW_EF_TARGET | fionread_flag(&d) : d.reason);
 	/* Until the server end claims the link, nothing is redirected into it. */
 	link->end_flags[MW_END_SERVER] = (rule->flags & MW_RULE_NO_TARGET_SERVER) ? MW_EF_R_RULE : 0;
 	link->cookie[MW_END_CLIENT] = cookie;
@@ -1269,7 +1280,7 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 	link->netns[MW_END_SERVER] = bpf_get_netns_cookie(skops);
 	/* Published last: the client redirects only once this end is in the map. */
 	__sync_fetch_and_or(&link->end_flags[MW_END_SERVER],
-			    MW_EF_PSOCK | (to_server ? MW_EF_TARGET : d.reason));
+			    MW_EF_PSOCK | (to_server ? MW_EF_TARGET | fionread_flag(&d) : d.reason));
 	st->link = id;
 	st->slot = slot;
 	if (rs)
@@ -1598,19 +1609,25 @@ static __always_inline bool policy_allows(struct sk_msg_md *msg, struct mw_link 
 		if (rs)
 			rs->policy_tcp_msgs += skipped + 1;
 		/* Still streaming: leave the SOCKMAP, so that TCP is plain
-		 * TCP again; MW_POLICY_UNLINK checks after a demotion at
-		 * MW_POLICY_COALESCE, at the first one after a reader-behind
-		 * demotion (which streamed long before). */
+		 * TCP again (not an end whose reader asks FIONREAD: while it
+		 * leaves, its peer's bytes come on TCP into a socket that
+		 * still has a psock, which FIONREAD does not count; nginx,
+		 * woken once by them, read nothing and waited for good);
+		 * MW_POLICY_UNLINK checks after a demotion at
+		 * MW_POLICY_COALESCE, at the first one after a demotion at a
+		 * later check (a reader-behind one, or a batched run whose
+		 * reader caught up: both streamed long before). */
 		if (run >= MW_POLICY_RUN + MW_POLICY_UNLINK &&
 		    (run < MW_POLICY_COALESCE || run >= MW_POLICY_COALESCE + MW_POLICY_UNLINK) &&
 		    !(d->flags & (MW_DIR_UNLINK_REQ | MW_DIR_UNLINKED)) &&
-		    st->rd_pid != MW_RD_SHARED)
+		    st->rd_pid != MW_RD_SHARED && !(link->end_flags[st->end & 1] & MW_EF_FIONREAD))
 			park_self(link, st, tp);
 		return false;
 	}
 	if (run == 1)
 		d->run_bytes = 0;
-	if (link->flags & MW_LINK_FIXED)
+	/* Mode always, or a reader whose FIONREAD would miss TCP bytes. */
+	if ((link->flags & MW_LINK_FIXED) || (link->end_flags[(st->end ^ 1) & 1] & MW_EF_FIONREAD))
 		return true;
 	/* run_bytes holds the run's first MW_POLICY_RUN messages. */
 	if (run <= MW_POLICY_RUN)
@@ -1623,7 +1640,7 @@ static __always_inline bool policy_allows(struct sk_msg_md *msg, struct mw_link 
 		 * until then); large ones as many bytes as TCP would let the
 		 * sender run ahead (the psock queue has no bound). */
 		unread = d->redir - d->psock_read;
-		if (run != MW_POLICY_COALESCE && ((run % MW_POLICY_CHECK) || (d->flags & MW_DIR_RD_SHARED)))
+		if (run != MW_POLICY_COALESCE && (run % MW_POLICY_CHECK))
 			return true;
 		if (!(run % MW_POLICY_CHECK) && !(d->flags & MW_DIR_RD_SHARED) &&
 		    !(run < MW_POLICY_COALESCE && batched(d, tp)))
@@ -1708,7 +1725,8 @@ static __always_inline int finish_msg(struct sk_msg_md *msg, struct bpf_sock *sk
 	 * coalesce (Nagle or cork, under one segment), into a reader busy
 	 * copying out: TCP for this message rather than wait for the
 	 * reader's lock (see reader_busy). */
-	if (!(link->flags & MW_LINK_FIXED) && link->dir[end].run > MW_POLICY_COALESCE && coalescing(tp) &&
+	if (!(link->flags & MW_LINK_FIXED) && !(link->end_flags[peer] & MW_EF_FIONREAD) &&
+	    link->dir[end].run > MW_POLICY_COALESCE && coalescing(tp) &&
 	    link->dir[end].run_bytes < MW_POLICY_RUN * tp->mss_cache && reader_busy(link, peer)) {
 		if (rs)
 			rs->fb_reader_busy++;
@@ -2011,20 +2029,30 @@ static __always_inline void on_splice(__u32 fd)
 	(void)old;
 }
 
-/* ioctl(FIONREAD) on a socket: remembered per executable. */
+/* ioctl(FIONREAD) on a socket: remembered per executable, and on the
+ * socket's end of its link where FIONREAD misses TCP bytes of a psock
+ * socket (MW_EF_FIONREAD: the policy keeps bytes into it redirected). */
 static __always_inline void on_fionread(__u32 fd)
 {
 	struct mw_exe_key exe = {};
 	struct sock *sk = fd_sock(fd);
+	struct mw_cookie_val *cv;
+	struct mw_link *link;
 	__u64 cookie;
 
 	if (!sk)
 		return;
 	cookie = sk->__sk_common.skc_cookie.counter;
-	if (!bpf_map_lookup_elem(&mw_cookies, &cookie))
+	cv = bpf_map_lookup_elem(&mw_cookies, &cookie);
+	if (!cv)
 		return;
 	if (current_exe(&exe))
 		exe_seen(&exe, MW_EXE_SEEN_FIONREAD);
+	if (!(config_flags() & MW_CFG_FIONREAD_PSOCK))
+		return;
+	link = link_at(cv->slot, cv->link);
+	if (link && !(link->end_flags[cv->end & 1] & MW_EF_FIONREAD))
+		__sync_fetch_and_or(&link->end_flags[cv->end & 1], MW_EF_FIONREAD);
 }
 
 SEC("tp_btf/sys_enter")
