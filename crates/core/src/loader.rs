@@ -99,22 +99,24 @@ pub(crate) fn sk_msg_has_task_storage() -> bool {
 pub(crate) fn has_tcp_sendmsg_tracepoint() -> bool {
     static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *HAS.get_or_init(|| {
-        let name = c"btf_trace_tcp_sendmsg_locked";
-        // SAFETY: libbpf loads the kernel's BTF; NULL-checked; freed below.
-        unsafe {
-            let btf = libbpf_rs::libbpf_sys::btf__load_vmlinux_btf();
-            if btf.is_null() {
-                return false;
-            }
-            let found = libbpf_rs::libbpf_sys::btf__find_by_name_kind(
-                btf,
-                name.as_ptr(),
-                libbpf_rs::libbpf_sys::BTF_KIND_TYPEDEF,
-            ) > 0;
-            libbpf_rs::libbpf_sys::btf__free(btf);
-            found
-        }
+        vmlinux_btf_id(c"btf_trace_tcp_sendmsg_locked", libbpf_rs::libbpf_sys::BTF_KIND_TYPEDEF).is_some()
     })
+}
+
+/// The id of type `name` of kind `kind` in the kernel's BTF, if it has one.
+fn vmlinux_btf_id(name: &std::ffi::CStr, kind: u32) -> Option<u32> {
+    use libbpf_rs::libbpf_sys;
+    // SAFETY: libbpf loads the kernel's BTF; NULL-checked; freed below.
+    let id = unsafe {
+        let btf = libbpf_sys::btf__load_vmlinux_btf();
+        if btf.is_null() {
+            return None;
+        }
+        let id = libbpf_sys::btf__find_by_name_kind(btf, name.as_ptr(), kind);
+        libbpf_sys::btf__free(btf);
+        id
+    };
+    u32::try_from(id).ok().filter(|&id| id > 0)
 }
 
 /// Whether the kernel loads map-element iterators (`iter/bpf_sk_storage_map`,
@@ -135,21 +137,9 @@ pub(crate) fn map_elem_iter_loads() -> bool {
         const MOV64_IMM: u8 = 0xb7; // BPF_ALU64 | BPF_MOV | BPF_K
         const EXIT: u8 = 0x95; // BPF_JMP | BPF_EXIT
         let insns = [Insn { code: MOV64_IMM, regs: 0, off: 0, imm: 0 }, Insn { code: EXIT, regs: 0, off: 0, imm: 0 }];
-        // SAFETY: libbpf loads the kernel's BTF; NULL-checked; freed below.
-        let id = unsafe {
-            let btf = libbpf_sys::btf__load_vmlinux_btf();
-            if btf.is_null() {
-                return false;
-            }
-            let id = libbpf_sys::btf__find_by_name_kind(
-                btf,
-                c"bpf_iter_bpf_sk_storage_map".as_ptr(),
-                libbpf_sys::BTF_KIND_FUNC,
-            );
-            libbpf_sys::btf__free(btf);
-            id
+        let Some(attach_btf_id) = vmlinux_btf_id(c"bpf_iter_bpf_sk_storage_map", libbpf_sys::BTF_KIND_FUNC) else {
+            return false;
         };
-        let Ok(attach_btf_id) = u32::try_from(id) else { return false };
         let mut opts = libbpf_sys::bpf_prog_load_opts {
             sz: std::mem::size_of::<libbpf_sys::bpf_prog_load_opts>() as libbpf_sys::size_t,
             expected_attach_type: libbpf_sys::BPF_TRACE_ITER,
