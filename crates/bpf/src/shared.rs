@@ -17,7 +17,7 @@ pub struct Build {
 pub const BUILD_LEN: usize = 16;
 
 /// `MW_SCHEMA_VERSION`: bumped whenever a pinned map's key or value changes.
-pub const SCHEMA_VERSION: u32 = 16;
+pub const SCHEMA_VERSION: u32 = 17;
 
 pub const AF_INET: u32 = 2;
 pub const AF_INET6: u32 = 10;
@@ -58,6 +58,9 @@ pub const EF_GONE: u32 = 0x20;
 /// Its reader asks FIONREAD, which this kernel miscounts with a psock: the
 /// policy keeps bytes into it on the fast path.
 pub const EF_FIONREAD: u32 = 0x40;
+/// Its reader asked FIONREAD with TCP bytes that FIONREAD missed queued: a
+/// wake-up was asked for (`PARK_WAKE`).
+pub const EF_WAKE: u32 = 0x80;
 pub const EF_R_SPLICE: u32 = 0x100;
 pub const EF_R_LOWAT: u32 = 0x200;
 pub const EF_R_ULP: u32 = 0x400;
@@ -116,8 +119,10 @@ pub const EV_SPLICE_SEEN: u32 = 3;
 pub const EV_UNLINK: u32 = 4;
 pub const EV_RELINK: u32 = 5;
 pub const EV_SLOT_STALE: u32 = 6;
+pub const EV_WAKE: u32 = 7;
 /// `MW_PARK_*` (`mw_park_req.op`).
 pub const PARK_RELINK: u32 = 2;
+pub const PARK_WAKE: u32 = 4;
 /// `MW_PARK_*` (`mw_park_req.result`).
 pub const PARK_PENDING: u32 = 0;
 pub const PARK_DONE: u32 = 1;
@@ -485,6 +490,7 @@ pub struct RuleStats {
     pub relinks: u64,
     pub demotions_behind: u64,
     pub fb_reader_busy: u64,
+    pub reader_wakeups: u64,
 }
 
 /// `MW_OWNER_LEN`: bytes of an owner name, NUL padding included.
@@ -929,7 +935,8 @@ mod tests {
                 unlinks,
                 relinks,
                 demotions_behind,
-                fb_reader_busy
+                fb_reader_busy,
+                reader_wakeups
             ]
         );
         same_layout!(
@@ -969,7 +976,7 @@ mod tests {
         assert_eq!(size_of::<SockOwner>(), 16 + 8);
         assert_eq!(size_of::<Exe>(), 8 + 16);
         assert_eq!(size_of::<Event>(), 16 + 16 + 16 + 32 + 24 + 32);
-        assert_eq!(size_of::<RuleStats>(), 22 * 8);
+        assert_eq!(size_of::<RuleStats>(), 23 * 8);
         assert_eq!(size_of::<GlobalStats>(), 6 * 8);
         assert_eq!(size_of::<RouteKey4>(), 16);
         assert_eq!(size_of::<RouteKey6>(), 28);

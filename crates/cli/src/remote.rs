@@ -102,6 +102,7 @@ fn policy_line(c: &pb::RuleCounters) -> String {
         ("messages on TCP", c.policy_tcp_msgs),
         ("unlinked", c.unlinks),
         ("relinked", c.relinks),
+        ("readers woken (FIONREAD missed TCP bytes)", c.reader_wakeups),
         ("connections kept on TCP (mode never)", c.fallback_mode_never),
     ];
     parts.map(|(label, n)| format!("{label} {n}")).join("  ")
@@ -429,6 +430,7 @@ impl Remote {
                 a.relinks += c.relinks;
                 a.demotions_behind += c.demotions_behind;
                 a.fallback_reader_busy += c.fallback_reader_busy;
+                a.reader_wakeups += c.reader_wakeups;
                 a
             });
             println!(

@@ -82,7 +82,7 @@ fn tools(names: &[&str]) -> bool {
 fn report(what: &str, counters: &[(&str, RuleCounters)]) {
     for (rule, c) in counters {
         eprintln!(
-            "[compat] {what}: {rule}: sockets {} redirected {} B ({} msgs); fallbacks: reader {} splice {} no_peer {} tcp_path {} collision {}; splice hits {}",
+            "[compat] {what}: {rule}: sockets {} redirected {} B ({} msgs); fallbacks: reader {} splice {} no_peer {} tcp_path {} collision {}; splice hits {}; readers woken {}",
             c.sockets,
             c.redirected_bytes,
             c.redirected_msgs,
@@ -91,7 +91,8 @@ fn report(what: &str, counters: &[(&str, RuleCounters)]) {
             c.fallback_no_peer,
             c.fallback_tcp_path,
             c.fallback_collision,
-            c.splice_hits
+            c.splice_hits,
+            c.reader_wakeups
         );
     }
 }

@@ -291,6 +291,7 @@ pub fn add_rule_stats(a: &mut RuleStats, b: &RuleStats) {
     a.relinks = a.relinks.wrapping_add(b.relinks);
     a.demotions_behind = a.demotions_behind.wrapping_add(b.demotions_behind);
     a.fb_reader_busy = a.fb_reader_busy.wrapping_add(b.fb_reader_busy);
+    a.reader_wakeups = a.reader_wakeups.wrapping_add(b.reader_wakeups);
 }
 
 fn add_global_stats(a: &mut GlobalStats, b: &GlobalStats) {

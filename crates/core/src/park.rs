@@ -13,7 +13,9 @@
 //! Relinking needs the socket itself: the `mw_park` iter/tcp program finds it
 //! in its network namespace, under its lock. This module feeds it requests,
 //! batched per namespace, and retries those a failed walk did not serve, up to
-//! [`MAX_TRIES`] times.
+//! [`MAX_TRIES`] times. The same walk wakes readers (`MW_EV_WAKE`): a reader
+//! that asked FIONREAD with TCP bytes queued behind its psock, which this
+//! kernel's FIONREAD does not count (see `MW_EF_WAKE` in shared.h).
 
 use std::collections::BTreeMap;
 use std::os::fd::{AsFd, OwnedFd};
@@ -23,8 +25,8 @@ use std::time::{Duration, Instant};
 use libbpf_rs::ProgramHandle;
 use meshwarp_bpf::names;
 use meshwarp_bpf::shared::{
-    Event, Link, ParkReq, Pod, UnlinkCtx, DIR_UNLINKED, DIR_UNLINKING, DIR_UNLINK_REQ, EV_RELINK, EV_UNLINK, PARK_BUSY,
-    PARK_DONE, PARK_FAILED, PARK_MOOT, PARK_PENDING, PARK_RELINK,
+    Event, Link, ParkReq, Pod, UnlinkCtx, DIR_UNLINKED, DIR_UNLINKING, DIR_UNLINK_REQ, EF_WAKE, EV_RELINK, EV_UNLINK,
+    EV_WAKE, PARK_BUSY, PARK_DONE, PARK_FAILED, PARK_MOOT, PARK_PENDING, PARK_RELINK, PARK_WAKE,
 };
 
 use crate::error::{BpfError, IoError};
@@ -53,9 +55,11 @@ pub(crate) fn bpf_err(what: impl Into<String>) -> impl FnOnce(libbpf_rs::Error) 
     move |source| ParkError::Bpf(BpfError::new(what, source))
 }
 
-/// One socket waiting for `mw_park` to put it back.
+/// One socket waiting for `mw_park` to put it back or wake its reader.
 #[derive(Debug, Clone, Copy)]
 struct Request {
+    /// `PARK_RELINK` or `PARK_WAKE`.
+    op: u32,
     cookie: u64,
     netns: u64,
     /// The thread that asked (its namespace is tried first).
@@ -112,23 +116,30 @@ impl Parker {
                 if l.dir[end].flags & (DIR_UNLINK_REQ | DIR_UNLINKED | DIR_UNLINKING) == DIR_UNLINK_REQ {
                     self.unlink(l.cookie[end]);
                 }
+                // A wake-up asked while no process served: its reader may
+                // still wait, and its flag keeps it from asking again.
+                if l.end_flags[end] & EF_WAKE != 0 && !self.queue.iter().any(|r| r.cookie == l.cookie[end]) {
+                    let (cookie, netns) = (l.cookie[end], l.netns[end]);
+                    self.queue.push(Request { op: PARK_WAKE, cookie, netns, tid: 0, tries: 0, due: Instant::now() });
+                }
             }
         }
     }
 
     /// Serves or queues a program's request; false if `ev` is not one.
     pub(crate) fn accept(&mut self, ev: &Event) -> bool {
-        match ev.kind {
+        let op = match ev.kind {
             EV_UNLINK => {
                 self.unlink(ev.cookie);
                 return true;
             }
-            EV_RELINK => {}
+            EV_RELINK => PARK_RELINK,
+            EV_WAKE => PARK_WAKE,
             _ => return false,
-        }
+        };
         // A newer request for the same socket replaces an older one.
-        self.queue.retain(|r| r.cookie != ev.cookie);
-        self.queue.push(Request { cookie: ev.cookie, netns: ev.netns, tid: ev.pid, tries: 0, due: Instant::now() });
+        self.queue.retain(|r| r.cookie != ev.cookie || r.op != op);
+        self.queue.push(Request { op, cookie: ev.cookie, netns: ev.netns, tid: ev.pid, tries: 0, due: Instant::now() });
         true
     }
 
@@ -163,7 +174,14 @@ impl Parker {
         self.queue = later;
         let mut by_ns: BTreeMap<u64, Vec<Request>> = BTreeMap::new();
         for r in due {
-            by_ns.entry(r.netns).or_default().push(r);
+            let batch = by_ns.entry(r.netns).or_default();
+            // mw_park_req holds one request per socket: a second one (a
+            // relink and a wake) waits for the next walk.
+            if batch.iter().any(|b| b.cookie == r.cookie) {
+                self.queue.push(r);
+            } else {
+                batch.push(r);
+            }
         }
         for (ns, reqs) in by_ns {
             match self.run_batch(ns, &reqs) {
@@ -187,7 +205,10 @@ impl Parker {
     fn settle(&mut self, r: &mut Request, result: u32) {
         let name = result_name(result);
         match result {
-            PARK_DONE | PARK_MOOT => tracing::debug!(cookie = r.cookie, "mw_park: {name}"),
+            PARK_DONE | PARK_MOOT => tracing::debug!(cookie = r.cookie, op = r.op, "mw_park: {name}"),
+            PARK_FAILED if r.op == PARK_WAKE => {
+                tracing::warn!(cookie = r.cookie, "mw_park: waking the reader failed (SO_RCVLOWAT refused)")
+            }
             PARK_FAILED => {
                 tracing::info!(cookie = r.cookie, "mw_park: the SOCKMAP refused; the end stays on TCP")
             }
@@ -204,6 +225,8 @@ impl Parker {
                 if r.tries < MAX_TRIES {
                     r.due = Instant::now() + RETRY_EVERY;
                     self.queue.push(*r);
+                } else if r.op == PARK_WAKE {
+                    tracing::warn!(cookie = r.cookie, "mw_park: waking the reader given up");
                 } else {
                     tracing::debug!(cookie = r.cookie, "mw_park: relink given up; the end stays on TCP");
                 }
@@ -228,7 +251,7 @@ impl Parker {
             }
         };
         for r in reqs {
-            let v = ParkReq { op: PARK_RELINK, result: PARK_PENDING };
+            let v = ParkReq { op: r.op, result: PARK_PENDING };
             self.req.put(&r.cookie, &v)?;
         }
         let link = self.link.as_fd();

@@ -63,6 +63,10 @@ pub struct RuleCounters {
     /// peer's reader held its socket, copying out: a redirect would have
     /// waited for it.
     pub fallback_reader_busy: u64,
+    /// Readers woken because they asked FIONREAD with bytes queued that
+    /// this kernel's FIONREAD does not count (TCP bytes behind a psock): an
+    /// edge-triggered reader told 0 would wait for an event they never bring.
+    pub reader_wakeups: u64,
 }
 
 impl From<RuleStats> for RuleCounters {
@@ -90,6 +94,7 @@ impl From<RuleStats> for RuleCounters {
             relinks: s.relinks,
             demotions_behind: s.demotions_behind,
             fallback_reader_busy: s.fb_reader_busy,
+            reader_wakeups: s.reader_wakeups,
         }
     }
 }

@@ -523,6 +523,91 @@ fn no_promotion_while_tcp_bytes_are_unread() -> Result<()> {
     Ok(())
 }
 
+/// nginx's read loop (epoll edge-triggered; a read that fills its buffer
+/// asks FIONREAD how much is left and, told 0, waits for the next event) on
+/// a socket whose incoming direction moved to TCP before its reader was
+/// seen asking FIONREAD. Where FIONREAD counts only a psock's redirected
+/// bytes, the TCP bytes that came before the reader's last event are never
+/// counted and bring no new event: meshwarp wakes such a reader when it asks
+/// (MW_EF_WAKE). Every byte checked; a reader left without an event fails.
+#[test]
+fn a_fionread_reader_is_woken_for_tcp_bytes_it_was_not_told_of() -> Result<()> {
+    const LEN: usize = 400 * 64;
+    let k = kernel_test!();
+    let (net, l, pair) = pods_pair(&k, 8220, FastPathMode::Adaptive)?;
+    let (c, s) = connections(&net, &l, 8220, 1)?.remove(0);
+    ensure!(k.dp().socket_link(meshwarp_core::sys::socket_cookie_of(&s)?)?.is_some(), "accelerated");
+    // Unread 64-byte writes: 63 redirected, the rest on TCP.
+    Stream::new(31).write(&c, LEN, 64)?;
+    let st = wait_counters(&k, &pair, "the stream moved to TCP", |c| c.demotions_coalesce == 1)?;
+    ensure!(st.redirected_msgs == 63, "{st:?}");
+    let got = fionread_reader(&s, LEN, Duration::from_secs(5))?;
+    for (i, b) in got.iter().enumerate() {
+        ensure!(*b == pattern_byte(31, i as u64), "wrong byte at offset {i}");
+    }
+    let st = k.dp().stats(&pair)?;
+    if !k.dp().kernel().fionread_counts_tcp_with_psock {
+        ensure!(st.reader_wakeups >= 1, "the reader was woken: {st:?}");
+    }
+    Ok(())
+}
+
+/// Reads `len` bytes as nginx does (ngx_unix_recv with epoll and FIONREAD):
+/// fails if no event comes for `idle` while bytes are outstanding.
+fn fionread_reader(s: &TcpStream, len: usize, idle: Duration) -> Result<Vec<u8>> {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    const BUF: usize = 1024;
+    s.set_nonblocking(true)?;
+    let fd = s.as_raw_fd();
+    // SAFETY: plain epoll and socket calls on a valid descriptor; `ep` is
+    // closed before returning.
+    let ep = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+    ensure!(ep >= 0, "epoll_create1: {}", std::io::Error::last_os_error());
+    let ep = unsafe { OwnedFd::from_raw_fd(ep) };
+    let mut ev = libc::epoll_event { events: (libc::EPOLLIN | libc::EPOLLRDHUP | libc::EPOLLET) as u32, u64: 0 };
+    ensure!(unsafe { libc::epoll_ctl(ep.as_raw_fd(), libc::EPOLL_CTL_ADD, fd, &mut ev) } == 0, "epoll_ctl");
+    let (mut out, mut buf) = (Vec::with_capacity(len), [0u8; BUF]);
+    let (mut ready, mut available, mut told) = (false, -1i64, None);
+    while out.len() < len {
+        if !ready {
+            let n = unsafe { libc::epoll_wait(ep.as_raw_fd(), &mut ev, 1, idle.as_millis() as i32) };
+            ensure!(
+                n > 0,
+                "no event for {idle:?} with {} of {len} bytes read (FIONREAD last said {told:?})",
+                out.len()
+            );
+            (ready, available) = (true, -1);
+        }
+        if available == 0 {
+            ready = false;
+            continue;
+        }
+        let n = unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), BUF, 0) };
+        if n < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::WouldBlock {
+            ready = false;
+            continue;
+        }
+        ensure!(n > 0, "recv: {n} ({})", std::io::Error::last_os_error());
+        let n = n as usize;
+        out.extend_from_slice(&buf[..n]);
+        if available >= 0 {
+            available -= n as i64;
+            if available < 0 {
+                (available, ready) = (0, false);
+            }
+        } else if n == BUF {
+            let mut nread: libc::c_int = 0;
+            ensure!(unsafe { libc::ioctl(fd, libc::FIONREAD, &mut nread) } == 0, "FIONREAD");
+            told = Some(nread);
+            available = i64::from(nread);
+        }
+        if n < BUF {
+            (available, ready) = (0, false);
+        }
+    }
+    Ok(out)
+}
+
 /// An end that asks to leave the SOCKMAP while no process serves the data
 /// path (programs pinned and attached, no guard thread), and whose request
 /// is lost (read off the ring buffer by someone else), stays parked, its

@@ -119,7 +119,7 @@ fn set_total(c: &Counter, v: u64) {
 }
 
 /// One rule's counters, flattened (see `Metrics::render`).
-type RuleTotals = [u64; 21];
+type RuleTotals = [u64; 22];
 
 /// Node-wide totals of per-rule counters that never go back: a rule's counts
 /// live in its slot, which a deleted rule frees and a new rule starts from
@@ -174,6 +174,7 @@ pub struct Metrics {
     incidents: Family<IncidentLabels, Counter>,
     policy: Family<TransitionLabels, Counter>,
     policy_tcp_msgs: Counter,
+    reader_wakeups: Counter,
     path_latency: std::sync::Arc<LatencyCollector>,
 }
 
@@ -250,6 +251,12 @@ impl Metrics {
             "Adaptive policy: messages demoted directions sent on the TCP path (all rules)",
             policy_tcp_msgs.clone(),
         );
+        let reader_wakeups = Counter::default();
+        registry.register(
+            "reader_wakeups",
+            "Readers woken because they asked FIONREAD with TCP bytes queued that the kernel's FIONREAD does not count (a psock socket; all rules)",
+            reader_wakeups.clone(),
+        );
         let path_latency = std::sync::Arc::new(LatencyCollector::default());
         registry.register_collector(Box::new(std::sync::Arc::clone(&path_latency)));
         Self {
@@ -270,6 +277,7 @@ impl Metrics {
             incidents,
             policy,
             policy_tcp_msgs,
+            reader_wakeups,
             path_latency,
         }
     }
@@ -344,6 +352,7 @@ impl Metrics {
                 c.policy_tcp_msgs,
                 c.unlinks,
                 c.relinks,
+                c.reader_wakeups,
                 c.fallback_no_peer,
                 c.fallback_tcp_path,
                 c.fallback_map_full,
@@ -380,7 +389,7 @@ impl Metrics {
         drop(reg);
         let t = totals.update(now);
         drop(totals);
-        let [msgs, bytes, hits, demoted, behind, promoted, tcp_msgs, unlinked, relinked, fb @ ..] = t;
+        let [msgs, bytes, hits, demoted, behind, promoted, tcp_msgs, unlinked, relinked, woken, fb @ ..] = t;
         self.pairs.set(pairs.len() as i64);
         self.captures.set(captures.len() as i64);
         set_total(&self.redirected_msgs, msgs);
@@ -418,6 +427,7 @@ impl Metrics {
             set_total(&self.policy.get_or_create(&l), v);
         }
         set_total(&self.policy_tcp_msgs, tcp_msgs);
+        set_total(&self.reader_wakeups, woken);
         self.encode()
     }
 
@@ -465,7 +475,7 @@ mod tests {
     fn rules(list: &[(&str, u64)]) -> HashMap<String, RuleTotals> {
         list.iter()
             .map(|(k, v)| {
-                let mut t: RuleTotals = [0; 21];
+                let mut t: RuleTotals = [0; 22];
                 t[0] = *v;
                 (k.to_string(), t)
             })

@@ -12,7 +12,7 @@
 #ifndef MESHWARP_SHARED_H
 #define MESHWARP_SHARED_H
 
-#define MW_SCHEMA_VERSION 16
+#define MW_SCHEMA_VERSION 17
 
 #define MW_AF_INET 2
 #define MW_AF_INET6 10
@@ -119,6 +119,12 @@ struct mw_rule {
  * that gap, at insert (the executable was seen asking, or FIONREAD readers
  * are not watched) or at its first FIONREAD on the socket. */
 #define MW_EF_FIONREAD 0x40u
+/* Its reader asked FIONREAD with TCP bytes queued behind its psock: that
+ * FIONREAD did not count them, and bytes that came before the reader's
+ * last event bring no new one (an edge-triggered epoll reader such as
+ * nginx would wait for good). User space was asked to wake the reader
+ * (mw_park, MW_PARK_WAKE), which clears the flag. */
+#define MW_EF_WAKE 0x80u
 /* Why an end is not, or no longer, a target. */
 #define MW_EF_R_SPLICE 0x100u /* its reader can splice (program), or was seen splicing */
 #define MW_EF_R_LOWAT 0x200u  /* SO_RCVLOWAT: the fast path ignores it */
@@ -425,6 +431,7 @@ struct mw_config {
 #define MW_EV_UNLINK 4       /* a parked, drained end streams: delete its SOCKMAP entry (mw_unlink) */
 #define MW_EV_RELINK 5       /* the peer of an unlinked end sent: put it back */
 #define MW_EV_SLOT_STALE 6   /* a link's slot waits for its SOCKMAP entries to empty */
+#define MW_EV_WAKE 7         /* wake the reader of a socket (MW_EF_WAKE) */
 
 /* A request to mw_park (iter/tcp) for one socket, keyed by its cookie in
  * mw_park_req: user space writes op, the iterator writes result. mw_unlink
@@ -435,6 +442,7 @@ struct mw_park_req {
 };
 
 #define MW_PARK_RELINK 2 /* enter the SOCKMAP again (1 and 3: retired) */
+#define MW_PARK_WAKE 4   /* wake the socket's reader (MW_EF_WAKE) */
 
 #define MW_PARK_PENDING 0
 #define MW_PARK_DONE 1
@@ -487,6 +495,7 @@ struct mw_rule_stats {
 	__u64 relinks;          /* unlinked ends put back when their peer sent */
 	__u64 demotions_behind; /* directions moved to TCP: the reader behind (MW_POLICY_BEHIND, tcp_ahead_max) */
 	__u64 fb_reader_busy;   /* messages sent on TCP: a coalescing stream, its reader busy copying (reader_busy) */
+	__u64 reader_wakeups;   /* FIONREAD readers woken for TCP bytes their FIONREAD missed (MW_EF_WAKE) */
 };
 
 /*

@@ -2031,13 +2031,20 @@ static __always_inline void on_splice(__u32 fd)
 
 /* ioctl(FIONREAD) on a socket: remembered per executable, and on the
  * socket's end of its link where FIONREAD misses TCP bytes of a psock
- * socket (MW_EF_FIONREAD: the policy keeps bytes into it redirected). */
+ * socket (MW_EF_FIONREAD: the policy keeps bytes into it redirected).
+ * TCP bytes may be queued behind the psock all the same (sent before the
+ * flag, before the link was whole, while the peer left the SOCKMAP): this
+ * FIONREAD does not count them, and an edge-triggered reader told 0 waits
+ * for an event they will not bring. Its reader is then woken (MW_EF_WAKE):
+ * any wake-up after this call reaches the reader's next wait. */
 static __always_inline void on_fionread(__u32 fd)
 {
 	struct mw_exe_key exe = {};
 	struct sock *sk = fd_sock(fd);
 	struct mw_cookie_val *cv;
 	struct mw_link *link;
+	struct tcp_sock *tp;
+	__u32 end;
 	__u64 cookie;
 
 	if (!sk)
@@ -2051,8 +2058,18 @@ static __always_inline void on_fionread(__u32 fd)
 	if (!(config_flags() & MW_CFG_FIONREAD_PSOCK))
 		return;
 	link = link_at(cv->slot, cv->link);
-	if (link && !(link->end_flags[cv->end & 1] & MW_EF_FIONREAD))
-		__sync_fetch_and_or(&link->end_flags[cv->end & 1], MW_EF_FIONREAD);
+	if (!link)
+		return;
+	end = cv->end & 1;
+	if (!(link->end_flags[end] & MW_EF_FIONREAD))
+		__sync_fetch_and_or(&link->end_flags[end], MW_EF_FIONREAD);
+	tp = bpf_core_cast(sk, struct tcp_sock);
+	if (!((unsigned long)sk->sk_user_data & ~SK_USER_DATA_FLAGS) || tp->rcv_nxt == tp->copied_seq ||
+	    link->cookie[end] != cookie)
+		return;
+	if (!(__sync_fetch_and_or(&link->end_flags[end], MW_EF_WAKE) & MW_EF_WAKE) &&
+	    !request_park(MW_EV_WAKE, link, cv->link, end))
+		__sync_fetch_and_and(&link->end_flags[end], ~MW_EF_WAKE); /* the next FIONREAD asks again */
 }
 
 SEC("tp_btf/sys_enter")
@@ -2209,10 +2226,31 @@ int mw_unlink(struct __sk_buff *skb)
 	return res;
 }
 
+/* Wakes the reader of `tp`, end `end` of `link` (MW_PARK_WAKE): setting
+ * SO_RCVLOWAT to its own value runs tcp_data_ready, which, with bytes
+ * queued, wakes the socket's waiters (EPOLLIN); bpf_setsockopt runs no
+ * cgroup hook, so mw_setsockopt does not take it for the application's. */
+static __always_inline __u32 wake_reader(struct tcp_sock *tp, struct mw_link *link, __u32 end)
+{
+	struct mw_rule_stats *rs;
+	int lowat;
+
+	/* Cleared first: a FIONREAD from here on asks again. */
+	__sync_fetch_and_and(&link->end_flags[end & 1], ~MW_EF_WAKE);
+	lowat = tp->inet_conn.icsk_inet.sk.sk_rcvlowat;
+	if (bpf_setsockopt(tp, SOL_SOCKET, SO_RCVLOWAT, &lowat, sizeof(lowat)))
+		return MW_PARK_FAILED;
+	rs = rule_stats(link->rule_id);
+	if (rs)
+		rs->reader_wakeups++;
+	return MW_PARK_DONE;
+}
+
 /*
  * Puts an unlinked end back into the SOCKMAP (mw_park_req, MW_PARK_RELINK):
  * its peer sent, so a new exchange may start. Inserting a socket needs the
  * socket: an iterator in its network namespace has it, under its lock.
+ * Wakes a socket's reader (MW_PARK_WAKE) the same way.
  */
 SEC("iter/tcp")
 int mw_park(struct bpf_iter__tcp *ctx)
@@ -2233,7 +2271,7 @@ int mw_park(struct bpf_iter__tcp *ctx)
 	if (!req || req->result != MW_PARK_PENDING)
 		return 0;
 	tp = bpf_skc_to_tcp_sock(skc);
-	if (!tp || req->op != MW_PARK_RELINK) {
+	if (!tp || (req->op != MW_PARK_RELINK && req->op != MW_PARK_WAKE)) {
 		req->result = MW_PARK_MOOT;
 		return 0;
 	}
@@ -2246,6 +2284,10 @@ int mw_park(struct bpf_iter__tcp *ctx)
 	end = st->end & 1;
 	if (!link || link->cookie[end] != cookie) {
 		req->result = MW_PARK_MOOT;
+		return 0;
+	}
+	if (req->op == MW_PARK_WAKE) {
+		req->result = wake_reader(tp, link, end);
 		return 0;
 	}
 	if (!(link->dir[end].flags & MW_DIR_UNLINKED) || skc->skc_state != TCP_ESTABLISHED_STATE) {

@@ -255,6 +255,7 @@ pub fn counters_to_pb(c: &RuleCounters) -> pb::RuleCounters {
         relinks: c.relinks,
         demotions_behind: c.demotions_behind,
         fallback_reader_busy: c.fallback_reader_busy,
+        reader_wakeups: c.reader_wakeups,
     }
 }
 
