@@ -268,17 +268,7 @@ pub(crate) fn start(
     Ok(Some(GuardThread { stop, handle: Some(handle), _lock: lock_file }))
 }
 
-/// The guard thread's nice value (it serves unlink and wake-up requests).
-const GUARD_NICE: i32 = -10;
-
 fn run(pin_dir: &Path, stop: &AtomicBool, trusted: &BTreeSet<ExeKey>, subs: &Subscribers) -> Result<(), GuardError> {
-    // Until an unlink is served, every message of the demoted stream that
-    // asked for it pays the psock's send path: on a busy node this thread
-    // would otherwise wait behind the very threads that stream (1 x 64 B
-    // Nagle stream, paths bench: 0.94x TCP at nice 0, 0.97x at -10).
-    if let Err(e) = crate::sys::set_thread_nice(GUARD_NICE) {
-        tracing::debug!("the guard thread keeps its priority (nice {GUARD_NICE} refused): {e}");
-    }
     let maps = GuardMaps::open(pin_dir)?;
     let queue: Rc<RefCell<Vec<Event>>> = Rc::default();
     let q = Rc::clone(&queue);

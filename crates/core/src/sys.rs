@@ -422,18 +422,6 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Sets the calling thread's nice value (needs CAP_SYS_NICE to lower it).
-pub(crate) fn set_thread_nice(nice: i32) -> io::Result<()> {
-    // SAFETY: gettid has no preconditions; setpriority with PRIO_PROCESS and
-    // a thread id changes only that thread's nice value.
-    let rc = unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, nice) };
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
