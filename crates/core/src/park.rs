@@ -25,8 +25,8 @@ use std::time::{Duration, Instant};
 use libbpf_rs::ProgramHandle;
 use meshwarp_bpf::names;
 use meshwarp_bpf::shared::{
-    Event, Link, ParkReq, Pod, UnlinkCtx, DIR_UNLINKED, DIR_UNLINKING, DIR_UNLINK_REQ, EF_WAKE, EV_RELINK, EV_UNLINK,
-    EV_WAKE, PARK_BUSY, PARK_DONE, PARK_FAILED, PARK_MOOT, PARK_PENDING, PARK_RELINK, PARK_WAKE,
+    Event, Link, ParkReq, Pod, UnlinkCtx, DIR_UNLINKED, DIR_UNLINKING, DIR_UNLINK_REQ, EF_CLOSED, EF_GONE, EF_WAKE,
+    EV_RELINK, EV_UNLINK, EV_WAKE, PARK_BUSY, PARK_DONE, PARK_FAILED, PARK_MOOT, PARK_PENDING, PARK_RELINK, PARK_WAKE,
 };
 
 use crate::error::{BpfError, IoError};
@@ -118,7 +118,10 @@ impl Parker {
                 }
                 // A wake-up asked while no process served: its reader may
                 // still wait, and its flag keeps it from asking again.
-                if l.end_flags[end] & EF_WAKE != 0 && !self.queue.iter().any(|r| r.cookie == l.cookie[end]) {
+                if l.end_flags[end] & EF_WAKE != 0
+                    && l.end_flags[end] & (EF_CLOSED | EF_GONE) == 0
+                    && !self.queue.iter().any(|r| r.cookie == l.cookie[end] && r.op == PARK_WAKE)
+                {
                     let (cookie, netns) = (l.cookie[end], l.netns[end]);
                     self.queue.push(Request { op: PARK_WAKE, cookie, netns, tid: 0, tries: 0, due: Instant::now() });
                 }
@@ -226,7 +229,10 @@ impl Parker {
                     r.due = Instant::now() + RETRY_EVERY;
                     self.queue.push(*r);
                 } else if r.op == PARK_WAKE {
-                    tracing::warn!(cookie = r.cookie, "mw_park: waking the reader given up");
+                    // Its MW_EF_WAKE stays set, so its reader would not ask
+                    // again: a rescan finds it and tries anew.
+                    tracing::warn!(cookie = r.cookie, "mw_park: waking the reader given up for now");
+                    self.rescan_due = true;
                 } else {
                     tracing::debug!(cookie = r.cookie, "mw_park: relink given up; the end stays on TCP");
                 }

@@ -2044,7 +2044,7 @@ static __always_inline void on_fionread(__u32 fd)
 	struct mw_cookie_val *cv;
 	struct mw_link *link;
 	struct tcp_sock *tp;
-	__u32 end;
+	__u32 end, inq;
 	__u64 cookie;
 
 	if (!sk)
@@ -2063,9 +2063,15 @@ static __always_inline void on_fionread(__u32 fd)
 	end = cv->end & 1;
 	if (!(link->end_flags[end] & MW_EF_FIONREAD))
 		__sync_fetch_and_or(&link->end_flags[end], MW_EF_FIONREAD);
+	if (!((unsigned long)sk->sk_user_data & ~SK_USER_DATA_FLAGS) || link->cookie[end] != cookie)
+		return;
+	/* Unread TCP bytes, as tcp_inq counts them (a FIN takes a sequence
+	 * number but is no byte). */
 	tp = bpf_core_cast(sk, struct tcp_sock);
-	if (!((unsigned long)sk->sk_user_data & ~SK_USER_DATA_FLAGS) || tp->rcv_nxt == tp->copied_seq ||
-	    link->cookie[end] != cookie)
+	inq = tp->rcv_nxt - tp->copied_seq;
+	if (inq && (sk->__sk_common.skc_flags & (1UL << SOCK_DONE)))
+		inq--;
+	if (!inq)
 		return;
 	if (!(__sync_fetch_and_or(&link->end_flags[end], MW_EF_WAKE) & MW_EF_WAKE) &&
 	    !request_park(MW_EV_WAKE, link, cv->link, end))
