@@ -114,8 +114,10 @@ struct mw_rule {
 #define MW_EF_GONE 0x20u
 /* Its reader asks FIONREAD, and this kernel's FIONREAD counts only the
  * redirected bytes of a socket with a psock: bytes sent into it on TCP
- * would go uncounted (nginx then waits for them forever), so the adaptive
- * policy never moves a direction into it to TCP. Set where the kernel has
+ * would go uncounted (nginx, told 0, waits for an event, which only a
+ * wake-up would bring: MW_EF_WAKE, a round trip through user space per
+ * read), so the adaptive policy never moves a direction into it to TCP.
+ * Set where the kernel has
  * that gap, at insert (the executable was seen asking, or FIONREAD readers
  * are not watched) or at its first FIONREAD on the socket. */
 #define MW_EF_FIONREAD 0x40u

@@ -1611,8 +1611,8 @@ static __always_inline bool policy_allows(struct sk_msg_md *msg, struct mw_link 
 		/* Still streaming: leave the SOCKMAP, so that TCP is plain
 		 * TCP again (not an end whose reader asks FIONREAD: while it
 		 * leaves, its peer's bytes come on TCP into a socket that
-		 * still has a psock, which FIONREAD does not count; nginx,
-		 * woken once by them, read nothing and waited for good);
+		 * still has a psock, which FIONREAD does not count, and each
+		 * such read would wait for a wake-up, MW_EF_WAKE);
 		 * MW_POLICY_UNLINK checks after a demotion at
 		 * MW_POLICY_COALESCE, at the first one after a demotion at a
 		 * later check (a reader-behind one, or a batched run whose
@@ -2058,12 +2058,12 @@ static __always_inline void on_fionread(__u32 fd)
 	if (!(config_flags() & MW_CFG_FIONREAD_PSOCK))
 		return;
 	link = link_at(cv->slot, cv->link);
-	if (!link)
-		return;
 	end = cv->end & 1;
+	if (!link || link->cookie[end] != cookie)
+		return;
 	if (!(link->end_flags[end] & MW_EF_FIONREAD))
 		__sync_fetch_and_or(&link->end_flags[end], MW_EF_FIONREAD);
-	if (!((unsigned long)sk->sk_user_data & ~SK_USER_DATA_FLAGS) || link->cookie[end] != cookie)
+	if (!((unsigned long)sk->sk_user_data & ~SK_USER_DATA_FLAGS))
 		return;
 	/* Unread TCP bytes, as tcp_inq counts them (a FIN takes a sequence
 	 * number but is no byte). */
