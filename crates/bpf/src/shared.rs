@@ -48,6 +48,7 @@ pub const DIR_UNLINKED: u32 = 4;
 pub const DIR_RELINK_REQ: u32 = 8;
 pub const DIR_UNLINKING: u32 = 16;
 pub const DIR_RD_SHARED: u32 = 32;
+pub const DIR_UNLINK_SYNC: u32 = 64;
 /// `MW_EF_*` (`mw_link.end_flags`).
 pub const EF_PSOCK: u32 = 1;
 pub const EF_TARGET: u32 = 2;
@@ -84,6 +85,7 @@ pub const CFG_SYSCALL_WATCH: u32 = 16;
 pub const CFG_LATENCY: u32 = 32;
 pub const CFG_LAT_ALL: u32 = 64;
 pub const CFG_LAT_EVERY: u32 = 128;
+pub const CFG_USER_UNLINK: u32 = 256;
 /// Sampling: at most this many sends skipped between a socket's own samples.
 pub const LAT_SKIP_MAX: u32 = 63;
 /// `MW_FB_*` (`mw_sock_state.fb`): why a covered connection stays on TCP.
@@ -809,6 +811,29 @@ mod tests {
         assert_eq!(define("MW_LAT_RT_ROW_METRICS"), LAT_RT_ROW_METRICS);
         assert_eq!(define("MW_LAT_TRANSIT"), LAT_TRANSIT);
         assert_eq!(define("MW_LAT_HOP"), LAT_ROW_METRICS + 1, "a row holds every metric before the hop");
+    }
+
+    #[test]
+    fn flags_match_the_header() {
+        let header = include_str!("../include/meshwarp/shared.h");
+        let define = |name: &str| {
+            let line = header.lines().find(|l| l.starts_with(&format!("#define {name} "))).expect(name);
+            line.split_whitespace().nth(2).and_then(|v| v.trim_end_matches('u').parse::<u32>().ok()).expect(name)
+        };
+        for (name, ours) in [
+            ("MW_DIR_TCP", DIR_TCP),
+            ("MW_DIR_UNLINK_REQ", DIR_UNLINK_REQ),
+            ("MW_DIR_UNLINKED", DIR_UNLINKED),
+            ("MW_DIR_RELINK_REQ", DIR_RELINK_REQ),
+            ("MW_DIR_UNLINKING", DIR_UNLINKING),
+            ("MW_DIR_RD_SHARED", DIR_RD_SHARED),
+            ("MW_DIR_UNLINK_SYNC", DIR_UNLINK_SYNC),
+            ("MW_CFG_GUARD", CFG_GUARD),
+            ("MW_CFG_SYSCALL_WATCH", CFG_SYSCALL_WATCH),
+            ("MW_CFG_USER_UNLINK", CFG_USER_UNLINK),
+        ] {
+            assert_eq!(define(name), ours, "{name}");
+        }
     }
 
     /// Checks size, alignment and every field offset against the skeleton's
