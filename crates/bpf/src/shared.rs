@@ -48,7 +48,6 @@ pub const DIR_UNLINKED: u32 = 4;
 pub const DIR_RELINK_REQ: u32 = 8;
 pub const DIR_UNLINKING: u32 = 16;
 pub const DIR_RD_SHARED: u32 = 32;
-pub const DIR_UNLINK_SYNC: u32 = 64;
 /// `MW_EF_*` (`mw_link.end_flags`).
 pub const EF_PSOCK: u32 = 1;
 pub const EF_TARGET: u32 = 2;
@@ -85,7 +84,6 @@ pub const CFG_SYSCALL_WATCH: u32 = 16;
 pub const CFG_LATENCY: u32 = 32;
 pub const CFG_LAT_ALL: u32 = 64;
 pub const CFG_LAT_EVERY: u32 = 128;
-pub const CFG_USER_UNLINK: u32 = 256;
 /// Sampling: at most this many sends skipped between a socket's own samples.
 pub const LAT_SKIP_MAX: u32 = 63;
 /// `MW_FB_*` (`mw_sock_state.fb`): why a covered connection stays on TCP.
@@ -827,10 +825,8 @@ mod tests {
             ("MW_DIR_RELINK_REQ", DIR_RELINK_REQ),
             ("MW_DIR_UNLINKING", DIR_UNLINKING),
             ("MW_DIR_RD_SHARED", DIR_RD_SHARED),
-            ("MW_DIR_UNLINK_SYNC", DIR_UNLINK_SYNC),
             ("MW_CFG_GUARD", CFG_GUARD),
             ("MW_CFG_SYSCALL_WATCH", CFG_SYSCALL_WATCH),
-            ("MW_CFG_USER_UNLINK", CFG_USER_UNLINK),
         ] {
             assert_eq!(define(name), ours, "{name}");
         }

@@ -107,9 +107,6 @@ pub struct FileConfig {
     pub trusted_readers: Option<Vec<PathBuf>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub syscall_watch: Option<bool>,
-    /// Demoted ends leave the SOCKMAP from their own sockops program.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub sockops_unlink: Option<bool>,
     /// Network namespace (path) whose interfaces tc routes name.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub netns: Option<PathBuf>,
@@ -257,12 +254,6 @@ pub struct ServeArgs {
     /// per system call of the node; an unforeseen splicer can then lose bytes).
     #[arg(long, env = "MESHWARP_NO_SYSCALL_WATCH")]
     pub no_syscall_watch: bool,
-    /// Leave demoted ends' SOCKMAP entries to the daemon's thread rather
-    /// than their own sockops program (which turns TCP's header-option
-    /// callback on for accelerated sockets; for nodes where another sockops
-    /// program acts on it).
-    #[arg(long, env = "MESHWARP_NO_SOCKOPS_UNLINK")]
-    pub no_sockops_unlink: bool,
 }
 
 fn parse_mode(s: &str) -> Result<u32> {
@@ -304,7 +295,6 @@ impl ServeArgs {
             reader_guard: self.reader_guard,
             trusted_readers: some_vec(&self.trusted_readers),
             syscall_watch: self.no_syscall_watch.then_some(false),
-            sockops_unlink: self.no_sockops_unlink.then_some(false),
             netns: self.netns.clone(),
             cleanup: self.cleanup.then_some(true),
             // A file key only: access is configured once per node.
@@ -356,7 +346,6 @@ fn options(c: FileConfig) -> Result<(DaemonOptions, LogFormat)> {
         guard: c.reader_guard.map(Into::into).unwrap_or(dp_default.guard),
         trusted_readers: c.trusted_readers.unwrap_or_default(),
         syscall_watch: c.syscall_watch.unwrap_or(dp_default.syscall_watch),
-        sockops_unlink: c.sockops_unlink.unwrap_or(dp_default.sockops_unlink),
     };
     let d = ServerConfig::default();
     o.server = ServerConfig {

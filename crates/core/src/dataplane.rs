@@ -27,8 +27,8 @@ use libbpf_rs::{Link, MapCore, MapFlags, MapHandle, ProgramHandle};
 use meshwarp_bpf::names;
 use meshwarp_bpf::shared::{
     Config, CookieVal, Exe, ExeKey, Link as LinkValue, Pod, CFG_BLOCKING_EAGAIN, CFG_FIONREAD_PSOCK, CFG_GUARD,
-    CFG_LATENCY, CFG_LAT_ALL, CFG_LAT_EVERY, CFG_SPLICE_BLIND, CFG_SYSCALL_WATCH, CFG_USER_UNLINK, CHAIN_FIN,
-    EXE_SEEN_SPLICE, LAT_ROWS, LAT_ROW_METRICS,
+    CFG_LATENCY, CFG_LAT_ALL, CFG_LAT_EVERY, CFG_SPLICE_BLIND, CFG_SYSCALL_WATCH, CHAIN_FIN, EXE_SEEN_SPLICE, LAT_ROWS,
+    LAT_ROW_METRICS,
 };
 
 use crate::conns::{ConnFilter, ConnLister, ConnSource, Connection, ConnsError};
@@ -78,13 +78,6 @@ pub struct DataplaneConfig {
     /// the node (benches/README.md); off, such a program's first spliced
     /// connection can lose bytes silently.
     pub syscall_watch: bool,
-    /// A demoted end leaves the SOCKMAP from its own sockops program, at
-    /// the TCP send after it parked (it turns the TCP header-option callback
-    /// on for ends in the SOCKMAP, reserving no option space). Off: user
-    /// space deletes the entry when its thread gets to it, a few hundred
-    /// sends later on a busy node; for nodes where another sockops program
-    /// acts on that callback.
-    pub sockops_unlink: bool,
 }
 
 impl Default for DataplaneConfig {
@@ -97,7 +90,6 @@ impl Default for DataplaneConfig {
             guard: GuardMode::Auto,
             trusted_readers: Vec::new(),
             syscall_watch: true,
-            sockops_unlink: true,
         }
     }
 }
@@ -189,7 +181,7 @@ pub struct Dataplane {
     registry: Mutex<Registry<KernelMaps>>,
     kernel: KernelProbe,
     /// What mw_config says (`CFG_*`).
-    config_flags: u32,
+    guard_flags: u32,
     trusted_readers: Vec<PathBuf>,
     subscribers: Arc<Subscribers>,
     latency: LatencyMonitor,
@@ -239,12 +231,11 @@ impl Dataplane {
 
         let kernel = probe_unmarked(&dir);
         let guard_flags = guard_flags(cfg.guard, &kernel, cfg.syscall_watch);
-        let config_flags = guard_flags | if cfg.sockops_unlink { 0 } else { CFG_USER_UNLINK };
         // The latency monitor's switch outlives the process that set it.
         let config_map = TypedMap::<u32, Config>::pinned(&dir, names::MAP_CONFIG)?;
         let before = config_map.get(&0)?.unwrap_or_default();
         let kept = before.flags & (CFG_LATENCY | CFG_LAT_ALL | CFG_LAT_EVERY);
-        config_map.put(&0, &Config { flags: config_flags | kept, pad: 0, lat_since: before.lat_since })?;
+        config_map.put(&0, &Config { flags: guard_flags | kept, pad: 0, lat_since: before.lat_since })?;
         set_guard_links(&layout, guard_flags)?;
         let latency = LatencyMonitor::sockets(&layout)?;
         let conns = ConnLister::open(&layout)?;
@@ -276,7 +267,7 @@ impl Dataplane {
             cookies,
             registry: Mutex::new(registry),
             kernel,
-            config_flags,
+            guard_flags,
             trusted_readers: cfg.trusted_readers.clone(),
             subscribers,
             latency,
@@ -324,18 +315,12 @@ impl Dataplane {
 
     /// Whether the reader guard is on (see [`GuardMode`]).
     pub fn guard_enabled(&self) -> bool {
-        self.config_flags & CFG_GUARD != 0
+        self.guard_flags & CFG_GUARD != 0
     }
 
     /// Whether the guard watches splice()/FIONREAD at system call entry.
     pub fn syscall_watch(&self) -> bool {
-        self.config_flags & CFG_SYSCALL_WATCH != 0
-    }
-
-    /// Whether demoted ends leave the SOCKMAP from their own sockops
-    /// program (see [`DataplaneConfig::sockops_unlink`]).
-    pub fn sockops_unlink(&self) -> bool {
-        self.config_flags & CFG_USER_UNLINK == 0
+        self.guard_flags & CFG_SYSCALL_WATCH != 0
     }
 
     /// Whether this instance runs the guard thread (another process may).

@@ -6,11 +6,9 @@
 //!
 //! Unlinking: the end's own sk_msg program, under the socket's lock, parks it
 //! and checks that nothing redirected into it is unread or in flight; only
-//! the delete is left, which sk_msg may not do. Its sockops program does it
-//! at the same send (`on_send_hdr`); this module is the fallback (that
-//! callback off, or not come): it runs `mw_unlink` (a tc program, never
-//! attached) with BPF_PROG_TEST_RUN at once: no namespace switch, no walk of
-//! the TCP hash.
+//! the delete is left, which sk_msg may not do. This module runs `mw_unlink`
+//! (a tc program, never attached) with BPF_PROG_TEST_RUN at once: no
+//! namespace switch, no walk of the TCP hash.
 //!
 //! Relinking needs the socket itself: the `mw_park` iter/tcp program finds it
 //! in its network namespace, under its lock. This module feeds it requests,

@@ -179,10 +179,6 @@ struct mw_dir {
 /* The peer reads from several threads: its psock reads are not counted
  * (psock_read stays behind), so no reader-behind check for this direction. */
 #define MW_DIR_RD_SHARED 32u
-/* With MW_DIR_UNLINK_REQ: the end's own sockops program deletes its entry at
- * its next TCP send (BPF_SOCK_OPS_HDR_OPT_LEN_CB, see on_send_hdr), not user
- * space; if that never comes, a later check asks user space after all. */
-#define MW_DIR_UNLINK_SYNC 64u
 
 /* The policy: after MW_POLICY_COALESCE messages without a reply, a direction
  * whose sender lets TCP coalesce (Nagle or cork) and whose first
@@ -417,10 +413,6 @@ struct mw_config {
 #define MW_CFG_LATENCY 32u          /* the latency monitor runs for the rules mw_lat_rule names */
 #define MW_CFG_LAT_ALL 64u          /* ... for every rule (with MW_CFG_LATENCY) */
 #define MW_CFG_LAT_EVERY 128u       /* ... measuring every message (else sampled: MW_LAT_SKIP_MAX) */
-/* Ends leave the SOCKMAP only through user space (mw_unlink), never at their
- * own TCP send (on_send_hdr): no BPF_SOCK_OPS_HDR_OPT_LEN_CB is turned on,
- * for nodes where another sockops program acts on that callback. */
-#define MW_CFG_USER_UNLINK 256u
 
 /* Sampling, MW_CFG_LAT_EVERY off: a sampled request carries its stamp along
  * its chain (read, the thread's next send, ...); a socket starts a chain of

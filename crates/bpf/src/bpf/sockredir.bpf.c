@@ -54,7 +54,6 @@
 #define SOL_SOCKET 1
 #define SO_RCVLOWAT 18
 #define SOL_TCP 6
-#define SOL_TCP 6
 #define TCP_ULP 31
 #define FIONREAD 0x541B
 #define S_IFMT 00170000
@@ -817,15 +816,6 @@ static __always_inline void watch_close(struct bpf_sock_ops *skops)
 	bpf_sock_ops_cb_flags_set(skops, skops->bpf_sock_ops_cb_flags | BPF_SOCK_OPS_STATE_CB_FLAG);
 }
 
-/* An end that went into the SOCKMAP: its close, and its TCP sends
- * (on_send_hdr), which is where it leaves the SOCKMAP again. */
-static __always_inline void watch_close_and_sends(struct bpf_sock_ops *skops)
-{
-	__u32 sends = config_flags() & MW_CFG_USER_UNLINK ? 0 : BPF_SOCK_OPS_WRITE_HDR_OPT_CB_FLAG;
-
-	bpf_sock_ops_cb_flags_set(skops, skops->bpf_sock_ops_cb_flags | BPF_SOCK_OPS_STATE_CB_FLAG | sends);
-}
-
 /* Where the oldest unread send of direction `end` (its sending end) is kept;
  * `create`: make room for it (a send) rather than only look (a read). */
 static __always_inline __u64 *lat_pending(struct mw_sock_state *st, __u32 end, bool create)
@@ -1167,7 +1157,7 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 	st->slot = slot;
 	if (rs)
 		rs->sockets++;
-	watch_close_and_sends(skops);
+	watch_close(skops);
 }
 
 /* Takes the client end back out of the SOCKMAP: the connection stays on TCP
@@ -1295,109 +1285,7 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 	st->slot = slot;
 	if (rs)
 		rs->sockets++;
-	watch_close_and_sends(skops);
-}
-
-static __always_inline void unpark(struct mw_link *link, __u32 end)
-{
-	link->dir[end & 1].run = 0;
-	__sync_fetch_and_and(&link->dir[end & 1].flags, ~(MW_DIR_UNLINK_REQ | MW_DIR_UNLINK_SYNC));
-	__sync_fetch_and_and(&link->end_flags[end & 1], ~MW_EF_PARKED);
-}
-
-/*
- * Deletes the SOCKMAP entry of a parked end, end `end` of `link` (id `id`),
- * socket `cookie`. Its own sk_msg parked it and found it drained (park_self), so
- * nothing redirected can reach its psock while it stays parked.
- * MW_DIR_UNLINKING first: from then on its slot cannot be freed (end_out),
- * so the entry at 2 * slot + end stays this socket's while the link still
- * names it (cookie, slot owner) and it has not closed. Two callers may race
- * (the end's sockops at its next send, user space's mw_unlink): the flag
- * lets one through. Returns MW_PARK_*.
- */
-static __always_inline __u32 unlink_end(struct mw_link *link, __u64 id, __u32 end, __u64 cookie)
-{
-	struct mw_rule_stats *rs;
-	struct mw_slot *sl;
-	__u32 pos, slot, old, res;
-
-	end &= 1;
-	old = __sync_fetch_and_or(&link->dir[end].flags, MW_DIR_UNLINKING);
-	if (old & MW_DIR_UNLINKING)
-		return MW_PARK_MOOT; /* another run is at it */
-	slot = link->slot;
-	sl = bpf_map_lookup_elem(&mw_slots, &slot);
-	pos = slot * 2 + end;
-	/* Checked after the flag: a link element reused meanwhile, or a slot
-	 * freed before it, shows here. */
-	if (link->cookie[end] != cookie || !(link->flags & MW_LINK_SLOT) || !sl || sl->owner != id ||
-	    (old & (MW_DIR_UNLINK_REQ | MW_DIR_UNLINKED)) != MW_DIR_UNLINK_REQ) {
-		res = MW_PARK_MOOT;
-	} else if (link->end_flags[end] & (MW_EF_CLOSED | MW_EF_GONE)) {
-		/* Closing: its close takes the entry out. */
-		__sync_fetch_and_and(&link->dir[end].flags, ~(MW_DIR_UNLINK_REQ | MW_DIR_UNLINK_SYNC));
-		res = MW_PARK_MOOT;
-	} else if (!(old & MW_DIR_TCP) || !(link->end_flags[end] & MW_EF_PARKED)) {
-		/* Promoted meanwhile: it stays, a target again. */
-		unpark(link, end);
-		res = MW_PARK_MOOT;
-	} else if (bpf_map_delete_elem(&mw_sockmap, &pos)) {
-		unpark(link, end);
-		res = MW_PARK_FAILED;
-	} else {
-		/* Out before UNLINKING goes: end_out must never see neither. */
-		__sync_fetch_and_or(&link->dir[end].flags, MW_DIR_UNLINKED);
-		__sync_fetch_and_and(&link->dir[end].flags, ~(MW_DIR_UNLINK_REQ | MW_DIR_UNLINK_SYNC));
-		rs = rule_stats(link->rule_id);
-		if (rs)
-			rs->unlinks++;
-		res = MW_PARK_DONE;
-	}
-	__sync_fetch_and_and(&link->dir[end].flags, ~MW_DIR_UNLINKING);
-	return res;
-}
-
-/*
- * An end in the SOCKMAP has BPF_SOCK_OPS_HDR_OPT_LEN_CB on (armed at insert
- * and relink): it runs on each of its TCP sends (tcp_current_mss, once per
- * send call) and segments, under its socket's lock, and a sockops program
- * may delete from a SOCKMAP. So a demoted end that parked itself
- * (park_self, MW_DIR_UNLINK_SYNC) leaves here, within the send that parked
- * it, rather than when user space's thread gets a CPU (hundreds of sends
- * later on two busy CPUs, each paying tcp_bpf). No option space is asked
- * for: nothing is written into the header. Disarmed once the end is out,
- * or where it never leaves (a reader of several threads or asking FIONREAD,
- * an end whose sends skip sk_msg): then it costs its TCP sends nothing.
- */
-static __always_inline void on_send_hdr(struct bpf_sock_ops *skops)
-{
-	struct bpf_sock *sk = skops->sk;
-	struct mw_sock_state *st;
-	struct mw_link *link;
-	__u32 end, f;
-
-	if (!sk)
-		return;
-	st = bpf_sk_storage_get(&mw_sk_state, sk, 0, 0);
-	if (!st || !st->link || st->slot == MW_NO_SLOT || (config_flags() & MW_CFG_USER_UNLINK))
-		goto disarm;
-	link = link_at(st->slot, st->link);
-	if (!link)
-		goto disarm;
-	end = st->end & 1;
-	f = link->dir[end].flags;
-	if ((f & (MW_DIR_UNLINK_REQ | MW_DIR_UNLINK_SYNC | MW_DIR_UNLINKED)) ==
-	    (MW_DIR_UNLINK_REQ | MW_DIR_UNLINK_SYNC)) {
-		/* Not done (promoted meanwhile, or user space at it): stays armed. */
-		if (unlink_end(link, st->link, end, bpf_get_socket_cookie(skops)) != MW_PARK_DONE)
-			return;
-		goto disarm;
-	}
-	if (!(f & MW_DIR_UNLINKED) && st->rd_pid != MW_RD_SHARED &&
-	    !(link->end_flags[end] & (MW_EF_FIONREAD | MW_EF_NOSEND)))
-		return;
-disarm:
-	bpf_sock_ops_cb_flags_set(skops, skops->bpf_sock_ops_cb_flags & ~BPF_SOCK_OPS_WRITE_HDR_OPT_CB_FLAG);
+	watch_close(skops);
 }
 
 /* A socket closed: forget its cookie; the last end (or a client whose server
@@ -1538,10 +1426,6 @@ int mw_sockops(struct bpf_sock_ops *skops)
 	struct tuple t;
 	__u32 op = skops->op;
 
-	if (op == BPF_SOCK_OPS_HDR_OPT_LEN_CB) {
-		on_send_hdr(skops);
-		return 1;
-	}
 	if (op == BPF_SOCK_OPS_STATE_CB) {
 		on_state_change(skops);
 		return 1;
@@ -1607,6 +1491,27 @@ static __always_inline bool coalescing(struct tcp_sock *tp)
 	return !(nonagle & TCP_NAGLE_OFF) || (nonagle & TCP_NAGLE_CORK);
 }
 
+/* A park user space could not be asked to serve (the ring buffer full) is
+ * undone under MW_DIR_UNLINKING: a rescan's mw_unlink, which sees
+ * MW_DIR_UNLINK_REQ, could otherwise delete the entry between the two
+ * clears and leave the end out of the SOCKMAP but not parked, and its peer
+ * asks to put back only a parked end. If mw_unlink is at it, its outcome
+ * stands (it unparks on anything but a delete). */
+static __always_inline void unpark_unserved(struct mw_link *link, __u32 end)
+{
+	__u32 old;
+
+	end &= 1;
+	old = __sync_fetch_and_or(&link->dir[end].flags, MW_DIR_UNLINKING);
+	if (old & MW_DIR_UNLINKING)
+		return;
+	if (!(old & MW_DIR_UNLINKED)) {
+		__sync_fetch_and_and(&link->dir[end].flags, ~MW_DIR_UNLINK_REQ);
+		__sync_fetch_and_and(&link->end_flags[end], ~MW_EF_PARKED);
+	}
+	__sync_fetch_and_and(&link->dir[end].flags, ~MW_DIR_UNLINKING);
+}
+
 /*
  * A demoted end that keeps streaming asks to leave the SOCKMAP. Its sk_msg
  * runs under its socket's lock, as does every redirect that queues into it
@@ -1615,10 +1520,8 @@ static __always_inline bool coalescing(struct tcp_sock *tp)
  * end; both sides use fetch-form atomics, so either the claim shows here or
  * the sender sees the flag); if every byte its peer claimed for it was read
  * (psock_rd) and its queue is empty, no redirected byte can reach its psock
- * any more and its entry may be deleted, which sk_msg itself may not: by
- * its own sockops at the TCP send that follows (on_send_hdr), or, if that
- * is not armed, by user space (mw_unlink). Otherwise unpark: a later check
- * tries again.
+ * any more and user space may delete its entry (mw_unlink), which sk_msg
+ * itself may not. Otherwise unpark: a later check tries again.
  */
 static __always_inline void park_self(struct mw_link *link, struct mw_sock_state *st, struct tcp_sock *tp)
 {
@@ -1628,15 +1531,10 @@ static __always_inline void park_self(struct mw_link *link, struct mw_sock_state
 	barrier_var(redir);
 	redir = __sync_fetch_and_add(&link->dir[peer].redir, 0);
 	if (!psock_pending((struct sock *)tp) && redir == st->psock_rd) {
-		/* Armed: its sockops deletes the entry at this very send. */
-		if (tp->bpf_sock_ops_cb_flags & BPF_SOCK_OPS_WRITE_HDR_OPT_CB_FLAG) {
-			__sync_fetch_and_or(&link->dir[end].flags, MW_DIR_UNLINK_REQ | MW_DIR_UNLINK_SYNC);
-			return;
-		}
 		__sync_fetch_and_or(&link->dir[end].flags, MW_DIR_UNLINK_REQ);
-		if (request_park(MW_EV_UNLINK, link, st->link, end))
-			return;
-		__sync_fetch_and_and(&link->dir[end].flags, ~MW_DIR_UNLINK_REQ);
+		if (!request_park(MW_EV_UNLINK, link, st->link, end))
+			unpark_unserved(link, end);
+		return;
 	}
 	__sync_fetch_and_and(&link->end_flags[end], ~MW_EF_PARKED);
 }
@@ -1740,16 +1638,6 @@ static __always_inline bool policy_allows(struct sk_msg_md *msg, struct mw_link 
 		 * MW_POLICY_COALESCE, at the first one after a demotion at a
 		 * later check (a reader-behind one, or a batched run whose
 		 * reader caught up: both streamed long before). */
-		/* Parked for on_send_hdr a check ago and still in: that send
-		 * did not come through tcp_current_mss. Ask user space. */
-		if ((d->flags & (MW_DIR_UNLINK_REQ | MW_DIR_UNLINK_SYNC | MW_DIR_UNLINKED | MW_DIR_UNLINKING)) ==
-		    (MW_DIR_UNLINK_REQ | MW_DIR_UNLINK_SYNC)) {
-			__sync_fetch_and_and(&d->flags, ~MW_DIR_UNLINK_SYNC);
-			if (!request_park(MW_EV_UNLINK, link, st->link, st->end & 1)) {
-				__sync_fetch_and_and(&d->flags, ~MW_DIR_UNLINK_REQ);
-				__sync_fetch_and_and(&link->end_flags[st->end & 1], ~MW_EF_PARKED);
-			}
-		}
 		if (run >= MW_POLICY_RUN + MW_POLICY_UNLINK &&
 		    (run < MW_POLICY_COALESCE || run >= MW_POLICY_COALESCE + MW_POLICY_UNLINK) &&
 		    !(d->flags & (MW_DIR_UNLINK_REQ | MW_DIR_UNLINKED)) &&
@@ -2293,26 +2181,76 @@ int mw_destroy(struct bpf_iter__tcp *ctx)
 
 /* An unlink that cannot happen: the end is a target again and counts a new
  * run before it asks again. */
+static __always_inline void unpark(struct mw_link *link, __u32 end)
+{
+	link->dir[end & 1].run = 0;
+	__sync_fetch_and_and(&link->dir[end & 1].flags, ~MW_DIR_UNLINK_REQ);
+	__sync_fetch_and_and(&link->end_flags[end & 1], ~MW_EF_PARKED);
+}
+
 /*
- * Deletes a parked end's SOCKMAP entry (MW_EV_UNLINK, or an end found
- * parked and unserved at open): user space runs this with
- * BPF_PROG_TEST_RUN, the socket's cookie in cb[0] (low) and cb[1] (high);
- * it is never attached. Returns MW_PARK_*.
+ * Deletes a parked end's SOCKMAP entry (MW_EV_UNLINK): user space runs this
+ * with BPF_PROG_TEST_RUN, the socket's cookie in cb[0] (low) and cb[1]
+ * (high); it is never attached. The end's own sk_msg parked it and found it
+ * drained (park_self), so nothing redirected can reach its psock while it
+ * stays parked. MW_DIR_UNLINKING first: from then on its slot cannot be
+ * freed (end_out), so the entry at 2 * slot + end stays this socket's while
+ * the link still names it (cookie, slot owner) and it has not closed.
+ * Returns MW_PARK_*.
  */
 SEC("tc")
 int mw_unlink(struct __sk_buff *skb)
 {
 	__u64 cookie = ((__u64)skb->cb[1] << 32) | skb->cb[0];
 	struct mw_cookie_val *cv;
+	struct mw_rule_stats *rs;
 	struct mw_link *link;
+	struct mw_slot *sl;
+	__u32 end, pos, slot, old;
+	int res;
+	__u64 id;
 
 	cv = bpf_map_lookup_elem(&mw_cookies, &cookie);
 	if (!cv)
 		return MW_PARK_MOOT;
-	link = link_at(cv->slot, cv->link);
+	id = cv->link;
+	end = cv->end & 1;
+	link = link_at(cv->slot, id);
 	if (!link)
 		return MW_PARK_MOOT;
-	return unlink_end(link, cv->link, cv->end, cookie);
+	old = __sync_fetch_and_or(&link->dir[end].flags, MW_DIR_UNLINKING);
+	if (old & MW_DIR_UNLINKING)
+		return MW_PARK_MOOT; /* another run is at it */
+	slot = link->slot;
+	sl = bpf_map_lookup_elem(&mw_slots, &slot);
+	pos = slot * 2 + end;
+	/* Checked after the flag: a link element reused meanwhile, or a slot
+	 * freed before it, shows here. */
+	if (link->cookie[end] != cookie || !(link->flags & MW_LINK_SLOT) || !sl || sl->owner != id ||
+	    (old & (MW_DIR_UNLINK_REQ | MW_DIR_UNLINKED)) != MW_DIR_UNLINK_REQ) {
+		res = MW_PARK_MOOT;
+	} else if (link->end_flags[end] & (MW_EF_CLOSED | MW_EF_GONE)) {
+		/* Closing: its close takes the entry out. */
+		__sync_fetch_and_and(&link->dir[end].flags, ~MW_DIR_UNLINK_REQ);
+		res = MW_PARK_MOOT;
+	} else if (!(old & MW_DIR_TCP) || !(link->end_flags[end] & MW_EF_PARKED)) {
+		/* Promoted meanwhile: it stays, a target again. */
+		unpark(link, end);
+		res = MW_PARK_MOOT;
+	} else if (bpf_map_delete_elem(&mw_sockmap, &pos)) {
+		unpark(link, end);
+		res = MW_PARK_FAILED;
+	} else {
+		/* Out before UNLINKING goes: end_out must never see neither. */
+		__sync_fetch_and_or(&link->dir[end].flags, MW_DIR_UNLINKED);
+		__sync_fetch_and_and(&link->dir[end].flags, ~MW_DIR_UNLINK_REQ);
+		rs = rule_stats(link->rule_id);
+		if (rs)
+			rs->unlinks++;
+		res = MW_PARK_DONE;
+	}
+	__sync_fetch_and_and(&link->dir[end].flags, ~MW_DIR_UNLINKING);
+	return res;
 }
 
 /* Wakes the reader of `tp`, end `end` of `link` (MW_PARK_WAKE): setting
@@ -2352,7 +2290,6 @@ int mw_park(struct bpf_iter__tcp *ctx)
 	struct tcp_sock *tp;
 	__u32 end, pos;
 	__u64 cookie;
-	int flags;
 
 	if (!skc)
 		return 0;
@@ -2391,15 +2328,9 @@ int mw_park(struct bpf_iter__tcp *ctx)
 		req->result = MW_PARK_FAILED;
 		return 0;
 	}
-	__sync_fetch_and_and(&link->dir[end].flags,
-			     ~(MW_DIR_UNLINKED | MW_DIR_RELINK_REQ | MW_DIR_UNLINK_REQ | MW_DIR_UNLINK_SYNC));
+	__sync_fetch_and_and(&link->dir[end].flags, ~(MW_DIR_UNLINKED | MW_DIR_RELINK_REQ | MW_DIR_UNLINK_REQ));
 	link->dir[end].run = 0;
 	__sync_fetch_and_and(&link->end_flags[end], ~MW_EF_PARKED);
-	/* Armed again (on_send_hdr); if not, user space unlinks it next time. */
-	if (!(config_flags() & MW_CFG_USER_UNLINK)) {
-		flags = tp->bpf_sock_ops_cb_flags | BPF_SOCK_OPS_WRITE_HDR_OPT_CB_FLAG;
-		bpf_setsockopt(tp, SOL_TCP, TCP_BPF_SOCK_OPS_CB_FLAGS, &flags, sizeof(flags));
-	}
 	rs = rule_stats(link->rule_id);
 	if (rs)
 		rs->relinks++;
