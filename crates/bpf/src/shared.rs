@@ -794,13 +794,15 @@ mod tests {
         assert_eq!(line.rsplit(' ').next(), Some(SCHEMA_VERSION.to_string().as_str()));
     }
 
+    /// The value of `#define name` in shared.h.
+    fn define(name: &str) -> u32 {
+        let header = include_str!("../include/meshwarp/shared.h");
+        let line = header.lines().find(|l| l.starts_with(&format!("#define {name} "))).expect(name);
+        line.split_whitespace().nth(2).and_then(|v| v.trim_end_matches('u').parse::<u32>().ok()).expect(name)
+    }
+
     #[test]
     fn latency_rows_match_the_header() {
-        let header = include_str!("../include/meshwarp/shared.h");
-        let define = |name: &str| {
-            let line = header.lines().find(|l| l.starts_with(&format!("#define {name} "))).expect(name);
-            line.split_whitespace().nth(2).and_then(|v| v.trim_end_matches('u').parse::<u32>().ok()).expect(name)
-        };
         assert_eq!(define("MW_LAT_ROWS"), LAT_ROWS);
         assert_eq!(define("MW_CFG_LAT_ALL"), CFG_LAT_ALL);
         assert_eq!(define("MW_CFG_LAT_EVERY"), CFG_LAT_EVERY);
@@ -813,11 +815,6 @@ mod tests {
 
     #[test]
     fn flags_match_the_header() {
-        let header = include_str!("../include/meshwarp/shared.h");
-        let define = |name: &str| {
-            let line = header.lines().find(|l| l.starts_with(&format!("#define {name} "))).expect(name);
-            line.split_whitespace().nth(2).and_then(|v| v.trim_end_matches('u').parse::<u32>().ok()).expect(name)
-        };
         for (name, ours) in [
             ("MW_DIR_TCP", DIR_TCP),
             ("MW_DIR_UNLINK_REQ", DIR_UNLINK_REQ),
