@@ -1496,7 +1496,7 @@ static __always_inline bool coalescing(struct tcp_sock *tp)
  * MW_DIR_UNLINK_REQ, could otherwise delete the entry between the two
  * clears and leave the end out of the SOCKMAP but not parked, and its peer
  * asks to put back only a parked end. If mw_unlink is at it, its outcome
- * stands (it unparks on anything but a delete). */
+ * stands (it unparks on anything but a delete or a close). */
 static __always_inline void unpark_unserved(struct mw_link *link, __u32 end)
 {
 	__u32 old;
