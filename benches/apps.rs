@@ -11,19 +11,29 @@
 //!   with sendfile and TCP_NOPUSH (cork) as Debian ships it, and with plain
 //!   writes;
 //! - `socat/<buffer>B`: socat sending a file (its writes of `-b` bytes, Nagle
-//!   on), read to its end here.
+//!   on), read to its end here;
+//! - `haproxy/<workload>_<splice>`: haproxy in TCP mode as a sidecar between
+//!   this bench's client and its upstream, both legs registered (the front
+//!   and the upstream port of a contender in the same mode), without splice
+//!   and with `option splice-auto`: 64 B round trips (`rr64`), uploads of
+//!   64 MiB in 16 KiB writes (`up64m`) and of 4 MiB in 64 B writes
+//!   (`up4m_64B`), and a 64 MiB download (`down64m`), time per round trip or
+//!   transfer.
 //!
 //! `cargo bench -p meshwarp-benches --bench apps [-- FILTER]` (as root; the
 //! programs from scripts/install-deps.sh); FILTER selects cells by substring
 //! (`a|b`: either). `MESHWARP_APPS_TURNS` sets the turns per cell (default 9).
 
-use std::io::BufRead;
-use std::net::{IpAddr, SocketAddr};
+use std::io::{BufRead, Read, Write};
+use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use meshwarp_core::{Endpoint, EndpointPair, FastPathMode};
-use meshwarp_testbed::{accept_timeout, read_ready, wait_listening, which, KernelTest, NetNs, Program, ScratchDir};
+use meshwarp_testbed::{
+    accept_timeout, read_exact_ready, read_ready, wait_listening, which, write_all_ready, KernelTest, NetNs, Program,
+    ScratchDir,
+};
 
 // Shared with the other benches, which use its other functions.
 #[allow(dead_code)]
@@ -337,4 +347,171 @@ fn main() {
     redis(&k, &ns, &dir);
     nginx(&k, &ns, &dir);
     socat(&k, &ns, &dir);
+    haproxy(&k, &ns, &dir);
+}
+
+/// What haproxy's upstream does with a connection, by its first byte: `e`
+/// echoes until EOF; `s` reads to EOF, then answers the byte count (8 bytes,
+/// little endian); `d` reads a size (8 bytes) and writes that many bytes in
+/// 16 KiB writes, then closes.
+fn upstream(l: TcpListener) {
+    // The testbed's listeners are non-blocking (for accept_timeout).
+    l.set_nonblocking(false).expect("blocking listener");
+    std::thread::spawn(move || {
+        for c in l.incoming() {
+            let Ok(mut c) = c else { return };
+            std::thread::spawn(move || {
+                let mut op = [0u8; 1];
+                if c.read_exact(&mut op).is_err() {
+                    return;
+                }
+                let mut buf = vec![0u8; 64 << 10];
+                match op[0] {
+                    b'e' => loop {
+                        match c.read(&mut buf) {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => {
+                                if c.write_all(&buf[..n]).is_err() {
+                                    return;
+                                }
+                            }
+                        }
+                    },
+                    b's' => {
+                        let mut got = 0u64;
+                        loop {
+                            match c.read(&mut buf) {
+                                Ok(0) => break,
+                                Ok(n) => got += n as u64,
+                                Err(_) => return,
+                            }
+                        }
+                        let _ = c.write_all(&got.to_le_bytes());
+                    }
+                    b'd' => {
+                        let mut size = [0u8; 8];
+                        if c.read_exact(&mut size).is_err() {
+                            return;
+                        }
+                        let mut left = u64::from_le_bytes(size) as usize;
+                        buf.fill(0x44);
+                        while left > 0 {
+                            let n = left.min(16 << 10);
+                            if c.write_all(&buf[..n]).is_err() {
+                                return;
+                            }
+                            left -= n;
+                        }
+                    }
+                    _ => {}
+                }
+            });
+        }
+    });
+}
+
+/// haproxy (TCP mode) between this bench's client and `upstream`: per
+/// contender a front port (BASE + offset + contender's port) and an upstream
+/// port (UP + contender's port), both registered alike; offset 0 without
+/// splice, 10 with `option splice-auto`.
+fn haproxy(k: &KernelTest, ns: &NetNs, dir: &ScratchDir) {
+    const BASE: u16 = 7780;
+    const UP: u16 = 7880;
+    const SPLICE: [(&str, u16, &str); 2] = [("nosplice", 0, ""), ("spliceauto", 10, "option splice-auto")];
+    const BIG: usize = 64 << 20;
+    if !need(&["haproxy"]) {
+        return;
+    }
+    let front = [register(k, BASE), register(k, BASE + 10)];
+    let back = register(k, UP);
+    for i in 0..4 {
+        upstream(ns.listen(lo(UP + i)).expect("upstream listen"));
+    }
+    let mut cfg = String::from(
+        "global\n maxconn 4096\ndefaults\n mode tcp\n timeout connect 5s\n timeout client 120s\n timeout server 120s\n",
+    );
+    for (name, off, option) in SPLICE {
+        for i in 0..4 {
+            cfg += &format!(
+                "listen {name}{i}\n bind 127.0.0.1:{}\n {option}\n server up 127.0.0.1:{}\n",
+                BASE + off + i,
+                UP + i
+            );
+        }
+    }
+    std::fs::write(dir.path("haproxy.cfg"), cfg).expect("haproxy.cfg");
+    let _haproxy =
+        Program::spawn(ns, &["haproxy", "-db", "-f", &dir.path("haproxy.cfg").display().to_string()]).expect("haproxy");
+    for (_, off, _) in SPLICE {
+        for i in 0..4 {
+            wait_listening(ns, lo(BASE + off + i), T).expect("haproxy listening");
+        }
+    }
+    let connect = |port: u16, op: u8| {
+        let mut c = ns.connect(lo(port)).expect("connect to haproxy");
+        write_all_ready(&mut c, &[op], Some(T)).expect("op");
+        c
+    };
+    let mut table = Table::new("haproxy (TCP mode) between a client and its upstream, both legs registered");
+    for (name, off, _) in SPLICE {
+        let base = BASE + off;
+        table.cell(&format!("haproxy/rr64_{name}"), base, |port| {
+            let mut c = connect(port, b'e');
+            let (msg, mut ans) = ([0x52u8; 64], [0u8; 64]);
+            // The first round trip sets the path up (haproxy's upstream
+            // connection is made when the client's first bytes arrive).
+            write_all_ready(&mut c, &msg, Some(T)).expect("rr write");
+            read_exact_ready(&mut c, &mut ans, Some(T)).expect("rr read");
+            const N: u32 = 2000;
+            let start = Instant::now();
+            for _ in 0..N {
+                write_all_ready(&mut c, &msg, Some(T)).expect("rr write");
+                read_exact_ready(&mut c, &mut ans, Some(T)).expect("rr read");
+            }
+            start.elapsed() / N
+        });
+        // 64 MiB in 16 KiB writes, 4 MiB in 64 B writes (Nagle on).
+        for (id, total, write) in [("up64m", BIG, 16usize << 10), ("up4m_64B", 4 << 20, 64)] {
+            table.cell(&format!("haproxy/{id}_{name}"), base, |port| {
+                let mut c = connect(port, b's');
+                let chunk = vec![0x55u8; write];
+                let start = Instant::now();
+                for _ in 0..total / write {
+                    write_all_ready(&mut c, &chunk, Some(T)).expect("upload write");
+                }
+                c.shutdown(Shutdown::Write).expect("shutdown");
+                let mut got = [0u8; 8];
+                read_exact_ready(&mut c, &mut got, Some(T)).expect("upload count");
+                let t = start.elapsed();
+                assert_eq!(u64::from_le_bytes(got), total as u64, "upload bytes through haproxy");
+                t
+            });
+        }
+        table.cell(&format!("haproxy/down64m_{name}"), base, |port| {
+            let mut c: TcpStream = connect(port, b'd');
+            let start = Instant::now();
+            write_all_ready(&mut c, &(BIG as u64).to_le_bytes(), Some(T)).expect("download size");
+            let mut buf = vec![0u8; 64 << 10];
+            let mut got = 0usize;
+            loop {
+                match read_ready(&mut c, &mut buf, Some(T)) {
+                    Ok(0) => break,
+                    Ok(n) => got += n,
+                    Err(e) => panic!("download through haproxy: {e}"),
+                }
+            }
+            let t = start.elapsed();
+            assert_eq!(got, BIG, "download bytes through haproxy");
+            t
+        });
+    }
+    table.print(k, &front[0]);
+    eprintln!("splice-auto fronts:");
+    for (mode, pair) in ["always", "adaptive"].iter().zip(&front[1]) {
+        eprintln!("{mode}: {:?}", k.dp().stats(pair).expect("stats"));
+    }
+    eprintln!("upstream legs:");
+    for (mode, pair) in ["always", "adaptive"].iter().zip(&back) {
+        eprintln!("{mode}: {:?}", k.dp().stats(pair).expect("stats"));
+    }
 }

@@ -89,6 +89,7 @@ pub mod names {
     pub const PROG_SOCKOPS: &str = "mw_sockops";
     pub const PROG_SK_MSG: &str = "mw_sk_msg";
     pub const MAP_SOCKMAP: &str = "mw_sockmap";
+    pub const MAP_TGTMAP: &str = "mw_tgtmap";
     pub const MAP_SLOTS: &str = "mw_slots";
     pub const MAP_PAIRS: &str = "mw_pairs";
     pub const MAP_CAPTURE: &str = "mw_capture";
@@ -202,8 +203,9 @@ pub mod names {
         MAP_LAT_ZERO,
     ];
     /// The sockredir family's own maps (besides [`PLUGIN_HOST_MAPS`]), in pin order.
-    pub const SOCKREDIR_MAPS: [&str; 33] = [
+    pub const SOCKREDIR_MAPS: [&str; 34] = [
         MAP_SOCKMAP,
+        MAP_TGTMAP,
         MAP_SLOTS,
         MAP_PAIRS,
         MAP_CAPTURE,

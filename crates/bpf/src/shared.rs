@@ -17,7 +17,7 @@ pub struct Build {
 pub const BUILD_LEN: usize = 16;
 
 /// `MW_SCHEMA_VERSION`: bumped whenever a pinned map's key or value changes.
-pub const SCHEMA_VERSION: u32 = 17;
+pub const SCHEMA_VERSION: u32 = 18;
 
 pub const AF_INET: u32 = 2;
 pub const AF_INET6: u32 = 10;
@@ -65,6 +65,8 @@ pub const EF_R_SPLICE: u32 = 0x100;
 pub const EF_R_LOWAT: u32 = 0x200;
 pub const EF_R_ULP: u32 = 0x400;
 pub const EF_R_RULE: u32 = 0x800;
+/// In the target-only SOCKMAP (`mw_tgtmap`): its own sends never run sk_msg.
+pub const EF_TGTMAP: u32 = 0x1000;
 /// `MW_EXE_*` (`mw_exe_class.flags`, `mw_exe.flags`).
 pub const EXE_CLASSIFIED: u32 = 1;
 pub const EXE_SPLICE: u32 = 2;
@@ -822,6 +824,7 @@ mod tests {
             ("MW_DIR_RELINK_REQ", DIR_RELINK_REQ),
             ("MW_DIR_UNLINKING", DIR_UNLINKING),
             ("MW_DIR_RD_SHARED", DIR_RD_SHARED),
+            ("MW_EF_TGTMAP", EF_TGTMAP),
             ("MW_CFG_GUARD", CFG_GUARD),
             ("MW_CFG_SYSCALL_WATCH", CFG_SYSCALL_WATCH),
         ] {

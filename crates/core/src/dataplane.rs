@@ -176,6 +176,7 @@ pub struct Dataplane {
     /// What opening did about programs of another build.
     upgrade: Upgrade,
     sockmap: TypedMap<u32, u64>,
+    tgtmap: TypedMap<u32, u64>,
     links: TypedMap<u32, LinkValue>,
     cookies: TypedMap<u64, CookieVal>,
     registry: Mutex<Registry<KernelMaps>>,
@@ -217,8 +218,9 @@ impl Dataplane {
         };
         let dir = layout.maps_dir();
         let maps = KernelMaps::open(&dir)?;
-        let (sockmap, links, cookies) = (
+        let (sockmap, tgtmap, links, cookies) = (
             TypedMap::pinned(&dir, names::MAP_SOCKMAP)?,
+            TypedMap::pinned(&dir, names::MAP_TGTMAP)?,
             TypedMap::pinned(&dir, names::MAP_LINKS)?,
             TypedMap::pinned(&dir, names::MAP_COOKIES)?,
         );
@@ -263,6 +265,7 @@ impl Dataplane {
             programs_build,
             upgrade,
             sockmap,
+            tgtmap,
             links,
             cookies,
             registry: Mutex::new(registry),
@@ -425,9 +428,14 @@ impl Dataplane {
     }
 
     /// The cookie of the socket in the SOCKMAP at `index` (see
-    /// [`sockmap_index`](meshwarp_bpf::shared::sockmap_index)), if any.
+    /// [`sockmap_index`](meshwarp_bpf::shared::sockmap_index)), if any: in
+    /// `mw_sockmap`, or in `mw_tgtmap` for a target whose own sends are never
+    /// redirected.
     pub fn sockmap_lookup(&self, index: u32) -> Result<Option<u64>, DataplaneError> {
-        Ok(self.sockmap.get(&index)?)
+        Ok(match self.sockmap.get(&index)? {
+            Some(c) => Some(c),
+            None => self.tgtmap.get(&index)?,
+        })
     }
 
     /// Detaches and unpins the socket family (this data path and its
@@ -435,9 +443,9 @@ impl Dataplane {
     /// connections take the normal TCP path; accelerated ones stay on their
     /// fast path until they close.
     pub fn teardown(self) -> Result<(), DataplaneError> {
-        let Self { pin_root, guard, sockmap, links, cookies, registry, .. } = self;
+        let Self { pin_root, guard, sockmap, tgtmap, links, cookies, registry, .. } = self;
         drop(guard);
-        drop((sockmap, links, cookies, registry));
+        drop((sockmap, tgtmap, links, cookies, registry));
         remove_pinned(&pin_root)
     }
 }
@@ -649,6 +657,7 @@ fn load_and_pin(cfg: &DataplaneConfig, layout: &FamilyPins) -> Result<(), Datapl
     let maps = &mut open.maps;
     let sizes = [
         (&mut maps.mw_sockmap, sockmap_entries),
+        (&mut maps.mw_tgtmap, sockmap_entries),
         (&mut maps.mw_lat_slot, sockmap_entries),
         (&mut maps.mw_slots, slots(cfg.max_sockets)),
         (&mut maps.mw_links, slots(cfg.max_sockets)),
@@ -676,6 +685,7 @@ fn load_and_pin(cfg: &DataplaneConfig, layout: &FamilyPins) -> Result<(), Datapl
         .map_err(bpf_err("writing mw_build"))?;
     let all_maps = [
         (names::MAP_SOCKMAP, &maps.mw_sockmap),
+        (names::MAP_TGTMAP, &maps.mw_tgtmap),
         (names::MAP_SLOTS, &maps.mw_slots),
         (names::MAP_PAIRS, &maps.mw_pairs),
         (names::MAP_CAPTURE, &maps.mw_capture),

@@ -194,6 +194,7 @@ fn probe_in_netns(release: String) -> Result<KernelProbe, ProbeError> {
     let mut open = crate::loader::open_sockredir(&mut obj, 64).map_err(bpf_err("opening BPF object"))?;
     for (map, n) in [
         (&mut open.maps.mw_sockmap, 128),
+        (&mut open.maps.mw_tgtmap, 128),
         (&mut open.maps.mw_slots, 64),
         (&mut open.maps.mw_links, 64),
         (&mut open.maps.mw_observe, 64),

@@ -6,7 +6,8 @@
 //! stays in the SOCKMAP until its file is closed (dropping it earlier would
 //! lose the bytes), and no program runs then. Such slots are marked stale
 //! (`MW_EV_SLOT_STALE`); this module frees each once both of its SOCKMAP
-//! entries are empty. It also picks up the stale slots it finds at start (an
+//! entries are empty, in `mw_sockmap` and in `mw_tgtmap` (the same positions
+//! for targets whose own sends are never redirected). It also picks up the stale slots it finds at start (an
 //! event lost to a full ring buffer, or a restart of the agent).
 
 use std::collections::BTreeSet;
@@ -22,7 +23,7 @@ use crate::park::ParkError;
 /// The stale slots waiting for their sockets to close.
 pub(crate) struct SlotSweeper {
     slots: TypedMap<u32, Slot>,
-    sockmap: TypedMap<u32, u64>,
+    sockmaps: [TypedMap<u32, u64>; 2],
     stale: BTreeSet<u32>,
 }
 
@@ -30,14 +31,14 @@ impl SlotSweeper {
     pub(crate) fn open(pin_dir: &Path) -> Result<Self, ParkError> {
         let maps = pin_dir.join("maps");
         let slots: TypedMap<u32, Slot> = TypedMap::pinned(&maps, names::MAP_SLOTS)?;
-        let sockmap = TypedMap::pinned(&maps, names::MAP_SOCKMAP)?;
+        let sockmaps = [TypedMap::pinned(&maps, names::MAP_SOCKMAP)?, TypedMap::pinned(&maps, names::MAP_TGTMAP)?];
         let mut stale = BTreeSet::new();
         for i in 0..slots.capacity() {
             if slots.get(&i)?.is_some_and(|s| s.stale != 0) {
                 stale.insert(i);
             }
         }
-        let mut s = Self { slots, sockmap, stale };
+        let mut s = Self { slots, sockmaps, stale };
         s.sweep();
         Ok(s)
     }
@@ -71,8 +72,10 @@ impl SlotSweeper {
     fn try_free(&self, slot: u32) -> Result<bool, ParkError> {
         for end in [END_CLIENT, END_SERVER] {
             let index = sockmap_index(slot, end);
-            if self.sockmap.get(&index)?.is_some() {
-                return Ok(false);
+            for map in &self.sockmaps {
+                if map.get(&index)?.is_some() {
+                    return Ok(false);
+                }
             }
         }
         // Only user space writes a stale slot (programs claim free ones only),

@@ -1,8 +1,9 @@
 //! Keys that cannot collide, and the reader guard, on a real kernel: port
 //! reuse towards two captured destinations, the same addresses in two pod
 //! namespaces, forced identical connection ids, SO_RCVLOWAT, ULPs (kTLS),
-//! programs the guard has not seen read yet, and what the kernel does
-//! without the guard.
+//! programs the guard has not seen read yet, what the kernel does without
+//! the guard, and ends whose own sends can never be redirected (no sk_msg on
+//! them: `mw_tgtmap`).
 //!
 //! Each test fails (never skips) when CI=true and BPF is refused.
 
@@ -15,7 +16,7 @@ use std::thread;
 use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
-use meshwarp_bpf::shared::LINK_POISONED;
+use meshwarp_bpf::shared::{Link, EF_TGTMAP, END_CLIENT, END_SERVER, LINK_POISONED};
 use meshwarp_core::sys::socket_cookie_of;
 use meshwarp_core::{CaptureRule, Endpoint, EndpointPair, FastPathMode, GuardMode};
 use meshwarp_testbed::{
@@ -411,6 +412,21 @@ fn without_the_guard_a_blocked_read_returns_eagain() -> Result<()> {
     Ok(())
 }
 
+/// The link of socket `c`, once its end `end` sits in `mw_tgtmap` (where no
+/// sk_msg runs on its sends); an error if it does not within 10 s.
+fn in_tgtmap(k: &KernelTest, c: &TcpStream, end: usize) -> Result<Link> {
+    let cv = k.dp().socket_link(socket_cookie_of(c)?)?.context("accelerated")?;
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let l = k.dp().link(&cv)?.context("link")?;
+        if l.end_flags[end] & EF_TGTMAP != 0 {
+            return Ok(l);
+        }
+        ensure!(std::time::Instant::now() < deadline, "end {end} never moved to mw_tgtmap: {l:?}");
+        thread::sleep(Duration::from_millis(2));
+    }
+}
+
 /// A controller may declare that one end must never be a redirect target
 /// (e.g. a proxy it configured to splice): what that end sends is still
 /// accelerated, what it receives comes on TCP.
@@ -430,6 +446,34 @@ fn a_rule_can_keep_redirected_bytes_out_of_one_end() -> Result<()> {
     exchange(c, s, 23, 1 << 20, T)?;
     let st = k.dp().stats(&pair)?;
     ensure!(st.redirected_bytes == 1 << 20, "only server -> client redirected: {st:?}");
+    Ok(())
+}
+
+/// The same rule for the client end: the server end, whose sends can never
+/// be redirected, joins mw_tgtmap, not mw_sockmap: its sends run no sk_msg
+/// (in mw_sockmap each one did, only to hear that its peer is no target: 1.6x
+/// the time of plain TCP for a stream of 64 B writes), and the client still
+/// redirects into it, at every size, every byte in order.
+#[test]
+fn a_rule_keeping_bytes_out_of_the_client_puts_the_server_in_the_target_map() -> Result<()> {
+    let k = kernel_test!();
+    let net = NodeWithPods::new(2)?;
+    let addr = SocketAddr::new(net.pods[1].addr(false), 8087);
+    let l = net.pods[1].ns.listen(addr)?;
+    let pair = EndpointPair::new(net.pods[0].addr(false), addr.into())?
+        .never_redirect_into(meshwarp_core::NeverRedirectInto { client: true, server: false });
+    k.dp().insert(&pair, "test")?;
+    let mut total = 0u64;
+    for (i, len) in [1usize << 20, 1, 1000, 64 << 10, 4 << 20].into_iter().enumerate() {
+        let (c, s) = (net.pods[0].ns.connect(addr)?, accept_timeout(&l, T)?);
+        let link = in_tgtmap(&k, &s, END_SERVER as usize)?;
+        ensure!(link.end_flags[END_CLIENT as usize] & EF_TGTMAP == 0, "the client end's sends are redirected");
+        exchange(c, s, 31 + i as u64, len, T)?;
+        total += len as u64;
+    }
+    let st = k.dp().stats(&pair)?;
+    ensure!(st.redirected_bytes == total, "only client -> server redirected: {st:?}");
+    ensure!(st.fallback_no_peer == 0, "the server's sends ran sk_msg: {st:?}");
     Ok(())
 }
 

@@ -12,7 +12,7 @@
 #ifndef MESHWARP_SHARED_H
 #define MESHWARP_SHARED_H
 
-#define MW_SCHEMA_VERSION 17
+#define MW_SCHEMA_VERSION 18
 
 #define MW_AF_INET 2
 #define MW_AF_INET6 10
@@ -132,6 +132,10 @@ struct mw_rule {
 #define MW_EF_R_LOWAT 0x200u  /* SO_RCVLOWAT: the fast path ignores it */
 #define MW_EF_R_ULP 0x400u    /* a ULP (kTLS) was set on it */
 #define MW_EF_R_RULE 0x800u   /* the rule says never redirect into this end */
+/* In mw_tgtmap, not mw_sockmap: a target whose own sends can never be
+ * redirected (its peer is no target), so no sk_msg runs on them and its
+ * socket keeps tcp_prot's sendmsg; redirects into it name mw_tgtmap. */
+#define MW_EF_TGTMAP 0x1000u
 
 /* An executable, as the kernel names it: device and inode of its file. */
 struct mw_exe_key {

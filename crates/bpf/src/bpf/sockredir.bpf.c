@@ -83,6 +83,11 @@ const volatile __u32 nr_slots = 1;
 
 /* Sizes are placeholders: user space sets max_entries before load. */
 MW_MAP(mw_sockmap, BPF_MAP_TYPE_SOCKMAP, __u32, __u64, 65536, 0);
+/* The same positions for targets whose own sends are never redirected
+ * (MW_EF_TGTMAP): no program is attached, so their sends take tcp_prot's
+ * path, where a socket in mw_sockmap would run sk_msg on every one only to
+ * hear that its peer is no target. */
+MW_MAP(mw_tgtmap, BPF_MAP_TYPE_SOCKMAP, __u32, __u64, 65536, 0);
 
 /* Which link owns each pair of SOCKMAP entries (struct mw_slot). */
 MW_MAP(mw_slots, BPF_MAP_TYPE_ARRAY, __u32, struct mw_slot, 32768, 0);
@@ -1194,7 +1199,7 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 	struct mw_rule *rule;
 	__u32 old, client_flags, rule_flags, pos, slot = 0;
 	__u64 id, cookie;
-	bool to_server, to_client;
+	bool to_server, to_client, tgtmap;
 	long err;
 
 	id = ((__u64)skops->rcv_nxt << 32) | skops->snd_una;
@@ -1261,7 +1266,9 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 		return;
 	}
 	pos = link->slot * 2 + MW_END_SERVER;
-	err = bpf_sock_map_update(skops, &mw_sockmap, &pos, BPF_NOEXIST);
+	/* Nothing this end sends can be redirected: a target only. */
+	tgtmap = !to_client;
+	err = bpf_sock_map_update(skops, tgtmap ? (void *)&mw_tgtmap : (void *)&mw_sockmap, &pos, BPF_NOEXIST);
 	if (err) {
 		count_insert_failure(rs, err);
 		st->fb = MW_FB_INSERT;
@@ -1279,8 +1286,8 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 	link->exe[MW_END_SERVER] = d.exe;
 	link->netns[MW_END_SERVER] = bpf_get_netns_cookie(skops);
 	/* Published last: the client redirects only once this end is in the map. */
-	__sync_fetch_and_or(&link->end_flags[MW_END_SERVER],
-			    MW_EF_PSOCK | (to_server ? MW_EF_TARGET | fionread_flag(&d) : d.reason));
+	__sync_fetch_and_or(&link->end_flags[MW_END_SERVER], MW_EF_PSOCK | (tgtmap ? MW_EF_TGTMAP : 0) |
+								     (to_server ? MW_EF_TARGET | fionread_flag(&d) : d.reason));
 	st->link = id;
 	st->slot = slot;
 	if (rs)
@@ -1322,7 +1329,8 @@ static __always_inline void on_state_change(struct bpf_sock_ops *skops)
 	tp = bpf_skc_to_tcp_sock(sk);
 	pos = link->slot * 2 + end;
 	if ((link->flags & MW_LINK_SLOT) && tp && !psock_pending((struct sock *)tp)) {
-		long err = bpf_map_delete_elem(&mw_sockmap, &pos);
+		long err = (link->end_flags[end] & MW_EF_TGTMAP) ? bpf_map_delete_elem(&mw_tgtmap, &pos)
+								 : bpf_map_delete_elem(&mw_sockmap, &pos);
 
 		/* -EINVAL: the entry was empty already (closing its file took
 		 * it out before the socket reached CLOSE). */
@@ -1698,7 +1706,7 @@ static __always_inline int finish_msg(struct sk_msg_md *msg, struct bpf_sock *sk
 	struct mw_rule_stats *rs;
 	struct tcp_sock *tp;
 	struct mw_link *link;
-	__u32 end = st->end & 1, peer = end ^ 1, size = msg->size, claimed, pos;
+	__u32 end = st->end & 1, peer = end ^ 1, size = msg->size, claimed, pos, peer_flags;
 	__u64 id = st->link;
 
 	/* A demoted direction: TCP, and only now and then a look at the link. */
@@ -1763,8 +1771,10 @@ static __always_inline int finish_msg(struct sk_msg_md *msg, struct bpf_sock *sk
 	claimed = __sync_fetch_and_add(&link->dir[end].redir, size);
 	barrier_var(claimed);
 	pos = link->slot * 2 + peer;
-	if ((*(volatile __u32 *)&link->end_flags[peer] & MW_EF_PARKED) ||
-	    bpf_msg_redirect_map(msg, &mw_sockmap, pos, BPF_F_INGRESS) != SK_PASS) {
+	peer_flags = *(volatile __u32 *)&link->end_flags[peer];
+	if ((peer_flags & MW_EF_PARKED) ||
+	    ((peer_flags & MW_EF_TGTMAP) ? bpf_msg_redirect_map(msg, &mw_tgtmap, pos, BPF_F_INGRESS)
+					  : bpf_msg_redirect_map(msg, &mw_sockmap, pos, BPF_F_INGRESS)) != SK_PASS) {
 		/* Peer absent or leaving: this message takes the TCP path. */
 		__sync_fetch_and_sub(&link->dir[end].redir, size);
 		if (rs)
