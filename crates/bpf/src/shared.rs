@@ -800,7 +800,12 @@ mod tests {
     fn define(name: &str) -> u32 {
         let header = include_str!("../include/meshwarp/shared.h");
         let line = header.lines().find(|l| l.starts_with(&format!("#define {name} "))).expect(name);
-        line.split_whitespace().nth(2).and_then(|v| v.trim_end_matches('u').parse::<u32>().ok()).expect(name)
+        let v = line.split_whitespace().nth(2).map(|v| v.trim_end_matches('u')).expect(name);
+        match v.strip_prefix("0x") {
+            Some(hex) => u32::from_str_radix(hex, 16),
+            None => v.parse::<u32>(),
+        }
+        .expect(name)
     }
 
     #[test]

@@ -103,7 +103,7 @@ struct mw_rule {
 #define MW_LINK_SLOT 32u    /* owns mw_slots[slot] (every accelerated link; not observe-only ones) */
 
 /* mw_link.end_flags[end] */
-#define MW_EF_PSOCK 1u   /* in the SOCKMAP: its sends run sk_msg */
+#define MW_EF_PSOCK 1u   /* in a SOCKMAP: its sends run sk_msg, unless MW_EF_TGTMAP */
 #define MW_EF_TARGET 2u  /* its reader may be given redirected bytes */
 #define MW_EF_NOSEND 4u  /* its own sends stay on TCP (a ULP such as kTLS) */
 #define MW_EF_CLOSED 8u
@@ -348,6 +348,7 @@ struct mw_sock_state {
 
 /* mw_sock_state.flags */
 #define MW_SOCK_DEMOTED 2u    /* the policy moved this end's sends to TCP (mirrors mw_dir) */
+#define MW_SOCK_TGTMAP 4u     /* in mw_tgtmap: no sk_msg sees its sends (MW_EF_TGTMAP) */
 /* Plugin chain position of the message (or connection) being handled: bits 8-15
  * the next chain position, bit 16 the chain generation it started on. Only the
  * programs of one socket's hook touch them, under the socket's lock. */

@@ -1285,6 +1285,8 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 	link->sk[MW_END_SERVER] = (__u64)skops->sk;
 	link->exe[MW_END_SERVER] = d.exe;
 	link->netns[MW_END_SERVER] = bpf_get_netns_cookie(skops);
+	if (tgtmap)
+		st->flags |= MW_SOCK_TGTMAP;
 	/* Published last: the client redirects only once this end is in the map. */
 	__sync_fetch_and_or(&link->end_flags[MW_END_SERVER], MW_EF_PSOCK | (tgtmap ? MW_EF_TGTMAP : 0) |
 								     (to_server ? MW_EF_TARGET | fionread_flag(&d) : d.reason));
@@ -2364,12 +2366,12 @@ int BPF_PROG(mw_lat_send, const struct sock *sk, const struct msghdr *msg, const
 
 	if (!st)
 		return 0;
-	/* A socket in the SOCKMAP: sk_msg saw the send (what it passes to TCP
-	 * comes back here once per page). Otherwise the tracepoint fires once
-	 * per skb a send fills: a pass is a new send only if it ends elsewhere
-	 * than the one seen last (copying moves write_seq and the bytes left
-	 * alike). */
-	if ((unsigned long)sk->sk_user_data & ~SK_USER_DATA_FLAGS)
+	/* A socket in mw_sockmap: sk_msg saw the send (what it passes to TCP
+	 * comes back here once per page); in mw_tgtmap no sk_msg runs. Otherwise
+	 * the tracepoint fires once per skb a send fills: a pass is a new send
+	 * only if it ends elsewhere than the one seen last (copying moves
+	 * write_seq and the bytes left alike). */
+	if (((unsigned long)sk->sk_user_data & ~SK_USER_DATA_FLAGS) && !(st->flags & MW_SOCK_TGTMAP))
 		return 0;
 	end = tp->write_seq + (__u32)msg->msg_iter.count;
 	if (end == st->lat_end)
