@@ -292,6 +292,19 @@ fn curl(ns: &NetNs, port: u16, path: &str, count: usize) -> Duration {
     Duration::from_secs_f64(times.iter().sum::<f64>() / count as f64)
 }
 
+/// Reads `s` to its end in 64 KiB reads; the bytes read.
+fn read_to_eof(s: &mut TcpStream, what: &str) -> usize {
+    let mut buf = vec![0u8; 64 << 10];
+    let mut got = 0usize;
+    loop {
+        match read_ready(s, &mut buf, Some(T)) {
+            Ok(0) => return got,
+            Ok(n) => got += n,
+            Err(e) => panic!("{what}: {e}"),
+        }
+    }
+}
+
 fn socat(k: &KernelTest, ns: &NetNs, dir: &ScratchDir) {
     const BASE: u16 = 9680;
     if !need(&["socat"]) {
@@ -316,15 +329,7 @@ fn socat(k: &KernelTest, ns: &NetNs, dir: &ScratchDir) {
             let mut s = accept_timeout(l, T).expect("accept");
             // From the accept: socat's start is not the path's.
             let start = Instant::now();
-            let mut buf = vec![0u8; 64 << 10];
-            let mut got = 0usize;
-            loop {
-                match read_ready(&mut s, &mut buf, Some(T)) {
-                    Ok(0) => break,
-                    Ok(n) => got += n,
-                    Err(e) => panic!("socat stream: {e}"),
-                }
-            }
+            let got = read_to_eof(&mut s, "socat stream");
             let t = start.elapsed();
             assert_eq!(got, 64 << 20, "socat stream bytes");
             assert!(sender.wait_timeout(T).expect("socat exit").success(), "socat failed");
@@ -491,15 +496,7 @@ fn haproxy(k: &KernelTest, ns: &NetNs, dir: &ScratchDir) {
             let mut c: TcpStream = connect(port, b'd');
             let start = Instant::now();
             write_all_ready(&mut c, &(BIG as u64).to_le_bytes(), Some(T)).expect("download size");
-            let mut buf = vec![0u8; 64 << 10];
-            let mut got = 0usize;
-            loop {
-                match read_ready(&mut c, &mut buf, Some(T)) {
-                    Ok(0) => break,
-                    Ok(n) => got += n,
-                    Err(e) => panic!("download through haproxy: {e}"),
-                }
-            }
+            let got = read_to_eof(&mut c, "download through haproxy");
             let t = start.elapsed();
             assert_eq!(got, BIG, "download bytes through haproxy");
             t

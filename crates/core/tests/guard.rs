@@ -187,10 +187,19 @@ fn identical_connection_ids_poison_both() -> Result<()> {
 // SO_RCVLOWAT
 
 fn pods_pair(k: &KernelTest, port: u16) -> Result<(NodeWithPods, std::net::TcpListener, EndpointPair)> {
+    pods_pair_never_into(k, port, meshwarp_core::NeverRedirectInto::NONE)
+}
+
+/// [`pods_pair`] whose rule keeps redirected bytes out of the ends `never_into` names.
+fn pods_pair_never_into(
+    k: &KernelTest,
+    port: u16,
+    never_into: meshwarp_core::NeverRedirectInto,
+) -> Result<(NodeWithPods, std::net::TcpListener, EndpointPair)> {
     let net = NodeWithPods::new(2)?;
     let addr = SocketAddr::new(net.pods[1].addr(false), port);
     let l = net.pods[1].ns.listen(addr)?;
-    let pair = EndpointPair::new(net.pods[0].addr(false), addr.into())?;
+    let pair = EndpointPair::new(net.pods[0].addr(false), addr.into())?.never_redirect_into(never_into);
     k.dp().insert(&pair, "test")?;
     Ok((net, l, pair))
 }
@@ -457,12 +466,9 @@ fn a_rule_can_keep_redirected_bytes_out_of_one_end() -> Result<()> {
 #[test]
 fn a_rule_keeping_bytes_out_of_the_client_puts_the_server_in_the_target_map() -> Result<()> {
     let k = kernel_test!();
-    let net = NodeWithPods::new(2)?;
+    let never_into = meshwarp_core::NeverRedirectInto { client: true, server: false };
+    let (net, l, pair) = pods_pair_never_into(&k, 8087, never_into)?;
     let addr = SocketAddr::new(net.pods[1].addr(false), 8087);
-    let l = net.pods[1].ns.listen(addr)?;
-    let pair = EndpointPair::new(net.pods[0].addr(false), addr.into())?
-        .never_redirect_into(meshwarp_core::NeverRedirectInto { client: true, server: false });
-    k.dp().insert(&pair, "test")?;
     let mut total = 0u64;
     for (i, len) in [1usize << 20, 1, 1000, 64 << 10, 4 << 20].into_iter().enumerate() {
         let (c, s) = (net.pods[0].ns.connect(addr)?, accept_timeout(&l, T)?);
