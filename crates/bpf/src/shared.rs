@@ -17,7 +17,7 @@ pub struct Build {
 pub const BUILD_LEN: usize = 16;
 
 /// `MW_SCHEMA_VERSION`: bumped whenever a pinned map's key or value changes.
-pub const SCHEMA_VERSION: u32 = 18;
+pub const SCHEMA_VERSION: u32 = 19;
 
 pub const AF_INET: u32 = 2;
 pub const AF_INET6: u32 = 10;
@@ -493,6 +493,8 @@ pub struct RuleStats {
     pub demotions_behind: u64,
     pub fb_reader_busy: u64,
     pub reader_wakeups: u64,
+    pub tgtmap_clients: u64,
+    pub hint_stale: u64,
 }
 
 /// `MW_OWNER_LEN`: bytes of an owner name, NUL padding included.
@@ -962,7 +964,9 @@ mod tests {
                 relinks,
                 demotions_behind,
                 fb_reader_busy,
-                reader_wakeups
+                reader_wakeups,
+                tgtmap_clients,
+                hint_stale
             ]
         );
         same_layout!(
@@ -1002,7 +1006,7 @@ mod tests {
         assert_eq!(size_of::<SockOwner>(), 16 + 8);
         assert_eq!(size_of::<Exe>(), 8 + 16);
         assert_eq!(size_of::<Event>(), 16 + 16 + 16 + 32 + 24 + 32);
-        assert_eq!(size_of::<RuleStats>(), 23 * 8);
+        assert_eq!(size_of::<RuleStats>(), 25 * 8);
         assert_eq!(size_of::<GlobalStats>(), 6 * 8);
         assert_eq!(size_of::<RouteKey4>(), 16);
         assert_eq!(size_of::<RouteKey6>(), 28);

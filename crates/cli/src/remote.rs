@@ -103,6 +103,8 @@ fn policy_line(c: &pb::RuleCounters) -> String {
         ("unlinked", c.unlinks),
         ("relinked", c.relinks),
         ("readers woken (FIONREAD missed TCP bytes)", c.reader_wakeups),
+        ("clients whose sends skip sk_msg (server no target)", c.tgtmap_clients),
+        ("stale listener hints", c.hint_stale),
         ("connections kept on TCP (mode never)", c.fallback_mode_never),
     ];
     parts.map(|(label, n)| format!("{label} {n}")).join("  ")
@@ -431,6 +433,8 @@ impl Remote {
                 a.demotions_behind += c.demotions_behind;
                 a.fallback_reader_busy += c.fallback_reader_busy;
                 a.reader_wakeups += c.reader_wakeups;
+                a.tgtmap_clients += c.tgtmap_clients;
+                a.hint_stale += c.hint_stale;
                 a
             });
             println!(

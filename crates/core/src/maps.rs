@@ -292,6 +292,8 @@ pub fn add_rule_stats(a: &mut RuleStats, b: &RuleStats) {
     a.demotions_behind = a.demotions_behind.wrapping_add(b.demotions_behind);
     a.fb_reader_busy = a.fb_reader_busy.wrapping_add(b.fb_reader_busy);
     a.reader_wakeups = a.reader_wakeups.wrapping_add(b.reader_wakeups);
+    a.tgtmap_clients = a.tgtmap_clients.wrapping_add(b.tgtmap_clients);
+    a.hint_stale = a.hint_stale.wrapping_add(b.hint_stale);
 }
 
 fn add_global_stats(a: &mut GlobalStats, b: &GlobalStats) {

@@ -67,6 +67,14 @@ pub struct RuleCounters {
     /// this kernel's FIONREAD does not count (TCP bytes behind a psock): an
     /// edge-triggered reader told 0 would wait for an event they never bring.
     pub reader_wakeups: u64,
+    /// Client ends that joined the target-only SOCKMAP at connect: their
+    /// server end is never a target (the rule says so, or its listener's
+    /// last accepted end was none), so no sk_msg runs on their sends.
+    pub tgtmap_clients: u64,
+    /// Server ends withdrawn as targets because their client went by a
+    /// stale hint of the listener (it would have been a target): that one
+    /// connection sends client to server on TCP.
+    pub hint_stale: u64,
 }
 
 impl From<RuleStats> for RuleCounters {
@@ -95,6 +103,8 @@ impl From<RuleStats> for RuleCounters {
             demotions_behind: s.demotions_behind,
             fallback_reader_busy: s.fb_reader_busy,
             reader_wakeups: s.reader_wakeups,
+            tgtmap_clients: s.tgtmap_clients,
+            hint_stale: s.hint_stale,
         }
     }
 }

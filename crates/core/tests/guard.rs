@@ -16,7 +16,7 @@ use std::thread;
 use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
-use meshwarp_bpf::shared::{Link, EF_TGTMAP, END_CLIENT, END_SERVER, LINK_POISONED};
+use meshwarp_bpf::shared::{Link, EF_TARGET, EF_TGTMAP, END_CLIENT, END_SERVER, LINK_POISONED};
 use meshwarp_core::sys::socket_cookie_of;
 use meshwarp_core::{CaptureRule, Endpoint, EndpointPair, FastPathMode, GuardMode};
 use meshwarp_testbed::{
@@ -438,7 +438,9 @@ fn in_tgtmap(k: &KernelTest, c: &TcpStream, end: usize) -> Result<Link> {
 
 /// A controller may declare that one end must never be a redirect target
 /// (e.g. a proxy it configured to splice): what that end sends is still
-/// accelerated, what it receives comes on TCP.
+/// accelerated, what it receives comes on TCP. The client, whose sends can
+/// never be redirected then, joins mw_tgtmap at connect: no sk_msg runs on
+/// them.
 #[test]
 fn a_rule_can_keep_redirected_bytes_out_of_one_end() -> Result<()> {
     let k = kernel_test!();
@@ -452,9 +454,11 @@ fn a_rule_can_keep_redirected_bytes_out_of_one_end() -> Result<()> {
     let link = k.dp().socket_link(socket_cookie_of(&c)?)?.context("accelerated")?;
     let l = k.dp().link(&link)?.context("link")?;
     ensure!(l.end_flags[1] & meshwarp_bpf::shared::EF_R_RULE != 0, "{l:?}");
+    ensure!(l.end_flags[END_CLIENT as usize] & EF_TGTMAP != 0, "the client is a target only: {l:?}");
     exchange(c, s, 23, 1 << 20, T)?;
     let st = k.dp().stats(&pair)?;
     ensure!(st.redirected_bytes == 1 << 20, "only server -> client redirected: {st:?}");
+    ensure!(st.tgtmap_clients == 1 && st.fallback_no_peer == 0, "the client's sends ran sk_msg: {st:?}");
     Ok(())
 }
 
@@ -480,6 +484,65 @@ fn a_rule_keeping_bytes_out_of_the_client_puts_the_server_in_the_target_map() ->
     let st = k.dp().stats(&pair)?;
     ensure!(st.redirected_bytes == total, "only client -> server redirected: {st:?}");
     ensure!(st.fallback_no_peer == 0, "the server's sends ran sk_msg: {st:?}");
+    Ok(())
+}
+
+/// A listener whose accepted ends are no targets (SO_RCVLOWAT, inherited)
+/// leaves a hint: its next clients send nothing that can be redirected, so
+/// they join mw_tgtmap at connect and no sk_msg runs on their sends, while
+/// server -> client stays redirected. Once the listener is a target again,
+/// one connection goes by the stale hint (client -> server on TCP, its
+/// server end no target) and the next is redirected both ways.
+#[test]
+fn clients_of_a_listener_that_is_no_target_skip_sk_msg() -> Result<()> {
+    let k = kernel_test!();
+    let (net, l, pair) = pods_pair(&k, 8092)?;
+    set_int(&l, libc::SOL_SOCKET, libc::SO_RCVLOWAT, 100)?;
+    let addr = SocketAddr::new(net.pods[1].addr(false), 8092);
+    let connect = || -> Result<(TcpStream, TcpStream, Link)> {
+        let (c, s) = (net.pods[0].ns.connect(addr)?, accept_timeout(&l, T)?);
+        let cv = k.dp().socket_link(socket_cookie_of(&c)?)?.context("client accelerated")?;
+        let link = k.dp().link(&cv)?.context("link")?;
+        Ok((c, s, link))
+    };
+    // The first client cannot know yet: its sends run sk_msg, to no avail.
+    let (c, s, link) = connect()?;
+    ensure!(link.end_flags[END_CLIENT as usize] & EF_TGTMAP == 0, "no hint yet: {link:?}");
+    exchange(c, s, 41, 64 << 10, T)?;
+    let first = k.dp().stats(&pair)?;
+    ensure!(first.fallback_rcvlowat == 1 && first.fallback_no_peer > 0 && first.tgtmap_clients == 0, "{first:?}");
+
+    let sizes = [1usize, 1000, 64 << 10, 4 << 20];
+    for (i, len) in sizes.into_iter().enumerate() {
+        let (c, s, link) = connect()?;
+        ensure!(link.end_flags[END_CLIENT as usize] & EF_TGTMAP != 0, "client {i} not in mw_tgtmap: {link:?}");
+        exchange(c, s, 43 + 2 * i as u64, len, T)?;
+    }
+    let st = k.dp().stats(&pair)?;
+    ensure!(st.tgtmap_clients == sizes.len() as u64, "{st:?}");
+    ensure!(st.fallback_no_peer == first.fallback_no_peer, "a hinted client's sends ran sk_msg: {st:?}");
+    let down: usize = sizes.iter().sum();
+    ensure!(st.redirected_bytes - first.redirected_bytes == down as u64, "server -> client redirected: {st:?}");
+    ensure!(st.hint_stale == 0, "{st:?}");
+
+    // A target again: the next client still goes by the hint; its server
+    // end, a target by itself, is withdrawn and clears the hint.
+    set_int(&l, libc::SOL_SOCKET, libc::SO_RCVLOWAT, 1)?;
+    let (c, s, link) = connect()?;
+    ensure!(link.end_flags[END_CLIENT as usize] & EF_TGTMAP != 0, "the stale hint is used: {link:?}");
+    let cv = k.dp().socket_link(socket_cookie_of(&s)?)?.context("server accelerated")?;
+    let server = k.dp().link(&cv)?.context("link")?;
+    ensure!(server.end_flags[END_SERVER as usize] & EF_TARGET == 0, "no target behind a hinted client: {server:?}");
+    exchange(c, s, 61, 256 << 10, T)?;
+    let stale = k.dp().stats(&pair)?;
+    ensure!(stale.hint_stale == 1, "{stale:?}");
+    ensure!(stale.redirected_bytes - st.redirected_bytes == 256 << 10, "server -> client only: {stale:?}");
+    let (c, s, link) = connect()?;
+    ensure!(link.end_flags[END_CLIENT as usize] & EF_TGTMAP == 0, "the hint is gone: {link:?}");
+    exchange(c, s, 63, 256 << 10, T)?;
+    let after = k.dp().stats(&pair)?;
+    ensure!(after.redirected_bytes - stale.redirected_bytes == 512 << 10, "both ways redirected: {after:?}");
+    ensure!(after.tgtmap_clients == sizes.len() as u64 + 1, "{after:?}");
     Ok(())
 }
 

@@ -119,7 +119,7 @@ fn set_total(c: &Counter, v: u64) {
 }
 
 /// One rule's counters, flattened (see `Metrics::render`).
-type RuleTotals = [u64; 22];
+type RuleTotals = [u64; 24];
 
 /// Node-wide totals of per-rule counters that never go back: a rule's counts
 /// live in its slot, which a deleted rule frees and a new rule starts from
@@ -175,6 +175,8 @@ pub struct Metrics {
     policy: Family<TransitionLabels, Counter>,
     policy_tcp_msgs: Counter,
     reader_wakeups: Counter,
+    tgtmap_clients: Counter,
+    hint_stale: Counter,
     path_latency: std::sync::Arc<LatencyCollector>,
 }
 
@@ -257,6 +259,18 @@ impl Metrics {
             "Readers woken because they asked FIONREAD with TCP bytes queued that the kernel's FIONREAD does not count (a psock socket; all rules)",
             reader_wakeups.clone(),
         );
+        let tgtmap_clients = Counter::default();
+        registry.register(
+            "target_only_clients",
+            "Client ends put at connect where no sk_msg runs on their sends: their server end is never a target (the rule, or the listener's last accepted end; all rules)",
+            tgtmap_clients.clone(),
+        );
+        let hint_stale = Counter::default();
+        registry.register(
+            "stale_listener_hints",
+            "Server ends withdrawn as targets because their client went by a stale hint of the listener (all rules)",
+            hint_stale.clone(),
+        );
         let path_latency = std::sync::Arc::new(LatencyCollector::default());
         registry.register_collector(Box::new(std::sync::Arc::clone(&path_latency)));
         Self {
@@ -278,6 +292,8 @@ impl Metrics {
             policy,
             policy_tcp_msgs,
             reader_wakeups,
+            tgtmap_clients,
+            hint_stale,
             path_latency,
         }
     }
@@ -353,6 +369,8 @@ impl Metrics {
                 c.unlinks,
                 c.relinks,
                 c.reader_wakeups,
+                c.tgtmap_clients,
+                c.hint_stale,
                 c.fallback_no_peer,
                 c.fallback_tcp_path,
                 c.fallback_map_full,
@@ -389,7 +407,8 @@ impl Metrics {
         drop(reg);
         let t = totals.update(now);
         drop(totals);
-        let [msgs, bytes, hits, demoted, behind, promoted, tcp_msgs, unlinked, relinked, woken, fb @ ..] = t;
+        let [msgs, bytes, hits, demoted, behind, promoted, tcp_msgs, unlinked, relinked, woken, tgt_only, stale, fb @ ..] =
+            t;
         self.pairs.set(pairs.len() as i64);
         self.captures.set(captures.len() as i64);
         set_total(&self.redirected_msgs, msgs);
@@ -428,6 +447,8 @@ impl Metrics {
         }
         set_total(&self.policy_tcp_msgs, tcp_msgs);
         set_total(&self.reader_wakeups, woken);
+        set_total(&self.tgtmap_clients, tgt_only);
+        set_total(&self.hint_stale, stale);
         self.encode()
     }
 
@@ -475,7 +496,7 @@ mod tests {
     fn rules(list: &[(&str, u64)]) -> HashMap<String, RuleTotals> {
         list.iter()
             .map(|(k, v)| {
-                let mut t: RuleTotals = [0; 22];
+                let mut t: RuleTotals = [0; 24];
                 t[0] = *v;
                 (k.to_string(), t)
             })

@@ -12,7 +12,7 @@
 #ifndef MESHWARP_SHARED_H
 #define MESHWARP_SHARED_H
 
-#define MW_SCHEMA_VERSION 18
+#define MW_SCHEMA_VERSION 19
 
 #define MW_AF_INET 2
 #define MW_AF_INET6 10
@@ -503,6 +503,8 @@ struct mw_rule_stats {
 	__u64 demotions_behind; /* directions moved to TCP: the reader behind (MW_POLICY_BEHIND, tcp_ahead_max) */
 	__u64 fb_reader_busy;   /* messages sent on TCP: a coalescing stream, its reader busy copying (reader_busy) */
 	__u64 reader_wakeups;   /* FIONREAD readers woken for TCP bytes their FIONREAD missed (MW_EF_WAKE) */
+	__u64 tgtmap_clients;   /* client ends put in mw_tgtmap at connect: their server end is never a target (rule, mw_srv_hint) */
+	__u64 hint_stale;       /* server ends withdrawn as targets: their client went by a stale mw_srv_hint */
 };
 
 /*

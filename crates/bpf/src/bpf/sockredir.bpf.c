@@ -127,6 +127,35 @@ MW_MAP(mw_services, BPF_MAP_TYPE_LRU_HASH, struct mw_service_key, struct mw_exe_
 
 MW_MAP(mw_config, BPF_MAP_TYPE_ARRAY, __u32, struct mw_config, 1, 0);
 
+/*
+ * Listeners whose last accepted end was no target, as their clients see them
+ * (the client's network namespace, the server address of the link): a new
+ * client end of such a listener sends nothing that can be redirected, so it
+ * joins mw_tgtmap at once and no sk_msg runs on its sends. Only the server
+ * end knows, and it comes after the client end is in a SOCKMAP (moving a
+ * socket between SOCKMAPs later keeps its sk_msg while any thread holds the
+ * psock). Written by server ends: removed when one is a target again, so a
+ * stale hint costs one connection its client-to-server redirects. LRU: never
+ * full for good.
+ */
+struct mw_srv_key {
+	__u64 netns;
+	__u32 ip[4];
+	__u32 port;
+	__u32 family;
+};
+
+/* What decided it (MW_CFG_HINT bits of mw_config): a hint made under other
+ * settings is not used. */
+struct mw_srv_hint {
+	__u32 cfg;
+	__u32 reason;
+};
+
+#define MW_CFG_HINT (MW_CFG_GUARD | MW_CFG_SPLICE_BLIND | MW_CFG_FIONREAD_PSOCK | MW_CFG_BLOCKING_EAGAIN | MW_CFG_SYSCALL_WATCH)
+
+MW_MAP(mw_srv_hint, BPF_MAP_TYPE_LRU_HASH, struct mw_srv_key, struct mw_srv_hint, 4096, 0);
+
 /* Cookies of sockets user space asked mw_destroy to reset. */
 MW_MAP(mw_doomed, BPF_MAP_TYPE_HASH, __u64, __u32, 1024, 0);
 
@@ -1007,6 +1036,51 @@ static __always_inline void lat_slot_clear(__u32 slot)
 
 /* ---- ESTABLISHED ---- */
 
+/* Where `link`'s server end leaves its hint for the link's clients. */
+static __always_inline void srv_key(struct mw_srv_key *k, const struct mw_link *link)
+{
+	__builtin_memset(k, 0, sizeof(*k));
+	k->netns = link->netns[MW_END_CLIENT];
+	copy_ip(k->ip, link->server_ip);
+	k->port = link->server_port;
+	k->family = link->family;
+}
+
+/* Whether the server end of `link` (being built by its client end) is known
+ * never to be a target: what that listener's last accepted end decided. */
+static __always_inline bool srv_no_target(const struct mw_link *link, __u32 cfg)
+{
+	struct mw_srv_hint *h;
+	struct mw_srv_key k;
+
+	srv_key(&k, link);
+	h = bpf_map_lookup_elem(&mw_srv_hint, &k);
+	return h && h->cfg == (cfg & MW_CFG_HINT);
+}
+
+/* A server end decided `d` for itself (before its client's choices): the
+ * hint its listener's next clients go by. Not for the rule's own flag (the
+ * client reads that from the rule) or an undecided reader. */
+static __always_inline void srv_hint_set(const struct mw_link *link, const struct end_decision *d, __u32 cfg)
+{
+	struct mw_srv_hint hint = { .cfg = cfg & MW_CFG_HINT };
+	struct mw_srv_hint *h;
+	struct mw_srv_key k;
+
+	if (d->level == LV_NONE || (d->level == LV_SEND && d->reason == MW_EF_R_RULE))
+		return;
+	srv_key(&k, link);
+	h = bpf_map_lookup_elem(&mw_srv_hint, &k);
+	if (d->level == LV_FULL) {
+		if (h)
+			bpf_map_delete_elem(&mw_srv_hint, &k);
+		return;
+	}
+	hint.reason = d->reason;
+	if (!h || h->cfg != hint.cfg || h->reason != hint.reason)
+		bpf_map_update_elem(&mw_srv_hint, &k, &hint, BPF_ANY);
+}
+
 /* The client end: creates the link (if it may be accelerated at all) and
  * enters the SOCKMAP. The server end decides the rest. */
 static __always_inline void on_active_established(struct bpf_sock_ops *skops, struct bpf_sock *sk,
@@ -1021,8 +1095,9 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 	struct mw_link *existing;
 	struct tcp_sock *tp;
 	struct mw_rule *rule;
-	__u32 kind = 0, zero = 0, slot = 0, pos;
+	__u32 kind = 0, zero = 0, slot = 0, pos, cfg;
 	__u64 id, cookie, since;
+	bool tgtmap;
 	long err;
 
 	rule = match_active(t, &kind);
@@ -1058,13 +1133,14 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 		st->fb = MW_FB_SYN_DATA;
 		return;
 	}
+	cfg = config_flags();
 	if (rule->flags & MW_RULE_MODE_NEVER) {
 		d.level = LV_NONE;
 		st->fb = MW_FB_MODE_NEVER;
 		if (rs)
 			rs->fb_mode_never++;
 	} else {
-		decide_end(skops, tp, true, rule->flags, config_flags(), st, &d);
+		decide_end(skops, tp, true, rule->flags, cfg, st, &d);
 		count_reason(rs, &d);
 		if (d.level == LV_NONE)
 			st->fb = MW_FB_READER;
@@ -1091,14 +1167,24 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 	/* Nothing read yet: each direction's reader is at its sender's ISN + 1. */
 	link->dir[MW_END_CLIENT].tcp_read = skops->snd_una;
 	link->dir[MW_END_SERVER].tcp_read = skops->rcv_nxt;
-	link->end_flags[MW_END_CLIENT] =
-		MW_EF_PSOCK | (d.level == LV_FULL ? MW_EF_TARGET | fionread_flag(&d) : d.reason);
 	/* Until the server end claims the link, nothing is redirected into it. */
 	link->end_flags[MW_END_SERVER] = (rule->flags & MW_RULE_NO_TARGET_SERVER) ? MW_EF_R_RULE : 0;
 	link->cookie[MW_END_CLIENT] = cookie;
 	link->sk[MW_END_CLIENT] = (__u64)skops->sk;
 	link->exe[MW_END_CLIENT] = d.exe;
 	link->netns[MW_END_CLIENT] = bpf_get_netns_cookie(skops);
+	/* A server end known never to be a target (the rule, or its listener's
+	 * last accepted end): nothing this end sends can be redirected, so it
+	 * is a target only, in mw_tgtmap, where no sk_msg runs on its sends;
+	 * or, not a target either, not accelerated at all. */
+	tgtmap = d.level != LV_NONE &&
+		 ((rule->flags & MW_RULE_NO_TARGET_SERVER) || srv_no_target(link, cfg));
+	if (tgtmap && d.level != LV_FULL) {
+		d.level = LV_NONE;
+		st->fb = MW_FB_NO_TARGET;
+	}
+	link->end_flags[MW_END_CLIENT] = MW_EF_PSOCK | (tgtmap ? MW_EF_TGTMAP : 0) |
+					 (d.level == LV_FULL ? MW_EF_TARGET | fionread_flag(&d) : d.reason);
 	if (d.level == LV_NONE) {
 		/* Not accelerated; the server end still learns who reads it
 		 * (its listener may predate meshwarp), then drops the link. */
@@ -1144,7 +1230,7 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 		return;
 	}
 	pos = slot * 2 + MW_END_CLIENT;
-	err = bpf_sock_map_update(skops, &mw_sockmap, &pos, BPF_NOEXIST);
+	err = bpf_sock_map_update(skops, tgtmap ? (void *)&mw_tgtmap : (void *)&mw_sockmap, &pos, BPF_NOEXIST);
 	if (err) {
 		existing = link_at(slot, id);
 		if (existing && __sync_val_compare_and_swap(&existing->id, id, 0) == id)
@@ -1160,8 +1246,13 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 	bpf_map_update_elem(&mw_cookies, &cookie, &cv, BPF_ANY);
 	st->link = id;
 	st->slot = slot;
-	if (rs)
+	if (tgtmap)
+		st->flags |= MW_SOCK_TGTMAP;
+	if (rs) {
 		rs->sockets++;
+		if (tgtmap)
+			rs->tgtmap_clients++;
+	}
 	watch_close(skops);
 }
 
@@ -1179,7 +1270,10 @@ static __always_inline void release_client(__u64 id, struct mw_link *link)
 	}
 	if (__sync_val_compare_and_swap(&link->id, id, 0) != id)
 		return;
-	bpf_map_delete_elem(&mw_sockmap, &pos);
+	if (link->end_flags[MW_END_CLIENT] & MW_EF_TGTMAP)
+		bpf_map_delete_elem(&mw_tgtmap, &pos);
+	else
+		bpf_map_delete_elem(&mw_sockmap, &pos);
 	bpf_map_delete_elem(&mw_cookies, &link->cookie[MW_END_CLIENT]);
 	slot_free(link->slot, id);
 	if (rs)
@@ -1197,7 +1291,7 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 	struct tcp_sock *tp;
 	struct mw_link *link;
 	struct mw_rule *rule;
-	__u32 old, client_flags, rule_flags, pos, slot = 0;
+	__u32 old, client_flags, rule_flags, cfg, pos, slot = 0;
 	__u64 id, cookie;
 	bool to_server, to_client, tgtmap;
 	long err;
@@ -1246,7 +1340,9 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 	}
 	init_state(st, link->rule_id, MW_END_SERVER, skops->rcv_nxt, id);
 	rule_flags = (link->end_flags[MW_END_SERVER] & MW_EF_R_RULE) ? MW_RULE_NO_TARGET_SERVER : 0;
-	decide_end(skops, tp, false, rule_flags, config_flags(), st, &d);
+	cfg = config_flags();
+	decide_end(skops, tp, false, rule_flags, cfg, st, &d);
+	srv_hint_set(link, &d, cfg);
 	if (old & MW_LINK_OBSERVE) {
 		/* Its reader is observed (st); nothing is accelerated. */
 		st->fb = link->pad ? link->pad : MW_FB_PEER;
@@ -1258,6 +1354,19 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 	/* Both ends accelerated, or neither: a socket with a psock whose
 	 * incoming bytes all come on TCP gains nothing and loses FIONREAD. */
 	client_flags = link->end_flags[MW_END_CLIENT];
+	if ((client_flags & MW_EF_TGTMAP) && d.level == LV_FULL) {
+		/* Its client went by a stale hint and sends nothing that can be
+		 * redirected: no target, as decide_end has it for one. */
+		if (rs)
+			rs->hint_stale++;
+		if (d.fionread) {
+			d.level = LV_NONE;
+			d.reader = true;
+		} else {
+			d.level = LV_SEND;
+			d.reason = 0;
+		}
+	}
 	to_client = client_flags & MW_EF_TARGET;
 	to_server = d.level == LV_FULL;
 	if (d.level == LV_NONE || (!to_client && !to_server)) {

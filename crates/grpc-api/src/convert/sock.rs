@@ -256,6 +256,8 @@ pub fn counters_to_pb(c: &RuleCounters) -> pb::RuleCounters {
         demotions_behind: c.demotions_behind,
         fallback_reader_busy: c.fallback_reader_busy,
         reader_wakeups: c.reader_wakeups,
+        tgtmap_clients: c.tgtmap_clients,
+        hint_stale: c.hint_stale,
     }
 }
 
