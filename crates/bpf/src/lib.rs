@@ -100,6 +100,7 @@ pub mod names {
     pub const MAP_EXES: &str = "mw_exes";
     pub const MAP_EXE_CLASS: &str = "mw_exe_class";
     pub const MAP_SERVICES: &str = "mw_services";
+    pub const MAP_SRV_HINT: &str = "mw_srv_hint";
     pub const MAP_CONFIG: &str = "mw_config";
     pub const MAP_DOOMED: &str = "mw_doomed";
     pub const MAP_PARK_REQ: &str = "mw_park_req";
@@ -203,7 +204,7 @@ pub mod names {
         MAP_LAT_ZERO,
     ];
     /// The sockredir family's own maps (besides [`PLUGIN_HOST_MAPS`]), in pin order.
-    pub const SOCKREDIR_MAPS: [&str; 34] = [
+    pub const SOCKREDIR_MAPS: [&str; 35] = [
         MAP_SOCKMAP,
         MAP_TGTMAP,
         MAP_SLOTS,
@@ -218,6 +219,7 @@ pub mod names {
         MAP_EXES,
         MAP_EXE_CLASS,
         MAP_SERVICES,
+        MAP_SRV_HINT,
         MAP_CONFIG,
         MAP_DOOMED,
         MAP_PARK_REQ,

@@ -698,6 +698,7 @@ fn load_and_pin(cfg: &DataplaneConfig, layout: &FamilyPins) -> Result<(), Datapl
         (names::MAP_EXES, &maps.mw_exes),
         (names::MAP_EXE_CLASS, &maps.mw_exe_class),
         (names::MAP_SERVICES, &maps.mw_services),
+        (names::MAP_SRV_HINT, &maps.mw_srv_hint),
         (names::MAP_CONFIG, &maps.mw_config),
         (names::MAP_DOOMED, &maps.mw_doomed),
         (names::MAP_PARK_REQ, &maps.mw_park_req),

@@ -175,6 +175,43 @@ fn byte_sampler_counts_every_message_of_each_pair() -> Result<()> {
     Ok(())
 }
 
+/// An end whose peer is never a target sends nothing that can be redirected;
+/// without plugins it sits where no sk_msg runs (mw_tgtmap). With an
+/// on_message plugin loaded, its sends still run the chain: the plugin sees
+/// every message of both ends, whichever end the rule keeps bytes out of.
+#[test]
+fn a_message_plugin_sees_the_sends_of_an_end_whose_peer_is_no_target() -> Result<()> {
+    let k = kernel_test!();
+    let c = chain(&k)?;
+    c.load(&manifest("noop", Hook::Message, 0), plugins::NOOP_MSG, &[], false, "test")?;
+    let net = NodeWithPods::new(2)?;
+    let (a, b) = (net.pods[0].addr(false), net.pods[1].addr(false));
+    let mut runs = 0;
+    for (i, (client, server)) in [(false, true), (true, false)].into_iter().enumerate() {
+        let port = PORT + i as u16;
+        let l = net.pods[1].ns.listen(SocketAddr::new(b, port))?;
+        let pair = EndpointPair::new(a, Endpoint::new(b, port))?
+            .never_redirect_into(meshwarp_core::NeverRedirectInto { client, server });
+        k.dp().insert(&pair, "test")?;
+        // Twice: the second client also knows its server end is no target.
+        for _ in 0..2 {
+            let mut cl = net.pods[0].ns.connect(SocketAddr::new(b, port))?;
+            let mut sv = accept_timeout(&l, T)?;
+            for x in [&cl, &sv] {
+                x.set_nodelay(true)?;
+                x.set_read_timeout(Some(T))?;
+            }
+            ping_pong(&mut cl, &mut sv, 50, 100)?;
+            runs += 100;
+            let st = k.dp().stats(&pair)?;
+            ensure!(st.tgtmap_clients == 0, "with a plugin no end skips sk_msg: {st:?}");
+        }
+        let pc = counters(&c, "noop");
+        ensure!(pc.runs == runs, "never into client {client}, server {server}: {pc:?}, expected {runs} runs");
+    }
+    Ok(())
+}
+
 fn rate_config(mode: u32, unit: u32, rate: u64, burst: u64) -> Vec<u8> {
     let mut v = Vec::new();
     v.extend(mode.to_le_bytes());

@@ -1036,6 +1036,16 @@ static __always_inline void lat_slot_clear(__u32 slot)
 
 /* ---- ESTABLISHED ---- */
 
+/* No on_message plugin is loaded: an end may sit where no sk_msg runs
+ * (mw_tgtmap). With plugins, every end's sends keep running the chain, as
+ * the hook promises; ends placed before a plugin is loaded are not moved. */
+static __always_inline bool no_msg_chain(void)
+{
+	__u32 gen;
+
+	return !mw_active_chain(MW_HOOK_MESSAGE, &gen);
+}
+
 /* Where `link`'s server end leaves its hint for the link's clients. */
 static __always_inline void srv_key(struct mw_srv_key *k, const struct mw_link *link)
 {
@@ -1177,7 +1187,7 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 	 * last accepted end): nothing this end sends can be redirected, so it
 	 * is a target only, in mw_tgtmap, where no sk_msg runs on its sends;
 	 * or, not a target either, not accelerated at all. */
-	tgtmap = d.level != LV_NONE &&
+	tgtmap = d.level != LV_NONE && no_msg_chain() &&
 		 ((rule->flags & MW_RULE_NO_TARGET_SERVER) || srv_no_target(link, cfg));
 	if (tgtmap && d.level != LV_FULL) {
 		d.level = LV_NONE;
@@ -1344,7 +1354,14 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 	decide_end(skops, tp, false, rule_flags, cfg, st, &d);
 	srv_hint_set(link, &d, cfg);
 	if (old & MW_LINK_OBSERVE) {
-		/* Its reader is observed (st); nothing is accelerated. */
+		/* Its reader is observed (st); nothing is accelerated. A client
+		 * that is no target left out because this end never is one: this
+		 * end's reason counts, and a stale hint shows (it is one). */
+		if (link->pad == MW_FB_NO_TARGET) {
+			count_reason(rs, &d);
+			if (d.level == LV_FULL && rs)
+				rs->hint_stale++;
+		}
 		st->fb = link->pad ? link->pad : MW_FB_PEER;
 		bpf_map_delete_elem(&mw_observe, &id);
 		return;
@@ -1362,6 +1379,8 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 		if (d.fionread) {
 			d.level = LV_NONE;
 			d.reader = true;
+			if (rs)
+				rs->fb_reader++;
 		} else {
 			d.level = LV_SEND;
 			d.reason = 0;
@@ -1376,7 +1395,7 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 	}
 	pos = link->slot * 2 + MW_END_SERVER;
 	/* Nothing this end sends can be redirected: a target only. */
-	tgtmap = !to_client;
+	tgtmap = !to_client && no_msg_chain();
 	err = bpf_sock_map_update(skops, tgtmap ? (void *)&mw_tgtmap : (void *)&mw_sockmap, &pos, BPF_NOEXIST);
 	if (err) {
 		count_insert_failure(rs, err);
