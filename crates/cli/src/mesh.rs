@@ -188,6 +188,14 @@ fn busy_cpu_us() -> Result<f64> {
     Ok(ticks / hz * 1e6)
 }
 
+/// wrk's per-request timeout (its own default is 2 s): all `conns` bodies at
+/// once at 100 MB/s, far below either path here, so a slow transfer is not
+/// taken for a lost one (16 MiB at 100 connections takes about 3.5 s on the
+/// plain path of a 2-core VM), while a hung connection still is.
+fn wrk_timeout_secs(conns: usize, body: u64) -> u64 {
+    (conns as u64 * body).div_ceil(100_000_000).max(2)
+}
+
 fn wrk(client_pod: &NetNs, conns: usize, secs: u64, body: u64) -> Result<Run> {
     let url = format!("http://{SERVICE_V4}:{SERVICE_PORT}/{body}");
     let cpu0 = busy_cpu_us()?;
@@ -200,6 +208,8 @@ fn wrk(client_pod: &NetNs, conns: usize, secs: u64, body: u64) -> Result<Run> {
             "-t1",
             &format!("-c{conns}"),
             &format!("-d{secs}s"),
+            "--timeout",
+            &format!("{}s", wrk_timeout_secs(conns, body)),
             "--latency",
             &url,
         ])
@@ -318,10 +328,11 @@ fn measure(
         let (mut plain, mut fast) = (Vec::new(), Vec::new());
         for rep in 0..args.repeat {
             eprintln!("  {topo} body={} c={c} repetition {}/{}", show_size(body), rep + 1, args.repeat);
+            let cell = |path: &str| format!("{topo}, {path} path, body {}, {c} connections", show_size(body));
             accel.disable()?;
-            plain.push(wrk(client_pod, c, args.duration, body)?);
+            plain.push(wrk(client_pod, c, args.duration, body).with_context(|| cell("plain"))?);
             accel.enable()?;
-            fast.push(wrk(client_pod, c, args.duration, body)?);
+            fast.push(wrk(client_pod, c, args.duration, body).with_context(|| cell("meshwarp"))?);
         }
         accel.disable()?;
         let med = |runs: &[Run]| Run {
@@ -458,6 +469,8 @@ mod tests {
     fn body_sizes() {
         assert_eq!(parse_size("1k"), Ok(1024));
         assert_eq!(parse_size("16M"), Ok(16 << 20));
+        assert_eq!(wrk_timeout_secs(1, 1 << 10), 2);
+        assert_eq!(wrk_timeout_secs(100, 16 << 20), 17);
         assert_eq!(parse_size("512"), Ok(512));
         assert!(parse_size("0").is_err() && parse_size("big").is_err());
         assert_eq!(show_size(16 << 20), "16 MiB");

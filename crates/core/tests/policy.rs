@@ -234,6 +234,39 @@ fn pipelined_bursts_stay_on_the_fast_path() -> Result<()> {
     })
 }
 
+/// A server that is never a target (the rule's here; a splicing proxy in
+/// life) answers small requests with small Nagle writes on one keep-alive
+/// connection. Its client's requests come on TCP without passing the policy
+/// (the client sits in mw_tgtmap, no sk_msg), so only the server's reads of
+/// them can end its runs: 200 exchanges, every answer redirected, none of
+/// them taken for a stream.
+#[test]
+fn answers_to_a_client_that_sends_on_tcp_stay_on_the_fast_path() -> Result<()> {
+    const N: u64 = 200;
+    let k = kernel_test!();
+    let net = NodeWithPods::new(2)?;
+    let addr = SocketAddr::new(net.pods[1].addr(false), 8230);
+    let l = net.pods[1].ns.listen(addr)?;
+    let pair = EndpointPair::new(net.pods[0].addr(false), addr.into())?
+        .with_mode(FastPathMode::Adaptive)
+        .never_redirect_into(meshwarp_core::NeverRedirectInto { client: false, server: true });
+    k.dp().insert(&pair, "test")?;
+    let (c, s) = connections(&net, &l, 8230, 1)?.remove(0);
+    let (mut up_w, mut up_r) = (Stream::new(71), Stream::new(71));
+    let (mut down_w, mut down_r) = (Stream::new(72), Stream::new(72));
+    for _ in 0..N {
+        up_w.write(&c, 64, 64)?;
+        up_r.read(&s, 64)?;
+        down_w.write(&s, 64, 64)?;
+        down_r.read(&c, 64)?;
+    }
+    let st = k.dp().stats(&pair)?;
+    ensure!(st.tgtmap_clients == 1, "the client runs no sk_msg: {st:?}");
+    ensure!(st.demotions_coalesce == 0 && st.demotions_behind == 0 && st.policy_tcp_msgs == 0, "{st:?}");
+    ensure!(st.redirected_msgs == N, "every answer redirected: {st:?}");
+    Ok(())
+}
+
 /// Nagle on, 16 KiB writes (under MW_POLICY_BATCH, 32 KiB, so TCP would
 /// gather them into larger segments): a stream whose reader keeps up (here
 /// in lockstep) would wake it once per write on the fast path where TCP

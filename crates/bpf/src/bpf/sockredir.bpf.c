@@ -2052,8 +2052,17 @@ int BPF_PROG(mw_recv_len, struct sock *sk, int ret, int flags)
 			}
 			if (seq != st->rd_pub) {
 				link = link_of_sk(st, sk);
-				if (link)
+				if (link) {
 					link->dir[peer_dir].tcp_read = seq;
+					/* A peer whose messages never reach the policy
+					 * (no sk_msg in mw_tgtmap, or this end no
+					 * target) answered on TCP: this end's run ends
+					 * here, as the peer's sk_msg would have ended it. */
+					if (link->dir[st->end & 1].run &&
+					    ((link->end_flags[peer_dir] & MW_EF_TGTMAP) ||
+					     !(link->end_flags[st->end & 1] & MW_EF_TARGET)))
+						link->dir[st->end & 1].run = 0;
+				}
 				st->rd_pub = seq;
 			}
 		}
