@@ -110,6 +110,9 @@ pub mod names {
     pub const PROG_RECV_LEN: &str = "mw_recv_len";
     pub const PROG_SYS_ENTER: &str = "mw_sys_enter";
     pub const PROG_SETSOCKOPT: &str = "mw_setsockopt";
+    /// connect(): hints from a listener of the caller's namespace (`mw_srv_hint`).
+    pub const PROG_CONNECT4: &str = "mw_connect4";
+    pub const PROG_CONNECT6: &str = "mw_connect6";
     pub const PROG_DESTROY: &str = "mw_destroy";
     pub const PROG_PARK: &str = "mw_park";
     pub const PROG_UNLINK: &str = "mw_unlink";
@@ -166,12 +169,14 @@ pub mod names {
     /// Per CPU: the interface and direction of the packet a chain runs for.
     pub const MAP_PKT_DIR: &str = "mw_pkt_dir";
     /// The sockredir family's programs that are pinned.
-    pub const SOCKREDIR_PROGS: [&str; 8] = [
+    pub const SOCKREDIR_PROGS: [&str; 10] = [
         PROG_SOCKOPS,
         PROG_SK_MSG,
         PROG_RECV_LEN,
         PROG_SYS_ENTER,
         PROG_SETSOCKOPT,
+        PROG_CONNECT4,
+        PROG_CONNECT6,
         PROG_DESTROY,
         PROG_PARK,
         PROG_UNLINK,

@@ -5,9 +5,10 @@
 //! Pinned layout ([`FamilyPins::sockredir`]):
 //! ```text
 //! <pin_root>/v<SCHEMA>/maps/<map name>
-//! <pin_root>/v<SCHEMA>/progs/mw_sockops, mw_sk_msg, mw_recv_len, mw_sys_enter, mw_setsockopt, mw_destroy, mw_park,
+//! <pin_root>/v<SCHEMA>/progs/mw_sockops, mw_sk_msg, mw_recv_len, mw_sys_enter, mw_setsockopt, mw_connect4, mw_connect6,
+//!                           mw_destroy, mw_park,
 //!                           mw_unlink
-//! <pin_root>/v<SCHEMA>/links/mw_sockops, mw_setsockopt   (the cgroup attachments)
+//! <pin_root>/v<SCHEMA>/links/mw_sockops, mw_setsockopt, mw_connect4, mw_connect6   (the cgroup attachments)
 //! <pin_root>/v<SCHEMA>/links/mw_recv_len, mw_sys_enter   (reads of covered sockets; system calls, when the guard watches them)
 //! ```
 //!
@@ -472,6 +473,8 @@ fn upgrade_programs(layout: &FamilyPins) -> Result<Vec<String>, UpgradeError> {
         swap.sockmap_verdict(&layout.map(names::MAP_SOCKMAP), p.mw_sk_msg.as_fd())?;
         swap.link_prog(&layout.link(names::PROG_SOCKOPS), p.mw_sockops.as_fd())?;
         swap.link_prog(&layout.link(names::PROG_SETSOCKOPT), p.mw_setsockopt.as_fd())?;
+        swap.link_prog(&layout.link(names::PROG_CONNECT4), p.mw_connect4.as_fd())?;
+        swap.link_prog(&layout.link(names::PROG_CONNECT6), p.mw_connect6.as_fd())?;
         swap.tp_link(&layout.link(names::PROG_RECV_LEN), p.mw_recv_len.as_fd())?;
         swap.tp_link(&layout.link(names::PROG_SYS_ENTER), p.mw_sys_enter.as_fd())?;
         swap.tp_link(&layout.link(names::PROG_LAT_SEND), p.mw_lat_send.as_fd())?;
@@ -502,13 +505,15 @@ fn upgrade_programs(layout: &FamilyPins) -> Result<Vec<String>, UpgradeError> {
 /// The programs of the socket family that are pinned, by pin name.
 fn sockredir_progs<'a>(
     p: &'a meshwarp_bpf::sockredir::SockredirProgs<'a>,
-) -> [(&'static str, &'a libbpf_rs::ProgramMut<'a>); 8] {
+) -> [(&'static str, &'a libbpf_rs::ProgramMut<'a>); 10] {
     [
         (names::PROG_SOCKOPS, &p.mw_sockops),
         (names::PROG_SK_MSG, &p.mw_sk_msg),
         (names::PROG_RECV_LEN, &p.mw_recv_len),
         (names::PROG_SYS_ENTER, &p.mw_sys_enter),
         (names::PROG_SETSOCKOPT, &p.mw_setsockopt),
+        (names::PROG_CONNECT4, &p.mw_connect4),
+        (names::PROG_CONNECT6, &p.mw_connect6),
         (names::PROG_DESTROY, &p.mw_destroy),
         (names::PROG_PARK, &p.mw_park),
         (names::PROG_UNLINK, &p.mw_unlink),
@@ -773,6 +778,17 @@ fn load_and_pin(cfg: &DataplaneConfig, layout: &FamilyPins) -> Result<(), Datapl
         .map_err(bpf_err(format!("attaching cgroup/setsockopt to {}", cgroup.display())))?;
     let link_path = layout.link(names::PROG_SETSOCKOPT);
     link.pin(&link_path).map_err(bpf_err(format!("pinning {}", link_path.display())))?;
+    guard.paths.push(link_path);
+    // connect(): a listener of the caller's namespace hints its first client.
+    for (prog, name) in
+        [(&skel.progs.mw_connect4, names::PROG_CONNECT4), (&skel.progs.mw_connect6, names::PROG_CONNECT6)]
+    {
+        let mut link: Link =
+            prog.attach_cgroup(cg.as_raw_fd()).map_err(bpf_err(format!("attaching {name} to {}", cgroup.display())))?;
+        let link_path = layout.link(name);
+        link.pin(&link_path).map_err(bpf_err(format!("pinning {}", link_path.display())))?;
+        guard.paths.push(link_path);
+    }
     guard.done = true;
     tracing::info!(dir = %layout.dir().display(), cgroup = %cgroup.display(), "loaded and pinned data path");
     Ok(())

@@ -41,7 +41,7 @@ impl FamilyPins {
             dir: schema_dir(pin_root),
             progs: &names::SOCKREDIR_PROGS,
             maps: &names::SOCKREDIR_MAPS,
-            links: &[names::PROG_SOCKOPS, names::PROG_SETSOCKOPT],
+            links: &[names::PROG_SOCKOPS, names::PROG_SETSOCKOPT, names::PROG_CONNECT4, names::PROG_CONNECT6],
         }
     }
 

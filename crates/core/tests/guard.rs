@@ -546,6 +546,44 @@ fn clients_of_a_listener_that_is_no_target_skip_sk_msg() -> Result<()> {
     Ok(())
 }
 
+/// A listener of the client's own namespace (a sidecar on loopback) shows at
+/// connect() whether its accepted ends will be targets (mw_connect4): its
+/// first client, before any connection was accepted, already joins
+/// mw_tgtmap, and its sends never run sk_msg. Made a target again, the next
+/// connect() clears the hint before that client end decides: no stale
+/// connection, both ways redirected.
+#[test]
+fn a_loopback_listener_that_is_no_target_hints_its_first_client() -> Result<()> {
+    let k = kernel_test!();
+    let ns = NetNs::new("lohint")?;
+    let addr = SocketAddr::new(IpAddr::from([127, 0, 0, 1]), 8094);
+    let l = ns.listen(addr)?;
+    set_int(&l, libc::SOL_SOCKET, libc::SO_RCVLOWAT, 100)?;
+    let pair = EndpointPair::new(addr.ip(), addr.into())?;
+    k.dp().insert(&pair, "test")?;
+    let connect = || -> Result<(TcpStream, TcpStream, Link)> {
+        let (c, s) = (ns.connect(addr)?, accept_timeout(&l, T)?);
+        let cv = k.dp().socket_link(socket_cookie_of(&c)?)?.context("client accelerated")?;
+        let link = k.dp().link(&cv)?.context("link")?;
+        Ok((c, s, link))
+    };
+    let (c, s, link) = connect()?;
+    ensure!(link.end_flags[END_CLIENT as usize] & EF_TGTMAP != 0, "the first client is hinted at connect: {link:?}");
+    exchange(c, s, 81, 1 << 20, T)?;
+    let st = k.dp().stats(&pair)?;
+    ensure!(st.tgtmap_clients == 1 && st.fallback_no_peer == 0, "{st:?}");
+    ensure!(st.redirected_bytes == 1 << 20, "server -> client redirected: {st:?}");
+
+    set_int(&l, libc::SOL_SOCKET, libc::SO_RCVLOWAT, 1)?;
+    let (c, s, link) = connect()?;
+    ensure!(link.end_flags[END_CLIENT as usize] & EF_TGTMAP == 0, "the hint is gone at connect: {link:?}");
+    exchange(c, s, 83, 1 << 20, T)?;
+    let after = k.dp().stats(&pair)?;
+    ensure!(after.hint_stale == 0 && after.tgtmap_clients == 1, "{after:?}");
+    ensure!(after.redirected_bytes - st.redirected_bytes == 2 << 20, "both ways redirected: {after:?}");
+    Ok(())
+}
+
 /// Without the syscall watch nothing runs at system call entry; FIONREAD
 /// readers cannot be seen then, so no socket gets a psock whose incoming
 /// bytes would all come on TCP (one-sided acceleration is not used).

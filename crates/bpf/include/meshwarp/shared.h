@@ -156,7 +156,7 @@ struct mw_exe_key {
  */
 struct mw_dir {
 	__u32 flags;     /* MW_DIR_* */
-	__u32 run;       /* messages sent since the other end last sent */
+	__u32 run;       /* messages sent since the other end last sent (or, its sends passing no sk_msg, since this end read TCP bytes) */
 	__u32 run_bytes; /* their bytes (the run's first MW_POLICY_RUN messages) */
 	/* The peer's copied_seq as its reads publish it: how far its reader
 	 * consumed this direction's TCP bytes. Starts at this end's ISN + 1. */

@@ -1046,6 +1046,22 @@ static __always_inline bool no_msg_chain(void)
 	return !mw_active_chain(MW_HOOK_MESSAGE, &gen);
 }
 
+/* The hint at `k`: `reason` (MW_EF_R_*) why its accepted ends are no
+ * targets, or 0: they are (no hint). Written only when it changes. */
+static __always_inline void srv_hint_put(struct mw_srv_key *k, __u32 reason, __u32 cfg)
+{
+	struct mw_srv_hint hint = { .cfg = cfg & MW_CFG_HINT, .reason = reason };
+	struct mw_srv_hint *h = bpf_map_lookup_elem(&mw_srv_hint, k);
+
+	if (!reason) {
+		if (h)
+			bpf_map_delete_elem(&mw_srv_hint, k);
+		return;
+	}
+	if (!h || h->cfg != hint.cfg || h->reason != hint.reason)
+		bpf_map_update_elem(&mw_srv_hint, k, &hint, BPF_ANY);
+}
+
 /* Where `link`'s server end leaves its hint for the link's clients. */
 static __always_inline void srv_key(struct mw_srv_key *k, const struct mw_link *link)
 {
@@ -1073,22 +1089,12 @@ static __always_inline bool srv_no_target(const struct mw_link *link, __u32 cfg)
  * client reads that from the rule) or an undecided reader. */
 static __always_inline void srv_hint_set(const struct mw_link *link, const struct end_decision *d, __u32 cfg)
 {
-	struct mw_srv_hint hint = { .cfg = cfg & MW_CFG_HINT };
-	struct mw_srv_hint *h;
 	struct mw_srv_key k;
 
 	if (d->level == LV_NONE || (d->level == LV_SEND && d->reason == MW_EF_R_RULE))
 		return;
 	srv_key(&k, link);
-	h = bpf_map_lookup_elem(&mw_srv_hint, &k);
-	if (d->level == LV_FULL) {
-		if (h)
-			bpf_map_delete_elem(&mw_srv_hint, &k);
-		return;
-	}
-	hint.reason = d->reason;
-	if (!h || h->cfg != hint.cfg || h->reason != hint.reason)
-		bpf_map_update_elem(&mw_srv_hint, &k, &hint, BPF_ANY);
+	srv_hint_put(&k, d->level == LV_FULL ? 0 : d->reason, cfg);
 }
 
 /* The client end: creates the link (if it may be accelerated at all) and
@@ -1731,7 +1737,8 @@ static __always_inline bool batched(const struct mw_dir *d, struct tcp_sock *tp)
 /* The adaptive policy for one message of a direction that may be redirected
  * (mw_dir). Returns false when the message takes the TCP path. This end's
  * sk_msg (under its socket lock) decides its own mw_dir; the peer resets
- * `run` (a race that at worst delays one decision), and mw_unlink and
+ * `run` (a race that at worst delays one decision; mw_recv_len does, at this
+ * end's read, for a peer whose sends pass no sk_msg), and mw_unlink and
  * mw_park change flags too, so flags change only by atomic operations. */
 static __always_inline bool policy_allows(struct sk_msg_md *msg, struct mw_link *link, struct mw_sock_state *st,
 					  struct tcp_sock *tp, struct mw_rule_stats *rs)
@@ -2259,6 +2266,108 @@ int BPF_PROG(mw_sys_enter, struct pt_regs *regs, long id)
 }
 
 /* setsockopt() on a covered socket, before the kernel applies it. */
+/*
+ * connect() to a listener of the caller's own network namespace (a sidecar
+ * on loopback): whether that listener's accepted ends will be targets can be
+ * read from the listener now, before the client end joins a SOCKMAP at
+ * ESTABLISHED and before any connection of the listener was accepted, so the
+ * hint (mw_srv_hint) serves a listener's first client too: a connection
+ * pool opened at start-up would otherwise keep running sk_msg for nothing.
+ * What decide_end would say of an accepted end, as far as the listener
+ * shows it: SO_RCVLOWAT (inherited), and with the guard a reader that can
+ * splice where splice() misses redirected bytes. An owner not classified
+ * yet leaves the hint as it is; nothing else changes, and connect() always
+ * goes on.
+ */
+static __always_inline void connect_hint(struct bpf_sock_addr *ctx, struct bpf_sock *lsk, struct mw_srv_key *k)
+{
+	struct sock *s = bpf_core_cast(lsk, struct sock);
+	struct mw_sock_owner *o;
+	struct mw_exe_class *cls;
+	struct mw_exe *seen;
+	__u32 cfg = config_flags(), reason = 0, sflags = 0;
+
+	if (!s || lsk->state != BPF_TCP_LISTEN)
+		return;
+	k->netns = bpf_get_netns_cookie(ctx);
+	if (s->sk_rcvlowat > 1) {
+		reason = MW_EF_R_LOWAT;
+	} else if ((cfg & MW_CFG_GUARD) && (cfg & MW_CFG_SPLICE_BLIND)) {
+		o = bpf_sk_storage_get(&mw_sk_owner, lsk, 0, 0);
+		if (!o || !(o->flags & MW_OWN_KNOWN))
+			return;
+		cls = bpf_map_lookup_elem(&mw_exe_class, &o->exe);
+		if (!cls || !(cls->flags & MW_EXE_CLASSIFIED))
+			return;
+		seen = bpf_map_lookup_elem(&mw_exes, &o->exe);
+		if (seen)
+			sflags = seen->flags;
+		if ((sflags & MW_EXE_SEEN_SPLICE) ||
+		    ((cls->flags & (MW_EXE_SPLICE | MW_EXE_OPAQUE)) && !(cls->flags & MW_EXE_TRUSTED)))
+			reason = MW_EF_R_SPLICE;
+	} else if (cfg & MW_CFG_GUARD) {
+		return; /* the reader decides, at accept */
+	}
+	srv_hint_put(k, reason, cfg);
+}
+
+SEC("cgroup/connect4")
+int mw_connect4(struct bpf_sock_addr *ctx)
+{
+	struct bpf_sock_tuple tup = {};
+	struct mw_srv_key k = {};
+	struct bpf_sock *lsk;
+
+	if (ctx->type != SOCK_STREAM)
+		return 1;
+	tup.ipv4.daddr = ctx->user_ip4;
+	tup.ipv4.dport = (__u16)ctx->user_port;
+	lsk = bpf_sk_lookup_tcp(ctx, &tup, sizeof(tup.ipv4), BPF_F_CURRENT_NETNS, 0);
+	if (!lsk)
+		return 1;
+	k.family = MW_AF_INET;
+	k.ip[0] = tup.ipv4.daddr;
+	k.port = bpf_ntohs(tup.ipv4.dport);
+	connect_hint(ctx, lsk, &k);
+	bpf_sk_release(lsk);
+	return 1;
+}
+
+SEC("cgroup/connect6")
+int mw_connect6(struct bpf_sock_addr *ctx)
+{
+	struct bpf_sock_tuple tup = {};
+	struct mw_srv_key k = {};
+	struct bpf_sock *lsk;
+	__u32 a0 = ctx->user_ip6[0], a1 = ctx->user_ip6[1], a2 = ctx->user_ip6[2], a3 = ctx->user_ip6[3];
+
+	if (ctx->type != SOCK_STREAM)
+		return 1;
+	tup.ipv6.daddr[0] = a0;
+	tup.ipv6.daddr[1] = a1;
+	tup.ipv6.daddr[2] = a2;
+	tup.ipv6.daddr[3] = a3;
+	tup.ipv6.dport = (__u16)ctx->user_port;
+	lsk = bpf_sk_lookup_tcp(ctx, &tup, sizeof(tup.ipv6), BPF_F_CURRENT_NETNS, 0);
+	if (!lsk)
+		return 1;
+	/* The keys a dual-stack connection's ends build (load_tuple). */
+	if (a0 == 0 && a1 == 0 && a2 == bpf_htonl(0xffff)) {
+		k.family = MW_AF_INET;
+		k.ip[0] = a3;
+	} else {
+		k.family = MW_AF_INET6;
+		k.ip[0] = a0;
+		k.ip[1] = a1;
+		k.ip[2] = a2;
+		k.ip[3] = a3;
+	}
+	k.port = bpf_ntohs(tup.ipv6.dport);
+	connect_hint(ctx, lsk, &k);
+	bpf_sk_release(lsk);
+	return 1;
+}
+
 SEC("cgroup/setsockopt")
 int mw_setsockopt(struct bpf_sockopt *ctx)
 {
