@@ -267,6 +267,44 @@ fn answers_to_a_client_that_sends_on_tcp_stay_on_the_fast_path() -> Result<()> {
     Ok(())
 }
 
+/// The same server streams small Nagle writes to that client: it moves to
+/// TCP and leaves the SOCKMAP. The client's next request comes on TCP (it
+/// runs no sk_msg to ask for the server's relink), so the server's read of it
+/// asks: the server goes back, and its answers are redirected again once the
+/// client has read every TCP byte. Every byte checked.
+#[test]
+fn a_server_unlinked_by_its_stream_comes_back_when_a_tcp_client_asks_again() -> Result<()> {
+    let k = kernel_test!();
+    let net = NodeWithPods::new(2)?;
+    let addr = SocketAddr::new(net.pods[1].addr(false), 8231);
+    let l = net.pods[1].ns.listen(addr)?;
+    let pair = EndpointPair::new(net.pods[0].addr(false), addr.into())?
+        .with_mode(FastPathMode::Adaptive)
+        .never_redirect_into(meshwarp_core::NeverRedirectInto { client: false, server: true });
+    k.dp().insert(&pair, "test")?;
+    let (c, s) = connections(&net, &l, 8231, 1)?.remove(0);
+    let (mut up_w, mut up_r) = (Stream::new(73), Stream::new(73));
+    let (mut down_w, mut down_r) = (Stream::new(74), Stream::new(74));
+
+    stream_one_way(&s, &c, &mut down_w, &mut down_r, 1 << 20, 512)?;
+    let st = wait_counters(&k, &pair, "the streaming server end was unlinked", |c| c.unlinks == 1)?;
+    ensure!(st.demotions_coalesce == 1 && st.relinks == 0 && st.tgtmap_clients == 1, "{st:?}");
+
+    up_w.write(&c, 64, 64)?;
+    up_r.read(&s, 64)?;
+    let st = wait_counters(&k, &pair, "the server end was relinked", |c| c.relinks == 1)?;
+    for _ in 0..3 {
+        down_w.write(&s, 100, 100)?;
+        down_r.read(&c, 100)?;
+        up_w.write(&c, 100, 100)?;
+        up_r.read(&s, 100)?;
+    }
+    let after = k.dp().stats(&pair)?;
+    ensure!(after.promotions >= 1, "promoted after the relink: {after:?}");
+    ensure!(after.redirected_bytes >= st.redirected_bytes + 200, "answers redirected again: {after:?}");
+    Ok(())
+}
+
 /// Nagle on, 16 KiB writes (under MW_POLICY_BATCH, 32 KiB, so TCP would
 /// gather them into larger segments): a stream whose reader keeps up (here
 /// in lockstep) would wake it once per write on the fast path where TCP

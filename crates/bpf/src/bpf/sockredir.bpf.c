@@ -1997,6 +1997,21 @@ static __always_inline __u32 withdraw(struct mw_link *link, __u32 end, __u32 rea
 	return old;
 }
 
+/* This end read bytes its peer sent on TCP without passing the policy: the
+ * exchange is new. This end's run ends, and if the policy took it out of the
+ * SOCKMAP it goes back (the relink the peer's sk_msg asks for otherwise). */
+static __always_inline void answered_on_tcp(struct mw_link *link, struct mw_sock_state *st)
+{
+	__u32 end = st->end & 1;
+
+	if (link->dir[end].run)
+		link->dir[end].run = 0;
+	if ((link->dir[end].flags & (MW_DIR_UNLINKED | MW_DIR_RELINK_REQ)) == MW_DIR_UNLINKED &&
+	    !(__sync_fetch_and_or(&link->dir[end].flags, MW_DIR_RELINK_REQ) & MW_DIR_RELINK_REQ) &&
+	    !request_park(MW_EV_RELINK, link, st->link, end))
+		__sync_fetch_and_and(&link->dir[end].flags, ~MW_DIR_RELINK_REQ);
+}
+
 /* Every read of a covered socket: blocking or not, and by which executable. */
 SEC("tp_btf/sock_recv_length")
 int BPF_PROG(mw_recv_len, struct sock *sk, int ret, int flags)
@@ -2063,12 +2078,11 @@ int BPF_PROG(mw_recv_len, struct sock *sk, int ret, int flags)
 					link->dir[peer_dir].tcp_read = seq;
 					/* A peer whose messages never reach the policy
 					 * (no sk_msg in mw_tgtmap, or this end no
-					 * target) answered on TCP: this end's run ends
-					 * here, as the peer's sk_msg would have ended it. */
-					if (link->dir[st->end & 1].run &&
-					    ((link->end_flags[peer_dir] & MW_EF_TGTMAP) ||
-					     !(link->end_flags[st->end & 1] & MW_EF_TARGET)))
-						link->dir[st->end & 1].run = 0;
+					 * target) answered on TCP: what the peer's
+					 * sk_msg would do happens here. */
+					if ((link->end_flags[peer_dir] & MW_EF_TGTMAP) ||
+					    !(link->end_flags[st->end & 1] & MW_EF_TARGET))
+						answered_on_tcp(link, st);
 				}
 				st->rd_pub = seq;
 			}
