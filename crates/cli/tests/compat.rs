@@ -82,7 +82,7 @@ fn tools(names: &[&str]) -> bool {
 fn report(what: &str, counters: &[(&str, RuleCounters)]) {
     for (rule, c) in counters {
         eprintln!(
-            "[compat] {what}: {rule}: sockets {} redirected {} B ({} msgs); fallbacks: reader {} splice {} no_peer {} tcp_path {} collision {}; splice hits {}; readers woken {}",
+            "[compat] {what}: {rule}: sockets {} redirected {} B ({} msgs); fallbacks: reader {} splice {} no_peer {} tcp_path {} collision {}; splice hits {}; readers woken {}; clients without sk_msg {}",
             c.sockets,
             c.redirected_bytes,
             c.redirected_msgs,
@@ -92,7 +92,8 @@ fn report(what: &str, counters: &[(&str, RuleCounters)]) {
             c.fallback_tcp_path,
             c.fallback_collision,
             c.splice_hits,
-            c.reader_wakeups
+            c.reader_wakeups,
+            c.tgtmap_clients
         );
     }
 }
@@ -189,11 +190,14 @@ fn haproxy_inbound(splice: Splice) -> Result<()> {
     let t = Inbound::new(k)?;
     let cfg = haproxy_config(&t.dir, "inbound.cfg", t.front, t.app, splice)?;
     let _haproxy = Program::spawn(t.pod(), &["haproxy", "-db", "-f", &cfg])?;
-    let (_, inner) = t.run(&format!("haproxy inbound {splice:?}"), 1000)?;
+    let (outer, inner) = t.run(&format!("haproxy inbound {splice:?}"), 1000)?;
     ensure!(inner.splice_hits == 0, "haproxy spliced a socket holding redirected bytes: {inner:?}");
     // haproxy can splice: its sockets are never redirect targets, but what it
     // sends to the echo is.
     ensure!(inner.redirected_bytes > 0, "haproxy -> app was accelerated: {inner:?}");
+    // Its clients' sends can never be redirected: once haproxy has accepted
+    // one, the next ones run no sk_msg (mw_tgtmap).
+    ensure!(outer.tgtmap_clients > 0, "clients of haproxy skip sk_msg: {outer:?}");
     Ok(())
 }
 
@@ -274,6 +278,9 @@ fn haproxy_outbound(splice: Splice) -> Result<()> {
     report(&format!("haproxy outbound {splice:?}"), &[("capture", cst), ("pair", pst)]);
     ensure!(cst.splice_hits == 0 && pst.splice_hits == 0, "hits: {cst:?} {pst:?}");
     ensure!(cst.redirected_bytes > 0, "app -> haproxy was accelerated: {cst:?}");
+    // The app's sends into haproxy (never a target) run no sk_msg once
+    // haproxy has accepted one of its captured connections.
+    ensure!(cst.tgtmap_clients > 0, "the app's ends skip sk_msg: {cst:?}");
     Ok(())
 }
 
