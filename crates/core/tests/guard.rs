@@ -436,6 +436,20 @@ fn in_tgtmap(k: &KernelTest, c: &TcpStream, end: usize) -> Result<Link> {
     }
 }
 
+/// A connection from `ns` to `addr`, accepted by `l`, and the link its
+/// (accelerated) client end built.
+fn connect_linked(
+    k: &KernelTest,
+    ns: &NetNs,
+    l: &std::net::TcpListener,
+    addr: SocketAddr,
+) -> Result<(TcpStream, TcpStream, Link)> {
+    let (c, s) = (ns.connect(addr)?, accept_timeout(l, T)?);
+    let cv = k.dp().socket_link(socket_cookie_of(&c)?)?.context("client accelerated")?;
+    let link = k.dp().link(&cv)?.context("link")?;
+    Ok((c, s, link))
+}
+
 /// A controller may declare that one end must never be a redirect target
 /// (e.g. a proxy it configured to splice): what that end sends is still
 /// accelerated, what it receives comes on TCP. The client, whose sends can
@@ -499,12 +513,7 @@ fn clients_of_a_listener_that_is_no_target_skip_sk_msg() -> Result<()> {
     let (net, l, pair) = pods_pair(&k, 8092)?;
     set_int(&l, libc::SOL_SOCKET, libc::SO_RCVLOWAT, 100)?;
     let addr = SocketAddr::new(net.pods[1].addr(false), 8092);
-    let connect = || -> Result<(TcpStream, TcpStream, Link)> {
-        let (c, s) = (net.pods[0].ns.connect(addr)?, accept_timeout(&l, T)?);
-        let cv = k.dp().socket_link(socket_cookie_of(&c)?)?.context("client accelerated")?;
-        let link = k.dp().link(&cv)?.context("link")?;
-        Ok((c, s, link))
-    };
+    let connect = || connect_linked(&k, &net.pods[0].ns, &l, addr);
     // The first client cannot know yet: its sends run sk_msg, to no avail.
     let (c, s, link) = connect()?;
     ensure!(link.end_flags[END_CLIENT as usize] & EF_TGTMAP == 0, "no hint yet: {link:?}");
@@ -561,12 +570,7 @@ fn a_loopback_listener_that_is_no_target_hints_its_first_client() -> Result<()> 
     set_int(&l, libc::SOL_SOCKET, libc::SO_RCVLOWAT, 100)?;
     let pair = EndpointPair::new(addr.ip(), addr.into())?;
     k.dp().insert(&pair, "test")?;
-    let connect = || -> Result<(TcpStream, TcpStream, Link)> {
-        let (c, s) = (ns.connect(addr)?, accept_timeout(&l, T)?);
-        let cv = k.dp().socket_link(socket_cookie_of(&c)?)?.context("client accelerated")?;
-        let link = k.dp().link(&cv)?.context("link")?;
-        Ok((c, s, link))
-    };
+    let connect = || connect_linked(&k, &ns, &l, addr);
     let (c, s, link) = connect()?;
     ensure!(link.end_flags[END_CLIENT as usize] & EF_TGTMAP != 0, "the first client is hinted at connect: {link:?}");
     exchange(c, s, 81, 1 << 20, T)?;

@@ -77,12 +77,29 @@ impl Stream {
 }
 
 fn pods_pair(k: &KernelTest, port: u16, mode: FastPathMode) -> Result<(NodeWithPods, TcpListener, EndpointPair)> {
+    pods_pair_with(k, port, |p| p.with_mode(mode))
+}
+
+/// pod 0 -> pod 1's listener on `port`, the pair (as `rule` makes it) registered.
+fn pods_pair_with(
+    k: &KernelTest,
+    port: u16,
+    rule: impl FnOnce(EndpointPair) -> EndpointPair,
+) -> Result<(NodeWithPods, TcpListener, EndpointPair)> {
     let net = NodeWithPods::new(2)?;
     let addr = SocketAddr::new(net.pods[1].addr(false), port);
     let l = net.pods[1].ns.listen(addr)?;
-    let pair = EndpointPair::new(net.pods[0].addr(false), addr.into())?.with_mode(mode);
+    let pair = rule(EndpointPair::new(net.pods[0].addr(false), addr.into())?);
     k.dp().insert(&pair, "test")?;
     Ok((net, l, pair))
+}
+
+/// An adaptive pair whose server end is never a target (a splicing proxy).
+fn pods_pair_server_no_target(k: &KernelTest, port: u16) -> Result<(NodeWithPods, TcpListener, EndpointPair)> {
+    pods_pair_with(k, port, |p| {
+        p.with_mode(FastPathMode::Adaptive)
+            .never_redirect_into(meshwarp_core::NeverRedirectInto { client: false, server: true })
+    })
 }
 
 /// `n` connections from pod 0 to pod 1's listener `l` on `port`, Nagle on
@@ -244,13 +261,7 @@ fn pipelined_bursts_stay_on_the_fast_path() -> Result<()> {
 fn answers_to_a_client_that_sends_on_tcp_stay_on_the_fast_path() -> Result<()> {
     const N: u64 = 200;
     let k = kernel_test!();
-    let net = NodeWithPods::new(2)?;
-    let addr = SocketAddr::new(net.pods[1].addr(false), 8230);
-    let l = net.pods[1].ns.listen(addr)?;
-    let pair = EndpointPair::new(net.pods[0].addr(false), addr.into())?
-        .with_mode(FastPathMode::Adaptive)
-        .never_redirect_into(meshwarp_core::NeverRedirectInto { client: false, server: true });
-    k.dp().insert(&pair, "test")?;
+    let (net, l, pair) = pods_pair_server_no_target(&k, 8230)?;
     let (c, s) = connections(&net, &l, 8230, 1)?.remove(0);
     let (mut up_w, mut up_r) = (Stream::new(71), Stream::new(71));
     let (mut down_w, mut down_r) = (Stream::new(72), Stream::new(72));
@@ -275,13 +286,7 @@ fn answers_to_a_client_that_sends_on_tcp_stay_on_the_fast_path() -> Result<()> {
 #[test]
 fn a_server_unlinked_by_its_stream_comes_back_when_a_tcp_client_asks_again() -> Result<()> {
     let k = kernel_test!();
-    let net = NodeWithPods::new(2)?;
-    let addr = SocketAddr::new(net.pods[1].addr(false), 8231);
-    let l = net.pods[1].ns.listen(addr)?;
-    let pair = EndpointPair::new(net.pods[0].addr(false), addr.into())?
-        .with_mode(FastPathMode::Adaptive)
-        .never_redirect_into(meshwarp_core::NeverRedirectInto { client: false, server: true });
-    k.dp().insert(&pair, "test")?;
+    let (net, l, pair) = pods_pair_server_no_target(&k, 8231)?;
     let (c, s) = connections(&net, &l, 8231, 1)?.remove(0);
     let (mut up_w, mut up_r) = (Stream::new(73), Stream::new(73));
     let (mut down_w, mut down_r) = (Stream::new(74), Stream::new(74));

@@ -474,6 +474,17 @@ static __always_inline bool request_park(__u32 type, const struct mw_link *link,
 	return true;
 }
 
+/* Asks once for end `end` of link `id`, out of the SOCKMAP, to be put back
+ * (mw_park, MW_PARK_RELINK): its peer talked again. */
+static __always_inline void ask_relink(struct mw_link *link, __u64 id, __u32 end)
+{
+	end &= 1;
+	if ((link->dir[end].flags & (MW_DIR_UNLINKED | MW_DIR_RELINK_REQ)) == MW_DIR_UNLINKED &&
+	    !(__sync_fetch_and_or(&link->dir[end].flags, MW_DIR_RELINK_REQ) & MW_DIR_RELINK_REQ) &&
+	    !request_park(MW_EV_RELINK, link, id, end))
+		__sync_fetch_and_and(&link->dir[end].flags, ~MW_DIR_RELINK_REQ);
+}
+
 /* Asks user space, once per executable, to classify it. */
 static __always_inline void request_classify(const struct mw_exe_key *k, __u32 tgid)
 {
@@ -529,6 +540,13 @@ static __always_inline void stamp_owner(struct bpf_sock_ops *skops)
 	o->flags = MW_OWN_KNOWN;
 	if (!bpf_map_lookup_elem(&mw_exe_class, &k))
 		request_classify(&k, o->tgid);
+}
+
+/* Whether a reader of executable class `cls` (flags seen `sflags`) may
+ * splice: seen splicing, or able to (its ELF) and not trusted. */
+static __always_inline bool exe_may_splice(__u32 cls, __u32 sflags)
+{
+	return (sflags & MW_EXE_SEEN_SPLICE) || ((cls & (MW_EXE_SPLICE | MW_EXE_OPAQUE)) && !(cls & MW_EXE_TRUSTED));
 }
 
 /* How far one end may be accelerated. *why gets the mw_rule_stats reason
@@ -616,13 +634,9 @@ static __always_inline void decide_end(struct bpf_sock_ops *skops, struct tcp_so
 			return;
 		}
 	}
-	if (cfg & MW_CFG_SPLICE_BLIND) {
-		bool may_splice = (sflags & MW_EXE_SEEN_SPLICE) ||
-				  ((cls->flags & (MW_EXE_SPLICE | MW_EXE_OPAQUE)) && !trusted);
-		if (may_splice) {
-			target = false;
-			d->reason = MW_EF_R_SPLICE;
-		}
+	if ((cfg & MW_CFG_SPLICE_BLIND) && exe_may_splice(cls->flags, sflags)) {
+		target = false;
+		d->reason = MW_EF_R_SPLICE;
 	}
 	/* A sender whose own incoming bytes come on TCP: FIONREAD would miss
 	 * them. Without the syscall watch, FIONREAD readers are not known. */
@@ -1870,10 +1884,7 @@ static __always_inline int finish_msg(struct sk_msg_md *msg, struct bpf_sock *sk
 	/* The peer is leaving the SOCKMAP or out of it: this message is
 	 * its cue to come back (the other end talks again). */
 	if (*(volatile __u32 *)&link->end_flags[peer] & MW_EF_PARKED) {
-		if ((link->dir[peer].flags & (MW_DIR_UNLINKED | MW_DIR_RELINK_REQ)) == MW_DIR_UNLINKED &&
-		    !(__sync_fetch_and_or(&link->dir[peer].flags, MW_DIR_RELINK_REQ) & MW_DIR_RELINK_REQ) &&
-		    !request_park(MW_EV_RELINK, link, id, peer))
-			__sync_fetch_and_and(&link->dir[peer].flags, ~MW_DIR_RELINK_REQ);
+		ask_relink(link, id, peer);
 		if (rs)
 			rs->fb_no_peer++;
 		return SK_PASS;
@@ -2006,10 +2017,7 @@ static __always_inline void answered_on_tcp(struct mw_link *link, struct mw_sock
 
 	if (link->dir[end].run)
 		link->dir[end].run = 0;
-	if ((link->dir[end].flags & (MW_DIR_UNLINKED | MW_DIR_RELINK_REQ)) == MW_DIR_UNLINKED &&
-	    !(__sync_fetch_and_or(&link->dir[end].flags, MW_DIR_RELINK_REQ) & MW_DIR_RELINK_REQ) &&
-	    !request_park(MW_EV_RELINK, link, st->link, end))
-		__sync_fetch_and_and(&link->dir[end].flags, ~MW_DIR_RELINK_REQ);
+	ask_relink(link, st->link, end);
 }
 
 /* Every read of a covered socket: blocking or not, and by which executable. */
@@ -2293,7 +2301,7 @@ int BPF_PROG(mw_sys_enter, struct pt_regs *regs, long id)
  * yet leaves the hint as it is; nothing else changes, and connect() always
  * goes on.
  */
-static __always_inline void connect_hint(struct bpf_sock_addr *ctx, struct bpf_sock *lsk, struct mw_srv_key *k)
+static __always_inline void listener_hint(struct bpf_sock_addr *ctx, struct bpf_sock *lsk, struct mw_srv_key *k)
 {
 	struct sock *s = bpf_core_cast(lsk, struct sock);
 	struct mw_sock_owner *o;
@@ -2316,8 +2324,7 @@ static __always_inline void connect_hint(struct bpf_sock_addr *ctx, struct bpf_s
 		seen = bpf_map_lookup_elem(&mw_exes, &o->exe);
 		if (seen)
 			sflags = seen->flags;
-		if ((sflags & MW_EXE_SEEN_SPLICE) ||
-		    ((cls->flags & (MW_EXE_SPLICE | MW_EXE_OPAQUE)) && !(cls->flags & MW_EXE_TRUSTED)))
+		if (exe_may_splice(cls->flags, sflags))
 			reason = MW_EF_R_SPLICE;
 	} else if (cfg & MW_CFG_GUARD) {
 		return; /* the reader decides, at accept */
@@ -2325,25 +2332,33 @@ static __always_inline void connect_hint(struct bpf_sock_addr *ctx, struct bpf_s
 	srv_hint_put(k, reason, cfg);
 }
 
+/* The listener at `tup`'s destination in the caller's namespace, if any,
+ * gives the hint at `k` (its network namespace filled in here). */
+static __always_inline void connect_hint(struct bpf_sock_addr *ctx, struct bpf_sock_tuple *tup, __u32 len,
+					 struct mw_srv_key *k)
+{
+	struct bpf_sock *lsk = bpf_sk_lookup_tcp(ctx, tup, len, BPF_F_CURRENT_NETNS, 0);
+
+	if (!lsk)
+		return;
+	listener_hint(ctx, lsk, k);
+	bpf_sk_release(lsk);
+}
+
 SEC("cgroup/connect4")
 int mw_connect4(struct bpf_sock_addr *ctx)
 {
 	struct bpf_sock_tuple tup = {};
 	struct mw_srv_key k = {};
-	struct bpf_sock *lsk;
 
 	if (ctx->type != SOCK_STREAM)
 		return 1;
 	tup.ipv4.daddr = ctx->user_ip4;
 	tup.ipv4.dport = (__u16)ctx->user_port;
-	lsk = bpf_sk_lookup_tcp(ctx, &tup, sizeof(tup.ipv4), BPF_F_CURRENT_NETNS, 0);
-	if (!lsk)
-		return 1;
 	k.family = MW_AF_INET;
 	k.ip[0] = tup.ipv4.daddr;
 	k.port = bpf_ntohs(tup.ipv4.dport);
-	connect_hint(ctx, lsk, &k);
-	bpf_sk_release(lsk);
+	connect_hint(ctx, &tup, sizeof(tup.ipv4), &k);
 	return 1;
 }
 
@@ -2352,7 +2367,6 @@ int mw_connect6(struct bpf_sock_addr *ctx)
 {
 	struct bpf_sock_tuple tup = {};
 	struct mw_srv_key k = {};
-	struct bpf_sock *lsk;
 	__u32 a0 = ctx->user_ip6[0], a1 = ctx->user_ip6[1], a2 = ctx->user_ip6[2], a3 = ctx->user_ip6[3];
 
 	if (ctx->type != SOCK_STREAM)
@@ -2362,9 +2376,6 @@ int mw_connect6(struct bpf_sock_addr *ctx)
 	tup.ipv6.daddr[2] = a2;
 	tup.ipv6.daddr[3] = a3;
 	tup.ipv6.dport = (__u16)ctx->user_port;
-	lsk = bpf_sk_lookup_tcp(ctx, &tup, sizeof(tup.ipv6), BPF_F_CURRENT_NETNS, 0);
-	if (!lsk)
-		return 1;
 	/* The keys a dual-stack connection's ends build (load_tuple). */
 	if (a0 == 0 && a1 == 0 && a2 == bpf_htonl(0xffff)) {
 		k.family = MW_AF_INET;
@@ -2377,8 +2388,7 @@ int mw_connect6(struct bpf_sock_addr *ctx)
 		k.ip[3] = a3;
 	}
 	k.port = bpf_ntohs(tup.ipv6.dport);
-	connect_hint(ctx, lsk, &k);
-	bpf_sk_release(lsk);
+	connect_hint(ctx, &tup, sizeof(tup.ipv6), &k);
 	return 1;
 }
 
