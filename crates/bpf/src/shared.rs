@@ -48,6 +48,7 @@ pub const DIR_UNLINKED: u32 = 4;
 pub const DIR_RELINK_REQ: u32 = 8;
 pub const DIR_UNLINKING: u32 = 16;
 pub const DIR_RD_SHARED: u32 = 32;
+pub const DIR_MOVE: u32 = 64;
 /// `MW_EF_*` (`mw_link.end_flags`).
 pub const EF_PSOCK: u32 = 1;
 pub const EF_TARGET: u32 = 2;
@@ -122,6 +123,7 @@ pub const EV_UNLINK: u32 = 4;
 pub const EV_RELINK: u32 = 5;
 pub const EV_SLOT_STALE: u32 = 6;
 pub const EV_WAKE: u32 = 7;
+pub const EV_MOVE: u32 = 8;
 /// `MW_PARK_*` (`mw_park_req.op`).
 pub const PARK_RELINK: u32 = 2;
 pub const PARK_WAKE: u32 = 4;
@@ -831,6 +833,11 @@ mod tests {
             ("MW_DIR_RELINK_REQ", DIR_RELINK_REQ),
             ("MW_DIR_UNLINKING", DIR_UNLINKING),
             ("MW_DIR_RD_SHARED", DIR_RD_SHARED),
+            ("MW_DIR_MOVE", DIR_MOVE),
+            ("MW_EV_UNLINK", EV_UNLINK),
+            ("MW_EV_RELINK", EV_RELINK),
+            ("MW_EV_WAKE", EV_WAKE),
+            ("MW_EV_MOVE", EV_MOVE),
             ("MW_EF_TGTMAP", EF_TGTMAP),
             ("MW_CFG_GUARD", CFG_GUARD),
             ("MW_CFG_SYSCALL_WATCH", CFG_SYSCALL_WATCH),

@@ -16,6 +16,10 @@
 //! [`MAX_TRIES`] times. The same walk wakes readers (`MW_EV_WAKE`): a reader
 //! that asked FIONREAD with TCP bytes queued behind its psock, which this
 //! kernel's FIONREAD does not count (see `MW_EF_WAKE` in shared.h).
+//!
+//! Moving (`MW_EV_MOVE`, `MW_DIR_MOVE`): a client end whose server end turned
+//! out to be no target leaves `mw_sockmap` (`mw_unlink`) and joins `mw_tgtmap`
+//! (`mw_park`, once its psock is gone), where no sk_msg runs on its sends.
 
 use std::collections::BTreeMap;
 use std::os::fd::{AsFd, OwnedFd};
@@ -25,8 +29,9 @@ use std::time::{Duration, Instant};
 use libbpf_rs::ProgramHandle;
 use meshwarp_bpf::names;
 use meshwarp_bpf::shared::{
-    Event, Link, ParkReq, Pod, UnlinkCtx, DIR_UNLINKED, DIR_UNLINKING, DIR_UNLINK_REQ, EF_CLOSED, EF_GONE, EF_WAKE,
-    EV_RELINK, EV_UNLINK, EV_WAKE, PARK_BUSY, PARK_DONE, PARK_FAILED, PARK_MOOT, PARK_PENDING, PARK_RELINK, PARK_WAKE,
+    Event, Link, ParkReq, Pod, UnlinkCtx, DIR_MOVE, DIR_UNLINKED, DIR_UNLINKING, DIR_UNLINK_REQ, EF_CLOSED, EF_GONE,
+    EF_WAKE, EV_MOVE, EV_RELINK, EV_UNLINK, EV_WAKE, PARK_BUSY, PARK_DONE, PARK_FAILED, PARK_MOOT, PARK_PENDING,
+    PARK_RELINK, PARK_WAKE,
 };
 
 use crate::error::{BpfError, IoError};
@@ -113,8 +118,15 @@ impl Parker {
         };
         for (_, l) in links.into_iter().filter(|(_, l)| l.id != 0) {
             for end in 0..2 {
-                if l.dir[end].flags & (DIR_UNLINK_REQ | DIR_UNLINKED | DIR_UNLINKING) == DIR_UNLINK_REQ {
-                    self.unlink(l.cookie[end]);
+                let flags = l.dir[end].flags;
+                let (cookie, netns) = (l.cookie[end], l.netns[end]);
+                let mut moved_out = flags & (DIR_MOVE | DIR_UNLINKED | DIR_UNLINKING) == DIR_MOVE | DIR_UNLINKED;
+                if flags & (DIR_UNLINK_REQ | DIR_UNLINKED | DIR_UNLINKING) == DIR_UNLINK_REQ {
+                    moved_out = self.unlink(cookie) == Some(PARK_DONE) && flags & DIR_MOVE != 0;
+                }
+                // A move whose second half was never asked for.
+                if moved_out && !self.queue.iter().any(|r| r.cookie == cookie && r.op == PARK_RELINK) {
+                    self.queue.push(Request { op: PARK_RELINK, cookie, netns, tid: 0, tries: 0, due: Instant::now() });
                 }
                 // A wake-up asked while no process served: its reader may
                 // still wait, and its flag keeps it from asking again.
@@ -122,7 +134,6 @@ impl Parker {
                     && l.end_flags[end] & (EF_CLOSED | EF_GONE) == 0
                     && !self.queue.iter().any(|r| r.cookie == l.cookie[end] && r.op == PARK_WAKE)
                 {
-                    let (cookie, netns) = (l.cookie[end], l.netns[end]);
                     self.queue.push(Request { op: PARK_WAKE, cookie, netns, tid: 0, tries: 0, due: Instant::now() });
                 }
             }
@@ -136,6 +147,9 @@ impl Parker {
                 self.unlink(ev.cookie);
                 return true;
             }
+            // Out of mw_sockmap first; mw_park then puts it into mw_tgtmap.
+            EV_MOVE if self.unlink(ev.cookie) == Some(PARK_DONE) => PARK_RELINK,
+            EV_MOVE => return true,
             EV_RELINK => PARK_RELINK,
             EV_WAKE => PARK_WAKE,
             _ => return false,
@@ -146,16 +160,21 @@ impl Parker {
         true
     }
 
-    /// Deletes a parked, drained end's SOCKMAP entry (`mw_unlink`). If it
-    /// cannot run, the end stays parked in the map (its peer's bytes take
-    /// TCP) until a later rescan.
-    fn unlink(&mut self, cookie: u64) {
+    /// Deletes a parked, drained (or moving) end's `mw_sockmap` entry
+    /// (`mw_unlink`); its `MW_PARK_*` result, `None` if it could not run.
+    /// Then the end stays parked in the map (its peer's bytes take TCP)
+    /// until a later rescan.
+    fn unlink(&mut self, cookie: u64) -> Option<u32> {
         let ctx = UnlinkCtx::for_cookie(cookie);
         match crate::sys::test_run(self.unlink.as_fd(), ctx.as_bytes()) {
-            Ok(r) => tracing::debug!(cookie, "mw_unlink: {}", result_name(r)),
+            Ok(r) => {
+                tracing::debug!(cookie, "mw_unlink: {}", result_name(r));
+                Some(r)
+            }
             Err(e) => {
                 tracing::warn!(cookie, "mw_unlink could not run; the end stays parked until a rescan: {e}");
                 self.rescan_due = true;
+                None
             }
         }
     }

@@ -234,7 +234,7 @@ fn rcvlowat_mid_stream_withdraws_the_target_in_order() -> Result<()> {
 }
 
 /// SO_RCVLOWAT set on a listener is inherited: its connections are never
-/// redirect targets at that end.
+/// redirect targets at that end. Both ways stream at once from the accept.
 #[test]
 fn rcvlowat_on_the_listener_is_never_a_target() -> Result<()> {
     let k = kernel_test!();
@@ -244,8 +244,12 @@ fn rcvlowat_on_the_listener_is_never_a_target() -> Result<()> {
     let s = accept_timeout(&l, T)?;
     exchange(c, s, 5, 1 << 20, T)?;
     let st = k.dp().stats(&pair)?;
-    // Client -> server on TCP; server -> client still redirected.
-    ensure!(st.fallback_rcvlowat == 1 && st.redirected_bytes == 1 << 20, "{st:?}");
+    // Client -> server on TCP; server -> client still redirected, but for
+    // what the server sent while its client moved to mw_tgtmap (the first
+    // client of this listener: no hint at its connect). That went on TCP,
+    // and once the client read it, the rest was redirected again.
+    ensure!(st.fallback_rcvlowat == 1 && st.tgtmap_clients == 1, "{st:?}");
+    ensure!(st.redirected_bytes > 0 && st.redirected_bytes <= 1 << 20, "{st:?}");
     Ok(())
 }
 
@@ -514,12 +518,13 @@ fn clients_of_a_listener_that_is_no_target_skip_sk_msg() -> Result<()> {
     set_int(&l, libc::SOL_SOCKET, libc::SO_RCVLOWAT, 100)?;
     let addr = SocketAddr::new(net.pods[1].addr(false), 8092);
     let connect = || connect_linked(&k, &net.pods[0].ns, &l, addr);
-    // The first client cannot know yet: its sends run sk_msg, to no avail.
-    let (c, s, link) = connect()?;
-    ensure!(link.end_flags[END_CLIENT as usize] & EF_TGTMAP == 0, "no hint yet: {link:?}");
+    // The first client cannot know yet: it joins mw_sockmap, and moves to
+    // mw_tgtmap once its server end decided.
+    let (c, s, _) = connect()?;
+    until_client_in_tgtmap(&k, &c)?;
     exchange(c, s, 41, 64 << 10, T)?;
     let first = k.dp().stats(&pair)?;
-    ensure!(first.fallback_rcvlowat == 1 && first.fallback_no_peer > 0 && first.tgtmap_clients == 0, "{first:?}");
+    ensure!(first.fallback_rcvlowat == 1 && first.tgtmap_clients == 1, "{first:?}");
 
     let sizes = [1usize, 1000, 64 << 10, 4 << 20];
     for (i, len) in sizes.into_iter().enumerate() {
@@ -528,7 +533,7 @@ fn clients_of_a_listener_that_is_no_target_skip_sk_msg() -> Result<()> {
         exchange(c, s, 43 + 2 * i as u64, len, T)?;
     }
     let st = k.dp().stats(&pair)?;
-    ensure!(st.tgtmap_clients == sizes.len() as u64, "{st:?}");
+    ensure!(st.tgtmap_clients == sizes.len() as u64 + 1, "{st:?}");
     ensure!(st.fallback_no_peer == first.fallback_no_peer, "a hinted client's sends ran sk_msg: {st:?}");
     let down: usize = sizes.iter().sum();
     ensure!(st.redirected_bytes - first.redirected_bytes == down as u64, "server -> client redirected: {st:?}");
@@ -551,7 +556,131 @@ fn clients_of_a_listener_that_is_no_target_skip_sk_msg() -> Result<()> {
     exchange(c, s, 63, 256 << 10, T)?;
     let after = k.dp().stats(&pair)?;
     ensure!(after.redirected_bytes - stale.redirected_bytes == 512 << 10, "both ways redirected: {after:?}");
-    ensure!(after.tgtmap_clients == sizes.len() as u64 + 1, "{after:?}");
+    ensure!(after.tgtmap_clients == sizes.len() as u64 + 2, "{after:?}");
+    Ok(())
+}
+
+/// Waits until the client end of `c`'s link is in mw_tgtmap; its link then.
+fn until_client_in_tgtmap(k: &KernelTest, c: &TcpStream) -> Result<Link> {
+    let deadline = std::time::Instant::now() + T;
+    loop {
+        let cv = k.dp().socket_link(socket_cookie_of(c)?)?.context("client accelerated")?;
+        let link = k.dp().link(&cv)?.context("link")?;
+        if link.end_flags[END_CLIENT as usize] & EF_TGTMAP != 0 {
+            return Ok(link);
+        }
+        ensure!(std::time::Instant::now() < deadline, "the client end never moved to mw_tgtmap: {link:?}");
+        thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// A listener in pod 1 on `port` that is no target (SO_RCVLOWAT), and a
+/// rule from pod 0 to it.
+fn no_target_listener(k: &KernelTest, net: &NodeWithPods, port: u16) -> Result<(std::net::TcpListener, EndpointPair)> {
+    let addr = SocketAddr::new(net.pods[1].addr(false), port);
+    let l = net.pods[1].ns.listen(addr)?;
+    set_int(&l, libc::SOL_SOCKET, libc::SO_RCVLOWAT, 100)?;
+    let pair = EndpointPair::new(net.pods[0].addr(false), addr.into())?;
+    k.dp().insert(&pair, "test")?;
+    Ok((l, pair))
+}
+
+/// Byte `i` of the 64 B writer's stream below.
+fn writer_byte(i: u64) -> u8 {
+    (i ^ (i >> 8) ^ (i >> 16)) as u8
+}
+
+/// A listener in another namespace cannot be looked at from connect(), and
+/// its first client has no hint: it joins mw_sockmap. Its server end, no
+/// target (SO_RCVLOWAT), moves it to mw_tgtmap (MW_DIR_MOVE): out of
+/// mw_sockmap, then in once its psock is gone, so its sends stop running
+/// sk_msg. Checked with the client idle, streaming both ways at once from
+/// the accept (every byte checked, half-close), and writing 64 B messages
+/// without a pause (a thread in its send holds the psock across the delete).
+#[test]
+fn a_first_client_of_a_listener_that_is_no_target_moves_to_the_target_map() -> Result<()> {
+    let k = kernel_test!();
+    let net = NodeWithPods::new(2)?;
+    let (l, pair) = no_target_listener(&k, &net, 8095)?;
+    let addr = SocketAddr::new(net.pods[1].addr(false), 8095);
+    let (c, s, _) = connect_linked(&k, &net.pods[0].ns, &l, addr)?;
+    let moved = until_client_in_tgtmap(&k, &c)?;
+    ensure!(moved.end_flags[END_SERVER as usize] & EF_TARGET == 0, "{moved:?}");
+    let runs = k.dp().stats(&pair)?;
+    ensure!(runs.tgtmap_clients == 1 && runs.fallback_rcvlowat == 1, "moved, not hinted: {runs:?}");
+    exchange(c, s, 91, 1 << 20, T)?;
+    let st = k.dp().stats(&pair)?;
+    ensure!(st.fallback_no_peer == runs.fallback_no_peer, "a moved client's sends ran sk_msg: {st:?}");
+    ensure!(st.redirected_bytes == 1 << 20, "server -> client redirected after the move: {st:?}");
+
+    let (l, _) = no_target_listener(&k, &net, 8096)?;
+    let addr = SocketAddr::new(net.pods[1].addr(false), 8096);
+    let (c, s, _) = connect_linked(&k, &net.pods[0].ns, &l, addr)?;
+    exchange(c, s, 93, 4 << 20, T)?;
+
+    let (l, pair) = no_target_listener(&k, &net, 8097)?;
+    let addr = SocketAddr::new(net.pods[1].addr(false), 8097);
+    let c = net.pods[0].ns.connect(addr)?;
+    // Blocking sends (the guard looks only at how a socket is read).
+    c.set_nonblocking(false)?;
+    c.set_write_timeout(Some(T))?;
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    thread::scope(|sc| -> Result<()> {
+        // From the connect on: one large write, blocked until the server
+        // reads (its thread holds the client's psock across the delete, so
+        // the move waits for it), then 64 B messages without a pause.
+        let writer = sc.spawn(|| -> Result<u64> {
+            let mut w = &c;
+            let big: Vec<u8> = (0..8u64 << 20).map(writer_byte).collect();
+            std::io::Write::write_all(&mut w, &big)?;
+            let mut at = big.len() as u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let msg: [u8; 64] = std::array::from_fn(|i| writer_byte(at + i as u64));
+                write_all_ready(&mut w, &msg, Some(T))?;
+                at += 64;
+            }
+            w.shutdown(std::net::Shutdown::Write)?;
+            Ok(at)
+        });
+        let s = accept_timeout(&l, T);
+        thread::sleep(Duration::from_millis(50));
+        let s = match s {
+            Ok(s) => s,
+            Err(e) => {
+                stop.store(true, std::sync::atomic::Ordering::Relaxed);
+                return Err(e.into());
+            }
+        };
+        let reader = sc.spawn(move || -> Result<u64> {
+            let (mut r, mut buf, mut at) = (&s, vec![0u8; 64 << 10], 0u64);
+            loop {
+                let n = meshwarp_testbed::read_ready(&mut r, &mut buf, Some(T))?;
+                if n == 0 {
+                    return Ok(at);
+                }
+                for (i, b) in buf[..n].iter().enumerate() {
+                    ensure!(*b == writer_byte(at + i as u64), "wrong byte at {}", at + i as u64);
+                }
+                at += n as u64;
+            }
+        });
+        // The writer stops whatever happens, or the scope would wait for it.
+        let moved = (|| -> Result<_> {
+            until_client_in_tgtmap(&k, &c)?;
+            let before = k.dp().stats(&pair)?;
+            thread::sleep(Duration::from_millis(100));
+            Ok(before)
+        })();
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let sent = writer.join().expect("writer")?;
+        let got = reader.join().expect("reader")?;
+        let before = moved?;
+        ensure!(got == sent, "{got} of {sent} bytes arrived");
+        let after = k.dp().stats(&pair)?;
+        ensure!(after.tgtmap_clients == 1, "{after:?}");
+        ensure!(after.fallback_no_peer == before.fallback_no_peer, "sk_msg ran after the move: {after:?}");
+        Ok(())
+    })?;
     Ok(())
 }
 

@@ -183,6 +183,12 @@ struct mw_dir {
 /* The peer reads from several threads: its psock reads are not counted
  * (psock_read stays behind), so no reader-behind check for this direction. */
 #define MW_DIR_RD_SHARED 32u
+/* A client end whose server end turned out to be no target after it joined
+ * mw_sockmap (no hint at its connect): its sends can never be redirected, so
+ * it leaves mw_sockmap (mw_unlink) and joins mw_tgtmap once its psock is
+ * gone (mw_park), where no sk_msg runs on its sends. Parked meanwhile: its
+ * peer's bytes take TCP until it is in. */
+#define MW_DIR_MOVE 64u
 
 /* The policy: after MW_POLICY_COALESCE messages without a reply, a direction
  * whose sender lets TCP coalesce (Nagle or cork) and whose first
@@ -439,6 +445,7 @@ struct mw_config {
 #define MW_EV_RELINK 5       /* the peer of an unlinked end sent: put it back */
 #define MW_EV_SLOT_STALE 6   /* a link's slot waits for its SOCKMAP entries to empty */
 #define MW_EV_WAKE 7         /* wake the reader of a socket (MW_EF_WAKE) */
+#define MW_EV_MOVE 8         /* move a client end to mw_tgtmap (MW_DIR_MOVE): mw_unlink, then mw_park */
 
 /* A request to mw_park (iter/tcp) for one socket, keyed by its cookie in
  * mw_park_req: user space writes op, the iterator writes result. mw_unlink

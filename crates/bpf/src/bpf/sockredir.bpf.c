@@ -485,6 +485,27 @@ static __always_inline void ask_relink(struct mw_link *link, __u64 id, __u32 end
 		__sync_fetch_and_and(&link->dir[end].flags, ~MW_DIR_RELINK_REQ);
 }
 
+/* A park user space could not be asked to serve (the ring buffer full) is
+ * undone under MW_DIR_UNLINKING: a rescan's mw_unlink, which sees
+ * MW_DIR_UNLINK_REQ, could otherwise delete the entry between the two
+ * clears and leave the end out of the SOCKMAP but not parked, and its peer
+ * asks to put back only a parked end. If mw_unlink is at it, its outcome
+ * stands (it unparks on anything but a delete or a close). */
+static __always_inline void unpark_unserved(struct mw_link *link, __u32 end)
+{
+	__u32 old;
+
+	end &= 1;
+	old = __sync_fetch_and_or(&link->dir[end].flags, MW_DIR_UNLINKING);
+	if (old & MW_DIR_UNLINKING)
+		return;
+	if (!(old & MW_DIR_UNLINKED)) {
+		__sync_fetch_and_and(&link->dir[end].flags, ~MW_DIR_UNLINK_REQ);
+		__sync_fetch_and_and(&link->end_flags[end], ~MW_EF_PARKED);
+	}
+	__sync_fetch_and_and(&link->dir[end].flags, ~MW_DIR_UNLINKING);
+}
+
 /* Asks user space, once per executable, to classify it. */
 static __always_inline void request_classify(const struct mw_exe_key *k, __u32 tgid)
 {
@@ -1323,7 +1344,7 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 	struct mw_rule *rule;
 	__u32 old, client_flags, rule_flags, cfg, pos, slot = 0;
 	__u64 id, cookie;
-	bool to_server, to_client, tgtmap;
+	bool to_server, to_client, tgtmap, move;
 	long err;
 
 	id = ((__u64)skops->rcv_nxt << 32) | skops->snd_una;
@@ -1416,6 +1437,18 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 	pos = link->slot * 2 + MW_END_SERVER;
 	/* Nothing this end sends can be redirected: a target only. */
 	tgtmap = !to_client && no_msg_chain();
+	/* Nor can anything its client sends, which joined mw_sockmap before
+	 * this end decided (no hint at its connect: a listener's first client
+	 * from another namespace), and would run sk_msg on every send only to
+	 * hear that this end is no target. It moves to mw_tgtmap
+	 * (MW_DIR_MOVE), parked from now until it is in: nothing is redirected
+	 * into it meanwhile (this end's bytes take TCP), so its psock holds
+	 * nothing when its entry is deleted. */
+	move = to_client && !to_server && !(client_flags & MW_EF_TGTMAP) && no_msg_chain();
+	if (move) {
+		__sync_fetch_and_or(&link->end_flags[MW_END_CLIENT], MW_EF_PARKED);
+		__sync_fetch_and_or(&link->dir[MW_END_CLIENT].flags, MW_DIR_MOVE | MW_DIR_UNLINK_REQ);
+	}
 	err = bpf_sock_map_update(skops, tgtmap ? (void *)&mw_tgtmap : (void *)&mw_sockmap, &pos, BPF_NOEXIST);
 	if (err) {
 		count_insert_failure(rs, err);
@@ -1443,6 +1476,12 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 	if (rs)
 		rs->sockets++;
 	watch_close(skops);
+	if (move && !request_park(MW_EV_MOVE, link, id, MW_END_CLIENT)) {
+		/* Not asked (ring buffer full): it stays where it is, a target. */
+		unpark_unserved(link, MW_END_CLIENT);
+		if (!(link->dir[MW_END_CLIENT].flags & (MW_DIR_UNLINKED | MW_DIR_UNLINKING)))
+			__sync_fetch_and_and(&link->dir[MW_END_CLIENT].flags, ~MW_DIR_MOVE);
+	}
 }
 
 /* A socket closed: forget its cookie; the last end (or a client whose server
@@ -1647,27 +1686,6 @@ static __always_inline bool coalescing(struct tcp_sock *tp)
 	__u8 nonagle = BPF_CORE_READ_BITFIELD(tp, nonagle);
 
 	return !(nonagle & TCP_NAGLE_OFF) || (nonagle & TCP_NAGLE_CORK);
-}
-
-/* A park user space could not be asked to serve (the ring buffer full) is
- * undone under MW_DIR_UNLINKING: a rescan's mw_unlink, which sees
- * MW_DIR_UNLINK_REQ, could otherwise delete the entry between the two
- * clears and leave the end out of the SOCKMAP but not parked, and its peer
- * asks to put back only a parked end. If mw_unlink is at it, its outcome
- * stands (it unparks on anything but a delete or a close). */
-static __always_inline void unpark_unserved(struct mw_link *link, __u32 end)
-{
-	__u32 old;
-
-	end &= 1;
-	old = __sync_fetch_and_or(&link->dir[end].flags, MW_DIR_UNLINKING);
-	if (old & MW_DIR_UNLINKING)
-		return;
-	if (!(old & MW_DIR_UNLINKED)) {
-		__sync_fetch_and_and(&link->dir[end].flags, ~MW_DIR_UNLINK_REQ);
-		__sync_fetch_and_and(&link->end_flags[end], ~MW_EF_PARKED);
-	}
-	__sync_fetch_and_and(&link->dir[end].flags, ~MW_DIR_UNLINKING);
 }
 
 /*
@@ -2462,11 +2480,11 @@ int mw_destroy(struct bpf_iter__tcp *ctx)
 }
 
 /* An unlink that cannot happen: the end is a target again and counts a new
- * run before it asks again. */
+ * run before it asks again (a move stays in mw_sockmap). */
 static __always_inline void unpark(struct mw_link *link, __u32 end)
 {
 	link->dir[end & 1].run = 0;
-	__sync_fetch_and_and(&link->dir[end & 1].flags, ~MW_DIR_UNLINK_REQ);
+	__sync_fetch_and_and(&link->dir[end & 1].flags, ~(MW_DIR_UNLINK_REQ | MW_DIR_MOVE));
 	__sync_fetch_and_and(&link->end_flags[end & 1], ~MW_EF_PARKED);
 }
 
@@ -2475,7 +2493,8 @@ static __always_inline void unpark(struct mw_link *link, __u32 end)
  * with BPF_PROG_TEST_RUN, the socket's cookie in cb[0] (low) and cb[1]
  * (high); it is never attached. The end's own sk_msg parked it and found it
  * drained (park_self), so nothing redirected can reach its psock while it
- * stays parked. MW_DIR_UNLINKING first: from then on its slot cannot be
+ * stays parked (or its server end parked it for a move, MW_DIR_MOVE, before
+ * anything could be redirected into it). MW_DIR_UNLINKING first: from then on its slot cannot be
  * freed (end_out), so the entry at 2 * slot + end stays this socket's while
  * the link still names it (cookie, slot owner) and it has not closed.
  * Returns MW_PARK_*.
@@ -2515,7 +2534,7 @@ int mw_unlink(struct __sk_buff *skb)
 		/* Closing: its close takes the entry out. */
 		__sync_fetch_and_and(&link->dir[end].flags, ~MW_DIR_UNLINK_REQ);
 		res = MW_PARK_MOOT;
-	} else if (!(old & MW_DIR_TCP) || !(link->end_flags[end] & MW_EF_PARKED)) {
+	} else if (!(old & (MW_DIR_TCP | MW_DIR_MOVE)) || !(link->end_flags[end] & MW_EF_PARKED)) {
 		/* Promoted meanwhile: it stays, a target again. */
 		unpark(link, end);
 		res = MW_PARK_MOOT;
@@ -2527,7 +2546,7 @@ int mw_unlink(struct __sk_buff *skb)
 		__sync_fetch_and_or(&link->dir[end].flags, MW_DIR_UNLINKED);
 		__sync_fetch_and_and(&link->dir[end].flags, ~MW_DIR_UNLINK_REQ);
 		rs = rule_stats(link->rule_id);
-		if (rs)
+		if (rs && !(old & MW_DIR_MOVE))
 			rs->unlinks++;
 		res = MW_PARK_DONE;
 	}
@@ -2556,10 +2575,49 @@ static __always_inline __u32 wake_reader(struct tcp_sock *tp, struct mw_link *li
 }
 
 /*
+ * The second half of a move (MW_DIR_MOVE): a client end out of mw_sockmap
+ * joins mw_tgtmap. Only once its psock is gone: a thread in its send holds
+ * it across the delete (sk_psock_get comes before lock_sock in
+ * tcp_bpf_sendmsg), and an insert would keep that psock, sk_msg and all.
+ * Until then it stays out and parked (plain TCP both ways); the retry, or
+ * its peer's next send, asks again.
+ */
+static __always_inline __u32 move_in(struct tcp_sock *tp, struct mw_sock_state *st, struct mw_link *link, __u32 end,
+				     __u32 pos)
+{
+	struct mw_rule_stats *rs;
+
+	end &= 1;
+	if (!(link->end_flags[end] & MW_EF_TARGET)) {
+		/* Withdrawn meanwhile (its reader spliced, ...): it stays out. */
+		__sync_fetch_and_and(&link->dir[end].flags, ~MW_DIR_MOVE);
+		return MW_PARK_MOOT;
+	}
+	if ((unsigned long)tp->inet_conn.icsk_inet.sk.sk_user_data & ~SK_USER_DATA_FLAGS) {
+		__sync_fetch_and_and(&link->dir[end].flags, ~MW_DIR_RELINK_REQ);
+		return MW_PARK_BUSY;
+	}
+	if (bpf_map_update_elem(&mw_tgtmap, &pos, (struct sock *)tp, BPF_NOEXIST))
+		return MW_PARK_FAILED;
+	/* Where its peer redirects to, before it is unparked. */
+	__sync_fetch_and_or(&link->end_flags[end], MW_EF_TGTMAP);
+	st->flags |= MW_SOCK_TGTMAP;
+	__sync_fetch_and_and(&link->dir[end].flags,
+			     ~(MW_DIR_UNLINKED | MW_DIR_RELINK_REQ | MW_DIR_UNLINK_REQ | MW_DIR_MOVE));
+	link->dir[end].run = 0;
+	__sync_fetch_and_and(&link->end_flags[end], ~MW_EF_PARKED);
+	rs = rule_stats(link->rule_id);
+	if (rs)
+		rs->tgtmap_clients++;
+	return MW_PARK_DONE;
+}
+
+/*
  * Puts an unlinked end back into the SOCKMAP (mw_park_req, MW_PARK_RELINK):
- * its peer sent, so a new exchange may start. Inserting a socket needs the
- * socket: an iterator in its network namespace has it, under its lock.
- * Wakes a socket's reader (MW_PARK_WAKE) the same way.
+ * its peer sent, so a new exchange may start; or a moving client end into
+ * mw_tgtmap (move_in). Inserting a socket needs the socket: an iterator in
+ * its network namespace has it, under its lock. Wakes a socket's reader
+ * (MW_PARK_WAKE) the same way.
  */
 SEC("iter/tcp")
 int mw_park(struct bpf_iter__tcp *ctx)
@@ -2606,6 +2664,10 @@ int mw_park(struct bpf_iter__tcp *ctx)
 	}
 	/* On failure MW_DIR_RELINK_REQ stays: it is not asked again. */
 	pos = link->slot * 2 + end;
+	if (link->dir[end].flags & MW_DIR_MOVE) {
+		req->result = move_in(tp, st, link, end, pos);
+		return 0;
+	}
 	if (bpf_map_update_elem(&mw_sockmap, &pos, (struct sock *)tp, BPF_NOEXIST)) {
 		req->result = MW_PARK_FAILED;
 		return 0;
