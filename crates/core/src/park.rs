@@ -29,9 +29,9 @@ use std::time::{Duration, Instant};
 use libbpf_rs::ProgramHandle;
 use meshwarp_bpf::names;
 use meshwarp_bpf::shared::{
-    Event, Link, ParkReq, Pod, UnlinkCtx, DIR_MOVE, DIR_UNLINKED, DIR_UNLINKING, DIR_UNLINK_REQ, EF_CLOSED, EF_GONE,
-    EF_WAKE, EV_MOVE, EV_RELINK, EV_UNLINK, EV_WAKE, PARK_BUSY, PARK_DONE, PARK_FAILED, PARK_MOOT, PARK_PENDING,
-    PARK_RELINK, PARK_WAKE,
+    Event, Link, ParkReq, Pod, UnlinkCtx, DIR_MOVE, DIR_RELINK_REQ, DIR_UNLINKED, DIR_UNLINKING, DIR_UNLINK_REQ,
+    EF_CLOSED, EF_GONE, EF_WAKE, EV_MOVE, EV_RELINK, EV_UNLINK, EV_WAKE, PARK_BUSY, PARK_DONE, PARK_FAILED, PARK_MOOT,
+    PARK_PENDING, PARK_RELINK, PARK_WAKE,
 };
 
 use crate::error::{BpfError, IoError};
@@ -120,7 +120,11 @@ impl Parker {
             for end in 0..2 {
                 let flags = l.dir[end].flags;
                 let (cookie, netns) = (l.cookie[end], l.netns[end]);
-                let mut moved_out = flags & (DIR_MOVE | DIR_UNLINKED | DIR_UNLINKING) == DIR_MOVE | DIR_UNLINKED;
+                // Out of mw_sockmap, not in mw_tgtmap, nobody asked (a withdrawn
+                // end keeps DIR_RELINK_REQ: it stays out), and still open.
+                let mut moved_out = flags & (DIR_MOVE | DIR_UNLINKED | DIR_UNLINKING | DIR_RELINK_REQ)
+                    == DIR_MOVE | DIR_UNLINKED
+                    && l.end_flags[end] & (EF_CLOSED | EF_GONE) == 0;
                 if flags & (DIR_UNLINK_REQ | DIR_UNLINKED | DIR_UNLINKING) == DIR_UNLINK_REQ {
                     moved_out = self.unlink(cookie) == Some(PARK_DONE) && flags & DIR_MOVE != 0;
                 }

@@ -1443,18 +1443,24 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 	 * hear that this end is no target. It moves to mw_tgtmap
 	 * (MW_DIR_MOVE), parked from now until it is in: nothing is redirected
 	 * into it meanwhile (this end's bytes take TCP), so its psock holds
-	 * nothing when its entry is deleted. */
-	move = to_client && !to_server && !(client_flags & MW_EF_TGTMAP) && no_msg_chain();
-	if (move) {
-		__sync_fetch_and_or(&link->end_flags[MW_END_CLIENT], MW_EF_PARKED);
-		__sync_fetch_and_or(&link->dir[MW_END_CLIENT].flags, MW_DIR_MOVE | MW_DIR_UNLINK_REQ);
-	}
+	 * nothing when its entry is deleted. Not a FIONREAD reader: TCP bytes
+	 * behind its psock would each need a wake-up (MW_EF_WAKE), as
+	 * park_self has it. */
+	move = to_client && !to_server && !(client_flags & (MW_EF_TGTMAP | MW_EF_FIONREAD)) && no_msg_chain();
 	err = bpf_sock_map_update(skops, tgtmap ? (void *)&mw_tgtmap : (void *)&mw_sockmap, &pos, BPF_NOEXIST);
 	if (err) {
 		count_insert_failure(rs, err);
 		st->fb = MW_FB_INSERT;
 		release_client(id, link);
 		return;
+	}
+	/* Parked before this end is published, and after its insert could
+	 * fail (release_client frees the slot without MW_DIR_UNLINKING). This
+	 * end's own sends, which could redirect into the client, come only
+	 * after its accept. */
+	if (move) {
+		__sync_fetch_and_or(&link->end_flags[MW_END_CLIENT], MW_EF_PARKED);
+		__sync_fetch_and_or(&link->dir[MW_END_CLIENT].flags, MW_DIR_MOVE | MW_DIR_UNLINK_REQ);
 	}
 	cookie = bpf_get_socket_cookie(skops);
 	cv.link = id;
@@ -2589,8 +2595,11 @@ static __always_inline __u32 move_in(struct tcp_sock *tp, struct mw_sock_state *
 
 	end &= 1;
 	if (!(link->end_flags[end] & MW_EF_TARGET)) {
-		/* Withdrawn meanwhile (its reader spliced, ...): it stays out. */
-		__sync_fetch_and_and(&link->dir[end].flags, ~MW_DIR_MOVE);
+		/* Withdrawn meanwhile (its reader spliced, ...): nothing either
+		 * end sends can be redirected, so it stays out, plain TCP, for
+		 * good. MW_DIR_RELINK_REQ stays set: never asked again (the
+		 * plain relink would put it back into mw_sockmap). */
+		__sync_fetch_and_or(&link->dir[end].flags, MW_DIR_RELINK_REQ);
 		return MW_PARK_MOOT;
 	}
 	if ((unsigned long)tp->inet_conn.icsk_inet.sk.sk_user_data & ~SK_USER_DATA_FLAGS) {
