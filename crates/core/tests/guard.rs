@@ -522,7 +522,7 @@ fn clients_of_a_listener_that_is_no_target_skip_sk_msg() -> Result<()> {
     // The first client cannot know yet: it joins mw_sockmap, and moves to
     // mw_tgtmap once its server end decided.
     let (c, s, _) = connect()?;
-    until_client_in_tgtmap(&k, &c)?;
+    in_tgtmap(&k, &c, END_CLIENT as usize)?;
     exchange(c, s, 41, 64 << 10, T)?;
     let first = k.dp().stats(&pair)?;
     ensure!(first.fallback_rcvlowat == 1 && first.tgtmap_clients == 1, "{first:?}");
@@ -561,20 +561,6 @@ fn clients_of_a_listener_that_is_no_target_skip_sk_msg() -> Result<()> {
     Ok(())
 }
 
-/// Waits until the client end of `c`'s link is in mw_tgtmap; its link then.
-fn until_client_in_tgtmap(k: &KernelTest, c: &TcpStream) -> Result<Link> {
-    let deadline = std::time::Instant::now() + T;
-    loop {
-        let cv = k.dp().socket_link(socket_cookie_of(c)?)?.context("client accelerated")?;
-        let link = k.dp().link(&cv)?.context("link")?;
-        if link.end_flags[END_CLIENT as usize] & EF_TGTMAP != 0 {
-            return Ok(link);
-        }
-        ensure!(std::time::Instant::now() < deadline, "the client end never moved to mw_tgtmap: {link:?}");
-        thread::sleep(Duration::from_millis(1));
-    }
-}
-
 /// A listener in pod 1 on `port` that is no target (SO_RCVLOWAT), and a
 /// rule from pod 0 to it.
 fn no_target_listener(k: &KernelTest, net: &NodeWithPods, port: u16) -> Result<(std::net::TcpListener, EndpointPair)> {
@@ -605,7 +591,7 @@ fn a_first_client_of_a_listener_that_is_no_target_moves_to_the_target_map() -> R
     let (l, pair) = no_target_listener(&k, &net, 8095)?;
     let addr = SocketAddr::new(net.pods[1].addr(false), 8095);
     let (c, s, _) = connect_linked(&k, &net.pods[0].ns, &l, addr)?;
-    let moved = until_client_in_tgtmap(&k, &c)?;
+    let moved = in_tgtmap(&k, &c, END_CLIENT as usize)?;
     ensure!(moved.end_flags[END_SERVER as usize] & EF_TARGET == 0, "{moved:?}");
     let runs = k.dp().stats(&pair)?;
     ensure!(runs.tgtmap_clients == 1 && runs.fallback_rcvlowat == 1, "moved, not hinted: {runs:?}");
@@ -667,7 +653,7 @@ fn a_first_client_of_a_listener_that_is_no_target_moves_to_the_target_map() -> R
         });
         // The writer stops whatever happens, or the scope would wait for it.
         let moved = (|| -> Result<_> {
-            until_client_in_tgtmap(&k, &c)?;
+            in_tgtmap(&k, &c, END_CLIENT as usize)?;
             let before = k.dp().stats(&pair)?;
             thread::sleep(Duration::from_millis(100));
             Ok(before)

@@ -490,7 +490,8 @@ static __always_inline void ask_relink(struct mw_link *link, __u64 id, __u32 end
  * MW_DIR_UNLINK_REQ, could otherwise delete the entry between the two
  * clears and leave the end out of the SOCKMAP but not parked, and its peer
  * asks to put back only a parked end. If mw_unlink is at it, its outcome
- * stands (it unparks on anything but a delete or a close). */
+ * stands (it unparks on anything but a delete or a close; after a delete, a
+ * move, MW_DIR_MOVE, goes on). */
 static __always_inline void unpark_unserved(struct mw_link *link, __u32 end)
 {
 	__u32 old;
@@ -500,7 +501,7 @@ static __always_inline void unpark_unserved(struct mw_link *link, __u32 end)
 	if (old & MW_DIR_UNLINKING)
 		return;
 	if (!(old & MW_DIR_UNLINKED)) {
-		__sync_fetch_and_and(&link->dir[end].flags, ~MW_DIR_UNLINK_REQ);
+		__sync_fetch_and_and(&link->dir[end].flags, ~(MW_DIR_UNLINK_REQ | MW_DIR_MOVE));
 		__sync_fetch_and_and(&link->end_flags[end], ~MW_EF_PARKED);
 	}
 	__sync_fetch_and_and(&link->dir[end].flags, ~MW_DIR_UNLINKING);
@@ -1482,12 +1483,9 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 	if (rs)
 		rs->sockets++;
 	watch_close(skops);
-	if (move && !request_park(MW_EV_MOVE, link, id, MW_END_CLIENT)) {
-		/* Not asked (ring buffer full): it stays where it is, a target. */
+	/* Not asked (ring buffer full): it stays where it is, a target. */
+	if (move && !request_park(MW_EV_MOVE, link, id, MW_END_CLIENT))
 		unpark_unserved(link, MW_END_CLIENT);
-		if (!(link->dir[MW_END_CLIENT].flags & (MW_DIR_UNLINKED | MW_DIR_UNLINKING)))
-			__sync_fetch_and_and(&link->dir[MW_END_CLIENT].flags, ~MW_DIR_MOVE);
-	}
 }
 
 /* A socket closed: forget its cookie; the last end (or a client whose server
@@ -2580,6 +2578,17 @@ static __always_inline __u32 wake_reader(struct tcp_sock *tp, struct mw_link *li
 	return MW_PARK_DONE;
 }
 
+/* An end back in a SOCKMAP (relinked, or moved into mw_tgtmap): no request
+ * pending, a new run, and its peer may redirect into it again. */
+static __always_inline void rejoined(struct mw_link *link, __u32 end)
+{
+	end &= 1;
+	__sync_fetch_and_and(&link->dir[end].flags,
+			     ~(MW_DIR_UNLINKED | MW_DIR_RELINK_REQ | MW_DIR_UNLINK_REQ | MW_DIR_MOVE));
+	link->dir[end].run = 0;
+	__sync_fetch_and_and(&link->end_flags[end], ~MW_EF_PARKED);
+}
+
 /*
  * The second half of a move (MW_DIR_MOVE): a client end out of mw_sockmap
  * joins mw_tgtmap. Only once its psock is gone: a thread in its send holds
@@ -2611,10 +2620,7 @@ static __always_inline __u32 move_in(struct tcp_sock *tp, struct mw_sock_state *
 	/* Where its peer redirects to, before it is unparked. */
 	__sync_fetch_and_or(&link->end_flags[end], MW_EF_TGTMAP);
 	st->flags |= MW_SOCK_TGTMAP;
-	__sync_fetch_and_and(&link->dir[end].flags,
-			     ~(MW_DIR_UNLINKED | MW_DIR_RELINK_REQ | MW_DIR_UNLINK_REQ | MW_DIR_MOVE));
-	link->dir[end].run = 0;
-	__sync_fetch_and_and(&link->end_flags[end], ~MW_EF_PARKED);
+	rejoined(link, end);
 	rs = rule_stats(link->rule_id);
 	if (rs)
 		rs->tgtmap_clients++;
@@ -2681,9 +2687,7 @@ int mw_park(struct bpf_iter__tcp *ctx)
 		req->result = MW_PARK_FAILED;
 		return 0;
 	}
-	__sync_fetch_and_and(&link->dir[end].flags, ~(MW_DIR_UNLINKED | MW_DIR_RELINK_REQ | MW_DIR_UNLINK_REQ));
-	link->dir[end].run = 0;
-	__sync_fetch_and_and(&link->end_flags[end], ~MW_EF_PARKED);
+	rejoined(link, end);
 	rs = rule_stats(link->rule_id);
 	if (rs)
 		rs->relinks++;
