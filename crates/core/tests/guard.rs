@@ -3,7 +3,8 @@
 //! namespaces, forced identical connection ids, SO_RCVLOWAT, ULPs (kTLS),
 //! programs the guard has not seen read yet, what the kernel does without
 //! the guard, and ends whose own sends can never be redirected (no sk_msg on
-//! them: `mw_tgtmap`).
+//! them: `mw_tgtmap`), and the races of a client's move there, made to happen
+//! by holding the guard thread still (`HeldThread`).
 //!
 //! Each test fails (never skips) when CI=true and BPF is refused.
 
@@ -16,12 +17,14 @@ use std::thread;
 use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
-use meshwarp_bpf::shared::{Link, EF_TARGET, EF_TGTMAP, END_CLIENT, END_SERVER, LINK_POISONED};
+use meshwarp_bpf::shared::{
+    Link, DIR_MOVE, DIR_RELINK_REQ, DIR_UNLINKED, EF_TARGET, EF_TGTMAP, END_CLIENT, END_SERVER, LINK_POISONED,
+};
 use meshwarp_core::sys::socket_cookie_of;
 use meshwarp_core::{CaptureRule, Endpoint, EndpointPair, FastPathMode, GuardMode};
 use meshwarp_testbed::{
     accept_timeout, exchange, read_exact_ready, recv_pattern, redirect_output, send_pattern, wait_ready,
-    write_all_ready, CaptureProxy, KernelTest, NetNs, NodeWithPods, SERVICE_V4,
+    write_all_ready, CaptureProxy, HeldThread, KernelTest, NetNs, NodeWithPods, SERVICE_V4,
 };
 
 const T: Duration = Duration::from_secs(60);
@@ -668,6 +671,147 @@ fn a_first_client_of_a_listener_that_is_no_target_moves_to_the_target_map() -> R
         ensure!(after.fallback_no_peer == before.fallback_no_peer, "sk_msg ran after the move: {after:?}");
         Ok(())
     })?;
+    Ok(())
+}
+
+/// A client that is inside a send when it moves: that send holds its psock
+/// across the mw_sockmap delete, and a re-insert then would keep the old
+/// psock and its sk_msg, so mw_park answers BUSY until the send returns. The
+/// guard thread is held (ptrace) from the connect until the client's 8 MiB
+/// blocking write sits in the kernel, the server not reading; let go, it
+/// unlinks the client and does not move it in while the write is blocked.
+/// Once the server reads, the send returns, the client moves, and its 64 B
+/// messages after that run no sk_msg. Every byte checked.
+#[test]
+fn a_client_inside_a_send_moves_once_that_send_returned() -> Result<()> {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let k = kernel_test!();
+    let net = NodeWithPods::new(2)?;
+    let (l, pair) = no_target_listener(&k, &net, 8098)?;
+    let addr = SocketAddr::new(net.pods[1].addr(false), 8098);
+    let mut held = Some(HeldThread::named("meshwarp-guard")?);
+    let c = net.pods[0].ns.connect(addr)?;
+    c.set_nonblocking(false)?;
+    c.set_write_timeout(Some(T))?;
+    let s = accept_timeout(&l, T)?;
+    let cv = k.dp().socket_link(socket_cookie_of(&c)?)?.context("client accelerated")?;
+    let (stop, reading) = (AtomicBool::new(false), AtomicBool::new(false));
+    thread::scope(|sc| -> Result<()> {
+        let writer = sc.spawn(|| -> Result<u64> {
+            let mut w = &c;
+            let big: Vec<u8> = (0..8u64 << 20).map(writer_byte).collect();
+            std::io::Write::write_all(&mut w, &big)?;
+            let mut at = big.len() as u64;
+            while !stop.load(Ordering::Relaxed) {
+                let msg: [u8; 64] = std::array::from_fn(|i| writer_byte(at + i as u64));
+                write_all_ready(&mut w, &msg, Some(T))?;
+                at += 64;
+            }
+            w.shutdown(std::net::Shutdown::Write)?;
+            Ok(at)
+        });
+        let reader = sc.spawn(|| -> Result<u64> {
+            while !reading.load(Ordering::Relaxed) {
+                thread::sleep(Duration::from_millis(1));
+            }
+            let (mut r, mut buf, mut at) = (&s, vec![0u8; 64 << 10], 0u64);
+            loop {
+                let n = meshwarp_testbed::read_ready(&mut r, &mut buf, Some(T))?;
+                if n == 0 {
+                    return Ok(at);
+                }
+                for (i, b) in buf[..n].iter().enumerate() {
+                    ensure!(*b == writer_byte(at + i as u64), "wrong byte at {}", at + i as u64);
+                }
+                at += n as u64;
+            }
+        });
+        // The threads stop whatever happens, or the scope would wait for them.
+        let checked = (|| -> Result<meshwarp_core::RuleCounters> {
+            thread::sleep(Duration::from_millis(200));
+            ensure!(!writer.is_finished(), "the 8 MiB write returned before the server read");
+            held = None;
+            thread::sleep(Duration::from_millis(150));
+            let link = k.dp().link(&cv)?.context("link")?;
+            ensure!(
+                link.end_flags[END_CLIENT as usize] & EF_TGTMAP == 0 && !writer.is_finished(),
+                "moved while its send held the psock: {link:?}"
+            );
+            let moving = DIR_MOVE | DIR_UNLINKED;
+            ensure!(
+                link.dir[END_CLIENT as usize].flags & moving == moving,
+                "the client is out of mw_sockmap, moving: {link:?}"
+            );
+            reading.store(true, Ordering::Relaxed);
+            in_tgtmap(&k, &c, END_CLIENT as usize)?;
+            let before = k.dp().stats(&pair)?;
+            thread::sleep(Duration::from_millis(100));
+            Ok(before)
+        })();
+        drop(held.take());
+        reading.store(true, Ordering::Relaxed);
+        stop.store(true, Ordering::Relaxed);
+        let sent = writer.join().expect("writer")?;
+        let got = reader.join().expect("reader")?;
+        let before = checked?;
+        ensure!(got == sent, "{got} of {sent} bytes arrived");
+        let after = k.dp().stats(&pair)?;
+        ensure!(after.tgtmap_clients == 1, "{after:?}");
+        ensure!(after.fallback_no_peer == before.fallback_no_peer, "sk_msg ran after the move: {after:?}");
+        Ok(())
+    })
+}
+
+/// A client withdrawn as a target while it moves (here SO_RCVLOWAT, set
+/// while the guard thread is held, before the guard serves the move) stays
+/// out of both maps, plain TCP, for good: not into mw_tgtmap (it is no
+/// target any more), and not back into mw_sockmap, where its sends would run
+/// sk_msg for nothing. Every byte both ways, one way after the other.
+#[test]
+fn a_client_withdrawn_while_it_moves_stays_on_tcp() -> Result<()> {
+    let k = kernel_test!();
+    let net = NodeWithPods::new(2)?;
+    let (l, pair) = no_target_listener(&k, &net, 8099)?;
+    let addr = SocketAddr::new(net.pods[1].addr(false), 8099);
+    let held = HeldThread::named("meshwarp-guard")?;
+    let (c, s, _) = connect_linked(&k, &net.pods[0].ns, &l, addr)?;
+    let cv = k.dp().socket_link(socket_cookie_of(&c)?)?.context("client accelerated")?;
+    set_int(&c, libc::SOL_SOCKET, libc::SO_RCVLOWAT, 100)?;
+    drop(held);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let served = DIR_UNLINKED | DIR_RELINK_REQ;
+    let link = loop {
+        let link = k.dp().link(&cv)?.context("link")?;
+        let flags = link.dir[END_CLIENT as usize].flags;
+        if flags & served == served || flags & DIR_MOVE == 0 {
+            break link;
+        }
+        ensure!(std::time::Instant::now() < deadline, "the move was never served: {link:?}");
+        thread::sleep(Duration::from_millis(2));
+    };
+    ensure!(link.end_flags[END_CLIENT as usize] & EF_TGTMAP == 0, "moved in, though no target: {link:?}");
+    ensure!(link.dir[END_CLIENT as usize].flags & served == served, "back in mw_sockmap: {link:?}");
+    let before = k.dp().stats(&pair)?;
+    thread::scope(|sc| -> Result<()> {
+        let sent = sc.spawn(|| send_pattern(&c, 101, 1 << 20));
+        let got = recv_pattern(&s, 101, 1 << 20);
+        ensure!(sent.join().expect("client sender")? == got?, "client -> server");
+        Ok(())
+    })?;
+    let up = k.dp().stats(&pair)?;
+    ensure!(up.fallback_no_peer == before.fallback_no_peer, "the client's sends ran sk_msg: {up:?}");
+    let link = k.dp().link(&cv)?.context("link after the upload")?;
+    ensure!(link.end_flags[END_CLIENT as usize] & EF_TGTMAP == 0, "{link:?}");
+    ensure!(link.dir[END_CLIENT as usize].flags & served == served, "still out of mw_sockmap: {link:?}");
+    thread::scope(|sc| -> Result<()> {
+        let sent = sc.spawn(|| send_pattern(&s, 103, 1 << 20));
+        let got = recv_pattern(&c, 103, 1 << 20);
+        ensure!(sent.join().expect("server sender")? == got?, "server -> client");
+        Ok(())
+    })?;
+    // (Both ends closed their sending side: the link is gone.)
+    let after = k.dp().stats(&pair)?;
+    ensure!(after.tgtmap_clients == 0 && after.redirected_bytes == 0, "{after:?}");
     Ok(())
 }
 

@@ -1014,6 +1014,100 @@ pub fn original_dst(s: &TcpStream) -> Option<SocketAddr> {
 }
 
 // ---------------------------------------------------------------------------
+// Holding a thread still
+
+/// A thread of this process held still, as a debugger holds it: a forked
+/// child attaches to it (`PTRACE_SEIZE`, `PTRACE_INTERRUPT`) and lets it go
+/// when this is dropped, or when this process dies (the child then reads EOF).
+/// Tests hold the data path's guard thread with it, so that what the kernel
+/// does before user space answers an event can be made to happen first.
+#[derive(Debug)]
+pub struct HeldThread {
+    child: libc::pid_t,
+    release: Option<std::os::fd::OwnedFd>,
+    pub tid: libc::pid_t,
+}
+
+impl HeldThread {
+    /// Holds the one thread of this process named `comm`.
+    pub fn named(comm: &str) -> Result<Self> {
+        let tasks = std::fs::read_dir("/proc/self/task").map_err(io_err("listing /proc/self/task"))?;
+        let tids: Vec<libc::pid_t> = tasks
+            .flatten()
+            .filter(|t| std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.trim_end() == comm))
+            .filter_map(|t| t.file_name().to_str()?.parse().ok())
+            .collect();
+        match tids[..] {
+            [tid] => Self::hold(tid),
+            _ => Err(TestbedError::Integrity(format!("{} threads named {comm:?} in this process", tids.len()))),
+        }
+    }
+
+    /// Holds thread `tid` of this process until drop.
+    pub fn hold(tid: libc::pid_t) -> Result<Self> {
+        use std::os::fd::{FromRawFd, IntoRawFd, OwnedFd};
+        let pipe = || -> Result<(OwnedFd, OwnedFd)> {
+            let mut fds = [0; 2];
+            // SAFETY: pipe2 writes two descriptors into fds.
+            if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+                return Err(io_err("pipe2")(io::Error::last_os_error()));
+            }
+            // SAFETY: both are new descriptors that nothing else owns.
+            Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+        };
+        let (ready_r, ready_w) = pipe()?;
+        let (release_r, release_w) = pipe()?;
+        // SAFETY: the child of this multi-threaded process makes only system
+        // calls (no allocation, no lock) and leaves with _exit.
+        let child = unsafe { libc::fork() };
+        if child == 0 {
+            let (ready, release) = (ready_w.into_raw_fd(), release_r.into_raw_fd());
+            // SAFETY: system calls on descriptors and a tid; see above.
+            unsafe {
+                libc::close(release_w.into_raw_fd());
+                libc::close(ready_r.into_raw_fd());
+                let mut status = 0;
+                let held = libc::ptrace(libc::PTRACE_SEIZE, tid, 0, 0) == 0
+                    && libc::ptrace(libc::PTRACE_INTERRUPT, tid, 0, 0) == 0
+                    && libc::waitpid(tid, &mut status, libc::__WALL) == tid;
+                let errno = if held { 0 } else { *libc::__errno_location() as u8 };
+                libc::write(ready, [held as u8, errno].as_ptr().cast(), 2);
+                let mut b = 0u8;
+                while libc::read(release, (&mut b as *mut u8).cast(), 1) < 0 && *libc::__errno_location() == libc::EINTR
+                {
+                }
+                libc::ptrace(libc::PTRACE_DETACH, tid, 0, 0);
+                libc::_exit(0);
+            }
+        }
+        if child < 0 {
+            return Err(io_err("fork")(io::Error::last_os_error()));
+        }
+        drop((ready_w, release_r));
+        let mut held = Self { child, release: Some(release_w), tid };
+        let mut answer = [0u8; 2];
+        std::fs::File::from(ready_r).read_exact(&mut answer).map_err(io_err("waiting for the holding child"))?;
+        if answer[0] != 1 {
+            held.release = None;
+            return Err(io_err(format!("holding thread {tid} with ptrace"))(io::Error::from_raw_os_error(i32::from(
+                answer[1],
+            ))));
+        }
+        Ok(held)
+    }
+}
+
+impl Drop for HeldThread {
+    fn drop(&mut self) {
+        // EOF on the child's pipe: it detaches, and the thread runs on.
+        self.release = None;
+        let mut status = 0;
+        // SAFETY: waits for our own child.
+        unsafe { libc::waitpid(self.child, &mut status, 0) };
+    }
+}
+
+// ---------------------------------------------------------------------------
 // Real programs
 
 /// A program started inside a namespace, in a process group of its own; the
