@@ -107,31 +107,36 @@ pub fn check_cgroup2(path: &Path) -> Result<(), SysError> {
 /// `netns` (a bind mount such as /var/run/netns/NAME), or stays in the
 /// caller's namespace for `None`. Only that thread changes namespace.
 pub fn run_in_netns<T: Send>(netns: Option<&Path>, f: impl FnOnce() -> T + Send) -> Result<T, SysError> {
+    on_netns_thread(|| {
+        if let Some(p) = netns {
+            let file = fs::File::open(p).map_err(io_err(p))?;
+            nix::sched::setns(std::os::fd::AsFd::as_fd(&file), nix::sched::CloneFlags::CLONE_NEWNET)
+                .map_err(|source| SysError::Setns { path: p.to_path_buf(), source })?;
+        }
+        Ok(f())
+    })
+}
+
+/// Runs `f` on a scoped thread of its own, named `meshwarp-netns` (an
+/// unnamed thread would carry its creator's name, the guard's say).
+fn on_netns_thread<T: Send>(f: impl FnOnce() -> Result<T, SysError> + Send) -> Result<T, SysError> {
     std::thread::scope(|s| {
-        s.spawn(|| {
-            if let Some(p) = netns {
-                let file = fs::File::open(p).map_err(io_err(p))?;
-                nix::sched::setns(std::os::fd::AsFd::as_fd(&file), nix::sched::CloneFlags::CLONE_NEWNET)
-                    .map_err(|source| SysError::Setns { path: p.to_path_buf(), source })?;
-            }
-            Ok(f())
-        })
-        .join()
-        .unwrap_or_else(|p| std::panic::resume_unwind(p))
+        std::thread::Builder::new()
+            .name("meshwarp-netns".into())
+            .spawn_scoped(s, f)
+            .map_err(io_err(Path::new("(spawning a network namespace thread)")))?
+            .join()
+            .unwrap_or_else(|p| std::panic::resume_unwind(p))
     })
 }
 
 /// Runs `f` on a scoped thread moved into a new, private network namespace
 /// (only loopback, down); the namespace goes away with its last socket.
 pub fn run_in_new_netns<T: Send>(f: impl FnOnce() -> T + Send) -> Result<T, SysError> {
-    std::thread::scope(|s| {
-        s.spawn(|| {
-            nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET)
-                .map_err(|source| SysError::Setns { path: PathBuf::from("(new namespace)"), source })?;
-            Ok(f())
-        })
-        .join()
-        .unwrap_or_else(|p| std::panic::resume_unwind(p))
+    on_netns_thread(|| {
+        nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET)
+            .map_err(|source| SysError::Setns { path: PathBuf::from("(new namespace)"), source })?;
+        Ok(f())
     })
 }
 
@@ -373,40 +378,36 @@ fn netns_candidates(first: Option<u32>) -> impl Iterator<Item = PathBuf> {
 /// among them.
 pub fn in_each_netns<T: Send>(mut f: impl FnMut(&Path) -> T + Send) -> Result<Vec<T>, SysError> {
     use std::os::unix::fs::MetadataExt;
-    std::thread::scope(|s| {
-        s.spawn(|| {
-            let mut seen = std::collections::BTreeSet::new();
-            let mut out = Vec::new();
-            for path in netns_candidates(None) {
-                // Gone (its process exited), or not ours to enter (a
-                // process of another user namespace, such as a sandbox's
-                // init): skipped. Anything else is an error.
-                let skip =
-                    |errno: Option<i32>| matches!(errno, Some(libc::ENOENT | libc::ESRCH | libc::EACCES | libc::EPERM));
-                let file = match fs::File::open(&path) {
-                    Ok(f) => f,
-                    Err(e) if skip(e.raw_os_error()) => {
-                        tracing::debug!(path = %path.display(), "network namespace skipped: {e}");
-                        continue;
-                    }
-                    Err(e) => return Err(SysError::Io { path, source: e }),
-                };
-                let m = file.metadata().map_err(io_err(&path))?;
-                if !seen.insert((m.dev(), m.ino())) {
+    on_netns_thread(|| {
+        let mut seen = std::collections::BTreeSet::new();
+        let mut out = Vec::new();
+        for path in netns_candidates(None) {
+            // Gone (its process exited), or not ours to enter (a
+            // process of another user namespace, such as a sandbox's
+            // init): skipped. Anything else is an error.
+            let skip =
+                |errno: Option<i32>| matches!(errno, Some(libc::ENOENT | libc::ESRCH | libc::EACCES | libc::EPERM));
+            let file = match fs::File::open(&path) {
+                Ok(f) => f,
+                Err(e) if skip(e.raw_os_error()) => {
+                    tracing::debug!(path = %path.display(), "network namespace skipped: {e}");
                     continue;
                 }
-                match nix::sched::setns(std::os::fd::AsFd::as_fd(&file), nix::sched::CloneFlags::CLONE_NEWNET) {
-                    Ok(()) => out.push(f(&path)),
-                    Err(e) if skip(Some(e as i32)) => {
-                        tracing::debug!(path = %path.display(), "network namespace skipped: {e}");
-                    }
-                    Err(source) => return Err(SysError::Setns { path, source }),
-                }
+                Err(e) => return Err(SysError::Io { path, source: e }),
+            };
+            let m = file.metadata().map_err(io_err(&path))?;
+            if !seen.insert((m.dev(), m.ino())) {
+                continue;
             }
-            Ok(out)
-        })
-        .join()
-        .unwrap_or_else(|p| std::panic::resume_unwind(p))
+            match nix::sched::setns(std::os::fd::AsFd::as_fd(&file), nix::sched::CloneFlags::CLONE_NEWNET) {
+                Ok(()) => out.push(f(&path)),
+                Err(e) if skip(Some(e as i32)) => {
+                    tracing::debug!(path = %path.display(), "network namespace skipped: {e}");
+                }
+                Err(source) => return Err(SysError::Setns { path, source }),
+            }
+        }
+        Ok(out)
     })
 }
 

@@ -18,13 +18,14 @@ use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
 use meshwarp_bpf::shared::{
-    Link, DIR_MOVE, DIR_RELINK_REQ, DIR_UNLINKED, EF_TARGET, EF_TGTMAP, END_CLIENT, END_SERVER, LINK_POISONED,
+    Link, DIR_MOVE, DIR_RELINK_REQ, DIR_UNLINKED, EF_FIONREAD, EF_TARGET, EF_TGTMAP, END_CLIENT, END_SERVER,
+    LINK_POISONED,
 };
 use meshwarp_core::sys::socket_cookie_of;
 use meshwarp_core::{CaptureRule, Endpoint, EndpointPair, FastPathMode, GuardMode};
 use meshwarp_testbed::{
-    accept_timeout, exchange, read_exact_ready, recv_pattern, redirect_output, send_pattern, wait_ready,
-    write_all_ready, CaptureProxy, HeldThread, KernelTest, NetNs, NodeWithPods, SERVICE_V4,
+    accept_timeout, exchange, fionread_reader, read_exact_ready, recv_pattern, redirect_output, send_pattern,
+    wait_ready, write_all_ready, CaptureProxy, HeldThread, KernelTest, NetNs, NodeWithPods, SERVICE_V4,
 };
 
 const T: Duration = Duration::from_secs(60);
@@ -812,6 +813,85 @@ fn a_client_withdrawn_while_it_moves_stays_on_tcp() -> Result<()> {
     // (Both ends closed their sending side: the link is gone.)
     let after = k.dp().stats(&pair)?;
     ensure!(after.tgtmap_clients == 0 && after.redirected_bytes == 0, "{after:?}");
+    Ok(())
+}
+
+/// A first client whose reader asks FIONREAD moves too, but into mw_tgtmap
+/// only once it read what its server sent on TCP while it moved: FIONREAD on
+/// a psock counts none of those bytes, and a reader told 0 (nginx) would
+/// wait for a wake-up after each read. The guard thread is held from the
+/// connect on; the client asks FIONREAD, its server writes 256 KiB. Let go,
+/// the guard unlinks the client and leaves it out (BUSY) until an
+/// nginx-style reader read them all, every one counted by FIONREAD; then it
+/// moves, the server's next bytes are redirected, its sends run no sk_msg,
+/// and no reader had to be woken. Every byte checked.
+#[test]
+fn a_fionread_first_client_moves_once_it_read_its_tcp_bytes() -> Result<()> {
+    const LEN: usize = 256 << 10;
+    let k = kernel_test!();
+    let net = NodeWithPods::new(2)?;
+    let (l, pair) = no_target_listener(&k, &net, 8100)?;
+    let addr = SocketAddr::new(net.pods[1].addr(false), 8100);
+    let held = HeldThread::named("meshwarp-guard")?;
+    let (c, s, _) = connect_linked(&k, &net.pods[0].ns, &l, addr)?;
+    // Asked before the move is served (the server end, the same
+    // executable, decided before it: a FIONREAD reader that is no target
+    // would get no psock at all, and its client no link).
+    let mut nread: libc::c_int = 0;
+    // SAFETY: FIONREAD writes one int.
+    ensure!(unsafe { libc::ioctl(c.as_raw_fd(), libc::FIONREAD, &mut nread) } == 0, "FIONREAD");
+    let cv = k.dp().socket_link(socket_cookie_of(&c)?)?.context("client accelerated")?;
+    let link = k.dp().link(&cv)?.context("link")?;
+    let fionread = !k.dp().kernel().fionread_counts_tcp_with_psock;
+    if fionread {
+        ensure!(link.end_flags[END_CLIENT as usize] & EF_FIONREAD != 0, "a FIONREAD reader: {link:?}");
+    }
+    let before = k.dp().stats(&pair)?;
+    let data = |seed: u64| -> Vec<u8> { (0..LEN as u64).map(|i| writer_byte(i * seed)).collect() };
+    let (first, second) = (data(105), data(107));
+    thread::scope(|sc| -> Result<()> {
+        let w = sc.spawn(|| write_all_ready(&mut &s, &first, Some(T)));
+        let got = (|| -> Result<Vec<u8>> {
+            thread::sleep(Duration::from_millis(50));
+            drop(held);
+            thread::sleep(Duration::from_millis(100));
+            let link = k.dp().link(&cv)?.context("link")?;
+            if fionread {
+                ensure!(
+                    link.end_flags[END_CLIENT as usize] & EF_TGTMAP == 0,
+                    "moved in with TCP bytes unread: {link:?}"
+                );
+            }
+            ensure!(link.dir[END_CLIENT as usize].flags & DIR_UNLINKED != 0, "out of mw_sockmap: {link:?}");
+            Ok(fionread_reader(&c, LEN, Duration::from_secs(5))?)
+        })();
+        if got.is_err() {
+            // Unblocks the writer.
+            let _ = c.shutdown(std::net::Shutdown::Both);
+        }
+        let wrote = w.join().expect("server writer");
+        ensure!(got? == first, "the server's TCP bytes");
+        Ok(wrote?)
+    })?;
+    in_tgtmap(&k, &c, END_CLIENT as usize)?;
+    let mid = k.dp().stats(&pair)?;
+    ensure!(mid.redirected_bytes == before.redirected_bytes, "{mid:?}");
+    thread::scope(|sc| -> Result<()> {
+        let w = sc.spawn(|| write_all_ready(&mut &s, &second, Some(T)));
+        let got = fionread_reader(&c, LEN, Duration::from_secs(5));
+        if got.is_err() {
+            let _ = c.shutdown(std::net::Shutdown::Both);
+        }
+        let wrote = w.join().expect("server writer");
+        ensure!(got? == second, "the server's bytes after the move");
+        Ok(wrote?)
+    })?;
+    let st = k.dp().stats(&pair)?;
+    ensure!(st.redirected_bytes - mid.redirected_bytes == LEN as u64, "redirected after the move: {st:?}");
+    ensure!(st.reader_wakeups == 0 && st.tgtmap_clients == 1, "{st:?}");
+    exchange(c, s, 109, 1 << 20, T)?;
+    let end = k.dp().stats(&pair)?;
+    ensure!(end.fallback_no_peer == st.fallback_no_peer, "a moved client's sends ran sk_msg: {end:?}");
     Ok(())
 }
 

@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
 use meshwarp_core::{Dataplane, EndpointPair, FastPathMode, RuleCounters};
-use meshwarp_testbed::{accept_timeout, read_exact_ready, write_all_ready, KernelTest, NodeWithPods};
+use meshwarp_testbed::{accept_timeout, fionread_reader, read_exact_ready, write_all_ready, KernelTest, NodeWithPods};
 
 const T: Option<Duration> = Some(Duration::from_secs(60));
 
@@ -626,62 +626,6 @@ fn a_fionread_reader_is_woken_for_tcp_bytes_it_was_not_told_of() -> Result<()> {
         ensure!(st.reader_wakeups >= 1, "the reader was woken: {st:?}");
     }
     Ok(())
-}
-
-/// Reads `len` bytes as nginx does (ngx_unix_recv with epoll and FIONREAD):
-/// fails if no event comes for `idle` while bytes are outstanding.
-fn fionread_reader(s: &TcpStream, len: usize, idle: Duration) -> Result<Vec<u8>> {
-    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-    const BUF: usize = 1024;
-    s.set_nonblocking(true)?;
-    let fd = s.as_raw_fd();
-    // SAFETY: plain epoll and socket calls on a valid descriptor; `ep` is
-    // closed before returning.
-    let ep = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
-    ensure!(ep >= 0, "epoll_create1: {}", std::io::Error::last_os_error());
-    let ep = unsafe { OwnedFd::from_raw_fd(ep) };
-    let mut ev = libc::epoll_event { events: (libc::EPOLLIN | libc::EPOLLRDHUP | libc::EPOLLET) as u32, u64: 0 };
-    ensure!(unsafe { libc::epoll_ctl(ep.as_raw_fd(), libc::EPOLL_CTL_ADD, fd, &mut ev) } == 0, "epoll_ctl");
-    let (mut out, mut buf) = (Vec::with_capacity(len), [0u8; BUF]);
-    let (mut ready, mut available, mut told) = (false, -1i64, None);
-    while out.len() < len {
-        if !ready {
-            let n = unsafe { libc::epoll_wait(ep.as_raw_fd(), &mut ev, 1, idle.as_millis() as i32) };
-            ensure!(
-                n > 0,
-                "no event for {idle:?} with {} of {len} bytes read (FIONREAD last said {told:?})",
-                out.len()
-            );
-            (ready, available) = (true, -1);
-        }
-        if available == 0 {
-            ready = false;
-            continue;
-        }
-        let n = unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), BUF, 0) };
-        if n < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::WouldBlock {
-            ready = false;
-            continue;
-        }
-        ensure!(n > 0, "recv: {n} ({})", std::io::Error::last_os_error());
-        let n = n as usize;
-        out.extend_from_slice(&buf[..n]);
-        if available >= 0 {
-            available -= n as i64;
-            if available < 0 {
-                (available, ready) = (0, false);
-            }
-        } else if n == BUF {
-            let mut nread: libc::c_int = 0;
-            ensure!(unsafe { libc::ioctl(fd, libc::FIONREAD, &mut nread) } == 0, "FIONREAD");
-            told = Some(nread);
-            available = i64::from(nread);
-        }
-        if n < BUF {
-            (available, ready) = (0, false);
-        }
-    }
-    Ok(out)
 }
 
 /// An end that asks to leave the SOCKMAP while no process serves the data

@@ -1013,6 +1013,83 @@ pub fn original_dst(s: &TcpStream) -> Option<SocketAddr> {
     addr.as_socket()
 }
 
+/// Reads `len` bytes as nginx does (ngx_unix_recv with epoll and FIONREAD):
+/// epoll edge-triggered; a read that fills its 1 KiB buffer asks FIONREAD
+/// how much is left, reads that much, and, told 0, waits for the next
+/// event. Fails if no event comes for `idle` while bytes are outstanding.
+pub fn fionread_reader(s: &TcpStream, len: usize, idle: Duration) -> Result<Vec<u8>> {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    const BUF: usize = 1024;
+    let sys = |what: &str| io_err(what.to_string())(io::Error::last_os_error());
+    s.set_nonblocking(true).map_err(io_err("nonblocking"))?;
+    let fd = s.as_raw_fd();
+    // SAFETY: plain epoll and socket calls on a valid descriptor; `ep` is
+    // owned and closed on return.
+    let ep = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+    if ep < 0 {
+        return Err(sys("epoll_create1"));
+    }
+    // SAFETY: a new descriptor nothing else owns.
+    let ep = unsafe { OwnedFd::from_raw_fd(ep) };
+    let mut ev = libc::epoll_event { events: (libc::EPOLLIN | libc::EPOLLRDHUP | libc::EPOLLET) as u32, u64: 0 };
+    // SAFETY: see above.
+    if unsafe { libc::epoll_ctl(ep.as_raw_fd(), libc::EPOLL_CTL_ADD, fd, &mut ev) } != 0 {
+        return Err(sys("epoll_ctl"));
+    }
+    let (mut out, mut buf) = (Vec::with_capacity(len), [0u8; BUF]);
+    let (mut ready, mut available, mut told) = (false, -1i64, None);
+    while out.len() < len {
+        if !ready {
+            // SAFETY: see above.
+            let n = unsafe { libc::epoll_wait(ep.as_raw_fd(), &mut ev, 1, idle.as_millis() as i32) };
+            if n <= 0 {
+                return Err(TestbedError::Integrity(format!(
+                    "no event for {idle:?} with {} of {len} bytes read (FIONREAD last said {told:?})",
+                    out.len()
+                )));
+            }
+            (ready, available) = (true, -1);
+        }
+        if available == 0 {
+            ready = false;
+            continue;
+        }
+        // SAFETY: see above; at most BUF bytes into buf.
+        let n = unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), BUF, 0) };
+        if n < 0 && io::Error::last_os_error().kind() == io::ErrorKind::WouldBlock {
+            ready = false;
+            continue;
+        }
+        if n <= 0 {
+            return Err(TestbedError::Integrity(format!(
+                "recv: {n} ({}) with {} of {len} bytes read",
+                io::Error::last_os_error(),
+                out.len()
+            )));
+        }
+        let n = n as usize;
+        out.extend_from_slice(&buf[..n]);
+        if available >= 0 {
+            available -= n as i64;
+            if available < 0 {
+                (available, ready) = (0, false);
+            }
+        } else if n == BUF {
+            let mut nread: libc::c_int = 0;
+            // SAFETY: FIONREAD writes one int.
+            if unsafe { libc::ioctl(fd, libc::FIONREAD, &mut nread) } != 0 {
+                return Err(sys("FIONREAD"));
+            }
+            told = Some(nread);
+            available = i64::from(nread);
+        }
+        if n < BUF {
+            (available, ready) = (0, false);
+        }
+    }
+    Ok(out)
+}
+
 // ---------------------------------------------------------------------------
 // Holding a thread still
 

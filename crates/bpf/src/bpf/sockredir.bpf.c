@@ -1444,10 +1444,9 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 	 * hear that this end is no target. It moves to mw_tgtmap
 	 * (MW_DIR_MOVE), parked from now until it is in: nothing is redirected
 	 * into it meanwhile (this end's bytes take TCP), so its psock holds
-	 * nothing when its entry is deleted. Not a FIONREAD reader: TCP bytes
-	 * behind its psock would each need a wake-up (MW_EF_WAKE), as
-	 * park_self has it. */
-	move = to_client && !to_server && !(client_flags & (MW_EF_TGTMAP | MW_EF_FIONREAD)) && no_msg_chain();
+	 * nothing when its entry is deleted. A FIONREAD reader moves in only
+	 * once it read what this end sent meanwhile (move_in). */
+	move = to_client && !to_server && !(client_flags & MW_EF_TGTMAP) && no_msg_chain();
 	err = bpf_sock_map_update(skops, tgtmap ? (void *)&mw_tgtmap : (void *)&mw_sockmap, &pos, BPF_NOEXIST);
 	if (err) {
 		count_insert_failure(rs, err);
@@ -2250,6 +2249,17 @@ static __always_inline void on_splice(__u32 fd)
 	(void)old;
 }
 
+/* Unread TCP bytes, as tcp_inq counts them (a FIN takes a sequence number
+ * but is no byte). */
+static __always_inline __u32 tcp_unread(struct tcp_sock *tp)
+{
+	__u32 inq = tp->rcv_nxt - tp->copied_seq;
+
+	if (inq && (tp->inet_conn.icsk_inet.sk.__sk_common.skc_flags & (1UL << SOCK_DONE)))
+		inq--;
+	return inq;
+}
+
 /* ioctl(FIONREAD) on a socket: remembered per executable, and on the
  * socket's end of its link where FIONREAD misses TCP bytes of a psock
  * socket (MW_EF_FIONREAD: the policy keeps bytes into it redirected).
@@ -2264,8 +2274,7 @@ static __always_inline void on_fionread(__u32 fd)
 	struct sock *sk = fd_sock(fd);
 	struct mw_cookie_val *cv;
 	struct mw_link *link;
-	struct tcp_sock *tp;
-	__u32 end, inq;
+	__u32 end;
 	__u64 cookie;
 
 	if (!sk)
@@ -2286,13 +2295,7 @@ static __always_inline void on_fionread(__u32 fd)
 		__sync_fetch_and_or(&link->end_flags[end], MW_EF_FIONREAD);
 	if (!((unsigned long)sk->sk_user_data & ~SK_USER_DATA_FLAGS))
 		return;
-	/* Unread TCP bytes, as tcp_inq counts them (a FIN takes a sequence
-	 * number but is no byte). */
-	tp = bpf_core_cast(sk, struct tcp_sock);
-	inq = tp->rcv_nxt - tp->copied_seq;
-	if (inq && (sk->__sk_common.skc_flags & (1UL << SOCK_DONE)))
-		inq--;
-	if (!inq)
+	if (!tcp_unread(bpf_core_cast(sk, struct tcp_sock)))
 		return;
 	if (!(__sync_fetch_and_or(&link->end_flags[end], MW_EF_WAKE) & MW_EF_WAKE) &&
 	    !request_park(MW_EV_WAKE, link, cv->link, end))
@@ -2611,7 +2614,13 @@ static __always_inline __u32 move_in(struct tcp_sock *tp, struct mw_sock_state *
 		__sync_fetch_and_or(&link->dir[end].flags, MW_DIR_RELINK_REQ);
 		return MW_PARK_MOOT;
 	}
-	if ((unsigned long)tp->inet_conn.icsk_inet.sk.sk_user_data & ~SK_USER_DATA_FLAGS) {
+	/* A psock again now would keep its old sk_msg (a send still holds
+	 * it); and a FIONREAD reader's unread TCP bytes (its peer's, sent
+	 * while it moved) would go uncounted by FIONREAD on a psock, each
+	 * read waiting for a wake-up: it moves in once it read them. Out of
+	 * both maps meanwhile, it is plain TCP both ways. */
+	if (((unsigned long)tp->inet_conn.icsk_inet.sk.sk_user_data & ~SK_USER_DATA_FLAGS) ||
+	    ((link->end_flags[end] & MW_EF_FIONREAD) && (config_flags() & MW_CFG_FIONREAD_PSOCK) && tcp_unread(tp))) {
 		__sync_fetch_and_and(&link->dir[end].flags, ~MW_DIR_RELINK_REQ);
 		return MW_PARK_BUSY;
 	}
