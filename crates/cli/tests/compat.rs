@@ -245,6 +245,95 @@ fn haproxy_inbound_splice_response() -> Result<()> {
     haproxy_inbound(Splice::Response)
 }
 
+/// A client whose reader asks FIONREAD (as nginx's does) through haproxy,
+/// which can splice and so is never a redirect target. The client's first
+/// accelerated connection joins mw_sockmap before haproxy's end decides
+/// (nothing hints at connect: haproxy is in another pod), and moves to
+/// mw_tgtmap, where its sends run no sk_msg, once it read what haproxy sent
+/// on TCP meanwhile (FIONREAD on a psock would not count those bytes). An
+/// nginx-style reader (epoll, edge-triggered, FIONREAD after a full read)
+/// gets every byte, before and after the move, and never waits for good.
+#[test]
+fn a_fionread_client_of_haproxy_moves_to_the_target_map() -> Result<()> {
+    use meshwarp_bpf::shared::{EF_FIONREAD, EF_TGTMAP, END_CLIENT};
+    if !tools(&["haproxy"]) {
+        return Ok(());
+    }
+    let Some(k) = node() else { return Ok(()) };
+    let t = Inbound::new(k)?;
+    let cfg = haproxy_config(&t.dir, "inbound.cfg", t.front, t.app, Splice::Auto)?;
+    let _haproxy = Program::spawn(t.pod(), &["haproxy", "-db", "-f", &cfg])?;
+    let link_of = |s: &TcpStream| -> Result<Option<meshwarp_bpf::shared::Link>> {
+        let Some(cv) = t.k.dp().socket_link(meshwarp_core::sys::socket_cookie_of(s)?)? else { return Ok(None) };
+        Ok(t.k.dp().link(&cv)?)
+    };
+    // This executable is seen reading without blocking (the first inner
+    // connection, not accelerated), then asking FIONREAD on an
+    // accelerated socket (the second).
+    echo_integrity(t.pod().connect(t.app)?, 1, 4096, T)?;
+    let warm = t.pod().connect(t.app)?;
+    ensure!(link_of(&warm)?.is_some(), "the second inner connection is accelerated");
+    let mut nread: libc::c_int = 0;
+    // SAFETY: FIONREAD writes one int.
+    ensure!(unsafe { libc::ioctl(std::os::fd::AsRawFd::as_raw_fd(&warm), libc::FIONREAD, &mut nread) } == 0);
+    echo_integrity(warm, 2, 4096, T)?;
+    let fionread = !t.k.dp().kernel().fionread_counts_tcp_with_psock;
+
+    // Waited for from haproxy's own pod: a connection no rule covers.
+    let a = &t.net.pods[0].ns;
+    wait_listening(t.pod(), t.front, T)?;
+    let exchange = |c: &TcpStream, seed: u64, len: usize| -> Result<()> {
+        let data: Vec<u8> = (0..len as u64).map(|i| (i.wrapping_mul(seed) >> 3) as u8).collect();
+        thread::scope(|sc| -> Result<()> {
+            let w = sc.spawn(|| write_all_ready(&mut &*c, &data, Some(T)));
+            let got = meshwarp_testbed::fionread_reader(c, len, Duration::from_secs(5));
+            if got.is_err() {
+                let _ = c.shutdown(std::net::Shutdown::Both);
+            }
+            w.join().expect("writer")?;
+            ensure!(got? == data, "echo through haproxy, {len} B");
+            Ok(())
+        })
+    };
+    // The first covered connections teach the guard how haproxy reads (not
+    // accelerated); the first accelerated one is the first its listener
+    // decided, with no hint at connect.
+    let mut conns = 0u64;
+    let (c, link) = loop {
+        let c = a.connect(t.front)?;
+        conns += 1;
+        match link_of(&c)? {
+            Some(link) => break (c, link),
+            None if conns < 4 => exchange(&c, conns, 64 << 10)?,
+            None => bail!("no accelerated client after {conns} connections"),
+        }
+    };
+    if fionread {
+        ensure!(link.end_flags[END_CLIENT as usize] & EF_FIONREAD != 0, "a FIONREAD reader at insert: {link:?}");
+    }
+    exchange(&c, 5, 256 << 10)?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let link = link_of(&c)?.context("link")?;
+        if link.end_flags[END_CLIENT as usize] & EF_TGTMAP != 0 {
+            break;
+        }
+        ensure!(Instant::now() < deadline, "the client never moved to mw_tgtmap: {link:?}");
+        thread::sleep(Duration::from_millis(2));
+    }
+    let moved = t.k.dp().stats(&t.outer)?;
+    for (i, len) in [1usize, 1000, 64 << 10, 1 << 20].into_iter().enumerate() {
+        exchange(&c, 7 + i as u64, len)?;
+    }
+    let after = t.k.dp().stats(&t.outer)?;
+    report("FIONREAD client of haproxy", &[("outer", after)]);
+    // The only accelerated client so far: it moved, no hint let it in.
+    ensure!(moved.tgtmap_clients == 1, "one client moved: {moved:?}");
+    ensure!(after.fallback_no_peer == moved.fallback_no_peer, "its sends ran sk_msg after the move: {after:?}");
+    ensure!(after.redirected_bytes > moved.redirected_bytes, "haproxy -> client redirected: {after:?}");
+    Ok(())
+}
+
 /// Outbound, as Istio's 15001: the app in pod A connects to a service
 /// address, iptables captures it to haproxy on 127.0.0.1:15001 in A, which
 /// connects to the app in pod B. Registered: the capture rule and A -> B:8080.
