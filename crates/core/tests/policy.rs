@@ -17,8 +17,11 @@ use std::thread;
 use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
+use meshwarp_bpf::shared::{DIR_UNLINKED, END_SERVER};
 use meshwarp_core::{Dataplane, EndpointPair, FastPathMode, RuleCounters};
-use meshwarp_testbed::{accept_timeout, fionread_reader, read_exact_ready, write_all_ready, KernelTest, NodeWithPods};
+use meshwarp_testbed::{
+    accept_timeout, fionread_reader, read_exact_ready, write_all_ready, HeldThread, KernelTest, NodeWithPods,
+};
 
 const T: Option<Duration> = Some(Duration::from_secs(60));
 
@@ -527,6 +530,53 @@ fn a_streaming_end_leaves_the_sockmap_and_comes_back() -> Result<()> {
     let after = k.dp().stats(&pair)?;
     ensure!(after.promotions >= 1, "promoted after the relink: {after:?}");
     ensure!(after.redirected_bytes >= st.redirected_bytes + 500, "requests and replies redirected: {after:?}");
+    Ok(())
+}
+
+/// An end out of the SOCKMAP is put back only while its peer has read all
+/// it sent on TCP: then its next send can be redirected again. A download
+/// (the server streams a response of small Nagle writes, the client reads
+/// it all, then asks for the next) leaves the SOCKMAP at its first
+/// response; the next request asks for the server end back, but the walk
+/// that would put it back comes (the guard thread held here) after the
+/// server began its next response on TCP: put back then, it would run
+/// sk_msg on each send of that response only to pass it to TCP. It stays
+/// out; once the client read that response, its next request puts the
+/// server end back, and the answer is redirected. Every byte checked.
+#[test]
+fn an_end_is_not_put_back_in_the_middle_of_its_tcp_response() -> Result<()> {
+    let k = kernel_test!();
+    let (net, l, pair) = pods_pair(&k, 8230, FastPathMode::Adaptive)?;
+    let (c, s) = connections(&net, &l, 8230, 1)?.remove(0);
+    let (mut up_w, mut up_r) = (Stream::new(41), Stream::new(41));
+    let (mut down_w, mut down_r) = (Stream::new(42), Stream::new(42));
+    let server = k.dp().socket_link(meshwarp_core::sys::socket_cookie_of(&s)?)?.context("server accelerated")?;
+
+    stream_one_way(&s, &c, &mut down_w, &mut down_r, 1 << 20, 512)?;
+    let st = wait_counters(&k, &pair, "the streaming server end was unlinked", |c| c.unlinks == 1)?;
+    ensure!(st.relinks == 0, "{st:?}");
+
+    let held = HeldThread::named("meshwarp-guard")?;
+    up_w.write(&c, 64, 64)?;
+    up_r.read(&s, 64)?;
+    down_w.write(&s, 64 << 10, 512)?;
+    drop(held);
+    thread::sleep(Duration::from_millis(200));
+    let mid = k.dp().stats(&pair)?;
+    let link = k.dp().link(&server)?.context("link")?;
+    ensure!(mid.relinks == 0, "put back with its response unread: {mid:?}");
+    ensure!(link.dir[END_SERVER as usize].flags & DIR_UNLINKED != 0, "still out: {link:?}");
+    ensure!(mid.policy_tcp_msgs == st.policy_tcp_msgs, "no sk_msg ran on the response: {mid:?}");
+    down_r.read(&c, 64 << 10)?;
+
+    up_w.write(&c, 64, 64)?;
+    up_r.read(&s, 64)?;
+    let back = wait_counters(&k, &pair, "the server end was put back", |c| c.relinks == 1)?;
+    down_w.write(&s, 100, 100)?;
+    down_r.read(&c, 100)?;
+    let after = k.dp().stats(&pair)?;
+    ensure!(after.promotions >= 1, "promoted after the relink: {after:?}");
+    ensure!(after.redirected_bytes >= back.redirected_bytes + 100, "the answer redirected: {after:?}");
     Ok(())
 }
 

@@ -2692,6 +2692,17 @@ int mw_park(struct bpf_iter__tcp *ctx)
 		req->result = move_in(tp, st, link, end, pos);
 		return 0;
 	}
+	/* Back only while the peer has read all this end sent on TCP: its next
+	 * send may then go redirected again (policy_allows promotes at a run's
+	 * first message). Put back in the middle of a response it sends on TCP
+	 * (the peer's request asked, the response began before this walk), it
+	 * would run sk_msg on every send of it, only to pass it to TCP, and
+	 * leave again. The peer's next message asks again. */
+	if (link->dir[end].tcp_read != tp->write_seq) {
+		__sync_fetch_and_and(&link->dir[end].flags, ~MW_DIR_RELINK_REQ);
+		req->result = MW_PARK_MOOT;
+		return 0;
+	}
 	if (bpf_map_update_elem(&mw_sockmap, &pos, (struct sock *)tp, BPF_NOEXIST)) {
 		req->result = MW_PARK_FAILED;
 		return 0;
