@@ -581,6 +581,37 @@ fn writer_byte(i: u64) -> u8 {
     (i ^ (i >> 8) ^ (i >> 16)) as u8
 }
 
+/// Blocking writes into `c`: 8 MiB at once, then 64 B messages without a
+/// pause until `stop`, then half-close; the bytes written.
+fn big_then_small_writes(c: &TcpStream, stop: &std::sync::atomic::AtomicBool) -> Result<u64> {
+    let mut w = c;
+    let big: Vec<u8> = (0..8u64 << 20).map(writer_byte).collect();
+    std::io::Write::write_all(&mut w, &big)?;
+    let mut at = big.len() as u64;
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        let msg: [u8; 64] = std::array::from_fn(|i| writer_byte(at + i as u64));
+        write_all_ready(&mut w, &msg, Some(T))?;
+        at += 64;
+    }
+    w.shutdown(std::net::Shutdown::Write)?;
+    Ok(at)
+}
+
+/// Reads `s` to its end, each byte checked against `writer_byte`; the count.
+fn checked_reads(s: &TcpStream) -> Result<u64> {
+    let (mut r, mut buf, mut at) = (s, vec![0u8; 64 << 10], 0u64);
+    loop {
+        let n = meshwarp_testbed::read_ready(&mut r, &mut buf, Some(T))?;
+        if n == 0 {
+            return Ok(at);
+        }
+        for (i, b) in buf[..n].iter().enumerate() {
+            ensure!(*b == writer_byte(at + i as u64), "wrong byte at {}", at + i as u64);
+        }
+        at += n as u64;
+    }
+}
+
 /// A listener in another namespace cannot be looked at from connect(), and
 /// its first client has no hint: it joins mw_sockmap. Its server end, no
 /// target (SO_RCVLOWAT), moves it to mw_tgtmap (MW_DIR_MOVE): out of
@@ -620,19 +651,7 @@ fn a_first_client_of_a_listener_that_is_no_target_moves_to_the_target_map() -> R
         // From the connect on: one large write, blocked until the server
         // reads (its thread holds the client's psock across the delete, so
         // the move waits for it), then 64 B messages without a pause.
-        let writer = sc.spawn(|| -> Result<u64> {
-            let mut w = &c;
-            let big: Vec<u8> = (0..8u64 << 20).map(writer_byte).collect();
-            std::io::Write::write_all(&mut w, &big)?;
-            let mut at = big.len() as u64;
-            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                let msg: [u8; 64] = std::array::from_fn(|i| writer_byte(at + i as u64));
-                write_all_ready(&mut w, &msg, Some(T))?;
-                at += 64;
-            }
-            w.shutdown(std::net::Shutdown::Write)?;
-            Ok(at)
-        });
+        let writer = sc.spawn(|| big_then_small_writes(&c, &stop));
         let s = accept_timeout(&l, T);
         thread::sleep(Duration::from_millis(50));
         let s = match s {
@@ -642,19 +661,7 @@ fn a_first_client_of_a_listener_that_is_no_target_moves_to_the_target_map() -> R
                 return Err(e.into());
             }
         };
-        let reader = sc.spawn(move || -> Result<u64> {
-            let (mut r, mut buf, mut at) = (&s, vec![0u8; 64 << 10], 0u64);
-            loop {
-                let n = meshwarp_testbed::read_ready(&mut r, &mut buf, Some(T))?;
-                if n == 0 {
-                    return Ok(at);
-                }
-                for (i, b) in buf[..n].iter().enumerate() {
-                    ensure!(*b == writer_byte(at + i as u64), "wrong byte at {}", at + i as u64);
-                }
-                at += n as u64;
-            }
-        });
+        let reader = sc.spawn(move || checked_reads(&s));
         // The writer stops whatever happens, or the scope would wait for it.
         let moved = (|| -> Result<_> {
             in_tgtmap(&k, &c, END_CLIENT as usize)?;
@@ -698,34 +705,12 @@ fn a_client_inside_a_send_moves_once_that_send_returned() -> Result<()> {
     let cv = k.dp().socket_link(socket_cookie_of(&c)?)?.context("client accelerated")?;
     let (stop, reading) = (AtomicBool::new(false), AtomicBool::new(false));
     thread::scope(|sc| -> Result<()> {
-        let writer = sc.spawn(|| -> Result<u64> {
-            let mut w = &c;
-            let big: Vec<u8> = (0..8u64 << 20).map(writer_byte).collect();
-            std::io::Write::write_all(&mut w, &big)?;
-            let mut at = big.len() as u64;
-            while !stop.load(Ordering::Relaxed) {
-                let msg: [u8; 64] = std::array::from_fn(|i| writer_byte(at + i as u64));
-                write_all_ready(&mut w, &msg, Some(T))?;
-                at += 64;
-            }
-            w.shutdown(std::net::Shutdown::Write)?;
-            Ok(at)
-        });
+        let writer = sc.spawn(|| big_then_small_writes(&c, &stop));
         let reader = sc.spawn(|| -> Result<u64> {
             while !reading.load(Ordering::Relaxed) {
                 thread::sleep(Duration::from_millis(1));
             }
-            let (mut r, mut buf, mut at) = (&s, vec![0u8; 64 << 10], 0u64);
-            loop {
-                let n = meshwarp_testbed::read_ready(&mut r, &mut buf, Some(T))?;
-                if n == 0 {
-                    return Ok(at);
-                }
-                for (i, b) in buf[..n].iter().enumerate() {
-                    ensure!(*b == writer_byte(at + i as u64), "wrong byte at {}", at + i as u64);
-                }
-                at += n as u64;
-            }
+            checked_reads(&s)
         });
         // The threads stop whatever happens, or the scope would wait for them.
         let checked = (|| -> Result<meshwarp_core::RuleCounters> {
