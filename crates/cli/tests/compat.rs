@@ -249,8 +249,8 @@ fn haproxy_inbound_splice_response() -> Result<()> {
 /// which can splice and so is never a redirect target. The client's first
 /// accelerated connection joins mw_sockmap before haproxy's end decides
 /// (nothing hints at connect: haproxy is in another pod), and moves to
-/// mw_tgtmap, where its sends run no sk_msg, once it read what haproxy sent
-/// on TCP meanwhile (FIONREAD on a psock would not count those bytes). An
+/// mw_tgtmap, where its sends run no sk_msg (here served at the accept,
+/// before any byte; guard.rs has the move that waits for unread bytes). An
 /// nginx-style reader (epoll, edge-triggered, FIONREAD after a full read)
 /// gets every byte, before and after the move, and never waits for good.
 #[test]

@@ -158,8 +158,13 @@ impl Parker {
             EV_WAKE => PARK_WAKE,
             _ => return false,
         };
-        // A newer request for the same socket replaces an older one.
-        self.queue.retain(|r| r.cookie != ev.cookie || r.op != op);
+        // One waiting request per socket and op keeps its schedule: an end
+        // answered busy (a FIONREAD client with bytes unread) whose peer
+        // keeps sending, and so asking, is walked for every RETRY_EVERY and
+        // MAX_TRIES times, not for every send.
+        if self.queue.iter().any(|r| r.cookie == ev.cookie && r.op == op) {
+            return true;
+        }
         self.queue.push(Request { op, cookie: ev.cookie, netns: ev.netns, tid: ev.pid, tries: 0, due: Instant::now() });
         true
     }

@@ -118,7 +118,7 @@ pub fn run_in_netns<T: Send>(netns: Option<&Path>, f: impl FnOnce() -> T + Send)
 }
 
 /// Runs `f` on a scoped thread of its own, named `meshwarp-netns` (an
-/// unnamed thread would carry its creator's name, the guard's say).
+/// unnamed thread would carry its creator's name, such as the guard's).
 fn on_netns_thread<T: Send>(f: impl FnOnce() -> Result<T, SysError> + Send) -> Result<T, SysError> {
     std::thread::scope(|s| {
         std::thread::Builder::new()

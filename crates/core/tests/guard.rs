@@ -445,6 +445,21 @@ fn in_tgtmap(k: &KernelTest, c: &TcpStream, end: usize) -> Result<Link> {
     }
 }
 
+/// Waits until the client end of `cv`'s link is out of mw_sockmap (the
+/// first half of its move served), or in mw_tgtmap.
+fn unlinked(k: &KernelTest, cv: &meshwarp_bpf::shared::CookieVal) -> Result<Link> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let l = k.dp().link(cv)?.context("link")?;
+        // (Or already moved in, which the caller then finds.)
+        if l.dir[END_CLIENT as usize].flags & DIR_UNLINKED != 0 || l.end_flags[END_CLIENT as usize] & EF_TGTMAP != 0 {
+            return Ok(l);
+        }
+        ensure!(std::time::Instant::now() < deadline, "the client never left mw_sockmap: {l:?}");
+        thread::sleep(Duration::from_millis(2));
+    }
+}
+
 /// A connection from `ns` to `addr`, accepted by `l`, and the link its
 /// (accelerated) client end built.
 fn connect_linked(
@@ -717,7 +732,9 @@ fn a_client_inside_a_send_moves_once_that_send_returned() -> Result<()> {
             thread::sleep(Duration::from_millis(200));
             ensure!(!writer.is_finished(), "the 8 MiB write returned before the server read");
             held = None;
-            thread::sleep(Duration::from_millis(150));
+            unlinked(&k, &cv)?;
+            // Several retries (every 5 ms) answered busy meanwhile.
+            thread::sleep(Duration::from_millis(50));
             let link = k.dp().link(&cv)?.context("link")?;
             ensure!(
                 link.end_flags[END_CLIENT as usize] & EF_TGTMAP == 0 && !writer.is_finished(),
@@ -839,7 +856,8 @@ fn a_fionread_first_client_moves_once_it_read_its_tcp_bytes() -> Result<()> {
         let got = (|| -> Result<Vec<u8>> {
             thread::sleep(Duration::from_millis(50));
             drop(held);
-            thread::sleep(Duration::from_millis(100));
+            unlinked(&k, &cv)?;
+            thread::sleep(Duration::from_millis(50));
             let link = k.dp().link(&cv)?.context("link")?;
             if fionread {
                 ensure!(

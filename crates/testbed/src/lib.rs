@@ -1143,6 +1143,14 @@ impl HeldThread {
             unsafe {
                 libc::close(release_w.into_raw_fd());
                 libc::close(ready_r.into_raw_fd());
+                // Nothing else of the parent's: another HeldThread's
+                // release pipe kept open here would never read EOF.
+                let (lo, hi) = (ready.min(release) as libc::c_uint, ready.max(release) as libc::c_uint);
+                for (from, to) in [(3, lo.saturating_sub(1)), (lo + 1, hi - 1), (hi + 1, libc::c_uint::MAX)] {
+                    if from <= to {
+                        libc::syscall(libc::SYS_close_range, from, to, 0);
+                    }
+                }
                 let mut status = 0;
                 let held = libc::ptrace(libc::PTRACE_SEIZE, tid, 0, 0) == 0
                     && libc::ptrace(libc::PTRACE_INTERRUPT, tid, 0, 0) == 0
