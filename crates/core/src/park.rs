@@ -129,16 +129,13 @@ impl Parker {
                     moved_out = self.unlink(cookie) == Some(PARK_DONE) && flags & DIR_MOVE != 0;
                 }
                 // A move whose second half was never asked for.
-                if moved_out && !self.queue.iter().any(|r| r.cookie == cookie && r.op == PARK_RELINK) {
-                    self.queue.push(Request { op: PARK_RELINK, cookie, netns, tid: 0, tries: 0, due: Instant::now() });
+                if moved_out {
+                    self.enqueue(PARK_RELINK, cookie, netns, 0);
                 }
                 // A wake-up asked while no process served: its reader may
                 // still wait, and its flag keeps it from asking again.
-                if l.end_flags[end] & EF_WAKE != 0
-                    && l.end_flags[end] & (EF_CLOSED | EF_GONE) == 0
-                    && !self.queue.iter().any(|r| r.cookie == l.cookie[end] && r.op == PARK_WAKE)
-                {
-                    self.queue.push(Request { op: PARK_WAKE, cookie, netns, tid: 0, tries: 0, due: Instant::now() });
+                if l.end_flags[end] & EF_WAKE != 0 && l.end_flags[end] & (EF_CLOSED | EF_GONE) == 0 {
+                    self.enqueue(PARK_WAKE, cookie, netns, 0);
                 }
             }
         }
@@ -158,20 +155,24 @@ impl Parker {
             EV_WAKE => PARK_WAKE,
             _ => return false,
         };
-        // One waiting request per socket and op keeps its schedule: an end
-        // answered busy (a FIONREAD client with bytes unread) whose peer
-        // keeps sending, and so asking, is walked for every RETRY_EVERY and
-        // MAX_TRIES times, not for every send.
-        if self.queue.iter().any(|r| r.cookie == ev.cookie && r.op == op) {
-            return true;
-        }
-        self.queue.push(Request { op, cookie: ev.cookie, netns: ev.netns, tid: ev.pid, tries: 0, due: Instant::now() });
+        self.enqueue(op, ev.cookie, ev.netns, ev.pid);
         true
     }
 
+    /// Queues `op` for socket `cookie`, due now, unless one is queued: a
+    /// waiting request keeps its schedule, so an end answered busy (a
+    /// FIONREAD client with bytes unread) whose peer keeps sending, and so
+    /// asking, is walked every RETRY_EVERY and MAX_TRIES times, not for every
+    /// send.
+    fn enqueue(&mut self, op: u32, cookie: u64, netns: u64, tid: u32) {
+        if !self.queue.iter().any(|r| r.cookie == cookie && r.op == op) {
+            self.queue.push(Request { op, cookie, netns, tid, tries: 0, due: Instant::now() });
+        }
+    }
+
     /// Deletes a parked, drained (or moving) end's `mw_sockmap` entry
-    /// (`mw_unlink`); its `MW_PARK_*` result, `None` if it could not run.
-    /// Then the end stays parked in the map (its peer's bytes take TCP)
+    /// (`mw_unlink`); its `MW_PARK_*` result. `None` if it could not run:
+    /// the end then stays parked in the map (its peer's bytes take TCP)
     /// until a later rescan.
     fn unlink(&mut self, cookie: u64) -> Option<u32> {
         let ctx = UnlinkCtx::for_cookie(cookie);

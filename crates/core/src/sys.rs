@@ -29,6 +29,8 @@ pub enum SysError {
     NetnsCookie(io::Error),
     #[error("entering netns {path}: {source}")]
     Setns { path: PathBuf, source: nix::Error },
+    #[error("spawning a network namespace thread: {0}")]
+    Spawn(#[source] io::Error),
 }
 
 fn io_err(path: &Path) -> impl FnOnce(io::Error) -> SysError + '_ {
@@ -124,7 +126,7 @@ fn on_netns_thread<T: Send>(f: impl FnOnce() -> Result<T, SysError> + Send) -> R
         std::thread::Builder::new()
             .name("meshwarp-netns".into())
             .spawn_scoped(s, f)
-            .map_err(io_err(Path::new("(spawning a network namespace thread)")))?
+            .map_err(SysError::Spawn)?
             .join()
             .unwrap_or_else(|p| std::panic::resume_unwind(p))
     })

@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
 use meshwarp_bpf::shared::{
-    Link, DIR_MOVE, DIR_RELINK_REQ, DIR_UNLINKED, EF_FIONREAD, EF_TARGET, EF_TGTMAP, END_CLIENT, END_SERVER,
+    CookieVal, Link, DIR_MOVE, DIR_RELINK_REQ, DIR_UNLINKED, EF_FIONREAD, EF_TARGET, EF_TGTMAP, END_CLIENT, END_SERVER,
     LINK_POISONED,
 };
 use meshwarp_core::sys::socket_cookie_of;
@@ -430,34 +430,33 @@ fn without_the_guard_a_blocked_read_returns_eagain() -> Result<()> {
     Ok(())
 }
 
-/// The link of socket `c`, once its end `end` sits in `mw_tgtmap` (where no
-/// sk_msg runs on its sends); an error if it does not within 10 s.
-fn in_tgtmap(k: &KernelTest, c: &TcpStream, end: usize) -> Result<Link> {
-    let cv = k.dp().socket_link(socket_cookie_of(c)?)?.context("accelerated")?;
+/// The link of `cv` once `cond` holds for it; an error naming `what` if it
+/// does not within 10 s (the guard thread serves moves a little later).
+fn wait_link(k: &KernelTest, cv: &CookieVal, what: &str, cond: impl Fn(&Link) -> bool) -> Result<Link> {
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     loop {
-        let l = k.dp().link(&cv)?.context("link")?;
-        if l.end_flags[end] & EF_TGTMAP != 0 {
+        let l = k.dp().link(cv)?.context("link")?;
+        if cond(&l) {
             return Ok(l);
         }
-        ensure!(std::time::Instant::now() < deadline, "end {end} never moved to mw_tgtmap: {l:?}");
+        ensure!(std::time::Instant::now() < deadline, "{what}: {l:?}");
         thread::sleep(Duration::from_millis(2));
     }
 }
 
-/// Waits until the client end of `cv`'s link is out of mw_sockmap (the
-/// first half of its move served), or in mw_tgtmap.
-fn unlinked(k: &KernelTest, cv: &meshwarp_bpf::shared::CookieVal) -> Result<Link> {
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let l = k.dp().link(cv)?.context("link")?;
-        // (Or already moved in, which the caller then finds.)
-        if l.dir[END_CLIENT as usize].flags & DIR_UNLINKED != 0 || l.end_flags[END_CLIENT as usize] & EF_TGTMAP != 0 {
-            return Ok(l);
-        }
-        ensure!(std::time::Instant::now() < deadline, "the client never left mw_sockmap: {l:?}");
-        thread::sleep(Duration::from_millis(2));
-    }
+/// The link of socket `c`, once its end `end` sits in `mw_tgtmap` (where no
+/// sk_msg runs on its sends).
+fn in_tgtmap(k: &KernelTest, c: &TcpStream, end: usize) -> Result<Link> {
+    let cv = k.dp().socket_link(socket_cookie_of(c)?)?.context("accelerated")?;
+    wait_link(k, &cv, &format!("end {end} never moved to mw_tgtmap"), |l| l.end_flags[end] & EF_TGTMAP != 0)
+}
+
+/// Once the client end of `cv`'s link is out of mw_sockmap (the first half
+/// of its move served), or already in mw_tgtmap (which the caller finds).
+fn unlinked(k: &KernelTest, cv: &CookieVal) -> Result<Link> {
+    wait_link(k, cv, "the client never left mw_sockmap", |l| {
+        l.dir[END_CLIENT as usize].flags & DIR_UNLINKED != 0 || l.end_flags[END_CLIENT as usize] & EF_TGTMAP != 0
+    })
 }
 
 /// A connection from `ns` to `addr`, accepted by `l`, and the link its
@@ -781,17 +780,11 @@ fn a_client_withdrawn_while_it_moves_stays_on_tcp() -> Result<()> {
     let cv = k.dp().socket_link(socket_cookie_of(&c)?)?.context("client accelerated")?;
     set_int(&c, libc::SOL_SOCKET, libc::SO_RCVLOWAT, 100)?;
     drop(held);
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
     let served = DIR_UNLINKED | DIR_RELINK_REQ;
-    let link = loop {
-        let link = k.dp().link(&cv)?.context("link")?;
-        let flags = link.dir[END_CLIENT as usize].flags;
-        if flags & served == served || flags & DIR_MOVE == 0 {
-            break link;
-        }
-        ensure!(std::time::Instant::now() < deadline, "the move was never served: {link:?}");
-        thread::sleep(Duration::from_millis(2));
-    };
+    let link = wait_link(&k, &cv, "the move was never served", |l| {
+        let flags = l.dir[END_CLIENT as usize].flags;
+        flags & served == served || flags & DIR_MOVE == 0
+    })?;
     ensure!(link.end_flags[END_CLIENT as usize] & EF_TGTMAP == 0, "moved in, though no target: {link:?}");
     ensure!(link.dir[END_CLIENT as usize].flags & served == served, "back in mw_sockmap: {link:?}");
     let before = k.dp().stats(&pair)?;
