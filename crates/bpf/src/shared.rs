@@ -87,6 +87,9 @@ pub const CFG_SYSCALL_WATCH: u32 = 16;
 pub const CFG_LATENCY: u32 = 32;
 pub const CFG_LAT_ALL: u32 = 64;
 pub const CFG_LAT_EVERY: u32 = 128;
+/// `MW_CFG_LAT_CLEAN`: the monitor never ran on these maps, so a new rule
+/// id has no histogram or switch to forget (set when the maps are created).
+pub const CFG_LAT_CLEAN: u32 = 256;
 /// Sampling: at most this many sends skipped between a socket's own samples.
 pub const LAT_SKIP_MAX: u32 = 63;
 /// `MW_FB_*` (`mw_sock_state.fb`): why a covered connection stays on TCP.
@@ -817,6 +820,7 @@ mod tests {
         assert_eq!(define("MW_LAT_ROWS"), LAT_ROWS);
         assert_eq!(define("MW_CFG_LAT_ALL"), CFG_LAT_ALL);
         assert_eq!(define("MW_CFG_LAT_EVERY"), CFG_LAT_EVERY);
+        assert_eq!(define("MW_CFG_LAT_CLEAN"), CFG_LAT_CLEAN);
         assert_eq!(define("MW_LAT_SKIP_MAX"), LAT_SKIP_MAX);
         assert_eq!(define("MW_LAT_ROW_METRICS"), LAT_ROW_METRICS);
         assert_eq!(define("MW_LAT_RT_ROW_METRICS"), LAT_RT_ROW_METRICS);

@@ -28,8 +28,8 @@ use libbpf_rs::{Link, MapCore, MapFlags, MapHandle, ProgramHandle};
 use meshwarp_bpf::names;
 use meshwarp_bpf::shared::{
     Config, CookieVal, Exe, ExeKey, Link as LinkValue, Pod, CFG_BLOCKING_EAGAIN, CFG_FIONREAD_PSOCK, CFG_GUARD,
-    CFG_LATENCY, CFG_LAT_ALL, CFG_LAT_EVERY, CFG_SPLICE_BLIND, CFG_SYSCALL_WATCH, CHAIN_FIN, EXE_SEEN_SPLICE, LAT_ROWS,
-    LAT_ROW_METRICS,
+    CFG_LATENCY, CFG_LAT_ALL, CFG_LAT_CLEAN, CFG_LAT_EVERY, CFG_SPLICE_BLIND, CFG_SYSCALL_WATCH, CHAIN_FIN,
+    EXE_SEEN_SPLICE, LAT_ROWS, LAT_ROW_METRICS,
 };
 
 use crate::conns::{ConnFilter, ConnLister, ConnSource, Connection, ConnsError};
@@ -38,7 +38,7 @@ use crate::error::{BpfError, IoError};
 use crate::guard::{GuardMode, GuardThread, Incident, Subscribers};
 use crate::latency::{LatencyError, LatencyMonitor};
 use crate::loader;
-use crate::maps::{KernelMaps, MapError, TypedMap};
+use crate::maps::{KernelMaps, MapError, RuleLatency, TypedMap};
 use crate::pins::{FamilyPins, PinLock};
 use crate::probe::KernelProbe;
 use crate::registry::{Registry, SockRule};
@@ -208,7 +208,8 @@ impl Dataplane {
             tracing::info!(dir = %layout.dir().display(), "adopting pinned data path");
             Origin::Adopted
         } else if none_pinned {
-            if let Err(e) = load_and_pin(cfg, &layout) {
+            let loaded = load_and_pin(cfg, &layout).and_then(|()| Ok(RuleLatency::mark_clean(&layout.maps_dir())?));
+            if let Err(e) = loaded {
                 // Nothing is pinned (PinGuard); leave no empty directories either.
                 let _ = remove_pinned(&cfg.pin_root);
                 return Err(e);
@@ -237,7 +238,7 @@ impl Dataplane {
         // The latency monitor's switch outlives the process that set it.
         let config_map = TypedMap::<u32, Config>::pinned(&dir, names::MAP_CONFIG)?;
         let before = config_map.get(&0)?.unwrap_or_default();
-        let kept = before.flags & (CFG_LATENCY | CFG_LAT_ALL | CFG_LAT_EVERY);
+        let kept = before.flags & (CFG_LATENCY | CFG_LAT_ALL | CFG_LAT_EVERY | CFG_LAT_CLEAN);
         config_map.put(&0, &Config { flags: guard_flags | kept, pad: 0, lat_since: before.lat_since })?;
         set_guard_links(&layout, guard_flags)?;
         let latency = LatencyMonitor::sockets(&layout)?;

@@ -32,8 +32,8 @@ use std::sync::Mutex;
 use libbpf_rs::ProgramHandle;
 use meshwarp_bpf::names;
 use meshwarp_bpf::shared::{
-    Config, LatHist, CFG_LATENCY, CFG_LAT_ALL, CFG_LAT_EVERY, LAT_BUCKETS, LAT_FAST, LAT_HOP, LAT_RESPONSE, LAT_SETUP,
-    LAT_TCP, LAT_THINK, LAT_TRANSIT,
+    Config, LatHist, CFG_LATENCY, CFG_LAT_ALL, CFG_LAT_CLEAN, CFG_LAT_EVERY, LAT_BUCKETS, LAT_FAST, LAT_HOP,
+    LAT_RESPONSE, LAT_SETUP, LAT_TCP, LAT_THINK, LAT_TRANSIT,
 };
 
 use crate::error::{BpfError, IoError};
@@ -335,7 +335,9 @@ impl LatencyMonitor {
                         self.lat.rules.put(&id, &was)?;
                     }
                 }
-                self.config.put(&0, &before_cfg)?;
+                // The monitor may have recorded meanwhile: the maps stay marked used.
+                let back = Config { flags: before_cfg.flags & !CFG_LAT_CLEAN, ..before_cfg };
+                self.config.put(&0, &back)?;
                 self.set_links(before_links)
             })();
             if let Err(r) = restored {
@@ -350,7 +352,13 @@ impl LatencyMonitor {
     fn apply(&self, scope: &Scope, cfg: &Config, on_before: &[(u32, u64)]) -> Result<(), LatencyError> {
         let now = monotonic_ns();
         let on = *scope != Scope::Off;
+        let mut next = *cfg;
         if on {
+            // Before anything can record: new rule ids must forget again.
+            if next.flags & CFG_LAT_CLEAN != 0 {
+                next.flags &= !CFG_LAT_CLEAN;
+                self.config.put(&0, &next)?;
+            }
             self.set_links(true)?;
         }
         let want: BTreeSet<u32> = match scope {
@@ -368,7 +376,6 @@ impl LatencyMonitor {
                 self.lat.rules.put(id, &now)?;
             }
         }
-        let mut next = *cfg;
         let was_all = cfg.flags & CFG_LATENCY != 0 && cfg.flags & CFG_LAT_ALL != 0;
         next.flags &= !(CFG_LATENCY | CFG_LAT_ALL);
         match scope {

@@ -20,8 +20,8 @@ use std::os::fd::{AsFd, AsRawFd};
 use libbpf_rs::{ErrorKind, MapCore, MapFlags, MapHandle, MapType};
 use meshwarp_bpf::names;
 use meshwarp_bpf::shared::{
-    CaptureKey, GlobalStats, LatHist, LatKey, OwnerName, PairKey, Pod, Rule, RuleStats, LAT_FAST, LAT_ROW_METRICS,
-    LAT_RT_ROW_METRICS, LAT_TRANSIT,
+    CaptureKey, Config, GlobalStats, LatHist, LatKey, OwnerName, PairKey, Pod, Rule, RuleStats, CFG_LAT_CLEAN,
+    LAT_FAST, LAT_ROW_METRICS, LAT_RT_ROW_METRICS, LAT_TRANSIT,
 };
 
 /// A failed map operation.
@@ -498,12 +498,14 @@ impl RowShape {
 
 /// One family's latency maps per rule id: the switch (`mw_lat_rule`), the
 /// rows of the first ids (`mw_lat_rows`) and the hash of the others and of
-/// hops (`mw_lat_hist`).
+/// hops (`mw_lat_hist`); and `mw_config`, whose `CFG_LAT_CLEAN` says the
+/// monitor never ran on them.
 #[derive(Debug)]
 pub(crate) struct RuleLatency {
     pub(crate) rules: TypedMap<u32, u64>,
     pub(crate) rows: Rows,
     pub(crate) hists: PerCpu<LatKey, LatHist>,
+    config: TypedMap<u32, Config>,
 }
 
 impl RuleLatency {
@@ -512,12 +514,28 @@ impl RuleLatency {
             rules: TypedMap::pinned(maps_dir, names::MAP_LAT_RULE)?,
             rows: Rows { map: PerCpu::pinned(maps_dir, names::MAP_LAT_ROWS)?, shape },
             hists: PerCpu::pinned(maps_dir, names::MAP_LAT_HIST)?,
+            config: TypedMap::pinned(maps_dir, names::MAP_CONFIG)?,
         })
     }
 
+    /// Marks maps just created: the monitor never ran on them. Only maps a
+    /// loader created get the mark, so those an older build pinned are
+    /// still searched.
+    pub(crate) fn mark_clean(maps_dir: &Path) -> Result<(), MapError> {
+        let config = TypedMap::<u32, Config>::pinned(maps_dir, names::MAP_CONFIG)?;
+        let mut c = config.get(&0)?.unwrap_or_default();
+        c.flags |= CFG_LAT_CLEAN;
+        config.put(&0, &c)
+    }
+
     /// A rule id given to a new rule starts with the monitor off and no
-    /// histograms (its own, or a hop's from it).
+    /// histograms (its own, or a hop's from it). On maps the monitor never
+    /// ran on there is nothing to forget; that saves the walk of
+    /// `mw_lat_hist`, which visits every bucket even when the map is empty.
     pub(crate) fn forget(&self, id: u32) -> Result<(), MapError> {
+        if self.config.get(&0)?.unwrap_or_default().flags & CFG_LAT_CLEAN != 0 {
+            return Ok(());
+        }
         self.rules.put(&id, &0)?;
         self.rows.zero(id)?;
         for k in self.hists.keys()? {

@@ -31,7 +31,7 @@ use meshwarp_bpf::tcredir::{TcredirProgs, TcredirSkelBuilder};
 use crate::error::{BpfError, IoError};
 use crate::latency::{LatencyError, LatencyMonitor};
 use crate::maps::PerCpu;
-use crate::maps::{MapError, SlotMaps, TypedMap};
+use crate::maps::{MapError, RuleLatency, SlotMaps, TypedMap};
 pub use crate::netlink::IfaceRef;
 use crate::netlink::{self, NetlinkError};
 use crate::pins::{FamilyPins, PinLock};
@@ -286,7 +286,7 @@ struct TcMaps {
     rt_stats: PerCpu<u32, RouteStats>,
     rt_owner: TypedMap<u32, OwnerName>,
     /// The latency monitor's switch and histograms per route id.
-    lat: crate::maps::RuleLatency,
+    lat: RuleLatency,
 }
 
 // The maps are kernel objects written through shared handles, so the table
@@ -649,7 +649,8 @@ impl TcDataplane {
         let pin_lock = pins.lock()?;
         let (missing, none_pinned) = pins.missing();
         if none_pinned {
-            if let Err(e) = load_and_pin(cfg, &pins) {
+            let loaded = load_and_pin(cfg, &pins).and_then(|()| Ok(RuleLatency::mark_clean(&pins.maps_dir())?));
+            if let Err(e) = loaded {
                 // Leave neither partial pins nor empty directories.
                 let _ = remove_pinned(&cfg.pin_root);
                 return Err(e);
@@ -667,7 +668,7 @@ impl TcDataplane {
                 rt6: TypedMap::pinned(&dir, names::MAP_RT6)?,
                 rt_stats: PerCpu::pinned(&dir, names::MAP_RT_STATS)?,
                 rt_owner: TypedMap::pinned(&dir, names::MAP_RT_OWNER)?,
-                lat: crate::maps::RuleLatency::open(&dir, crate::maps::RowShape::ROUTES)?,
+                lat: RuleLatency::open(&dir, crate::maps::RowShape::ROUTES)?,
             },
             latency: LatencyMonitor::routes(&pins)?,
             att_stats: PerCpu::pinned(&dir, names::MAP_ATT_STATS)?,

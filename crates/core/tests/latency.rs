@@ -439,6 +439,35 @@ fn stamps_from_before_a_switch_and_a_reused_rule_id_are_not_carried_over() -> Re
     Ok(())
 }
 
+/// A rule id freed and given again after the daemon restarted (the pins
+/// adopted) starts without the histograms recorded before the restart:
+/// maps the monitor ran on stay marked used, so a new rule id is searched.
+#[test]
+fn a_rule_id_reused_after_a_restart_has_no_histograms_from_before() -> Result<()> {
+    let mut k = kernel_test!();
+    let net = NodeWithPods::new(2)?;
+    let (l, p, id) = pair(&k, &net, 0, 1, 8345, FastPathMode::Always)?;
+    k.dp().latency().set_sampling(LatencySampling::Every)?;
+    k.dp().latency().set(&LatencyScope::All, false)?;
+    let mut c = net.pods[0].ns.connect(SocketAddr::new(net.pods[1].addr(false), 8345))?;
+    let s = accept_timeout(&l, Duration::from_secs(10))?;
+    rounds(&mut c, s, 5, 64, Duration::ZERO)?;
+    k.dp().latency().set(&LatencyScope::Off, false)?;
+    ensure!(!k.dp().latency().histograms(&BTreeSet::from([id]))?.is_empty(), "recorded before the restart");
+    drop(c);
+
+    // A restart: the pins (and histograms) stay, the process is new.
+    drop(k.dp.take());
+    k.dp = Some(meshwarp_core::Dataplane::open(&k.cfg)?);
+    ensure!(k.dp().origin() == meshwarp_core::DataplaneOrigin::Adopted, "the pins were adopted");
+    k.dp().remove(&p)?;
+    let p2 = EndpointPair::new(net.pods[0].addr(false), SocketAddr::new(net.pods[1].addr(false), 8346).into())?;
+    k.dp().insert(&p2, "test")?;
+    ensure!(k.dp().rule_id(&p2)? == id, "the freed id is given again");
+    ensure!(k.dp().latency().histograms(&BTreeSet::from([id]))?.is_empty(), "no histograms carried over");
+    Ok(())
+}
+
 /// The first rule ids record by index (`mw_lat_rows`), the ones past them in
 /// the hash: both show, side by side, in the same histograms, and a reset
 /// or a reused id clears either.

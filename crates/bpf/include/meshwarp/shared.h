@@ -424,6 +424,7 @@ struct mw_config {
 #define MW_CFG_LATENCY 32u          /* the latency monitor runs for the rules mw_lat_rule names */
 #define MW_CFG_LAT_ALL 64u          /* ... for every rule (with MW_CFG_LATENCY) */
 #define MW_CFG_LAT_EVERY 128u       /* ... measuring every message (else sampled: MW_LAT_SKIP_MAX) */
+#define MW_CFG_LAT_CLEAN 256u       /* user space: the monitor never ran on these maps (no histogram to forget) */
 
 /* Sampling, MW_CFG_LAT_EVERY off: a sampled request carries its stamp along
  * its chain (read, the thread's next send, ...); a socket starts a chain of
