@@ -46,7 +46,7 @@ const RR_TURN: u32 = 2_000;
 
 #[path = "interleave.rs"]
 mod interleave;
-use interleave::{interleaved_medians, interleaved_timed};
+use interleave::{interleaved_in_order, interleaved_medians};
 #[path = "exchange.rs"]
 mod exchange;
 
@@ -438,7 +438,10 @@ fn one_stream(
 }
 
 /// The stream matrix again, the paths in alternation (turns of one stream
-/// each, the median of each path's turns), printed as a table. Criterion
+/// each, in a new order every round, the median of each path's turns),
+/// printed as a table. In a fixed order each path pays for the one before
+/// it: a download turn right after mode always's took 1.08x its time (1.01x
+/// with 100 ms between turns). Criterion
 /// runs each path's samples back to back, and this host drifts between them
 /// by more than some cells' differences. TCP runs twice per turn: the second
 /// one's ratio to the first (A/A) is the noise a cell's ratios carry. The
@@ -474,7 +477,7 @@ fn stream_interleaved(ns: &NetNs, conns_list: &[usize], always: &EndpointPair, a
                     // A first stream on TCP (not counted) times the cell.
                     let first = one_stream(ns, lo(ports[0]), conns, nodelay, write, total / conns, place);
                     let turns = turns_for(first);
-                    let m = interleaved_timed(ports.len(), turns, |i| {
+                    let m = interleaved_in_order(ports.len(), turns, true, |i| {
                         one_stream(ns, lo(ports[i]), conns, nodelay, write, total / conns, place)
                     });
                     let tcp = total as f64 / m[0] * 1e9 / f64::from(1u32 << 20);
@@ -553,7 +556,8 @@ impl Exchange {
 /// Downloads (a 64 B request, a 1 or 16 MiB response written in 1 or 16 KiB
 /// writes) and bursts (16 or 100 pipelined requests of 64 B or 1 KiB, each
 /// answered alike; 16 of 16 KiB, each answered with 64 B), Nagle on and off: TCP, mode always and mode adaptive in
-/// alternation, TCP again as the noise floor; time per request or burst,
+/// alternation (a new order every round, as the streams), TCP again as the
+/// noise floor; time per request or burst,
 /// medians, as a table (`download/<size>MiB_<write>B_<nagle>`,
 /// `burst/<k>x<size>B[_ack<answer>B]_<nagle>`).
 fn exchanges(kt: &KernelTest, ns: &NetNs, always: &EndpointPair, adaptive: &EndpointPair) {
@@ -580,7 +584,7 @@ fn exchanges(kt: &KernelTest, ns: &NetNs, always: &EndpointPair, adaptive: &Endp
             continue;
         }
         let turns = turns_for(cell.run(ns, lo(ports[0])) * cell.per_turn());
-        let m = interleaved_timed(ports.len(), turns, |i| cell.run(ns, lo(ports[i])));
+        let m = interleaved_in_order(ports.len(), turns, true, |i| cell.run(ns, lo(ports[i])));
         let mark = |r: f64| if r > 1.05 { " SLOWER" } else { "" };
         let [a, d, aa] = [m[1], m[2], m[3]].map(|t| t / m[0]);
         rows.push(format!(
