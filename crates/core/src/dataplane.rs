@@ -208,8 +208,7 @@ impl Dataplane {
             tracing::info!(dir = %layout.dir().display(), "adopting pinned data path");
             Origin::Adopted
         } else if none_pinned {
-            let loaded = load_and_pin(cfg, &layout).and_then(|()| Ok(RuleLatency::mark_clean(&layout.maps_dir())?));
-            if let Err(e) = loaded {
+            if let Err(e) = load_and_pin(cfg, &layout) {
                 // Nothing is pinned (PinGuard); leave no empty directories either.
                 let _ = remove_pinned(&cfg.pin_root);
                 return Err(e);
@@ -231,6 +230,9 @@ impl Dataplane {
             layout.clear_stray();
         }
         let upgrade = upgrade::apply("socket", &dir, || upgrade_programs(&layout))?;
+        if !matches!(upgrade, Upgrade::None) {
+            RuleLatency::mark_used(&dir)?;
+        }
         let programs_build = upgrade::programs_build(&dir)?;
 
         let kernel = probe_unmarked(&dir);
@@ -689,6 +691,9 @@ fn load_and_pin(cfg: &DataplaneConfig, layout: &FamilyPins) -> Result<(), Datapl
     maps.mw_build
         .update(&0u32.to_ne_bytes(), upgrade::this_build().as_bytes(), MapFlags::ANY)
         .map_err(bpf_err("writing mw_build"))?;
+    maps.mw_config
+        .update(&0u32.to_ne_bytes(), RuleLatency::FRESH_CONFIG.as_bytes(), MapFlags::ANY)
+        .map_err(bpf_err("writing mw_config"))?;
     let all_maps = [
         (names::MAP_SOCKMAP, &maps.mw_sockmap),
         (names::MAP_TGTMAP, &maps.mw_tgtmap),

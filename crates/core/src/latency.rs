@@ -308,7 +308,8 @@ impl LatencyMonitor {
     /// sends from now on. Turning it on attaches the TCP-path send
     /// tracepoint before the programs start stamping; turning it off stops
     /// the stamping, then detaches it. On an error the previous switch is
-    /// put back (histograms a reset already deleted stay deleted).
+    /// put back (histograms a reset already deleted stay deleted, and maps
+    /// marked `CFG_LAT_CLEAN` stay unmarked).
     pub fn set(&self, scope: &Scope, reset: bool) -> Result<(), LatencyError> {
         let max = self.lat.rules.capacity();
         if let Scope::Rules(ids) = scope {

@@ -499,7 +499,8 @@ impl RowShape {
 /// One family's latency maps per rule id: the switch (`mw_lat_rule`), the
 /// rows of the first ids (`mw_lat_rows`) and the hash of the others and of
 /// hops (`mw_lat_hist`); and `mw_config`, whose `CFG_LAT_CLEAN` says the
-/// monitor never ran on them.
+/// monitor never ran on them (set by the loader that created them, taken off
+/// when the monitor is switched on or programs of another build ran).
 #[derive(Debug)]
 pub(crate) struct RuleLatency {
     pub(crate) rules: TypedMap<u32, u64>,
@@ -518,14 +519,21 @@ impl RuleLatency {
         })
     }
 
-    /// Marks maps just created: the monitor never ran on them. Only maps a
-    /// loader created get the mark, so those an older build pinned are
-    /// still searched.
-    pub(crate) fn mark_clean(maps_dir: &Path) -> Result<(), MapError> {
+    /// What a loader writes into `mw_config` of maps it creates, before
+    /// pinning them: the monitor never ran on them.
+    pub(crate) const FRESH_CONFIG: Config = Config { flags: CFG_LAT_CLEAN, pad: 0, lat_since: 0 };
+
+    /// Takes the mark off (programs of another build ran on these maps, and
+    /// may have run the monitor without clearing it): new rule ids search
+    /// and zero again.
+    pub(crate) fn mark_used(maps_dir: &Path) -> Result<(), MapError> {
         let config = TypedMap::<u32, Config>::pinned(maps_dir, names::MAP_CONFIG)?;
         let mut c = config.get(&0)?.unwrap_or_default();
-        c.flags |= CFG_LAT_CLEAN;
-        config.put(&0, &c)
+        if c.flags & CFG_LAT_CLEAN != 0 {
+            c.flags &= !CFG_LAT_CLEAN;
+            config.put(&0, &c)?;
+        }
+        Ok(())
     }
 
     /// A rule id given to a new rule starts with the monitor off and no

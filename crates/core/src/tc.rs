@@ -493,6 +493,10 @@ fn load_and_pin(cfg: &TcConfig, pins: &FamilyPins) -> Result<(), TcError> {
         .mw_build
         .update(&0u32.to_ne_bytes(), crate::upgrade::this_build().as_bytes(), MapFlags::ANY)
         .map_err(bpf("writing mw_build"))?;
+    skel.maps
+        .mw_config
+        .update(&0u32.to_ne_bytes(), RuleLatency::FRESH_CONFIG.as_bytes(), MapFlags::ANY)
+        .map_err(bpf("writing mw_config"))?;
     // The on_packet chain ends in the host's own decision.
     let fd = skel.progs.mw_pkt_fin.as_fd().as_raw_fd().to_ne_bytes();
     skel.maps
@@ -649,8 +653,7 @@ impl TcDataplane {
         let pin_lock = pins.lock()?;
         let (missing, none_pinned) = pins.missing();
         if none_pinned {
-            let loaded = load_and_pin(cfg, &pins).and_then(|()| Ok(RuleLatency::mark_clean(&pins.maps_dir())?));
-            if let Err(e) = loaded {
+            if let Err(e) = load_and_pin(cfg, &pins) {
                 // Leave neither partial pins nor empty directories.
                 let _ = remove_pinned(&cfg.pin_root);
                 return Err(e);
@@ -662,6 +665,9 @@ impl TcDataplane {
         }
         let dir = pins.maps_dir();
         let upgrade = upgrade::apply("tc", &dir, || upgrade_programs(&pins, cfg.netns.as_deref()))?;
+        if !matches!(upgrade, Upgrade::None) {
+            RuleLatency::mark_used(&dir)?;
+        }
         let dp = Self {
             maps: TcMaps {
                 rt4: TypedMap::pinned(&dir, names::MAP_RT4)?,

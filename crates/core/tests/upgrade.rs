@@ -8,7 +8,7 @@
 
 #![allow(clippy::unwrap_used)]
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::{SocketAddr, TcpStream};
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
@@ -19,12 +19,12 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
 use meshwarp_bpf::names;
-use meshwarp_bpf::shared::Build;
+use meshwarp_bpf::shared::{Build, Config, CFG_LAT_CLEAN};
 use meshwarp_core::fault::inject as inject_fault;
 use meshwarp_core::maps::TypedMap;
 use meshwarp_core::sys::socket_cookie_of;
 use meshwarp_core::upgrade::running_programs;
-use meshwarp_core::{Dataplane, Endpoint, EndpointPair, FastPathMode, Upgrade};
+use meshwarp_core::{Dataplane, Endpoint, EndpointPair, FastPathMode, LatencySampling, LatencyScope, Upgrade};
 use meshwarp_testbed::{
     child_dataplane_config, child_test, connect_nonblocking, echo_integrity, round_trip, KernelTest, NodeWithPods,
     Pattern, StreamEcho,
@@ -325,6 +325,45 @@ fn an_upgrade_adds_the_programs_an_older_build_lacked() -> Result<()> {
     ensure!(stray_pins(&dir).is_empty(), "{:?}", stray_pins(&dir));
     ping(&mut live, &mut pattern, 1000)?;
     ensure!(listed(k.dp())? == 2, "both ends of the live connection, after the upgrade");
+    Ok(())
+}
+
+/// Programs of another build may have run the latency monitor on maps this
+/// build created and marked clean (an older build keeps config flags it does
+/// not know): once upgraded, a reused rule id forgets that monitor's
+/// histograms again.
+#[test]
+fn after_another_builds_programs_a_reused_rule_id_forgets_their_histograms() -> Result<()> {
+    let mut k = kernel_test!(1024);
+    let bed = Bed::new(k.dp())?;
+    let dir = k.dp().pin_dir().to_path_buf();
+    let config = TypedMap::<u32, Config>::pinned(&dir.join("maps"), names::MAP_CONFIG)?;
+    let flags = || -> Result<u32> { Ok(config.get(&0)?.unwrap_or_default().flags) };
+    ensure!(flags()? & CFG_LAT_CLEAN != 0, "a data path just loaded is marked clean");
+    let id = k.dp().rule_id(&bed.pair)?;
+
+    // The other build: its monitor records, and the mark stays.
+    k.dp().latency().set_sampling(LatencySampling::Every)?;
+    k.dp().latency().set(&LatencyScope::All, false)?;
+    let mut c = bed.connect()?;
+    ping(&mut c, &mut Pattern::new(5), 100)?;
+    k.dp().latency().set(&LatencyScope::Off, false)?;
+    drop(c);
+    ensure!(!k.dp().latency().histograms(&BTreeSet::from([id]))?.is_empty(), "recorded");
+    let mut cfg = config.get(&0)?.unwrap_or_default();
+    cfg.flags |= CFG_LAT_CLEAN;
+    config.put(&0, &cfg)?;
+    drop(k.dp.take());
+    mark_other_build(&dir.join("maps"))?;
+
+    k.dp = Some(Dataplane::open(&k.cfg)?);
+    ensure!(matches!(k.dp().upgrade(), Upgrade::Done { .. }), "{:?}", k.dp().upgrade());
+    ensure!(flags()? & CFG_LAT_CLEAN == 0, "the mark is taken off after another build's programs");
+    k.dp().remove(&bed.pair)?;
+    let again = EndpointPair::new(bed.net.pods[0].addr(false), Endpoint::new(bed.net.pods[1].addr(false), PORT + 1))?;
+    k.dp().insert(&again, "test")?;
+    ensure!(k.dp().rule_id(&again)? == id, "the freed id is given again");
+    ensure!(k.dp().latency().histograms(&BTreeSet::from([id]))?.is_empty(), "no histograms carried over");
     Ok(())
 }
 
