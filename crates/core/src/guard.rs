@@ -36,7 +36,7 @@ use meshwarp_bpf::shared::{
 use crate::error::{BpfError, IoError};
 use crate::execlass::{self, ExeFacts};
 use crate::maps::{MapError, TypedMap};
-use crate::park::{self, Parker};
+use crate::park::Parker;
 use crate::slots::SlotSweeper;
 
 #[derive(Debug, thiserror::Error)]
@@ -302,8 +302,8 @@ fn run(pin_dir: &Path, stop: &AtomicBool, trusted: &BTreeSet<ExeKey>, subs: &Sub
     };
     let mut last_retry = Instant::now();
     while !stop.load(Ordering::Relaxed) {
-        let wait =
-            if parker.as_ref().is_some_and(Parker::waiting) { park::RETRY_EVERY } else { Duration::from_millis(50) };
+        let idle = Duration::from_millis(50);
+        let wait = parker.as_ref().and_then(Parker::next_due_in).map_or(idle, |d| d.min(idle));
         if let Err(e) = rb.poll(wait) {
             tracing::warn!("polling mw_events: {e}");
         }

@@ -13,7 +13,8 @@
 //! Relinking needs the socket itself: the `mw_park` iter/tcp program finds it
 //! in its network namespace, under its lock. This module feeds it requests,
 //! batched per namespace, and retries those a failed walk did not serve, up to
-//! [`MAX_TRIES`] times. The same walk wakes readers (`MW_EV_WAKE`): a reader
+//! [`MAX_TRIES`] times (a move answered busy: until served, less and less
+//! often). The same walk wakes readers (`MW_EV_WAKE`): a reader
 //! that asked FIONREAD with TCP bytes queued behind its psock, which this
 //! kernel's FIONREAD does not count (see `MW_EF_WAKE` in shared.h).
 //!
@@ -41,6 +42,24 @@ use crate::maps::{MapError, TypedMap};
 pub const MAX_TRIES: u32 = 100;
 /// How long an unserved relink waits before its next attempt.
 pub const RETRY_EVERY: Duration = Duration::from_millis(5);
+/// The longest wait between the attempts of a move still busy after
+/// [`MAX_TRIES`] (a client inside a long send, a FIONREAD client that does
+/// not read yet): it is asked again, less and less often, until served.
+pub const BACKOFF_MAX: Duration = Duration::from_secs(1);
+
+/// A walk that could not run (its namespace not entered): its requests are
+/// retried [`MAX_TRIES`] times, then given up.
+const WALK_FAILED: u32 = u32::MAX;
+
+/// The wait before the attempt after `tries` busy ones: [`RETRY_EVERY`] for
+/// the first [`MAX_TRIES`], then doubling up to [`BACKOFF_MAX`].
+fn retry_after(tries: u32) -> Duration {
+    if tries < MAX_TRIES {
+        return RETRY_EVERY;
+    }
+    let doublings = (tries - MAX_TRIES + 1).min(16);
+    (RETRY_EVERY * (1u32 << doublings)).min(BACKOFF_MAX)
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum ParkError {
@@ -162,8 +181,8 @@ impl Parker {
     /// Queues `op` for socket `cookie`, due now, unless one is queued: a
     /// waiting request keeps its schedule, so an end answered busy (a
     /// FIONREAD client with bytes unread) whose peer keeps sending, and so
-    /// asking, is walked every RETRY_EVERY and MAX_TRIES times, not for every
-    /// send.
+    /// asking, is walked on its schedule (every RETRY_EVERY, then less
+    /// often), not for every send.
     fn enqueue(&mut self, op: u32, cookie: u64, netns: u64, tid: u32) {
         if !self.queue.iter().any(|r| r.cookie == cookie && r.op == op) {
             self.queue.push(Request { op, cookie, netns, tid, tries: 0, due: Instant::now() });
@@ -194,9 +213,11 @@ impl Parker {
         self.rescan_due
     }
 
-    /// Whether requests wait for a retry (the caller polls sooner).
-    pub(crate) fn waiting(&self) -> bool {
-        !self.queue.is_empty()
+    /// How long until the first queued request is due (the caller polls no
+    /// later); `None` with none queued.
+    pub(crate) fn next_due_in(&self) -> Option<Duration> {
+        let now = Instant::now();
+        self.queue.iter().map(|r| r.due.saturating_duration_since(now)).min()
     }
 
     /// Runs every due request, one iterator per namespace.
@@ -226,7 +247,7 @@ impl Parker {
                     tracing::debug!(netns = ns, "mw_park: {e}");
                     self.netns.remove(&ns);
                     for mut r in reqs {
-                        self.settle(&mut r, PARK_BUSY);
+                        self.settle(&mut r, WALK_FAILED);
                     }
                 }
             }
@@ -253,9 +274,16 @@ impl Parker {
                 }
             }
             _ => {
-                r.tries += 1;
-                if r.tries < MAX_TRIES {
-                    r.due = Instant::now() + RETRY_EVERY;
+                r.tries = r.tries.saturating_add(1);
+                // Only mw_park answers busy (a move whose client still holds
+                // its psock, or has TCP bytes its FIONREAD would miss): that
+                // end is out of both maps, plain TCP, until asked again.
+                let backs_off = result == PARK_BUSY && r.op == PARK_RELINK;
+                if r.tries < MAX_TRIES || backs_off {
+                    if r.tries == MAX_TRIES {
+                        tracing::debug!(cookie = r.cookie, "mw_park: still busy; asked less often from now on");
+                    }
+                    r.due = Instant::now() + retry_after(r.tries);
                     self.queue.push(*r);
                 } else if r.op == PARK_WAKE {
                     // Its MW_EF_WAKE stays set, so its reader would not ask
@@ -319,6 +347,22 @@ fn result_name(result: u32) -> &'static str {
         PARK_BUSY => "busy",
         PARK_MOOT => "moot",
         PARK_FAILED => "failed",
+        WALK_FAILED => "walk failed",
         _ => "unknown",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_busy_move_is_asked_quickly_then_less_often() {
+        assert_eq!(retry_after(0), RETRY_EVERY);
+        assert_eq!(retry_after(MAX_TRIES - 1), RETRY_EVERY);
+        assert_eq!(retry_after(MAX_TRIES), RETRY_EVERY * 2);
+        assert_eq!(retry_after(MAX_TRIES + 1), RETRY_EVERY * 4);
+        assert_eq!(retry_after(MAX_TRIES + 7), BACKOFF_MAX);
+        assert_eq!(retry_after(u32::MAX), BACKOFF_MAX);
     }
 }

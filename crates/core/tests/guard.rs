@@ -706,11 +706,25 @@ fn a_first_client_of_a_listener_that_is_no_target_moves_to_the_target_map() -> R
 /// messages after that run no sk_msg. Every byte checked.
 #[test]
 fn a_client_inside_a_send_moves_once_that_send_returned() -> Result<()> {
+    client_inside_a_send(8098, Duration::from_millis(50))
+}
+
+/// The same, the send blocked for longer than the quick retries of the
+/// move (`MAX_TRIES` every `RETRY_EVERY`, 0.5 s): the move is asked again,
+/// less often, and the client moves once the send returned, though its
+/// server never sends again.
+#[test]
+fn a_client_inside_a_send_for_longer_than_the_quick_retries_still_moves() -> Result<()> {
+    client_inside_a_send(8101, Duration::from_millis(1500))
+}
+
+/// The client's send blocks for `blocked` after the guard unlinked it.
+fn client_inside_a_send(port: u16, blocked: Duration) -> Result<()> {
     use std::sync::atomic::{AtomicBool, Ordering};
     let k = kernel_test!();
     let net = NodeWithPods::new(2)?;
-    let (l, pair) = no_target_listener(&k, &net, 8098)?;
-    let addr = SocketAddr::new(net.pods[1].addr(false), 8098);
+    let (l, pair) = no_target_listener(&k, &net, port)?;
+    let addr = SocketAddr::new(net.pods[1].addr(false), port);
     let mut held = Some(HeldThread::named("meshwarp-guard")?);
     let c = net.pods[0].ns.connect(addr)?;
     c.set_nonblocking(false)?;
@@ -732,8 +746,8 @@ fn a_client_inside_a_send_moves_once_that_send_returned() -> Result<()> {
             ensure!(!writer.is_finished(), "the 8 MiB write returned before the server read");
             held = None;
             unlinked(&k, &cv)?;
-            // Several retries (every 5 ms) answered busy meanwhile.
-            thread::sleep(Duration::from_millis(50));
+            // Retries answered busy meanwhile.
+            thread::sleep(blocked);
             let link = k.dp().link(&cv)?.context("link")?;
             ensure!(
                 link.end_flags[END_CLIENT as usize] & EF_TGTMAP == 0 && !writer.is_finished(),
