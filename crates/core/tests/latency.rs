@@ -88,6 +88,17 @@ fn rounds(c: &mut TcpStream, s: TcpStream, n: usize, len: usize, wait: Duration)
     server.join().unwrap()
 }
 
+/// Frees `p`'s rule id `id` and registers a pair to `port` in its place:
+/// the new rule gets `id` again, without the histograms of the old one.
+fn given_again_clean(k: &KernelTest, net: &NodeWithPods, p: &EndpointPair, port: u16, id: u32) -> Result<()> {
+    k.dp().remove(p)?;
+    let again = EndpointPair::new(net.pods[0].addr(false), SocketAddr::new(net.pods[1].addr(false), port).into())?;
+    k.dp().insert(&again, "test")?;
+    ensure!(k.dp().rule_id(&again)? == id, "the freed id is given again");
+    ensure!(k.dp().latency().histograms(&BTreeSet::from([id]))?.is_empty(), "no histograms carried over");
+    Ok(())
+}
+
 /// A server that waits 2 ms before replying: its think time and the
 /// client's response time are at least 2 ms, every sample; the fast path's
 /// deliveries are not (and no byte took TCP under mode always). A second
@@ -429,13 +440,8 @@ fn stamps_from_before_a_switch_and_a_reused_rule_id_are_not_carried_over() -> Re
     ensure!(fast.buckets[26..].iter().sum::<u64>() == 0, "a 200 ms gap was measured: {fast:?}");
 
     drop((c, s));
-    k.dp().remove(&p)?;
-    let net2 = SocketAddr::new(net.pods[1].addr(false), 8342);
-    let p2 = EndpointPair::new(net.pods[0].addr(false), net2.into())?;
-    k.dp().insert(&p2, "test")?;
-    ensure!(k.dp().rule_id(&p2)? == id, "the freed id is given again");
+    given_again_clean(&k, &net, &p, 8342, id)?;
     ensure!(k.dp().latency().scope()? == LatencyScope::Rules(BTreeSet::new()), "monitor off for the new rule");
-    ensure!(k.dp().latency().histograms(&BTreeSet::from([id]))?.is_empty(), "no histograms carried over");
     Ok(())
 }
 
@@ -460,12 +466,7 @@ fn a_rule_id_reused_after_a_restart_has_no_histograms_from_before() -> Result<()
     drop(k.dp.take());
     k.dp = Some(meshwarp_core::Dataplane::open(&k.cfg)?);
     ensure!(k.dp().origin() == meshwarp_core::DataplaneOrigin::Adopted, "the pins were adopted");
-    k.dp().remove(&p)?;
-    let p2 = EndpointPair::new(net.pods[0].addr(false), SocketAddr::new(net.pods[1].addr(false), 8346).into())?;
-    k.dp().insert(&p2, "test")?;
-    ensure!(k.dp().rule_id(&p2)? == id, "the freed id is given again");
-    ensure!(k.dp().latency().histograms(&BTreeSet::from([id]))?.is_empty(), "no histograms carried over");
-    Ok(())
+    given_again_clean(&k, &net, &p, 8346, id)
 }
 
 /// The first rule ids record by index (`mw_lat_rows`), the ones past them in
@@ -510,10 +511,5 @@ fn rules_past_the_indexed_rows_record_in_the_hash_alike() -> Result<()> {
     ensure!(hs.iter().all(|h| h.rule_id != low) && hs.iter().any(|h| h.rule_id == high), "{hs:?}");
     // A freed id past the rows is given again clean.
     k.dp().latency().set(&LatencyScope::Off, false)?;
-    k.dp().remove(&p_high)?;
-    let again = EndpointPair::new(net.pods[0].addr(false), SocketAddr::new(net.pods[1].addr(false), 8353).into())?;
-    k.dp().insert(&again, "test")?;
-    ensure!(k.dp().rule_id(&again)? == high, "the freed id is given again");
-    ensure!(k.dp().latency().histograms(&BTreeSet::from([high]))?.is_empty(), "no histograms carried over");
-    Ok(())
+    given_again_clean(&k, &net, &p_high, 8353, high)
 }
