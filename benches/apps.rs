@@ -39,7 +39,7 @@ use meshwarp_testbed::{
 #[allow(dead_code)]
 #[path = "interleave.rs"]
 mod interleave;
-use interleave::interleaved_in_order;
+use interleave::interleaved_timed;
 
 const T: Duration = Duration::from_secs(60);
 /// The contenders' names and which of a program's four ports each one uses
@@ -80,7 +80,7 @@ impl Table {
             return;
         }
         let turns = turns();
-        let m = interleaved_in_order(PATHS.len(), turns, true, |i| run(base + PATHS[i].1));
+        let m = interleaved_timed(PATHS.len(), turns, |i| run(base + PATHS[i].1));
         let mark = |r: f64| if r > 1.05 { " SLOWER" } else { "" };
         let [a, d, aa] = [m[1], m[2], m[3]].map(|t| t / m[0]);
         let row =

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use meshwarp_core::EndpointPair;
 use meshwarp_testbed::{accept_timeout, read_ready, write_all_ready, KernelTest, NodeWithPods};
 
-// Only the shuffled order is used here.
+// interleaved_medians is not used here.
 #[allow(dead_code)]
 #[path = "interleave.rs"]
 mod interleave;
@@ -75,7 +75,7 @@ fn main() {
     let mut port = 9200u16;
     for write in [64usize, 1024] {
         let mut pairs = Vec::new();
-        let medians = interleave::interleaved_in_order(2, turns, true, |i| {
+        let medians = interleave::interleaved_timed(2, turns, |i| {
             port += 1;
             let addr = SocketAddr::new(net.pods[1].addr(false), port);
             let l = no_target_listener(&net, addr);

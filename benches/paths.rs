@@ -46,7 +46,7 @@ const RR_TURN: u32 = 2_000;
 
 #[path = "interleave.rs"]
 mod interleave;
-use interleave::{interleaved_in_order, interleaved_medians};
+use interleave::{interleaved_medians, interleaved_timed};
 #[path = "exchange.rs"]
 mod exchange;
 
@@ -477,7 +477,7 @@ fn stream_interleaved(ns: &NetNs, conns_list: &[usize], always: &EndpointPair, a
                     // A first stream on TCP (not counted) times the cell.
                     let first = one_stream(ns, lo(ports[0]), conns, nodelay, write, total / conns, place);
                     let turns = turns_for(first);
-                    let m = interleaved_in_order(ports.len(), turns, true, |i| {
+                    let m = interleaved_timed(ports.len(), turns, |i| {
                         one_stream(ns, lo(ports[i]), conns, nodelay, write, total / conns, place)
                     });
                     let tcp = total as f64 / m[0] * 1e9 / f64::from(1u32 << 20);
@@ -584,7 +584,7 @@ fn exchanges(kt: &KernelTest, ns: &NetNs, always: &EndpointPair, adaptive: &Endp
             continue;
         }
         let turns = turns_for(cell.run(ns, lo(ports[0])) * cell.per_turn());
-        let m = interleaved_in_order(ports.len(), turns, true, |i| cell.run(ns, lo(ports[i])));
+        let m = interleaved_timed(ports.len(), turns, |i| cell.run(ns, lo(ports[i])));
         let mark = |r: f64| if r > 1.05 { " SLOWER" } else { "" };
         let [a, d, aa] = [m[1], m[2], m[3]].map(|t| t / m[0]);
         rows.push(format!(
