@@ -17,7 +17,7 @@ pub struct Build {
 pub const BUILD_LEN: usize = 16;
 
 /// `MW_SCHEMA_VERSION`: bumped whenever a pinned map's key or value changes.
-pub const SCHEMA_VERSION: u32 = 19;
+pub const SCHEMA_VERSION: u32 = 20;
 
 pub const AF_INET: u32 = 2;
 pub const AF_INET6: u32 = 10;
@@ -78,6 +78,7 @@ pub const EXE_SEEN_SPLICE: u32 = 0x100;
 pub const EXE_SEEN_BLOCKING: u32 = 0x200;
 pub const EXE_SEEN_NONBLOCKING: u32 = 0x400;
 pub const EXE_SEEN_FIONREAD: u32 = 0x800;
+pub const EXE_SEEN_URGENT: u32 = 0x1000;
 /// `MW_CFG_*` (`mw_config.flags`).
 pub const CFG_GUARD: u32 = 1;
 pub const CFG_SPLICE_BLIND: u32 = 2;
@@ -127,6 +128,7 @@ pub const EV_RELINK: u32 = 5;
 pub const EV_SLOT_STALE: u32 = 6;
 pub const EV_WAKE: u32 = 7;
 pub const EV_MOVE: u32 = 8;
+pub const EV_URGENT_HIT: u32 = 9;
 /// `MW_PARK_*` (`mw_park_req.op`).
 pub const PARK_RELINK: u32 = 2;
 pub const PARK_WAKE: u32 = 4;
@@ -500,6 +502,8 @@ pub struct RuleStats {
     pub reader_wakeups: u64,
     pub tgtmap_clients: u64,
     pub hint_stale: u64,
+    pub fb_urgent: u64,
+    pub urgent_hits: u64,
 }
 
 /// `MW_OWNER_LEN`: bytes of an owner name, NUL padding included.
@@ -842,6 +846,8 @@ mod tests {
             ("MW_EV_RELINK", EV_RELINK),
             ("MW_EV_WAKE", EV_WAKE),
             ("MW_EV_MOVE", EV_MOVE),
+            ("MW_EV_URGENT_HIT", EV_URGENT_HIT),
+            ("MW_EXE_SEEN_URGENT", EXE_SEEN_URGENT),
             ("MW_EF_TGTMAP", EF_TGTMAP),
             ("MW_CFG_GUARD", CFG_GUARD),
             ("MW_CFG_SYSCALL_WATCH", CFG_SYSCALL_WATCH),
@@ -977,7 +983,9 @@ mod tests {
                 fb_reader_busy,
                 reader_wakeups,
                 tgtmap_clients,
-                hint_stale
+                hint_stale,
+                fb_urgent,
+                urgent_hits
             ]
         );
         same_layout!(
@@ -1017,7 +1025,7 @@ mod tests {
         assert_eq!(size_of::<SockOwner>(), 16 + 8);
         assert_eq!(size_of::<Exe>(), 8 + 16);
         assert_eq!(size_of::<Event>(), 16 + 16 + 16 + 32 + 24 + 32);
-        assert_eq!(size_of::<RuleStats>(), 25 * 8);
+        assert_eq!(size_of::<RuleStats>(), 27 * 8);
         assert_eq!(size_of::<GlobalStats>(), 6 * 8);
         assert_eq!(size_of::<RouteKey4>(), 16);
         assert_eq!(size_of::<RouteKey6>(), 28);

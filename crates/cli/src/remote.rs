@@ -121,7 +121,8 @@ fn counters_cols(c: Option<pb::RuleCounters>) -> [String; 4] {
         + c.fallback_splice
         + c.fallback_rcvlowat
         + c.fallback_ulp
-        + c.fallback_reader_busy;
+        + c.fallback_reader_busy
+        + c.fallback_urgent;
     [c.sockets, c.redirected_msgs, c.redirected_bytes, fb].map(|v| v.to_string())
 }
 
@@ -435,11 +436,13 @@ impl Remote {
                 a.reader_wakeups += c.reader_wakeups;
                 a.tgtmap_clients += c.tgtmap_clients;
                 a.hint_stale += c.hint_stale;
+                a.fallback_urgent += c.fallback_urgent;
+                a.urgent_hits += c.urgent_hits;
                 a
             });
             println!(
                 "fallbacks: no peer {}  tcp path {}  map full {}  insert error {}  collision {}  reader {}  splice {}  \
-                 rcvlowat {}  ulp {} (refused {})  reader busy {}  splice hits {}",
+                 rcvlowat {}  ulp {} (refused {})  reader busy {}  urgent data {}  splice hits {}  urgent hits {}",
                 t.fallback_no_peer,
                 t.fallback_tcp_path,
                 t.fallback_map_full,
@@ -451,7 +454,9 @@ impl Remote {
                 t.fallback_ulp,
                 t.ulp_refused,
                 t.fallback_reader_busy,
-                t.splice_hits
+                t.fallback_urgent,
+                t.splice_hits,
+                t.urgent_hits
             );
             println!("adaptive policy: {}", policy_line(&t));
         })

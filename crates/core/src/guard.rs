@@ -29,8 +29,8 @@ use std::time::{Duration, Instant};
 use libbpf_rs::{MapHandle, ProgramHandle, RingBufferBuilder};
 use meshwarp_bpf::names;
 use meshwarp_bpf::shared::{
-    ip_from_raw, str_of, Event, Exe, ExeClass, ExeKey, Pod, EV_CLASSIFY, EV_SPLICE_HIT, EV_SPLICE_SEEN, EXE_CLASSIFIED,
-    EXE_OPAQUE, EXE_PENDING, EXE_SPLICE, EXE_TRUSTED,
+    ip_from_raw, str_of, Event, Exe, ExeClass, ExeKey, Pod, EV_CLASSIFY, EV_SPLICE_HIT, EV_SPLICE_SEEN, EV_URGENT_HIT,
+    EXE_CLASSIFIED, EXE_OPAQUE, EXE_PENDING, EXE_SPLICE, EXE_TRUSTED,
 };
 
 use crate::error::{BpfError, IoError};
@@ -86,7 +86,8 @@ pub struct Incident {
     pub client: Option<SocketAddr>,
     /// Mirror pairing: the server; capture pairing: the proxy's listener.
     pub server: Option<SocketAddr>,
-    /// Redirected bytes splice() could not see.
+    /// Redirected bytes unread: splice() could not see them, or urgent
+    /// data would have been read in their place.
     pub pending_bytes: u32,
     /// Whether the connection was reset.
     pub reset: bool,
@@ -101,6 +102,10 @@ pub enum IncidentKind {
     /// A program was first seen splicing a covered socket; its sockets are
     /// not redirect targets from now on.
     SpliceSeen,
+    /// A program sent urgent data (MSG_OOB) into a reader with redirected
+    /// bytes unread: its recv(MSG_OOB) would read those in-band bytes
+    /// instead, so the connection is reset.
+    UrgentHit,
 }
 
 /// Subscribers to incidents.
@@ -394,13 +399,18 @@ impl Guard<'_> {
                 tracing::info!(pid = ev.pid, comm = %i.comm, exe = ?i.exe, "reader guard: program seen splicing; its sockets are not redirect targets");
                 self.subs.publish(&i);
             }
-            EV_SPLICE_HIT => {
+            EV_SPLICE_HIT | EV_URGENT_HIT => {
                 let (reset, detail) = match self.reset(ev) {
                     Ok(true) => (true, "connection reset".to_string()),
                     Ok(false) => (false, "socket already gone".to_string()),
                     Err(e) => (false, format!("reset failed: {e}")),
                 };
-                let i = incident(ev, IncidentKind::SpliceHit, reset, detail);
+                let (kind, what) = if ev.kind == EV_SPLICE_HIT {
+                    (IncidentKind::SpliceHit, "splice() on a socket holding redirected bytes it cannot see")
+                } else {
+                    (IncidentKind::UrgentHit, "urgent data (MSG_OOB) sent into a reader with redirected bytes unread")
+                };
+                let i = incident(ev, kind, reset, detail);
                 tracing::error!(
                     pid = ev.pid,
                     comm = %i.comm,
@@ -409,7 +419,7 @@ impl Guard<'_> {
                     server = ?i.server,
                     pending = ev.pending,
                     reset,
-                    "reader guard: splice() on a socket holding {} redirected bytes it cannot see; {}",
+                    "reader guard: {what} ({} bytes); {}",
                     ev.pending,
                     i.detail
                 );
@@ -419,8 +429,9 @@ impl Guard<'_> {
         }
     }
 
-    /// Resets the spliced socket (and its peer, when it lives in the same
-    /// namespace): the splicer gets ECONNABORTED, its peer a RST.
+    /// Resets a hit connection: the socket the event names (the splicer's,
+    /// the urgent sender's) and its peer, when it lives in the same
+    /// namespace; that socket's next call gets ECONNABORTED, its peer a RST.
     fn reset(&self, ev: &Event) -> Result<bool, GuardError> {
         for c in [ev.cookie, ev.peer_cookie].into_iter().filter(|c| *c != 0) {
             self.maps.doomed.put(&c, &1)?;

@@ -69,6 +69,9 @@ pub(crate) fn open_sockredir(
     if let Some(ro) = open.maps.rodata_data.as_mut() {
         ro.nr_splice = libc::SYS_splice as u32;
         ro.nr_ioctl = libc::SYS_ioctl as u32;
+        ro.nr_sendto = libc::SYS_sendto as u32;
+        ro.nr_sendmsg = libc::SYS_sendmsg as u32;
+        ro.nr_sendmmsg = libc::SYS_sendmmsg as u32;
         ro.nr_slots = nr_slots;
         ro.mw_task_storage = sk_msg_has_task_storage();
     }

@@ -294,6 +294,8 @@ pub fn add_rule_stats(a: &mut RuleStats, b: &RuleStats) {
     a.reader_wakeups = a.reader_wakeups.wrapping_add(b.reader_wakeups);
     a.tgtmap_clients = a.tgtmap_clients.wrapping_add(b.tgtmap_clients);
     a.hint_stale = a.hint_stale.wrapping_add(b.hint_stale);
+    a.fb_urgent = a.fb_urgent.wrapping_add(b.fb_urgent);
+    a.urgent_hits = a.urgent_hits.wrapping_add(b.urgent_hits);
 }
 
 fn add_global_stats(a: &mut GlobalStats, b: &GlobalStats) {

@@ -75,6 +75,14 @@ pub struct RuleCounters {
     /// stale hint of the listener (it would have been a target): that one
     /// connection sends client to server on TCP.
     pub hint_stale: u64,
+    /// Ends whose sends left the fast path for good because their program
+    /// sends urgent data (MSG_OOB), which exists only on the TCP path: at
+    /// its first urgent send, or from the start once the program was seen.
+    pub fallback_urgent: u64,
+    /// Urgent data sent while its reader had redirected bytes unread: a
+    /// recv(MSG_OOB) would read those in-band bytes instead, so the
+    /// connection was reset (an incident).
+    pub urgent_hits: u64,
 }
 
 impl From<RuleStats> for RuleCounters {
@@ -105,6 +113,8 @@ impl From<RuleStats> for RuleCounters {
             reader_wakeups: s.reader_wakeups,
             tgtmap_clients: s.tgtmap_clients,
             hint_stale: s.hint_stale,
+            fallback_urgent: s.fb_urgent,
+            urgent_hits: s.urgent_hits,
         }
     }
 }

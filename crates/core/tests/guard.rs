@@ -2,9 +2,10 @@
 //! reuse towards two captured destinations, the same addresses in two pod
 //! namespaces, forced identical connection ids, SO_RCVLOWAT, ULPs (kTLS),
 //! programs the guard has not seen read yet, what the kernel does without
-//! the guard, and ends whose own sends can never be redirected (no sk_msg on
-//! them: `mw_tgtmap`), and the races of a client's move there, made to happen
-//! by holding the guard thread still (`HeldThread`).
+//! the guard, ends whose own sends can never be redirected (no sk_msg on
+//! them: `mw_tgtmap`), the races of a client's move there, made to happen
+//! by holding the guard thread still (`HeldThread`), and urgent data
+//! (`MSG_OOB`), which only the TCP path carries.
 //!
 //! Each test fails (never skips) when CI=true and BPF is refused.
 
@@ -1028,4 +1029,136 @@ fn tcp_state(s: &impl AsRawFd) -> std::io::Result<u8> {
         return Err(std::io::Error::last_os_error());
     }
     Ok(info.tcpi_state)
+}
+
+// ---------------------------------------------------------------------------
+// urgent data (MSG_OOB)
+
+/// `send(MSG_OOB)` of one byte; the kernel's result.
+fn send_urgent(s: &TcpStream, byte: u8) -> std::io::Result<()> {
+    // SAFETY: one byte from a live buffer.
+    let rc = unsafe { libc::send(s.as_raw_fd(), (&byte as *const u8).cast(), 1, libc::MSG_OOB) };
+    if rc != 1 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// The urgent byte, read with `recv(MSG_OOB)` once POLLPRI says it is there.
+fn recv_urgent(s: &TcpStream) -> Result<u8> {
+    wait_ready(s.as_raw_fd(), libc::POLLPRI, Some(std::time::Instant::now() + T)).context("no urgent data")?;
+    let mut b = 0u8;
+    // SAFETY: one byte into a live buffer.
+    let rc = unsafe { libc::recv(s.as_raw_fd(), (&mut b as *mut u8).cast(), 1, libc::MSG_OOB | libc::MSG_DONTWAIT) };
+    ensure!(rc == 1, "recv(MSG_OOB): {}", std::io::Error::last_os_error());
+    Ok(b)
+}
+
+/// In-band bytes until `n` arrived, then nothing more within 200 ms.
+fn read_in_band(s: &mut TcpStream, n: usize) -> Result<Vec<u8>> {
+    let mut got = vec![0u8; n];
+    read_exact_ready(s, &mut got, Some(T))?;
+    ensure!(!readable(s, 200), "more in-band bytes than sent after {got:?}");
+    Ok(got)
+}
+
+/// Urgent data exists only on the TCP path (the urgent pointer): redirected,
+/// the byte would arrive in-band and recv(MSG_OOB) would return an in-band
+/// byte instead. A covered socket's first send(MSG_OOB) moves its sends to
+/// TCP before the kernel sends it; its reader, having read every redirected
+/// byte, gets the byte out of band and the in-band stream without it, as on
+/// plain TCP. The other direction stays redirected. The program is
+/// remembered: its next connection sends on TCP from the start.
+#[test]
+fn urgent_data_leaves_the_fast_path_with_its_meaning() -> Result<()> {
+    let k = kernel_test!();
+    let (net, l, pair) = pods_pair(&k, 8102)?;
+    let to = SocketAddr::new(net.pods[1].addr(false), 8102);
+    let (mut c, mut s) = (net.pods[0].ns.connect(to)?, accept_timeout(&l, T)?);
+    write_all_ready(&mut c, b"abc", Some(T))?;
+    ensure!(read_in_band(&mut s, 3)? == b"abc");
+    let before = k.dp().stats(&pair)?;
+    ensure!(before.redirected_bytes == 3, "redirected before: {before:?}");
+    send_urgent(&c, b'X')?;
+    write_all_ready(&mut c, b"def", Some(T))?;
+    ensure!(recv_urgent(&s)? == b'X', "the urgent byte out of band");
+    ensure!(read_in_band(&mut s, 3)? == b"def", "the in-band stream without it");
+    let st = k.dp().stats(&pair)?;
+    ensure!(st.fallback_urgent == 1 && st.urgent_hits == 0, "{st:?}");
+    ensure!(st.redirected_bytes == 3, "nothing redirected client -> server after it: {st:?}");
+    // Both directions intact; server -> client still redirected.
+    exchange(c, s, 31, 1 << 20, T)?;
+    let st = k.dp().stats(&pair)?;
+    ensure!(st.redirected_bytes == 3 + (1 << 20), "only server -> client redirected: {st:?}");
+    // The same program again: both its ends send on TCP from the start.
+    let (c, s) = (net.pods[0].ns.connect(to)?, accept_timeout(&l, T)?);
+    send_urgent(&c, b'Y')?;
+    ensure!(recv_urgent(&s)? == b'Y');
+    exchange(c, s, 33, 256 << 10, T)?;
+    let again = k.dp().stats(&pair)?;
+    ensure!(again.sockets == 4 && again.fallback_urgent == 3, "both ends of the second connection: {again:?}");
+    ensure!(again.redirected_bytes == st.redirected_bytes, "nothing redirected: {again:?}");
+    Ok(())
+}
+
+/// Urgent data sent while its reader has redirected bytes unread: that
+/// reader's recv(MSG_OOB) would read those in-band bytes instead (a psock
+/// ignores the flag while it holds any), so the connection is reset,
+/// loudly (an incident naming it), never delivering the urgent byte in-band
+/// or other bytes.
+#[test]
+fn urgent_data_with_redirected_bytes_unread_resets_the_connection() -> Result<()> {
+    let k = kernel_test!();
+    let incidents = k.dp().incidents();
+    let (net, l, pair) = pods_pair(&k, 8103)?;
+    let to = SocketAddr::new(net.pods[1].addr(false), 8103);
+    let (mut c, mut s) = (net.pods[0].ns.connect(to)?, accept_timeout(&l, T)?);
+    write_all_ready(&mut c, &[7u8; 1000], Some(T))?;
+    ensure!(readable(&s, 5000));
+    let sent = send_urgent(&c, b'X');
+    ensure!(sent.is_err(), "the urgent send fails: the connection is being reset");
+    let hit = loop {
+        let i = incidents.recv_timeout(T).context("no incident for the hit")?;
+        if i.kind == meshwarp_core::IncidentKind::UrgentHit {
+            break i;
+        }
+    };
+    ensure!(hit.reset && hit.pending_bytes == 1000, "{hit:?}");
+    ensure!(hit.server == Some(to) && hit.tgid == std::process::id(), "names the connection and process: {hit:?}");
+    // The reader gets an error, after at most the bytes sent before.
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    let err = loop {
+        match meshwarp_testbed::read_ready(&mut s, &mut buf, Some(T)) {
+            Ok(0) => break None,
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(e) => break Some(e),
+        }
+    };
+    ensure!(err.is_some(), "the reader saw an end of stream, not an error, after {} bytes", got.len());
+    ensure!(got.len() <= 1000 && got.iter().all(|&b| b == 7), "other bytes: {got:?}");
+    let st = k.dp().stats(&pair)?;
+    ensure!(st.urgent_hits == 1 && st.fallback_urgent == 1, "{st:?}");
+    Ok(())
+}
+
+/// A reader with SO_OOBINLINE reads urgent data in-band, where it follows
+/// the bytes before it: redirected bytes unread are no hit, and the stream
+/// arrives in TCP's order.
+#[test]
+fn urgent_data_inline_follows_the_redirected_bytes() -> Result<()> {
+    let k = kernel_test!();
+    let (net, l, pair) = pods_pair(&k, 8104)?;
+    let to = SocketAddr::new(net.pods[1].addr(false), 8104);
+    let (mut c, mut s) = (net.pods[0].ns.connect(to)?, accept_timeout(&l, T)?);
+    set_int(&s, libc::SOL_SOCKET, libc::SO_OOBINLINE, 1)?;
+    write_all_ready(&mut c, b"abc", Some(T))?;
+    ensure!(readable(&s, 5000));
+    send_urgent(&c, b'X')?;
+    write_all_ready(&mut c, b"def", Some(T))?;
+    ensure!(read_in_band(&mut s, 7)? == b"abcXdef");
+    let st = k.dp().stats(&pair)?;
+    ensure!(st.redirected_bytes == 3 && st.fallback_urgent == 1 && st.urgent_hits == 0, "{st:?}");
+    exchange(c, s, 35, 1 << 20, T)?;
+    Ok(())
 }

@@ -119,7 +119,7 @@ fn set_total(c: &Counter, v: u64) {
 }
 
 /// One rule's counters, flattened (see `Metrics::render`).
-type RuleTotals = [u64; 24];
+type RuleTotals = [u64; 26];
 
 /// Node-wide totals of per-rule counters that never go back: a rule's counts
 /// live in its slot, which a deleted rule frees and a new rule starts from
@@ -177,6 +177,7 @@ pub struct Metrics {
     reader_wakeups: Counter,
     tgtmap_clients: Counter,
     hint_stale: Counter,
+    urgent_hits: Counter,
     path_latency: std::sync::Arc<LatencyCollector>,
 }
 
@@ -271,6 +272,12 @@ impl Metrics {
             "Server ends withdrawn as targets because their client went by a stale hint of the listener (all rules)",
             hint_stale.clone(),
         );
+        let urgent_hits = Counter::default();
+        registry.register(
+            "urgent_hits",
+            "Urgent data (MSG_OOB) sent while its reader had redirected bytes unread: connection reset (all rules)",
+            urgent_hits.clone(),
+        );
         let path_latency = std::sync::Arc::new(LatencyCollector::default());
         registry.register_collector(Box::new(std::sync::Arc::clone(&path_latency)));
         Self {
@@ -294,6 +301,7 @@ impl Metrics {
             reader_wakeups,
             tgtmap_clients,
             hint_stale,
+            urgent_hits,
             path_latency,
         }
     }
@@ -342,6 +350,7 @@ impl Metrics {
         let kind = match i.kind {
             meshwarp_core::IncidentKind::SpliceHit => "splice_hit",
             meshwarp_core::IncidentKind::SpliceSeen => "splice_seen",
+            meshwarp_core::IncidentKind::UrgentHit => "urgent_hit",
         };
         self.incidents.get_or_create(&IncidentLabels { kind: kind.into(), reset: i.reset.to_string() }).inc();
     }
@@ -371,6 +380,7 @@ impl Metrics {
                 c.reader_wakeups,
                 c.tgtmap_clients,
                 c.hint_stale,
+                c.urgent_hits,
                 c.fallback_no_peer,
                 c.fallback_tcp_path,
                 c.fallback_map_full,
@@ -383,6 +393,7 @@ impl Metrics {
                 c.ulp_refused,
                 c.fallback_mode_never,
                 c.fallback_reader_busy,
+                c.fallback_urgent,
             ]
         };
         // Keyed by the rule's identity (an update keeps the key and the
@@ -407,7 +418,7 @@ impl Metrics {
         drop(reg);
         let t = totals.update(now);
         drop(totals);
-        let [msgs, bytes, hits, demoted, behind, promoted, tcp_msgs, unlinked, relinked, woken, tgt_only, stale, fb @ ..] =
+        let [msgs, bytes, hits, demoted, behind, promoted, tcp_msgs, unlinked, relinked, woken, tgt_only, stale, urgent_hits, fb @ ..] =
             t;
         self.pairs.set(pairs.len() as i64);
         self.captures.set(captures.len() as i64);
@@ -431,6 +442,7 @@ impl Metrics {
             ("ulp_refused", fb[9]),
             ("mode_never", fb[10]),
             ("reader_busy", fb[11]),
+            ("urgent", fb[12]),
             ("not_covered", not_covered),
         ] {
             set_total(&self.fallbacks.get_or_create(&ReasonLabel { reason: reason.into() }), v);
@@ -449,6 +461,7 @@ impl Metrics {
         set_total(&self.reader_wakeups, woken);
         set_total(&self.tgtmap_clients, tgt_only);
         set_total(&self.hint_stale, stale);
+        set_total(&self.urgent_hits, urgent_hits);
         self.encode()
     }
 
@@ -496,7 +509,7 @@ mod tests {
     fn rules(list: &[(&str, u64)]) -> HashMap<String, RuleTotals> {
         list.iter()
             .map(|(k, v)| {
-                let mut t: RuleTotals = [0; 24];
+                let mut t: RuleTotals = [0; 26];
                 t[0] = *v;
                 (k.to_string(), t)
             })

@@ -12,7 +12,7 @@
 #ifndef MESHWARP_SHARED_H
 #define MESHWARP_SHARED_H
 
-#define MW_SCHEMA_VERSION 19
+#define MW_SCHEMA_VERSION 20
 
 #define MW_AF_INET 2
 #define MW_AF_INET6 10
@@ -397,6 +397,7 @@ struct mw_exe_class {
 #define MW_EXE_SEEN_BLOCKING 0x200u    /* read a covered socket in blocking mode */
 #define MW_EXE_SEEN_NONBLOCKING 0x400u /* read a covered socket without blocking */
 #define MW_EXE_SEEN_FIONREAD 0x800u    /* asked FIONREAD/SIOCINQ on a covered socket */
+#define MW_EXE_SEEN_URGENT 0x1000u     /* sent urgent data (MSG_OOB) on a covered socket */
 
 /* A listening service whose listener was not stamped (it predates meshwarp):
  * the reader of its first covered connection names the executable. */
@@ -447,6 +448,7 @@ struct mw_config {
 #define MW_EV_SLOT_STALE 6   /* a link's slot waits for its SOCKMAP entries to empty */
 #define MW_EV_WAKE 7         /* wake the reader of a socket (MW_EF_WAKE) */
 #define MW_EV_MOVE 8         /* move a client end to mw_tgtmap (MW_DIR_MOVE): mw_unlink, then mw_park */
+#define MW_EV_URGENT_HIT 9   /* urgent data (MSG_OOB) sent into a reader with redirected bytes unread */
 
 /* A request to mw_park (iter/tcp) for one socket, keyed by its cookie in
  * mw_park_req: user space writes op, the iterator writes result. mw_unlink
@@ -477,7 +479,7 @@ struct mw_event {
 	__u64 peer_cookie;
 	__u64 netns;
 	__u32 end;
-	__u32 pending;     /* redirected bytes splice could not see */
+	__u32 pending;     /* redirected bytes unread: splice could not see them, or urgent data would pass them */
 	__u32 family;
 	__u32 client_port;
 	__u32 server_port;
@@ -513,6 +515,8 @@ struct mw_rule_stats {
 	__u64 reader_wakeups;   /* FIONREAD readers woken for TCP bytes their FIONREAD missed (MW_EF_WAKE) */
 	__u64 tgtmap_clients;   /* client ends put in mw_tgtmap at connect: their server end is never a target (rule, mw_srv_hint) */
 	__u64 hint_stale;       /* server ends withdrawn as targets: their client went by a stale mw_srv_hint */
+	__u64 fb_urgent;        /* ends whose sends left the fast path: urgent data (MSG_OOB), sent or seen from their program */
+	__u64 urgent_hits;      /* urgent data sent with redirected bytes unread by the peer (connection reset) */
 };
 
 /*

@@ -19,10 +19,12 @@
  *     redirect target; the server end decides for the connection, so both
  *     ends are accelerated or neither;
  *   - tp_btf/sock_recv_length sees blocking and non-blocking reads;
- *   - tp_btf/sys_enter sees splice() and FIONREAD before the kernel runs
- *     them; a splice on a target withdraws it, and one that finds redirected
- *     bytes waiting is a hit: the sender's next send fails and user space
- *     resets the connection (loud, never a silent truncation);
+ *   - tp_btf/sys_enter sees splice(), FIONREAD and sends of urgent data
+ *     (MSG_OOB) before the kernel runs them; a splice on a target withdraws
+ *     it, and one that finds redirected bytes waiting is a hit: the sender's
+ *     next send fails and user space resets the connection (loud, never a
+ *     silent truncation); urgent data moves its sender's end to TCP, a hit
+ *     alike if its reader has redirected bytes unread;
  *   - cgroup/setsockopt withdraws a target on SO_RCVLOWAT, and both
  *     directions on a ULP (kTLS), refusing the ULP if redirected bytes wait;
  *   - iter/tcp (mw_destroy) lets user space reset a hit connection.
@@ -66,6 +68,9 @@ enum level { LV_NONE = 0, LV_SEND = 1, LV_FULL = 2 };
 /* Syscall numbers of this architecture, set by user space before load. */
 const volatile __u32 nr_splice = 0;
 const volatile __u32 nr_ioctl = 0;
+const volatile __u32 nr_sendto = 0;
+const volatile __u32 nr_sendmsg = 0;
+const volatile __u32 nr_sendmmsg = 0;
 /* Never read: keep struct mw_event and mw_conn in the object's BTF, where the layout
  * test of its Rust mirror finds it. */
 const volatile struct mw_event mw_event_btf __attribute__((used)) = {};
@@ -578,6 +583,7 @@ struct end_decision {
 	__u32 reason;       /* MW_EF_R_* when not a target */
 	bool reader;        /* NONE because of the reader (unknown, blocking) */
 	bool fionread;      /* a target whose reader FIONREAD would miscount (MW_EF_FIONREAD) */
+	bool nosend;        /* its program sent urgent data before: its sends stay on TCP (MW_EF_NOSEND) */
 	struct mw_exe_key exe;
 };
 
@@ -599,6 +605,7 @@ static __always_inline void decide_end(struct bpf_sock_ops *skops, struct tcp_so
 	d->reason = 0;
 	d->reader = false;
 	d->fionread = false;
+	d->nosend = false;
 	if (s->sk_rcvlowat > 1) {
 		target = false;
 		d->reason = MW_EF_R_LOWAT;
@@ -643,6 +650,8 @@ static __always_inline void decide_end(struct bpf_sock_ops *skops, struct tcp_so
 	if (seen)
 		sflags = seen->flags;
 	eflags = cls->flags | sflags;
+	/* Urgent data exists only on the TCP path (see on_urgent_send). */
+	d->nosend = sflags & MW_EXE_SEEN_URGENT;
 
 	trusted = cls->flags & MW_EXE_TRUSTED;
 	if ((cfg & MW_CFG_BLOCKING_EAGAIN) && !trusted) {
@@ -678,6 +687,12 @@ static __always_inline __u32 fionread_flag(const struct end_decision *d)
 	return d->fionread ? MW_EF_FIONREAD : 0;
 }
 
+/* MW_EF_NOSEND for an accelerated end decided `d`. */
+static __always_inline __u32 nosend_flag(const struct end_decision *d)
+{
+	return d->nosend && d->level != LV_NONE ? MW_EF_NOSEND : 0;
+}
+
 static __always_inline void count_reason(struct mw_rule_stats *rs, const struct end_decision *d)
 {
 	if (!rs)
@@ -688,6 +703,8 @@ static __always_inline void count_reason(struct mw_rule_stats *rs, const struct 
 		rs->fb_splice++;
 	else if (d->level == LV_SEND && d->reason == MW_EF_R_LOWAT)
 		rs->fb_lowat++;
+	if (nosend_flag(d))
+		rs->fb_urgent++;
 }
 
 static __always_inline void count_insert_failure(struct mw_rule_stats *rs, long err)
@@ -1235,7 +1252,7 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 		d.level = LV_NONE;
 		st->fb = MW_FB_NO_TARGET;
 	}
-	link->end_flags[MW_END_CLIENT] = MW_EF_PSOCK | (tgtmap ? MW_EF_TGTMAP : 0) |
+	link->end_flags[MW_END_CLIENT] = MW_EF_PSOCK | (tgtmap ? MW_EF_TGTMAP : 0) | nosend_flag(&d) |
 					 (d.level == LV_FULL ? MW_EF_TARGET | fionread_flag(&d) : d.reason);
 	if (d.level == LV_NONE) {
 		/* Not accelerated; the server end still learns who reads it
@@ -1475,7 +1492,7 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 	if (tgtmap)
 		st->flags |= MW_SOCK_TGTMAP;
 	/* Published last: the client redirects only once this end is in the map. */
-	__sync_fetch_and_or(&link->end_flags[MW_END_SERVER], MW_EF_PSOCK | (tgtmap ? MW_EF_TGTMAP : 0) |
+	__sync_fetch_and_or(&link->end_flags[MW_END_SERVER], MW_EF_PSOCK | (tgtmap ? MW_EF_TGTMAP : 0) | nosend_flag(&d) |
 								     (to_server ? MW_EF_TARGET | fionread_flag(&d) : d.reason));
 	st->link = id;
 	st->slot = slot;
@@ -2302,6 +2319,73 @@ static __always_inline void on_fionread(__u32 fd)
 		__sync_fetch_and_and(&link->end_flags[end], ~MW_EF_WAKE); /* the next FIONREAD asks again */
 }
 
+/*
+ * send(MSG_OOB) on a covered socket, before the kernel sends it. Urgent data
+ * exists only on the TCP path (the urgent pointer): a redirect would put the
+ * byte in-band, and the reader's recv(MSG_OOB) would never find it. So this
+ * end's sends take TCP from now on (MW_EF_NOSEND; the bytes it redirected
+ * before are read first, as after any move to TCP), and its program's later
+ * connections start so (MW_EXE_SEEN_URGENT). One thing TCP's meaning needs
+ * that the fast path cannot give: a recv(MSG_OOB) on a socket with
+ * redirected bytes unread reads those in-band bytes instead (tcp_bpf_recvmsg
+ * ignores the flag while its psock queue holds any). With bytes unread and
+ * the reader not reading urgent data in-band (SO_OOBINLINE, where the byte
+ * simply follows them), this is a hit: the connection is reset, loudly, as
+ * for splice. The peer's address (mw_link.sk) is read as reader_busy does.
+ */
+static __always_inline void on_urgent_send(__u32 fd)
+{
+	struct mw_exe_key exe = {};
+	struct mw_cookie_val *cv;
+	struct mw_rule_stats *rs;
+	struct mw_event ev = {};
+	struct mw_link *link;
+	struct sock *sk, *psk;
+	__u32 end, pending;
+	__u64 cookie;
+
+	sk = fd_sock(fd);
+	if (!sk)
+		return;
+	cookie = sk->__sk_common.skc_cookie.counter;
+	cv = bpf_map_lookup_elem(&mw_cookies, &cookie);
+	if (!cv)
+		return;
+	if (current_exe(&exe))
+		exe_seen(&exe, MW_EXE_SEEN_URGENT);
+	link = link_at(cv->slot, cv->link);
+	end = cv->end & 1;
+	if (!link || link->cookie[end] != cookie)
+		return;
+	/* Already on TCP: nothing redirected after its first urgent send. */
+	if (__sync_fetch_and_or(&link->end_flags[end], MW_EF_NOSEND) & MW_EF_NOSEND)
+		return;
+	rs = rule_stats(link->rule_id);
+	if (rs)
+		rs->fb_urgent++;
+	psk = bpf_core_cast((void *)link->sk[end ^ 1], struct sock);
+	if (!psk || (psk->__sk_common.skc_flags & (1UL << SOCK_URGINLINE)))
+		return;
+	pending = psock_pending(psk);
+	if (!pending || (__sync_fetch_and_or(&link->flags, MW_LINK_HIT) & MW_LINK_HIT))
+		return;
+	if (rs)
+		rs->urgent_hits++;
+	ev.type = MW_EV_URGENT_HIT;
+	ev.pid = (__u32)bpf_get_current_pid_tgid();
+	ev.tgid = bpf_get_current_pid_tgid() >> 32;
+	bpf_get_current_comm(ev.comm, sizeof(ev.comm));
+	ev.exe = exe;
+	ev.link = cv->link;
+	ev.end = end;
+	ev.cookie = cookie;
+	ev.peer_cookie = link->cookie[end ^ 1];
+	ev.netns = sk->__sk_common.skc_net.net->net_cookie;
+	ev.pending = pending;
+	fill_event_link(&ev, link);
+	emit(&ev);
+}
+
 SEC("tp_btf/sys_enter")
 int BPF_PROG(mw_sys_enter, struct pt_regs *regs, long id)
 {
@@ -2309,6 +2393,10 @@ int BPF_PROG(mw_sys_enter, struct pt_regs *regs, long id)
 		on_splice((__u32)PT_REGS_PARM1_CORE_SYSCALL(regs));
 	else if (id == nr_ioctl && (__u32)PT_REGS_PARM2_CORE_SYSCALL(regs) == FIONREAD)
 		on_fionread((__u32)PT_REGS_PARM1_CORE_SYSCALL(regs));
+	else if ((id == nr_sendto || id == nr_sendmmsg) && (PT_REGS_PARM4_CORE_SYSCALL(regs) & MSG_OOB))
+		on_urgent_send((__u32)PT_REGS_PARM1_CORE_SYSCALL(regs));
+	else if (id == nr_sendmsg && (PT_REGS_PARM3_CORE_SYSCALL(regs) & MSG_OOB))
+		on_urgent_send((__u32)PT_REGS_PARM1_CORE_SYSCALL(regs));
 	return 0;
 }
 

@@ -258,6 +258,8 @@ pub fn counters_to_pb(c: &RuleCounters) -> pb::RuleCounters {
         reader_wakeups: c.reader_wakeups,
         tgtmap_clients: c.tgtmap_clients,
         hint_stale: c.hint_stale,
+        fallback_urgent: c.fallback_urgent,
+        urgent_hits: c.urgent_hits,
     }
 }
 
@@ -278,6 +280,7 @@ pub fn incident_to_pb(i: &Incident, rule: Option<(RuleRef, String)>) -> pb::Inci
     let kind = match i.kind {
         IncidentKind::SpliceHit => pb::IncidentKind::SpliceHit,
         IncidentKind::SpliceSeen => pb::IncidentKind::SpliceSeen,
+        IncidentKind::UrgentHit => pb::IncidentKind::UrgentHit,
     };
     pb::Incident {
         kind: kind as i32,
