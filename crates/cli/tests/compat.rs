@@ -82,7 +82,7 @@ fn tools(names: &[&str]) -> bool {
 fn report(what: &str, counters: &[(&str, RuleCounters)]) {
     for (rule, c) in counters {
         eprintln!(
-            "[compat] {what}: {rule}: sockets {} redirected {} B ({} msgs); fallbacks: reader {} splice {} no_peer {} tcp_path {} collision {}; splice hits {}; readers woken {}; clients without sk_msg {}",
+            "[compat] {what}: {rule}: sockets {} redirected {} B ({} msgs); fallbacks: reader {} splice {} no_peer {} tcp_path {} collision {}; splice hits {}; urgent {} (hits {}); readers woken {}; clients without sk_msg {}",
             c.sockets,
             c.redirected_bytes,
             c.redirected_msgs,
@@ -92,6 +92,8 @@ fn report(what: &str, counters: &[(&str, RuleCounters)]) {
             c.fallback_tcp_path,
             c.fallback_collision,
             c.splice_hits,
+            c.fallback_urgent,
+            c.urgent_hits,
             c.reader_wakeups,
             c.tgtmap_clients
         );
@@ -1051,5 +1053,87 @@ fn blocking_full_duplex_reader() -> Result<()> {
     if k.dp().kernel().blocked_read_eagain {
         ensure!(st.sockets == 0, "blocking readers kept off the fast path on this kernel: {st:?}");
     }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// urgent data
+
+/// A python client that sends urgent data: per connection "abc", waits for
+/// "ok", then one byte with MSG_OOB and "def", and waits for "done"
+/// (non-blocking sockets, so the guard sees it read without blocking).
+const PY_URGENT_CLIENT: &str = r#"
+import select, socket, sys, time
+host, port, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+def recv_exact(c, k):
+    got = b""
+    while len(got) < k:
+        select.select([c], [], [])
+        try:
+            d = c.recv(k - len(got))
+        except BlockingIOError:
+            continue
+        if not d:
+            sys.exit("connection closed early")
+        got += d
+    return got
+for i in range(n):
+    c = socket.create_connection((host, port))
+    c.setblocking(False)
+    c.sendall(b"abc")
+    if recv_exact(c, 2) != b"ok":
+        sys.exit("no ok")
+    if c.send(b"X", socket.MSG_OOB) != 1:
+        sys.exit("urgent send")
+    c.sendall(b"def")
+    if recv_exact(c, 4) != b"done":
+        sys.exit("no done")
+    c.close()
+    time.sleep(0.05)
+"#;
+
+/// A real program sending urgent data (python's `send(b"X", MSG_OOB)`):
+/// every connection's reader gets the byte out of band and "abcdef"
+/// in-band, as on plain TCP, whether its bytes were redirected before the
+/// urgent send or its program was already known to send urgent data.
+#[test]
+fn python_urgent_data_arrives_out_of_band() -> Result<()> {
+    use std::os::fd::AsRawFd;
+    const N: usize = 8;
+    if !tools(&["python3"]) {
+        return Ok(());
+    }
+    let Some(k) = node() else { return Ok(()) };
+    let net = NodeWithPods::new(2)?;
+    let (a, b) = (&net.pods[0], &net.pods[1]);
+    let server = SocketAddr::new(b.v4.into(), 7500);
+    let pair = EndpointPair::new(a.v4.into(), server.into())?;
+    k.dp().insert(&pair, OWNER)?;
+    let l = b.ns.listen(server)?;
+    let host = b.v4.to_string();
+    let mut py = Program::spawn(&a.ns, &["python3", "-c", PY_URGENT_CLIENT, &host, "7500", &N.to_string()])?;
+    for i in 0..N {
+        let mut s = accept_timeout(&l, T)?;
+        let mut got = [0u8; 3];
+        read_exact_ready(&mut s, &mut got, Some(T))?;
+        ensure!(&got == b"abc", "connection {i}: {got:?}");
+        write_all_ready(&mut s, b"ok", Some(T))?;
+        meshwarp_testbed::wait_ready(s.as_raw_fd(), libc::POLLPRI, Some(Instant::now() + T))
+            .with_context(|| format!("connection {i}: no urgent data"))?;
+        let mut u = 0u8;
+        // SAFETY: one byte into a live buffer.
+        let rc =
+            unsafe { libc::recv(s.as_raw_fd(), (&mut u as *mut u8).cast(), 1, libc::MSG_OOB | libc::MSG_DONTWAIT) };
+        ensure!(rc == 1 && u == b'X', "connection {i}: recv(MSG_OOB) {rc} {u}: {}", std::io::Error::last_os_error());
+        read_exact_ready(&mut s, &mut got, Some(T))?;
+        ensure!(&got == b"def", "connection {i}: the in-band stream without the urgent byte: {got:?}");
+        write_all_ready(&mut s, b"done", Some(T))?;
+    }
+    let status = py.wait_timeout(T)?;
+    ensure!(status.success(), "python: {status}");
+    let st = k.dp().stats(&pair)?;
+    report("python urgent data", &[("pair", st)]);
+    ensure!(st.urgent_hits == 0 && st.fallback_urgent >= 1, "{st:?}");
+    ensure!(st.redirected_bytes >= 3, "some connection redirected before its urgent send: {st:?}");
     Ok(())
 }
