@@ -68,6 +68,9 @@ pub enum TcpReason {
     RcvLowat,
     /// A ULP (kTLS) on the sending or receiving end.
     Ulp,
+    /// The sending end's program sends urgent data (MSG_OOB), which only
+    /// the TCP path carries.
+    Urgent,
     /// The rule says never redirect into the receiving end.
     Rule,
     /// The adaptive policy demoted the direction (a stream of writes TCP
@@ -75,7 +78,8 @@ pub enum TcpReason {
     Policy,
     /// The receiving end is leaving or out of the SOCKMAP (the policy unlinked it).
     Parked,
-    /// Being reset: a reader spliced with redirected bytes pending.
+    /// Being reset: a reader spliced, or urgent data was sent, with
+    /// redirected bytes pending.
     Reset,
     /// The receiving end is closed.
     Closed,
@@ -96,6 +100,7 @@ impl TcpReason {
             TcpReason::Splice => "splice",
             TcpReason::RcvLowat => "rcvlowat",
             TcpReason::Ulp => "ulp",
+            TcpReason::Urgent => "urgent",
             TcpReason::Rule => "rule_no_target",
             TcpReason::Policy => "policy",
             TcpReason::Parked => "unlinked",
@@ -281,7 +286,8 @@ fn paths(c: &Conn) -> (PathNow, PathNow) {
     }
     let dir = |recv_flags: u32, send_flags: u32, dir_flags: u32| {
         if send_flags & EF_NOSEND != 0 {
-            PathNow::Tcp(TcpReason::Ulp)
+            // NOSEND comes with a ULP (EF_R_ULP) or from urgent data.
+            PathNow::Tcp(if send_flags & EF_R_ULP != 0 { TcpReason::Ulp } else { TcpReason::Urgent })
         } else if recv_flags & EF_TARGET == 0 {
             PathNow::Tcp(TcpReason::of_target(recv_flags))
         } else if dir_flags & DIR_UNLINKED != 0 || recv_flags & EF_PARKED != 0 {

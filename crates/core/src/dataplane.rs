@@ -583,7 +583,9 @@ fn guard_flags(mode: GuardMode, k: &KernelProbe, syscall_watch: bool) -> u32 {
         return 0;
     }
     let mut f = CFG_GUARD;
-    if syscall_watch && (!k.splice_sees_redirected || !k.fionread_counts_tcp_with_psock) {
+    // Urgent data (MSG_OOB) needs the watch on every kernel: tcp_bpf
+    // ignores MSG_OOB on reads while a psock holds bytes.
+    if syscall_watch {
         f |= CFG_SYSCALL_WATCH;
     }
     if !k.splice_sees_redirected {

@@ -1247,7 +1247,7 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 	 * is a target only, in mw_tgtmap, where no sk_msg runs on its sends;
 	 * or, not a target either, not accelerated at all. */
 	tgtmap = d.level != LV_NONE && no_msg_chain() &&
-		 ((rule->flags & MW_RULE_NO_TARGET_SERVER) || srv_no_target(link, cfg));
+		 ((rule->flags & MW_RULE_NO_TARGET_SERVER) || srv_no_target(link, cfg) || d.nosend);
 	if (tgtmap && d.level != LV_FULL) {
 		d.level = LV_NONE;
 		st->fb = MW_FB_NO_TARGET;
@@ -1319,7 +1319,7 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 		st->flags |= MW_SOCK_TGTMAP;
 	if (rs) {
 		rs->sockets++;
-		if (tgtmap)
+		if (tgtmap && !d.nosend)
 			rs->tgtmap_clients++;
 	}
 	watch_close(skops);
@@ -1430,10 +1430,11 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 	/* Both ends accelerated, or neither: a socket with a psock whose
 	 * incoming bytes all come on TCP gains nothing and loses FIONREAD. */
 	client_flags = link->end_flags[MW_END_CLIENT];
-	if ((client_flags & MW_EF_TGTMAP) && d.level == LV_FULL) {
-		/* Its client went by a stale hint and sends nothing that can be
-		 * redirected: no target, as decide_end has it for one. */
-		if (rs)
+	if ((client_flags & (MW_EF_TGTMAP | MW_EF_NOSEND)) && d.level == LV_FULL) {
+		/* Its client sends nothing that can be redirected (it went by a
+		 * stale hint, or its program sends urgent data): no target, as
+		 * decide_end has it for one. */
+		if (rs && !(client_flags & MW_EF_NOSEND))
 			rs->hint_stale++;
 		if (d.fionread) {
 			d.level = LV_NONE;
@@ -1445,7 +1446,12 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 			d.reason = 0;
 		}
 	}
-	to_client = client_flags & MW_EF_TARGET;
+	/* Nor is its client, if this end's program sends urgent data; a
+	 * client that asks FIONREAD would miss every byte then (all on TCP
+	 * behind its psock): neither end is accelerated. */
+	to_client = (client_flags & MW_EF_TARGET) && !d.nosend;
+	if (d.nosend && (client_flags & MW_EF_FIONREAD))
+		d.level = LV_NONE;
 	to_server = d.level == LV_FULL;
 	if (d.level == LV_NONE || (!to_client && !to_server)) {
 		st->fb = d.level == LV_NONE ? MW_FB_READER : MW_FB_NO_TARGET;
@@ -2328,10 +2334,11 @@ static __always_inline void on_fionread(__u32 fd)
  * connections start so (MW_EXE_SEEN_URGENT). One thing TCP's meaning needs
  * that the fast path cannot give: a recv(MSG_OOB) on a socket with
  * redirected bytes unread reads those in-band bytes instead (tcp_bpf_recvmsg
- * ignores the flag while its psock queue holds any). With bytes unread and
- * the reader not reading urgent data in-band (SO_OOBINLINE, where the byte
- * simply follows them), this is a hit: the connection is reset, loudly, as
- * for splice. The peer's address (mw_link.sk) is read as reader_busy does.
+ * ignores the flag while its psock queue holds any), and a reader that
+ * reads it in-band (SO_OOBINLINE) would find the mark (sockatmark counts
+ * TCP bytes only) before those bytes. So bytes unread make this a hit: the
+ * connection is reset, loudly, as for splice. The peer's address
+ * (mw_link.sk) is read as reader_busy does.
  */
 static __always_inline void on_urgent_send(__u32 fd)
 {
@@ -2364,7 +2371,7 @@ static __always_inline void on_urgent_send(__u32 fd)
 	if (rs)
 		rs->fb_urgent++;
 	psk = bpf_core_cast((void *)link->sk[end ^ 1], struct sock);
-	if (!psk || (psk->__sk_common.skc_flags & (1UL << SOCK_URGINLINE)))
+	if (!psk || (link->end_flags[end ^ 1] & MW_EF_CLOSED))
 		return;
 	pending = psock_pending(psk);
 	if (!pending || (__sync_fetch_and_or(&link->flags, MW_LINK_HIT) & MW_LINK_HIT))
@@ -2386,17 +2393,20 @@ static __always_inline void on_urgent_send(__u32 fd)
 	emit(&ev);
 }
 
+/* Runs on every system call of the node. `regs` is a BTF pointer here: its
+ * fields are read with plain (fault-guarded) loads, where the _CORE_ macros
+ * would call bpf_probe_read_kernel (about 60 ns on each send). */
 SEC("tp_btf/sys_enter")
 int BPF_PROG(mw_sys_enter, struct pt_regs *regs, long id)
 {
 	if (id == nr_splice)
-		on_splice((__u32)PT_REGS_PARM1_CORE_SYSCALL(regs));
-	else if (id == nr_ioctl && (__u32)PT_REGS_PARM2_CORE_SYSCALL(regs) == FIONREAD)
-		on_fionread((__u32)PT_REGS_PARM1_CORE_SYSCALL(regs));
-	else if ((id == nr_sendto || id == nr_sendmmsg) && (PT_REGS_PARM4_CORE_SYSCALL(regs) & MSG_OOB))
-		on_urgent_send((__u32)PT_REGS_PARM1_CORE_SYSCALL(regs));
-	else if (id == nr_sendmsg && (PT_REGS_PARM3_CORE_SYSCALL(regs) & MSG_OOB))
-		on_urgent_send((__u32)PT_REGS_PARM1_CORE_SYSCALL(regs));
+		on_splice((__u32)PT_REGS_PARM1_SYSCALL(regs));
+	else if (id == nr_ioctl && (__u32)PT_REGS_PARM2_SYSCALL(regs) == FIONREAD)
+		on_fionread((__u32)PT_REGS_PARM1_SYSCALL(regs));
+	else if ((id == nr_sendto || id == nr_sendmmsg) && (PT_REGS_PARM4_SYSCALL(regs) & MSG_OOB))
+		on_urgent_send((__u32)PT_REGS_PARM1_SYSCALL(regs));
+	else if (id == nr_sendmsg && (PT_REGS_PARM3_SYSCALL(regs) & MSG_OOB))
+		on_urgent_send((__u32)PT_REGS_PARM1_SYSCALL(regs));
 	return 0;
 }
 
