@@ -2205,6 +2205,42 @@ static __always_inline struct sock *fd_sock(__u32 fd)
 	return sock->sk;
 }
 
+/* The covered socket behind a file descriptor of the current task (its
+ * mw_cookies entry, or NULL), with its address and cookie. */
+static __always_inline struct mw_cookie_val *covered_fd(__u32 fd, struct sock **skp, __u64 *cookie)
+{
+	struct sock *sk = fd_sock(fd);
+
+	if (!sk)
+		return NULL;
+	*skp = sk;
+	*cookie = sk->__sk_common.skc_cookie.counter;
+	return bpf_map_lookup_elem(&mw_cookies, cookie);
+}
+
+/* Tells user space to reset a hit connection (MW_EV_SPLICE_HIT,
+ * MW_EV_URGENT_HIT): the socket `sk` (cookie `cookie`, end `end` of link
+ * `id`) of the calling thread, with `pending` redirected bytes unread. */
+static __always_inline void emit_hit(__u32 type, struct sock *sk, __u64 cookie, struct mw_link *link, __u64 id,
+				     __u32 end, const struct mw_exe_key *exe, __u32 pending)
+{
+	struct mw_event ev = {};
+
+	ev.type = type;
+	ev.pid = (__u32)bpf_get_current_pid_tgid();
+	ev.tgid = bpf_get_current_pid_tgid() >> 32;
+	bpf_get_current_comm(ev.comm, sizeof(ev.comm));
+	ev.exe = *exe;
+	ev.link = id;
+	ev.end = end;
+	ev.cookie = cookie;
+	ev.peer_cookie = link->cookie[end ^ 1];
+	ev.netns = sk->__sk_common.skc_net.net->net_cookie;
+	ev.pending = pending;
+	fill_event_link(&ev, link);
+	emit(&ev);
+}
+
 /* splice(fd_in = a socket): the executable splices. If fd_in is a covered
  * socket, it stops being a target before the kernel reads it; redirected
  * bytes already waiting there are invisible to splice: a hit. */
@@ -2255,20 +2291,7 @@ static __always_inline void on_splice(__u32 fd)
 	rs = rule_stats(link->rule_id);
 	if (rs)
 		rs->splice_hits++;
-	__builtin_memset(&ev, 0, sizeof(ev));
-	ev.type = MW_EV_SPLICE_HIT;
-	ev.pid = (__u32)bpf_get_current_pid_tgid();
-	ev.tgid = bpf_get_current_pid_tgid() >> 32;
-	bpf_get_current_comm(ev.comm, sizeof(ev.comm));
-	ev.exe = exe;
-	ev.link = id;
-	ev.end = end;
-	ev.cookie = cookie;
-	ev.peer_cookie = link->cookie[end ^ 1];
-	ev.netns = sk->__sk_common.skc_net.net->net_cookie;
-	ev.pending = pending;
-	fill_event_link(&ev, link);
-	emit(&ev);
+	emit_hit(MW_EV_SPLICE_HIT, sk, cookie, link, id, end, &exe, pending);
 	(void)old;
 }
 
@@ -2294,16 +2317,13 @@ static __always_inline __u32 tcp_unread(struct tcp_sock *tp)
 static __always_inline void on_fionread(__u32 fd)
 {
 	struct mw_exe_key exe = {};
-	struct sock *sk = fd_sock(fd);
 	struct mw_cookie_val *cv;
 	struct mw_link *link;
-	__u32 end;
+	struct sock *sk;
 	__u64 cookie;
+	__u32 end;
 
-	if (!sk)
-		return;
-	cookie = sk->__sk_common.skc_cookie.counter;
-	cv = bpf_map_lookup_elem(&mw_cookies, &cookie);
+	cv = covered_fd(fd, &sk, &cookie);
 	if (!cv)
 		return;
 	if (current_exe(&exe))
@@ -2345,17 +2365,12 @@ static __always_inline void on_urgent_send(__u32 fd)
 	struct mw_exe_key exe = {};
 	struct mw_cookie_val *cv;
 	struct mw_rule_stats *rs;
-	struct mw_event ev = {};
 	struct mw_link *link;
 	struct sock *sk, *psk;
 	__u32 end, pending;
 	__u64 cookie;
 
-	sk = fd_sock(fd);
-	if (!sk)
-		return;
-	cookie = sk->__sk_common.skc_cookie.counter;
-	cv = bpf_map_lookup_elem(&mw_cookies, &cookie);
+	cv = covered_fd(fd, &sk, &cookie);
 	if (!cv)
 		return;
 	if (current_exe(&exe))
@@ -2378,19 +2393,7 @@ static __always_inline void on_urgent_send(__u32 fd)
 		return;
 	if (rs)
 		rs->urgent_hits++;
-	ev.type = MW_EV_URGENT_HIT;
-	ev.pid = (__u32)bpf_get_current_pid_tgid();
-	ev.tgid = bpf_get_current_pid_tgid() >> 32;
-	bpf_get_current_comm(ev.comm, sizeof(ev.comm));
-	ev.exe = exe;
-	ev.link = cv->link;
-	ev.end = end;
-	ev.cookie = cookie;
-	ev.peer_cookie = link->cookie[end ^ 1];
-	ev.netns = sk->__sk_common.skc_net.net->net_cookie;
-	ev.pending = pending;
-	fill_event_link(&ev, link);
-	emit(&ev);
+	emit_hit(MW_EV_URGENT_HIT, sk, cookie, link, cv->link, end, &exe, pending);
 }
 
 /* Runs on every system call of the node. `regs` is a BTF pointer here: its
