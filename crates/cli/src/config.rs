@@ -250,8 +250,9 @@ pub struct ServeArgs {
     /// without splice options); repeatable.
     #[arg(long = "trust-reader", env = "MESHWARP_TRUSTED_READERS", value_delimiter = ',')]
     pub trusted_readers: Vec<PathBuf>,
-    /// Do not watch splice()/FIONREAD at system call entry (saves ~50-130 ns
-    /// per system call of the node; an unforeseen splicer can then lose bytes).
+    /// Do not watch splice()/FIONREAD/send(MSG_OOB) at system call entry
+    /// (saves ~50-130 ns per system call of the node; an unforeseen splicer
+    /// can then lose bytes, and urgent data arrives in-band).
     #[arg(long, env = "MESHWARP_NO_SYSCALL_WATCH")]
     pub no_syscall_watch: bool,
 }

@@ -72,12 +72,13 @@ pub struct DataplaneConfig {
     /// Executables the operator vouches never splice the sockets they read
     /// (e.g. a proxy whose configuration has no splice option).
     pub trusted_readers: Vec<PathBuf>,
-    /// With the reader guard on a kernel whose splice cannot see redirected
-    /// bytes: watch splice() and FIONREAD at system call entry, so that a
-    /// program nothing in its ELF said could splice fails loudly (reset)
-    /// instead of losing bytes. Costs about 50-70 ns on every system call of
-    /// the node (benches/README.md); off, such a program's first spliced
-    /// connection can lose bytes silently.
+    /// With the reader guard: watch splice(), FIONREAD and sends of urgent
+    /// data (MSG_OOB) at system call entry, so that a program nothing in its
+    /// ELF said could splice fails loudly (reset) instead of losing bytes,
+    /// and urgent data takes the TCP path. Costs about 50-70 ns on every
+    /// system call of the node (benches/README.md); off, such a program's
+    /// first spliced connection can lose bytes silently, and urgent data is
+    /// redirected in-band.
     pub syscall_watch: bool,
 }
 
@@ -604,8 +605,8 @@ fn guard_flags(mode: GuardMode, k: &KernelProbe, syscall_watch: bool) -> u32 {
 /// (detaches) the others. sock_recv_length is always on: covered readers
 /// publish how far they read, which the adaptive policy needs to promote a
 /// direction again (and the guard observes readers there). sys_enter runs on
-/// every system call of the node, so it is attached only for a kernel gap it
-/// watches.
+/// every system call of the node, so it is attached only with the guard and
+/// the watch on.
 fn set_guard_links(layout: &FamilyPins, flags: u32) -> Result<(), DataplaneError> {
     let want_recv = true;
     let want_sys = flags & CFG_GUARD != 0 && flags & CFG_SYSCALL_WATCH != 0;

@@ -1450,9 +1450,7 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 	 * client that asks FIONREAD would miss every byte then (all on TCP
 	 * behind its psock): neither end is accelerated. */
 	to_client = (client_flags & MW_EF_TARGET) && !d.nosend;
-	if (d.nosend && (client_flags & MW_EF_FIONREAD))
-		d.level = LV_NONE;
-	to_server = d.level == LV_FULL;
+	to_server = d.level == LV_FULL && !(d.nosend && (client_flags & MW_EF_FIONREAD));
 	if (d.level == LV_NONE || (!to_client && !to_server)) {
 		st->fb = d.level == LV_NONE ? MW_FB_READER : MW_FB_NO_TARGET;
 		release_client(id, link);
@@ -2351,13 +2349,13 @@ static __always_inline void on_fionread(__u32 fd)
  * byte in-band, and the reader's recv(MSG_OOB) would never find it. So this
  * end's sends take TCP from now on (MW_EF_NOSEND; the bytes it redirected
  * before are read first, as after any move to TCP), and its program's later
- * connections start so (MW_EXE_SEEN_URGENT). One thing TCP's meaning needs
- * that the fast path cannot give: a recv(MSG_OOB) on a socket with
- * redirected bytes unread reads those in-band bytes instead (tcp_bpf_recvmsg
- * ignores the flag while its psock queue holds any), and a reader that
- * reads it in-band (SO_OOBINLINE) would find the mark (sockatmark counts
- * TCP bytes only) before those bytes. So bytes unread make this a hit: the
- * connection is reset, loudly, as for splice. The peer's address
+ * ends never redirect what they send (MW_EXE_SEEN_URGENT, decide_end). One
+ * thing TCP's meaning needs that the fast path cannot give: a recv(MSG_OOB) on
+ * a socket with redirected bytes unread reads those in-band bytes instead
+ * (tcp_bpf_recvmsg ignores the flag while its psock queue holds any), and a
+ * reader that reads it in-band (SO_OOBINLINE) would find the mark (sockatmark
+ * counts TCP bytes only) before those bytes. So bytes unread make this a hit:
+ * the connection is reset, loudly, as for splice. The peer's address
  * (mw_link.sk) is read as reader_busy does.
  */
 static __always_inline void on_urgent_send(__u32 fd)
