@@ -17,7 +17,7 @@ pub struct Build {
 pub const BUILD_LEN: usize = 16;
 
 /// `MW_SCHEMA_VERSION`: bumped whenever a pinned map's key or value changes.
-pub const SCHEMA_VERSION: u32 = 20;
+pub const SCHEMA_VERSION: u32 = 21;
 
 pub const AF_INET: u32 = 2;
 pub const AF_INET6: u32 = 10;
@@ -68,6 +68,7 @@ pub const EF_R_ULP: u32 = 0x400;
 pub const EF_R_RULE: u32 = 0x800;
 /// In the target-only SOCKMAP (`mw_tgtmap`): its own sends never run sk_msg.
 pub const EF_TGTMAP: u32 = 0x1000;
+pub const EF_ZEROCOPY: u32 = 0x2000;
 /// `MW_EXE_*` (`mw_exe_class.flags`, `mw_exe.flags`).
 pub const EXE_CLASSIFIED: u32 = 1;
 pub const EXE_SPLICE: u32 = 2;
@@ -79,6 +80,7 @@ pub const EXE_SEEN_BLOCKING: u32 = 0x200;
 pub const EXE_SEEN_NONBLOCKING: u32 = 0x400;
 pub const EXE_SEEN_FIONREAD: u32 = 0x800;
 pub const EXE_SEEN_URGENT: u32 = 0x1000;
+pub const EXE_SEEN_ZEROCOPY: u32 = 0x2000;
 /// `MW_CFG_*` (`mw_config.flags`).
 pub const CFG_GUARD: u32 = 1;
 pub const CFG_SPLICE_BLIND: u32 = 2;
@@ -103,6 +105,7 @@ pub const FB_INSERT: u32 = 5;
 pub const FB_PEER: u32 = 6;
 pub const FB_SYN_DATA: u32 = 7;
 pub const FB_NO_TARGET: u32 = 8;
+pub const FB_ZEROCOPY: u32 = 9;
 /// `MW_LAT_*`: the latency monitor's metrics (`mw_lat_key.metric`).
 pub const LAT_FAST: u32 = 1;
 pub const LAT_TCP: u32 = 2;
@@ -504,6 +507,8 @@ pub struct RuleStats {
     pub hint_stale: u64,
     pub fb_urgent: u64,
     pub urgent_hits: u64,
+    pub fb_zerocopy: u64,
+    pub zc_refused: u64,
 }
 
 /// `MW_OWNER_LEN`: bytes of an owner name, NUL padding included.
@@ -848,7 +853,10 @@ mod tests {
             ("MW_EV_MOVE", EV_MOVE),
             ("MW_EV_URGENT_HIT", EV_URGENT_HIT),
             ("MW_EXE_SEEN_URGENT", EXE_SEEN_URGENT),
+            ("MW_EXE_SEEN_ZEROCOPY", EXE_SEEN_ZEROCOPY),
             ("MW_EF_TGTMAP", EF_TGTMAP),
+            ("MW_EF_ZEROCOPY", EF_ZEROCOPY),
+            ("MW_FB_ZEROCOPY", FB_ZEROCOPY),
             ("MW_CFG_GUARD", CFG_GUARD),
             ("MW_CFG_SYSCALL_WATCH", CFG_SYSCALL_WATCH),
         ] {
@@ -985,7 +993,9 @@ mod tests {
                 tgtmap_clients,
                 hint_stale,
                 fb_urgent,
-                urgent_hits
+                urgent_hits,
+                fb_zerocopy,
+                zc_refused
             ]
         );
         same_layout!(
@@ -1025,7 +1035,7 @@ mod tests {
         assert_eq!(size_of::<SockOwner>(), 16 + 8);
         assert_eq!(size_of::<Exe>(), 8 + 16);
         assert_eq!(size_of::<Event>(), 16 + 16 + 16 + 32 + 24 + 32);
-        assert_eq!(size_of::<RuleStats>(), 27 * 8);
+        assert_eq!(size_of::<RuleStats>(), 29 * 8);
         assert_eq!(size_of::<GlobalStats>(), 6 * 8);
         assert_eq!(size_of::<RouteKey4>(), 16);
         assert_eq!(size_of::<RouteKey6>(), 28);

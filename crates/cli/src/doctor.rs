@@ -135,7 +135,7 @@ pub fn run(pin_root: &Path) -> Result<()> {
         Check {
             name: "cgroup sockopt",
             ok: prog_type(libbpf_sys::BPF_PROG_TYPE_CGROUP_SOCKOPT),
-            detail: "cgroup/setsockopt: SO_RCVLOWAT and TCP_ULP on accelerated sockets".into(),
+            detail: "cgroup/setsockopt: SO_RCVLOWAT, TCP_ULP and SO_ZEROCOPY on accelerated sockets".into(),
             fix: "kernel 5.3 or newer with CONFIG_CGROUP_BPF",
         },
         Check {

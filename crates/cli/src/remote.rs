@@ -122,7 +122,8 @@ fn counters_cols(c: Option<pb::RuleCounters>) -> [String; 4] {
         + c.fallback_rcvlowat
         + c.fallback_ulp
         + c.fallback_reader_busy
-        + c.fallback_urgent;
+        + c.fallback_urgent
+        + c.fallback_zerocopy;
     [c.sockets, c.redirected_msgs, c.redirected_bytes, fb].map(|v| v.to_string())
 }
 
@@ -438,11 +439,13 @@ impl Remote {
                 a.hint_stale += c.hint_stale;
                 a.fallback_urgent += c.fallback_urgent;
                 a.urgent_hits += c.urgent_hits;
+                a.fallback_zerocopy += c.fallback_zerocopy;
+                a.zerocopy_refused += c.zerocopy_refused;
                 a
             });
             println!(
                 "fallbacks: no peer {}  tcp path {}  map full {}  insert error {}  collision {}  reader {}  splice {}  \
-                 rcvlowat {}  ulp {} (refused {})  reader busy {}  urgent data {}  splice hits {}  urgent hits {}",
+                 rcvlowat {}  ulp {} (refused {})  reader busy {}  urgent data {}  zerocopy {} (refused {})  splice hits {}  urgent hits {}",
                 t.fallback_no_peer,
                 t.fallback_tcp_path,
                 t.fallback_map_full,
@@ -455,6 +458,8 @@ impl Remote {
                 t.ulp_refused,
                 t.fallback_reader_busy,
                 t.fallback_urgent,
+                t.fallback_zerocopy,
+                t.zerocopy_refused,
                 t.splice_hits,
                 t.urgent_hits
             );

@@ -82,7 +82,7 @@ fn tools(names: &[&str]) -> bool {
 fn report(what: &str, counters: &[(&str, RuleCounters)]) {
     for (rule, c) in counters {
         eprintln!(
-            "[compat] {what}: {rule}: sockets {} redirected {} B ({} msgs); fallbacks: reader {} splice {} no_peer {} tcp_path {} collision {}; splice hits {}; urgent {} (hits {}); readers woken {}; clients without sk_msg {}",
+            "[compat] {what}: {rule}: sockets {} redirected {} B ({} msgs); fallbacks: reader {} splice {} no_peer {} tcp_path {} collision {}; splice hits {}; urgent {} (hits {}); zerocopy {} (refused {}); readers woken {}; clients without sk_msg {}",
             c.sockets,
             c.redirected_bytes,
             c.redirected_msgs,
@@ -94,6 +94,8 @@ fn report(what: &str, counters: &[(&str, RuleCounters)]) {
             c.splice_hits,
             c.fallback_urgent,
             c.urgent_hits,
+            c.fallback_zerocopy,
+            c.zerocopy_refused,
             c.reader_wakeups,
             c.tgtmap_clients
         );
@@ -1059,12 +1061,15 @@ fn blocking_full_duplex_reader() -> Result<()> {
 // ---------------------------------------------------------------------------
 // urgent data
 
-/// A python client that sends urgent data: per connection "abc", waits for
-/// "ok", then one byte with MSG_OOB and "def", and waits for "done"
-/// (non-blocking sockets, so the guard sees it read without blocking).
-const PY_URGENT_CLIENT: &str = r#"
-import select, socket, sys, time
+/// What the python clients below share: their arguments (host, port,
+/// connections, ...), `fail`, `recv_exact` on a non-blocking socket, and
+/// `connect`: a connection that sent "abc" and was answered "ok".
+const PY_CLIENT_PRELUDE: &str = r#"
+import errno, select, socket, struct, sys, time
 host, port, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+def fail(why):
+    print("FAIL", why, flush=True)
+    sys.exit(1)
 def recv_exact(c, k):
     got = b""
     while len(got) < k:
@@ -1074,20 +1079,60 @@ def recv_exact(c, k):
         except BlockingIOError:
             continue
         if not d:
-            sys.exit("connection closed early")
+            fail("connection closed early")
         got += d
     return got
-for i in range(n):
+def connect():
     c = socket.create_connection((host, port))
     c.setblocking(False)
     c.sendall(b"abc")
     if recv_exact(c, 2) != b"ok":
-        sys.exit("no ok")
+        fail("no ok")
+    return c
+"#;
+
+/// A python client in one pod of a node, the server's listener in the other.
+struct PythonClient {
+    k: KernelTest,
+    _net: NodeWithPods,
+    l: std::net::TcpListener,
+    pair: EndpointPair,
+    py: Program,
+}
+
+/// Two pods, a pair from the first to `port` on the second and its
+/// listener, for a python client in the first: its script (the prelude
+/// first) started with the server's host, the port, `n` and `more` arguments.
+fn python_client(port: u16, script: &str, n: usize, more: &[&str]) -> Result<Option<PythonClient>> {
+    if !tools(&["python3"]) {
+        return Ok(None);
+    }
+    let Some(k) = node() else { return Ok(None) };
+    let net = NodeWithPods::new(2)?;
+    let (a, b) = (&net.pods[0], &net.pods[1]);
+    let server = SocketAddr::new(b.v4.into(), port);
+    let pair = EndpointPair::new(a.v4.into(), server.into())?;
+    k.dp().insert(&pair, OWNER)?;
+    let l = b.ns.listen(server)?;
+    let code = format!("{PY_CLIENT_PRELUDE}{script}");
+    let (host, port, n) = (b.v4.to_string(), port.to_string(), n.to_string());
+    let mut args = vec!["python3", "-c", &code, &host, &port, &n];
+    args.extend_from_slice(more);
+    let py = Program::spawn_with(&a.ns, &args, std::process::Stdio::null(), std::process::Stdio::piped())?;
+    Ok(Some(PythonClient { k, _net: net, l, pair, py }))
+}
+
+/// A python client that sends urgent data: per connection "abc", waits for
+/// "ok", then one byte with MSG_OOB and "def", and waits for "done"
+/// (non-blocking sockets, so the guard sees it read without blocking).
+const PY_URGENT_CLIENT: &str = r#"
+for i in range(n):
+    c = connect()
     if c.send(b"X", socket.MSG_OOB) != 1:
-        sys.exit("urgent send")
+        fail("urgent send")
     c.sendall(b"def")
     if recv_exact(c, 4) != b"done":
-        sys.exit("no done")
+        fail("no done")
     c.close()
     time.sleep(0.05)
 "#;
@@ -1100,18 +1145,9 @@ for i in range(n):
 fn python_urgent_data_arrives_out_of_band() -> Result<()> {
     use std::os::fd::AsRawFd;
     const N: usize = 8;
-    if !tools(&["python3"]) {
+    let Some(PythonClient { k, _net, l, pair, mut py }) = python_client(7500, PY_URGENT_CLIENT, N, &[])? else {
         return Ok(());
-    }
-    let Some(k) = node() else { return Ok(()) };
-    let net = NodeWithPods::new(2)?;
-    let (a, b) = (&net.pods[0], &net.pods[1]);
-    let server = SocketAddr::new(b.v4.into(), 7500);
-    let pair = EndpointPair::new(a.v4.into(), server.into())?;
-    k.dp().insert(&pair, OWNER)?;
-    let l = b.ns.listen(server)?;
-    let host = b.v4.to_string();
-    let mut py = Program::spawn(&a.ns, &["python3", "-c", PY_URGENT_CLIENT, &host, "7500", &N.to_string()])?;
+    };
     for i in 0..N {
         let mut s = accept_timeout(&l, T)?;
         let mut got = [0u8; 3];
@@ -1135,5 +1171,123 @@ fn python_urgent_data_arrives_out_of_band() -> Result<()> {
     report("python urgent data", &[("pair", st)]);
     ensure!(st.urgent_hits == 0 && st.fallback_urgent >= 1, "{st:?}");
     ensure!(st.redirected_bytes >= 3, "some connection redirected before its urgent send: {st:?}");
+    Ok(())
+}
+
+/// python sending with MSG_ZEROCOPY (SO_ZEROCOPY) on each connection, as a
+/// program that can live without it does: where the option is refused
+/// (EOPNOTSUPP) it sends copies; where taken, it checks that the completions
+/// on its error queue number its sends exactly, once each. Prints "OK taken
+/// T refused R" or "FAIL why".
+const PY_ZEROCOPY_CLIENT: &str = r#"
+total = int(sys.argv[4])
+SO_ZEROCOPY, MSG_ZEROCOPY, ORIGIN_ZEROCOPY = 60, 0x4000000, 5
+SIZES = [1, 100, 4096, 32768, 65536, 200000, 1 << 20, 77]
+def completions(c, ranges):
+    while True:
+        try:
+            _, anc, _, _ = c.recvmsg(0, 512, socket.MSG_ERRQUEUE)
+        except BlockingIOError:
+            return
+        for _, _, data in anc:
+            err, origin, _, _, _, lo, hi = struct.unpack("=IBBBBII", data[:16])
+            if origin != ORIGIN_ZEROCOPY or err:
+                fail("not a zero-copy completion: %d %d" % (origin, err))
+            ranges.append((lo, hi))
+block = bytes(range(256)) * (total // 256 + 2)
+taken = refused = 0
+for i in range(n):
+    c = connect()
+    try:
+        c.setsockopt(socket.SOL_SOCKET, SO_ZEROCOPY, 1)
+        zc = True
+        taken += 1
+    except OSError as e:
+        if e.errno != errno.EOPNOTSUPP:
+            raise
+        zc = False
+        refused += 1
+    data = memoryview(block)[i % 256 : i % 256 + total]
+    sends = off = 0
+    ranges = []
+    while off < total:
+        k = min(SIZES[sends % len(SIZES)], total - off)
+        try:
+            r = c.send(data[off : off + k], MSG_ZEROCOPY)
+        except BlockingIOError:
+            select.select([], [c], [])
+            continue
+        except OSError as e:
+            if e.errno != errno.ENOBUFS:
+                raise
+            completions(c, ranges)
+            continue
+        off += r
+        sends += 1
+    if recv_exact(c, 4) != b"done":
+        fail("no done")
+    deadline = time.time() + 10
+    while zc and sum(hi - lo + 1 for lo, hi in ranges) < sends and time.time() < deadline:
+        completions(c, ranges)
+        time.sleep(0.005)
+    time.sleep(0.05)
+    completions(c, ranges)
+    ranges.sort()
+    nxt = 0
+    for lo, hi in ranges:
+        if lo != nxt or hi < lo:
+            fail("connection %d: completions %s for %d sends" % (i, ranges, sends))
+        nxt = hi + 1
+    if nxt != (sends if zc else 0):
+        fail("connection %d (SO_ZEROCOPY %s): completions %s for %d sends" % (i, zc, ranges, sends))
+    c.close()
+    time.sleep(0.05)
+print("OK taken %d refused %d" % (taken, refused), flush=True)
+"#;
+
+/// A real program sending with MSG_ZEROCOPY (python): every stream arrives
+/// intact, and wherever SO_ZEROCOPY is taken the completions number the
+/// sends exactly, as on plain TCP; where it is refused (a socket whose sends
+/// run sk_msg: tcp_bpf would number them wrong) the program sends copies,
+/// and the data path counts each refusal it saw.
+#[test]
+fn python_zero_copy_sends_complete_as_on_tcp() -> Result<()> {
+    use std::io::Read;
+    const N: usize = 6;
+    const TOTAL: usize = (1 << 20) + 300_000;
+    let total = TOTAL.to_string();
+    let Some(PythonClient { k, _net, l, pair, mut py }) = python_client(7501, PY_ZEROCOPY_CLIENT, N, &[&total])? else {
+        return Ok(());
+    };
+    let served = (0..N).try_for_each(|i| -> Result<()> {
+        let mut s = accept_timeout(&l, Duration::from_secs(20)).with_context(|| format!("connection {i}"))?;
+        let mut got = [0u8; 3];
+        read_exact_ready(&mut s, &mut got, Some(T))?;
+        ensure!(&got == b"abc", "connection {i}: {got:?}");
+        write_all_ready(&mut s, b"ok", Some(T))?;
+        let mut data = vec![0u8; TOTAL];
+        read_exact_ready(&mut s, &mut data, Some(T)).with_context(|| format!("connection {i}"))?;
+        let bad = data.iter().enumerate().position(|(j, &v)| v != ((j + i % 256) % 256) as u8);
+        ensure!(bad.is_none(), "connection {i}: the stream differs at byte {bad:?}");
+        write_all_ready(&mut s, b"done", Some(T))?;
+        Ok(())
+    });
+    // python's verdict names what went wrong on its side, if anything did
+    // (its output can be read once it exited).
+    let status = py.wait_timeout(if served.is_ok() { T } else { Duration::from_secs(2) });
+    let mut out = String::from("(still running)");
+    if status.is_ok() {
+        out.clear();
+        py.child().stdout.take().context("python's stdout")?.read_to_string(&mut out)?;
+    }
+    served.with_context(|| format!("python: {out}"))?;
+    let status = status?;
+    ensure!(status.success() && out.starts_with("OK"), "python: {status}: {out}");
+    let refused: u64 = out.split_whitespace().last().and_then(|v| v.parse().ok()).context("python's summary")?;
+    let st = k.dp().stats(&pair)?;
+    report("python zero-copy sends", &[("pair", st)]);
+    ensure!(st.zerocopy_refused == refused, "python was refused {refused} times: {st:?}");
+    ensure!(st.fallback_zerocopy >= 1, "some connection's sends took TCP for SO_ZEROCOPY: {st:?}");
+    ensure!(st.redirected_bytes >= 2, "some connection redirected: {st:?}");
     Ok(())
 }

@@ -16,8 +16,8 @@ use libbpf_rs::{MapHandle, ProgramHandle};
 use meshwarp_bpf::names;
 use meshwarp_bpf::shared::{
     ip_from_raw, str_of, Conn, Exe, ExeKey, Pod, DIR_TCP, DIR_UNLINKED, EF_CLOSED, EF_NOSEND, EF_PARKED, EF_PSOCK,
-    EF_R_LOWAT, EF_R_RULE, EF_R_SPLICE, EF_R_ULP, EF_TARGET, FB_COLLISION, FB_INSERT, FB_MODE_NEVER, FB_NO_SLOT,
-    FB_NO_TARGET, FB_PEER, FB_READER, FB_SYN_DATA, LINK_HIT, LINK_POISONED,
+    EF_R_LOWAT, EF_R_RULE, EF_R_SPLICE, EF_R_ULP, EF_TARGET, EF_ZEROCOPY, FB_COLLISION, FB_INSERT, FB_MODE_NEVER,
+    FB_NO_SLOT, FB_NO_TARGET, FB_PEER, FB_READER, FB_SYN_DATA, FB_ZEROCOPY, LINK_HIT, LINK_POISONED,
 };
 
 use crate::error::{BpfError, IoError};
@@ -71,6 +71,9 @@ pub enum TcpReason {
     /// The sending end's program sends urgent data (MSG_OOB), which only
     /// the TCP path carries.
     Urgent,
+    /// The sending end has SO_ZEROCOPY on (or its program sets it):
+    /// zero-copy completions are counted right only by plain TCP sends.
+    Zerocopy,
     /// The rule says never redirect into the receiving end.
     Rule,
     /// The adaptive policy demoted the direction (a stream of writes TCP
@@ -101,6 +104,7 @@ impl TcpReason {
             TcpReason::RcvLowat => "rcvlowat",
             TcpReason::Ulp => "ulp",
             TcpReason::Urgent => "urgent",
+            TcpReason::Zerocopy => "zerocopy",
             TcpReason::Rule => "rule_no_target",
             TcpReason::Policy => "policy",
             TcpReason::Parked => "unlinked",
@@ -119,6 +123,7 @@ impl TcpReason {
             FB_PEER => TcpReason::Peer,
             FB_SYN_DATA => TcpReason::SynData,
             FB_NO_TARGET => TcpReason::NoTarget,
+            FB_ZEROCOPY => TcpReason::Zerocopy,
             _ => return None,
         })
     }
@@ -286,8 +291,15 @@ fn paths(c: &Conn) -> (PathNow, PathNow) {
     }
     let dir = |recv_flags: u32, send_flags: u32, dir_flags: u32| {
         if send_flags & EF_NOSEND != 0 {
-            // NOSEND comes with a ULP (EF_R_ULP) or from urgent data.
-            PathNow::Tcp(if send_flags & EF_R_ULP != 0 { TcpReason::Ulp } else { TcpReason::Urgent })
+            // NOSEND comes with a ULP (EF_R_ULP), SO_ZEROCOPY (EF_ZEROCOPY) or
+            // from urgent data.
+            PathNow::Tcp(if send_flags & EF_R_ULP != 0 {
+                TcpReason::Ulp
+            } else if send_flags & EF_ZEROCOPY != 0 {
+                TcpReason::Zerocopy
+            } else {
+                TcpReason::Urgent
+            })
         } else if recv_flags & EF_TARGET == 0 {
             PathNow::Tcp(TcpReason::of_target(recv_flags))
         } else if dir_flags & DIR_UNLINKED != 0 || recv_flags & EF_PARKED != 0 {

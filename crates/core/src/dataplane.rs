@@ -779,7 +779,7 @@ fn load_and_pin(cfg: &DataplaneConfig, layout: &FamilyPins) -> Result<(), Datapl
     let link_path = layout.link(names::PROG_SOCKOPS);
     link.pin(&link_path).map_err(bpf_err(format!("pinning {}", link_path.display())))?;
     guard.paths.push(link_path);
-    // setsockopt(): SO_RCVLOWAT and ULPs (kTLS) on covered sockets.
+    // setsockopt(): SO_RCVLOWAT, ULPs (kTLS) and SO_ZEROCOPY on covered sockets.
     let mut link: Link = skel
         .progs
         .mw_setsockopt

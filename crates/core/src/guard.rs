@@ -68,7 +68,7 @@ pub enum GuardMode {
     Auto,
     /// Every covered socket is a redirect target: the operator vouches that
     /// no reader splices, blocks while its own socket is shut down, or relies
-    /// on SO_RCVLOWAT/FIONREAD. SO_RCVLOWAT and kTLS are still handled.
+    /// on SO_RCVLOWAT/FIONREAD. SO_RCVLOWAT, kTLS and SO_ZEROCOPY are still handled.
     Off,
 }
 

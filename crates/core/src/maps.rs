@@ -296,6 +296,8 @@ pub fn add_rule_stats(a: &mut RuleStats, b: &RuleStats) {
     a.hint_stale = a.hint_stale.wrapping_add(b.hint_stale);
     a.fb_urgent = a.fb_urgent.wrapping_add(b.fb_urgent);
     a.urgent_hits = a.urgent_hits.wrapping_add(b.urgent_hits);
+    a.fb_zerocopy = a.fb_zerocopy.wrapping_add(b.fb_zerocopy);
+    a.zc_refused = a.zc_refused.wrapping_add(b.zc_refused);
 }
 
 fn add_global_stats(a: &mut GlobalStats, b: &GlobalStats) {

@@ -83,6 +83,13 @@ pub struct RuleCounters {
     /// recv(MSG_OOB) would read those in-band bytes instead, so the
     /// connection was reset (an incident).
     pub urgent_hits: u64,
+    /// Ends whose sends left the fast path for good because SO_ZEROCOPY is
+    /// on (zero-copy completions are counted right only by plain TCP sends):
+    /// set on the socket, or from the start once its program was seen.
+    pub fallback_zerocopy: u64,
+    /// SO_ZEROCOPY refused (EOPNOTSUPP) on a socket whose sends run sk_msg;
+    /// its program's later sockets take it, their sends on TCP.
+    pub zerocopy_refused: u64,
 }
 
 impl From<RuleStats> for RuleCounters {
@@ -115,6 +122,8 @@ impl From<RuleStats> for RuleCounters {
             hint_stale: s.hint_stale,
             fallback_urgent: s.fb_urgent,
             urgent_hits: s.urgent_hits,
+            fallback_zerocopy: s.fb_zerocopy,
+            zerocopy_refused: s.zc_refused,
         }
     }
 }

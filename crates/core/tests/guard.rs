@@ -25,8 +25,9 @@ use meshwarp_bpf::shared::{
 use meshwarp_core::sys::socket_cookie_of;
 use meshwarp_core::{CaptureRule, Endpoint, EndpointPair, FastPathMode, GuardMode};
 use meshwarp_testbed::{
-    accept_timeout, exchange, fionread_reader, read_exact_ready, recv_pattern, redirect_output, send_pattern,
-    wait_ready, write_all_ready, CaptureProxy, HeldThread, KernelTest, NetNs, NodeWithPods, SERVICE_V4,
+    accept_timeout, exchange, expect_zerocopy_completions, fionread_reader, read_exact_ready, recv_pattern,
+    redirect_output, send_pattern, wait_ready, write_all_ready, zerocopy_pattern, zerocopy_transfer, CaptureProxy,
+    HeldThread, KernelTest, NetNs, NodeWithPods, SERVICE_V4, SO_ZEROCOPY,
 };
 
 const T: Duration = Duration::from_secs(60);
@@ -1174,5 +1175,102 @@ fn urgent_data_inline_is_at_its_mark() -> Result<()> {
     let st = k.dp().stats(&pair)?;
     ensure!(st.redirected_bytes == 3 && st.fallback_urgent == 1 && st.urgent_hits == 0, "{st:?}");
     exchange(c, s, 35, 1 << 20, T)?;
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// zero-copy sends (SO_ZEROCOPY, MSG_ZEROCOPY)
+
+/// A zero-copy send is owed a completion numbered by the socket's count of
+/// zero-copy sends. Redirected it gets none, and tcp_bpf's push to TCP
+/// counts a send once per page run. So SO_ZEROCOPY is refused (EOPNOTSUPP,
+/// as where zero-copy is unsupported) on a socket whose sends run sk_msg:
+/// its sends stay copies, redirected, and owe nothing. Its program is
+/// remembered: on its next connection the option is taken, the sends go by
+/// plain TCP, and the completions are numbered as on TCP.
+#[test]
+fn zero_copy_is_refused_where_sends_run_sk_msg_and_taken_on_the_next_connection() -> Result<()> {
+    let k = kernel_test!();
+    let (net, l, pair) = pods_pair(&k, 8105)?;
+    let to = SocketAddr::new(net.pods[1].addr(false), 8105);
+    let (mut c, mut s) = (net.pods[0].ns.connect(to)?, accept_timeout(&l, T)?);
+    write_all_ready(&mut c, b"abc", Some(T))?;
+    ensure!(read_in_band(&mut s, 3)? == b"abc");
+    let e = set_int(&c, libc::SOL_SOCKET, SO_ZEROCOPY, 1).err().context("SO_ZEROCOPY taken where sends run sk_msg")?;
+    ensure!(e.raw_os_error() == Some(libc::EOPNOTSUPP), "refused with {e}");
+    let data = zerocopy_pattern(3 << 20);
+    zerocopy_transfer(&c, &s, &data, T)?;
+    expect_zerocopy_completions(&c, 0)?;
+    let st = k.dp().stats(&pair)?;
+    ensure!(st.zerocopy_refused == 1 && st.fallback_zerocopy == 0, "{st:?}");
+    ensure!(st.redirected_bytes == 3 + data.len() as u64, "the copies redirected: {st:?}");
+    exchange(c, s, 41, 1 << 20, T)?;
+    // The program again: the option is taken, and its sends take TCP.
+    let (c, s) = (net.pods[0].ns.connect(to)?, accept_timeout(&l, T)?);
+    set_int(&c, libc::SOL_SOCKET, SO_ZEROCOPY, 1).context("SO_ZEROCOPY on the next connection")?;
+    let calls = zerocopy_transfer(&c, &s, &data, T)?;
+    expect_zerocopy_completions(&c, calls)?;
+    let again = k.dp().stats(&pair)?;
+    ensure!(again.zerocopy_refused == 1 && again.fallback_zerocopy == 2, "both ends counted: {again:?}");
+    ensure!(again.sockets == 2 && again.redirected_bytes == st.redirected_bytes + (2 << 20), "{again:?}");
+    exchange(c, s, 43, 256 << 10, T)?;
+    Ok(())
+}
+
+/// SO_ZEROCOPY set before connect(): the client end is decided with it on,
+/// joins mw_tgtmap (no sk_msg on its sends), and its completions are
+/// numbered as on TCP; what the server sends it stays redirected.
+#[test]
+fn zero_copy_set_before_connect_sends_on_tcp_and_is_still_a_target() -> Result<()> {
+    let k = kernel_test!();
+    let (net, l, pair) = pods_pair(&k, 8106)?;
+    let to = SocketAddr::new(net.pods[1].addr(false), 8106);
+    let c = net.pods[0].ns.enter(|| -> std::io::Result<TcpStream> {
+        let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
+        set_int(&sock, libc::SOL_SOCKET, SO_ZEROCOPY, 1)?;
+        meshwarp_testbed::connect_nonblocking(sock, to, T)
+    })??;
+    let s = accept_timeout(&l, T)?;
+    let data = zerocopy_pattern(3 << 20);
+    let calls = zerocopy_transfer(&c, &s, &data, T)?;
+    expect_zerocopy_completions(&c, calls)?;
+    let cookie = socket_cookie_of(&c)?;
+    let listed = k.dp().connections(&meshwarp_core::ConnFilter { cookie: Some(cookie), ..Default::default() })?;
+    let zc = meshwarp_core::PathNow::Tcp(meshwarp_core::TcpReason::Zerocopy);
+    ensure!(listed.len() == 1 && listed[0].tx_path == zc, "the client's sends listed as zerocopy: {listed:?}");
+    ensure!(listed[0].rx_path == meshwarp_core::PathNow::Fast, "the server's sends redirected: {listed:?}");
+    let st = k.dp().stats(&pair)?;
+    ensure!(st.fallback_zerocopy == 1 && st.zerocopy_refused == 0 && st.redirected_bytes == 0, "{st:?}");
+    exchange(c, s, 45, 1 << 20, T)?;
+    let st = k.dp().stats(&pair)?;
+    ensure!(st.redirected_bytes == 1 << 20, "only server -> client redirected: {st:?}");
+    Ok(())
+}
+
+/// SO_ZEROCOPY on an end no sk_msg runs on (mw_tgtmap: the rule keeps
+/// redirected bytes out of its peer) is taken, and its completions are
+/// numbered as on TCP; what its peer sends it stays redirected.
+#[test]
+fn zero_copy_is_taken_on_an_end_without_sk_msg() -> Result<()> {
+    let k = kernel_test!();
+    let never = meshwarp_core::NeverRedirectInto { client: true, server: false };
+    let (net, l, pair) = pods_pair_never_into(&k, 8107, never)?;
+    let to = SocketAddr::new(net.pods[1].addr(false), 8107);
+    let (mut c, mut s) = (net.pods[0].ns.connect(to)?, accept_timeout(&l, T)?);
+    write_all_ready(&mut c, b"abc", Some(T))?;
+    ensure!(read_in_band(&mut s, 3)? == b"abc");
+    set_int(&s, libc::SOL_SOCKET, SO_ZEROCOPY, 1).context("SO_ZEROCOPY on a mw_tgtmap end")?;
+    let data = zerocopy_pattern(3 << 20);
+    let calls = zerocopy_transfer(&s, &c, &data, T)?;
+    expect_zerocopy_completions(&s, calls)?;
+    let cookie = socket_cookie_of(&s)?;
+    let listed = k.dp().connections(&meshwarp_core::ConnFilter { cookie: Some(cookie), ..Default::default() })?;
+    let zc = meshwarp_core::PathNow::Tcp(meshwarp_core::TcpReason::Zerocopy);
+    ensure!(listed.len() == 1 && listed[0].tx_path == zc, "the server's sends listed as zerocopy: {listed:?}");
+    let st = k.dp().stats(&pair)?;
+    ensure!(st.fallback_zerocopy == 1 && st.zerocopy_refused == 0 && st.redirected_bytes == 3, "{st:?}");
+    exchange(c, s, 47, 1 << 20, T)?;
+    let st = k.dp().stats(&pair)?;
+    ensure!(st.redirected_bytes == 3 + (1 << 20), "client -> server still redirected: {st:?}");
     Ok(())
 }

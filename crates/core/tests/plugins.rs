@@ -20,8 +20,9 @@ use meshwarp_core::{
     Endpoint, EndpointPair, FailurePolicy, FastPathMode, Hook, Phase, PluginChain, PluginError, PluginManifest,
 };
 use meshwarp_testbed::{
-    accept_timeout, child_dataplane_config, child_test, echo_integrity, exchange, read_exact_ready, KernelTest,
-    NodeWithPods, OverlayEgress, StreamEcho, TcTest, TwoNodes,
+    accept_timeout, child_dataplane_config, child_test, connect_nonblocking, echo_integrity, exchange,
+    expect_zerocopy_completions, read_exact_ready, zerocopy_pattern, zerocopy_transfer, KernelTest, NodeWithPods,
+    OverlayEgress, StreamEcho, TcTest, TwoNodes, SO_ZEROCOPY,
 };
 
 const T: Duration = Duration::from_secs(60);
@@ -209,6 +210,49 @@ fn a_message_plugin_sees_the_sends_of_an_end_whose_peer_is_no_target() -> Result
         let pc = counters(&c, "noop");
         ensure!(pc.runs == runs, "never into client {client}, server {server}: {pc:?}, expected {runs} runs");
     }
+    Ok(())
+}
+
+/// With an on_message plugin loaded, an end with SO_ZEROCOPY on at
+/// connect() is not accelerated: in mw_sockmap tcp_bpf would number its
+/// zero-copy completions wrong, and in mw_tgtmap its sends would skip the
+/// chain. Its completions are numbered as on TCP; the plugin sees nothing.
+#[test]
+fn with_a_message_plugin_a_zero_copy_end_is_not_accelerated() -> Result<()> {
+    use std::os::fd::AsRawFd;
+    let k = kernel_test!();
+    let c = chain(&k)?;
+    c.load(&manifest("noop", Hook::Message, 0), plugins::NOOP_MSG, &[], false, "test")?;
+    let net = NodeWithPods::new(2)?;
+    let (a, b) = (net.pods[0].addr(false), net.pods[1].addr(false));
+    let to = SocketAddr::new(b, PORT);
+    let l = net.pods[1].ns.listen(to)?;
+    let pair = EndpointPair::new(a, Endpoint::new(b, PORT))?;
+    k.dp().insert(&pair, "test")?;
+    let cl = net.pods[0].ns.enter(|| -> std::io::Result<TcpStream> {
+        let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
+        let one: libc::c_int = 1;
+        // SAFETY: an int option.
+        let rc = unsafe {
+            libc::setsockopt(sock.as_raw_fd(), libc::SOL_SOCKET, SO_ZEROCOPY, (&one as *const i32).cast(), 4)
+        };
+        if rc != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        connect_nonblocking(sock, to, T)
+    })??;
+    let sv = accept_timeout(&l, T)?;
+    let data = zerocopy_pattern(2 << 20);
+    let calls = zerocopy_transfer(&cl, &sv, &data, T)?;
+    expect_zerocopy_completions(&cl, calls)?;
+    let cookie = meshwarp_core::sys::socket_cookie_of(&cl)?;
+    let listed = k.dp().connections(&meshwarp_core::ConnFilter { cookie: Some(cookie), ..Default::default() })?;
+    let zc = meshwarp_core::PathNow::Tcp(meshwarp_core::TcpReason::Zerocopy);
+    ensure!(listed.len() == 1 && listed[0].tx_path == zc && !listed[0].accelerated, "{listed:?}");
+    exchange(cl, sv, 51, 256 << 10, T)?;
+    let st = k.dp().stats(&pair)?;
+    ensure!(st.fallback_zerocopy == 1 && st.sockets == 0 && st.redirected_bytes == 0, "{st:?}");
+    ensure!(counters(&c, "noop").runs == 0, "the plugin saw sends of an end not accelerated");
     Ok(())
 }
 

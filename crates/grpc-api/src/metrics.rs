@@ -119,7 +119,7 @@ fn set_total(c: &Counter, v: u64) {
 }
 
 /// One rule's counters, flattened (see `Metrics::render`).
-type RuleTotals = [u64; 26];
+type RuleTotals = [u64; 28];
 
 /// Node-wide totals of per-rule counters that never go back: a rule's counts
 /// live in its slot, which a deleted rule frees and a new rule starts from
@@ -394,6 +394,8 @@ impl Metrics {
                 c.fallback_mode_never,
                 c.fallback_reader_busy,
                 c.fallback_urgent,
+                c.fallback_zerocopy,
+                c.zerocopy_refused,
             ]
         };
         // Keyed by the rule's identity (an update keeps the key and the
@@ -443,6 +445,8 @@ impl Metrics {
             ("mode_never", fb[10]),
             ("reader_busy", fb[11]),
             ("urgent", fb[12]),
+            ("zerocopy", fb[13]),
+            ("zerocopy_refused", fb[14]),
             ("not_covered", not_covered),
         ] {
             set_total(&self.fallbacks.get_or_create(&ReasonLabel { reason: reason.into() }), v);
@@ -509,7 +513,7 @@ mod tests {
     fn rules(list: &[(&str, u64)]) -> HashMap<String, RuleTotals> {
         list.iter()
             .map(|(k, v)| {
-                let mut t: RuleTotals = [0; 26];
+                let mut t: RuleTotals = [0; 28];
                 t[0] = *v;
                 (k.to_string(), t)
             })

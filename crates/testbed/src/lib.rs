@@ -1193,6 +1193,129 @@ impl Drop for HeldThread {
 }
 
 // ---------------------------------------------------------------------------
+// Zero-copy sends (SO_ZEROCOPY, MSG_ZEROCOPY)
+
+/// `SO_ZEROCOPY` (asm-generic/socket.h; x86 and arm64 alike).
+pub const SO_ZEROCOPY: i32 = 60;
+/// `MSG_ZEROCOPY` (linux/socket.h).
+pub const MSG_ZEROCOPY: i32 = 0x400_0000;
+/// `SO_EE_ORIGIN_ZEROCOPY` (linux/errqueue.h); the libc crate lacks it.
+const SO_EE_ORIGIN_ZEROCOPY: u8 = 5;
+
+/// Bytes that show where in a stream they belong.
+pub fn zerocopy_pattern(len: usize) -> Vec<u8> {
+    (0..len).map(|i| ((i as u64).wrapping_mul(2_654_435_761) >> 13) as u8).collect()
+}
+
+/// Zero-copy completions on `s`'s error queue so far, appended to `into` as
+/// [lo, hi] ranges of send numbers.
+pub fn zerocopy_completions(s: &TcpStream, into: &mut Vec<(u32, u32)>) -> Result<()> {
+    loop {
+        let mut cbuf = [0u64; 32];
+        // SAFETY: a zeroed msghdr with only a control buffer, as recvmsg(2) takes it.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_control = cbuf.as_mut_ptr().cast();
+        msg.msg_controllen = std::mem::size_of_val(&cbuf) as _;
+        // SAFETY: msg points at live buffers for the whole call.
+        let rc = unsafe { libc::recvmsg(s.as_raw_fd(), &mut msg, libc::MSG_ERRQUEUE | libc::MSG_DONTWAIT) };
+        if rc < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::WouldBlock {
+                return Ok(());
+            }
+            return Err(io_err("reading the error queue")(e));
+        }
+        // SAFETY: the kernel filled msg_control; CMSG_* stay within msg_controllen.
+        let ee = unsafe {
+            let cm = libc::CMSG_FIRSTHDR(&msg);
+            if cm.is_null() {
+                return Err(TestbedError::Integrity("an error-queue message without its control message".into()));
+            }
+            std::ptr::read_unaligned(libc::CMSG_DATA(cm).cast::<libc::sock_extended_err>())
+        };
+        if ee.ee_origin != SO_EE_ORIGIN_ZEROCOPY || ee.ee_errno != 0 {
+            return Err(TestbedError::Integrity(format!("not a zero-copy completion: {ee:?}")));
+        }
+        into.push((ee.ee_info, ee.ee_data));
+    }
+}
+
+/// Sends `data` from `tx` with MSG_ZEROCOPY in writes of several sizes
+/// (1 B to 1 MiB), partial sends resumed, while `rx` reads it all back and
+/// compares; returns the number of sends that took bytes (each is owed a
+/// completion while SO_ZEROCOPY is on). `data` is left untouched, as a
+/// zero-copy sender must until its completions arrive.
+pub fn zerocopy_transfer(tx: &TcpStream, rx: &TcpStream, data: &[u8], timeout: Duration) -> Result<u32> {
+    const SIZES: [usize; 8] = [1, 100, 4096, 32768, 65536, 200_000, 1 << 20, 77];
+    // Completions read early (to free option memory) are not counted here.
+    let mut early = Vec::new();
+    thread::scope(|scope| {
+        let reader = scope.spawn(|| -> Result<()> {
+            let mut got = vec![0u8; data.len()];
+            read_exact_ready(&mut &*rx, &mut got, Some(timeout)).map_err(io_err("reading the zero-copy stream"))?;
+            match got.iter().zip(data).position(|(a, b)| a != b) {
+                Some(at) => Err(TestbedError::Integrity(format!("the zero-copy stream differs at byte {at}"))),
+                None => Ok(()),
+            }
+        });
+        let (mut off, mut calls) = (0usize, 0u32);
+        while off < data.len() {
+            let n = SIZES[calls as usize % SIZES.len()].min(data.len() - off);
+            // SAFETY: n bytes of a live buffer, which outlives the completions.
+            let rc = unsafe { libc::send(tx.as_raw_fd(), data[off..].as_ptr().cast(), n, MSG_ZEROCOPY) };
+            if rc > 0 {
+                off += rc as usize;
+                calls += 1;
+                continue;
+            }
+            let e = io::Error::last_os_error();
+            match e.raw_os_error() {
+                // Completions take option memory until they are read.
+                Some(libc::ENOBUFS) => zerocopy_completions(tx, &mut early)?,
+                Some(libc::EAGAIN) => {
+                    wait_ready(tx.as_raw_fd(), libc::POLLOUT, Some(Instant::now() + timeout))
+                        .map_err(io_err("waiting to send"))?;
+                }
+                _ => return Err(io_err("send(MSG_ZEROCOPY)")(e)),
+            }
+        }
+        reader.join().map_err(|_| TestbedError::Integrity("the zero-copy reader panicked".into()))??;
+        Ok(calls)
+    })
+}
+
+/// Waits (up to 10 s) for completions numbered exactly 0..calls, each once,
+/// as TCP numbers them; `calls` 0: none at all.
+pub fn expect_zerocopy_completions(s: &TcpStream, calls: u32) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut ranges = Vec::new();
+    loop {
+        zerocopy_completions(s, &mut ranges)?;
+        let covered: u64 = ranges.iter().map(|&(lo, hi)| u64::from(hi.wrapping_sub(lo)) + 1).sum();
+        if covered >= u64::from(calls) || Instant::now() > deadline {
+            break;
+        }
+        thread::sleep(Duration::from_millis(5));
+    }
+    // Late or extra ones.
+    thread::sleep(Duration::from_millis(100));
+    zerocopy_completions(s, &mut ranges)?;
+    ranges.sort_unstable();
+    let mut next = 0u32;
+    for &(lo, hi) in &ranges {
+        if lo != next || hi < lo {
+            break;
+        }
+        next = hi + 1;
+    }
+    let whole: u64 = ranges.iter().map(|&(lo, hi)| u64::from(hi.wrapping_sub(lo)) + 1).sum();
+    if next != calls || whole != u64::from(calls) {
+        return Err(TestbedError::Integrity(format!("zero-copy completions {ranges:?} for {calls} sends")));
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
 // Real programs
 
 /// A program started inside a namespace, in a process group of its own; the

@@ -12,7 +12,7 @@
 #ifndef MESHWARP_SHARED_H
 #define MESHWARP_SHARED_H
 
-#define MW_SCHEMA_VERSION 20
+#define MW_SCHEMA_VERSION 21
 
 #define MW_AF_INET 2
 #define MW_AF_INET6 10
@@ -105,7 +105,7 @@ struct mw_rule {
 /* mw_link.end_flags[end] */
 #define MW_EF_PSOCK 1u   /* in a SOCKMAP: its sends run sk_msg, unless MW_EF_TGTMAP */
 #define MW_EF_TARGET 2u  /* its reader may be given redirected bytes */
-#define MW_EF_NOSEND 4u  /* its own sends stay on TCP (a ULP such as kTLS) */
+#define MW_EF_NOSEND 4u  /* its own sends stay on TCP (a ULP such as kTLS, urgent data, SO_ZEROCOPY) */
 #define MW_EF_CLOSED 8u
 /* Not a target while its socket leaves the SOCKMAP, or is out of it (the
  * policy unlinked it, see mw_dir); cleared when it is back. */
@@ -136,6 +136,10 @@ struct mw_rule {
  * redirected (its peer is no target), so no sk_msg runs on them and its
  * socket keeps tcp_prot's sendmsg; redirects into it name mw_tgtmap. */
 #define MW_EF_TGTMAP 0x1000u
+/* With MW_EF_NOSEND: SO_ZEROCOPY is on (its completions count tcp_sendmsg
+ * calls, which tcp_bpf's push would multiply), so it never rejoins
+ * mw_sockmap either. */
+#define MW_EF_ZEROCOPY 0x2000u
 
 /* An executable, as the kernel names it: device and inode of its file. */
 struct mw_exe_key {
@@ -344,6 +348,7 @@ struct mw_sock_state {
 #define MW_FB_PEER 6       /* the other end is not accelerated */
 #define MW_FB_SYN_DATA 7   /* data in the SYN (Fast Open) took the TCP path */
 #define MW_FB_NO_TARGET 8  /* neither end may be given redirected bytes */
+#define MW_FB_ZEROCOPY 9   /* SO_ZEROCOPY on at connect, with an on_message plugin loaded */
 
 /* mw_sock_state.rd_pid: more than one thread read this socket. */
 #define MW_RD_SHARED 0xffffffffu
@@ -398,6 +403,7 @@ struct mw_exe_class {
 #define MW_EXE_SEEN_NONBLOCKING 0x400u /* read a covered socket without blocking */
 #define MW_EXE_SEEN_FIONREAD 0x800u    /* asked FIONREAD/SIOCINQ on a covered socket */
 #define MW_EXE_SEEN_URGENT 0x1000u     /* sent urgent data (MSG_OOB) on a covered socket */
+#define MW_EXE_SEEN_ZEROCOPY 0x2000u   /* set SO_ZEROCOPY on a covered socket */
 
 /* A listening service whose listener was not stamped (it predates meshwarp):
  * the reader of its first covered connection names the executable. */
@@ -517,6 +523,8 @@ struct mw_rule_stats {
 	__u64 hint_stale;       /* server ends withdrawn as targets: their client went by a stale mw_srv_hint */
 	__u64 fb_urgent;        /* ends whose sends left the fast path: urgent data (MSG_OOB), sent or seen from their program */
 	__u64 urgent_hits;      /* urgent data sent with redirected bytes unread by the peer (connection reset) */
+	__u64 fb_zerocopy;      /* ends whose sends left the fast path: SO_ZEROCOPY on them, or seen from their program */
+	__u64 zc_refused;       /* SO_ZEROCOPY refused (EOPNOTSUPP) on a socket whose sends run sk_msg */
 };
 
 /*

@@ -27,6 +27,8 @@
  *     alike if its reader has redirected bytes unread;
  *   - cgroup/setsockopt withdraws a target on SO_RCVLOWAT, and both
  *     directions on a ULP (kTLS), refusing the ULP if redirected bytes wait;
+ *     it moves an end's sends to TCP on SO_ZEROCOPY, refusing the option on
+ *     a socket whose sends run sk_msg (zerocopy_allowed);
  *   - iter/tcp (mw_destroy) lets user space reset a hit connection.
  */
 #include "vmlinux.h"
@@ -55,6 +57,8 @@
 #define MSG_ERRQUEUE 0x2000
 #define SOL_SOCKET 1
 #define SO_RCVLOWAT 18
+#define SO_ZEROCOPY 60
+#define EOPNOTSUPP 95
 #define SOL_TCP 6
 #define TCP_ULP 31
 #define FIONREAD 0x541B
@@ -576,6 +580,16 @@ static __always_inline bool exe_may_splice(__u32 cls, __u32 sflags)
 	return (sflags & MW_EXE_SEEN_SPLICE) || ((cls & (MW_EXE_SPLICE | MW_EXE_OPAQUE)) && !(cls & MW_EXE_TRUSTED));
 }
 
+/* No on_message plugin is loaded: an end may sit where no sk_msg runs
+ * (mw_tgtmap). With plugins, every end's sends keep running the chain, as
+ * the hook promises; ends placed before a plugin is loaded are not moved. */
+static __always_inline bool no_msg_chain(void)
+{
+	__u32 gen;
+
+	return !mw_active_chain(MW_HOOK_MESSAGE, &gen);
+}
+
 /* How far one end may be accelerated. *why gets the mw_rule_stats reason
  * bit for what held it back (MW_EF_R_* for a refused target). */
 struct end_decision {
@@ -583,9 +597,24 @@ struct end_decision {
 	__u32 reason;       /* MW_EF_R_* when not a target */
 	bool reader;        /* NONE because of the reader (unknown, blocking) */
 	bool fionread;      /* a target whose reader FIONREAD would miscount (MW_EF_FIONREAD) */
-	bool nosend;        /* its program sent urgent data before: its sends stay on TCP (MW_EF_NOSEND) */
+	__u32 nosend;       /* why its sends stay on TCP (MW_EF_NOSEND): MW_EXE_SEEN_URGENT, _ZEROCOPY */
+	bool zc_none;       /* NONE: SO_ZEROCOPY with an on_message plugin (zerocopy_decided) */
 	struct mw_exe_key exe;
 };
+
+/* An end with SO_ZEROCOPY on must send by plain tcp_sendmsg: tcp_bpf
+ * copies a send into sk_msg pages and pushes it one page run at a time, and
+ * each push would count as a zero-copy send of its own (the completions'
+ * ids run ahead of the application's count). Out of mw_sockmap it is, in
+ * mw_tgtmap (a target only) or not accelerated; with an on_message plugin,
+ * whose chain must see every send of an accelerated end, not accelerated. */
+static __always_inline void zerocopy_decided(struct end_decision *d)
+{
+	if ((d->nosend & MW_EXE_SEEN_ZEROCOPY) && !no_msg_chain() && d->level != LV_NONE) {
+		d->level = LV_NONE;
+		d->zc_none = true;
+	}
+}
 
 static __always_inline void decide_end(struct bpf_sock_ops *skops, struct tcp_sock *tp, bool active,
 				       __u32 rule_flags, __u32 cfg, struct mw_sock_state *st,
@@ -605,7 +634,11 @@ static __always_inline void decide_end(struct bpf_sock_ops *skops, struct tcp_so
 	d->reason = 0;
 	d->reader = false;
 	d->fionread = false;
-	d->nosend = false;
+	d->nosend = 0;
+	d->zc_none = false;
+	/* Set before connect(), or inherited from its listener. */
+	if (s->__sk_common.skc_flags & (1UL << SOCK_ZEROCOPY))
+		d->nosend = MW_EXE_SEEN_ZEROCOPY;
 	if (s->sk_rcvlowat > 1) {
 		target = false;
 		d->reason = MW_EF_R_LOWAT;
@@ -616,6 +649,7 @@ static __always_inline void decide_end(struct bpf_sock_ops *skops, struct tcp_so
 	}
 	if (!(cfg & MW_CFG_GUARD)) {
 		d->level = target ? LV_FULL : LV_SEND;
+		zerocopy_decided(d);
 		return;
 	}
 
@@ -650,8 +684,9 @@ static __always_inline void decide_end(struct bpf_sock_ops *skops, struct tcp_so
 	if (seen)
 		sflags = seen->flags;
 	eflags = cls->flags | sflags;
-	/* Urgent data exists only on the TCP path (see on_urgent_send). */
-	d->nosend = sflags & MW_EXE_SEEN_URGENT;
+	/* Urgent data exists only on the TCP path (see on_urgent_send), and
+	 * zero-copy completions only on plain tcp_sendmsg (mw_setsockopt). */
+	d->nosend |= sflags & (MW_EXE_SEEN_URGENT | MW_EXE_SEEN_ZEROCOPY);
 
 	trusted = cls->flags & MW_EXE_TRUSTED;
 	if ((cfg & MW_CFG_BLOCKING_EAGAIN) && !trusted) {
@@ -679,6 +714,7 @@ static __always_inline void decide_end(struct bpf_sock_ops *skops, struct tcp_so
 		d->fionread = true;
 	}
 	d->level = target ? LV_FULL : LV_SEND;
+	zerocopy_decided(d);
 }
 
 /* MW_EF_FIONREAD for an end decided `d`. */
@@ -687,10 +723,12 @@ static __always_inline __u32 fionread_flag(const struct end_decision *d)
 	return d->fionread ? MW_EF_FIONREAD : 0;
 }
 
-/* MW_EF_NOSEND for an accelerated end decided `d`. */
+/* MW_EF_NOSEND (and why) for an accelerated end decided `d`. */
 static __always_inline __u32 nosend_flag(const struct end_decision *d)
 {
-	return d->nosend && d->level != LV_NONE ? MW_EF_NOSEND : 0;
+	if (!d->nosend || d->level == LV_NONE)
+		return 0;
+	return MW_EF_NOSEND | ((d->nosend & MW_EXE_SEEN_ZEROCOPY) ? MW_EF_ZEROCOPY : 0);
 }
 
 static __always_inline void count_reason(struct mw_rule_stats *rs, const struct end_decision *d)
@@ -703,8 +741,10 @@ static __always_inline void count_reason(struct mw_rule_stats *rs, const struct 
 		rs->fb_splice++;
 	else if (d->level == LV_SEND && d->reason == MW_EF_R_LOWAT)
 		rs->fb_lowat++;
-	if (nosend_flag(d))
+	if (nosend_flag(d) && (d->nosend & MW_EXE_SEEN_URGENT))
 		rs->fb_urgent++;
+	if ((nosend_flag(d) && (d->nosend & MW_EXE_SEEN_ZEROCOPY)) || d->zc_none)
+		rs->fb_zerocopy++;
 }
 
 static __always_inline void count_insert_failure(struct mw_rule_stats *rs, long err)
@@ -1089,16 +1129,6 @@ static __always_inline void lat_slot_clear(__u32 slot)
 
 /* ---- ESTABLISHED ---- */
 
-/* No on_message plugin is loaded: an end may sit where no sk_msg runs
- * (mw_tgtmap). With plugins, every end's sends keep running the chain, as
- * the hook promises; ends placed before a plugin is loaded are not moved. */
-static __always_inline bool no_msg_chain(void)
-{
-	__u32 gen;
-
-	return !mw_active_chain(MW_HOOK_MESSAGE, &gen);
-}
-
 /* The hint at `k`: `reason` (MW_EF_R_*) why its accepted ends are no
  * targets, or 0: they are (no hint). Written only when it changes. */
 static __always_inline void srv_hint_put(struct mw_srv_key *k, __u32 reason, __u32 cfg)
@@ -1212,7 +1242,7 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 		decide_end(skops, tp, true, rule->flags, cfg, st, &d);
 		count_reason(rs, &d);
 		if (d.level == LV_NONE)
-			st->fb = MW_FB_READER;
+			st->fb = d.zc_none ? MW_FB_ZEROCOPY : MW_FB_READER;
 	}
 
 	cookie = bpf_get_socket_cookie(skops);
@@ -1452,7 +1482,7 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 	to_client = (client_flags & MW_EF_TARGET) && !d.nosend;
 	to_server = d.level == LV_FULL && !(d.nosend && (client_flags & MW_EF_FIONREAD));
 	if (d.level == LV_NONE || (!to_client && !to_server)) {
-		st->fb = d.level == LV_NONE ? MW_FB_READER : MW_FB_NO_TARGET;
+		st->fb = d.level == LV_NONE ? (d.zc_none ? MW_FB_ZEROCOPY : MW_FB_READER) : MW_FB_NO_TARGET;
 		release_client(id, link);
 		return;
 	}
@@ -2516,6 +2546,55 @@ int mw_connect6(struct bpf_sock_addr *ctx)
 	return 1;
 }
 
+/* Whether sk_msg runs on this socket's sends (a psock with a msg program:
+ * mw_sockmap, not mw_tgtmap). */
+static __always_inline bool sends_run_sk_msg(struct sock *sk)
+{
+	unsigned long ud = (unsigned long)sk->sk_user_data & ~SK_USER_DATA_FLAGS;
+	struct sk_psock *psock;
+
+	psock = bpf_rdonly_cast((void *)ud, bpf_core_type_id_kernel(struct sk_psock));
+	return psock && psock->progs.msg_parser;
+}
+
+/*
+ * setsockopt(SO_ZEROCOPY, 1) on a covered socket. A zero-copy send owes its
+ * caller a completion on the error queue, numbered by the socket's count of
+ * zero-copy tcp_sendmsg calls. Redirected, a send gets none; passed to TCP
+ * by tcp_bpf, it is pushed one page run at a time and counts once per run,
+ * so the numbers run ahead of the caller's. Only plain tcp_sendmsg keeps
+ * them right: on a socket whose sends run sk_msg the option is refused with
+ * EOPNOTSUPP, as on sockets without zero-copy support (its sends stay
+ * copies, and redirected). Elsewhere (mw_tgtmap, or out of the maps) it is
+ * taken, and the end's sends stay on TCP for good: MW_EF_NOSEND, and
+ * MW_EF_ZEROCOPY keeps it from rejoining mw_sockmap (mw_park). Either way
+ * its program is remembered: its later ends start with their sends on TCP,
+ * outside mw_sockmap, where the option is taken (decide_end).
+ */
+static __always_inline bool zerocopy_allowed(struct bpf_sockopt *ctx, struct bpf_sock *sk, struct mw_link *link,
+					     __u32 end, struct mw_rule_stats *rs)
+{
+	__u32 bits = MW_EF_NOSEND | MW_EF_ZEROCOPY, old;
+	struct mw_exe_key exe = link->exe[end & 1];
+	struct sock *s;
+
+	end &= 1;
+	exe_seen(&exe, MW_EXE_SEEN_ZEROCOPY);
+	/* Flagged before the check: a relink that comes after it stays out. */
+	old = __sync_fetch_and_or(&link->end_flags[end], bits);
+	s = bpf_rdonly_cast(sk, bpf_core_type_id_kernel(struct sock));
+	if (sends_run_sk_msg(s)) {
+		__sync_fetch_and_and(&link->end_flags[end], ~(bits & ~old));
+		if (rs)
+			rs->zc_refused++;
+		bpf_set_retval(-EOPNOTSUPP);
+		return false;
+	}
+	if (rs && !(old & MW_EF_ZEROCOPY))
+		rs->fb_zerocopy++;
+	return true;
+}
+
 SEC("cgroup/setsockopt")
 int mw_setsockopt(struct bpf_sockopt *ctx)
 {
@@ -2560,6 +2639,12 @@ int mw_setsockopt(struct bpf_sockopt *ctx)
 				rs->ulp_refused++;
 			return 0;
 		}
+	} else if (ctx->level == SOL_SOCKET && ctx->optname == SO_ZEROCOPY) {
+		val = ctx->optval;
+		if ((void *)(val + 1) > ctx->optval_end || !*val)
+			goto pass;
+		if (!zerocopy_allowed(ctx, sk, link, end, rs))
+			return 0;
 	}
 pass:
 	/* Larger options: let the kernel use the caller's buffer. */
@@ -2789,6 +2874,14 @@ int mw_park(struct bpf_iter__tcp *ctx)
 	pos = link->slot * 2 + end;
 	if (link->dir[end].flags & MW_DIR_MOVE) {
 		req->result = move_in(tp, st, link, end, pos);
+		return 0;
+	}
+	/* SO_ZEROCOPY was taken while it was out: in mw_sockmap its sends
+	 * would run tcp_bpf (see zerocopy_allowed). It stays out, plain TCP
+	 * both ways; MW_DIR_RELINK_REQ stays set: never asked again. */
+	if ((link->end_flags[end] & MW_EF_ZEROCOPY) ||
+	    (tp->inet_conn.icsk_inet.sk.__sk_common.skc_flags & (1UL << SOCK_ZEROCOPY))) {
+		req->result = MW_PARK_MOOT;
 		return 0;
 	}
 	/* Back only while the peer has read all this end sent on TCP: its next

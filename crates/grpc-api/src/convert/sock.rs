@@ -260,6 +260,8 @@ pub fn counters_to_pb(c: &RuleCounters) -> pb::RuleCounters {
         hint_stale: c.hint_stale,
         fallback_urgent: c.fallback_urgent,
         urgent_hits: c.urgent_hits,
+        fallback_zerocopy: c.fallback_zerocopy,
+        zerocopy_refused: c.zerocopy_refused,
     }
 }
 
