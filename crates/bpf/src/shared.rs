@@ -17,7 +17,7 @@ pub struct Build {
 pub const BUILD_LEN: usize = 16;
 
 /// `MW_SCHEMA_VERSION`: bumped whenever a pinned map's key or value changes.
-pub const SCHEMA_VERSION: u32 = 21;
+pub const SCHEMA_VERSION: u32 = 22;
 
 pub const AF_INET: u32 = 2;
 pub const AF_INET6: u32 = 10;
@@ -69,6 +69,7 @@ pub const EF_R_RULE: u32 = 0x800;
 /// In the target-only SOCKMAP (`mw_tgtmap`): its own sends never run sk_msg.
 pub const EF_TGTMAP: u32 = 0x1000;
 pub const EF_ZEROCOPY: u32 = 0x2000;
+pub const EF_R_PEEKOFF: u32 = 0x4000;
 /// `MW_EXE_*` (`mw_exe_class.flags`, `mw_exe.flags`).
 pub const EXE_CLASSIFIED: u32 = 1;
 pub const EXE_SPLICE: u32 = 2;
@@ -81,6 +82,7 @@ pub const EXE_SEEN_NONBLOCKING: u32 = 0x400;
 pub const EXE_SEEN_FIONREAD: u32 = 0x800;
 pub const EXE_SEEN_URGENT: u32 = 0x1000;
 pub const EXE_SEEN_ZEROCOPY: u32 = 0x2000;
+pub const EXE_SEEN_PEEK_OFF: u32 = 0x4000;
 /// `MW_CFG_*` (`mw_config.flags`).
 pub const CFG_GUARD: u32 = 1;
 pub const CFG_SPLICE_BLIND: u32 = 2;
@@ -509,6 +511,8 @@ pub struct RuleStats {
     pub urgent_hits: u64,
     pub fb_zerocopy: u64,
     pub zc_refused: u64,
+    pub fb_peek_off: u64,
+    pub peek_off_refused: u64,
 }
 
 /// `MW_OWNER_LEN`: bytes of an owner name, NUL padding included.
@@ -854,8 +858,10 @@ mod tests {
             ("MW_EV_URGENT_HIT", EV_URGENT_HIT),
             ("MW_EXE_SEEN_URGENT", EXE_SEEN_URGENT),
             ("MW_EXE_SEEN_ZEROCOPY", EXE_SEEN_ZEROCOPY),
+            ("MW_EXE_SEEN_PEEK_OFF", EXE_SEEN_PEEK_OFF),
             ("MW_EF_TGTMAP", EF_TGTMAP),
             ("MW_EF_ZEROCOPY", EF_ZEROCOPY),
+            ("MW_EF_R_PEEKOFF", EF_R_PEEKOFF),
             ("MW_FB_ZEROCOPY", FB_ZEROCOPY),
             ("MW_CFG_GUARD", CFG_GUARD),
             ("MW_CFG_SYSCALL_WATCH", CFG_SYSCALL_WATCH),
@@ -995,7 +1001,9 @@ mod tests {
                 fb_urgent,
                 urgent_hits,
                 fb_zerocopy,
-                zc_refused
+                zc_refused,
+                fb_peek_off,
+                peek_off_refused
             ]
         );
         same_layout!(
@@ -1035,7 +1043,7 @@ mod tests {
         assert_eq!(size_of::<SockOwner>(), 16 + 8);
         assert_eq!(size_of::<Exe>(), 8 + 16);
         assert_eq!(size_of::<Event>(), 16 + 16 + 16 + 32 + 24 + 32);
-        assert_eq!(size_of::<RuleStats>(), 29 * 8);
+        assert_eq!(size_of::<RuleStats>(), 31 * 8);
         assert_eq!(size_of::<GlobalStats>(), 6 * 8);
         assert_eq!(size_of::<RouteKey4>(), 16);
         assert_eq!(size_of::<RouteKey6>(), 28);

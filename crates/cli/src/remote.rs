@@ -123,7 +123,8 @@ fn counters_cols(c: Option<pb::RuleCounters>) -> [String; 4] {
         + c.fallback_ulp
         + c.fallback_reader_busy
         + c.fallback_urgent
-        + c.fallback_zerocopy;
+        + c.fallback_zerocopy
+        + c.fallback_peek_off;
     [c.sockets, c.redirected_msgs, c.redirected_bytes, fb].map(|v| v.to_string())
 }
 
@@ -441,11 +442,13 @@ impl Remote {
                 a.urgent_hits += c.urgent_hits;
                 a.fallback_zerocopy += c.fallback_zerocopy;
                 a.zerocopy_refused += c.zerocopy_refused;
+                a.fallback_peek_off += c.fallback_peek_off;
+                a.peek_off_refused += c.peek_off_refused;
                 a
             });
             println!(
                 "fallbacks: no peer {}  tcp path {}  map full {}  insert error {}  collision {}  reader {}  splice {}  \
-                 rcvlowat {}  ulp {} (refused {})  reader busy {}  urgent data {}  zerocopy {} (refused {})  splice hits {}  urgent hits {}",
+                 rcvlowat {}  ulp {} (refused {})  reader busy {}  urgent data {}  zerocopy {} (refused {})  peek offset {} (refused {})  splice hits {}  urgent hits {}",
                 t.fallback_no_peer,
                 t.fallback_tcp_path,
                 t.fallback_map_full,
@@ -460,6 +463,8 @@ impl Remote {
                 t.fallback_urgent,
                 t.fallback_zerocopy,
                 t.zerocopy_refused,
+                t.fallback_peek_off,
+                t.peek_off_refused,
                 t.splice_hits,
                 t.urgent_hits
             );

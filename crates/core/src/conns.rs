@@ -16,8 +16,8 @@ use libbpf_rs::{MapHandle, ProgramHandle};
 use meshwarp_bpf::names;
 use meshwarp_bpf::shared::{
     ip_from_raw, str_of, Conn, Exe, ExeKey, Pod, DIR_TCP, DIR_UNLINKED, EF_CLOSED, EF_NOSEND, EF_PARKED, EF_PSOCK,
-    EF_R_LOWAT, EF_R_RULE, EF_R_SPLICE, EF_R_ULP, EF_TARGET, EF_ZEROCOPY, FB_COLLISION, FB_INSERT, FB_MODE_NEVER,
-    FB_NO_SLOT, FB_NO_TARGET, FB_PEER, FB_READER, FB_SYN_DATA, FB_ZEROCOPY, LINK_HIT, LINK_POISONED,
+    EF_R_LOWAT, EF_R_PEEKOFF, EF_R_RULE, EF_R_SPLICE, EF_R_ULP, EF_TARGET, EF_ZEROCOPY, FB_COLLISION, FB_INSERT,
+    FB_MODE_NEVER, FB_NO_SLOT, FB_NO_TARGET, FB_PEER, FB_READER, FB_SYN_DATA, FB_ZEROCOPY, LINK_HIT, LINK_POISONED,
 };
 
 use crate::error::{BpfError, IoError};
@@ -74,6 +74,9 @@ pub enum TcpReason {
     /// The sending end has SO_ZEROCOPY on (or its program sets it):
     /// zero-copy completions are counted right only by plain TCP sends.
     Zerocopy,
+    /// The receiving end set SO_PEEK_OFF (or its program does): the fast
+    /// path's peeks ignore the offset.
+    PeekOff,
     /// The rule says never redirect into the receiving end.
     Rule,
     /// The adaptive policy demoted the direction (a stream of writes TCP
@@ -105,6 +108,7 @@ impl TcpReason {
             TcpReason::Ulp => "ulp",
             TcpReason::Urgent => "urgent",
             TcpReason::Zerocopy => "zerocopy",
+            TcpReason::PeekOff => "peek_off",
             TcpReason::Rule => "rule_no_target",
             TcpReason::Policy => "policy",
             TcpReason::Parked => "unlinked",
@@ -138,6 +142,8 @@ impl TcpReason {
             TcpReason::RcvLowat
         } else if flags & EF_R_ULP != 0 {
             TcpReason::Ulp
+        } else if flags & EF_R_PEEKOFF != 0 {
+            TcpReason::PeekOff
         } else if flags & EF_R_RULE != 0 {
             TcpReason::Rule
         } else if flags & EF_CLOSED != 0 {

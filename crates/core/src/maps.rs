@@ -298,6 +298,8 @@ pub fn add_rule_stats(a: &mut RuleStats, b: &RuleStats) {
     a.urgent_hits = a.urgent_hits.wrapping_add(b.urgent_hits);
     a.fb_zerocopy = a.fb_zerocopy.wrapping_add(b.fb_zerocopy);
     a.zc_refused = a.zc_refused.wrapping_add(b.zc_refused);
+    a.fb_peek_off = a.fb_peek_off.wrapping_add(b.fb_peek_off);
+    a.peek_off_refused = a.peek_off_refused.wrapping_add(b.peek_off_refused);
 }
 
 fn add_global_stats(a: &mut GlobalStats, b: &GlobalStats) {

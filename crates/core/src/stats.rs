@@ -83,13 +83,21 @@ pub struct RuleCounters {
     /// recv(MSG_OOB) would read those in-band bytes instead, so the
     /// connection was reset (an incident).
     pub urgent_hits: u64,
-    /// Ends whose sends left the fast path for good because SO_ZEROCOPY is
-    /// on (zero-copy completions are counted right only by plain TCP sends):
-    /// set on the socket, or from the start once its program was seen.
+    /// Ends whose sends stay on TCP for good because SO_ZEROCOPY is on
+    /// (zero-copy completions are counted right only by plain TCP sends):
+    /// set on the socket, or from the start once its program was seen (also
+    /// counted for an end that then is not accelerated for another reason).
     pub fallback_zerocopy: u64,
     /// SO_ZEROCOPY refused (EOPNOTSUPP) on a socket whose sends run sk_msg;
     /// its program's later sockets take it, their sends on TCP.
     pub zerocopy_refused: u64,
+    /// Ends withdrawn as targets because SO_PEEK_OFF is on (a psock's
+    /// peeks ignore the offset): set on the socket or its listener, or from
+    /// the start once its program was seen setting it.
+    pub fallback_peek_off: u64,
+    /// SO_PEEK_OFF refused (EOPNOTSUPP) on a socket with redirected bytes
+    /// unread (they would be peeked at the wrong place).
+    pub peek_off_refused: u64,
 }
 
 impl From<RuleStats> for RuleCounters {
@@ -124,6 +132,8 @@ impl From<RuleStats> for RuleCounters {
             urgent_hits: s.urgent_hits,
             fallback_zerocopy: s.fb_zerocopy,
             zerocopy_refused: s.zc_refused,
+            fallback_peek_off: s.fb_peek_off,
+            peek_off_refused: s.peek_off_refused,
         }
     }
 }

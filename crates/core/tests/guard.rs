@@ -25,9 +25,9 @@ use meshwarp_bpf::shared::{
 use meshwarp_core::sys::socket_cookie_of;
 use meshwarp_core::{CaptureRule, Endpoint, EndpointPair, FastPathMode, GuardMode};
 use meshwarp_testbed::{
-    accept_timeout, exchange, expect_zerocopy_completions, fionread_reader, read_exact_ready, recv_pattern,
-    redirect_output, send_pattern, wait_ready, write_all_ready, zerocopy_pattern, zerocopy_transfer, CaptureProxy,
-    HeldThread, KernelTest, NetNs, NodeWithPods, SERVICE_V4, SO_ZEROCOPY,
+    accept_timeout, exchange, expect_no_zerocopy_completions, expect_zerocopy_completions, fionread_reader,
+    read_exact_ready, recv_pattern, redirect_output, send_pattern, wait_ready, write_all_ready, zerocopy_pattern,
+    zerocopy_transfer, CaptureProxy, HeldThread, KernelTest, NetNs, NodeWithPods, SERVICE_V4, SO_ZEROCOPY,
 };
 
 const T: Duration = Duration::from_secs(60);
@@ -202,10 +202,19 @@ fn pods_pair_never_into(
     port: u16,
     never_into: meshwarp_core::NeverRedirectInto,
 ) -> Result<(NodeWithPods, std::net::TcpListener, EndpointPair)> {
+    pods_pair_with(k, port, |p| p.never_redirect_into(never_into))
+}
+
+/// [`pods_pair`] whose rule `rule` shapes.
+fn pods_pair_with(
+    k: &KernelTest,
+    port: u16,
+    rule: impl FnOnce(EndpointPair) -> EndpointPair,
+) -> Result<(NodeWithPods, std::net::TcpListener, EndpointPair)> {
     let net = NodeWithPods::new(2)?;
     let addr = SocketAddr::new(net.pods[1].addr(false), port);
     let l = net.pods[1].ns.listen(addr)?;
-    let pair = EndpointPair::new(net.pods[0].addr(false), addr.into())?.never_redirect_into(never_into);
+    let pair = rule(EndpointPair::new(net.pods[0].addr(false), addr.into())?);
     k.dp().insert(&pair, "test")?;
     Ok((net, l, pair))
 }
@@ -1179,6 +1188,96 @@ fn urgent_data_inline_is_at_its_mark() -> Result<()> {
 }
 
 // ---------------------------------------------------------------------------
+// peek offsets (SO_PEEK_OFF)
+
+/// asm-generic/socket.h (x86 and arm64 alike).
+const SO_PEEK_OFF: i32 = 42;
+
+/// `recv(MSG_PEEK)` of up to `n` bytes, without waiting.
+fn peek(s: &TcpStream, n: usize) -> Result<Vec<u8>> {
+    let mut b = vec![0u8; n];
+    // SAFETY: n bytes into a live buffer.
+    let rc = unsafe { libc::recv(s.as_raw_fd(), b.as_mut_ptr().cast(), n, libc::MSG_PEEK | libc::MSG_DONTWAIT) };
+    ensure!(rc >= 0, "recv(MSG_PEEK): {}", std::io::Error::last_os_error());
+    b.truncate(rc as usize);
+    Ok(b)
+}
+
+/// Ten bytes "0123456789" sent by `c` and peeked and read by `s` with
+/// SO_PEEK_OFF at 0, as TCP serves them: each peek moves the offset, each
+/// read moves it back.
+fn peeks_at_the_offset(c: &mut TcpStream, s: &mut TcpStream) -> Result<()> {
+    write_all_ready(c, b"0123456789", Some(T))?;
+    ensure!(readable(s, 5000), "nothing arrived");
+    thread::sleep(Duration::from_millis(50));
+    ensure!(peek(s, 3)? == b"012", "the first peek");
+    ensure!(peek(s, 3)? == b"345", "the second peek, at the offset");
+    let mut got = [0u8; 4];
+    read_exact_ready(s, &mut got, Some(T))?;
+    ensure!(&got == b"0123");
+    ensure!(peek(s, 3)? == b"678", "a peek after a read, at the offset less the read");
+    ensure!(read_in_band(s, 6)? == b"456789");
+    Ok(())
+}
+
+/// With SO_PEEK_OFF, MSG_PEEK reads at an offset that each peek and read
+/// moves; a psock's peeks ignore it. A socket that sets it stops being a
+/// target: its peer's next bytes come on TCP and are peeked as TCP peeks
+/// them; what it sends stays redirected.
+#[test]
+fn a_peek_offset_is_honoured() -> Result<()> {
+    let k = kernel_test!();
+    let (net, l, pair) = pods_pair(&k, 8108)?;
+    let to = SocketAddr::new(net.pods[1].addr(false), 8108);
+    let (mut c, mut s) = (net.pods[0].ns.connect(to)?, accept_timeout(&l, T)?);
+    set_int(&s, libc::SOL_SOCKET, SO_PEEK_OFF, 0)?;
+    peeks_at_the_offset(&mut c, &mut s)?;
+    let st = k.dp().stats(&pair)?;
+    ensure!(st.fallback_peek_off == 1 && st.peek_off_refused == 0 && st.redirected_bytes == 0, "{st:?}");
+    let cookie = socket_cookie_of(&s)?;
+    let listed = k.dp().connections(&meshwarp_core::ConnFilter { cookie: Some(cookie), ..Default::default() })?;
+    let why = meshwarp_core::PathNow::Tcp(meshwarp_core::TcpReason::PeekOff);
+    ensure!(listed.len() == 1 && listed[0].rx_path == why, "the server's bytes listed as peek_off: {listed:?}");
+    exchange(c, s, 53, 1 << 20, T)?;
+    let st = k.dp().stats(&pair)?;
+    ensure!(st.redirected_bytes == 1 << 20, "only server -> client redirected: {st:?}");
+    Ok(())
+}
+
+/// SO_PEEK_OFF on a socket with redirected bytes unread is refused with
+/// EOPNOTSUPP (as by kernels without peek offsets for TCP): those bytes
+/// would be peeked at the wrong place. They are read intact and the next
+/// come on TCP; the program is remembered, and on its next connection the
+/// option is taken and honoured.
+#[test]
+fn a_peek_offset_with_redirected_bytes_unread_is_refused() -> Result<()> {
+    let k = kernel_test!();
+    let (net, l, pair) = pods_pair(&k, 8109)?;
+    let to = SocketAddr::new(net.pods[1].addr(false), 8109);
+    let (mut c, mut s) = (net.pods[0].ns.connect(to)?, accept_timeout(&l, T)?);
+    write_all_ready(&mut c, b"abc", Some(T))?;
+    ensure!(readable(&s, 5000), "nothing arrived");
+    let e = set_int(&s, libc::SOL_SOCKET, SO_PEEK_OFF, 0).err().context("SO_PEEK_OFF taken over unread bytes")?;
+    ensure!(e.raw_os_error() == Some(libc::EOPNOTSUPP), "refused with {e}");
+    ensure!(peek(&s, 3)? == b"abc" && peek(&s, 3)? == b"abc", "peeks without an offset");
+    ensure!(read_in_band(&mut s, 3)? == b"abc");
+    write_all_ready(&mut c, b"def", Some(T))?;
+    ensure!(read_in_band(&mut s, 3)? == b"def");
+    let st = k.dp().stats(&pair)?;
+    ensure!(st.peek_off_refused == 1 && st.fallback_peek_off == 1 && st.redirected_bytes == 3, "{st:?}");
+    exchange(c, s, 55, 256 << 10, T)?;
+    // The program again: neither end a target, the option taken.
+    let (mut c, mut s) = (net.pods[0].ns.connect(to)?, accept_timeout(&l, T)?);
+    set_int(&s, libc::SOL_SOCKET, SO_PEEK_OFF, 0).context("SO_PEEK_OFF on the next connection")?;
+    peeks_at_the_offset(&mut c, &mut s)?;
+    let again = k.dp().stats(&pair)?;
+    ensure!(again.peek_off_refused == 1 && again.fallback_peek_off == 3, "both ends counted: {again:?}");
+    ensure!(again.sockets == 2, "not accelerated: {again:?}");
+    exchange(c, s, 57, 256 << 10, T)?;
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
 // zero-copy sends (SO_ZEROCOPY, MSG_ZEROCOPY)
 
 /// A zero-copy send is owed a completion numbered by the socket's count of
@@ -1187,11 +1286,12 @@ fn urgent_data_inline_is_at_its_mark() -> Result<()> {
 /// as where zero-copy is unsupported) on a socket whose sends run sk_msg:
 /// its sends stay copies, redirected, and owe nothing. Its program is
 /// remembered: on its next connection the option is taken, the sends go by
-/// plain TCP, and the completions are numbered as on TCP.
+/// plain TCP, and the completions are numbered as on TCP. (Mode always, so
+/// that every copy is redirected whatever the adaptive policy would say.)
 #[test]
 fn zero_copy_is_refused_where_sends_run_sk_msg_and_taken_on_the_next_connection() -> Result<()> {
     let k = kernel_test!();
-    let (net, l, pair) = pods_pair(&k, 8105)?;
+    let (net, l, pair) = pods_pair_with(&k, 8105, |p| p.with_mode(FastPathMode::Always))?;
     let to = SocketAddr::new(net.pods[1].addr(false), 8105);
     let (mut c, mut s) = (net.pods[0].ns.connect(to)?, accept_timeout(&l, T)?);
     write_all_ready(&mut c, b"abc", Some(T))?;
@@ -1199,19 +1299,20 @@ fn zero_copy_is_refused_where_sends_run_sk_msg_and_taken_on_the_next_connection(
     let e = set_int(&c, libc::SOL_SOCKET, SO_ZEROCOPY, 1).err().context("SO_ZEROCOPY taken where sends run sk_msg")?;
     ensure!(e.raw_os_error() == Some(libc::EOPNOTSUPP), "refused with {e}");
     let data = zerocopy_pattern(3 << 20);
-    zerocopy_transfer(&c, &s, &data, T)?;
-    expect_zerocopy_completions(&c, 0)?;
+    let sent = zerocopy_transfer(&c, &s, &data, T)?;
+    expect_no_zerocopy_completions(&c, &sent)?;
     let st = k.dp().stats(&pair)?;
     ensure!(st.zerocopy_refused == 1 && st.fallback_zerocopy == 0, "{st:?}");
     ensure!(st.redirected_bytes == 3 + data.len() as u64, "the copies redirected: {st:?}");
     exchange(c, s, 41, 1 << 20, T)?;
-    // The program again: the option is taken, and its sends take TCP.
+    // The program again, here at both ends: neither end's sends may be
+    // redirected, so the connection is not accelerated; the option is taken.
     let (c, s) = (net.pods[0].ns.connect(to)?, accept_timeout(&l, T)?);
     set_int(&c, libc::SOL_SOCKET, SO_ZEROCOPY, 1).context("SO_ZEROCOPY on the next connection")?;
-    let calls = zerocopy_transfer(&c, &s, &data, T)?;
-    expect_zerocopy_completions(&c, calls)?;
+    let sent = zerocopy_transfer(&c, &s, &data, T)?;
+    expect_zerocopy_completions(&c, &sent)?;
     let again = k.dp().stats(&pair)?;
-    ensure!(again.zerocopy_refused == 1 && again.fallback_zerocopy == 2, "both ends counted: {again:?}");
+    ensure!(again.zerocopy_refused == 1 && again.fallback_zerocopy == 2, "both ends of it counted: {again:?}");
     ensure!(again.sockets == 2 && again.redirected_bytes == st.redirected_bytes + (2 << 20), "{again:?}");
     exchange(c, s, 43, 256 << 10, T)?;
     Ok(())
@@ -1232,8 +1333,8 @@ fn zero_copy_set_before_connect_sends_on_tcp_and_is_still_a_target() -> Result<(
     })??;
     let s = accept_timeout(&l, T)?;
     let data = zerocopy_pattern(3 << 20);
-    let calls = zerocopy_transfer(&c, &s, &data, T)?;
-    expect_zerocopy_completions(&c, calls)?;
+    let sent = zerocopy_transfer(&c, &s, &data, T)?;
+    expect_zerocopy_completions(&c, &sent)?;
     let cookie = socket_cookie_of(&c)?;
     let listed = k.dp().connections(&meshwarp_core::ConnFilter { cookie: Some(cookie), ..Default::default() })?;
     let zc = meshwarp_core::PathNow::Tcp(meshwarp_core::TcpReason::Zerocopy);
@@ -1261,8 +1362,8 @@ fn zero_copy_is_taken_on_an_end_without_sk_msg() -> Result<()> {
     ensure!(read_in_band(&mut s, 3)? == b"abc");
     set_int(&s, libc::SOL_SOCKET, SO_ZEROCOPY, 1).context("SO_ZEROCOPY on a mw_tgtmap end")?;
     let data = zerocopy_pattern(3 << 20);
-    let calls = zerocopy_transfer(&s, &c, &data, T)?;
-    expect_zerocopy_completions(&s, calls)?;
+    let sent = zerocopy_transfer(&s, &c, &data, T)?;
+    expect_zerocopy_completions(&s, &sent)?;
     let cookie = socket_cookie_of(&s)?;
     let listed = k.dp().connections(&meshwarp_core::ConnFilter { cookie: Some(cookie), ..Default::default() })?;
     let zc = meshwarp_core::PathNow::Tcp(meshwarp_core::TcpReason::Zerocopy);

@@ -243,8 +243,8 @@ fn with_a_message_plugin_a_zero_copy_end_is_not_accelerated() -> Result<()> {
     })??;
     let sv = accept_timeout(&l, T)?;
     let data = zerocopy_pattern(2 << 20);
-    let calls = zerocopy_transfer(&cl, &sv, &data, T)?;
-    expect_zerocopy_completions(&cl, calls)?;
+    let sent = zerocopy_transfer(&cl, &sv, &data, T)?;
+    expect_zerocopy_completions(&cl, &sent)?;
     let cookie = meshwarp_core::sys::socket_cookie_of(&cl)?;
     let listed = k.dp().connections(&meshwarp_core::ConnFilter { cookie: Some(cookie), ..Default::default() })?;
     let zc = meshwarp_core::PathNow::Tcp(meshwarp_core::TcpReason::Zerocopy);

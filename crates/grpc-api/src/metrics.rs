@@ -119,7 +119,7 @@ fn set_total(c: &Counter, v: u64) {
 }
 
 /// One rule's counters, flattened (see `Metrics::render`).
-type RuleTotals = [u64; 28];
+type RuleTotals = [u64; 30];
 
 /// Node-wide totals of per-rule counters that never go back: a rule's counts
 /// live in its slot, which a deleted rule frees and a new rule starts from
@@ -396,6 +396,8 @@ impl Metrics {
                 c.fallback_urgent,
                 c.fallback_zerocopy,
                 c.zerocopy_refused,
+                c.fallback_peek_off,
+                c.peek_off_refused,
             ]
         };
         // Keyed by the rule's identity (an update keeps the key and the
@@ -447,6 +449,8 @@ impl Metrics {
             ("urgent", fb[12]),
             ("zerocopy", fb[13]),
             ("zerocopy_refused", fb[14]),
+            ("peek_off", fb[15]),
+            ("peek_off_refused", fb[16]),
             ("not_covered", not_covered),
         ] {
             set_total(&self.fallbacks.get_or_create(&ReasonLabel { reason: reason.into() }), v);
@@ -513,7 +517,7 @@ mod tests {
     fn rules(list: &[(&str, u64)]) -> HashMap<String, RuleTotals> {
         list.iter()
             .map(|(k, v)| {
-                let mut t: RuleTotals = [0; 28];
+                let mut t: RuleTotals = [0; 30];
                 t[0] = *v;
                 (k.to_string(), t)
             })

@@ -1240,14 +1240,21 @@ pub fn zerocopy_completions(s: &TcpStream, into: &mut Vec<(u32, u32)>) -> Result
     }
 }
 
+/// What [`zerocopy_transfer`] sent: its sends that took bytes (each is owed
+/// a completion while SO_ZEROCOPY is on), and the completions it had to
+/// read meanwhile.
+#[derive(Debug, Default)]
+pub struct ZerocopySent {
+    pub calls: u32,
+    pub early: Vec<(u32, u32)>,
+}
+
 /// Sends `data` from `tx` with MSG_ZEROCOPY in writes of several sizes
 /// (1 B to 1 MiB), partial sends resumed, while `rx` reads it all back and
-/// compares; returns the number of sends that took bytes (each is owed a
-/// completion while SO_ZEROCOPY is on). `data` is left untouched, as a
-/// zero-copy sender must until its completions arrive.
-pub fn zerocopy_transfer(tx: &TcpStream, rx: &TcpStream, data: &[u8], timeout: Duration) -> Result<u32> {
+/// compares. `data` is left untouched, as a zero-copy sender must until its
+/// completions arrive.
+pub fn zerocopy_transfer(tx: &TcpStream, rx: &TcpStream, data: &[u8], timeout: Duration) -> Result<ZerocopySent> {
     const SIZES: [usize; 8] = [1, 100, 4096, 32768, 65536, 200_000, 1 << 20, 77];
-    // Completions read early (to free option memory) are not counted here.
     let mut early = Vec::new();
     thread::scope(|scope| {
         let reader = scope.spawn(|| -> Result<()> {
@@ -1271,7 +1278,13 @@ pub fn zerocopy_transfer(tx: &TcpStream, rx: &TcpStream, data: &[u8], timeout: D
             let e = io::Error::last_os_error();
             match e.raw_os_error() {
                 // Completions take option memory until they are read.
-                Some(libc::ENOBUFS) => zerocopy_completions(tx, &mut early)?,
+                Some(libc::ENOBUFS) => {
+                    let before = early.len();
+                    zerocopy_completions(tx, &mut early)?;
+                    if early.len() == before {
+                        thread::sleep(Duration::from_millis(1));
+                    }
+                }
                 Some(libc::EAGAIN) => {
                     wait_ready(tx.as_raw_fd(), libc::POLLOUT, Some(Instant::now() + timeout))
                         .map_err(io_err("waiting to send"))?;
@@ -1280,15 +1293,16 @@ pub fn zerocopy_transfer(tx: &TcpStream, rx: &TcpStream, data: &[u8], timeout: D
             }
         }
         reader.join().map_err(|_| TestbedError::Integrity("the zero-copy reader panicked".into()))??;
-        Ok(calls)
+        Ok(ZerocopySent { calls, early })
     })
 }
 
-/// Waits (up to 10 s) for completions numbered exactly 0..calls, each once,
-/// as TCP numbers them; `calls` 0: none at all.
-pub fn expect_zerocopy_completions(s: &TcpStream, calls: u32) -> Result<()> {
+/// Waits (up to 10 s) for completions numbered exactly 0..sent.calls, each
+/// once, as TCP numbers them (those read during the transfer included).
+pub fn expect_zerocopy_completions(s: &TcpStream, sent: &ZerocopySent) -> Result<()> {
+    let calls = sent.calls;
     let deadline = Instant::now() + Duration::from_secs(10);
-    let mut ranges = Vec::new();
+    let mut ranges = sent.early.clone();
     loop {
         zerocopy_completions(s, &mut ranges)?;
         let covered: u64 = ranges.iter().map(|&(lo, hi)| u64::from(hi.wrapping_sub(lo)) + 1).sum();
@@ -1313,6 +1327,12 @@ pub fn expect_zerocopy_completions(s: &TcpStream, calls: u32) -> Result<()> {
         return Err(TestbedError::Integrity(format!("zero-copy completions {ranges:?} for {calls} sends")));
     }
     Ok(())
+}
+
+/// No completion, during the transfer or within 100 ms after it (sends
+/// with MSG_ZEROCOPY where SO_ZEROCOPY is off are copies, owed nothing).
+pub fn expect_no_zerocopy_completions(s: &TcpStream, sent: &ZerocopySent) -> Result<()> {
+    expect_zerocopy_completions(s, &ZerocopySent { calls: 0, early: sent.early.clone() })
 }
 
 // ---------------------------------------------------------------------------

@@ -12,7 +12,7 @@
 #ifndef MESHWARP_SHARED_H
 #define MESHWARP_SHARED_H
 
-#define MW_SCHEMA_VERSION 21
+#define MW_SCHEMA_VERSION 22
 
 #define MW_AF_INET 2
 #define MW_AF_INET6 10
@@ -140,6 +140,7 @@ struct mw_rule {
  * calls, which tcp_bpf's push would multiply), so it never rejoins
  * mw_sockmap either. */
 #define MW_EF_ZEROCOPY 0x2000u
+#define MW_EF_R_PEEKOFF 0x4000u /* SO_PEEK_OFF: a psock's peeks ignore the offset */
 
 /* An executable, as the kernel names it: device and inode of its file. */
 struct mw_exe_key {
@@ -376,6 +377,11 @@ struct mw_sock_owner {
 
 /* mw_sock_owner.flags */
 #define MW_OWN_KNOWN 1u
+/* Set while its connect() was in progress (mw_setsockopt): the kernel
+ * applies an option after the hook, in a second section under the socket's
+ * lock, and the handshake can complete in between. */
+#define MW_OWN_ZEROCOPY 2u
+#define MW_OWN_PEEK_OFF 4u
 
 /* What the programs saw an executable do (mw_exes, written by BPF only). */
 struct mw_exe {
@@ -404,6 +410,7 @@ struct mw_exe_class {
 #define MW_EXE_SEEN_FIONREAD 0x800u    /* asked FIONREAD/SIOCINQ on a covered socket */
 #define MW_EXE_SEEN_URGENT 0x1000u     /* sent urgent data (MSG_OOB) on a covered socket */
 #define MW_EXE_SEEN_ZEROCOPY 0x2000u   /* set SO_ZEROCOPY on a covered socket */
+#define MW_EXE_SEEN_PEEK_OFF 0x4000u   /* set SO_PEEK_OFF on a covered socket */
 
 /* A listening service whose listener was not stamped (it predates meshwarp):
  * the reader of its first covered connection names the executable. */
@@ -523,8 +530,10 @@ struct mw_rule_stats {
 	__u64 hint_stale;       /* server ends withdrawn as targets: their client went by a stale mw_srv_hint */
 	__u64 fb_urgent;        /* ends whose sends left the fast path: urgent data (MSG_OOB), sent or seen from their program */
 	__u64 urgent_hits;      /* urgent data sent with redirected bytes unread by the peer (connection reset) */
-	__u64 fb_zerocopy;      /* ends whose sends left the fast path: SO_ZEROCOPY on them, or seen from their program */
+	__u64 fb_zerocopy;      /* ends whose sends stay on TCP: SO_ZEROCOPY on them, or seen from their program */
 	__u64 zc_refused;       /* SO_ZEROCOPY refused (EOPNOTSUPP) on a socket whose sends run sk_msg */
+	__u64 fb_peek_off;      /* ends withdrawn as targets: SO_PEEK_OFF on them, or seen from their program */
+	__u64 peek_off_refused; /* SO_PEEK_OFF refused (EOPNOTSUPP): redirected bytes were unread */
 };
 
 /*

@@ -28,7 +28,8 @@
  *   - cgroup/setsockopt withdraws a target on SO_RCVLOWAT, and both
  *     directions on a ULP (kTLS), refusing the ULP if redirected bytes wait;
  *     it moves an end's sends to TCP on SO_ZEROCOPY, refusing the option on
- *     a socket whose sends run sk_msg (zerocopy_allowed);
+ *     a socket whose sends run sk_msg (zerocopy_allowed), and withdraws a
+ *     target on SO_PEEK_OFF, refusing it if redirected bytes wait;
  *   - iter/tcp (mw_destroy) lets user space reset a hit connection.
  */
 #include "vmlinux.h"
@@ -58,6 +59,7 @@
 #define SOL_SOCKET 1
 #define SO_RCVLOWAT 18
 #define SO_ZEROCOPY 60
+#define SO_PEEK_OFF 42
 #define EOPNOTSUPP 95
 #define SOL_TCP 6
 #define TCP_ULP 31
@@ -568,7 +570,7 @@ static __always_inline void stamp_owner(struct bpf_sock_ops *skops)
 		return;
 	o->exe = k;
 	o->tgid = bpf_get_current_pid_tgid() >> 32;
-	o->flags = MW_OWN_KNOWN;
+	o->flags = MW_OWN_KNOWN | (o->flags & (MW_OWN_ZEROCOPY | MW_OWN_PEEK_OFF));
 	if (!bpf_map_lookup_elem(&mw_exe_class, &k))
 		request_classify(&k, o->tgid);
 }
@@ -599,6 +601,7 @@ struct end_decision {
 	bool fionread;      /* a target whose reader FIONREAD would miscount (MW_EF_FIONREAD) */
 	__u32 nosend;       /* why its sends stay on TCP (MW_EF_NOSEND): MW_EXE_SEEN_URGENT, _ZEROCOPY */
 	bool zc_none;       /* NONE: SO_ZEROCOPY with an on_message plugin (zerocopy_decided) */
+	bool chain;         /* an on_message plugin is loaded: no end joins mw_tgtmap (read once) */
 	struct mw_exe_key exe;
 };
 
@@ -610,7 +613,7 @@ struct end_decision {
  * whose chain must see every send of an accelerated end, not accelerated. */
 static __always_inline void zerocopy_decided(struct end_decision *d)
 {
-	if ((d->nosend & MW_EXE_SEEN_ZEROCOPY) && !no_msg_chain() && d->level != LV_NONE) {
+	if ((d->nosend & MW_EXE_SEEN_ZEROCOPY) && d->chain && d->level != LV_NONE) {
 		d->level = LV_NONE;
 		d->zc_none = true;
 	}
@@ -636,12 +639,21 @@ static __always_inline void decide_end(struct bpf_sock_ops *skops, struct tcp_so
 	d->fionread = false;
 	d->nosend = 0;
 	d->zc_none = false;
-	/* Set before connect(), or inherited from its listener. */
-	if (s->__sk_common.skc_flags & (1UL << SOCK_ZEROCOPY))
+	d->chain = !no_msg_chain();
+	if (sk)
+		o = bpf_sk_storage_get(&mw_sk_owner, sk, 0, 0);
+	/* Set before connect(), inherited from its listener, or set while
+	 * connect() was in progress (MW_OWN_ZEROCOPY). */
+	if ((s->__sk_common.skc_flags & (1UL << SOCK_ZEROCOPY)) || (o && (o->flags & MW_OWN_ZEROCOPY)))
 		d->nosend = MW_EXE_SEEN_ZEROCOPY;
 	if (s->sk_rcvlowat > 1) {
 		target = false;
 		d->reason = MW_EF_R_LOWAT;
+	}
+	/* The same for a peek offset (see peek_off_allowed). */
+	if (s->sk_peek_off >= 0 || (o && (o->flags & MW_OWN_PEEK_OFF))) {
+		target = false;
+		d->reason = MW_EF_R_PEEKOFF;
 	}
 	if (rule_flags & (active ? MW_RULE_NO_TARGET_CLIENT : MW_RULE_NO_TARGET_SERVER)) {
 		target = false;
@@ -653,8 +665,6 @@ static __always_inline void decide_end(struct bpf_sock_ops *skops, struct tcp_so
 		return;
 	}
 
-	if (sk)
-		o = bpf_sk_storage_get(&mw_sk_owner, sk, 0, 0);
 	if (o && (o->flags & MW_OWN_KNOWN)) {
 		d->exe = o->exe;
 	} else if (!active) {
@@ -703,6 +713,11 @@ static __always_inline void decide_end(struct bpf_sock_ops *skops, struct tcp_so
 	if ((cfg & MW_CFG_SPLICE_BLIND) && exe_may_splice(cls->flags, sflags)) {
 		target = false;
 		d->reason = MW_EF_R_SPLICE;
+	} else if (sflags & MW_EXE_SEEN_PEEK_OFF) {
+		/* It sets SO_PEEK_OFF after connect()/accept(): bytes
+		 * redirected before would make that a refusal. */
+		target = false;
+		d->reason = MW_EF_R_PEEKOFF;
 	}
 	/* A sender whose own incoming bytes come on TCP: FIONREAD would miss
 	 * them. Without the syscall watch, FIONREAD readers are not known. */
@@ -741,6 +756,8 @@ static __always_inline void count_reason(struct mw_rule_stats *rs, const struct 
 		rs->fb_splice++;
 	else if (d->level == LV_SEND && d->reason == MW_EF_R_LOWAT)
 		rs->fb_lowat++;
+	else if (d->level == LV_SEND && d->reason == MW_EF_R_PEEKOFF)
+		rs->fb_peek_off++;
 	if (nosend_flag(d) && (d->nosend & MW_EXE_SEEN_URGENT))
 		rs->fb_urgent++;
 	if ((nosend_flag(d) && (d->nosend & MW_EXE_SEEN_ZEROCOPY)) || d->zc_none)
@@ -1276,7 +1293,7 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 	 * last accepted end): nothing this end sends can be redirected, so it
 	 * is a target only, in mw_tgtmap, where no sk_msg runs on its sends;
 	 * or, not a target either, not accelerated at all. */
-	tgtmap = d.level != LV_NONE && no_msg_chain() &&
+	tgtmap = d.level != LV_NONE && !d.chain &&
 		 ((rule->flags & MW_RULE_NO_TARGET_SERVER) || srv_no_target(link, cfg) || d.nosend);
 	if (tgtmap && d.level != LV_FULL) {
 		d.level = LV_NONE;
@@ -1488,7 +1505,7 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 	}
 	pos = link->slot * 2 + MW_END_SERVER;
 	/* Nothing this end sends can be redirected: a target only. */
-	tgtmap = !to_client && no_msg_chain();
+	tgtmap = !to_client && !d.chain;
 	/* Nor can anything its client sends, which joined mw_sockmap before
 	 * this end decided (no hint at its connect: a listener's first client
 	 * from another namespace), and would run sk_msg on every send only to
@@ -1497,7 +1514,7 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 	 * into it meanwhile (this end's bytes take TCP), so its psock holds
 	 * nothing when its entry is deleted. A FIONREAD reader moves in only
 	 * once it read what this end sent meanwhile (move_in). */
-	move = to_client && !to_server && !(client_flags & MW_EF_TGTMAP) && no_msg_chain();
+	move = to_client && !to_server && !(client_flags & MW_EF_TGTMAP) && !d.chain;
 	err = bpf_sock_map_update(skops, tgtmap ? (void *)&mw_tgtmap : (void *)&mw_sockmap, &pos, BPF_NOEXIST);
 	if (err) {
 		count_insert_failure(rs, err);
@@ -2468,7 +2485,9 @@ static __always_inline void listener_hint(struct bpf_sock_addr *ctx, struct bpf_
 	k->netns = bpf_get_netns_cookie(ctx);
 	if (s->sk_rcvlowat > 1) {
 		reason = MW_EF_R_LOWAT;
-	} else if ((cfg & MW_CFG_GUARD) && (cfg & MW_CFG_SPLICE_BLIND)) {
+	} else if (s->sk_peek_off >= 0) {
+		reason = MW_EF_R_PEEKOFF;
+	} else if (cfg & MW_CFG_GUARD) {
 		o = bpf_sk_storage_get(&mw_sk_owner, lsk, 0, 0);
 		if (!o || !(o->flags & MW_OWN_KNOWN))
 			return;
@@ -2478,10 +2497,12 @@ static __always_inline void listener_hint(struct bpf_sock_addr *ctx, struct bpf_
 		seen = bpf_map_lookup_elem(&mw_exes, &o->exe);
 		if (seen)
 			sflags = seen->flags;
-		if (exe_may_splice(cls->flags, sflags))
+		if ((cfg & MW_CFG_SPLICE_BLIND) && exe_may_splice(cls->flags, sflags))
 			reason = MW_EF_R_SPLICE;
-	} else if (cfg & MW_CFG_GUARD) {
-		return; /* the reader decides, at accept */
+		else if (sflags & MW_EXE_SEEN_PEEK_OFF)
+			reason = MW_EF_R_PEEKOFF;
+		else if (!(cfg & MW_CFG_SPLICE_BLIND))
+			return; /* the reader decides, at accept */
 	}
 	srv_hint_put(k, reason, cfg);
 }
@@ -2568,31 +2589,71 @@ static __always_inline bool sends_run_sk_msg(struct sock *sk)
  * copies, and redirected). Elsewhere (mw_tgtmap, or out of the maps) it is
  * taken, and the end's sends stay on TCP for good: MW_EF_NOSEND, and
  * MW_EF_ZEROCOPY keeps it from rejoining mw_sockmap (mw_park). Either way
- * its program is remembered: its later ends start with their sends on TCP,
- * outside mw_sockmap, where the option is taken (decide_end).
+ * its program is remembered (remember_opt): its later ends start with their
+ * sends on TCP, outside mw_sockmap, where the option is taken (decide_end).
  */
-static __always_inline bool zerocopy_allowed(struct bpf_sockopt *ctx, struct bpf_sock *sk, struct mw_link *link,
-					     __u32 end, struct mw_rule_stats *rs)
+static __always_inline bool zerocopy_allowed(struct bpf_sock *sk, struct mw_link *link, __u32 end,
+					     struct mw_rule_stats *rs)
 {
-	__u32 bits = MW_EF_NOSEND | MW_EF_ZEROCOPY, old;
-	struct mw_exe_key exe = link->exe[end & 1];
-	struct sock *s;
+	struct sock *s = bpf_rdonly_cast(sk, bpf_core_type_id_kernel(struct sock));
+	__u32 old;
 
 	end &= 1;
-	exe_seen(&exe, MW_EXE_SEEN_ZEROCOPY);
-	/* Flagged before the check: a relink that comes after it stays out. */
-	old = __sync_fetch_and_or(&link->end_flags[end], bits);
-	s = bpf_rdonly_cast(sk, bpf_core_type_id_kernel(struct sock));
+	/* Under the socket's lock, as mw_park's relink: either the relink
+	 * came first (refused here) or it sees MW_EF_ZEROCOPY. */
 	if (sends_run_sk_msg(s)) {
-		__sync_fetch_and_and(&link->end_flags[end], ~(bits & ~old));
 		if (rs)
 			rs->zc_refused++;
 		bpf_set_retval(-EOPNOTSUPP);
 		return false;
 	}
+	old = __sync_fetch_and_or(&link->end_flags[end], MW_EF_NOSEND | MW_EF_ZEROCOPY);
 	if (rs && !(old & MW_EF_ZEROCOPY))
 		rs->fb_zerocopy++;
 	return true;
+}
+
+/* SO_ZEROCOPY (1) or SO_PEEK_OFF (>= 0) on any socket with an owner: its
+ * executable is remembered (MW_EXE_SEEN_*, for its later ends), and the
+ * socket is marked (MW_OWN_*) for a decision still to come: one taken while
+ * connect() is in progress may be applied only after the handshake. */
+static __always_inline void remember_opt(struct bpf_sock *sk, __u32 own, __u32 seen)
+{
+	struct mw_sock_owner *o = bpf_sk_storage_get(&mw_sk_owner, sk, 0, 0);
+
+	if (!o)
+		return;
+	if (!(o->flags & own))
+		__sync_fetch_and_or(&o->flags, own);
+	if (o->flags & MW_OWN_KNOWN)
+		exe_seen(&o->exe, seen);
+}
+
+/*
+ * setsockopt(SO_PEEK_OFF, n >= 0) on a covered socket: MSG_PEEK then reads at
+ * an offset that TCP moves with every peek and read, where a psock's peeks
+ * ignore it. The end stops being a target (its peer's next bytes take TCP,
+ * read through tcp_recvmsg, which keeps the offset), and its program is
+ * remembered: its later ends are no targets from the start. Redirected bytes
+ * still unread would be peeked at the wrong place: then the option is
+ * refused with EOPNOTSUPP, what kernels without peek offsets for TCP answer
+ * (the program peeks without one).
+ */
+static __always_inline bool peek_off_allowed(struct bpf_sock *sk, struct mw_link *link, __u32 end,
+					     struct mw_rule_stats *rs)
+{
+	struct sock *s;
+
+	end &= 1;
+	if ((withdraw(link, end, MW_EF_R_PEEKOFF) & MW_EF_TARGET) && rs)
+		rs->fb_peek_off++;
+	s = bpf_rdonly_cast(sk, bpf_core_type_id_kernel(struct sock));
+	if (!psock_pending(s))
+		return true;
+	if (rs)
+		rs->peek_off_refused++;
+	bpf_set_retval(-EOPNOTSUPP);
+	return false;
 }
 
 SEC("cgroup/setsockopt")
@@ -2609,6 +2670,15 @@ int mw_setsockopt(struct bpf_sockopt *ctx)
 
 	if (!sk)
 		goto pass;
+	if (ctx->level == SOL_SOCKET && (ctx->optname == SO_ZEROCOPY || ctx->optname == SO_PEEK_OFF)) {
+		val = ctx->optval;
+		if ((void *)(val + 1) > ctx->optval_end)
+			goto pass;
+		if (ctx->optname == SO_ZEROCOPY && *val == 1)
+			remember_opt(sk, MW_OWN_ZEROCOPY, MW_EXE_SEEN_ZEROCOPY);
+		else if (ctx->optname == SO_PEEK_OFF && *val >= 0)
+			remember_opt(sk, MW_OWN_PEEK_OFF, MW_EXE_SEEN_PEEK_OFF);
+	}
 	st = bpf_sk_storage_get(&mw_sk_state, sk, 0, 0);
 	if (!st || !st->link)
 		goto pass;
@@ -2639,11 +2709,17 @@ int mw_setsockopt(struct bpf_sockopt *ctx)
 				rs->ulp_refused++;
 			return 0;
 		}
+	} else if (ctx->level == SOL_SOCKET && ctx->optname == SO_PEEK_OFF) {
+		val = ctx->optval;
+		if ((void *)(val + 1) > ctx->optval_end || *val < 0)
+			goto pass;
+		if (!peek_off_allowed(sk, link, end, rs))
+			return 0;
 	} else if (ctx->level == SOL_SOCKET && ctx->optname == SO_ZEROCOPY) {
 		val = ctx->optval;
-		if ((void *)(val + 1) > ctx->optval_end || !*val)
-			goto pass;
-		if (!zerocopy_allowed(ctx, sk, link, end, rs))
+		if ((void *)(val + 1) > ctx->optval_end || *val != 1)
+			goto pass; /* off, or EINVAL from the kernel */
+		if (!zerocopy_allowed(sk, link, end, rs))
 			return 0;
 	}
 pass:

@@ -262,6 +262,8 @@ pub fn counters_to_pb(c: &RuleCounters) -> pb::RuleCounters {
         urgent_hits: c.urgent_hits,
         fallback_zerocopy: c.fallback_zerocopy,
         zerocopy_refused: c.zerocopy_refused,
+        fallback_peek_off: c.fallback_peek_off,
+        peek_off_refused: c.peek_off_refused,
     }
 }
 
