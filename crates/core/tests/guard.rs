@@ -1277,6 +1277,36 @@ fn a_peek_offset_with_redirected_bytes_unread_is_refused() -> Result<()> {
     Ok(())
 }
 
+/// A client socket with SO_PEEK_OFF set before connect() is decided no
+/// target at its handshake: the server's bytes come on TCP and are peeked
+/// at the offset; what it sends is redirected.
+#[test]
+fn a_peek_offset_set_before_connect_is_honoured() -> Result<()> {
+    let k = kernel_test!();
+    let (net, l, pair) = pods_pair(&k, 8110)?;
+    let to = SocketAddr::new(net.pods[1].addr(false), 8110);
+    let mut c = net.pods[0].ns.enter(|| -> std::io::Result<TcpStream> {
+        let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
+        set_int(&sock, libc::SOL_SOCKET, SO_PEEK_OFF, 0)?;
+        meshwarp_testbed::connect_nonblocking(sock, to, T)
+    })??;
+    let mut s = accept_timeout(&l, T)?;
+    peeks_at_the_offset(&mut s, &mut c)?;
+    let cookie = socket_cookie_of(&c)?;
+    let listed = k.dp().connections(&meshwarp_core::ConnFilter { cookie: Some(cookie), ..Default::default() })?;
+    let why = meshwarp_core::PathNow::Tcp(meshwarp_core::TcpReason::PeekOff);
+    ensure!(
+        listed.len() == 1 && listed[0].rx_path == why,
+        "the client's incoming bytes listed as peek_off: {listed:?}"
+    );
+    let st = k.dp().stats(&pair)?;
+    ensure!(st.fallback_peek_off == 1 && st.redirected_bytes == 0, "{st:?}");
+    exchange(c, s, 59, 1 << 20, T)?;
+    let st = k.dp().stats(&pair)?;
+    ensure!(st.redirected_bytes == 1 << 20, "client -> server redirected: {st:?}");
+    Ok(())
+}
+
 // ---------------------------------------------------------------------------
 // zero-copy sends (SO_ZEROCOPY, MSG_ZEROCOPY)
 
@@ -1345,6 +1375,41 @@ fn zero_copy_set_before_connect_sends_on_tcp_and_is_still_a_target() -> Result<(
     exchange(c, s, 45, 1 << 20, T)?;
     let st = k.dp().stats(&pair)?;
     ensure!(st.redirected_bytes == 1 << 20, "only server -> client redirected: {st:?}");
+    Ok(())
+}
+
+/// An accepted socket gets SO_ZEROCOPY from its listener: its end is
+/// decided with it on, joins mw_tgtmap, and its completions are numbered as
+/// on TCP; what its client sends it stays redirected.
+#[test]
+fn zero_copy_from_the_listener_sends_on_tcp() -> Result<()> {
+    let k = kernel_test!();
+    let net = NodeWithPods::new(2)?;
+    let addr = SocketAddr::new(net.pods[1].addr(false), 8111);
+    let l = net.pods[1].ns.enter(|| -> std::io::Result<std::net::TcpListener> {
+        let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
+        sock.set_reuse_address(true)?;
+        set_int(&sock, libc::SOL_SOCKET, SO_ZEROCOPY, 1)?;
+        sock.set_nonblocking(true)?;
+        sock.bind(&addr.into())?;
+        sock.listen(16)?;
+        Ok(sock.into())
+    })??;
+    let pair = EndpointPair::new(net.pods[0].addr(false), addr.into())?;
+    k.dp().insert(&pair, "test")?;
+    let (c, s) = (net.pods[0].ns.connect(addr)?, accept_timeout(&l, T)?);
+    let data = zerocopy_pattern(3 << 20);
+    let sent = zerocopy_transfer(&s, &c, &data, T)?;
+    expect_zerocopy_completions(&s, &sent)?;
+    let cookie = socket_cookie_of(&s)?;
+    let listed = k.dp().connections(&meshwarp_core::ConnFilter { cookie: Some(cookie), ..Default::default() })?;
+    let zc = meshwarp_core::PathNow::Tcp(meshwarp_core::TcpReason::Zerocopy);
+    ensure!(listed.len() == 1 && listed[0].tx_path == zc, "the server's sends listed as zerocopy: {listed:?}");
+    let st = k.dp().stats(&pair)?;
+    ensure!(st.fallback_zerocopy == 1 && st.zerocopy_refused == 0 && st.redirected_bytes == 0, "{st:?}");
+    exchange(c, s, 61, 1 << 20, T)?;
+    let st = k.dp().stats(&pair)?;
+    ensure!(st.redirected_bytes == 1 << 20, "client -> server redirected: {st:?}");
     Ok(())
 }
 

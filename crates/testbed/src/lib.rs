@@ -1266,7 +1266,11 @@ pub fn zerocopy_transfer(tx: &TcpStream, rx: &TcpStream, data: &[u8], timeout: D
             }
         });
         let (mut off, mut calls) = (0usize, 0u32);
+        let deadline = Instant::now() + timeout;
         while off < data.len() {
+            if Instant::now() > deadline {
+                return Err(TestbedError::Integrity(format!("zero-copy sends stuck at byte {off} for {timeout:?}")));
+            }
             let n = SIZES[calls as usize % SIZES.len()].min(data.len() - off);
             // SAFETY: n bytes of a live buffer, which outlives the completions.
             let rc = unsafe { libc::send(tx.as_raw_fd(), data[off..].as_ptr().cast(), n, MSG_ZEROCOPY) };

@@ -644,14 +644,14 @@ static __always_inline void decide_end(struct bpf_sock_ops *skops, struct tcp_so
 		o = bpf_sk_storage_get(&mw_sk_owner, sk, 0, 0);
 	/* Set before connect(), inherited from its listener, or set while
 	 * connect() was in progress (MW_OWN_ZEROCOPY). */
-	if ((s->__sk_common.skc_flags & (1UL << SOCK_ZEROCOPY)) || (o && (o->flags & MW_OWN_ZEROCOPY)))
+	if ((s->__sk_common.skc_flags & (1UL << SOCK_ZEROCOPY)) || (active && o && (o->flags & MW_OWN_ZEROCOPY)))
 		d->nosend = MW_EXE_SEEN_ZEROCOPY;
 	if (s->sk_rcvlowat > 1) {
 		target = false;
 		d->reason = MW_EF_R_LOWAT;
 	}
 	/* The same for a peek offset (see peek_off_allowed). */
-	if (s->sk_peek_off >= 0 || (o && (o->flags & MW_OWN_PEEK_OFF))) {
+	if (s->sk_peek_off >= 0 || (active && o && (o->flags & MW_OWN_PEEK_OFF))) {
 		target = false;
 		d->reason = MW_EF_R_PEEKOFF;
 	}
@@ -713,7 +713,7 @@ static __always_inline void decide_end(struct bpf_sock_ops *skops, struct tcp_so
 	if ((cfg & MW_CFG_SPLICE_BLIND) && exe_may_splice(cls->flags, sflags)) {
 		target = false;
 		d->reason = MW_EF_R_SPLICE;
-	} else if (sflags & MW_EXE_SEEN_PEEK_OFF) {
+	} else if ((sflags & MW_EXE_SEEN_PEEK_OFF) && target) {
 		/* It sets SO_PEEK_OFF after connect()/accept(): bytes
 		 * redirected before would make that a refusal. */
 		target = false;
@@ -2613,20 +2613,34 @@ static __always_inline bool zerocopy_allowed(struct bpf_sock *sk, struct mw_link
 	return true;
 }
 
-/* SO_ZEROCOPY (1) or SO_PEEK_OFF (>= 0) on any socket with an owner: its
- * executable is remembered (MW_EXE_SEEN_*, for its later ends), and the
- * socket is marked (MW_OWN_*) for a decision still to come: one taken while
- * connect() is in progress may be applied only after the handshake. */
-static __always_inline void remember_opt(struct bpf_sock *sk, __u32 own, __u32 seen)
+/* SO_ZEROCOPY or SO_PEEK_OFF turned on (`on`) or off on a socket. The
+ * socket is marked (MW_OWN_*, cleared when turned off) for a client end's
+ * decision still to come: one set while connect() is in progress may be
+ * applied only after the handshake (an accepted end has the kernel's own
+ * flags from its listener). On a covered socket (`covered`: it has a link,
+ * or an observed one) its executable is remembered (MW_EXE_SEEN_*) for its
+ * later ends: the owner's, or else the link's (`link`, `end`: a listener
+ * that predates meshwarp has no owner, its link the learned executable). */
+static __always_inline void remember_opt(struct bpf_sock *sk, bool covered, struct mw_link *link, __u32 end,
+					 __u32 own, __u32 seen, bool on)
 {
-	struct mw_sock_owner *o = bpf_sk_storage_get(&mw_sk_owner, sk, 0, 0);
+	struct mw_sock_owner *o;
+	struct mw_exe_key exe;
 
-	if (!o)
-		return;
-	if (!(o->flags & own))
+	o = bpf_sk_storage_get(&mw_sk_owner, sk, 0, on ? BPF_SK_STORAGE_GET_F_CREATE : 0);
+	if (o && on && !(o->flags & own))
 		__sync_fetch_and_or(&o->flags, own);
-	if (o->flags & MW_OWN_KNOWN)
+	else if (o && !on && (o->flags & own))
+		__sync_fetch_and_and(&o->flags, ~own);
+	if (!on || !covered)
+		return;
+	if (o && (o->flags & MW_OWN_KNOWN)) {
 		exe_seen(&o->exe, seen);
+	} else if (link) {
+		exe = link->exe[end & 1];
+		if (exe.dev || exe.ino)
+			exe_seen(&exe, seen);
+	}
 }
 
 /*
@@ -2662,30 +2676,32 @@ int mw_setsockopt(struct bpf_sockopt *ctx)
 	struct bpf_sock *sk = ctx->sk;
 	struct mw_rule_stats *rs;
 	struct mw_sock_state *st;
-	struct mw_link *link;
+	struct mw_link *link = NULL;
 	struct sock *s;
-	__u64 id;
-	__u32 end;
+	__u64 id = 0;
+	__u32 end = 0;
 	int *val;
 
 	if (!sk)
 		goto pass;
+	st = bpf_sk_storage_get(&mw_sk_state, sk, 0, 0);
+	if (st && st->link) {
+		id = st->link;
+		end = st->end & 1;
+		link = link_at(st->slot, id);
+		if (link && (link->flags & MW_LINK_OBSERVE))
+			link = NULL;
+	}
 	if (ctx->level == SOL_SOCKET && (ctx->optname == SO_ZEROCOPY || ctx->optname == SO_PEEK_OFF)) {
 		val = ctx->optval;
 		if ((void *)(val + 1) > ctx->optval_end)
 			goto pass;
-		if (ctx->optname == SO_ZEROCOPY && *val == 1)
-			remember_opt(sk, MW_OWN_ZEROCOPY, MW_EXE_SEEN_ZEROCOPY);
-		else if (ctx->optname == SO_PEEK_OFF && *val >= 0)
-			remember_opt(sk, MW_OWN_PEEK_OFF, MW_EXE_SEEN_PEEK_OFF);
+		if (ctx->optname == SO_ZEROCOPY)
+			remember_opt(sk, id, link, end, MW_OWN_ZEROCOPY, MW_EXE_SEEN_ZEROCOPY, *val == 1);
+		else
+			remember_opt(sk, id, link, end, MW_OWN_PEEK_OFF, MW_EXE_SEEN_PEEK_OFF, *val >= 0);
 	}
-	st = bpf_sk_storage_get(&mw_sk_state, sk, 0, 0);
-	if (!st || !st->link)
-		goto pass;
-	id = st->link;
-	end = st->end & 1;
-	link = link_at(st->slot, id);
-	if (!link || (link->flags & MW_LINK_OBSERVE))
+	if (!link)
 		goto pass;
 	rs = rule_stats(link->rule_id);
 	if (ctx->level == SOL_SOCKET && ctx->optname == SO_RCVLOWAT) {
