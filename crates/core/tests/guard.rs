@@ -1310,6 +1310,34 @@ fn a_peek_offset_set_before_connect_is_honoured() -> Result<()> {
 // ---------------------------------------------------------------------------
 // zero-copy sends (SO_ZEROCOPY, MSG_ZEROCOPY)
 
+/// `tx`, which has SO_ZEROCOPY on, sends 3 MiB to `rx` with MSG_ZEROCOPY:
+/// on TCP, its completions numbered as TCP numbers them, listed as sending
+/// on TCP for zerocopy while `rx`'s sends are redirected (1 MiB each way
+/// after it). `before`: bytes the rule redirected until then.
+fn zero_copy_sends_on_tcp(
+    k: &KernelTest,
+    pair: &EndpointPair,
+    tx: TcpStream,
+    rx: TcpStream,
+    seed: u64,
+    before: u64,
+) -> Result<()> {
+    let data = zerocopy_pattern(3 << 20);
+    let sent = zerocopy_transfer(&tx, &rx, &data, T)?;
+    expect_zerocopy_completions(&tx, &sent)?;
+    let cookie = socket_cookie_of(&tx)?;
+    let listed = k.dp().connections(&meshwarp_core::ConnFilter { cookie: Some(cookie), ..Default::default() })?;
+    let zc = meshwarp_core::PathNow::Tcp(meshwarp_core::TcpReason::Zerocopy);
+    ensure!(listed.len() == 1 && listed[0].tx_path == zc, "its sends listed as zerocopy: {listed:?}");
+    ensure!(listed[0].rx_path == meshwarp_core::PathNow::Fast, "its peer's sends redirected: {listed:?}");
+    let st = k.dp().stats(pair)?;
+    ensure!(st.fallback_zerocopy == 1 && st.zerocopy_refused == 0 && st.redirected_bytes == before, "{st:?}");
+    exchange(tx, rx, seed, 1 << 20, T)?;
+    let st = k.dp().stats(pair)?;
+    ensure!(st.redirected_bytes == before + (1 << 20), "only its peer's sends redirected: {st:?}");
+    Ok(())
+}
+
 /// A zero-copy send is owed a completion numbered by the socket's count of
 /// zero-copy sends. Redirected it gets none, and tcp_bpf's push to TCP
 /// counts a send once per page run. So SO_ZEROCOPY is refused (EOPNOTSUPP,
@@ -1362,20 +1390,7 @@ fn zero_copy_set_before_connect_sends_on_tcp_and_is_still_a_target() -> Result<(
         meshwarp_testbed::connect_nonblocking(sock, to, T)
     })??;
     let s = accept_timeout(&l, T)?;
-    let data = zerocopy_pattern(3 << 20);
-    let sent = zerocopy_transfer(&c, &s, &data, T)?;
-    expect_zerocopy_completions(&c, &sent)?;
-    let cookie = socket_cookie_of(&c)?;
-    let listed = k.dp().connections(&meshwarp_core::ConnFilter { cookie: Some(cookie), ..Default::default() })?;
-    let zc = meshwarp_core::PathNow::Tcp(meshwarp_core::TcpReason::Zerocopy);
-    ensure!(listed.len() == 1 && listed[0].tx_path == zc, "the client's sends listed as zerocopy: {listed:?}");
-    ensure!(listed[0].rx_path == meshwarp_core::PathNow::Fast, "the server's sends redirected: {listed:?}");
-    let st = k.dp().stats(&pair)?;
-    ensure!(st.fallback_zerocopy == 1 && st.zerocopy_refused == 0 && st.redirected_bytes == 0, "{st:?}");
-    exchange(c, s, 45, 1 << 20, T)?;
-    let st = k.dp().stats(&pair)?;
-    ensure!(st.redirected_bytes == 1 << 20, "only server -> client redirected: {st:?}");
-    Ok(())
+    zero_copy_sends_on_tcp(&k, &pair, c, s, 45, 0)
 }
 
 /// An accepted socket gets SO_ZEROCOPY from its listener: its end is
@@ -1398,19 +1413,7 @@ fn zero_copy_from_the_listener_sends_on_tcp() -> Result<()> {
     let pair = EndpointPair::new(net.pods[0].addr(false), addr.into())?;
     k.dp().insert(&pair, "test")?;
     let (c, s) = (net.pods[0].ns.connect(addr)?, accept_timeout(&l, T)?);
-    let data = zerocopy_pattern(3 << 20);
-    let sent = zerocopy_transfer(&s, &c, &data, T)?;
-    expect_zerocopy_completions(&s, &sent)?;
-    let cookie = socket_cookie_of(&s)?;
-    let listed = k.dp().connections(&meshwarp_core::ConnFilter { cookie: Some(cookie), ..Default::default() })?;
-    let zc = meshwarp_core::PathNow::Tcp(meshwarp_core::TcpReason::Zerocopy);
-    ensure!(listed.len() == 1 && listed[0].tx_path == zc, "the server's sends listed as zerocopy: {listed:?}");
-    let st = k.dp().stats(&pair)?;
-    ensure!(st.fallback_zerocopy == 1 && st.zerocopy_refused == 0 && st.redirected_bytes == 0, "{st:?}");
-    exchange(c, s, 61, 1 << 20, T)?;
-    let st = k.dp().stats(&pair)?;
-    ensure!(st.redirected_bytes == 1 << 20, "client -> server redirected: {st:?}");
-    Ok(())
+    zero_copy_sends_on_tcp(&k, &pair, s, c, 61, 0)
 }
 
 /// SO_ZEROCOPY on an end no sk_msg runs on (mw_tgtmap: the rule keeps
@@ -1426,17 +1429,5 @@ fn zero_copy_is_taken_on_an_end_without_sk_msg() -> Result<()> {
     write_all_ready(&mut c, b"abc", Some(T))?;
     ensure!(read_in_band(&mut s, 3)? == b"abc");
     set_int(&s, libc::SOL_SOCKET, SO_ZEROCOPY, 1).context("SO_ZEROCOPY on a mw_tgtmap end")?;
-    let data = zerocopy_pattern(3 << 20);
-    let sent = zerocopy_transfer(&s, &c, &data, T)?;
-    expect_zerocopy_completions(&s, &sent)?;
-    let cookie = socket_cookie_of(&s)?;
-    let listed = k.dp().connections(&meshwarp_core::ConnFilter { cookie: Some(cookie), ..Default::default() })?;
-    let zc = meshwarp_core::PathNow::Tcp(meshwarp_core::TcpReason::Zerocopy);
-    ensure!(listed.len() == 1 && listed[0].tx_path == zc, "the server's sends listed as zerocopy: {listed:?}");
-    let st = k.dp().stats(&pair)?;
-    ensure!(st.fallback_zerocopy == 1 && st.zerocopy_refused == 0 && st.redirected_bytes == 3, "{st:?}");
-    exchange(c, s, 47, 1 << 20, T)?;
-    let st = k.dp().stats(&pair)?;
-    ensure!(st.redirected_bytes == 3 + (1 << 20), "client -> server still redirected: {st:?}");
-    Ok(())
+    zero_copy_sends_on_tcp(&k, &pair, s, c, 47, 3)
 }
