@@ -18,7 +18,10 @@
 //!   and with `option splice-auto`: 64 B round trips (`rr64`), uploads of
 //!   64 MiB in 16 KiB writes (`up64m`) and of 4 MiB in 64 B writes
 //!   (`up4m_64B`), and a 64 MiB download (`down64m`), time per round trip or
-//!   transfer.
+//!   transfer. haproxy can splice (it imports splice), so its sockets are no
+//!   redirect targets; with `MESHWARP_APPS_TRUST_HAPROXY=1` the operator
+//!   vouches for it (`--trust-reader`), and only the cells without splice
+//!   run (`_nosplice_trusted`): with splice-auto that vouching would be false.
 //!
 //! `cargo bench -p meshwarp-benches --bench apps [-- FILTER]` (as root; the
 //! programs from scripts/install-deps.sh); FILTER selects cells by substring
@@ -345,7 +348,11 @@ fn main() {
     // redis-benchmark asks the server's configuration on a blocking
     // connection first, socat reads blocking sockets after select(). Neither
     // blocks in a read across its own shutdown(SHUT_WR), the kernel's gap.
-    let trusted: Vec<_> = ["redis-benchmark", "socat"].into_iter().filter_map(which).collect();
+    let mut vouched = vec!["redis-benchmark", "socat"];
+    if trust_haproxy() {
+        vouched.push("haproxy");
+    }
+    let trusted: Vec<_> = vouched.into_iter().filter_map(which).collect();
     let Some(k) = KernelTest::start_with(8192, 64, |cfg| cfg.trusted_readers.extend(trusted)) else { return };
     let ns = NetNs::new("apps").expect("netns");
     let dir = ScratchDir::new("meshwarp-apps-").expect("scratch dir");
@@ -353,6 +360,11 @@ fn main() {
     nginx(&k, &ns, &dir);
     socat(&k, &ns, &dir);
     haproxy(&k, &ns, &dir);
+}
+
+/// `MESHWARP_APPS_TRUST_HAPROXY` is set: haproxy is a trusted reader.
+fn trust_haproxy() -> bool {
+    std::env::var_os("MESHWARP_APPS_TRUST_HAPROXY").is_some_and(|v| !v.is_empty() && v != "0")
 }
 
 /// What haproxy's upstream does with a connection, by its first byte: `e`
@@ -457,8 +469,15 @@ fn haproxy(k: &KernelTest, ns: &NetNs, dir: &ScratchDir) {
         write_all_ready(&mut c, &[op], Some(T)).expect("op");
         c
     };
-    let mut table = Table::new("haproxy (TCP mode) between a client and its upstream, both legs registered");
-    for (name, off, _) in SPLICE {
+    let trusted = trust_haproxy();
+    let mut table = Table::new(if trusted {
+        "haproxy (TCP mode, trusted: --trust-reader) between a client and its upstream, both legs registered"
+    } else {
+        "haproxy (TCP mode) between a client and its upstream, both legs registered"
+    });
+    // Trusted, only the configuration that never splices.
+    for (name, off, _) in SPLICE.into_iter().filter(|(_, off, _)| !trusted || *off == 0) {
+        let name = if trusted { format!("{name}_trusted") } else { name.to_string() };
         let base = BASE + off;
         table.cell(&format!("haproxy/rr64_{name}"), base, |port| {
             let mut c = connect(port, b'e');
@@ -503,9 +522,11 @@ fn haproxy(k: &KernelTest, ns: &NetNs, dir: &ScratchDir) {
         });
     }
     table.print(k, &front[0]);
-    eprintln!("splice-auto fronts:");
-    for (mode, pair) in ["always", "adaptive"].iter().zip(&front[1]) {
-        eprintln!("{mode}: {:?}", k.dp().stats(pair).expect("stats"));
+    if !trusted {
+        eprintln!("splice-auto fronts:");
+        for (mode, pair) in ["always", "adaptive"].iter().zip(&front[1]) {
+            eprintln!("{mode}: {:?}", k.dp().stats(pair).expect("stats"));
+        }
     }
     eprintln!("upstream legs:");
     for (mode, pair) in ["always", "adaptive"].iter().zip(&back) {
