@@ -20,7 +20,8 @@ use anyhow::{ensure, Context, Result};
 use meshwarp_bpf::shared::{DIR_UNLINKED, END_SERVER};
 use meshwarp_core::{Dataplane, EndpointPair, FastPathMode, RuleCounters};
 use meshwarp_testbed::{
-    accept_timeout, fionread_reader, read_exact_ready, write_all_ready, HeldThread, KernelTest, NodeWithPods,
+    accept_timeout, expect_zerocopy_completions, fionread_reader, read_exact_ready, write_all_ready, zerocopy_pattern,
+    zerocopy_transfer, HeldThread, KernelTest, NodeWithPods, SO_ZEROCOPY,
 };
 
 const T: Option<Duration> = Some(Duration::from_secs(60));
@@ -310,6 +311,40 @@ fn a_server_unlinked_by_its_stream_comes_back_when_a_tcp_client_asks_again() -> 
     let after = k.dp().stats(&pair)?;
     ensure!(after.promotions >= 1, "promoted after the relink: {after:?}");
     ensure!(after.redirected_bytes >= st.redirected_bytes + 200, "answers redirected again: {after:?}");
+    Ok(())
+}
+
+/// A server end unlinked by its stream that then sets SO_ZEROCOPY (taken:
+/// out of the SOCKMAP no sk_msg runs on its sends) stays out: the client's
+/// next request does not put it back (in mw_sockmap tcp_bpf would number its
+/// zero-copy completions wrong), and its completions are numbered as on
+/// TCP. Every byte checked.
+#[test]
+fn an_unlinked_end_with_zero_copy_on_stays_out() -> Result<()> {
+    use std::os::fd::AsRawFd;
+    let k = kernel_test!();
+    let (net, l, pair) = pods_pair_server_no_target(&k, 8232)?;
+    let (c, s) = connections(&net, &l, 8232, 1)?.remove(0);
+    let (mut up_w, mut up_r) = (Stream::new(75), Stream::new(75));
+    let (mut down_w, mut down_r) = (Stream::new(76), Stream::new(76));
+
+    stream_one_way(&s, &c, &mut down_w, &mut down_r, 1 << 20, 512)?;
+    wait_counters(&k, &pair, "the streaming server end was unlinked", |c| c.unlinks == 1)?;
+    let one: libc::c_int = 1;
+    // SAFETY: an int option.
+    let rc = unsafe { libc::setsockopt(s.as_raw_fd(), libc::SOL_SOCKET, SO_ZEROCOPY, (&one as *const i32).cast(), 4) };
+    ensure!(rc == 0, "SO_ZEROCOPY on an unlinked end: {}", std::io::Error::last_os_error());
+    for _ in 0..3 {
+        up_w.write(&c, 64, 64)?;
+        up_r.read(&s, 64)?;
+    }
+    // The relink, asked by the server's read, would come within milliseconds.
+    thread::sleep(Duration::from_millis(300));
+    let data = zerocopy_pattern(2 << 20);
+    let sent = zerocopy_transfer(&s, &c, &data, Duration::from_secs(60))?;
+    expect_zerocopy_completions(&s, &sent)?;
+    let st = k.dp().stats(&pair)?;
+    ensure!(st.relinks == 0 && st.fallback_zerocopy == 1 && st.zerocopy_refused == 0, "{st:?}");
     Ok(())
 }
 
