@@ -2692,7 +2692,9 @@ int mw_setsockopt(struct bpf_sockopt *ctx)
 		if (link && (link->flags & MW_LINK_OBSERVE))
 			link = NULL;
 	}
-	if (ctx->level == SOL_SOCKET && (ctx->optname == SO_ZEROCOPY || ctx->optname == SO_PEEK_OFF)) {
+	/* TCP only: no owner record on a UDP socket for nothing. */
+	if (ctx->level == SOL_SOCKET && (ctx->optname == SO_ZEROCOPY || ctx->optname == SO_PEEK_OFF) &&
+	    sk->protocol == IPPROTO_TCP) {
 		val = ctx->optval;
 		if ((void *)(val + 1) > ctx->optval_end)
 			goto pass;
