@@ -26,8 +26,8 @@ use meshwarp_core::sys::socket_cookie_of;
 use meshwarp_core::{CaptureRule, Endpoint, EndpointPair, FastPathMode, GuardMode};
 use meshwarp_testbed::{
     accept_timeout, exchange, expect_no_zerocopy_completions, expect_zerocopy_completions, fionread_reader,
-    read_exact_ready, recv_pattern, redirect_output, send_pattern, wait_ready, write_all_ready, zerocopy_pattern,
-    zerocopy_transfer, CaptureProxy, HeldThread, KernelTest, NetNs, NodeWithPods, SERVICE_V4, SO_ZEROCOPY,
+    read_exact_ready, recv_pattern, redirect_output, send_pattern, set_zerocopy, wait_ready, write_all_ready,
+    zerocopy_pattern, zerocopy_transfer, CaptureProxy, HeldThread, KernelTest, NetNs, NodeWithPods, SERVICE_V4,
 };
 
 const T: Duration = Duration::from_secs(60);
@@ -54,6 +54,12 @@ fn set_int(s: &impl AsRawFd, level: i32, opt: i32, v: i32) -> std::io::Result<()
         return Err(std::io::Error::last_os_error());
     }
     Ok(())
+}
+
+/// The connection list's entry for socket `s` (one, or none if unknown).
+fn listed(k: &KernelTest, s: &impl AsRawFd) -> Result<Vec<meshwarp_core::Connection>> {
+    let cookie = socket_cookie_of(s)?;
+    Ok(k.dp().connections(&meshwarp_core::ConnFilter { cookie: Some(cookie), ..Default::default() })?)
 }
 
 fn readable(s: &impl AsRawFd, ms: u64) -> bool {
@@ -1096,8 +1102,7 @@ fn urgent_data_leaves_the_fast_path_with_its_meaning() -> Result<()> {
     let st = k.dp().stats(&pair)?;
     ensure!(st.fallback_urgent == 1 && st.urgent_hits == 0, "{st:?}");
     ensure!(st.redirected_bytes == 3, "nothing redirected client -> server after it: {st:?}");
-    let cookie = socket_cookie_of(&c)?;
-    let listed = k.dp().connections(&meshwarp_core::ConnFilter { cookie: Some(cookie), ..Default::default() })?;
+    let listed = listed(&k, &c)?;
     let urgent = meshwarp_core::PathNow::Tcp(meshwarp_core::TcpReason::Urgent);
     ensure!(listed.len() == 1 && listed[0].tx_path == urgent, "the client's sends listed as urgent: {listed:?}");
     // Both directions intact; server -> client still redirected.
@@ -1234,8 +1239,7 @@ fn a_peek_offset_is_honoured() -> Result<()> {
     peeks_at_the_offset(&mut c, &mut s)?;
     let st = k.dp().stats(&pair)?;
     ensure!(st.fallback_peek_off == 1 && st.peek_off_refused == 0 && st.redirected_bytes == 0, "{st:?}");
-    let cookie = socket_cookie_of(&s)?;
-    let listed = k.dp().connections(&meshwarp_core::ConnFilter { cookie: Some(cookie), ..Default::default() })?;
+    let listed = listed(&k, &s)?;
     let why = meshwarp_core::PathNow::Tcp(meshwarp_core::TcpReason::PeekOff);
     ensure!(listed.len() == 1 && listed[0].rx_path == why, "the server's bytes listed as peek_off: {listed:?}");
     exchange(c, s, 53, 1 << 20, T)?;
@@ -1285,15 +1289,10 @@ fn a_peek_offset_set_before_connect_is_honoured() -> Result<()> {
     let k = kernel_test!();
     let (net, l, pair) = pods_pair(&k, 8110)?;
     let to = SocketAddr::new(net.pods[1].addr(false), 8110);
-    let mut c = net.pods[0].ns.enter(|| -> std::io::Result<TcpStream> {
-        let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
-        set_int(&sock, libc::SOL_SOCKET, SO_PEEK_OFF, 0)?;
-        meshwarp_testbed::connect_nonblocking(sock, to, T)
-    })??;
+    let mut c = net.pods[0].ns.connect_with(to, |sock| set_int(sock, libc::SOL_SOCKET, SO_PEEK_OFF, 0))?;
     let mut s = accept_timeout(&l, T)?;
     peeks_at_the_offset(&mut s, &mut c)?;
-    let cookie = socket_cookie_of(&c)?;
-    let listed = k.dp().connections(&meshwarp_core::ConnFilter { cookie: Some(cookie), ..Default::default() })?;
+    let listed = listed(&k, &c)?;
     let why = meshwarp_core::PathNow::Tcp(meshwarp_core::TcpReason::PeekOff);
     ensure!(
         listed.len() == 1 && listed[0].rx_path == why,
@@ -1325,8 +1324,7 @@ fn zero_copy_sends_on_tcp(
     let data = zerocopy_pattern(3 << 20);
     let sent = zerocopy_transfer(&tx, &rx, &data, T)?;
     expect_zerocopy_completions(&tx, &sent)?;
-    let cookie = socket_cookie_of(&tx)?;
-    let listed = k.dp().connections(&meshwarp_core::ConnFilter { cookie: Some(cookie), ..Default::default() })?;
+    let listed = listed(k, &tx)?;
     let zc = meshwarp_core::PathNow::Tcp(meshwarp_core::TcpReason::Zerocopy);
     ensure!(listed.len() == 1 && listed[0].tx_path == zc, "its sends listed as zerocopy: {listed:?}");
     ensure!(listed[0].rx_path == meshwarp_core::PathNow::Fast, "its peer's sends redirected: {listed:?}");
@@ -1354,7 +1352,7 @@ fn zero_copy_is_refused_where_sends_run_sk_msg_and_taken_on_the_next_connection(
     let (mut c, mut s) = (net.pods[0].ns.connect(to)?, accept_timeout(&l, T)?);
     write_all_ready(&mut c, b"abc", Some(T))?;
     ensure!(read_in_band(&mut s, 3)? == b"abc");
-    let e = set_int(&c, libc::SOL_SOCKET, SO_ZEROCOPY, 1).err().context("SO_ZEROCOPY taken where sends run sk_msg")?;
+    let e = set_zerocopy(&c).err().context("SO_ZEROCOPY taken where sends run sk_msg")?;
     ensure!(e.raw_os_error() == Some(libc::EOPNOTSUPP), "refused with {e}");
     let data = zerocopy_pattern(3 << 20);
     let sent = zerocopy_transfer(&c, &s, &data, T)?;
@@ -1366,7 +1364,7 @@ fn zero_copy_is_refused_where_sends_run_sk_msg_and_taken_on_the_next_connection(
     // The program again, here at both ends: neither end's sends may be
     // redirected, so the connection is not accelerated; the option is taken.
     let (c, s) = (net.pods[0].ns.connect(to)?, accept_timeout(&l, T)?);
-    set_int(&c, libc::SOL_SOCKET, SO_ZEROCOPY, 1).context("SO_ZEROCOPY on the next connection")?;
+    set_zerocopy(&c).context("SO_ZEROCOPY on the next connection")?;
     let sent = zerocopy_transfer(&c, &s, &data, T)?;
     expect_zerocopy_completions(&c, &sent)?;
     let again = k.dp().stats(&pair)?;
@@ -1384,11 +1382,7 @@ fn zero_copy_set_before_connect_sends_on_tcp_and_is_still_a_target() -> Result<(
     let k = kernel_test!();
     let (net, l, pair) = pods_pair(&k, 8106)?;
     let to = SocketAddr::new(net.pods[1].addr(false), 8106);
-    let c = net.pods[0].ns.enter(|| -> std::io::Result<TcpStream> {
-        let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
-        set_int(&sock, libc::SOL_SOCKET, SO_ZEROCOPY, 1)?;
-        meshwarp_testbed::connect_nonblocking(sock, to, T)
-    })??;
+    let c = net.pods[0].ns.connect_with(to, set_zerocopy)?;
     let s = accept_timeout(&l, T)?;
     zero_copy_sends_on_tcp(&k, &pair, c, s, 45, 0)
 }
@@ -1401,15 +1395,7 @@ fn zero_copy_from_the_listener_sends_on_tcp() -> Result<()> {
     let k = kernel_test!();
     let net = NodeWithPods::new(2)?;
     let addr = SocketAddr::new(net.pods[1].addr(false), 8111);
-    let l = net.pods[1].ns.enter(|| -> std::io::Result<std::net::TcpListener> {
-        let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
-        sock.set_reuse_address(true)?;
-        set_int(&sock, libc::SOL_SOCKET, SO_ZEROCOPY, 1)?;
-        sock.set_nonblocking(true)?;
-        sock.bind(&addr.into())?;
-        sock.listen(16)?;
-        Ok(sock.into())
-    })??;
+    let l = net.pods[1].ns.listen_with(addr, set_zerocopy)?;
     let pair = EndpointPair::new(net.pods[0].addr(false), addr.into())?;
     k.dp().insert(&pair, "test")?;
     let (c, s) = (net.pods[0].ns.connect(addr)?, accept_timeout(&l, T)?);
@@ -1428,6 +1414,6 @@ fn zero_copy_is_taken_on_an_end_without_sk_msg() -> Result<()> {
     let (mut c, mut s) = (net.pods[0].ns.connect(to)?, accept_timeout(&l, T)?);
     write_all_ready(&mut c, b"abc", Some(T))?;
     ensure!(read_in_band(&mut s, 3)? == b"abc");
-    set_int(&s, libc::SOL_SOCKET, SO_ZEROCOPY, 1).context("SO_ZEROCOPY on a mw_tgtmap end")?;
+    set_zerocopy(&s).context("SO_ZEROCOPY on a mw_tgtmap end")?;
     zero_copy_sends_on_tcp(&k, &pair, s, c, 47, 3)
 }

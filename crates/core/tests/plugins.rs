@@ -20,9 +20,9 @@ use meshwarp_core::{
     Endpoint, EndpointPair, FailurePolicy, FastPathMode, Hook, Phase, PluginChain, PluginError, PluginManifest,
 };
 use meshwarp_testbed::{
-    accept_timeout, child_dataplane_config, child_test, connect_nonblocking, echo_integrity, exchange,
-    expect_zerocopy_completions, read_exact_ready, zerocopy_pattern, zerocopy_transfer, KernelTest, NodeWithPods,
-    OverlayEgress, StreamEcho, TcTest, TwoNodes, SO_ZEROCOPY,
+    accept_timeout, child_dataplane_config, child_test, echo_integrity, exchange, expect_zerocopy_completions,
+    read_exact_ready, set_zerocopy, zerocopy_pattern, zerocopy_transfer, KernelTest, NodeWithPods, OverlayEgress,
+    StreamEcho, TcTest, TwoNodes,
 };
 
 const T: Duration = Duration::from_secs(60);
@@ -219,7 +219,6 @@ fn a_message_plugin_sees_the_sends_of_an_end_whose_peer_is_no_target() -> Result
 /// chain. Its completions are numbered as on TCP; the plugin sees nothing.
 #[test]
 fn with_a_message_plugin_a_zero_copy_end_is_not_accelerated() -> Result<()> {
-    use std::os::fd::AsRawFd;
     let k = kernel_test!();
     let c = chain(&k)?;
     c.load(&manifest("noop", Hook::Message, 0), plugins::NOOP_MSG, &[], false, "test")?;
@@ -229,18 +228,7 @@ fn with_a_message_plugin_a_zero_copy_end_is_not_accelerated() -> Result<()> {
     let l = net.pods[1].ns.listen(to)?;
     let pair = EndpointPair::new(a, Endpoint::new(b, PORT))?;
     k.dp().insert(&pair, "test")?;
-    let cl = net.pods[0].ns.enter(|| -> std::io::Result<TcpStream> {
-        let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
-        let one: libc::c_int = 1;
-        // SAFETY: an int option.
-        let rc = unsafe {
-            libc::setsockopt(sock.as_raw_fd(), libc::SOL_SOCKET, SO_ZEROCOPY, (&one as *const i32).cast(), 4)
-        };
-        if rc != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        connect_nonblocking(sock, to, T)
-    })??;
+    let cl = net.pods[0].ns.connect_with(to, set_zerocopy)?;
     let sv = accept_timeout(&l, T)?;
     let data = zerocopy_pattern(2 << 20);
     let sent = zerocopy_transfer(&cl, &sv, &data, T)?;

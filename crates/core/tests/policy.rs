@@ -20,8 +20,8 @@ use anyhow::{ensure, Context, Result};
 use meshwarp_bpf::shared::{DIR_UNLINKED, END_SERVER};
 use meshwarp_core::{Dataplane, EndpointPair, FastPathMode, RuleCounters};
 use meshwarp_testbed::{
-    accept_timeout, expect_zerocopy_completions, fionread_reader, read_exact_ready, write_all_ready, zerocopy_pattern,
-    zerocopy_transfer, HeldThread, KernelTest, NodeWithPods, SO_ZEROCOPY,
+    accept_timeout, expect_zerocopy_completions, fionread_reader, read_exact_ready, set_zerocopy, write_all_ready,
+    zerocopy_pattern, zerocopy_transfer, HeldThread, KernelTest, NodeWithPods,
 };
 
 const T: Option<Duration> = Some(Duration::from_secs(60));
@@ -321,7 +321,6 @@ fn a_server_unlinked_by_its_stream_comes_back_when_a_tcp_client_asks_again() -> 
 /// TCP. Every byte checked.
 #[test]
 fn an_unlinked_end_with_zero_copy_on_stays_out() -> Result<()> {
-    use std::os::fd::AsRawFd;
     let k = kernel_test!();
     let (net, l, pair) = pods_pair_server_no_target(&k, 8232)?;
     let (c, s) = connections(&net, &l, 8232, 1)?.remove(0);
@@ -330,10 +329,7 @@ fn an_unlinked_end_with_zero_copy_on_stays_out() -> Result<()> {
 
     stream_one_way(&s, &c, &mut down_w, &mut down_r, 1 << 20, 512)?;
     wait_counters(&k, &pair, "the streaming server end was unlinked", |c| c.unlinks == 1)?;
-    let one: libc::c_int = 1;
-    // SAFETY: an int option.
-    let rc = unsafe { libc::setsockopt(s.as_raw_fd(), libc::SOL_SOCKET, SO_ZEROCOPY, (&one as *const i32).cast(), 4) };
-    ensure!(rc == 0, "SO_ZEROCOPY on an unlinked end: {}", std::io::Error::last_os_error());
+    set_zerocopy(&s).context("SO_ZEROCOPY on an unlinked end")?;
     for _ in 0..3 {
         up_w.write(&c, 64, 64)?;
         up_r.read(&s, 64)?;

@@ -177,12 +177,23 @@ impl NetNs {
     /// A TCP listener bound inside this namespace, non-blocking from the
     /// start (as event-driven servers make theirs).
     pub fn listen(&self, addr: SocketAddr) -> Result<TcpListener> {
+        self.listen_with(addr, |_| Ok(()))
+    }
+
+    /// As [`NetNs::listen`], with `setup` run on the socket before it binds
+    /// (socket options its accepted sockets inherit).
+    pub fn listen_with(
+        &self,
+        addr: SocketAddr,
+        setup: impl FnOnce(&Socket) -> io::Result<()> + Send,
+    ) -> Result<TcpListener> {
         self.enter(|| {
             let s = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
             s.set_reuse_address(true)?;
             if addr.is_ipv6() {
                 s.set_only_v6(true)?;
             }
+            setup(&s)?;
             s.set_nonblocking(true)?;
             s.bind(&addr.into())?;
             s.listen(1024)?;
@@ -193,23 +204,36 @@ impl NetNs {
 
     /// A non-blocking TCP connection made from inside this namespace.
     pub fn connect(&self, addr: SocketAddr) -> Result<TcpStream> {
-        self.connect_from(None, addr, false)
+        self.connect_with(addr, |_| Ok(()))
+    }
+
+    /// As [`NetNs::connect`], with `setup` run on the socket before it
+    /// connects (options set before the handshake).
+    pub fn connect_with(
+        &self,
+        addr: SocketAddr,
+        setup: impl FnOnce(&Socket) -> io::Result<()> + Send,
+    ) -> Result<TcpStream> {
+        self.enter(|| {
+            let s = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
+            setup(&s)?;
+            connect_nonblocking(s, addr, Duration::from_secs(5))
+        })?
+        .map_err(io_err(format!("connecting to {addr} from {}", self.name)))
     }
 
     /// As [`NetNs::connect`], bound to `local` first (with SO_REUSEADDR when
     /// `reuse`, so a 4-tuple can be used again).
     pub fn connect_from(&self, local: Option<SocketAddr>, addr: SocketAddr, reuse: bool) -> Result<TcpStream> {
-        self.enter(|| {
-            let s = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
+        self.connect_with(addr, |s| {
             if reuse {
                 s.set_reuse_address(true)?;
             }
             if let Some(l) = local {
                 s.bind(&l.into())?;
             }
-            connect_nonblocking(s, addr, Duration::from_secs(5))
-        })?
-        .map_err(io_err(format!("connecting to {addr} from {}", self.name)))
+            Ok(())
+        })
     }
 
     /// An interface counter from /sys/class/net/IFACE/statistics.
@@ -1201,6 +1225,17 @@ pub const SO_ZEROCOPY: i32 = 60;
 pub const MSG_ZEROCOPY: i32 = 0x400_0000;
 /// `SO_EE_ORIGIN_ZEROCOPY` (linux/errqueue.h); the libc crate lacks it.
 const SO_EE_ORIGIN_ZEROCOPY: u8 = 5;
+
+/// Turns SO_ZEROCOPY on.
+pub fn set_zerocopy(s: &impl AsRawFd) -> io::Result<()> {
+    let one: libc::c_int = 1;
+    // SAFETY: an int option from a live int.
+    let rc = unsafe { libc::setsockopt(s.as_raw_fd(), libc::SOL_SOCKET, SO_ZEROCOPY, (&one as *const i32).cast(), 4) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
 
 /// Bytes that show where in a stream they belong.
 pub fn zerocopy_pattern(len: usize) -> Vec<u8> {

@@ -2680,6 +2680,7 @@ int mw_setsockopt(struct bpf_sockopt *ctx)
 	struct sock *s;
 	__u64 id = 0;
 	__u32 end = 0;
+	bool zc, on;
 	int *val;
 
 	if (!sk)
@@ -2692,16 +2693,24 @@ int mw_setsockopt(struct bpf_sockopt *ctx)
 		if (link && (link->flags & MW_LINK_OBSERVE))
 			link = NULL;
 	}
-	/* TCP only: no owner record on a UDP socket for nothing. */
+	/* TCP only: no owner record on a UDP socket for nothing. Turned on
+	 * means 1 for SO_ZEROCOPY (other values: EINVAL from the kernel) and
+	 * >= 0 for SO_PEEK_OFF. */
 	if (ctx->level == SOL_SOCKET && (ctx->optname == SO_ZEROCOPY || ctx->optname == SO_PEEK_OFF) &&
 	    sk->protocol == IPPROTO_TCP) {
 		val = ctx->optval;
 		if ((void *)(val + 1) > ctx->optval_end)
 			goto pass;
-		if (ctx->optname == SO_ZEROCOPY)
-			remember_opt(sk, id, link, end, MW_OWN_ZEROCOPY, MW_EXE_SEEN_ZEROCOPY, *val == 1);
-		else
-			remember_opt(sk, id, link, end, MW_OWN_PEEK_OFF, MW_EXE_SEEN_PEEK_OFF, *val >= 0);
+		zc = ctx->optname == SO_ZEROCOPY;
+		on = zc ? *val == 1 : *val >= 0;
+		remember_opt(sk, id, link, end, zc ? MW_OWN_ZEROCOPY : MW_OWN_PEEK_OFF,
+			     zc ? MW_EXE_SEEN_ZEROCOPY : MW_EXE_SEEN_PEEK_OFF, on);
+		if (!link || !on)
+			goto pass;
+		rs = rule_stats(link->rule_id);
+		if (zc ? !zerocopy_allowed(sk, link, end, rs) : !peek_off_allowed(sk, link, end, rs))
+			return 0;
+		goto pass;
 	}
 	if (!link)
 		goto pass;
@@ -2727,18 +2736,6 @@ int mw_setsockopt(struct bpf_sockopt *ctx)
 				rs->ulp_refused++;
 			return 0;
 		}
-	} else if (ctx->level == SOL_SOCKET && ctx->optname == SO_PEEK_OFF) {
-		val = ctx->optval;
-		if ((void *)(val + 1) > ctx->optval_end || *val < 0)
-			goto pass;
-		if (!peek_off_allowed(sk, link, end, rs))
-			return 0;
-	} else if (ctx->level == SOL_SOCKET && ctx->optname == SO_ZEROCOPY) {
-		val = ctx->optval;
-		if ((void *)(val + 1) > ctx->optval_end || *val != 1)
-			goto pass; /* off, or EINVAL from the kernel */
-		if (!zerocopy_allowed(sk, link, end, rs))
-			return 0;
 	}
 pass:
 	/* Larger options: let the kernel use the caller's buffer. */
