@@ -1,5 +1,5 @@
 //! The compatibility suite: real programs (haproxy, socat, nginx, redis, curl,
-//! openssl, python) through registered pairs and capture rules on a real
+//! openssl, python, memcached, gRPC) through registered pairs and capture rules on a real
 //! kernel, checksummed both ways, 100 connections each, the first one after
 //! the data path starts included. A program that loses, duplicates or
 //! reorders a byte, or hangs, fails its test; so does a missing program or
@@ -1292,5 +1292,241 @@ fn python_zero_copy_sends_complete_as_on_tcp() -> Result<()> {
     ensure!(refused == 1 && st.zerocopy_refused == 1, "python was refused {refused} times: {st:?}");
     ensure!(st.fallback_zerocopy >= 1, "some connection's sends took TCP for SO_ZEROCOPY: {st:?}");
     ensure!(st.redirected_bytes >= TOTAL as u64, "the refused connection's copies redirected: {st:?}");
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// nginx static files (sendfile)
+
+/// nginx in pod B serves 100 files (1 B to 8 MiB) with `sendfile on` and
+/// `tcp_nopush on`: file pages go to the socket by sendfile(), through
+/// tcp_bpf's sends; curl in pod A downloads each and checks it byte for byte.
+#[test]
+fn nginx_sendfile_static_files_with_curl() -> Result<()> {
+    if !tools(&["nginx", "curl"]) {
+        return Ok(());
+    }
+    let Some(k) = node() else { return Ok(()) };
+    let net = NodeWithPods::new(2)?;
+    let (a, b) = (&net.pods[0], &net.pods[1]);
+    let front = SocketAddr::new(b.v4.into(), 7104);
+    let pair = EndpointPair::new(a.v4.into(), front.into())?;
+    k.dp().insert(&pair, OWNER)?;
+    let dir = ScratchDir::new("meshwarp-compat-")?;
+    let d = dir.0.display();
+    std::fs::create_dir_all(dir.path("www"))?;
+    let sums = (0..CONNS)
+        .map(|i| pattern_file(&dir.path(&format!("www/f{i}")), 7400 + i as u64, size_of_conn(i)))
+        .collect::<Result<Vec<_>>>()?;
+    let conf = format!(
+        "user root;\nworker_processes 2;\ndaemon off;\npid {d}/nginx.pid;\nerror_log {d}/error.log;\n\
+         events {{ worker_connections 1024; }}\n\
+         http {{\n access_log off;\n client_body_temp_path {d}/cb; proxy_temp_path {d}/px; fastcgi_temp_path {d}/fc;\n \
+         uwsgi_temp_path {d}/uw; scgi_temp_path {d}/sc;\n sendfile on; tcp_nopush on; sendfile_max_chunk 512k;\n \
+         server {{ listen {front}; root {d}/www; }}\n}}\n"
+    );
+    std::fs::write(dir.path("nginx.conf"), conf)?;
+    let _nginx = Program::spawn(&b.ns, &["nginx", "-c", &dir.path("nginx.conf").display().to_string()])?;
+    wait_listening(&a.ns, front, T)?;
+    run_connections(|i| {
+        let out = dir.path(&format!("out{i}"));
+        let url = format!("http://{front}/f{i}");
+        let mut curl = Program::spawn(
+            &a.ns,
+            &["curl", "-sS", "--fail", "--max-time", "60", "-o", &out.display().to_string(), &url],
+        )?;
+        ensure!(curl.wait_timeout(T)?.success(), "curl failed");
+        let got = std::fs::read(&out)?;
+        ensure!(got.len() == size_of_conn(i), "{} of {} bytes came", got.len(), size_of_conn(i));
+        ensure!(fnv(&got) == sums[i], "the file came with other bytes");
+        let _ = std::fs::remove_file(out);
+        Ok(())
+    })?;
+    let st = k.dp().stats(&pair)?;
+    report("nginx sendfile + curl", &[("pair", st)]);
+    // The files flow nginx -> curl: curl, a reader that polls, is a target.
+    ensure!(st.redirected_bytes > (8 << 20), "nginx's sendfile() bytes redirected: {st:?}");
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// memcached
+
+/// memcached in pod B (items up to 16 MiB); from pod A, 100 connections that
+/// `set` a value of up to 8 MiB and `get` it back, then memcslap (20
+/// concurrent clients).
+#[test]
+fn memcached_values_and_memcslap() -> Result<()> {
+    if !tools(&["memcached", "memcslap"]) {
+        return Ok(());
+    }
+    let Some(k) = node() else { return Ok(()) };
+    let net = NodeWithPods::new(2)?;
+    let (a, b) = (&net.pods[0], &net.pods[1]);
+    let server = SocketAddr::new(b.v4.into(), 11211);
+    let pair = EndpointPair::new(a.v4.into(), server.into())?;
+    k.dp().insert(&pair, OWNER)?;
+    let bind = b.v4.to_string();
+    let _mc = Program::spawn(
+        &b.ns,
+        &["memcached", "-u", "root", "-l", &bind, "-p", "11211", "-U", "0", "-m", "1024", "-I", "16m", "-t", "2"],
+    )?;
+    wait_listening(&a.ns, server, T)?;
+    run_connections(|i| {
+        let mut c = a.ns.connect(server)?;
+        let key = format!("compat{i}");
+        let mut value = vec![0u8; size_of_conn(i).div_ceil(8) * 8];
+        Pattern::new(9100 + i as u64).fill(&mut value);
+        value.truncate(size_of_conn(i));
+        let mut set = format!("set {key} 0 0 {}\r\n", value.len()).into_bytes();
+        set.extend_from_slice(&value);
+        set.extend_from_slice(b"\r\n");
+        write_all_ready(&mut c, &set, Some(T))?;
+        let l = read_line(&mut c)?;
+        ensure!(l == "STORED", "set answered {l:?}");
+        write_all_ready(&mut c, format!("get {key}\r\n").as_bytes(), Some(T))?;
+        let l = read_line(&mut c)?;
+        ensure!(l == format!("VALUE {key} 0 {}", value.len()), "get answered {l:?}");
+        let mut got = vec![0u8; value.len() + b"\r\nEND\r\n".len()];
+        read_exact_ready(&mut c, &mut got, Some(T))?;
+        ensure!(got[..value.len()] == value[..], "get returned other bytes");
+        ensure!(&got[value.len()..] == b"\r\nEND\r\n", "get ended with {:?}", &got[value.len()..]);
+        Ok(())
+    })?;
+    let mut slap = Program::spawn_with(
+        &a.ns,
+        &["memcslap", &format!("--servers={bind}:11211"), "--concurrency=20", "--execute-number=2000"],
+        Stdio::null(),
+        Stdio::piped(),
+    )?;
+    let mut out = String::new();
+    slap.child().stdout.take().context("stdout")?.read_to_string(&mut out)?;
+    ensure!(slap.wait_timeout(T)?.success(), "memcslap failed: {out}");
+    ensure!(out.contains("Time to set"), "memcslap: {out}");
+    let st = k.dp().stats(&pair)?;
+    report("memcached", &[("pair", st)]);
+    ensure!(st.redirected_bytes > (8 << 20), "memcached traffic accelerated: {st:?}");
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// gRPC (C-core, python grpcio)
+
+/// An echo service with generic handlers (no generated code): a unary call,
+/// a bidirectional stream, and a server stream of `n` bytes in 64 KiB
+/// messages (a download).
+const PY_GRPC_SERVER: &str = r#"
+import sys, grpc
+from concurrent import futures
+host, port = sys.argv[1], sys.argv[2]
+def unary(req, ctx):
+    return req
+def bidi(it, ctx):
+    for m in it:
+        yield m
+def download(req, ctx):
+    n, seed = int.from_bytes(req[:8], "big"), int.from_bytes(req[8:16], "big")
+    import random
+    data = random.Random(seed).randbytes(n)
+    for o in range(0, n, 65536):
+        yield data[o:o + 65536]
+h = grpc.method_handlers_generic_handler("echo.Echo", {
+    "Unary": grpc.unary_unary_rpc_method_handler(unary),
+    "Bidi": grpc.stream_stream_rpc_method_handler(bidi),
+    "Download": grpc.unary_stream_rpc_method_handler(download)})
+opts = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+s = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=opts)
+s.add_generic_rpc_handlers((h,))
+s.add_insecure_port(f"{host}:{port}")
+s.start()
+s.wait_for_termination()
+"#;
+
+/// `n` channels, 10 threads; each channel its own connection (a local
+/// subchannel pool): 4 unary calls (1 B to 8 MiB), a bidirectional stream
+/// of 50 messages, a download of up to 16 MiB; every byte compared.
+const PY_GRPC_CLIENT: &str = r#"
+import sys, grpc, random, threading
+host, port, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+opts = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20),
+        ("grpc.use_local_subchannel_pool", 1)]
+sizes = [1, 100, 4096, 65536, 1 << 20, 8 << 20, 3, 70000]
+def one(i):
+    with grpc.insecure_channel(f"{host}:{port}", options=opts) as ch:
+        rnd = random.Random(i)
+        unary = ch.unary_unary("/echo.Echo/Unary")
+        for k in range(4):
+            b = rnd.randbytes(sizes[(i + k) % len(sizes)])
+            r = unary(b, timeout=60)
+            if r != b:
+                raise Exception(f"unary of {len(b)} bytes answered {len(r)} other bytes")
+        msgs = [rnd.randbytes(sizes[(i + k) % len(sizes)] % 300000 + 1) for k in range(50)]
+        got = list(ch.stream_stream("/echo.Echo/Bidi")(iter(msgs), timeout=60))
+        if got != msgs:
+            raise Exception(f"bidi: {len(got)} of {len(msgs)} messages, or other bytes")
+        size = (16 << 20) if i % 10 == 0 else sizes[i % len(sizes)]
+        want = random.Random(i).randbytes(size)
+        got = b"".join(ch.unary_stream("/echo.Echo/Download")(size.to_bytes(8, "big") + i.to_bytes(8, "big"), timeout=60))
+        if got != want:
+            raise Exception(f"download: {len(got)} of {size} bytes, or other bytes")
+errs = []
+def worker(t):
+    for i in range(t, n, 10):
+        try:
+            one(i)
+        except Exception as e:
+            errs.append((i, repr(e)))
+ts = [threading.Thread(target=worker, args=(t,)) for t in range(10)]
+[t.start() for t in ts]
+[t.join() for t in ts]
+if errs:
+    print("FAIL", errs[:5], flush=True)
+    sys.exit(1)
+print("OK", flush=True)
+"#;
+
+/// A python gRPC server in pod B and client in pod A (grpcio: gRPC's C core,
+/// epoll, TCP_INQ), 100 connections. python imports splice, so the operator
+/// vouches for it (`--trust-reader`), as one would for a gRPC service. gRPC
+/// turns SO_ZEROCOPY on on its listeners (whether or not it sends zero-copy):
+/// the accepted ends inherit it, so the server's sends stay on TCP and only
+/// the client's are redirected.
+#[test]
+fn python_grpc_unary_streams_and_downloads() -> Result<()> {
+    const PY: &str = "/usr/bin/python3";
+    if !tools(&[PY]) {
+        return Ok(());
+    }
+    let ok = std::process::Command::new(PY).args(["-c", "import grpc"]).status()?.success();
+    if !ok && missing_feature::<()>("python3-grpcio (scripts/install-deps.sh installs it)").is_none() {
+        return Ok(());
+    }
+    let python = std::fs::canonicalize(PY)?;
+    let Some(k) = KernelTest::start_with(4096, 64, |c| {
+        c.trusted_readers = vec![python.clone()];
+        c.guard = GuardMode::Auto;
+    }) else {
+        return Ok(());
+    };
+    let net = NodeWithPods::new(2)?;
+    let (a, b) = (&net.pods[0], &net.pods[1]);
+    let server = SocketAddr::new(b.v4.into(), 7105);
+    let pair = EndpointPair::new(a.v4.into(), server.into())?;
+    k.dp().insert(&pair, OWNER)?;
+    let host = b.v4.to_string();
+    let _srv = Program::spawn(&b.ns, &[PY, "-c", PY_GRPC_SERVER, &host, "7105"])?;
+    wait_listening(&a.ns, server, T)?;
+    let n = CONNS.to_string();
+    let mut cli =
+        Program::spawn_with(&a.ns, &[PY, "-c", PY_GRPC_CLIENT, &host, "7105", &n], Stdio::null(), Stdio::piped())?;
+    let mut out = String::new();
+    cli.child().stdout.take().context("stdout")?.read_to_string(&mut out)?;
+    let done = cli.wait_timeout(Duration::from_secs(300))?.success();
+    let st = k.dp().stats(&pair)?;
+    report("python gRPC", &[("pair", st)]);
+    ensure!(done && out.contains("OK"), "the gRPC client: {out}");
+    ensure!(st.sockets >= CONNS as u64, "a connection per channel, accelerated: {st:?}");
+    ensure!(st.redirected_bytes > (100 << 20), "the client's requests redirected: {st:?}");
+    ensure!(st.fallback_zerocopy >= 1, "the server's sends on TCP (SO_ZEROCOPY from its listener): {st:?}");
     Ok(())
 }
