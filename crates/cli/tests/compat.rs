@@ -1,5 +1,5 @@
 //! The compatibility suite: real programs (haproxy, socat, nginx, redis, curl,
-//! openssl, python, memcached, gRPC) through registered pairs and capture rules on a real
+//! openssl, python, memcached, gRPC, PostgreSQL) through registered pairs and capture rules on a real
 //! kernel, checksummed both ways, 100 connections each, the first one after
 //! the data path starts included. A program that loses, duplicates or
 //! reorders a byte, or hangs, fails its test; so does a missing program or
@@ -1528,5 +1528,95 @@ fn python_grpc_unary_streams_and_downloads() -> Result<()> {
     ensure!(st.sockets >= CONNS as u64, "a connection per channel, accelerated: {st:?}");
     ensure!(st.redirected_bytes > (100 << 20), "the client's requests redirected: {st:?}");
     ensure!(st.fallback_zerocopy >= 1, "the server's sends on TCP (SO_ZEROCOPY from its listener): {st:?}");
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// PostgreSQL
+
+/// The newest installed PostgreSQL's programs (`/usr/lib/postgresql/<v>/bin`).
+fn postgres_bin() -> Option<std::path::PathBuf> {
+    let mut bins: Vec<_> = std::fs::read_dir("/usr/lib/postgresql")
+        .ok()?
+        .filter_map(|e| e.ok().map(|e| e.path().join("bin")))
+        .filter(|b| b.join("postgres").exists() && b.join("psql").exists() && b.join("pgbench").exists())
+        .collect();
+    bins.sort();
+    bins.pop()
+}
+
+/// PostgreSQL in pod B (a backend forked per connection, as user postgres);
+/// from pod A, 100 psql sessions that each send a literal of 1 B to 8 MiB and
+/// read it back, then pgbench (10 clients, 3000 transactions).
+#[test]
+fn postgres_psql_literals_and_pgbench() -> Result<()> {
+    let Some(bin) = postgres_bin() else {
+        missing_feature::<()>("PostgreSQL (scripts/install-deps.sh installs it)");
+        return Ok(());
+    };
+    if !tools(&["runuser"]) {
+        return Ok(());
+    }
+    let Some(k) = node() else { return Ok(()) };
+    let net = NodeWithPods::new(2)?;
+    let (a, b) = (&net.pods[0], &net.pods[1]);
+    let server = SocketAddr::new(b.v4.into(), 5432);
+    let pair = EndpointPair::new(a.v4.into(), server.into())?;
+    k.dp().insert(&pair, OWNER)?;
+    let dir = ScratchDir::new("meshwarp-compat-")?;
+    let (d, data) = (dir.0.display().to_string(), dir.path("pg").display().to_string());
+    let prog = |name: &str| bin.join(name).display().to_string();
+    // PostgreSQL refuses to run as root.
+    ensure!(std::process::Command::new("chown").args(["postgres", &d]).status()?.success(), "chown {d}");
+    let init = std::process::Command::new("runuser")
+        .args(["-u", "postgres", "--", &prog("initdb"), "-A", "trust", "-U", "postgres", "-D", &data])
+        .stdout(Stdio::null())
+        .status()?;
+    ensure!(init.success(), "initdb");
+    std::fs::write(dir.path("pg/pg_hba.conf"), "host all all 0.0.0.0/0 trust\nlocal all all trust\n")?;
+    let host = b.v4.to_string();
+    let _pg = Program::spawn(
+        &b.ns,
+        &["runuser", "-u", "postgres", "--", &prog("postgres"), "-D", &data, "-k", &d, "-h", &host],
+    )?;
+    wait_listening(&a.ns, server, T)?;
+    let ready = Instant::now();
+    while !Program::spawn(&a.ns, &[&prog("pg_isready"), "-h", &host, "-U", "postgres"])?.wait_timeout(T)?.success() {
+        ensure!(ready.elapsed() < T, "PostgreSQL did not become ready");
+        thread::sleep(Duration::from_millis(100));
+    }
+    run_connections(|i| {
+        let n = size_of_conn(i);
+        let mut raw = vec![0u8; n.div_ceil(8) * 8];
+        Pattern::new(9300 + i as u64).fill(&mut raw);
+        let literal: String = raw[..n].iter().map(|b| char::from(b'a' + b % 26)).collect();
+        let query = dir.path(&format!("q{i}.sql"));
+        std::fs::write(&query, format!("select '{literal}';\n"))?;
+        let cmd = format!("{} -h {host} -U postgres -At -f {} 2>&1", prog("psql"), query.display());
+        let mut psql = Program::spawn_with(&a.ns, &["sh", "-c", &cmd], Stdio::null(), Stdio::piped())?;
+        let mut out = String::new();
+        psql.child().stdout.take().context("stdout")?.read_to_string(&mut out)?;
+        ensure!(psql.wait_timeout(T)?.success(), "psql: {}", &out[..out.len().min(300)]);
+        let got = out.trim_end_matches('\n');
+        ensure!(got == literal, "{} of {n} bytes came back, or other bytes", got.len());
+        let _ = std::fs::remove_file(query);
+        Ok(())
+    })?;
+    let pgbench = |args: &[&str]| -> Result<String> {
+        let mut all = vec![prog("pgbench"), "-h".into(), host.clone(), "-U".into(), "postgres".into()];
+        all.extend(args.iter().map(|a| a.to_string()));
+        let all: Vec<&str> = all.iter().map(String::as_str).collect();
+        let mut p = Program::spawn_with(&a.ns, &all, Stdio::null(), Stdio::piped())?;
+        let mut out = String::new();
+        p.child().stdout.take().context("stdout")?.read_to_string(&mut out)?;
+        ensure!(p.wait_timeout(T)?.success(), "pgbench {args:?}: {out}");
+        Ok(out)
+    };
+    pgbench(&["-i", "postgres"])?;
+    let out = pgbench(&["-c", "10", "-j", "2", "-t", "300", "postgres"])?;
+    ensure!(out.contains("processed: 3000/3000"), "pgbench: {out}");
+    let st = k.dp().stats(&pair)?;
+    report("postgres", &[("pair", st)]);
+    ensure!(st.redirected_bytes > (8 << 20), "psql <-> postgres accelerated: {st:?}");
     Ok(())
 }
