@@ -5,7 +5,7 @@ set -euo pipefail
 
 PKGS=(clang llvm libelf-dev zlib1g-dev pkg-config make iproute2 iptables bpftool procps)
 # The compatibility suite drives real programs through the fast path.
-PKGS+=(haproxy nginx-light socat redis-server redis-tools curl openssl python3 memcached libmemcached-tools python3-grpcio postgresql)
+PKGS+=(haproxy nginx-light socat redis-server redis-tools curl openssl python3 memcached libmemcached-tools python3-grpcio postgresql nodejs)
 # Extra packages named on the command line (e.g. the mesh benchmark's nginx, haproxy, wrk).
 PKGS+=("$@")
 

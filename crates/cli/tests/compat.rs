@@ -1,5 +1,5 @@
 //! The compatibility suite: real programs (haproxy, socat, nginx, redis, curl,
-//! openssl, python, memcached, gRPC, PostgreSQL) through registered pairs and capture rules on a real
+//! openssl, python, memcached, gRPC, PostgreSQL, Node.js) through registered pairs and capture rules on a real
 //! kernel, checksummed both ways, 100 connections each, the first one after
 //! the data path starts included. A program that loses, duplicates or
 //! reorders a byte, or hangs, fails its test; so does a missing program or
@@ -1618,5 +1618,94 @@ fn postgres_psql_literals_and_pgbench() -> Result<()> {
     let st = k.dp().stats(&pair)?;
     report("postgres", &[("pair", st)]);
     ensure!(st.redirected_bytes > (8 << 20), "psql <-> postgres accelerated: {st:?}");
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// Node.js
+
+/// An HTTP echo on Node's http module (libuv: epoll, non-blocking reads and
+/// writev): each POST body answered with itself.
+const NODE_HTTP_ECHO: &str = r#"
+const http = require('http');
+const [host, port] = process.argv.slice(1);
+http.createServer((req, res) => {
+  const parts = [];
+  req.on('data', c => parts.push(c));
+  req.on('end', () => {
+    const body = Buffer.concat(parts);
+    res.writeHead(200, {'Content-Length': body.length});
+    res.end(body);
+  });
+}).listen(+port, host);
+"#;
+
+/// `n` POSTs through Node's http client, 10 connections at a time, a new
+/// connection each (no keep-alive), sizes as `size_of_conn`, every answer
+/// compared with its body.
+const NODE_HTTP_CLIENT: &str = r#"
+const http = require('http');
+const crypto = require('crypto');
+const [host, port, n] = process.argv.slice(1);
+const sizes = [8 << 20, 1 << 20, 1 << 20, 65536, 65536, 65536, 1];
+const agent = new http.Agent({keepAlive: false, maxSockets: 10});
+function one(i) {
+  const size = i % 10 < 7 ? sizes[i % 10] : 4096 + i * 37;
+  const body = crypto.createHash('sha256').update(String(i)).digest();
+  const buf = Buffer.alloc(size);
+  for (let o = 0; o < size; o += 32) body.copy(buf, o, 0, Math.min(32, size - o));
+  return new Promise((resolve, reject) => {
+    const req = http.request({host, port: +port, method: 'POST', path: '/', agent,
+                              headers: {'Content-Length': size}}, res => {
+      const parts = [];
+      res.on('data', c => parts.push(c));
+      res.on('end', () => {
+        const got = Buffer.concat(parts);
+        if (got.equals(buf)) resolve();
+        else reject(new Error(`connection ${i}: ${got.length} of ${size} bytes, or other bytes`));
+      });
+    });
+    req.on('error', reject);
+    req.end(buf);
+  });
+}
+Promise.all([...Array(+n).keys()].map(one))
+  .then(() => console.log('OK'))
+  .catch(e => { console.log('FAIL', e.message); process.exit(1); });
+"#;
+
+/// Node.js in both pods: its http server in pod B, its http client in pod A,
+/// 100 POSTs of 1 B to 8 MiB echoed, twice (the second round after both
+/// programs were seen reading).
+#[test]
+fn node_http_server_and_client() -> Result<()> {
+    if !tools(&["node"]) {
+        return Ok(());
+    }
+    let Some(k) = node() else { return Ok(()) };
+    let net = NodeWithPods::new(2)?;
+    let (a, b) = (&net.pods[0], &net.pods[1]);
+    let server = SocketAddr::new(b.v4.into(), 7106);
+    let pair = EndpointPair::new(a.v4.into(), server.into())?;
+    k.dp().insert(&pair, OWNER)?;
+    let host = b.v4.to_string();
+    let _srv = Program::spawn(&b.ns, &["node", "-e", NODE_HTTP_ECHO, &host, "7106"])?;
+    wait_listening(&a.ns, server, T)?;
+    let n = CONNS.to_string();
+    for round in 1..=2 {
+        let mut cli = Program::spawn_with(
+            &a.ns,
+            &["node", "-e", NODE_HTTP_CLIENT, &host, "7106", &n],
+            Stdio::null(),
+            Stdio::piped(),
+        )?;
+        let mut out = String::new();
+        cli.child().stdout.take().context("stdout")?.read_to_string(&mut out)?;
+        ensure!(cli.wait_timeout(T)?.success() && out.contains("OK"), "round {round}: the node client: {out}");
+    }
+    let st = k.dp().stats(&pair)?;
+    report("node http", &[("pair", st)]);
+    // Both directions of every connection after the first: 2 x 2 x ~107 MB.
+    ensure!(st.redirected_bytes > (300 << 20), "node <-> node accelerated both ways: {st:?}");
     Ok(())
 }
