@@ -79,6 +79,15 @@ fn tools(names: &[&str]) -> bool {
     true
 }
 
+/// Runs `args` in `ns` to its end (within `timeout`): whether it exited with
+/// success, and what it printed on stdout.
+fn run_to_end(ns: &NetNs, args: &[&str], timeout: Duration) -> Result<(bool, String)> {
+    let mut p = Program::spawn_with(ns, args, Stdio::null(), Stdio::piped())?;
+    let mut out = String::new();
+    p.child().stdout.take().context("stdout")?.read_to_string(&mut out)?;
+    Ok((p.wait_timeout(timeout)?.success(), out))
+}
+
 fn report(what: &str, counters: &[(&str, RuleCounters)]) {
     for (rule, c) in counters {
         eprintln!(
@@ -631,15 +640,12 @@ fn redis_server_benchmark_and_values() -> Result<()> {
         ensure!(got[..n] == value[..], "GET returned other bytes");
         Ok(())
     })?;
-    let mut bench = Program::spawn_with(
+    let (ok, out) = run_to_end(
         &a.ns,
         &["redis-benchmark", "-h", &bind, "-p", "6379", "-c", "50", "-n", "20000", "-d", "1024", "-t", "set,get", "-q"],
-        Stdio::null(),
-        Stdio::piped(),
+        T,
     )?;
-    let mut out = String::new();
-    bench.child().stdout.take().context("stdout")?.read_to_string(&mut out)?;
-    ensure!(bench.wait_timeout(T)?.success(), "redis-benchmark failed: {out}");
+    ensure!(ok, "redis-benchmark failed: {out}");
     ensure!(out.contains("SET") && out.contains("GET"), "redis-benchmark: {out}");
     let st = k.dp().stats(&pair)?;
     report("redis", &[("pair", st)]);
@@ -1393,15 +1399,9 @@ fn memcached_values_and_memcslap() -> Result<()> {
         ensure!(&got[value.len()..] == b"\r\nEND\r\n", "get ended with {:?}", &got[value.len()..]);
         Ok(())
     })?;
-    let mut slap = Program::spawn_with(
-        &a.ns,
-        &["memcslap", &format!("--servers={bind}:11211"), "--concurrency=20", "--execute-number=2000"],
-        Stdio::null(),
-        Stdio::piped(),
-    )?;
-    let mut out = String::new();
-    slap.child().stdout.take().context("stdout")?.read_to_string(&mut out)?;
-    ensure!(slap.wait_timeout(T)?.success(), "memcslap failed: {out}");
+    let servers = format!("--servers={bind}:11211");
+    let (ok, out) = run_to_end(&a.ns, &["memcslap", &servers, "--concurrency=20", "--execute-number=2000"], T)?;
+    ensure!(ok, "memcslap failed: {out}");
     ensure!(out.contains("Time to set"), "memcslap: {out}");
     let st = k.dp().stats(&pair)?;
     report("memcached", &[("pair", st)]);
@@ -1517,11 +1517,7 @@ fn python_grpc_unary_streams_and_downloads() -> Result<()> {
     let _srv = Program::spawn(&b.ns, &[PY, "-c", PY_GRPC_SERVER, &host, "7105"])?;
     wait_listening(&a.ns, server, T)?;
     let n = CONNS.to_string();
-    let mut cli =
-        Program::spawn_with(&a.ns, &[PY, "-c", PY_GRPC_CLIENT, &host, "7105", &n], Stdio::null(), Stdio::piped())?;
-    let mut out = String::new();
-    cli.child().stdout.take().context("stdout")?.read_to_string(&mut out)?;
-    let done = cli.wait_timeout(Duration::from_secs(300))?.success();
+    let (done, out) = run_to_end(&a.ns, &[PY, "-c", PY_GRPC_CLIENT, &host, "7105", &n], Duration::from_secs(300))?;
     let st = k.dp().stats(&pair)?;
     report("python gRPC", &[("pair", st)]);
     ensure!(done && out.contains("OK"), "the gRPC client: {out}");
@@ -1593,10 +1589,8 @@ fn postgres_psql_literals_and_pgbench() -> Result<()> {
         let query = dir.path(&format!("q{i}.sql"));
         std::fs::write(&query, format!("select '{literal}';\n"))?;
         let cmd = format!("{} -h {host} -U postgres -At -f {} 2>&1", prog("psql"), query.display());
-        let mut psql = Program::spawn_with(&a.ns, &["sh", "-c", &cmd], Stdio::null(), Stdio::piped())?;
-        let mut out = String::new();
-        psql.child().stdout.take().context("stdout")?.read_to_string(&mut out)?;
-        ensure!(psql.wait_timeout(T)?.success(), "psql: {}", &out[..out.len().min(300)]);
+        let (ok, out) = run_to_end(&a.ns, &["sh", "-c", &cmd], T)?;
+        ensure!(ok, "psql: {}", &out[..out.len().min(300)]);
         let got = out.trim_end_matches('\n');
         ensure!(got == literal, "{} of {n} bytes came back, or other bytes", got.len());
         let _ = std::fs::remove_file(query);
@@ -1606,10 +1600,8 @@ fn postgres_psql_literals_and_pgbench() -> Result<()> {
         let mut all = vec![prog("pgbench"), "-h".into(), host.clone(), "-U".into(), "postgres".into()];
         all.extend(args.iter().map(|a| a.to_string()));
         let all: Vec<&str> = all.iter().map(String::as_str).collect();
-        let mut p = Program::spawn_with(&a.ns, &all, Stdio::null(), Stdio::piped())?;
-        let mut out = String::new();
-        p.child().stdout.take().context("stdout")?.read_to_string(&mut out)?;
-        ensure!(p.wait_timeout(T)?.success(), "pgbench {args:?}: {out}");
+        let (ok, out) = run_to_end(&a.ns, &all, T)?;
+        ensure!(ok, "pgbench {args:?}: {out}");
         Ok(out)
     };
     pgbench(&["-i", "postgres"])?;
@@ -1693,15 +1685,8 @@ fn node_http_server_and_client() -> Result<()> {
     wait_listening(&a.ns, server, T)?;
     let n = CONNS.to_string();
     for round in 1..=2 {
-        let mut cli = Program::spawn_with(
-            &a.ns,
-            &["node", "-e", NODE_HTTP_CLIENT, &host, "7106", &n],
-            Stdio::null(),
-            Stdio::piped(),
-        )?;
-        let mut out = String::new();
-        cli.child().stdout.take().context("stdout")?.read_to_string(&mut out)?;
-        ensure!(cli.wait_timeout(T)?.success() && out.contains("OK"), "round {round}: the node client: {out}");
+        let (ok, out) = run_to_end(&a.ns, &["node", "-e", NODE_HTTP_CLIENT, &host, "7106", &n], T)?;
+        ensure!(ok && out.contains("OK"), "round {round}: the node client: {out}");
     }
     let st = k.dp().stats(&pair)?;
     report("node http", &[("pair", st)]);
