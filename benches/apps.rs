@@ -21,7 +21,16 @@
 //!   transfer. haproxy can splice (it imports splice), so its sockets are no
 //!   redirect targets; with `MESHWARP_APPS_TRUST_HAPROXY=1` the operator
 //!   vouches for it (`--trust-reader`), and only the cells without splice
-//!   run (`_nosplice_trusted`): with splice-auto that vouching would be false.
+//!   run (`_nosplice_trusted`): with splice-auto that vouching would be false;
+//! - `memcached/<op>_<bytes>`: this bench's client against memcached on one
+//!   connection: `get` round trips of a 64 B and a 16 KiB value, and `set` of
+//!   1 MiB (time per request);
+//! - `postgres/select_c<clients>`: pgbench's select-only transactions
+//!   (`-S`) against PostgreSQL, its own latency average (a backend forked
+//!   per connection, libpq polling);
+//! - `node/post<bytes>`: POST round trips of 64 B and 16 KiB bodies from this
+//!   bench to an echo on Node's http module (libuv), one keep-alive
+//!   connection (time per request).
 //!
 //! `cargo bench -p meshwarp-benches --bench apps [-- FILTER]` (as root; the
 //! programs from scripts/install-deps.sh); FILTER selects cells by substring
@@ -360,6 +369,9 @@ fn main() {
     nginx(&k, &ns, &dir);
     socat(&k, &ns, &dir);
     haproxy(&k, &ns, &dir);
+    memcached(&k, &ns);
+    postgres(&k, &ns, &dir);
+    node(&k, &ns);
 }
 
 /// `MESHWARP_APPS_TRUST_HAPROXY` is set: haproxy is a trusted reader.
@@ -532,4 +544,284 @@ fn haproxy(k: &KernelTest, ns: &NetNs, dir: &ScratchDir) {
     for (mode, pair) in ["always", "adaptive"].iter().zip(&back) {
         eprintln!("{mode}: {:?}", k.dp().stats(pair).expect("stats"));
     }
+}
+
+/// A connection read through a buffer: answers are parsed line by line
+/// without a system call per byte.
+struct Buffered {
+    s: TcpStream,
+    buf: Vec<u8>,
+    at: usize,
+}
+
+impl Buffered {
+    fn new(s: TcpStream) -> Self {
+        Self { s, buf: Vec::with_capacity(64 << 10), at: 0 }
+    }
+
+    fn fill(&mut self) {
+        if self.at == self.buf.len() {
+            self.buf.clear();
+            self.at = 0;
+        }
+        let mut chunk = [0u8; 64 << 10];
+        let n = read_ready(&mut self.s, &mut chunk, Some(T)).expect("read");
+        assert!(n > 0, "connection closed mid-answer");
+        self.buf.extend_from_slice(&chunk[..n]);
+    }
+
+    /// The next line, without its CRLF.
+    fn line(&mut self) -> String {
+        loop {
+            if let Some(i) = self.buf[self.at..].windows(2).position(|w| w == b"\r\n") {
+                let line = String::from_utf8_lossy(&self.buf[self.at..self.at + i]).into_owned();
+                self.at += i + 2;
+                return line;
+            }
+            self.fill();
+        }
+    }
+
+    /// Skips the next `n` bytes.
+    fn skip(&mut self, mut n: usize) {
+        while n > 0 {
+            if self.at == self.buf.len() {
+                self.fill();
+            }
+            let k = n.min(self.buf.len() - self.at);
+            self.at += k;
+            n -= k;
+        }
+    }
+
+    fn send(&mut self, req: &[u8]) {
+        write_all_ready(&mut self.s, req, Some(T)).expect("request");
+    }
+}
+
+fn memcached(k: &KernelTest, ns: &NetNs) {
+    const BASE: u16 = 11280;
+    if !need(&["memcached"]) {
+        return;
+    }
+    let pairs = register(k, BASE);
+    let _servers: Vec<Program> = (0..4)
+        .map(|i| {
+            let port = (BASE + i).to_string();
+            let p = Program::spawn(
+                ns,
+                &[
+                    "memcached",
+                    "-u",
+                    "root",
+                    "-l",
+                    "127.0.0.1",
+                    "-p",
+                    &port,
+                    "-U",
+                    "0",
+                    "-m",
+                    "256",
+                    "-I",
+                    "4m",
+                    "-t",
+                    "1",
+                ],
+            )
+            .expect("memcached");
+            wait_listening(ns, lo(BASE + i), T).expect("memcached listening");
+            p
+        })
+        .collect();
+    let set = |c: &mut Buffered, key: &str, value: &[u8]| {
+        let mut req = format!("set {key} 0 0 {}\r\n", value.len()).into_bytes();
+        req.extend_from_slice(value);
+        req.extend_from_slice(b"\r\n");
+        c.send(&req);
+        assert_eq!(c.line(), "STORED", "memcached set");
+    };
+    let connect = |port: u16| Buffered::new(ns.connect(lo(port)).expect("connect to memcached"));
+    let mut table = Table::new("this bench's client against memcached, one connection");
+    for (op, size, n) in [("get", 64usize, 2000u32), ("get", 16 << 10, 1000), ("set", 1 << 20, 40)] {
+        let value = vec![0x6du8; size];
+        let key = format!("k{size}");
+        for i in 0..4 {
+            set(&mut connect(BASE + i), &key, &value);
+        }
+        table.cell(&format!("memcached/{op}_{size}B"), BASE, |port| {
+            let mut c = connect(port);
+            let get = format!("get {key}\r\n");
+            let one = |c: &mut Buffered| {
+                if op == "set" {
+                    set(c, &key, &value);
+                } else {
+                    c.send(get.as_bytes());
+                    assert_eq!(c.line(), format!("VALUE {key} 0 {size}"), "memcached get");
+                    c.skip(size + 2);
+                    assert_eq!(c.line(), "END", "memcached get");
+                }
+            };
+            one(&mut c);
+            let start = Instant::now();
+            for _ in 0..n {
+                one(&mut c);
+            }
+            start.elapsed() / n
+        });
+    }
+    table.print(k, &pairs);
+}
+
+fn postgres(k: &KernelTest, ns: &NetNs, dir: &ScratchDir) {
+    const BASE: u16 = 5440;
+    let Some(bin) = std::fs::read_dir("/usr/lib/postgresql").ok().and_then(|d| {
+        let mut bins: Vec<_> =
+            d.filter_map(|e| e.ok().map(|e| e.path().join("bin"))).filter(|b| b.join("pgbench").exists()).collect();
+        bins.sort();
+        bins.pop()
+    }) else {
+        eprintln!(
+            "!!! apps bench: PostgreSQL not installed (scripts/install-deps.sh installs it): its cells are left out"
+        );
+        return;
+    };
+    if !need(&["runuser"]) {
+        return;
+    }
+    let prog = |name: &str| bin.join(name).display().to_string();
+    let pairs = register(k, BASE);
+    // PostgreSQL refuses to run as root.
+    let d = dir.0.display().to_string();
+    assert!(Command::new("chown").args(["postgres", &d]).status().expect("chown").success(), "chown {d}");
+    let _servers: Vec<Program> = (0..4)
+        .map(|i| {
+            let data = dir.path(&format!("pg{i}")).display().to_string();
+            let st = Command::new("runuser")
+                .args(["-u", "postgres", "--", &prog("initdb"), "-A", "trust", "-U", "postgres", "-D", &data])
+                .stdout(Stdio::null())
+                .status()
+                .expect("initdb");
+            assert!(st.success(), "initdb");
+            let port = (BASE + i).to_string();
+            let p = Program::spawn(
+                ns,
+                &[
+                    "runuser",
+                    "-u",
+                    "postgres",
+                    "--",
+                    &prog("postgres"),
+                    "-D",
+                    &data,
+                    "-k",
+                    &d,
+                    "-h",
+                    "127.0.0.1",
+                    "-p",
+                    &port,
+                ],
+            )
+            .expect("postgres");
+            wait_listening(ns, lo(BASE + i), T).expect("postgres listening");
+            p
+        })
+        .collect();
+    let pgbench = |port: u16, args: &[&str]| -> String {
+        let port = port.to_string();
+        let out = Command::new("ip")
+            .args(["netns", "exec", ns.name(), &prog("pgbench"), "-h", "127.0.0.1", "-p", &port, "-U", "postgres"])
+            .args(args)
+            .stderr(Stdio::piped())
+            .output()
+            .expect("pgbench");
+        assert!(out.status.success(), "pgbench {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    for i in 0..4 {
+        // The server may take a moment after it listens.
+        let start = Instant::now();
+        while !Command::new("ip")
+            .args(["netns", "exec", ns.name(), &prog("pg_isready"), "-h", "127.0.0.1", "-p", &(BASE + i).to_string()])
+            .stdout(Stdio::null())
+            .status()
+            .expect("pg_isready")
+            .success()
+        {
+            assert!(start.elapsed() < T, "PostgreSQL did not become ready");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        pgbench(BASE + i, &["-i", "-q", "postgres"]);
+    }
+    let mut table = Table::new("pgbench against PostgreSQL (select-only, its latency average)");
+    for (clients, n) in [(1usize, 3000usize), (8, 800)] {
+        table.cell(&format!("postgres/select_c{clients}"), BASE, |port| {
+            let (c, t) = (clients.to_string(), n.to_string());
+            let out = pgbench(port, &["-S", "-n", "-c", &c, "-j", "1", "-t", &t, "postgres"]);
+            let ms: f64 = out
+                .lines()
+                .find_map(|l| l.strip_prefix("latency average = ")?.strip_suffix(" ms")?.parse().ok())
+                .unwrap_or_else(|| panic!("no latency average in pgbench's output: {out}"));
+            Duration::from_secs_f64(ms / 1e3)
+        });
+    }
+    table.print(k, &pairs);
+}
+
+/// An HTTP echo on Node's http module: each POST answered with its body.
+const NODE_ECHO: &str = r#"
+const http = require('http');
+http.createServer((req, res) => {
+  const parts = [];
+  req.on('data', c => parts.push(c));
+  req.on('end', () => {
+    const body = Buffer.concat(parts);
+    res.writeHead(200, {'Content-Length': body.length});
+    res.end(body);
+  });
+}).listen(+process.argv[1], '127.0.0.1');
+"#;
+
+fn node(k: &KernelTest, ns: &NetNs) {
+    const BASE: u16 = 8580;
+    if !need(&["node"]) {
+        return;
+    }
+    let pairs = register(k, BASE);
+    let _servers: Vec<Program> = (0..4)
+        .map(|i| {
+            let p = Program::spawn(ns, &["node", "-e", NODE_ECHO, &(BASE + i).to_string()]).expect("node");
+            wait_listening(ns, lo(BASE + i), T).expect("node listening");
+            p
+        })
+        .collect();
+    let mut table = Table::new("this bench's HTTP client against Node's http module, one keep-alive connection");
+    for (size, n) in [(64usize, 2000u32), (16 << 10, 1000)] {
+        table.cell(&format!("node/post{size}B"), BASE, |port| {
+            let mut c = Buffered::new(ns.connect(lo(port)).expect("connect to node"));
+            let mut req = format!("POST / HTTP/1.1\r\nHost: bench\r\nContent-Length: {size}\r\n\r\n").into_bytes();
+            req.extend(std::iter::repeat_n(0x6eu8, size));
+            let one = |c: &mut Buffered| {
+                c.send(&req);
+                let mut len = None;
+                loop {
+                    let line = c.line();
+                    if line.is_empty() {
+                        break;
+                    }
+                    if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
+                        len = v.trim().parse::<usize>().ok();
+                    }
+                }
+                assert_eq!(len, Some(size), "node's answer");
+                c.skip(size);
+            };
+            one(&mut c);
+            let start = Instant::now();
+            for _ in 0..n {
+                one(&mut c);
+            }
+            start.elapsed() / n
+        });
+    }
+    table.print(k, &pairs);
 }
