@@ -55,8 +55,9 @@ pub struct RuleCounters {
     /// Adaptive policy: directions moved to the TCP path because their
     /// reader fell behind: small writes TCP does not coalesce (nodelay), 256
     /// messages behind (TCP then sends the backlog as a few large segments),
-    /// or larger writes, as far ahead as TCP's largest buffers could hold
-    /// (`tcp_rmem[2]` + `tcp_wmem[2]`; TCP then stops the writer).
+    /// or larger writes, as far ahead as TCP's buffers could hold (the
+    /// sizes the programs fixed with SO_RCVBUF/SO_SNDBUF, else `tcp_rmem[2]`
+    /// + `tcp_wmem[2]`; TCP then stops the writer).
     pub demotions_behind: u64,
     /// Adaptive policy: messages of a stream TCP would coalesce (Nagle or
     /// cork, writes under a segment) sent on the TCP path because the

@@ -477,6 +477,53 @@ fn a_large_write_stream_moves_to_tcp_once_tcp_would_have_stopped_it() -> Result<
     Ok(())
 }
 
+/// A program that fixes its buffers (SO_RCVBUF on the reader, SO_SNDBUF on
+/// the writer) bounds what TCP lets its connection hold: then the
+/// redirected backlog of a large-write stream is bounded by those sizes
+/// (256 + 128 KiB asked, doubled by the kernel: 768 KiB), not by the
+/// namespaces' autotuning maximum (tens of MiB), and the direction moves to
+/// TCP as soon as that many bytes wait unread.
+#[test]
+fn fixed_socket_buffers_bound_the_redirected_backlog() -> Result<()> {
+    const CHUNK: usize = 64 << 10;
+    let k = kernel_test!();
+    let (net, l, pair) = pods_pair(&k, 8216, FastPathMode::Adaptive)?;
+    let (c, s) = connections(&net, &l, 8216, 1)?.remove(0);
+    c.set_nodelay(true)?;
+    socket2::SockRef::from(&s).set_recv_buffer_size(256 << 10)?;
+    socket2::SockRef::from(&c).set_send_buffer_size(128 << 10)?;
+    let ahead_max =
+        (socket2::SockRef::from(&s).recv_buffer_size()? + socket2::SockRef::from(&c).send_buffer_size()?) as u64;
+    ensure!(ahead_max == 768 << 10, "the kernel doubles what is asked: {ahead_max}");
+    let (mut up_w, mut up_r) = (Stream::new(53), Stream::new(53));
+    for _ in 0..40 {
+        up_w.write(&c, CHUNK, CHUNK)?;
+        up_r.read(&s, CHUNK)?;
+    }
+    let st = k.dp().stats(&pair)?;
+    ensure!(
+        st.demotions_behind == 0 && st.redirected_bytes == 40 * CHUNK as u64,
+        "in lockstep, all redirected: {st:?}"
+    );
+    let lockstep = st.redirected_bytes;
+
+    let total = 16 << 20;
+    thread::scope(|scope| -> Result<()> {
+        let writer = scope.spawn(|| up_w.write(&c, total, CHUNK));
+        let st = wait_counters(&k, &pair, "demoted, reader behind", |st| st.demotions_behind == 1)?;
+        let ahead = st.redirected_bytes - lockstep;
+        ensure!(
+            (ahead_max..=ahead_max + 16 * CHUNK as u64).contains(&ahead),
+            "demoted with {ahead} redirected bytes unread (bound {ahead_max}, checked every 16 messages): {st:?}"
+        );
+        thread::sleep(Duration::from_millis(200));
+        ensure!(!writer.is_finished(), "the writer waits on TCP's buffers");
+        up_r.read(&s, total)?;
+        writer.join().unwrap()
+    })?;
+    Ok(())
+}
+
 /// A reader of several threads does not publish its psock reads (they
 /// cannot be attributed exactly): its peer's nodelay stream is never taken
 /// for one whose reader fell behind, however long it runs.

@@ -1804,26 +1804,33 @@ static __always_inline bool reader_busy(struct mw_link *link, __u32 peer)
 	return sk && sk->sk_lock.owned;
 }
 
+/* sk_userlocks: a buffer size the program fixed (include/net/sock.h). */
+#define MW_SOCK_SNDBUF_LOCK 1
+#define MW_SOCK_RCVBUF_LOCK 2
+
 /*
  * How far TCP would let this end's sender run ahead of the peer's reader at
- * most: the peer's largest receive window and this end's largest send buffer
- * (tcp_rmem[2] and tcp_wmem[2] of their namespaces, up to which autotuning
- * grows them). Read through untrusted casts (fault-guarded; the peer's
- * address, see reader_busy, is live while this end redirects into it: a
- * wrong one could at worst demote this direction, and TCP is always safe);
- * nothing read: no bound.
+ * most: the peer's receive buffer and this end's send buffer, each at the
+ * size its program fixed (SO_RCVBUF, SO_SNDBUF: a program that bounds what
+ * a connection may hold), else at the largest autotuning grows it to
+ * (tcp_rmem[2], tcp_wmem[2] of their namespaces). Read through untrusted
+ * casts (fault-guarded; the peer's address, see reader_busy, is live while
+ * this end redirects into it: a wrong one could at worst demote this
+ * direction, and TCP is always safe); nothing read: no bound.
  */
 static __always_inline __u32 tcp_ahead_max(struct tcp_sock *tp, struct mw_link *link, __u32 peer)
 {
 	struct sock *psk = bpf_core_cast((void *)link->sk[peer & 1], struct sock);
-	struct net *own = tp->inet_conn.icsk_inet.sk.__sk_common.skc_net.net;
+	struct sock *sk = &tp->inet_conn.icsk_inet.sk;
+	struct net *own = sk->__sk_common.skc_net.net;
 	struct net *pnet = psk ? psk->__sk_common.skc_net.net : NULL;
 	__u64 rmem, wmem;
 
 	if (!own || !pnet)
 		return ~0u;
-	rmem = (__u32)pnet->ipv4.sysctl_tcp_rmem[2];
-	wmem = (__u32)own->ipv4.sysctl_tcp_wmem[2];
+	rmem = (psk->sk_userlocks & MW_SOCK_RCVBUF_LOCK) ? (__u32)psk->sk_rcvbuf
+							 : (__u32)pnet->ipv4.sysctl_tcp_rmem[2];
+	wmem = (sk->sk_userlocks & MW_SOCK_SNDBUF_LOCK) ? (__u32)sk->sk_sndbuf : (__u32)own->ipv4.sysctl_tcp_wmem[2];
 	if (!rmem || !wmem || rmem + wmem > ~0u)
 		return ~0u;
 	return rmem + wmem;
