@@ -1,5 +1,5 @@
 //! The compatibility suite: real programs (haproxy, socat, nginx, redis, curl,
-//! openssl, python, memcached, gRPC, PostgreSQL, Node.js) through registered pairs and capture rules on a real
+//! openssl, python, memcached, gRPC, PostgreSQL, Node.js, Go) through registered pairs and capture rules on a real
 //! kernel, checksummed both ways, 100 connections each, the first one after
 //! the data path starts included. A program that loses, duplicates or
 //! reorders a byte, or hangs, fails its test; so does a missing program or
@@ -1696,5 +1696,135 @@ fn node_http_server_and_client() -> Result<()> {
     // Both directions of every connection after the first: 2 x 2 x ~107 MB.
     ensure!(st4.redirected_bytes > (300 << 20), "node <-> node over IPv4 accelerated both ways: {st4:?}");
     ensure!(st6.redirected_bytes > (200 << 20), "node <-> node over IPv6 accelerated both ways: {st6:?}");
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// Go
+
+/// Go's net/http (the runtime's netpoller: epoll, non-blocking reads and
+/// writes): `server ADDR` answers each POST with its body; `client URL N`
+/// posts N bodies (sizes as `size_of_conn`), 10 at a time, a connection
+/// each, and compares every answer.
+const GO_HTTP: &str = r#"package main
+
+import (
+	"bytes"
+	"crypto/sha256"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"strconv"
+	"sync"
+)
+
+func main() {
+	switch os.Args[1] {
+	case "server":
+		http.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
+			b, err := io.ReadAll(r.Body)
+			if err != nil {
+				http.Error(w, err.Error(), 500)
+				return
+			}
+			w.Header().Set("Content-Length", strconv.Itoa(len(b)))
+			w.Write(b)
+		})
+		if err := http.ListenAndServe(os.Args[2], nil); err != nil {
+			fmt.Println("FAIL", err)
+			os.Exit(1)
+		}
+	case "client":
+		url := os.Args[2]
+		n, _ := strconv.Atoi(os.Args[3])
+		sizes := []int{8 << 20, 1 << 20, 1 << 20, 65536, 65536, 65536, 1}
+		tr := &http.Transport{DisableKeepAlives: true, MaxConnsPerHost: 10}
+		c := &http.Client{Transport: tr}
+		var wg sync.WaitGroup
+		errs := make(chan error, n)
+		sem := make(chan struct{}, 10)
+		for i := 0; i < n; i++ {
+			wg.Add(1)
+			sem <- struct{}{}
+			go func(i int) {
+				defer wg.Done()
+				defer func() { <-sem }()
+				size := 4096 + i*37
+				if i%10 < 7 {
+					size = sizes[i%10]
+				}
+				seed := sha256.Sum256([]byte(strconv.Itoa(i)))
+				body := bytes.Repeat(seed[:], size/32+1)[:size]
+				resp, err := c.Post(url, "application/octet-stream", bytes.NewReader(body))
+				if err != nil {
+					errs <- err
+					return
+				}
+				got, err := io.ReadAll(resp.Body)
+				resp.Body.Close()
+				if err != nil {
+					errs <- err
+					return
+				}
+				if !bytes.Equal(got, body) {
+					errs <- fmt.Errorf("connection %d: %d of %d bytes, or other bytes", i, len(got), size)
+				}
+			}(i)
+		}
+		wg.Wait()
+		close(errs)
+		for e := range errs {
+			fmt.Println("FAIL", e)
+			os.Exit(1)
+		}
+		fmt.Println("OK")
+	}
+}
+"#;
+
+/// A Go HTTP server and a Node.js client, then a Go client and a Node.js
+/// server, 100 POSTs of 1 B to 8 MiB each way, twice. A Go binary carries the
+/// standard library's splice path (`io.Copy` between TCP connections), so
+/// its ends are never redirect targets: what Go sends is redirected (into
+/// node), what it receives comes on TCP.
+#[test]
+fn go_http_with_node() -> Result<()> {
+    if !tools(&["go", "node"]) {
+        return Ok(());
+    }
+    let dir = ScratchDir::new("meshwarp-compat-")?;
+    std::fs::write(dir.path("main.go"), GO_HTTP)?;
+    let bin = dir.path("gohttp").display().to_string();
+    let built = std::process::Command::new("go").args(["build", "-o", &bin, "main.go"]).current_dir(&dir.0).output()?;
+    ensure!(built.status.success(), "go build: {}", String::from_utf8_lossy(&built.stderr));
+    let Some(k) = node() else { return Ok(()) };
+    let net = NodeWithPods::new(2)?;
+    let (a, b) = (&net.pods[0], &net.pods[1]);
+    let (go_server, node_server) = (SocketAddr::new(b.v4.into(), 7108), SocketAddr::new(b.v4.into(), 7109));
+    let into_go = EndpointPair::new(a.v4.into(), go_server.into())?;
+    let from_go = EndpointPair::new(a.v4.into(), node_server.into())?;
+    k.dp().insert(&into_go, OWNER)?;
+    k.dp().insert(&from_go, OWNER)?;
+    let _go = Program::spawn(&b.ns, &[&bin, "server", &go_server.to_string()])?;
+    let _node = Program::spawn(&b.ns, &["node", "-e", NODE_HTTP_ECHO, &b.v4.to_string(), "7109"])?;
+    wait_listening(&a.ns, go_server, T)?;
+    wait_listening(&a.ns, node_server, T)?;
+    let (n, host, url) = (CONNS.to_string(), b.v4.to_string(), format!("http://{node_server}/"));
+    for round in 1..=2 {
+        let (ok, out) = run_to_end(&a.ns, &["node", "-e", NODE_HTTP_CLIENT, &host, "7108", &n], T)?;
+        ensure!(ok && out.contains("OK"), "round {round}, node client, go server: {out}");
+        let (ok, out) = run_to_end(&a.ns, &[&bin, "client", &url, &n], T)?;
+        ensure!(ok && out.contains("OK"), "round {round}, go client, node server: {out}");
+    }
+    let (st_into, st_from) = (k.dp().stats(&into_go)?, k.dp().stats(&from_go)?);
+    report("go http", &[("node -> go server", st_into), ("go client -> node", st_from)]);
+    ensure!(
+        st_into.fallback_splice >= 1 && st_from.fallback_splice >= 1,
+        "go ends are no targets: {st_into:?} {st_from:?}"
+    );
+    // One direction of each connection after the first: 2 x ~107 MB.
+    ensure!(st_into.redirected_bytes > (150 << 20), "the go server's answers redirected: {st_into:?}");
+    ensure!(st_from.redirected_bytes > (150 << 20), "the go client's posts redirected: {st_from:?}");
     Ok(())
 }
