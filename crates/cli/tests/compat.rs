@@ -1412,14 +1412,6 @@ fn memcached_values_and_memcslap() -> Result<()> {
 // ---------------------------------------------------------------------------
 // gRPC (C-core, python grpcio)
 
-/// gRPC's own zero-copy sends (off by default): it turns SO_ZEROCOPY on on
-/// each connection and, where the kernel takes it, sends writes of 4 KiB or
-/// more with MSG_ZEROCOPY and waits for their completions.
-const PY_GRPC_ZEROCOPY: &str = r#"
-ZEROCOPY = [("grpc.experimental.tcp_tx_zerocopy_enabled", 1),
-            ("grpc.experimental.tcp_tx_zerocopy_send_bytes_threshold", 4096)]
-"#;
-
 /// An echo service with generic handlers (no generated code): a unary call,
 /// a bidirectional stream, and a server stream of `n` bytes in 64 KiB
 /// messages (a download).
@@ -1443,8 +1435,6 @@ h = grpc.method_handlers_generic_handler("echo.Echo", {
     "Bidi": grpc.stream_stream_rpc_method_handler(bidi),
     "Download": grpc.unary_stream_rpc_method_handler(download)})
 opts = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
-if sys.argv[3:] == ["zerocopy"]:
-    opts += ZEROCOPY
 s = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=opts)
 s.add_generic_rpc_handlers((h,))
 s.add_insecure_port(f"{host}:{port}")
@@ -1460,8 +1450,6 @@ import sys, grpc, random, threading
 host, port, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
 opts = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20),
         ("grpc.use_local_subchannel_pool", 1)]
-if sys.argv[4:] == ["zerocopy"]:
-    opts += ZEROCOPY
 sizes = [1, 100, 4096, 65536, 1 << 20, 8 << 20, 3, 70000]
 def one(i):
     with grpc.insecure_channel(f"{host}:{port}", options=opts) as ch:
@@ -1498,10 +1486,9 @@ print("OK", flush=True)
 "#;
 
 /// A python gRPC server in pod B and client in pod A (grpcio: gRPC's C core,
-/// epoll, TCP_INQ), 100 connections; `zerocopy`: both with gRPC's zero-copy
-/// sends on. python imports splice, so the operator vouches for it
+/// epoll, TCP_INQ), 100 connections. python imports splice, so the operator vouches for it
 /// (`--trust-reader`), as one would for a gRPC service. The counters after.
-fn python_grpc(port: u16, zerocopy: bool) -> Result<Option<RuleCounters>> {
+fn python_grpc(port: u16) -> Result<Option<RuleCounters>> {
     const PY: &str = "/usr/bin/python3";
     if !tools(&[PY]) {
         return Ok(None);
@@ -1523,13 +1510,11 @@ fn python_grpc(port: u16, zerocopy: bool) -> Result<Option<RuleCounters>> {
     let pair = EndpointPair::new(a.v4.into(), server.into())?;
     k.dp().insert(&pair, OWNER)?;
     let (host, port, n) = (b.v4.to_string(), port.to_string(), CONNS.to_string());
-    let zc = if zerocopy { "zerocopy" } else { "" };
-    let (srv, cli) = (format!("{PY_GRPC_ZEROCOPY}{PY_GRPC_SERVER}"), format!("{PY_GRPC_ZEROCOPY}{PY_GRPC_CLIENT}"));
-    let _srv = Program::spawn(&b.ns, &[PY, "-c", &srv, &host, &port, zc])?;
+    let _srv = Program::spawn(&b.ns, &[PY, "-c", PY_GRPC_SERVER, &host, &port])?;
     wait_listening(&a.ns, server, T)?;
-    let (done, out) = run_to_end(&a.ns, &[PY, "-c", &cli, &host, &port, &n, zc], Duration::from_secs(300))?;
+    let (done, out) = run_to_end(&a.ns, &[PY, "-c", PY_GRPC_CLIENT, &host, &port, &n], Duration::from_secs(300))?;
     let st = k.dp().stats(&pair)?;
-    report(if zerocopy { "python gRPC, zero-copy sends" } else { "python gRPC" }, &[("pair", st)]);
+    report("python gRPC", &[("pair", st)]);
     ensure!(done && out.contains("OK"), "the gRPC client: {out}");
     Ok(Some(st))
 }
@@ -1539,28 +1524,10 @@ fn python_grpc(port: u16, zerocopy: bool) -> Result<Option<RuleCounters>> {
 /// TCP and only the client's are redirected.
 #[test]
 fn python_grpc_unary_streams_and_downloads() -> Result<()> {
-    let Some(st) = python_grpc(7105, false)? else { return Ok(()) };
+    let Some(st) = python_grpc(7105)? else { return Ok(()) };
     ensure!(st.sockets >= CONNS as u64, "a connection per channel, accelerated: {st:?}");
     ensure!(st.redirected_bytes > (100 << 20), "the client's requests redirected: {st:?}");
     ensure!(st.fallback_zerocopy >= 1, "the server's sends on TCP (SO_ZEROCOPY from its listener): {st:?}");
-    Ok(())
-}
-
-/// With gRPC's zero-copy sends on, each end asks SO_ZEROCOPY for itself and
-/// waits for the completions of what it sent zero-copy. The first client
-/// ends (their sends run sk_msg) are refused the option, once per executable
-/// per node: gRPC logs it and sends copies, redirected. From then on python is
-/// known to ask for it: every end sends on plain TCP, where the kernel
-/// numbers completions as gRPC counts its sends, so neither end of the
-/// later connections has anything to redirect. Every byte compared.
-#[test]
-fn python_grpc_with_zero_copy_sends() -> Result<()> {
-    let Some(st) = python_grpc(7110, true)? else { return Ok(()) };
-    // The client's 10 threads connect at once: a few ends may be decided
-    // before the first refusal marks python.
-    ensure!((1..=10).contains(&st.zerocopy_refused), "the first clients refused SO_ZEROCOPY: {st:?}");
-    ensure!(st.redirected_bytes > 0, "the refused clients' copies redirected: {st:?}");
-    ensure!(st.fallback_zerocopy >= CONNS as u64, "the other ends send on TCP: {st:?}");
     Ok(())
 }
 
