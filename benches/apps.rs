@@ -43,8 +43,8 @@ use std::time::{Duration, Instant};
 
 use meshwarp_core::{Endpoint, EndpointPair, FastPathMode};
 use meshwarp_testbed::{
-    accept_timeout, read_exact_ready, read_ready, wait_listening, which, write_all_ready, KernelTest, NetNs, Program,
-    ScratchDir,
+    accept_timeout, postgres_bin, read_exact_ready, read_ready, wait_listening, which, write_all_ready, KernelTest,
+    NetNs, Program, ScratchDir, TestbedError, NODE_HTTP_ECHO,
 };
 
 // Shared with the other benches, which use its other functions.
@@ -129,6 +129,24 @@ fn register(k: &KernelTest, base: u16) -> [EndpointPair; 2] {
     })
 }
 
+/// Four copies of a server, on `base` .. `base + 3` (TCP, always, adaptive,
+/// TCP again: see `PATHS`), each listening before the next starts;
+/// `spawn(i)` starts copy `i`.
+fn four_servers(
+    ns: &NetNs,
+    base: u16,
+    what: &str,
+    spawn: impl Fn(u16) -> Result<Program, TestbedError>,
+) -> Vec<Program> {
+    (0..4)
+        .map(|i| {
+            let p = spawn(i).unwrap_or_else(|e| panic!("{what}: {e}"));
+            wait_listening(ns, lo(base + i), T).unwrap_or_else(|e| panic!("{what} listening: {e}"));
+            p
+        })
+        .collect()
+}
+
 fn need(tools: &[&str]) -> bool {
     let missing: Vec<_> = tools.iter().filter(|t| which(t).is_none()).collect();
     if !missing.is_empty() {
@@ -144,34 +162,29 @@ fn redis(k: &KernelTest, ns: &NetNs, dir: &ScratchDir) {
     }
     let pairs = register(k, BASE);
     let d = dir.0.display().to_string();
-    let _servers: Vec<Program> = (0..4)
-        .map(|i| {
-            let port = (BASE + i).to_string();
-            let p = Program::spawn(
-                ns,
-                &[
-                    "redis-server",
-                    "--bind",
-                    "127.0.0.1",
-                    "--port",
-                    &port,
-                    "--save",
-                    "",
-                    "--appendonly",
-                    "no",
-                    "--protected-mode",
-                    "no",
-                    "--dir",
-                    &d,
-                    "--dbfilename",
-                    &format!("dump{port}.rdb"),
-                ],
-            )
-            .expect("redis-server");
-            wait_listening(ns, lo(BASE + i), T).expect("redis-server listening");
-            p
-        })
-        .collect();
+    let _servers = four_servers(ns, BASE, "redis-server", |i| {
+        let port = (BASE + i).to_string();
+        Program::spawn(
+            ns,
+            &[
+                "redis-server",
+                "--bind",
+                "127.0.0.1",
+                "--port",
+                &port,
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--protected-mode",
+                "no",
+                "--dir",
+                &d,
+                "--dbfilename",
+                &format!("dump{port}.rdb"),
+            ],
+        )
+    });
     // GETs find values of the size they ask for: every key of the keyspace
     // (-r 100) set first, per value size.
     let mut filled = Vec::new();
@@ -605,34 +618,13 @@ fn memcached(k: &KernelTest, ns: &NetNs) {
         return;
     }
     let pairs = register(k, BASE);
-    let _servers: Vec<Program> = (0..4)
-        .map(|i| {
-            let port = (BASE + i).to_string();
-            let p = Program::spawn(
-                ns,
-                &[
-                    "memcached",
-                    "-u",
-                    "root",
-                    "-l",
-                    "127.0.0.1",
-                    "-p",
-                    &port,
-                    "-U",
-                    "0",
-                    "-m",
-                    "256",
-                    "-I",
-                    "4m",
-                    "-t",
-                    "1",
-                ],
-            )
-            .expect("memcached");
-            wait_listening(ns, lo(BASE + i), T).expect("memcached listening");
-            p
-        })
-        .collect();
+    let _servers = four_servers(ns, BASE, "memcached", |i| {
+        let port = (BASE + i).to_string();
+        Program::spawn(
+            ns,
+            &["memcached", "-u", "root", "-l", "127.0.0.1", "-p", &port, "-U", "0", "-m", "256", "-I", "4m", "-t", "1"],
+        )
+    });
     let set = |c: &mut Buffered, key: &str, value: &[u8]| {
         let mut req = format!("set {key} 0 0 {}\r\n", value.len()).into_bytes();
         req.extend_from_slice(value);
@@ -674,12 +666,7 @@ fn memcached(k: &KernelTest, ns: &NetNs) {
 
 fn postgres(k: &KernelTest, ns: &NetNs, dir: &ScratchDir) {
     const BASE: u16 = 5440;
-    let Some(bin) = std::fs::read_dir("/usr/lib/postgresql").ok().and_then(|d| {
-        let mut bins: Vec<_> =
-            d.filter_map(|e| e.ok().map(|e| e.path().join("bin"))).filter(|b| b.join("pgbench").exists()).collect();
-        bins.sort();
-        bins.pop()
-    }) else {
+    let Some(bin) = postgres_bin() else {
         eprintln!(
             "!!! apps bench: PostgreSQL not installed (scripts/install-deps.sh installs it): its cells are left out"
         );
@@ -693,39 +680,34 @@ fn postgres(k: &KernelTest, ns: &NetNs, dir: &ScratchDir) {
     // PostgreSQL refuses to run as root.
     let d = dir.0.display().to_string();
     assert!(Command::new("chown").args(["postgres", &d]).status().expect("chown").success(), "chown {d}");
-    let _servers: Vec<Program> = (0..4)
-        .map(|i| {
-            let data = dir.path(&format!("pg{i}")).display().to_string();
-            let st = Command::new("runuser")
-                .args(["-u", "postgres", "--", &prog("initdb"), "-A", "trust", "-U", "postgres", "-D", &data])
-                .stdout(Stdio::null())
-                .status()
-                .expect("initdb");
-            assert!(st.success(), "initdb");
-            let port = (BASE + i).to_string();
-            let p = Program::spawn(
-                ns,
-                &[
-                    "runuser",
-                    "-u",
-                    "postgres",
-                    "--",
-                    &prog("postgres"),
-                    "-D",
-                    &data,
-                    "-k",
-                    &d,
-                    "-h",
-                    "127.0.0.1",
-                    "-p",
-                    &port,
-                ],
-            )
-            .expect("postgres");
-            wait_listening(ns, lo(BASE + i), T).expect("postgres listening");
-            p
-        })
-        .collect();
+    let _servers = four_servers(ns, BASE, "postgres", |i| {
+        let data = dir.path(&format!("pg{i}")).display().to_string();
+        let st = Command::new("runuser")
+            .args(["-u", "postgres", "--", &prog("initdb"), "-A", "trust", "-U", "postgres", "-D", &data])
+            .stdout(Stdio::null())
+            .status()
+            .expect("initdb");
+        assert!(st.success(), "initdb");
+        let port = (BASE + i).to_string();
+        Program::spawn(
+            ns,
+            &[
+                "runuser",
+                "-u",
+                "postgres",
+                "--",
+                &prog("postgres"),
+                "-D",
+                &data,
+                "-k",
+                &d,
+                "-h",
+                "127.0.0.1",
+                "-p",
+                &port,
+            ],
+        )
+    });
     let pgbench = |port: u16, args: &[&str]| -> String {
         let port = port.to_string();
         let out = Command::new("ip")
@@ -767,33 +749,15 @@ fn postgres(k: &KernelTest, ns: &NetNs, dir: &ScratchDir) {
     table.print(k, &pairs);
 }
 
-/// An HTTP echo on Node's http module: each POST answered with its body.
-const NODE_ECHO: &str = r#"
-const http = require('http');
-http.createServer((req, res) => {
-  const parts = [];
-  req.on('data', c => parts.push(c));
-  req.on('end', () => {
-    const body = Buffer.concat(parts);
-    res.writeHead(200, {'Content-Length': body.length});
-    res.end(body);
-  });
-}).listen(+process.argv[1], '127.0.0.1');
-"#;
-
 fn node(k: &KernelTest, ns: &NetNs) {
     const BASE: u16 = 8580;
     if !need(&["node"]) {
         return;
     }
     let pairs = register(k, BASE);
-    let _servers: Vec<Program> = (0..4)
-        .map(|i| {
-            let p = Program::spawn(ns, &["node", "-e", NODE_ECHO, &(BASE + i).to_string()]).expect("node");
-            wait_listening(ns, lo(BASE + i), T).expect("node listening");
-            p
-        })
-        .collect();
+    let _servers = four_servers(ns, BASE, "node", |i| {
+        Program::spawn(ns, &["node", "-e", NODE_HTTP_ECHO, "127.0.0.1", &(BASE + i).to_string()])
+    });
     let mut table = Table::new("this bench's HTTP client against Node's http module, one keep-alive connection");
     for (size, n) in [(64usize, 2000u32), (16 << 10, 1000)] {
         table.cell(&format!("node/post{size}B"), BASE, |port| {

@@ -22,9 +22,9 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, ensure, Context, Result};
 use meshwarp_core::{CaptureRule, Endpoint, EndpointPair, GuardMode, RuleCounters};
 use meshwarp_testbed::{
-    accept_timeout, echo_integrity, missing_feature, read_exact_ready, read_ready, redirect_output, splice_echo,
-    wait_listening, which, write_all_ready, Fnv, KernelTest, NetNs, NodeWithPods, Pattern, Program, ScratchDir,
-    StreamEcho, SERVICE_V4,
+    accept_timeout, echo_integrity, missing_feature, postgres_bin, read_exact_ready, read_ready, redirect_output,
+    splice_echo, wait_listening, which, write_all_ready, Fnv, KernelTest, NetNs, NodeWithPods, Pattern, Program,
+    ScratchDir, StreamEcho, NODE_HTTP_ECHO, SERVICE_V4,
 };
 
 const CONNS: usize = 100;
@@ -1534,17 +1534,6 @@ fn python_grpc_unary_streams_and_downloads() -> Result<()> {
 // ---------------------------------------------------------------------------
 // PostgreSQL
 
-/// The newest installed PostgreSQL's programs (`/usr/lib/postgresql/<v>/bin`).
-fn postgres_bin() -> Option<std::path::PathBuf> {
-    let mut bins: Vec<_> = std::fs::read_dir("/usr/lib/postgresql")
-        .ok()?
-        .filter_map(|e| e.ok().map(|e| e.path().join("bin")))
-        .filter(|b| b.join("postgres").exists() && b.join("psql").exists() && b.join("pgbench").exists())
-        .collect();
-    bins.sort();
-    bins.pop()
-}
-
 /// PostgreSQL in pod B (a backend forked per connection, as user postgres);
 /// from pod A, 100 psql sessions that each send a literal of 1 B to 8 MiB and
 /// read it back, then pgbench (10 clients, 3000 transactions).
@@ -1619,22 +1608,6 @@ fn postgres_psql_literals_and_pgbench() -> Result<()> {
 
 // ---------------------------------------------------------------------------
 // Node.js
-
-/// An HTTP echo on Node's http module (libuv: epoll, non-blocking reads and
-/// writev): each POST body answered with itself.
-const NODE_HTTP_ECHO: &str = r#"
-const http = require('http');
-const [host, port] = process.argv.slice(1);
-http.createServer((req, res) => {
-  const parts = [];
-  req.on('data', c => parts.push(c));
-  req.on('end', () => {
-    const body = Buffer.concat(parts);
-    res.writeHead(200, {'Content-Length': body.length});
-    res.end(body);
-  });
-}).listen(+port, host);
-"#;
 
 /// `n` POSTs through Node's http client, 10 connections at a time, a new
 /// connection each (`Connection: close`), sizes as `size_of_conn`, every answer

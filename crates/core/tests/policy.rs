@@ -458,20 +458,7 @@ fn a_large_write_stream_moves_to_tcp_once_tcp_would_have_stopped_it() -> Result<
 
     // 16 MiB more while the reader waits: far more than TCP's buffers
     // hold, so the writer blocks once the direction took TCP.
-    let total = 16 << 20;
-    thread::scope(|scope| -> Result<()> {
-        let writer = scope.spawn(|| up_w.write(&c, total, CHUNK));
-        let st = wait_counters(&k, &pair, "demoted, reader behind", |st| st.demotions_behind == 1)?;
-        let ahead = st.redirected_bytes - lockstep;
-        ensure!(
-            (AHEAD..=AHEAD + 16 * CHUNK as u64).contains(&ahead),
-            "demoted with {ahead} redirected bytes unread (bound 3 MiB, checked every 16 messages): {st:?}"
-        );
-        thread::sleep(Duration::from_millis(200));
-        ensure!(!writer.is_finished(), "the writer waits on TCP's buffers");
-        up_r.read(&s, total)?;
-        writer.join().unwrap()
-    })?;
+    writes_ahead_until_demoted(&k, &pair, (&c, &mut up_w), (&s, &mut up_r), CHUNK, lockstep, AHEAD)?;
     let st = k.dp().stats(&pair)?;
     ensure!(st.demotions_behind == 1 && st.policy_tcp_msgs > 0, "{st:?}");
     Ok(())
@@ -506,22 +493,36 @@ fn fixed_socket_buffers_bound_the_redirected_backlog() -> Result<()> {
         "in lockstep, all redirected: {st:?}"
     );
     let lockstep = st.redirected_bytes;
+    writes_ahead_until_demoted(&k, &pair, (&c, &mut up_w), (&s, &mut up_r), CHUNK, lockstep, ahead_max)
+}
 
+/// 16 MiB in `chunk` writes into a reader that waits: the direction moves to
+/// TCP (`demotions_behind`) once `ahead_max` redirected bytes (past
+/// `lockstep`) wait unread, checked every 16 messages; the writer then
+/// waits on TCP's buffers until the reader reads everything, in order.
+fn writes_ahead_until_demoted(
+    k: &KernelTest,
+    pair: &EndpointPair,
+    (c, up_w): (&TcpStream, &mut Stream),
+    (s, up_r): (&TcpStream, &mut Stream),
+    chunk: usize,
+    lockstep: u64,
+    ahead_max: u64,
+) -> Result<()> {
     let total = 16 << 20;
     thread::scope(|scope| -> Result<()> {
-        let writer = scope.spawn(|| up_w.write(&c, total, CHUNK));
-        let st = wait_counters(&k, &pair, "demoted, reader behind", |st| st.demotions_behind == 1)?;
+        let writer = scope.spawn(|| up_w.write(c, total, chunk));
+        let st = wait_counters(k, pair, "demoted, reader behind", |st| st.demotions_behind == 1)?;
         let ahead = st.redirected_bytes - lockstep;
         ensure!(
-            (ahead_max..=ahead_max + 16 * CHUNK as u64).contains(&ahead),
+            (ahead_max..=ahead_max + 16 * chunk as u64).contains(&ahead),
             "demoted with {ahead} redirected bytes unread (bound {ahead_max}, checked every 16 messages): {st:?}"
         );
         thread::sleep(Duration::from_millis(200));
         ensure!(!writer.is_finished(), "the writer waits on TCP's buffers");
-        up_r.read(&s, total)?;
+        up_r.read(s, total)?;
         writer.join().unwrap()
-    })?;
-    Ok(())
+    })
 }
 
 /// A reader of several threads does not publish its psock reads (they

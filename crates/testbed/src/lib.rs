@@ -1444,6 +1444,34 @@ pub fn which(tool: &str) -> Option<PathBuf> {
     std::env::var_os("PATH")?.to_str()?.split(':').map(|d| Path::new(d).join(tool)).find(|p| p.is_file())
 }
 
+/// The newest installed PostgreSQL's programs (`/usr/lib/postgresql/<v>/bin`
+/// with postgres, psql and pgbench), as Debian's packages lay them out.
+pub fn postgres_bin() -> Option<PathBuf> {
+    let mut bins: Vec<_> = std::fs::read_dir("/usr/lib/postgresql")
+        .ok()?
+        .filter_map(|e| e.ok().map(|e| e.path().join("bin")))
+        .filter(|b| ["postgres", "psql", "pgbench"].iter().all(|p| b.join(p).exists()))
+        .collect();
+    bins.sort();
+    bins.pop()
+}
+
+/// An HTTP echo on Node.js's http module (`node -e NODE_HTTP_ECHO HOST PORT`):
+/// each POST answered with its body (libuv: epoll, non-blocking reads, writev).
+pub const NODE_HTTP_ECHO: &str = r#"
+const http = require('http');
+const [host, port] = process.argv.slice(1);
+http.createServer((req, res) => {
+  const parts = [];
+  req.on('data', c => parts.push(c));
+  req.on('end', () => {
+    const body = Buffer.concat(parts);
+    res.writeHead(200, {'Content-Length': body.length});
+    res.end(body);
+  });
+}).listen(+port, host);
+"#;
+
 /// Waits until something accepts TCP connections on `addr` in `ns`.
 pub fn wait_listening(ns: &NetNs, addr: SocketAddr, timeout: Duration) -> Result<()> {
     let deadline = Instant::now() + timeout;
