@@ -8,6 +8,9 @@ PKGS=(clang llvm libelf-dev zlib1g-dev pkg-config make iproute2 iptables bpftool
 PKGS+=(haproxy nginx-light socat redis-server redis-tools curl openssl python3 memcached libmemcached-tools python3-grpcio postgresql nodejs)
 # Extra packages named on the command line (e.g. the mesh benchmark's nginx, haproxy, wrk).
 PKGS+=("$@")
+# The compatibility suite builds a Go program (and the chart test builds helm
+# with Go): Debian's Go where the machine has none.
+command -v go >/dev/null 2>&1 || PKGS+=(golang-go)
 
 missing=()
 for p in "${PKGS[@]}"; do
