@@ -5,12 +5,14 @@ set -euo pipefail
 
 PKGS=(clang llvm libelf-dev zlib1g-dev pkg-config make iproute2 iptables bpftool procps)
 # The compatibility suite drives real programs through the fast path.
-PKGS+=(haproxy nginx-light socat redis-server redis-tools curl openssl python3 memcached libmemcached-tools python3-grpcio postgresql nodejs)
+PKGS+=(haproxy nginx-light socat redis-server redis-tools curl openssl python3 memcached libmemcached-tools python3-grpcio postgresql nodejs nghttp2-server nghttp2-client)
 # Extra packages named on the command line (e.g. the mesh benchmark's nginx, haproxy, wrk).
 PKGS+=("$@")
 # The compatibility suite builds a Go program (and the chart test builds helm
 # with Go): Debian's Go where the machine has none.
 command -v go >/dev/null 2>&1 || PKGS+=(golang-go)
+# ... and runs a Java program from source (the JDK's launcher compiles it).
+command -v javac >/dev/null 2>&1 || PKGS+=(default-jdk-headless)
 
 missing=()
 for p in "${PKGS[@]}"; do

@@ -23,8 +23,8 @@ use anyhow::{bail, ensure, Context, Result};
 use meshwarp_core::{CaptureRule, Endpoint, EndpointPair, GuardMode, RuleCounters};
 use meshwarp_testbed::{
     accept_timeout, echo_integrity, missing_feature, postgres_bin, read_exact_ready, read_ready, redirect_output,
-    splice_echo, wait_listening, which, write_all_ready, Fnv, KernelTest, NetNs, NodeWithPods, Pattern, Program,
-    ScratchDir, StreamEcho, NODE_HTTP_ECHO, SERVICE_V4,
+    splice_echo, wait_listening, wait_port_listening, which, write_all_ready, Fnv, KernelTest, NetNs, NodeWithPods,
+    Pattern, Program, ScratchDir, StreamEcho, NODE_HTTP_ECHO, SERVICE_V4,
 };
 
 const CONNS: usize = 100;
@@ -82,9 +82,15 @@ fn tools(names: &[&str]) -> bool {
 /// Runs `args` in `ns` to its end (within `timeout`): whether it exited with
 /// success, and what it printed on stdout.
 fn run_to_end(ns: &NetNs, args: &[&str], timeout: Duration) -> Result<(bool, String)> {
+    let (ok, out) = output_of(ns, args, timeout)?;
+    Ok((ok, String::from_utf8_lossy(&out).into_owned()))
+}
+
+/// [`run_to_end`], with the bytes the program wrote on stdout.
+fn output_of(ns: &NetNs, args: &[&str], timeout: Duration) -> Result<(bool, Vec<u8>)> {
     let mut p = Program::spawn_with(ns, args, Stdio::null(), Stdio::piped())?;
-    let mut out = String::new();
-    p.child().stdout.take().context("stdout")?.read_to_string(&mut out)?;
+    let mut out = Vec::new();
+    p.child().stdout.take().context("stdout")?.read_to_end(&mut out)?;
     Ok((p.wait_timeout(timeout)?.success(), out))
 }
 
@@ -1201,7 +1207,15 @@ def completions(c, ranges):
             if origin != ORIGIN_ZEROCOPY or err:
                 fail("not a zero-copy completion: %d %d" % (origin, err))
             ranges.append((lo, hi))
+def completed(ranges, send):
+    return any(lo <= send <= hi for lo, hi in ranges)
 block = bytes(range(256)) * (total // 256 + 2)
+# Send buffers used in turn, as a program that frees or reuses one once the
+# kernel is done with it: before its next use a buffer waits for the
+# completion of the send that used it last, then is overwritten. Had that
+# completion come before the kernel was done with the pages, the receiver
+# would read the overwrite.
+RING = [bytearray(max(SIZES)) for _ in range(4)]
 taken = refused = 0
 for i in range(n):
     c = connect()
@@ -1220,8 +1234,17 @@ for i in range(n):
     ranges = []
     while off < total:
         k = min(SIZES[sends % len(SIZES)], total - off)
+        buf = RING[sends % len(RING)]
+        deadline = time.time() + 10
+        while zc and sends >= len(RING) and not completed(ranges, sends - len(RING)):
+            if time.time() > deadline:
+                fail("connection %d: no completion for send %d" % (i, sends - len(RING)))
+            completions(c, ranges)
+            time.sleep(0.0002)
+        buf[:] = b"\xee" * len(buf)
+        buf[:k] = data[off : off + k]
         try:
-            r = c.send(data[off : off + k], MSG_ZEROCOPY)
+            r = c.send(memoryview(buf)[:k], MSG_ZEROCOPY)
         except BlockingIOError:
             select.select([], [c], [])
             continue
@@ -1254,16 +1277,17 @@ print("OK taken %d refused %d" % (taken, refused), flush=True)
 "#;
 
 /// A real program sending with MSG_ZEROCOPY (python): every stream arrives
-/// intact, and wherever SO_ZEROCOPY is taken the completions number the
-/// sends exactly, as on plain TCP. It is refused once, on the first
+/// intact although each send buffer is overwritten as soon as its completion
+/// came, and wherever SO_ZEROCOPY is taken the completions number the sends
+/// exactly, as on plain TCP. It is refused once, on the first
 /// connection whose sends run sk_msg (tcp_bpf would number them wrong): the
 /// program sends copies there, redirected; python is remembered, and on its
 /// later connections the option is taken, their sends on TCP.
 #[test]
 fn python_zero_copy_sends_complete_as_on_tcp() -> Result<()> {
     use std::io::Read;
-    const N: usize = 6;
-    const TOTAL: usize = (1 << 20) + 300_000;
+    const N: usize = 8;
+    const TOTAL: usize = (8 << 20) + 300_000;
     let total = TOTAL.to_string();
     let Some(PythonClient { k, _net, l, pair, mut py }) = python_client(7501, PY_ZEROCOPY_CLIENT, N, &[&total])? else {
         return Ok(());
@@ -1803,5 +1827,242 @@ fn go_http_with_node() -> Result<()> {
     // One direction of each connection after the first: 2 x ~107 MB.
     ensure!(st_into.redirected_bytes > (150 << 20), "the go server's answers redirected: {st_into:?}");
     ensure!(st_from.redirected_bytes > (150 << 20), "the go client's posts redirected: {st_from:?}");
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// Java
+
+/// Java 17 (run from source by the JDK's launcher): `post HOST PORT N` sends
+/// N POSTs of 1 B to 8 MiB by the JDK's HttpClient (an HttpClient, so a
+/// connection, each; non-blocking channels on a selector) and compares the
+/// answers; `server HOST PORT DIR` answers POST /echo with the JDK's
+/// HttpServer (whose handlers read in blocking mode) and, on PORT+1, slices
+/// of a 16 MiB file by `FileChannel.transferTo` (sendfile); `download HOST
+/// PORT N` reads N slices with blocking SocketChannels and compares them.
+const JAVA_MAIN: &str = r#"import com.sun.net.httpserver.HttpServer;
+import java.io.*;
+import java.net.*;
+import java.net.http.*;
+import java.nio.ByteBuffer;
+import java.nio.channels.*;
+import java.nio.file.*;
+import java.util.*;
+import java.util.concurrent.*;
+
+public class Main {
+    static final int FILE = 16 << 20;
+    static final byte[] PAT = new byte[FILE];
+    static { new Random(42).nextBytes(PAT); }
+
+    static int size(int i) {
+        int[] sizes = {8 << 20, 1 << 20, 65536, 1, 100, 4096, 3};
+        return i % 10 < 7 ? sizes[i % 10] : 4096 + i * 37;
+    }
+
+    public static void main(String[] a) throws Exception {
+        String host = a[1];
+        int port = Integer.parseInt(a[2]);
+        if (a[0].equals("server")) server(host, port, a[3]);
+        else run(Integer.parseInt(a[3]), a[0].equals("post") ? i -> post(host, port, i) : i -> download(host, port, i));
+    }
+
+    // POST /echo answers its body (the JDK's HttpServer: its handlers read in
+    // blocking mode); PORT+1 answers "offset len" with that slice of a file,
+    // sent by FileChannel.transferTo (sendfile).
+    static void server(String host, int port, String dir) throws Exception {
+        Path file = Paths.get(dir, "pattern");
+        Files.write(file, PAT);
+        HttpServer s = HttpServer.create(new InetSocketAddress(host, port), 128);
+        s.createContext("/echo", ex -> {
+            byte[] body = ex.getRequestBody().readAllBytes();
+            ex.sendResponseHeaders(200, body.length == 0 ? -1 : body.length);
+            try (OutputStream o = ex.getResponseBody()) { o.write(body); }
+        });
+        s.setExecutor(Executors.newFixedThreadPool(16));
+        s.start();
+        ServerSocketChannel l = ServerSocketChannel.open();
+        l.bind(new InetSocketAddress(host, port + 1), 128);
+        ExecutorService pool = Executors.newFixedThreadPool(16);
+        while (true) {
+            SocketChannel c = l.accept();
+            pool.submit(() -> {
+                try (c; FileChannel f = FileChannel.open(file)) {
+                    ByteBuffer req = ByteBuffer.allocate(8);
+                    while (req.hasRemaining() && c.read(req) >= 0) {}
+                    req.flip();
+                    long off = req.getInt(), len = req.getInt();
+                    for (long done = 0; done < len; ) done += f.transferTo(off + done, len - done, c);
+                    c.shutdownOutput();
+                    while (c.read(ByteBuffer.allocate(1)) >= 0) {}
+                } catch (IOException e) { System.out.println("server: " + e); }
+                return null;
+            });
+        }
+    }
+
+    interface Conn { void run(int i) throws Exception; }
+
+    // n connections, 10 at a time; the first five errors printed.
+    static void run(int n, Conn one) throws Exception {
+        List<String> errs = Collections.synchronizedList(new ArrayList<>());
+        ExecutorService pool = Executors.newFixedThreadPool(10);
+        List<Future<?>> fs = new ArrayList<>();
+        for (int t = 0; t < n; t++) {
+            final int i = t;
+            fs.add(pool.submit(() -> {
+                try { one.run(i); } catch (Exception e) { errs.add(i + ": " + e); }
+            }));
+        }
+        for (Future<?> f : fs) f.get();
+        if (!errs.isEmpty()) { System.out.println("FAIL " + errs.subList(0, Math.min(5, errs.size()))); System.exit(1); }
+        System.out.println("OK");
+        System.exit(0);
+    }
+
+    // A POST of size(i) bytes by an HttpClient of its own (a connection;
+    // non-blocking channels on a selector thread), the answer compared.
+    static void post(String host, int port, int i) throws Exception {
+        int sz = size(i), off = i * 4099 % (FILE - sz);
+        byte[] body = Arrays.copyOfRange(PAT, off, off + sz);
+        String h = host.contains(":") ? "[" + host + "]" : host;
+        HttpClient hc = HttpClient.newBuilder().version(HttpClient.Version.HTTP_1_1).build();
+        HttpResponse<byte[]> r = hc.send(HttpRequest.newBuilder(URI.create("http://" + h + ":" + port + "/echo"))
+            .POST(HttpRequest.BodyPublishers.ofByteArray(body)).build(), HttpResponse.BodyHandlers.ofByteArray());
+        if (!Arrays.equals(r.body(), body))
+            throw new IOException("echo: " + r.body().length + " of " + sz + " bytes, or other bytes");
+    }
+
+    // A slice of the file (all 16 MiB every tenth), read by a blocking
+    // SocketChannel to the end and compared.
+    static void download(String host, int port, int i) throws Exception {
+        int len = i % 10 == 0 ? FILE : size(i), off = i % 10 == 0 ? 0 : i * 7919 % (FILE - len);
+        try (SocketChannel c = SocketChannel.open(new InetSocketAddress(host, port))) {
+            ByteBuffer req = ByteBuffer.allocate(8).putInt(off).putInt(len);
+            req.flip();
+            while (req.hasRemaining()) c.write(req);
+            ByteBuffer got = ByteBuffer.allocate(len + 1);
+            while (c.read(got) >= 0) {}
+            got.flip();
+            if (got.remaining() != len || !Arrays.equals(Arrays.copyOfRange(got.array(), 0, len), Arrays.copyOfRange(PAT, off, off + len)))
+                throw new IOException("download: " + got.remaining() + " of " + len + " bytes, or other bytes");
+        }
+    }
+}
+"#;
+
+/// Every Java program is one executable, `java`. Its HttpClient posts to a
+/// Node.js echo (both non-blocking: accelerated both ways). Then Java's own
+/// HttpServer: its first connections get a psock (`java` was only seen
+/// reading without blocking) and are read in blocking mode, every byte
+/// intact; that shows the guard Java reading in blocking mode, and from then
+/// on no Java end gets a psock (blocking downloads of sendfile, then the
+/// HttpClient again: the guard judges executables).
+#[test]
+fn java_http_client_server_and_sendfile() -> Result<()> {
+    if !tools(&["java", "javac", "node"]) {
+        return Ok(());
+    }
+    let dir = ScratchDir::new("meshwarp-compat-")?;
+    std::fs::write(dir.path("Main.java"), JAVA_MAIN)?;
+    let Some(k) = node() else { return Ok(()) };
+    let net = NodeWithPods::new(2)?;
+    let (a, b) = (&net.pods[0], &net.pods[1]);
+    let addr = |port| SocketAddr::new(b.v4.into(), port);
+    let rule = |port| EndpointPair::new(a.v4.into(), addr(port).into());
+    let (to_node, to_java, files) = (rule(7111)?, rule(7112)?, rule(7113)?);
+    for p in [&to_node, &to_java, &files] {
+        k.dp().insert(p, OWNER)?;
+    }
+    let (src, host, n) = (dir.path("Main.java").display().to_string(), b.v4.to_string(), CONNS.to_string());
+    let _node = Program::spawn(&b.ns, &["node", "-e", NODE_HTTP_ECHO, &host, "7111"])?;
+    wait_listening(&a.ns, addr(7111), T)?;
+    let java = |what: &str, mode: &str, port: &str| -> Result<()> {
+        let (ok, out) = run_to_end(&a.ns, &["java", &src, mode, &host, port, &n], T)?;
+        ensure!(ok && out.contains("OK"), "{what}: {out}");
+        Ok(())
+    };
+    java("HttpClient -> node", "post", "7111")?;
+    let first = k.dp().stats(&to_node)?;
+    // Started only now, and found listening without a connection (one would
+    // be read in blocking mode, which marks `java`): its first connections
+    // are accelerated, read in blocking mode by a program the guard has
+    // seen only read without blocking so far.
+    let _java = Program::spawn(&b.ns, &["java", &src, "server", &host, "7112", &dir.0.display().to_string()])?;
+    for port in [7112, 7113] {
+        wait_port_listening(&b.ns, port, T)?;
+    }
+    java("HttpClient -> HttpServer", "post", "7112")?;
+    java("blocking downloads of sendfile", "download", "7113")?;
+    java("HttpClient -> node, again", "post", "7111")?;
+    let (last, st_java, st_files) = (k.dp().stats(&to_node)?, k.dp().stats(&to_java)?, k.dp().stats(&files)?);
+    report(
+        "java",
+        &[
+            ("HttpClient -> node", first),
+            ("HttpClient -> HttpServer", st_java),
+            ("downloads", st_files),
+            ("HttpClient -> node, again", last),
+        ],
+    );
+    // Both directions of the connections after the first: 2 x ~91 MB.
+    ensure!(first.redirected_bytes > (150 << 20), "HttpClient <-> node accelerated both ways: {first:?}");
+    ensure!(st_java.sockets >= 2 && st_java.redirected_bytes > 0, "the first HttpServer connections: {st_java:?}");
+    ensure!(st_files.sockets == 0, "no psock for java once seen blocking: {st_files:?}");
+    ensure!(
+        last.fallback_reader >= first.fallback_reader + CONNS as u64,
+        "java, seen reading blocking, kept off: {first:?} {last:?}"
+    );
+    Ok(())
+}
+// ---------------------------------------------------------------------------
+// HTTP/2 (nghttp2)
+
+/// nghttpd (nghttp2's HTTP/2 server, libev: non-blocking reads) in pod B
+/// serves 100 files of 1 B to 8 MiB and echoes uploads; from pod A, nghttp
+/// downloads each and uploads each (a connection each: HTTP/2 flow control,
+/// WINDOW_UPDATEs against DATA in 64 KiB windows), every byte compared; then
+/// h2load multiplexes 5 000 requests of 64 KiB over 10 connections, 10
+/// streams each.
+#[test]
+fn nghttp2_downloads_uploads_and_h2load() -> Result<()> {
+    if !tools(&["nghttpd", "nghttp", "h2load"]) {
+        return Ok(());
+    }
+    let dir = ScratchDir::new("meshwarp-compat-")?;
+    let sums = (0..CONNS)
+        .map(|i| pattern_file(&dir.path(&format!("f{i}")), i as u64, size_of_conn(i)))
+        .collect::<Result<Vec<_>>>()?;
+    let Some(k) = node() else { return Ok(()) };
+    let net = NodeWithPods::new(2)?;
+    let (a, b) = (&net.pods[0], &net.pods[1]);
+    let server = SocketAddr::new(b.v4.into(), 7114);
+    let pair = EndpointPair::new(a.v4.into(), server.into())?;
+    k.dp().insert(&pair, OWNER)?;
+    let docs = dir.0.display().to_string();
+    let _srv =
+        Program::spawn(&b.ns, &["nghttpd", "--no-tls", "-a", &b.v4.to_string(), "-d", &docs, "--echo-upload", "7114"])?;
+    wait_listening(&a.ns, server, T)?;
+    run_connections(|i| {
+        let file = dir.path(&format!("f{i}")).display().to_string();
+        let (ok, got) = output_of(&a.ns, &["nghttp", &format!("http://{server}/f{i}")], T)?;
+        ensure!(ok && fnv(&got) == sums[i], "download: {} of {} bytes, or other bytes", got.len(), size_of_conn(i));
+        let (ok, got) = output_of(&a.ns, &["nghttp", "-d", &file, &format!("http://{server}/echo")], T)?;
+        ensure!(
+            ok && fnv(&got) == sums[i],
+            "upload echoed: {} of {} bytes, or other bytes",
+            got.len(),
+            size_of_conn(i)
+        );
+        Ok(())
+    })?;
+    let url = format!("http://{server}/f3");
+    let (ok, out) = run_to_end(&a.ns, &["h2load", "-n", "5000", "-c", "10", "-m", "10", &url], T)?;
+    ensure!(ok && out.contains("5000 succeeded, 0 failed"), "h2load: {out}");
+    let st = k.dp().stats(&pair)?;
+    report("nghttp2", &[("pair", st)]);
+    // Downloads, uploads and their echoes (~100 MB each), after nghttp's
+    // first connection; h2load's too where its connections find it known.
+    ensure!(st.redirected_bytes > (250 << 20), "HTTP/2 accelerated both ways: {st:?}");
     Ok(())
 }

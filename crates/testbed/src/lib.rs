@@ -1487,6 +1487,34 @@ pub fn wait_listening(ns: &NetNs, addr: SocketAddr, timeout: Duration) -> Result
     }
 }
 
+/// Waits until a socket listens on `port` in `ns`, without connecting: a
+/// connection would be accepted and read, and the reader guard judges a
+/// program by its reads.
+pub fn wait_port_listening(ns: &NetNs, port: u16, timeout: Duration) -> Result<()> {
+    let deadline = Instant::now() + timeout;
+    // /proc/net/tcp{,6}: "sl local_address rem_address st ...", the port in
+    // hex after the colon, state 0A a listener.
+    let listens = move || {
+        ["/proc/thread-self/net/tcp", "/proc/thread-self/net/tcp6"].iter().any(|table| {
+            std::fs::read_to_string(table).is_ok_and(|t| {
+                t.lines().skip(1).any(|l| {
+                    let f: Vec<&str> = l.split_whitespace().collect();
+                    f.len() > 3
+                        && f[3] == "0A"
+                        && f[1].rsplit(':').next().is_some_and(|p| u16::from_str_radix(p, 16) == Ok(port))
+                })
+            })
+        })
+    };
+    while !ns.enter(listens)? {
+        if Instant::now() > deadline {
+            return Err(TestbedError::Integrity(format!("nothing listens on port {port} in {}", ns.name())));
+        }
+        thread::sleep(Duration::from_millis(20));
+    }
+    Ok(())
+}
+
 /// A private scratch directory (mode 0700, unpredictable name), removed on drop.
 #[derive(Debug)]
 pub struct ScratchDir(pub PathBuf);
