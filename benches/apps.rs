@@ -30,7 +30,10 @@
 //!   per connection, libpq polling);
 //! - `node/post<bytes>`: POST round trips of 64 B and 16 KiB bodies from this
 //!   bench to an echo on Node's http module (libuv), one keep-alive
-//!   connection (time per request).
+//!   connection (time per request);
+//! - `nghttp2/h2load_<bytes>_c<conns>_m<streams>`: h2load's GETs of a file
+//!   from nghttpd (HTTP/2, libev), streams multiplexed on each connection
+//!   (h2load's own time to finish, per request).
 //!
 //! `cargo bench -p meshwarp-benches --bench apps [-- FILTER]` (as root; the
 //! programs from scripts/install-deps.sh); FILTER selects cells by substring
@@ -385,6 +388,7 @@ fn main() {
     memcached(&k, &ns);
     postgres(&k, &ns, &dir);
     node(&k, &ns);
+    nghttp2(&k, &ns, &dir);
 }
 
 /// `MESHWARP_APPS_TRUST_HAPROXY` is set: haproxy is a trusted reader.
@@ -788,4 +792,53 @@ fn node(k: &KernelTest, ns: &NetNs) {
         });
     }
     table.print(k, &pairs);
+}
+
+fn nghttp2(k: &KernelTest, ns: &NetNs, dir: &ScratchDir) {
+    const BASE: u16 = 8680;
+    if !need(&["nghttpd", "h2load"]) {
+        return;
+    }
+    let pairs = register(k, BASE);
+    for (name, size) in [("h2_1k", 1usize << 10), ("h2_64k", 64 << 10)] {
+        std::fs::write(dir.path(name), vec![b'h'; size]).expect("body file");
+    }
+    let docs = dir.0.display().to_string();
+    let _servers = four_servers(ns, BASE, "nghttpd", |i| {
+        Program::spawn(ns, &["nghttpd", "--no-tls", "-a", "127.0.0.1", "-d", &docs, &(BASE + i).to_string()])
+    });
+    // h2load's first connection, before it was seen reading, is on TCP.
+    h2load(ns, BASE + 2, "h2_1k", 1, 1, 10);
+    let mut table = Table::new("h2load against nghttpd (HTTP/2 GETs of a file, streams multiplexed)");
+    for (size, name, c, m, n) in [
+        (1usize << 10, "h2_1k", 1usize, 10usize, 20_000usize),
+        (64 << 10, "h2_64k", 1, 1, 4000),
+        (64 << 10, "h2_64k", 10, 10, 4000),
+    ] {
+        table.cell(&format!("nghttp2/h2load_{size}B_c{c}_m{m}"), BASE, |port| h2load(ns, port, name, c, m, n));
+    }
+    table.print(k, &pairs);
+}
+
+/// `n` GETs of `path` by h2load over `c` connections, `m` streams each:
+/// h2load's own time to finish them, per request.
+fn h2load(ns: &NetNs, port: u16, path: &str, c: usize, m: usize, n: usize) -> Duration {
+    let url = format!("http://127.0.0.1:{port}/{path}");
+    let (c, m, count) = (c.to_string(), m.to_string(), n.to_string());
+    let out = Command::new("ip")
+        .args(["netns", "exec", ns.name(), "h2load", "-n", &count, "-c", &c, "-m", &m, &url])
+        .output()
+        .expect("h2load");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && text.contains(&format!("{n} succeeded, 0 failed")), "h2load {url}: {text}");
+    // "finished in 1.23s, ..." (or ms, us)
+    let took = text.split("finished in ").nth(1).and_then(|r| r.split(',').next()).expect("h2load's time");
+    let (value, unit) = took.split_at(took.find(|ch: char| ch.is_ascii_alphabetic()).expect("h2load's unit"));
+    let scale = match unit {
+        "s" => 1.0,
+        "ms" => 1e-3,
+        "us" => 1e-6,
+        _ => panic!("h2load's time: {took}"),
+    };
+    Duration::from_secs_f64(value.parse::<f64>().expect("h2load's time") * scale / n as f64)
 }
