@@ -46,8 +46,8 @@ use std::time::{Duration, Instant};
 
 use meshwarp_core::{Endpoint, EndpointPair, FastPathMode};
 use meshwarp_testbed::{
-    accept_timeout, postgres_bin, read_exact_ready, read_ready, wait_listening, which, write_all_ready, KernelTest,
-    NetNs, Program, ScratchDir, TestbedError, NODE_HTTP_ECHO,
+    accept_timeout, postgres_bin, read_exact_ready, read_ready, redis_server, wait_listening, which, write_all_ready,
+    KernelTest, NetNs, Program, ScratchDir, TestbedError, NODE_HTTP_ECHO,
 };
 
 // Shared with the other benches, which use its other functions.
@@ -164,30 +164,7 @@ fn redis(k: &KernelTest, ns: &NetNs, dir: &ScratchDir) {
         return;
     }
     let pairs = register(k, BASE);
-    let d = dir.0.display().to_string();
-    let _servers = four_servers(ns, BASE, "redis-server", |i| {
-        let port = (BASE + i).to_string();
-        Program::spawn(
-            ns,
-            &[
-                "redis-server",
-                "--bind",
-                "127.0.0.1",
-                "--port",
-                &port,
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--protected-mode",
-                "no",
-                "--dir",
-                &d,
-                "--dbfilename",
-                &format!("dump{port}.rdb"),
-            ],
-        )
-    });
+    let _servers = four_servers(ns, BASE, "redis-server", |i| redis_server(ns, "127.0.0.1", BASE + i, &dir.0));
     // GETs find values of the size they ask for: every key of the keyspace
     // (-r 100) set first, per value size.
     let mut filled = Vec::new();

@@ -23,8 +23,8 @@ use anyhow::{bail, ensure, Context, Result};
 use meshwarp_core::{CaptureRule, Endpoint, EndpointPair, GuardMode, RuleCounters};
 use meshwarp_testbed::{
     accept_timeout, echo_integrity, missing_feature, postgres_bin, read_exact_ready, read_ready, redirect_output,
-    splice_echo, wait_listening, wait_port_listening, which, write_all_ready, Fnv, KernelTest, NetNs, NodeWithPods,
-    Pattern, Program, ScratchDir, StreamEcho, NODE_HTTP_ECHO, SERVICE_V4,
+    redis_server, splice_echo, wait_listening, wait_port_listening, which, write_all_ready, Fnv, KernelTest, NetNs,
+    NodeWithPods, Pattern, Program, ScratchDir, StreamEcho, NODE_HTTP_ECHO, SERVICE_V4,
 };
 
 const CONNS: usize = 100;
@@ -67,6 +67,16 @@ fn node() -> Option<KernelTest> {
         c.trusted_readers.clear();
         c.guard = guard;
     })
+}
+
+/// Two pods on a node, pod A to `port` on pod B registered: the node, the
+/// server's address and the pair.
+fn pods_with_pair(k: &KernelTest, port: u16) -> Result<(NodeWithPods, SocketAddr, EndpointPair)> {
+    let net = NodeWithPods::new(2)?;
+    let server = SocketAddr::new(net.pods[1].v4.into(), port);
+    let pair = EndpointPair::new(net.pods[0].v4.into(), server.into())?;
+    k.dp().insert(&pair, OWNER)?;
+    Ok((net, server, pair))
 }
 
 /// The tools a scenario needs; a missing one fails under CI, else skips loudly.
@@ -604,31 +614,11 @@ fn redis_server_benchmark_and_values() -> Result<()> {
         return Ok(());
     }
     let Some(k) = node() else { return Ok(()) };
-    let net = NodeWithPods::new(2)?;
+    let (net, server, pair) = pods_with_pair(&k, 6379)?;
     let (a, b) = (&net.pods[0], &net.pods[1]);
-    let server = SocketAddr::new(b.v4.into(), 6379);
-    let pair = EndpointPair::new(a.v4.into(), server.into())?;
-    k.dp().insert(&pair, OWNER)?;
     let dir = ScratchDir::new("meshwarp-compat-")?;
     let bind = b.v4.to_string();
-    let _redis = Program::spawn(
-        &b.ns,
-        &[
-            "redis-server",
-            "--bind",
-            &bind,
-            "--port",
-            "6379",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--protected-mode",
-            "no",
-            "--dir",
-            &dir.0.display().to_string(),
-        ],
-    )?;
+    let _redis = redis_server(&b.ns, &bind, 6379, &dir.0)?;
     wait_listening(&a.ns, server, T)?;
     run_connections(|i| {
         let mut c = a.ns.connect(server)?;
@@ -671,11 +661,8 @@ fn openssl_s_server_s_client_with_ktls_asked() -> Result<()> {
         return Ok(());
     }
     let Some(k) = node() else { return Ok(()) };
-    let net = NodeWithPods::new(2)?;
+    let (net, server, pair) = pods_with_pair(&k, 4433)?;
     let (a, b) = (&net.pods[0], &net.pods[1]);
-    let server = SocketAddr::new(b.v4.into(), 4433);
-    let pair = EndpointPair::new(a.v4.into(), server.into())?;
-    k.dp().insert(&pair, OWNER)?;
     let dir = ScratchDir::new("meshwarp-compat-")?;
     let (cert, key, conf) = (dir.path("cert.pem"), dir.path("key.pem"), dir.path("openssl.cnf"));
     let st = std::process::Command::new("openssl")
@@ -830,11 +817,8 @@ fn python_splice_echo() -> Result<()> {
         return Ok(());
     }
     let Some(k) = node() else { return Ok(()) };
-    let net = NodeWithPods::new(2)?;
+    let (net, server, pair) = pods_with_pair(&k, 7200)?;
     let (a, b) = (&net.pods[0], &net.pods[1]);
-    let server = SocketAddr::new(b.v4.into(), 7200);
-    let pair = EndpointPair::new(a.v4.into(), server.into())?;
-    k.dp().insert(&pair, OWNER)?;
     let bind = b.v4.to_string();
     let _py = Program::spawn(&b.ns, &["python3", "-c", PY_SPLICE_ECHO, &bind, "7200"])?;
     wait_listening(&a.ns, server, T)?;
@@ -865,11 +849,8 @@ fn raw_syscall_splice_reader_fails_loudly_once_then_is_safe() -> Result<()> {
         return Ok(());
     }
     let incidents = k.dp().incidents();
-    let net = NodeWithPods::new(2)?;
+    let (net, server, pair) = pods_with_pair(&k, 7300)?;
     let (a, b) = (&net.pods[0], &net.pods[1]);
-    let server = SocketAddr::new(b.v4.into(), 7300);
-    let pair = EndpointPair::new(a.v4.into(), server.into())?;
-    k.dp().insert(&pair, OWNER)?;
     let l = b.ns.listen(server)?;
     let mut failed_loudly = Vec::new();
     for i in 0..=CONNS {
@@ -1040,11 +1021,8 @@ fn blocking_socket(ns: &NetNs, to: Option<SocketAddr>, listen: Option<SocketAddr
 #[test]
 fn blocking_full_duplex_reader() -> Result<()> {
     let Some(k) = node() else { return Ok(()) };
-    let net = NodeWithPods::new(2)?;
+    let (net, server, pair) = pods_with_pair(&k, 7400)?;
     let (a, b) = (&net.pods[0], &net.pods[1]);
-    let server = SocketAddr::new(b.v4.into(), 7400);
-    let pair = EndpointPair::new(a.v4.into(), server.into())?;
-    k.dp().insert(&pair, OWNER)?;
     let l: TcpListener = blocking_socket(&b.ns, None, Some(server))?.into();
     let srv = thread::spawn(move || -> Result<()> {
         for _ in 0..CONNS {
@@ -1120,11 +1098,8 @@ fn python_client(port: u16, script: &str, n: usize, more: &[&str]) -> Result<Opt
         return Ok(None);
     }
     let Some(k) = node() else { return Ok(None) };
-    let net = NodeWithPods::new(2)?;
+    let (net, server, pair) = pods_with_pair(&k, port)?;
     let (a, b) = (&net.pods[0], &net.pods[1]);
-    let server = SocketAddr::new(b.v4.into(), port);
-    let pair = EndpointPair::new(a.v4.into(), server.into())?;
-    k.dp().insert(&pair, OWNER)?;
     let l = b.ns.listen(server)?;
     let code = format!("{PY_CLIENT_PRELUDE}{script}");
     let (host, port, n) = (b.v4.to_string(), port.to_string(), n.to_string());
@@ -1391,11 +1366,8 @@ fn memcached_values_and_memcslap() -> Result<()> {
         return Ok(());
     }
     let Some(k) = node() else { return Ok(()) };
-    let net = NodeWithPods::new(2)?;
+    let (net, server, pair) = pods_with_pair(&k, 11211)?;
     let (a, b) = (&net.pods[0], &net.pods[1]);
-    let server = SocketAddr::new(b.v4.into(), 11211);
-    let pair = EndpointPair::new(a.v4.into(), server.into())?;
-    k.dp().insert(&pair, OWNER)?;
     let bind = b.v4.to_string();
     let _mc = Program::spawn(
         &b.ns,
@@ -1528,11 +1500,8 @@ fn python_grpc(port: u16) -> Result<Option<RuleCounters>> {
     }) else {
         return Ok(None);
     };
-    let net = NodeWithPods::new(2)?;
+    let (net, server, pair) = pods_with_pair(&k, port)?;
     let (a, b) = (&net.pods[0], &net.pods[1]);
-    let server = SocketAddr::new(b.v4.into(), port);
-    let pair = EndpointPair::new(a.v4.into(), server.into())?;
-    k.dp().insert(&pair, OWNER)?;
     let (host, port, n) = (b.v4.to_string(), port.to_string(), CONNS.to_string());
     let _srv = Program::spawn(&b.ns, &[PY, "-c", PY_GRPC_SERVER, &host, &port])?;
     wait_listening(&a.ns, server, T)?;
@@ -1571,11 +1540,8 @@ fn postgres_psql_literals_and_pgbench() -> Result<()> {
         return Ok(());
     }
     let Some(k) = node() else { return Ok(()) };
-    let net = NodeWithPods::new(2)?;
+    let (net, server, pair) = pods_with_pair(&k, 5432)?;
     let (a, b) = (&net.pods[0], &net.pods[1]);
-    let server = SocketAddr::new(b.v4.into(), 5432);
-    let pair = EndpointPair::new(a.v4.into(), server.into())?;
-    k.dp().insert(&pair, OWNER)?;
     let dir = ScratchDir::new("meshwarp-compat-")?;
     let (d, data) = (dir.0.display().to_string(), dir.path("pg").display().to_string());
     let prog = |name: &str| bin.join(name).display().to_string();
@@ -2015,6 +1981,7 @@ fn java_http_client_server_and_sendfile() -> Result<()> {
     );
     Ok(())
 }
+
 // ---------------------------------------------------------------------------
 // HTTP/2 (nghttp2)
 
@@ -2034,11 +2001,8 @@ fn nghttp2_downloads_uploads_and_h2load() -> Result<()> {
         .map(|i| pattern_file(&dir.path(&format!("f{i}")), i as u64, size_of_conn(i)))
         .collect::<Result<Vec<_>>>()?;
     let Some(k) = node() else { return Ok(()) };
-    let net = NodeWithPods::new(2)?;
+    let (net, server, pair) = pods_with_pair(&k, 7114)?;
     let (a, b) = (&net.pods[0], &net.pods[1]);
-    let server = SocketAddr::new(b.v4.into(), 7114);
-    let pair = EndpointPair::new(a.v4.into(), server.into())?;
-    k.dp().insert(&pair, OWNER)?;
     let docs = dir.0.display().to_string();
     let _srv =
         Program::spawn(&b.ns, &["nghttpd", "--no-tls", "-a", &b.v4.to_string(), "-d", &docs, "--echo-upload", "7114"])?;

@@ -1472,6 +1472,32 @@ http.createServer((req, res) => {
 }).listen(+port, host);
 "#;
 
+/// redis-server in `ns` on `bind`:`port`, persisting nothing (no RDB saves,
+/// no append-only file; its working directory `dir`).
+pub fn redis_server(ns: &NetNs, bind: &str, port: u16, dir: &Path) -> Result<Program> {
+    let (port, dir, rdb) = (port.to_string(), dir.display().to_string(), format!("dump{port}.rdb"));
+    Program::spawn(
+        ns,
+        &[
+            "redis-server",
+            "--bind",
+            bind,
+            "--port",
+            &port,
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--protected-mode",
+            "no",
+            "--dir",
+            &dir,
+            "--dbfilename",
+            &rdb,
+        ],
+    )
+}
+
 /// Waits until something accepts TCP connections on `addr` in `ns`.
 pub fn wait_listening(ns: &NetNs, addr: SocketAddr, timeout: Duration) -> Result<()> {
     let deadline = Instant::now() + timeout;
