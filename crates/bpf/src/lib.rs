@@ -100,6 +100,7 @@ pub mod names {
     pub const MAP_EXES: &str = "mw_exes";
     pub const MAP_EXE_CLASS: &str = "mw_exe_class";
     pub const MAP_SERVICES: &str = "mw_services";
+    pub const MAP_READERS: &str = "mw_readers";
     pub const MAP_SRV_HINT: &str = "mw_srv_hint";
     pub const MAP_CONFIG: &str = "mw_config";
     pub const MAP_DOOMED: &str = "mw_doomed";
@@ -186,6 +187,11 @@ pub mod names {
     /// iterators); `mw_conns_tcp` loads everywhere, but instances pinned by
     /// builds before it lack it until an upgrade adds it.
     pub const SOCKREDIR_OPTIONAL_PROGS: [&str; 3] = [PROG_LAT_SEND, PROG_CONNS, PROG_CONNS_TCP];
+    /// Maps of the sockredir family newer than the family itself: pinned by
+    /// every load of this build, missing from instances an older build
+    /// pinned until an upgrade creates them. Each holds only what the
+    /// programs learn, so starting empty loses nothing.
+    pub const SOCKREDIR_ADDED_MAPS: [&str; 1] = [MAP_READERS];
     /// The tcredir family's programs that are pinned.
     pub const TCREDIR_PROGS: [&str; 2] = [PROG_TC_INGRESS, PROG_TC_EGRESS];
     /// The maps of a family's plugin chain (`chain.h`), which every family
@@ -259,6 +265,7 @@ mod tests {
         all.extend(names::SOCKREDIR_OPTIONAL_PROGS);
         all.extend(names::TCREDIR_PROGS);
         all.extend(names::SOCKREDIR_MAPS);
+        all.extend(names::SOCKREDIR_ADDED_MAPS);
         all.extend(names::TCREDIR_MAPS);
         all.extend(names::PLUGIN_HOST_MAPS);
         for n in all {

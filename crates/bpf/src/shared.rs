@@ -443,6 +443,19 @@ pub struct ServiceKey {
     pub family: u32,
 }
 
+/// `struct mw_reader_key`: how one executable reads one service.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct ReaderKey {
+    pub exe: ExeKey,
+    pub netns: u64,
+    /// A server end's local port, a client end's remote port.
+    pub port: u16,
+    /// [`END_CLIENT`] or [`END_SERVER`].
+    pub end: u16,
+    pub pad: u32,
+}
+
 /// `struct mw_config`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
@@ -968,6 +981,7 @@ mod tests {
         same_layout!(Exe, types::mw_exe, [flags, tgid, comm]);
         same_layout!(ExeClass, types::mw_exe_class, [flags, pad]);
         same_layout!(ServiceKey, types::mw_service_key, [netns, port, family]);
+        same_layout!(ReaderKey, types::mw_reader_key, [exe, netns, port, end, pad]);
         same_layout!(Config, types::mw_config, [flags, pad, lat_since]);
         same_layout!(
             RuleStats,

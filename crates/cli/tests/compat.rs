@@ -1921,9 +1921,11 @@ public class Main {
 /// Node.js echo (both non-blocking: accelerated both ways). Then Java's own
 /// HttpServer: its first connections get a psock (`java` was only seen
 /// reading without blocking) and are read in blocking mode, every byte
-/// intact; that shows the guard Java reading in blocking mode, and from then
-/// on no Java end gets a psock (blocking downloads of sendfile, then the
-/// HttpClient again: the guard judges executables).
+/// intact; that shows the guard Java reading that service in blocking mode,
+/// and from then on no end of it gets a psock, nor does a service `java` is
+/// first seen reading after that (blocking downloads of sendfile). The
+/// HttpClient's service, seen read only without blocking, stays accelerated
+/// from its first connection on: the guard judges executables per service.
 #[test]
 fn java_http_client_server_and_sendfile() -> Result<()> {
     if !tools(&["java", "javac", "node"]) {
@@ -1971,13 +1973,15 @@ fn java_http_client_server_and_sendfile() -> Result<()> {
             ("HttpClient -> node, again", last),
         ],
     );
-    // Both directions of the connections after the first: 2 x ~91 MB.
-    ensure!(first.redirected_bytes > (150 << 20), "HttpClient <-> node accelerated both ways: {first:?}");
+    // The POST bodies are ~91 MB one way; the first 10-20 connections (10
+    // at a time) wait on TCP until `java` is classified and seen reading:
+    // more than one direction's bytes were redirected, so both ways.
+    ensure!(first.redirected_bytes > (100 << 20), "HttpClient <-> node accelerated both ways: {first:?}");
     ensure!(st_java.sockets >= 2 && st_java.redirected_bytes > 0, "the first HttpServer connections: {st_java:?}");
-    ensure!(st_files.sockets == 0, "no psock for java once seen blocking: {st_files:?}");
+    ensure!(st_files.sockets == 0, "no psock for a new service of java once seen blocking: {st_files:?}");
     ensure!(
-        last.fallback_reader >= first.fallback_reader + CONNS as u64,
-        "java, seen reading blocking, kept off: {first:?} {last:?}"
+        last.fallback_reader == first.fallback_reader && last.sockets == first.sockets + 2 * CONNS as u64,
+        "java's HttpClient, seen reading that service only without blocking, accelerated: {first:?} {last:?}"
     );
     Ok(())
 }

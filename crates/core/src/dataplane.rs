@@ -467,11 +467,17 @@ fn upgrade_programs(layout: &FamilyPins) -> Result<Vec<String>, UpgradeError> {
     // The instance's size, not this process's configuration.
     let nr_slots = upgrade::pinned_max_entries(&layout.map(names::MAP_LINKS))?;
     let mut open = loader::open_sockredir(&mut obj, nr_slots).map_err(bpf("opening BPF object"))?;
-    upgrade::reuse_pinned_maps(open.open_object_mut().maps_mut(), &layout.maps_dir())?;
+    let created =
+        upgrade::reuse_pinned_maps(open.open_object_mut().maps_mut(), &layout.maps_dir(), layout.added_maps())?;
     let (loaded, log) = crate::loader::with_libbpf_log(|| open.load());
     let skel = loaded.map_err(|source| UpgradeError::Load { source, log })?;
     let p = &skel.progs;
     upgrade::run(&layout.maps_dir(), |swap| {
+        for name in &created {
+            let map = added_map(&skel.maps, name)
+                .ok_or_else(|| UpgradeError::MissingMap(format!("{name} (not in this build's object)")))?;
+            swap.map_pin(&layout.map(name), map.as_fd())?;
+        }
         swap.prog_array(&layout.map(names::MAP_CH_CONN), CHAIN_FIN, p.mw_conn_fin.as_fd())?;
         swap.prog_array(&layout.map(names::MAP_CH_MSG), CHAIN_FIN, p.mw_msg_fin.as_fd())?;
         swap.sockmap_verdict(&layout.map(names::MAP_SOCKMAP), p.mw_sk_msg.as_fd())?;
@@ -504,6 +510,11 @@ fn upgrade_programs(layout: &FamilyPins) -> Result<Vec<String>, UpgradeError> {
         }
         Ok(())
     })
+}
+
+/// The map of `skel` named in [`names::SOCKREDIR_ADDED_MAPS`].
+fn added_map<'a>(maps: &'a meshwarp_bpf::sockredir::SockredirMaps<'a>, name: &str) -> Option<&'a libbpf_rs::Map<'a>> {
+    (name == names::MAP_READERS).then_some(&maps.mw_readers)
 }
 
 /// The programs of the socket family that are pinned, by pin name.
@@ -712,6 +723,7 @@ fn load_and_pin(cfg: &DataplaneConfig, layout: &FamilyPins) -> Result<(), Datapl
         (names::MAP_EXES, &maps.mw_exes),
         (names::MAP_EXE_CLASS, &maps.mw_exe_class),
         (names::MAP_SERVICES, &maps.mw_services),
+        (names::MAP_READERS, &maps.mw_readers),
         (names::MAP_SRV_HINT, &maps.mw_srv_hint),
         (names::MAP_CONFIG, &maps.mw_config),
         (names::MAP_DOOMED, &maps.mw_doomed),

@@ -26,6 +26,9 @@ pub struct FamilyPins {
     dir: PathBuf,
     progs: &'static [&'static str],
     maps: &'static [&'static str],
+    /// Maps newer than the family: an older build's instance lacks them
+    /// until an upgrade creates them ([`crate::upgrade`]).
+    added_maps: &'static [&'static str],
     links: &'static [&'static str],
 }
 
@@ -41,6 +44,7 @@ impl FamilyPins {
             dir: schema_dir(pin_root),
             progs: &names::SOCKREDIR_PROGS,
             maps: &names::SOCKREDIR_MAPS,
+            added_maps: &names::SOCKREDIR_ADDED_MAPS,
             links: &[names::PROG_SOCKOPS, names::PROG_SETSOCKOPT, names::PROG_CONNECT4, names::PROG_CONNECT6],
         }
     }
@@ -52,6 +56,7 @@ impl FamilyPins {
             dir: schema_dir(pin_root).join("tc"),
             progs: &names::TCREDIR_PROGS,
             maps: &names::TCREDIR_MAPS,
+            added_maps: &[],
             links: &[],
         }
     }
@@ -87,6 +92,12 @@ impl FamilyPins {
         let progs = self.progs.iter().map(|p| self.prog(p));
         let maps = self.maps.iter().chain(&names::PLUGIN_HOST_MAPS).map(|m| self.map(m));
         links.chain(progs).chain(maps).collect()
+    }
+
+    /// The maps an instance pinned by an older build may lack (see
+    /// [`names::SOCKREDIR_ADDED_MAPS`]).
+    pub fn added_maps(&self) -> &'static [&'static str] {
+        self.added_maps
     }
 
     /// The fixed pins that are missing; all of them: nothing is pinned.
@@ -166,7 +177,7 @@ impl FamilyPins {
         remove_plugin_pins(&self.dir)
             .map_err(|e| IoError::new(format!("unpinning plugins under {}", self.dir.display()), e))?;
         self.clear_stray();
-        for p in self.fixed() {
+        for p in self.fixed().into_iter().chain(self.added_maps.iter().map(|m| self.map(m))) {
             unpin(&p)?;
         }
         for d in [self.links_dir(), self.dir.join("progs"), self.maps_dir(), self.dir.clone()] {
@@ -227,7 +238,7 @@ pub fn remove_schema_dir(dir: &Path) -> Result<(), IoError> {
     let _held = [dir.join("tc"), dir.to_path_buf()]
         .into_iter()
         .filter(|d| d.is_dir())
-        .map(|d| FamilyPins { dir: d, progs: &[], maps: &[], links: &[] }.lock())
+        .map(|d| FamilyPins { dir: d, progs: &[], maps: &[], added_maps: &[], links: &[] }.lock())
         .collect::<Result<Vec<_>, _>>()?;
     for links in [dir.join("tc").join("links"), dir.join("links")] {
         for e in fs::read_dir(&links).into_iter().flatten().flatten() {

@@ -1024,7 +1024,11 @@ fn check_open(open: &libbpf_rs::OpenObject, hook: Hook) -> Result<(), PluginErro
 /// rather than given a private copy that would look like the host's.
 fn is_host_only_map(name: &str) -> bool {
     let shared = names::PLUGIN_SHARED_MAPS.iter().chain(&[names::MAP_CH_CONN, names::MAP_CH_MSG, names::MAP_CH_PKT]);
-    let host = names::SOCKREDIR_MAPS.iter().chain(&names::TCREDIR_MAPS).chain(&names::PLUGIN_HOST_MAPS);
+    let host = names::SOCKREDIR_MAPS
+        .iter()
+        .chain(&names::SOCKREDIR_ADDED_MAPS)
+        .chain(&names::TCREDIR_MAPS)
+        .chain(&names::PLUGIN_HOST_MAPS);
     host.into_iter().any(|h| *h == name) && !shared.into_iter().any(|h| *h == name)
 }
 

@@ -610,7 +610,7 @@ fn upgrade_programs(pins: &FamilyPins, netns: Option<&Path>) -> Result<Vec<Strin
     let mut open = TcredirSkelBuilder::default()
         .open(&mut obj)
         .map_err(|source| UpgradeError::Bpf { what: "opening the tc object".into(), source })?;
-    upgrade::reuse_pinned_maps(open.open_object_mut().maps_mut(), &pins.maps_dir())?;
+    upgrade::reuse_pinned_maps(open.open_object_mut().maps_mut(), &pins.maps_dir(), pins.added_maps())?;
     let (loaded, log) = crate::loader::with_libbpf_log(|| open.load());
     let skel = loaded.map_err(|source| UpgradeError::Load { source, log })?;
     let p = &skel.progs;

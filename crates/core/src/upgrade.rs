@@ -352,6 +352,19 @@ impl Swap {
         )
     }
 
+    /// Pins a map the load created because the older build had none (see
+    /// [`reuse_pinned_maps`]); the undo unpins it. Pinned before any program
+    /// changes, so an opener after a cut-short upgrade reuses it.
+    pub(crate) fn map_pin(&mut self, path: &Path, map: BorrowedFd<'_>) -> Result<(), UpgradeError> {
+        let step = format!("pin map {}", file_name(path));
+        obj_pin(&step, map, path)?;
+        let (s, p) = (step.clone(), path.to_path_buf());
+        self.record(
+            step,
+            Box::new(move || fs::remove_file(&p).map_err(|source| UpgradeError::Step { step: s, source })),
+        )
+    }
+
     /// Unpins an optional program this build does not load here (the undo
     /// pins it back).
     pub(crate) fn prog_unpin(&mut self, path: &Path) -> Result<(), UpgradeError> {
@@ -466,10 +479,14 @@ pub(crate) fn apply(
 /// Points each map of a freshly opened object at the family's pinned map of
 /// the same name, so the loaded programs use the running instance's state;
 /// libbpf's internal maps (`.rodata`, named with a dot) are the object's own.
+/// A map of `added` (newer than the family) that the instance lacks is left
+/// for the load to create; its name is returned, for [`Swap::map_pin`].
 pub(crate) fn reuse_pinned_maps<'a>(
     maps: impl Iterator<Item = libbpf_rs::OpenMapMut<'a>>,
     maps_dir: &Path,
-) -> Result<(), UpgradeError> {
+    added: &[&str],
+) -> Result<Vec<String>, UpgradeError> {
+    let mut created = Vec::new();
     for mut m in maps {
         let name = m.name().to_string_lossy().into_owned();
         if name.contains('.') {
@@ -477,11 +494,15 @@ pub(crate) fn reuse_pinned_maps<'a>(
         }
         let path = maps_dir.join(&name);
         if !path.exists() {
+            if added.contains(&name.as_str()) {
+                created.push(name);
+                continue;
+            }
             return Err(UpgradeError::MissingMap(name));
         }
         m.reuse_pinned_map(&path).map_err(|source| UpgradeError::Bpf { what: format!("reusing {name}"), source })?;
     }
-    Ok(())
+    Ok(created)
 }
 
 /// `max_entries` of a pinned map.

@@ -390,6 +390,61 @@ fn a_blocking_reader_is_kept_off() -> Result<()> {
     Ok(())
 }
 
+/// The blocking judgement is made per executable and service: a program
+/// seen reading one service in blocking mode keeps the services it reads
+/// without blocking accelerated (a runtime such as `java` runs both kinds),
+/// and a service it was never seen reading waits one connection on TCP.
+#[test]
+fn a_blocking_reader_is_judged_per_service() -> Result<()> {
+    let k = kernel_test!(|c| c.trusted_readers.clear());
+    if !k.dp().kernel().blocked_read_eagain {
+        eprintln!("this kernel's blocked reads never return EAGAIN: nothing to judge");
+        return Ok(());
+    }
+    let net = NodeWithPods::new(2)?;
+    let service = |port: u16| -> Result<(std::net::TcpListener, EndpointPair, SocketAddr)> {
+        let addr = SocketAddr::new(net.pods[1].addr(false), port);
+        let l = net.pods[1].ns.listen(addr)?;
+        let pair = EndpointPair::new(net.pods[0].addr(false), addr.into())?;
+        k.dp().insert(&pair, "test")?;
+        Ok((l, pair, addr))
+    };
+    let (blocking, quick, fresh) = (service(8112)?, service(8113)?, service(8114)?);
+    let connect = |svc: &(std::net::TcpListener, EndpointPair, SocketAddr)| -> Result<(TcpStream, TcpStream)> {
+        Ok((net.pods[0].ns.connect(svc.2)?, accept_timeout(&svc.0, T)?))
+    };
+    let accelerated = |svc: &(std::net::TcpListener, EndpointPair, SocketAddr), seed: u64| -> Result<bool> {
+        let before = k.dp().stats(&svc.1)?;
+        let (c, s) = connect(svc)?;
+        let linked = k.dp().socket_link(socket_cookie_of(&c)?)?.is_some();
+        exchange(c, s, seed, 64 << 10, T)?;
+        let after = k.dp().stats(&svc.1)?;
+        let redirected = after.redirected_bytes >= before.redirected_bytes + 2 * (64 << 10);
+        ensure!(linked == redirected, "linked {linked}, stats {before:?} -> {after:?}");
+        ensure!(linked || after.fallback_reader > before.fallback_reader, "why not: {after:?}");
+        Ok(linked)
+    };
+    // Seen reading both services without blocking.
+    accelerated(&blocking, 21)?;
+    accelerated(&quick, 22)?;
+    ensure!(accelerated(&blocking, 23)? && accelerated(&quick, 24)?, "seen reading without blocking");
+    // One blocking read of the first service...
+    let (c, s) = connect(&blocking)?;
+    ensure!(k.dp().socket_link(socket_cookie_of(&c)?)?.is_some());
+    s.set_nonblocking(false)?;
+    write_all_ready(&mut c.try_clone()?, b"x", Some(T))?;
+    (&s).read_exact(&mut [0u8; 1])?;
+    drop((c, s));
+    // ...keeps that service off, not the other one...
+    ensure!(!accelerated(&blocking, 25)?, "the service read in blocking mode stays on TCP");
+    ensure!(accelerated(&quick, 26)?, "the service read without blocking stays accelerated");
+    // ...and a service never seen read waits one connection (the program is
+    // known to read in blocking mode somewhere), then is accelerated.
+    ensure!(!accelerated(&fresh, 27)?, "a new service of a program seen blocking: first on TCP");
+    ensure!(accelerated(&fresh, 28)?, "then judged by how it was read");
+    Ok(())
+}
+
 // ---------------------------------------------------------------------------
 // the guard off, and the kernel without it
 

@@ -328,6 +328,57 @@ fn an_upgrade_adds_the_programs_an_older_build_lacked() -> Result<()> {
     Ok(())
 }
 
+/// An older build pinned no `mw_readers` (maps this build adds,
+/// `names::SOCKREDIR_ADDED_MAPS`): its instance is not partial, and the
+/// upgrade creates and pins the map before changing any program. Failed
+/// after that step, the upgrade unpins it again and the older programs run
+/// on as they were; upgraded, the map is there and connections are
+/// redirected.
+#[test]
+fn an_upgrade_adds_the_maps_an_older_build_lacked() -> Result<()> {
+    let mut k = kernel_test!(1024);
+    let bed = Bed::new(k.dp())?;
+    let dir = k.dp().pin_dir().to_path_buf();
+    let added = dir.join("maps").join(names::MAP_READERS);
+    ensure!(added.exists(), "a fresh load pins {}", added.display());
+    let mut live = bed.connect()?;
+    let mut pattern = Pattern::new(5);
+    ping(&mut live, &mut pattern, 1000)?;
+    let as_older_build = |k: &mut KernelTest| -> Result<()> {
+        drop(k.dp.take());
+        std::fs::remove_file(&added)?;
+        mark_other_build(&dir.join("maps"))
+    };
+    let step = format!("pin map {}", names::MAP_READERS);
+
+    // Failed right after the map was pinned: unpinned again.
+    as_older_build(&mut k)?;
+    let before = running_programs(&dir)?;
+    inject_fault(Some(&format!("fail:{step}")));
+    let opened = Dataplane::open(&k.cfg);
+    inject_fault(None);
+    k.dp = Some(opened?);
+    match k.dp().upgrade() {
+        Upgrade::Failed { reason } => ensure!(reason.contains(&step), "{reason}"),
+        u => bail!("{u:?}"),
+    }
+    ensure!(!added.exists(), "a failed upgrade left the new map pinned");
+    ensure!(running_programs(&dir)? == before, "a failed upgrade left programs changed");
+    ping(&mut live, &mut pattern, 1000)?;
+    fresh_connection_is_redirected(k.dp(), &bed, 50)?;
+
+    // Upgraded: the map is pinned first, then the programs are this build's.
+    drop(k.dp.take());
+    k.dp = Some(Dataplane::open(&k.cfg)?);
+    let Upgrade::Done { steps, .. } = k.dp().upgrade().clone() else { bail!("{:?}", k.dp().upgrade()) };
+    ensure!(steps.get(1) == Some(&step), "pinned right after marking the instance: {steps:?}");
+    ensure!(added.exists(), "{} pinned", added.display());
+    ensure!(stray_pins(&dir).is_empty(), "{:?}", stray_pins(&dir));
+    ping(&mut live, &mut pattern, 1000)?;
+    fresh_connection_is_redirected(k.dp(), &bed, 60)?;
+    Ok(())
+}
+
 /// Programs of another build may have run the latency monitor on maps this
 /// build created and marked clean (an older build keeps config flags it does
 /// not know): once upgraded, a reused rule id forgets that monitor's

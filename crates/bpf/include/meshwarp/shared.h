@@ -412,6 +412,19 @@ struct mw_exe_class {
 #define MW_EXE_SEEN_ZEROCOPY 0x2000u   /* set SO_ZEROCOPY on a covered socket */
 #define MW_EXE_SEEN_PEEK_OFF 0x4000u   /* set SO_PEEK_OFF on a covered socket */
 
+/* How one executable reads one service (mw_readers): the blocking judgement
+ * is made per executable and service, so a runtime that runs event-driven
+ * and blocking programs (every Java program is `java`) keeps its
+ * non-blocking services accelerated. `port` is the service's: a server
+ * end's local port, a client end's remote port; `end` is MW_END_*. */
+struct mw_reader_key {
+	struct mw_exe_key exe;
+	__u64 netns;
+	__u16 port;
+	__u16 end;
+	__u32 pad;
+};
+
 /* A listening service whose listener was not stamped (it predates meshwarp):
  * the reader of its first covered connection names the executable. */
 struct mw_service_key {

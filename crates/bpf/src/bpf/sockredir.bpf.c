@@ -14,11 +14,15 @@
  * not to do those things. Which executable reads a socket is stamped at
  * connect()/listen() (accepted sockets inherit the listener's stamp); user
  * space classifies executables from their ELF (mw_exe_class), and the
- * programs below record what executables are seen doing (mw_exes):
+ * programs below record what executables are seen doing (mw_exes), and how
+ * each reads each service (mw_readers: blocking or not, per executable,
+ * network namespace, service port and end):
  *   - sockops decides per end: not accelerated, a sender only, or also a
  *     redirect target; the server end decides for the connection, so both
  *     ends are accelerated or neither;
- *   - tp_btf/sock_recv_length sees blocking and non-blocking reads;
+ *   - tp_btf/sock_recv_length sees blocking and non-blocking reads; an end
+ *     whose executable was seen reading its service judged by that record,
+ *     one whose service it never read by the executable's;
  *   - tp_btf/sys_enter sees splice(), FIONREAD and sends of urgent data
  *     (MSG_OOB) before the kernel runs them; a splice on a target withdraws
  *     it, and one that finds redirected bytes waiting is a hit: the sender's
@@ -135,6 +139,11 @@ MW_MAP(mw_exes, BPF_MAP_TYPE_HASH, struct mw_exe_key, struct mw_exe, 4096, 0);
 MW_MAP(mw_exe_class, BPF_MAP_TYPE_HASH, struct mw_exe_key, struct mw_exe_class, 4096, BPF_F_NO_PREALLOC);
 
 MW_MAP(mw_services, BPF_MAP_TYPE_LRU_HASH, struct mw_service_key, struct mw_exe_key, 4096, 0);
+
+/* MW_EXE_SEEN_BLOCKING / _NONBLOCKING per executable and service: where an
+ * entry exists it judges the blocking reader in place of the executable's
+ * own flags (decide_end). LRU: an evicted entry only falls back to them. */
+MW_MAP(mw_readers, BPF_MAP_TYPE_LRU_HASH, struct mw_reader_key, __u32, 16384, 0);
 
 MW_MAP(mw_config, BPF_MAP_TYPE_ARRAY, __u32, struct mw_config, 1, 0);
 
@@ -704,8 +713,20 @@ static __always_inline void decide_end(struct bpf_sock_ops *skops, struct tcp_so
 		 * socket will be read is only known from its program's reads
 		 * (O_NONBLOCK at connect() is not: connect-with-timeout helpers
 		 * switch back to blocking): a psock only for programs seen
-		 * reading without blocking, and never blocking. */
-		if (!(sflags & MW_EXE_SEEN_NONBLOCKING) || (sflags & MW_EXE_SEEN_BLOCKING)) {
+		 * reading without blocking, and never blocking — on this
+		 * service where they were seen reading it, else anywhere. */
+		__u32 rflags = sflags;
+		__u32 *per_service;
+		struct mw_reader_key rk = {};
+
+		rk.exe = d->exe;
+		rk.netns = bpf_get_netns_cookie(skops);
+		rk.port = active ? bpf_ntohl(skops->remote_port) : skops->local_port;
+		rk.end = active ? MW_END_CLIENT : MW_END_SERVER;
+		per_service = bpf_map_lookup_elem(&mw_readers, &rk);
+		if (per_service)
+			rflags = *per_service;
+		if (!(rflags & MW_EXE_SEEN_NONBLOCKING) || (rflags & MW_EXE_SEEN_BLOCKING)) {
 			d->reader = true;
 			return;
 		}
@@ -2116,6 +2137,27 @@ static __always_inline void answered_on_tcp(struct mw_link *link, struct mw_sock
 	ask_relink(link, st->link, end);
 }
 
+/* Records how executable `exe` reads the service of covered socket `sk`
+ * (struct mw_reader_key). */
+static __always_inline void reader_seen(struct sock *sk, const struct mw_sock_state *st,
+					const struct mw_exe_key *exe, __u32 bit)
+{
+	struct mw_reader_key rk = {};
+	__u32 *flags;
+
+	rk.exe = *exe;
+	rk.netns = sk->__sk_common.skc_net.net->net_cookie;
+	rk.end = st->end & 1;
+	rk.port = rk.end == MW_END_CLIENT ? bpf_ntohs(sk->__sk_common.skc_dport) : sk->__sk_common.skc_num;
+	flags = bpf_map_lookup_elem(&mw_readers, &rk);
+	if (!flags) {
+		bpf_map_update_elem(&mw_readers, &rk, &bit, BPF_NOEXIST);
+		flags = bpf_map_lookup_elem(&mw_readers, &rk);
+	}
+	if (flags && !(*flags & bit))
+		__sync_fetch_and_or(flags, bit);
+}
+
 /* Every read of a covered socket: blocking or not, and by which executable. */
 SEC("tp_btf/sock_recv_length")
 int BPF_PROG(mw_recv_len, struct sock *sk, int ret, int flags)
@@ -2215,6 +2257,7 @@ int BPF_PROG(mw_recv_len, struct sock *sk, int ret, int flags)
 	}
 	st->rd_seen |= bit;
 	exe_seen(&exe, bit);
+	reader_seen(sk, st, &exe, bit);
 	if (!bpf_map_lookup_elem(&mw_exe_class, &exe))
 		request_classify(&exe, tgid);
 	if (st->learn) {
