@@ -225,6 +225,19 @@ fn an_upgrade_under_traffic_fails_no_request_and_keeps_every_connection() -> Res
 
 /// Two pods and their pair, and the steps an upgrade of this data path takes
 /// (learnt by doing one).
+/// Opens the data path with upgrade step `step` failing: the upgrade is
+/// reported failed, and why.
+fn open_failing_at(k: &mut KernelTest, step: &str) -> Result<String> {
+    inject_fault(Some(&format!("fail:{step}")));
+    let opened = Dataplane::open(&k.cfg);
+    inject_fault(None);
+    k.dp = Some(opened?);
+    match k.dp().upgrade() {
+        Upgrade::Failed { reason } => Ok(reason.clone()),
+        u => bail!("failing at {step}: {u:?}"),
+    }
+}
+
 fn learn_steps(k: &mut KernelTest) -> Result<(Bed, PathBuf, Vec<String>)> {
     let bed = Bed::new(k.dp())?;
     let dir = k.dp().pin_dir().to_path_buf();
@@ -253,17 +266,9 @@ fn a_failed_upgrade_step_puts_every_earlier_step_back() -> Result<()> {
         drop(k.dp.take());
         mark_other_build(&dir.join("maps"))?;
         let before = running_programs(&dir)?;
-        inject_fault(Some(&format!("fail:{step}")));
-        let opened = Dataplane::open(&k.cfg);
-        inject_fault(None);
-        k.dp = Some(opened?);
-        match k.dp().upgrade() {
-            Upgrade::Failed { reason } => {
-                let named = step.split('/').next().unwrap_or_default();
-                ensure!(reason.contains(named), "{step}: {reason}")
-            }
-            u => bail!("step {step}: {u:?}"),
-        }
+        let reason = open_failing_at(&mut k, step)?;
+        let named = step.split('/').next().unwrap_or_default();
+        ensure!(reason.contains(named), "{step}: {reason}");
         ensure!(running_programs(&dir)? == before, "step {step} left programs changed");
         ensure!(k.dp().programs_build().as_bytes() == OTHER_BUILD, "step {step}: build id changed");
         ensure!(stray_pins(&dir).is_empty(), "step {step}: {:?}", stray_pins(&dir));
@@ -304,11 +309,7 @@ fn an_upgrade_adds_the_programs_an_older_build_lacked() -> Result<()> {
     };
     // Failed where the pin is added: put back to the older build's pins.
     as_older_build(&mut k)?;
-    inject_fault(Some(&format!("fail:pin {}", names::PROG_CONNS_TCP)));
-    let opened = Dataplane::open(&k.cfg);
-    inject_fault(None);
-    k.dp = Some(opened?);
-    ensure!(matches!(k.dp().upgrade(), Upgrade::Failed { .. }), "{:?}", k.dp().upgrade());
+    open_failing_at(&mut k, &format!("pin {}", names::PROG_CONNS_TCP))?;
     ensure!(list_progs.iter().all(|p| !dir.join("progs").join(p).exists()), "a failed upgrade left a new pin");
     ensure!(k.dp().connection_source().is_none());
     let err = k.dp().connections(&meshwarp_core::ConnFilter::default()).unwrap_err().to_string();
@@ -354,14 +355,8 @@ fn an_upgrade_adds_the_maps_an_older_build_lacked() -> Result<()> {
     // Failed right after the map was pinned: unpinned again.
     as_older_build(&mut k)?;
     let before = running_programs(&dir)?;
-    inject_fault(Some(&format!("fail:{step}")));
-    let opened = Dataplane::open(&k.cfg);
-    inject_fault(None);
-    k.dp = Some(opened?);
-    match k.dp().upgrade() {
-        Upgrade::Failed { reason } => ensure!(reason.contains(&step), "{reason}"),
-        u => bail!("{u:?}"),
-    }
+    let reason = open_failing_at(&mut k, &step)?;
+    ensure!(reason.contains(&step), "{reason}");
     ensure!(!added.exists(), "a failed upgrade left the new map pinned");
     ensure!(running_programs(&dir)? == before, "a failed upgrade left programs changed");
     ping(&mut live, &mut pattern, 1000)?;

@@ -2142,13 +2142,16 @@ static __always_inline void answered_on_tcp(struct mw_link *link, struct mw_sock
 static __always_inline void reader_seen(struct sock *sk, const struct mw_sock_state *st,
 					const struct mw_exe_key *exe, __u32 bit)
 {
+	struct inet_sock *inet = bpf_core_cast(sk, struct inet_sock);
 	struct mw_reader_key rk = {};
 	__u32 *flags;
 
 	rk.exe = *exe;
 	rk.netns = sk->__sk_common.skc_net.net->net_cookie;
 	rk.end = st->end & 1;
-	rk.port = rk.end == MW_END_CLIENT ? bpf_ntohs(sk->__sk_common.skc_dport) : sk->__sk_common.skc_num;
+	/* Not skc_num: a closed socket's (TCP_CLOSE) is 0, and the first read
+	 * of a short exchange can come after both FINs. */
+	rk.port = bpf_ntohs(rk.end == MW_END_CLIENT ? sk->__sk_common.skc_dport : inet->inet_sport);
 	flags = bpf_map_lookup_elem(&mw_readers, &rk);
 	if (!flags) {
 		bpf_map_update_elem(&mw_readers, &rk, &bit, BPF_NOEXIST);
@@ -3182,3 +3185,4 @@ int mw_conns_tcp(struct bpf_iter__tcp *ctx)
 }
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
+
