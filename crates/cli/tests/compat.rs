@@ -582,6 +582,94 @@ fn nginx_proxy_pass_with_curl() -> Result<()> {
     Ok(())
 }
 
+/// A TCP extended counter (`nstat`) of namespace `ns`.
+fn tcp_ext_counter(ns: &NetNs, name: &str) -> Result<u64> {
+    let (ok, out) = run_to_end(ns, &["nstat", "-az", name], T)?;
+    ensure!(ok, "nstat: {out}");
+    out.lines()
+        .find_map(|l| l.split_whitespace().collect::<Vec<_>>().get(1).filter(|_| l.starts_with(name)).copied())
+        .with_context(|| format!("no {name} in {out:?}"))?
+        .parse()
+        .with_context(|| format!("{name} in {out:?}"))
+}
+
+/// TCP Fast Open (the pods' namespaces allow it: `net.ipv4.tcp_fastopen=3`):
+/// curl in pod A (`--tcp-fastopen`) posts bodies through nginx (`listen
+/// fastopen=256`, proxy_pass) in pod B to an HTTP echo, its request head in
+/// the SYN after the first connection (which fetches the cookie). A Fast Open
+/// connection's first bytes took TCP before either end was accelerated, so
+/// it stays on TCP (`MW_FB_SYN_DATA`); nginx -> the echo, on loopback, is
+/// accelerated. Every body comes back byte for byte.
+#[test]
+fn nginx_and_curl_with_tcp_fast_open() -> Result<()> {
+    if !tools(&["nginx", "curl", "nstat", "sysctl"]) {
+        return Ok(());
+    }
+    let Some(k) = node() else { return Ok(()) };
+    let net = NodeWithPods::new(2)?;
+    let (a, b) = (&net.pods[0], &net.pods[1]);
+    for ns in [&a.ns, &b.ns] {
+        let (ok, out) = run_to_end(ns, &["sysctl", "-w", "net.ipv4.tcp_fastopen=3"], T)?;
+        ensure!(ok, "sysctl: {out}");
+    }
+    let lo: IpAddr = "127.0.0.1".parse()?;
+    let front = SocketAddr::new(b.v4.into(), 7115);
+    let _app = HttpEcho::start(b.ns.listen(SocketAddr::new(lo, 7016))?);
+    let (inner, outer) =
+        (EndpointPair::new(lo, Endpoint::new(lo, 7016))?, EndpointPair::new(a.v4.into(), front.into())?);
+    k.dp().insert(&inner, OWNER)?;
+    k.dp().insert(&outer, OWNER)?;
+    let dir = ScratchDir::new("meshwarp-compat-")?;
+    let d = dir.0.display();
+    let conf = format!(
+        "user root;\nworker_processes 2;\ndaemon off;\npid {d}/nginx.pid;\nerror_log {d}/error.log;\n\
+         events {{ worker_connections 1024; }}\n\
+         http {{\n access_log off;\n client_body_temp_path {d}/cb; proxy_temp_path {d}/px; fastcgi_temp_path {d}/fc;\n \
+         uwsgi_temp_path {d}/uw; scgi_temp_path {d}/sc;\n client_max_body_size 0;\n \
+         server {{ listen {front} fastopen=256; location / {{ proxy_pass http://127.0.0.1:7016; }} }}\n}}\n"
+    );
+    std::fs::write(dir.path("nginx.conf"), conf)?;
+    let _nginx = Program::spawn(&b.ns, &["nginx", "-c", &dir.path("nginx.conf").display().to_string()])?;
+    wait_port_listening(&b.ns, front.port(), T)?;
+    let url = format!("http://{front}/echo");
+    let passive_before = tcp_ext_counter(&b.ns, "TcpExtTCPFastOpenPassive")?;
+    run_connections(|i| {
+        let (body, out) = (dir.path(&format!("body{i}")), dir.path(&format!("out{i}")));
+        let sent = pattern_file(&body, 7150 + i as u64, size_of_conn(i))?;
+        let (body_arg, out_arg) = (format!("@{}", body.display()), out.display().to_string());
+        let args = [
+            "curl",
+            "-sS",
+            "--fail",
+            "--tcp-fastopen",
+            "--max-time",
+            "60",
+            "-H",
+            "Expect:",
+            "--data-binary",
+            &body_arg,
+            "-o",
+            &out_arg,
+            &url,
+        ];
+        ensure!(Program::spawn(&a.ns, &args)?.wait_timeout(T)?.success(), "curl failed");
+        let got = std::fs::read(&out)?;
+        ensure!(got.len() == size_of_conn(i), "{} of {} bytes came back", got.len(), size_of_conn(i));
+        ensure!(fnv(&got) == sent, "the echoed body differs");
+        let _ = std::fs::remove_file(body);
+        let _ = std::fs::remove_file(out);
+        Ok(())
+    })?;
+    let fast_opened = tcp_ext_counter(&b.ns, "TcpExtTCPFastOpenPassive")? - passive_before;
+    let (ist, ost) = (k.dp().stats(&inner)?, k.dp().stats(&outer)?);
+    report("nginx + curl, TCP Fast Open", &[("outer", ost), ("inner", ist)]);
+    // The first connection of each batch of 10 may fetch the cookie.
+    ensure!(fast_opened + 10 >= CONNS as u64, "{fast_opened} of {CONNS} connections opened fast");
+    ensure!(ost.sockets <= 2 * (CONNS as u64 - fast_opened), "no Fast Open connection accelerated: {ost:?}");
+    ensure!(ist.redirected_bytes > 0, "nginx <-> the echo accelerated: {ist:?}");
+    Ok(())
+}
+
 // ---------------------------------------------------------------------------
 // redis
 
