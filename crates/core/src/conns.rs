@@ -58,7 +58,8 @@ pub enum TcpReason {
     Insert,
     /// The other end is not accelerated.
     Peer,
-    /// Data in the SYN (Fast Open) took the TCP path.
+    /// A Fast Open server end: its handshake's last ACK has not come, or it
+    /// cannot join by a relink (it would go to `mw_tgtmap`).
     SynData,
     /// Neither end may be given redirected bytes.
     NoTarget,

@@ -343,21 +343,19 @@ impl Swap {
         if path.exists() {
             return self.prog_pin(path, prog);
         }
-        let step = format!("pin {}", file_name(path));
-        obj_pin(&step, prog, path)?;
-        let (s, p) = (step.clone(), path.to_path_buf());
-        self.record(
-            step,
-            Box::new(move || fs::remove_file(&p).map_err(|source| UpgradeError::Step { step: s, source })),
-        )
+        self.pin_new(format!("pin {}", file_name(path)), prog, path)
     }
 
     /// Pins a map the load created because the older build had none (see
     /// [`reuse_pinned_maps`]); the undo unpins it. Pinned before any program
     /// changes, so an opener after a cut-short upgrade reuses it.
     pub(crate) fn map_pin(&mut self, path: &Path, map: BorrowedFd<'_>) -> Result<(), UpgradeError> {
-        let step = format!("pin map {}", file_name(path));
-        obj_pin(&step, map, path)?;
+        self.pin_new(format!("pin map {}", file_name(path)), map, path)
+    }
+
+    /// Pins `fd` at `path`, where nothing was pinned (the undo unpins it).
+    fn pin_new(&mut self, step: String, fd: BorrowedFd<'_>, path: &Path) -> Result<(), UpgradeError> {
+        obj_pin(&step, fd, path)?;
         let (s, p) = (step.clone(), path.to_path_buf());
         self.record(
             step,

@@ -347,7 +347,7 @@ struct mw_sock_state {
 #define MW_FB_NO_SLOT 4    /* no free slot (the data path is full) */
 #define MW_FB_INSERT 5     /* the SOCKMAP refused the socket */
 #define MW_FB_PEER 6       /* the other end is not accelerated */
-#define MW_FB_SYN_DATA 7   /* data in the SYN (Fast Open) took the TCP path */
+#define MW_FB_SYN_DATA 7   /* a Fast Open server end: before the last ACK, or kept out (mw_tgtmap) */
 #define MW_FB_NO_TARGET 8  /* neither end may be given redirected bytes */
 #define MW_FB_ZEROCOPY 9   /* SO_ZEROCOPY on at connect, with an on_message plugin loaded */
 
@@ -361,6 +361,10 @@ struct mw_sock_state {
 /* mw_sock_state.flags */
 #define MW_SOCK_DEMOTED 2u    /* the policy moved this end's sends to TCP (mirrors mw_dir) */
 #define MW_SOCK_TGTMAP 4u     /* in mw_tgtmap: no sk_msg sees its sends (MW_EF_TGTMAP) */
+/* A server end made by Fast Open, at its client's SYN: its client end links
+ * at the SYN-ACK, so it claims the link at the handshake's last ACK
+ * (on_fastopen_established). */
+#define MW_SOCK_FASTOPEN 8u
 /* Plugin chain position of the message (or connection) being handled: bits 8-15
  * the next chain position, bit 16 the chain generation it started on. Only the
  * programs of one socket's hook touch them, under the socket's lock. */

@@ -1265,11 +1265,10 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 		if (at && *at >= since && now > *at)
 			lat_record(rule->id, MW_LAT_SETUP, MW_NO_ID, now - *at);
 	}
-	/* Data in the SYN (Fast Open) already took the TCP path. */
-	if (tp->syn_data) {
-		st->fb = MW_FB_SYN_DATA;
-		return;
-	}
+	/* Data in the SYN (Fast Open) took the TCP path: the server end sets,
+	 * when it claims the link, how much of it its reader has read
+	 * (on_passive_established); until it read all, this direction stays on
+	 * TCP, as for any byte sent before the link. */
 	cfg = config_flags();
 	if (rule->flags & MW_RULE_MODE_NEVER) {
 		d.level = LV_NONE;
@@ -1418,7 +1417,7 @@ static __always_inline void release_client(__u64 id, struct mw_link *link)
 }
 
 static __always_inline void on_passive_established(struct bpf_sock_ops *skops, struct bpf_sock *sk,
-						   const struct tuple *t)
+						   const struct tuple *t, bool fastopen)
 {
 	struct mw_global_stats *gs;
 	struct mw_rule_stats *rs;
@@ -1439,6 +1438,20 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 		/* Covered, but its client end is not accelerated (not covered
 		 * there, not a classified reader, on another node, ...). */
 		rule = match_pair(t, false);
+		/* Or made by Fast Open at the client's SYN: its client end links
+		 * at the SYN-ACK, and this end claims the link at the last ACK
+		 * of the handshake (its SYN_RECV -> ESTABLISHED change). */
+		tp = sk ? bpf_skc_to_tcp_sock(sk) : NULL;
+		if (rule && tp && !fastopen && tp->fastopen_rsk) {
+			st = bpf_sk_storage_get(&mw_sk_state, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
+			if (st) {
+				init_state(st, rule->id, MW_END_SERVER, skops->rcv_nxt, 0);
+				st->flags = MW_SOCK_FASTOPEN;
+				st->fb = MW_FB_SYN_DATA;
+				watch_close(skops);
+				return;
+			}
+		}
 		gs = global_stats();
 		if (gs) {
 			if (rule)
@@ -1475,7 +1488,17 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 		release_client(id, link);
 		return;
 	}
-	init_state(st, link->rule_id, MW_END_SERVER, skops->rcv_nxt, id);
+	if (fastopen) {
+		/* Its reader may not have read the SYN's data yet: its client's
+		 * bytes are read up to copied_seq, not rcv_nxt (set before this
+		 * end is published; its client redirects only after). */
+		__u32 copied = tp->copied_seq;
+
+		init_state(st, link->rule_id, MW_END_SERVER, copied, id);
+		link->dir[MW_END_CLIENT].tcp_read = copied;
+	} else {
+		init_state(st, link->rule_id, MW_END_SERVER, skops->rcv_nxt, id);
+	}
 	rule_flags = (link->end_flags[MW_END_SERVER] & MW_EF_R_RULE) ? MW_RULE_NO_TARGET_SERVER : 0;
 	cfg = config_flags();
 	decide_end(skops, tp, false, rule_flags, cfg, st, &d);
@@ -1536,7 +1559,17 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 	 * nothing when its entry is deleted. A FIONREAD reader moves in only
 	 * once it read what this end sent meanwhile (move_in). */
 	move = to_client && !to_server && !(client_flags & MW_EF_TGTMAP) && !d.chain;
-	err = bpf_sock_map_update(skops, tgtmap ? (void *)&mw_tgtmap : (void *)&mw_sockmap, &pos, BPF_NOEXIST);
+	/* sockops may insert a socket only at an established callback: a Fast
+	 * Open end, claiming at a state change, joins mw_sockmap through a
+	 * relink (mw_park), out and parked until then (its client's bytes
+	 * take TCP meanwhile). Not into mw_tgtmap, nor moving its client. */
+	if (fastopen && (tgtmap || move)) {
+		st->fb = MW_FB_SYN_DATA;
+		release_client(id, link);
+		return;
+	}
+	err = fastopen ? 0
+		       : bpf_sock_map_update(skops, tgtmap ? (void *)&mw_tgtmap : (void *)&mw_sockmap, &pos, BPF_NOEXIST);
 	if (err) {
 		count_insert_failure(rs, err);
 		st->fb = MW_FB_INSERT;
@@ -1563,6 +1596,10 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 	link->netns[MW_END_SERVER] = bpf_get_netns_cookie(skops);
 	if (tgtmap)
 		st->flags |= MW_SOCK_TGTMAP;
+	if (fastopen) {
+		__sync_fetch_and_or(&link->dir[MW_END_SERVER].flags, MW_DIR_UNLINKED);
+		__sync_fetch_and_or(&link->end_flags[MW_END_SERVER], MW_EF_PARKED);
+	}
 	/* Published last: the client redirects only once this end is in the map. */
 	__sync_fetch_and_or(&link->end_flags[MW_END_SERVER], MW_EF_PSOCK | (tgtmap ? MW_EF_TGTMAP : 0) | nosend_flag(&d) |
 								     (to_server ? MW_EF_TARGET | fionread_flag(&d) : d.reason));
@@ -1571,6 +1608,9 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 	if (rs)
 		rs->sockets++;
 	watch_close(skops);
+	/* Not asked (ring buffer full): its client's next send asks again. */
+	if (fastopen)
+		ask_relink(link, id, MW_END_SERVER);
 	/* Not asked (ring buffer full): it stays where it is, a target. */
 	if (move && !request_park(MW_EV_MOVE, link, id, MW_END_CLIENT))
 		unpark_unserved(link, MW_END_CLIENT);
@@ -1656,7 +1696,28 @@ static __always_inline void on_established(struct bpf_sock_ops *skops, const str
 	if (op == BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB)
 		on_active_established(skops, sk, t);
 	else
-		on_passive_established(skops, sk, t);
+		on_passive_established(skops, sk, t, false);
+}
+
+/* A Fast Open server end reached ESTABLISHED (MW_SOCK_FASTOPEN): its client
+ * end linked at the SYN-ACK, so it claims the link now; its on_connection
+ * chain ran at its established callback. Other ends seeing this change (an
+ * accelerated server end is watched from its established callback on,
+ * which comes just before it) are left alone. */
+static __always_inline void on_fastopen_established(struct bpf_sock_ops *skops)
+{
+	struct bpf_sock *sk = skops->sk;
+	struct mw_sock_state *st;
+	struct tuple t;
+
+	if (!sk)
+		return;
+	st = bpf_sk_storage_get(&mw_sk_state, sk, 0, 0);
+	if (!st || !(st->flags & MW_SOCK_FASTOPEN) || st->link)
+		return;
+	st->flags &= ~MW_SOCK_FASTOPEN;
+	if (load_tuple(skops, &t))
+		on_passive_established(skops, sk, &t, true);
 }
 
 /* Runs the on_connection chain for a covered connection. Returns only when
@@ -1716,7 +1777,10 @@ int mw_sockops(struct bpf_sock_ops *skops)
 	__u32 op = skops->op;
 
 	if (op == BPF_SOCK_OPS_STATE_CB) {
-		on_state_change(skops);
+		if (skops->args[0] == BPF_TCP_SYN_RECV && skops->args[1] == BPF_TCP_ESTABLISHED)
+			on_fastopen_established(skops);
+		else
+			on_state_change(skops);
 		return 1;
 	}
 	if (op == BPF_SOCK_OPS_TCP_CONNECT_CB) {
@@ -3037,6 +3101,14 @@ int mw_park(struct bpf_iter__tcp *ctx)
 	if (link->dir[end].tcp_read != tp->write_seq) {
 		__sync_fetch_and_and(&link->dir[end].flags, ~MW_DIR_RELINK_REQ);
 		req->result = MW_PARK_MOOT;
+		return 0;
+	}
+	/* A reader that asks FIONREAD (only a Fast Open server end is relinked
+	 * as one: the policy never unlinks them) would not count the TCP bytes
+	 * still queued behind a psock: back once it read them, as move_in. */
+	if ((link->end_flags[end] & MW_EF_FIONREAD) && (config_flags() & MW_CFG_FIONREAD_PSOCK) && tcp_unread(tp)) {
+		__sync_fetch_and_and(&link->dir[end].flags, ~MW_DIR_RELINK_REQ);
+		req->result = MW_PARK_BUSY;
 		return 0;
 	}
 	if (bpf_map_update_elem(&mw_sockmap, &pos, (struct sock *)tp, BPF_NOEXIST)) {
