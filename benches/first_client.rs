@@ -10,7 +10,6 @@
 //! `MESHWARP_FIRST_TURNS`, default 15).
 
 use std::net::{SocketAddr, TcpListener};
-use std::os::fd::AsRawFd;
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -27,18 +26,7 @@ const TOTAL: usize = 4 << 20;
 
 fn no_target_listener(net: &NodeWithPods, addr: SocketAddr) -> TcpListener {
     let l = net.pods[1].ns.listen(addr).expect("listen");
-    let v: libc::c_int = 100;
-    // SAFETY: an int option on a socket this function owns.
-    let rc = unsafe {
-        libc::setsockopt(
-            l.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_RCVLOWAT,
-            (&v as *const libc::c_int).cast(),
-            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-        )
-    };
-    assert_eq!(rc, 0, "SO_RCVLOWAT");
+    meshwarp_testbed::set_int_opt(&l, libc::SOL_SOCKET, libc::SO_RCVLOWAT, 100).expect("SO_RCVLOWAT");
     l
 }
 

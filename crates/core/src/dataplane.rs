@@ -474,7 +474,9 @@ fn upgrade_programs(layout: &FamilyPins) -> Result<Vec<String>, UpgradeError> {
     let p = &skel.progs;
     upgrade::run(&layout.maps_dir(), |swap| {
         for name in &created {
-            let map = added_map(&skel.maps, name)
+            let (_, map) = sockredir_maps(&skel.maps)
+                .into_iter()
+                .find(|(n, _)| n == name)
                 .ok_or_else(|| UpgradeError::MissingMap(format!("{name} (not in this build's object)")))?;
             swap.map_pin(&layout.map(name), map.as_fd())?;
         }
@@ -512,9 +514,54 @@ fn upgrade_programs(layout: &FamilyPins) -> Result<Vec<String>, UpgradeError> {
     })
 }
 
-/// The map of `skel` named in [`names::SOCKREDIR_ADDED_MAPS`].
-fn added_map<'a>(maps: &'a meshwarp_bpf::sockredir::SockredirMaps<'a>, name: &str) -> Option<&'a libbpf_rs::Map<'a>> {
-    (name == names::MAP_READERS).then_some(&maps.mw_readers)
+/// The socket family's maps, by pin name: every one a load pins.
+fn sockredir_maps<'a>(
+    maps: &'a meshwarp_bpf::sockredir::SockredirMaps<'a>,
+) -> [(&'static str, &'a libbpf_rs::Map<'a>); 42] {
+    [
+        (names::MAP_SOCKMAP, &maps.mw_sockmap),
+        (names::MAP_TGTMAP, &maps.mw_tgtmap),
+        (names::MAP_SLOTS, &maps.mw_slots),
+        (names::MAP_PAIRS, &maps.mw_pairs),
+        (names::MAP_CAPTURE, &maps.mw_capture),
+        (names::MAP_LINKS, &maps.mw_links),
+        (names::MAP_OBSERVE, &maps.mw_observe),
+        (names::MAP_COOKIES, &maps.mw_cookies),
+        (names::MAP_SK_STATE, &maps.mw_sk_state),
+        (names::MAP_SK_CHAIN, &maps.mw_sk_chain),
+        (names::MAP_SK_OWNER, &maps.mw_sk_owner),
+        (names::MAP_EXES, &maps.mw_exes),
+        (names::MAP_EXE_CLASS, &maps.mw_exe_class),
+        (names::MAP_SERVICES, &maps.mw_services),
+        (names::MAP_READERS, &maps.mw_readers),
+        (names::MAP_SRV_HINT, &maps.mw_srv_hint),
+        (names::MAP_CONFIG, &maps.mw_config),
+        (names::MAP_DOOMED, &maps.mw_doomed),
+        (names::MAP_PARK_REQ, &maps.mw_park_req),
+        (names::MAP_EVENTS, &maps.mw_events),
+        (names::MAP_SCRATCH, &maps.mw_scratch),
+        (names::MAP_STATS, &maps.mw_stats),
+        (names::MAP_GLOBAL, &maps.mw_global),
+        (names::MAP_OWNERS, &maps.mw_owners),
+        (names::MAP_BUILD, &maps.mw_build),
+        (names::MAP_CH_CONN, &maps.mw_ch_conn),
+        (names::MAP_CH_MSG, &maps.mw_ch_msg),
+        (names::MAP_LAT_RULE, &maps.mw_lat_rule),
+        (names::MAP_LAT_HIST, &maps.mw_lat_hist),
+        (names::MAP_LAT_ROWS, &maps.mw_lat_rows),
+        (names::MAP_LAT_ZERO, &maps.mw_lat_zero),
+        (names::MAP_LAT_PEND, &maps.mw_lat_pend),
+        (names::MAP_LAT_SLOT, &maps.mw_lat_slot),
+        (names::MAP_LAT_THR, &maps.mw_lat_thr),
+        (names::MAP_LAT_THRH, &maps.mw_lat_thrh),
+        (names::MAP_SK_CONN, &maps.mw_sk_conn),
+        (names::MAP_CHAIN, &maps.mw_chain),
+        (names::MAP_CHAIN_GEN, &maps.mw_chain_gen),
+        (names::MAP_PLUG_CFG, &maps.mw_plug_cfg),
+        (names::MAP_PLUG_STATS, &maps.mw_plug_stats),
+        (names::MAP_PLUG_META, &maps.mw_plug_meta),
+        (names::MAP_GRACE, &maps.mw_grace),
+    ]
 }
 
 /// The programs of the socket family that are pinned, by pin name.
@@ -708,51 +755,7 @@ fn load_and_pin(cfg: &DataplaneConfig, layout: &FamilyPins) -> Result<(), Datapl
     maps.mw_config
         .update(&0u32.to_ne_bytes(), RuleLatency::FRESH_CONFIG.as_bytes(), MapFlags::ANY)
         .map_err(bpf_err("writing mw_config"))?;
-    let all_maps = [
-        (names::MAP_SOCKMAP, &maps.mw_sockmap),
-        (names::MAP_TGTMAP, &maps.mw_tgtmap),
-        (names::MAP_SLOTS, &maps.mw_slots),
-        (names::MAP_PAIRS, &maps.mw_pairs),
-        (names::MAP_CAPTURE, &maps.mw_capture),
-        (names::MAP_LINKS, &maps.mw_links),
-        (names::MAP_OBSERVE, &maps.mw_observe),
-        (names::MAP_COOKIES, &maps.mw_cookies),
-        (names::MAP_SK_STATE, &maps.mw_sk_state),
-        (names::MAP_SK_CHAIN, &maps.mw_sk_chain),
-        (names::MAP_SK_OWNER, &maps.mw_sk_owner),
-        (names::MAP_EXES, &maps.mw_exes),
-        (names::MAP_EXE_CLASS, &maps.mw_exe_class),
-        (names::MAP_SERVICES, &maps.mw_services),
-        (names::MAP_READERS, &maps.mw_readers),
-        (names::MAP_SRV_HINT, &maps.mw_srv_hint),
-        (names::MAP_CONFIG, &maps.mw_config),
-        (names::MAP_DOOMED, &maps.mw_doomed),
-        (names::MAP_PARK_REQ, &maps.mw_park_req),
-        (names::MAP_EVENTS, &maps.mw_events),
-        (names::MAP_SCRATCH, &maps.mw_scratch),
-        (names::MAP_STATS, &maps.mw_stats),
-        (names::MAP_GLOBAL, &maps.mw_global),
-        (names::MAP_OWNERS, &maps.mw_owners),
-        (names::MAP_BUILD, &maps.mw_build),
-        (names::MAP_CH_CONN, &maps.mw_ch_conn),
-        (names::MAP_CH_MSG, &maps.mw_ch_msg),
-        (names::MAP_LAT_RULE, &maps.mw_lat_rule),
-        (names::MAP_LAT_HIST, &maps.mw_lat_hist),
-        (names::MAP_LAT_ROWS, &maps.mw_lat_rows),
-        (names::MAP_LAT_ZERO, &maps.mw_lat_zero),
-        (names::MAP_LAT_PEND, &maps.mw_lat_pend),
-        (names::MAP_LAT_SLOT, &maps.mw_lat_slot),
-        (names::MAP_LAT_THR, &maps.mw_lat_thr),
-        (names::MAP_LAT_THRH, &maps.mw_lat_thrh),
-        (names::MAP_SK_CONN, &maps.mw_sk_conn),
-        (names::MAP_CHAIN, &maps.mw_chain),
-        (names::MAP_CHAIN_GEN, &maps.mw_chain_gen),
-        (names::MAP_PLUG_CFG, &maps.mw_plug_cfg),
-        (names::MAP_PLUG_STATS, &maps.mw_plug_stats),
-        (names::MAP_PLUG_META, &maps.mw_plug_meta),
-        (names::MAP_GRACE, &maps.mw_grace),
-    ];
-    for (name, map) in all_maps {
+    for (name, map) in sockredir_maps(maps) {
         let path = layout.map(name);
         let mut handle = MapHandle::try_from(map).map_err(bpf_err(format!("handle of map {name}")))?;
         handle.pin(&path).map_err(bpf_err(format!("pinning {}", path.display())))?;

@@ -26,8 +26,9 @@ use meshwarp_core::sys::socket_cookie_of;
 use meshwarp_core::{CaptureRule, Endpoint, EndpointPair, FastPathMode, GuardMode};
 use meshwarp_testbed::{
     accept_timeout, exchange, expect_no_zerocopy_completions, expect_zerocopy_completions, fionread_reader,
-    read_exact_ready, recv_pattern, redirect_output, send_pattern, set_zerocopy, wait_ready, write_all_ready,
-    zerocopy_pattern, zerocopy_transfer, CaptureProxy, HeldThread, KernelTest, NetNs, NodeWithPods, SERVICE_V4,
+    read_exact_ready, recv_pattern, redirect_output, send_pattern, set_int_opt, set_zerocopy, wait_ready,
+    write_all_ready, zerocopy_pattern, zerocopy_transfer, CaptureProxy, HeldThread, KernelTest, NetNs, NodeWithPods,
+    SERVICE_V4,
 };
 
 const T: Duration = Duration::from_secs(60);
@@ -45,15 +46,6 @@ macro_rules! kernel_test {
             None => return Ok(()),
         }
     };
-}
-
-fn set_int(s: &impl AsRawFd, level: i32, opt: i32, v: i32) -> std::io::Result<()> {
-    // SAFETY: an int option.
-    let rc = unsafe { libc::setsockopt(s.as_raw_fd(), level, opt, (&v as *const i32).cast(), 4) };
-    if rc != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
 }
 
 /// The connection list's entry for socket `s` (one, or none if unknown).
@@ -159,11 +151,11 @@ fn repaired(ns: &NetNs, local: SocketAddr, remote: SocketAddr, snd: u32, rcv: u3
         const TCP_QUEUE_SEQ: i32 = 21;
         const TCP_RECV_QUEUE: i32 = 1;
         const TCP_SEND_QUEUE: i32 = 2;
-        set_int(&s, libc::SOL_TCP, TCP_REPAIR, 1)?;
-        set_int(&s, libc::SOL_TCP, TCP_REPAIR_QUEUE, TCP_SEND_QUEUE)?;
-        set_int(&s, libc::SOL_TCP, TCP_QUEUE_SEQ, snd as i32)?;
-        set_int(&s, libc::SOL_TCP, TCP_REPAIR_QUEUE, TCP_RECV_QUEUE)?;
-        set_int(&s, libc::SOL_TCP, TCP_QUEUE_SEQ, rcv as i32)?;
+        set_int_opt(&s, libc::SOL_TCP, TCP_REPAIR, 1)?;
+        set_int_opt(&s, libc::SOL_TCP, TCP_REPAIR_QUEUE, TCP_SEND_QUEUE)?;
+        set_int_opt(&s, libc::SOL_TCP, TCP_QUEUE_SEQ, snd as i32)?;
+        set_int_opt(&s, libc::SOL_TCP, TCP_REPAIR_QUEUE, TCP_RECV_QUEUE)?;
+        set_int_opt(&s, libc::SOL_TCP, TCP_QUEUE_SEQ, rcv as i32)?;
         s.bind(&local.into())?;
         s.connect(&remote.into())?;
         Ok(s.into())
@@ -237,7 +229,7 @@ fn rcvlowat_mid_stream_withdraws_the_target_in_order() -> Result<()> {
     let data: Vec<u8> = (0..3000u32).map(|i| (i % 253) as u8).collect();
     write_all_ready(&mut c, &data[..1000], Some(T))?;
     ensure!(k.dp().stats(&pair)?.redirected_bytes == 1000, "redirected at first");
-    set_int(&s, libc::SOL_SOCKET, libc::SO_RCVLOWAT, 1500)?;
+    set_int_opt(&s, libc::SOL_SOCKET, libc::SO_RCVLOWAT, 1500)?;
     write_all_ready(&mut c, &data[1000..1100], Some(T))?;
     let st = k.dp().stats(&pair)?;
     ensure!(st.fallback_rcvlowat == 1 && st.redirected_bytes == 1000, "the rest takes TCP: {st:?}");
@@ -260,7 +252,7 @@ fn rcvlowat_mid_stream_withdraws_the_target_in_order() -> Result<()> {
 fn rcvlowat_on_the_listener_is_never_a_target() -> Result<()> {
     let k = kernel_test!();
     let (net, l, pair) = pods_pair(&k, 8081)?;
-    set_int(&l, libc::SOL_SOCKET, libc::SO_RCVLOWAT, 100)?;
+    set_int_opt(&l, libc::SOL_SOCKET, libc::SO_RCVLOWAT, 100)?;
     let c = net.pods[0].ns.connect(SocketAddr::new(net.pods[1].addr(false), 8081))?;
     let s = accept_timeout(&l, T)?;
     exchange(c, s, 5, 1 << 20, T)?;
@@ -615,7 +607,7 @@ fn a_rule_keeping_bytes_out_of_the_client_puts_the_server_in_the_target_map() ->
 fn clients_of_a_listener_that_is_no_target_skip_sk_msg() -> Result<()> {
     let k = kernel_test!();
     let (net, l, pair) = pods_pair(&k, 8092)?;
-    set_int(&l, libc::SOL_SOCKET, libc::SO_RCVLOWAT, 100)?;
+    set_int_opt(&l, libc::SOL_SOCKET, libc::SO_RCVLOWAT, 100)?;
     let addr = SocketAddr::new(net.pods[1].addr(false), 8092);
     let connect = || connect_linked(&k, &net.pods[0].ns, &l, addr);
     // The first client cannot know yet: it joins mw_sockmap, and moves to
@@ -641,7 +633,7 @@ fn clients_of_a_listener_that_is_no_target_skip_sk_msg() -> Result<()> {
 
     // A target again: the next client still goes by the hint; its server
     // end, a target by itself, is withdrawn and clears the hint.
-    set_int(&l, libc::SOL_SOCKET, libc::SO_RCVLOWAT, 1)?;
+    set_int_opt(&l, libc::SOL_SOCKET, libc::SO_RCVLOWAT, 1)?;
     let (c, s, link) = connect()?;
     ensure!(link.end_flags[END_CLIENT as usize] & EF_TGTMAP != 0, "the stale hint is used: {link:?}");
     let cv = k.dp().socket_link(socket_cookie_of(&s)?)?.context("server accelerated")?;
@@ -665,7 +657,7 @@ fn clients_of_a_listener_that_is_no_target_skip_sk_msg() -> Result<()> {
 fn no_target_listener(k: &KernelTest, net: &NodeWithPods, port: u16) -> Result<(std::net::TcpListener, EndpointPair)> {
     let addr = SocketAddr::new(net.pods[1].addr(false), port);
     let l = net.pods[1].ns.listen(addr)?;
-    set_int(&l, libc::SOL_SOCKET, libc::SO_RCVLOWAT, 100)?;
+    set_int_opt(&l, libc::SOL_SOCKET, libc::SO_RCVLOWAT, 100)?;
     let pair = EndpointPair::new(net.pods[0].addr(false), addr.into())?;
     k.dp().insert(&pair, "test")?;
     Ok((l, pair))
@@ -881,7 +873,7 @@ fn a_client_withdrawn_while_it_moves_stays_on_tcp() -> Result<()> {
     let held = HeldThread::named("meshwarp-guard")?;
     let (c, s, _) = connect_linked(&k, &net.pods[0].ns, &l, addr)?;
     let cv = k.dp().socket_link(socket_cookie_of(&c)?)?.context("client accelerated")?;
-    set_int(&c, libc::SOL_SOCKET, libc::SO_RCVLOWAT, 100)?;
+    set_int_opt(&c, libc::SOL_SOCKET, libc::SO_RCVLOWAT, 100)?;
     drop(held);
     let served = DIR_UNLINKED | DIR_RELINK_REQ;
     let link = wait_link(&k, &cv, "the move was never served", |l| {
@@ -1006,7 +998,7 @@ fn a_loopback_listener_that_is_no_target_hints_its_first_client() -> Result<()> 
     let ns = NetNs::new("lohint")?;
     let addr = SocketAddr::new(IpAddr::from([127, 0, 0, 1]), 8094);
     let l = ns.listen(addr)?;
-    set_int(&l, libc::SOL_SOCKET, libc::SO_RCVLOWAT, 100)?;
+    set_int_opt(&l, libc::SOL_SOCKET, libc::SO_RCVLOWAT, 100)?;
     let pair = EndpointPair::new(addr.ip(), addr.into())?;
     k.dp().insert(&pair, "test")?;
     let connect = || connect_linked(&k, &ns, &l, addr);
@@ -1017,7 +1009,7 @@ fn a_loopback_listener_that_is_no_target_hints_its_first_client() -> Result<()> 
     ensure!(st.tgtmap_clients == 1 && st.fallback_no_peer == 0, "{st:?}");
     ensure!(st.redirected_bytes == 1 << 20, "server -> client redirected: {st:?}");
 
-    set_int(&l, libc::SOL_SOCKET, libc::SO_RCVLOWAT, 1)?;
+    set_int_opt(&l, libc::SOL_SOCKET, libc::SO_RCVLOWAT, 1)?;
     let (c, s, link) = connect()?;
     ensure!(link.end_flags[END_CLIENT as usize] & EF_TGTMAP == 0, "the hint is gone at connect: {link:?}");
     exchange(c, s, 83, 1 << 20, T)?;
@@ -1245,7 +1237,7 @@ fn urgent_data_inline_is_at_its_mark() -> Result<()> {
     let (net, l, pair) = pods_pair(&k, 8104)?;
     let to = SocketAddr::new(net.pods[1].addr(false), 8104);
     let (mut c, mut s) = (net.pods[0].ns.connect(to)?, accept_timeout(&l, T)?);
-    set_int(&s, libc::SOL_SOCKET, libc::SO_OOBINLINE, 1)?;
+    set_int_opt(&s, libc::SOL_SOCKET, libc::SO_OOBINLINE, 1)?;
     write_all_ready(&mut c, b"abc", Some(T))?;
     ensure!(read_in_band(&mut s, 3)? == b"abc");
     send_urgent(&c, b'X')?;
@@ -1307,7 +1299,7 @@ fn a_peek_offset_is_honoured() -> Result<()> {
     let (net, l, pair) = pods_pair(&k, 8108)?;
     let to = SocketAddr::new(net.pods[1].addr(false), 8108);
     let (mut c, mut s) = (net.pods[0].ns.connect(to)?, accept_timeout(&l, T)?);
-    set_int(&s, libc::SOL_SOCKET, SO_PEEK_OFF, 0)?;
+    set_int_opt(&s, libc::SOL_SOCKET, SO_PEEK_OFF, 0)?;
     peeks_at_the_offset(&mut c, &mut s)?;
     let st = k.dp().stats(&pair)?;
     ensure!(st.fallback_peek_off == 1 && st.peek_off_refused == 0 && st.redirected_bytes == 0, "{st:?}");
@@ -1333,7 +1325,7 @@ fn a_peek_offset_with_redirected_bytes_unread_is_refused() -> Result<()> {
     let (mut c, mut s) = (net.pods[0].ns.connect(to)?, accept_timeout(&l, T)?);
     write_all_ready(&mut c, b"abc", Some(T))?;
     ensure!(readable(&s, 5000), "nothing arrived");
-    let e = set_int(&s, libc::SOL_SOCKET, SO_PEEK_OFF, 0).err().context("SO_PEEK_OFF taken over unread bytes")?;
+    let e = set_int_opt(&s, libc::SOL_SOCKET, SO_PEEK_OFF, 0).err().context("SO_PEEK_OFF taken over unread bytes")?;
     ensure!(e.raw_os_error() == Some(libc::EOPNOTSUPP), "refused with {e}");
     ensure!(peek(&s, 3)? == b"abc" && peek(&s, 3)? == b"abc", "peeks without an offset");
     ensure!(read_in_band(&mut s, 3)? == b"abc");
@@ -1344,7 +1336,7 @@ fn a_peek_offset_with_redirected_bytes_unread_is_refused() -> Result<()> {
     exchange(c, s, 55, 256 << 10, T)?;
     // The program again: neither end a target, the option taken.
     let (mut c, mut s) = (net.pods[0].ns.connect(to)?, accept_timeout(&l, T)?);
-    set_int(&s, libc::SOL_SOCKET, SO_PEEK_OFF, 0).context("SO_PEEK_OFF on the next connection")?;
+    set_int_opt(&s, libc::SOL_SOCKET, SO_PEEK_OFF, 0).context("SO_PEEK_OFF on the next connection")?;
     peeks_at_the_offset(&mut c, &mut s)?;
     let again = k.dp().stats(&pair)?;
     ensure!(again.peek_off_refused == 1 && again.fallback_peek_off == 3, "both ends counted: {again:?}");
@@ -1361,7 +1353,7 @@ fn a_peek_offset_set_before_connect_is_honoured() -> Result<()> {
     let k = kernel_test!();
     let (net, l, pair) = pods_pair(&k, 8110)?;
     let to = SocketAddr::new(net.pods[1].addr(false), 8110);
-    let mut c = net.pods[0].ns.connect_with(to, |sock| set_int(sock, libc::SOL_SOCKET, SO_PEEK_OFF, 0))?;
+    let mut c = net.pods[0].ns.connect_with(to, |sock| set_int_opt(sock, libc::SOL_SOCKET, SO_PEEK_OFF, 0))?;
     let mut s = accept_timeout(&l, T)?;
     peeks_at_the_offset(&mut s, &mut c)?;
     let listed = listed(&k, &c)?;

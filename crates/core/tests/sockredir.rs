@@ -520,18 +520,6 @@ fn a_refused_load_leaves_nothing_pinned() -> Result<()> {
 // ---------------------------------------------------------------------------
 // TCP Fast Open
 
-/// `setsockopt(fd, IPPROTO_TCP, opt, 1)`.
-fn tcp_opt_on(fd: std::os::fd::RawFd, opt: libc::c_int, v: libc::c_int) -> std::io::Result<()> {
-    // SAFETY: a valid fd and an int option.
-    let rc = unsafe {
-        libc::setsockopt(fd, libc::IPPROTO_TCP, opt, (&v as *const libc::c_int).cast(), size_of::<libc::c_int>() as u32)
-    };
-    if rc < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
-}
-
 /// Whether the SYN of `s`'s connection carried data that the server
 /// accepted (TCP_INFO's TCPI_OPT_SYN_DATA).
 fn syn_data_accepted(s: &TcpStream) -> Result<bool> {
@@ -551,11 +539,10 @@ fn syn_data_accepted(s: &TcpStream) -> Result<bool> {
 /// A Fast Open connect from pod0 (TCP_FASTOPEN_CONNECT): blocking, its
 /// first write `first` (in the SYN once the kernel holds a cookie).
 fn fast_open(net: &NodeWithPods, to: SocketAddr, first: &[u8]) -> Result<TcpStream> {
-    use std::os::fd::AsRawFd;
     const TCP_FASTOPEN_CONNECT: libc::c_int = 30;
     let mut c = net.pods[0].ns.enter(|| -> std::io::Result<TcpStream> {
         let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
-        tcp_opt_on(s.as_raw_fd(), TCP_FASTOPEN_CONNECT, 1)?;
+        meshwarp_testbed::set_int_opt(&s, libc::IPPROTO_TCP, TCP_FASTOPEN_CONNECT, 1)?;
         s.set_write_timeout(Some(T))?;
         s.set_read_timeout(Some(T))?;
         s.connect(&to.into())?;
@@ -578,10 +565,7 @@ fn a_fast_open_connection_is_accelerated_in_order() -> Result<()> {
     for p in &net.pods {
         p.ns.enter(|| std::fs::write("/proc/sys/net/ipv4/tcp_fastopen", "3"))??;
     }
-    {
-        use std::os::fd::AsRawFd;
-        tcp_opt_on(listener.as_raw_fd(), libc::TCP_FASTOPEN, 16)?;
-    }
+    meshwarp_testbed::set_int_opt(&listener, libc::IPPROTO_TCP, libc::TCP_FASTOPEN, 16)?;
     let pair = pair_for(&net, false);
     k.dp().insert(&pair, "test")?;
     let to = SocketAddr::new(net.pods[1].addr(false), SERVER_PORT);

@@ -1226,15 +1226,19 @@ pub const MSG_ZEROCOPY: i32 = 0x400_0000;
 /// `SO_EE_ORIGIN_ZEROCOPY` (linux/errqueue.h); the libc crate lacks it.
 const SO_EE_ORIGIN_ZEROCOPY: u8 = 5;
 
-/// Turns SO_ZEROCOPY on.
-pub fn set_zerocopy(s: &impl AsRawFd) -> io::Result<()> {
-    let one: libc::c_int = 1;
+/// `setsockopt(s, level, opt, &v, sizeof(int))`.
+pub fn set_int_opt(s: &impl AsRawFd, level: libc::c_int, opt: libc::c_int, v: libc::c_int) -> io::Result<()> {
     // SAFETY: an int option from a live int.
-    let rc = unsafe { libc::setsockopt(s.as_raw_fd(), libc::SOL_SOCKET, SO_ZEROCOPY, (&one as *const i32).cast(), 4) };
+    let rc = unsafe { libc::setsockopt(s.as_raw_fd(), level, opt, (&v as *const libc::c_int).cast(), 4) };
     if rc != 0 {
         return Err(io::Error::last_os_error());
     }
     Ok(())
+}
+
+/// Turns SO_ZEROCOPY on.
+pub fn set_zerocopy(s: &impl AsRawFd) -> io::Result<()> {
+    set_int_opt(s, libc::SOL_SOCKET, SO_ZEROCOPY, 1)
 }
 
 /// Bytes that show where in a stream they belong.

@@ -2984,6 +2984,14 @@ static __always_inline void rejoined(struct mw_link *link, __u32 end)
 	__sync_fetch_and_and(&link->end_flags[end], ~MW_EF_PARKED);
 }
 
+/* Whether end `end` (socket `tp`) reads by FIONREAD, which on a psock would
+ * not count the TCP bytes it has not read yet: such an end joins a SOCKMAP
+ * only once it read them (each read would otherwise wait for a wake-up). */
+static __always_inline bool fionread_would_miss(struct tcp_sock *tp, const struct mw_link *link, __u32 end)
+{
+	return (link->end_flags[end & 1] & MW_EF_FIONREAD) && (config_flags() & MW_CFG_FIONREAD_PSOCK) && tcp_unread(tp);
+}
+
 /*
  * The second half of a move (MW_DIR_MOVE): a client end out of mw_sockmap
  * joins mw_tgtmap. Only once its psock is gone: a thread in its send holds
@@ -3012,7 +3020,7 @@ static __always_inline __u32 move_in(struct tcp_sock *tp, struct mw_sock_state *
 	 * read waiting for a wake-up: it moves in once it read them. Out of
 	 * both maps meanwhile, it is plain TCP both ways. */
 	if (((unsigned long)tp->inet_conn.icsk_inet.sk.sk_user_data & ~SK_USER_DATA_FLAGS) ||
-	    ((link->end_flags[end] & MW_EF_FIONREAD) && (config_flags() & MW_CFG_FIONREAD_PSOCK) && tcp_unread(tp))) {
+	    fionread_would_miss(tp, link, end)) {
 		__sync_fetch_and_and(&link->dir[end].flags, ~MW_DIR_RELINK_REQ);
 		return MW_PARK_BUSY;
 	}
@@ -3103,10 +3111,9 @@ int mw_park(struct bpf_iter__tcp *ctx)
 		req->result = MW_PARK_MOOT;
 		return 0;
 	}
-	/* A reader that asks FIONREAD (only a Fast Open server end is relinked
-	 * as one: the policy never unlinks them) would not count the TCP bytes
-	 * still queued behind a psock: back once it read them, as move_in. */
-	if ((link->end_flags[end] & MW_EF_FIONREAD) && (config_flags() & MW_CFG_FIONREAD_PSOCK) && tcp_unread(tp)) {
+	/* Only a Fast Open server end is relinked as a FIONREAD reader (the
+	 * policy never unlinks one). */
+	if (fionread_would_miss(tp, link, end)) {
 		__sync_fetch_and_and(&link->dir[end].flags, ~MW_DIR_RELINK_REQ);
 		req->result = MW_PARK_BUSY;
 		return 0;
@@ -3257,4 +3264,3 @@ int mw_conns_tcp(struct bpf_iter__tcp *ctx)
 }
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
-
