@@ -5,7 +5,7 @@ set -euo pipefail
 
 PKGS=(clang llvm libelf-dev zlib1g-dev pkg-config make iproute2 iptables bpftool procps)
 # The compatibility suite drives real programs through the fast path.
-PKGS+=(haproxy nginx-light socat redis-server redis-tools curl openssl python3 memcached libmemcached-tools python3-grpcio postgresql nodejs nghttp2-server nghttp2-client)
+PKGS+=(haproxy nginx-light socat redis-server redis-tools curl openssl python3 memcached libmemcached-tools python3-grpcio postgresql nodejs nghttp2-server nghttp2-client iperf3)
 # Extra packages named on the command line (e.g. the mesh benchmark's nginx, haproxy, wrk).
 PKGS+=("$@")
 # The compatibility suite builds a Go program (and the chart test builds helm

@@ -1,5 +1,6 @@
 //! The compatibility suite: real programs (haproxy, socat, nginx, redis, curl,
-//! openssl, python, memcached, gRPC, PostgreSQL, Node.js, Go) through registered pairs and capture rules on a real
+//! openssl, python, memcached, gRPC, PostgreSQL, Node.js, Go, Java, nghttp2,
+//! iperf3) through registered pairs and capture rules on a real
 //! kernel, checksummed both ways, 100 connections each, the first one after
 //! the data path starts included. A program that loses, duplicates or
 //! reorders a byte, or hangs, fails its test; so does a missing program or
@@ -2080,5 +2081,91 @@ fn nghttp2_downloads_uploads_and_h2load() -> Result<()> {
     // Downloads, uploads and their echoes (~100 MB each), after nghttp's
     // first connection; h2load's too where its connections find it known.
     ensure!(st.redirected_bytes > (250 << 20), "HTTP/2 accelerated both ways: {st:?}");
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// iperf3
+
+/// One iperf3 client run from `ns` against `server` (`-J`): its JSON report.
+fn iperf3(ns: &NetNs, server: SocketAddr, args: &[&str]) -> Result<serde_json::Value> {
+    let (ip, port) = (server.ip().to_string(), server.port().to_string());
+    let mut all = vec!["iperf3", "-c", &ip, "-p", &port, "-J"];
+    all.extend_from_slice(args);
+    let (ok, out) = output_of(ns, &all, T)?;
+    let v: serde_json::Value = serde_json::from_slice(&out).with_context(|| format!("iperf3 {args:?}: its report"))?;
+    ensure!(ok && v.get("error").is_none(), "iperf3 {args:?} failed: {}", v["error"]);
+    Ok(v)
+}
+
+/// iperf3 3.12, the tool a mesh's users first measure it with, server in pod
+/// B, client in pod A. First a file sent (`-F`) in writes of 64 B to 1 KiB,
+/// Nagle on and off, the server writing what it received to a file:
+/// iperf3's receiver stops reading when the sender says the test ended (on
+/// TCP too), so what it wrote must be the file's beginning, byte for byte.
+/// (Not larger writes: iperf3 3.12 refills its buffer over the unsent rest
+/// of a partial write, so `-F` corrupts its own stream on plain TCP too
+/// (seen with `-l 16K -w 64K`); a write of at most 1 KiB after select()
+/// found room is never partial.) Then what iperf3 can do to a connection,
+/// each run checked by its own report: reverse (`-R`), both ways at once
+/// (`--bidir`), 8 streams (`-P 8`), sendfile (`-Z`, both ways), small socket
+/// buffers (`-w`), 64 B writes.
+///
+/// iperf3 reads its control connection, and each new stream's cookie, in
+/// blocking mode: the reader guard keeps every iperf3 end off the fast path
+/// (asserted: a change in that judgement must show here and in README).
+#[test]
+fn iperf3_files_reverse_bidir_parallel_and_sendfile() -> Result<()> {
+    if !tools(&["iperf3"]) {
+        return Ok(());
+    }
+    let Some(k) = node() else { return Ok(()) };
+    let (net, server, pair) = pods_with_pair(&k, 5201)?;
+    let (a, b) = (&net.pods[0], &net.pods[1]);
+    let dir = ScratchDir::new("meshwarp-compat-")?;
+    let (sent, got) = (dir.path("sent"), dir.path("got"));
+    let len = 16usize << 20;
+    pattern_file(&sent, 31, len)?;
+    let sent_bytes = std::fs::read(&sent)?;
+    let (bind, port) = (b.v4.to_string(), server.port().to_string());
+    let (sent_s, got_s) = (sent.display().to_string(), got.display().to_string());
+    for (wlen, nodelay) in [("64", false), ("1K", false), ("128", true), ("1K", true)] {
+        let _ = std::fs::remove_file(&got);
+        let mut srv = Program::spawn(&b.ns, &["iperf3", "-s", "-1", "-B", &bind, "-p", &port, "-F", &got_s])?;
+        wait_port_listening(&b.ns, server.port(), T)?;
+        let mut args = vec!["-F", &sent_s, "-l", wlen];
+        if nodelay {
+            args.push("-N");
+        }
+        iperf3(&a.ns, server, &args)?;
+        ensure!(srv.wait_timeout(T)?.success(), "iperf3 server (-F, -l {wlen})");
+        let recv = std::fs::read(&got)?;
+        eprintln!("[compat] iperf3 -F -l {wlen} nodelay {nodelay}: {} of {len} B written", recv.len());
+        ensure!(!recv.is_empty() && recv.len() <= len, "-l {wlen}: {} of {len} B written", recv.len());
+        if let Some(at) = recv.iter().zip(&sent_bytes).position(|(r, s)| r != s) {
+            bail!("-l {wlen}: other bytes than sent from byte {at} of {}", recv.len());
+        }
+    }
+    let _srv = Program::spawn(&b.ns, &["iperf3", "-s", "-B", &bind, "-p", &port])?;
+    wait_port_listening(&b.ns, server.port(), T)?;
+    for args in [
+        &["-n", "64M"][..],
+        &["-n", "64M", "-R"],
+        &["-t", "2", "--bidir"],
+        &["-n", "64M", "-P", "8"],
+        &["-n", "64M", "-Z"],
+        &["-n", "64M", "-Z", "-R"],
+        &["-n", "8M", "-w", "32K"],
+        &["-n", "4M", "-l", "64"],
+    ] {
+        let v = iperf3(&a.ns, server, args)?;
+        let end = &v["end"];
+        let (s, r) = (end["sum_sent"]["bytes"].as_u64(), end["sum_received"]["bytes"].as_u64());
+        eprintln!("[compat] iperf3 {args:?}: sent {s:?} B, received {r:?} B");
+        ensure!(s.unwrap_or(0) > 0 && r.unwrap_or(0) > 0, "iperf3 {args:?}: {end}");
+    }
+    let st = k.dp().stats(&pair)?;
+    report("iperf3", &[("pair", st)]);
+    ensure!(st.sockets == 0 && st.fallback_reader > 0, "iperf3 judged a blocking reader: {st:?}");
     Ok(())
 }
