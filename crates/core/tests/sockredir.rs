@@ -14,7 +14,8 @@ use anyhow::{ensure, Context, Result};
 use meshwarp_bpf::shared::{sockmap_index, Link, END_CLIENT, END_SERVER, LINK_SLOT};
 use meshwarp_core::sys::socket_cookie_of;
 use meshwarp_core::{
-    CaptureRule, Dataplane, DataplaneConfig, DataplaneOrigin, Endpoint, EndpointPair, FastPathMode, RuleError,
+    CaptureRule, ConnFilter, ConnSource, Dataplane, DataplaneConfig, DataplaneOrigin, Endpoint, EndpointPair,
+    FastPathMode, PathNow, RuleError, TcpReason,
 };
 use meshwarp_testbed::{
     accept_timeout, exchange, read_ready, redirect_output, write_all_ready, CaptureProxy, KernelTest, NodeWithPods,
@@ -603,5 +604,102 @@ fn a_fast_open_connection_is_accelerated_in_order() -> Result<()> {
         "both directions redirected after the relink: {before:?} -> {after:?}"
     );
     ensure!(after.relinks >= 1, "the server end joined by a relink: {after:?}");
+    Ok(())
+}
+
+/// The socket's TCP state (TCP_INFO's `tcpi_state`).
+fn tcp_state(s: &TcpStream) -> Result<u8> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: a zeroed tcp_info is valid; the kernel writes at most `len` bytes.
+    let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+    let p = (&raw mut info).cast();
+    // SAFETY: `p` points at `len` writable bytes; the fd is open.
+    let rc = unsafe { libc::getsockopt(s.as_raw_fd(), libc::IPPROTO_TCP, libc::TCP_INFO, p, &mut len) };
+    ensure!(rc == 0, "TCP_INFO: {}", std::io::Error::last_os_error());
+    Ok(info.tcpi_state)
+}
+
+/// An end closed on both sides whose program still holds it (TCP_CLOSE, the
+/// kernel's own port number 0): read from the socket storage, it is listed
+/// with its local port and found by it; read by iter/tcp in each namespace,
+/// it is out of TCP's hash tables and not listed (as documented).
+#[test]
+fn a_closed_end_is_listed_with_its_port() -> Result<()> {
+    let k = kernel_test!(1024);
+    let (net, listener) = two_pods(false)?;
+    let pair = pair_for(&net, false);
+    k.dp().insert(&pair, "test")?;
+    let (mut c, mut s) = connect_pods(&net, &listener, false)?;
+    c.write_all(b"ping")?;
+    let mut got = [0u8; 4];
+    meshwarp_testbed::read_exact_ready(&mut s, &mut got, Some(T))?;
+    let cookie = socket_cookie_of(&s)?;
+    let by_cookie = ConnFilter { cookie: Some(cookie), ..ConnFilter::default() };
+    ensure!(k.dp().connections(&by_cookie)?.len() == 1, "the server end listed while open");
+    // Client FIN first, then the server's: the server end goes LAST_ACK ->
+    // CLOSE at the client's last ACK while its fd stays open.
+    c.shutdown(std::net::Shutdown::Write)?;
+    ensure!(s.read(&mut got)? == 0, "the client's FIN");
+    s.shutdown(std::net::Shutdown::Write)?;
+    ensure!(c.read(&mut got)? == 0, "the server's FIN");
+    const TCP_CLOSE: u8 = 7;
+    wait_until(Duration::from_secs(5), || Ok(tcp_state(&s)? == TCP_CLOSE))
+        .context("the server end reached TCP_CLOSE")?;
+    let listed = k.dp().connections(&by_cookie)?;
+    match k.dp().connection_source() {
+        Some(ConnSource::SocketStorage) => {
+            let [end] = &listed[..] else { anyhow::bail!("the closed end listed once: {listed:?}") };
+            ensure!(
+                end.state == u32::from(TCP_CLOSE) && end.local.port() == SERVER_PORT,
+                "its state and local port: {end:?}"
+            );
+            let by_port = ConnFilter { port: Some(SERVER_PORT), ..by_cookie };
+            ensure!(k.dp().connections(&by_port)?.len() == 1, "found by its port");
+        }
+        source => ensure!(listed.is_empty(), "{source:?}: a closed end is out of TCP's tables: {listed:?}"),
+    }
+    eprintln!("[sockredir] connection list read by {:?}", k.dp().connection_source());
+    drop(c);
+    Ok(())
+}
+
+/// A Fast Open connection whose client end never links (no free slot: the
+/// cookie's connection holds the only one): its server end, made at the SYN,
+/// is listed as any covered end whose client is not accelerated, and its
+/// bytes take TCP both ways, intact.
+#[test]
+fn a_fast_open_end_whose_client_never_links_is_listed_as_such() -> Result<()> {
+    let k = kernel_test!(2);
+    let (net, listener) = two_pods(false)?;
+    for p in &net.pods {
+        p.ns.enter(|| std::fs::write("/proc/sys/net/ipv4/tcp_fastopen", "3"))??;
+    }
+    meshwarp_testbed::set_int_opt(&listener, libc::IPPROTO_TCP, libc::TCP_FASTOPEN, 16)?;
+    let pair = pair_for(&net, false);
+    k.dp().insert(&pair, "test")?;
+    let to = SocketAddr::new(net.pods[1].addr(false), SERVER_PORT);
+    let first = [7u8; 100];
+    // The cookie's connection, accelerated, holds the one slot.
+    let c1 = fast_open(&net, to, &first)?;
+    let mut s1 = accept_timeout(&listener, T)?;
+    let mut got = [0u8; 100];
+    meshwarp_testbed::read_exact_ready(&mut s1, &mut got, Some(T))?;
+    let c = fast_open(&net, to, &first)?;
+    let mut s = accept_timeout(&listener, T)?;
+    ensure!(syn_data_accepted(&c)?, "the SYN carried data: Fast Open");
+    meshwarp_testbed::read_exact_ready(&mut s, &mut got, Some(T))?;
+    ensure!(got == first, "the SYN's data");
+    let cookie = socket_cookie_of(&s)?;
+    let listed = k.dp().connections(&ConnFilter { cookie: Some(cookie), ..ConnFilter::default() })?;
+    let [end] = &listed[..] else { anyhow::bail!("the server end listed once: {listed:?}") };
+    let peer = PathNow::Tcp(TcpReason::Peer);
+    ensure!(
+        !end.accelerated && end.rx_path == peer && end.tx_path == peer,
+        "no link, so its client is not accelerated (not `syn_data`): {end:?}"
+    );
+    ensure!(k.dp().global_stats()?.no_link >= 1, "counted as an end without a link");
+    exchange(c, s, 41, 1 << 20, T)?;
+    exchange(c1, s1, 43, 1 << 20, T)?;
     Ok(())
 }

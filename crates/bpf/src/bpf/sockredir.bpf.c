@@ -1452,6 +1452,11 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 				return;
 			}
 		}
+		/* A Fast Open end whose client end never linked: as any covered
+		 * end whose client is not accelerated. */
+		st = fastopen && sk ? bpf_sk_storage_get(&mw_sk_state, sk, 0, 0) : NULL;
+		if (st)
+			st->fb = MW_FB_PEER;
 		gs = global_stats();
 		if (gs) {
 			if (rule)
@@ -3189,7 +3194,8 @@ static __always_inline void conn_write(struct seq_file *seq, struct sock *sk, st
 		c.local_ip[0] = sk->__sk_common.skc_rcv_saddr;
 		c.remote_ip[0] = sk->__sk_common.skc_daddr;
 	}
-	c.local_port = sk->__sk_common.skc_num;
+	/* Not skc_num: 0 once the socket reached TCP_CLOSE (its fd still open). */
+	c.local_port = bpf_ntohs(bpf_core_cast(sk, struct inet_sock)->inet_sport);
 	c.remote_port = bpf_ntohs(sk->__sk_common.skc_dport);
 	c.rule_id = st->rule_id;
 	c.end = end;
