@@ -308,7 +308,7 @@ fn run(pin_dir: &Path, stop: &AtomicBool, trusted: &BTreeSet<ExeKey>, subs: &Sub
     let mut last_retry = Instant::now();
     while !stop.load(Ordering::Relaxed) {
         let idle = Duration::from_millis(50);
-        let wait = parker.as_ref().and_then(Parker::next_due_in).map_or(idle, |d| d.min(idle));
+        let wait = poll_wait(parker.as_ref().and_then(Parker::next_due_in), idle);
         if let Err(e) = rb.poll(wait) {
             tracing::warn!("polling mw_events: {e}");
         }
@@ -333,6 +333,14 @@ fn run(pin_dir: &Path, stop: &AtomicBool, trusted: &BTreeSet<ExeKey>, subs: &Sub
         }
     }
     Ok(())
+}
+
+/// How long the guard thread waits for events: until the first queued park
+/// request is due, at most `idle`, in whole milliseconds rounded up (the ring
+/// buffer's epoll takes milliseconds and cuts the rest: a wait of 0.9 ms
+/// became 0, and the thread spun until the request was due).
+fn poll_wait(next_due: Option<Duration>, idle: Duration) -> Duration {
+    next_due.map_or(idle, |d| Duration::from_millis(d.as_micros().div_ceil(1000) as u64).min(idle))
 }
 
 struct Guard<'a> {
@@ -514,6 +522,16 @@ fn incident(ev: &Event, kind: IncidentKind, reset: bool, detail: String) -> Inci
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn the_poll_wait_rounds_up_to_whole_milliseconds() {
+        let idle = Duration::from_millis(50);
+        assert_eq!(poll_wait(None, idle), idle);
+        assert_eq!(poll_wait(Some(Duration::ZERO), idle), Duration::ZERO);
+        assert_eq!(poll_wait(Some(Duration::from_micros(900)), idle), Duration::from_millis(1));
+        assert_eq!(poll_wait(Some(Duration::from_micros(2100)), idle), Duration::from_millis(3));
+        assert_eq!(poll_wait(Some(Duration::from_secs(1)), idle), idle);
+    }
     use super::*;
 
     #[test]

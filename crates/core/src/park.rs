@@ -30,9 +30,9 @@ use std::time::{Duration, Instant};
 use libbpf_rs::ProgramHandle;
 use meshwarp_bpf::names;
 use meshwarp_bpf::shared::{
-    Event, Link, ParkReq, Pod, UnlinkCtx, DIR_MOVE, DIR_RELINK_REQ, DIR_UNLINKED, DIR_UNLINKING, DIR_UNLINK_REQ,
-    EF_CLOSED, EF_GONE, EF_WAKE, EV_MOVE, EV_RELINK, EV_UNLINK, EV_WAKE, PARK_BUSY, PARK_DONE, PARK_FAILED, PARK_MOOT,
-    PARK_PENDING, PARK_RELINK, PARK_WAKE,
+    CookieVal, Event, Link, ParkReq, Pod, UnlinkCtx, DIR_MOVE, DIR_RELINK_REQ, DIR_UNLINKED, DIR_UNLINKING,
+    DIR_UNLINK_REQ, EF_CLOSED, EF_GONE, EF_WAKE, EV_MOVE, EV_RELINK, EV_UNLINK, EV_WAKE, PARK_BUSY, PARK_DONE,
+    PARK_FAILED, PARK_MOOT, PARK_PENDING, PARK_RELINK, PARK_WAKE,
 };
 
 use crate::error::{BpfError, IoError};
@@ -97,6 +97,9 @@ struct Request {
 pub(crate) struct Parker {
     req: TypedMap<u64, ParkReq>,
     links: TypedMap<u32, Link>,
+    /// Open accelerated sockets: a request for a cookie not in it is moot
+    /// (the socket closed) and costs no walk.
+    cookies: TypedMap<u64, CookieVal>,
     unlink: ProgramHandle,
     link: OwnedFd,
     /// Namespace cookie -> a path that enters it (found once, re-found when stale).
@@ -114,10 +117,11 @@ impl Parker {
         let unlink = ProgramHandle::from_pinned_path(pin_dir.join("progs").join(names::PROG_UNLINK))
             .map_err(bpf_err("opening pinned mw_unlink"))?;
         let links = TypedMap::pinned(&pin_dir.join("maps"), names::MAP_LINKS)?;
+        let cookies = TypedMap::pinned(&pin_dir.join("maps"), names::MAP_COOKIES)?;
         let link = crate::sys::iter_link(&prog)
             .map_err(|source| ParkError::Io(IoError::new("creating the mw_park iterator link", source)))?;
         let mut parker =
-            Self { req, links, unlink, link, netns: BTreeMap::new(), queue: Vec::new(), rescan_due: false };
+            Self { req, links, cookies, unlink, link, netns: BTreeMap::new(), queue: Vec::new(), rescan_due: false };
         // Requests made while no process served them (or before a restart).
         parker.rescan();
         Ok(parker)
@@ -226,7 +230,14 @@ impl Parker {
         let (due, later): (Vec<Request>, Vec<Request>) = self.queue.drain(..).partition(|r| r.due <= now);
         self.queue = later;
         let mut by_ns: BTreeMap<u64, Vec<Request>> = BTreeMap::new();
-        for r in due {
+        for mut r in due {
+            // Closed since it asked (a short connection: a Fast Open server
+            // end's first relink can come after its close): no walk of its
+            // namespace, which would not find it.
+            if matches!(self.cookies.get(&r.cookie), Ok(None)) {
+                self.settle(&mut r, PARK_MOOT);
+                continue;
+            }
             let batch = by_ns.entry(r.netns).or_default();
             // mw_park_req holds one request per socket: a second one (a
             // relink and a wake) waits for the next walk.

@@ -1,0 +1,158 @@
+//! Short connections: a new connection per request, as a client without a
+//! connection pool makes them (a 1 KiB request, a 1 KiB or 64 KiB answer,
+//! then the client closes), with and without TCP Fast Open (the request in
+//! the SYN; the listener's `TCP_FASTOPEN`, the client's
+//! `TCP_FASTOPEN_CONNECT`, the namespace's `net.ipv4.tcp_fastopen=3`). A
+//! covered connection pays for its handshake's BPF work (sockops, a link, two
+//! SOCKMAP inserts) and a Fast Open server end also for its relink, which
+//! the guard thread serves; what it gains is a few redirected messages. On
+//! loopback in one namespace, four listeners take turns as in the apps bench
+//! (TCP, always, adaptive, TCP again as the noise floor); the client's time
+//! per connection, from `socket()` to its close, medians.
+//!
+//! `cargo bench -p meshwarp-benches --bench short_conns` (as root;
+//! `MESHWARP_SHORT_TURNS`, default 15; a filter selects cells by substring).
+
+use std::io::Write;
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use meshwarp_core::{Endpoint, EndpointPair, FastPathMode};
+use meshwarp_testbed::{read_exact_ready, read_ready, set_int_opt, write_all_ready, KernelTest, NetNs};
+
+// interleaved_medians is not used here.
+#[allow(dead_code)]
+#[path = "interleave.rs"]
+mod interleave;
+
+const T: Duration = Duration::from_secs(60);
+const BASE: u16 = 9740;
+const REQUEST: usize = 1024;
+/// Connections per turn.
+const CONNS: usize = 300;
+/// Not in the uapi headers libc carries.
+const TCP_FASTOPEN_CONNECT: libc::c_int = 30;
+
+fn lo(port: u16) -> SocketAddr {
+    SocketAddr::new(IpAddr::from([127, 0, 0, 1]), port)
+}
+
+/// Cells whose id contains the free argument (`a|b`: either); all without one.
+fn selected(id: &str) -> bool {
+    match std::env::args().skip(1).find(|a| !a.starts_with('-')) {
+        Some(f) => f.split('|').any(|p| id.contains(p)),
+        None => true,
+    }
+}
+
+/// Serves `l` forever, one connection after another: reads the request,
+/// writes `answer` bytes, reads to the client's close (non-blocking reads,
+/// as an event-driven server: the reader guard judges the program by them).
+fn serve(l: TcpListener, answer: usize) {
+    l.set_nonblocking(false).expect("blocking accept");
+    let body = vec![0x61u8; answer];
+    let mut req = vec![0u8; REQUEST];
+    loop {
+        let (mut s, _) = l.accept().expect("accept");
+        s.set_nonblocking(true).expect("non-blocking");
+        read_exact_ready(&mut s, &mut req, Some(T)).expect("request");
+        write_all_ready(&mut s, &body, Some(T)).expect("answer");
+        while read_ready(&mut s, &mut req, Some(T)).expect("read to the close") > 0 {}
+    }
+}
+
+/// One connection to `addr`: the request (in the SYN with `fast_open` once
+/// the client holds a cookie), the whole answer, the close.
+fn one(addr: SocketAddr, fast_open: bool, req: &[u8], answer: &mut [u8]) {
+    let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).expect("socket");
+    if fast_open {
+        set_int_opt(&s, libc::IPPROTO_TCP, TCP_FASTOPEN_CONNECT, 1).expect("TCP_FASTOPEN_CONNECT");
+    }
+    s.set_tcp_nodelay(true).expect("nodelay");
+    // Blocking connect and write (with Fast Open the connect returns at once
+    // and the write sends the SYN); reads without blocking.
+    s.connect(&addr.into()).expect("connect");
+    let mut c = TcpStream::from(s);
+    c.write_all(req).expect("request");
+    c.set_nonblocking(true).expect("non-blocking");
+    read_exact_ready(&mut c, answer, Some(T)).expect("answer");
+}
+
+fn main() {
+    let Some(k) = KernelTest::start(4096) else { return };
+    let turns = std::env::var("MESHWARP_SHORT_TURNS").ok().and_then(|v| v.parse().ok()).unwrap_or(15);
+    let ns = NetNs::new("short").expect("netns");
+    ns.enter(|| std::fs::write("/proc/sys/net/ipv4/tcp_fastopen", "3")).expect("netns").expect("net.ipv4.tcp_fastopen");
+    let mut rows = Vec::new();
+    let mut cell_base = BASE;
+    for (fast_open, answer) in [(false, 1024usize), (true, 1024), (false, 64 << 10), (true, 64 << 10)] {
+        let base = cell_base;
+        cell_base += 4;
+        let id = format!("short/{}_{}B", if fast_open { "fastopen" } else { "plain" }, answer);
+        if !selected(&id) {
+            continue;
+        }
+        let pairs = [(1u16, FastPathMode::Always), (2, FastPathMode::Adaptive)].map(|(i, mode)| {
+            let pair =
+                EndpointPair::new(lo(0).ip(), Endpoint::new(lo(0).ip(), base + i)).expect("pair").with_mode(mode);
+            k.dp().insert(&pair, "short-conns-bench").expect("register pair");
+            pair
+        });
+        for i in 0..4u16 {
+            let l = ns
+                .listen_with(lo(base + i), |s| set_int_opt(s, libc::IPPROTO_TCP, libc::TCP_FASTOPEN, 256))
+                .expect("listen");
+            thread::spawn(move || serve(l, answer));
+        }
+        let medians = ns
+            .enter(|| {
+                let req = vec![0x71u8; REQUEST];
+                let mut buf = vec![0u8; answer];
+                // The cookies, and each program seen reading (a first covered
+                // connection waits on TCP until then).
+                for i in 0..4u16 {
+                    for _ in 0..3 {
+                        one(lo(base + i), fast_open, &req, &mut buf);
+                    }
+                }
+                interleave::interleaved_timed(4, turns, |i| {
+                    let addr = lo(base + i as u16);
+                    let start = Instant::now();
+                    for _ in 0..CONNS {
+                        one(addr, fast_open, &req, &mut buf);
+                    }
+                    start.elapsed() / CONNS as u32
+                })
+            })
+            .expect("netns");
+        let mark = |r: f64| if r > 1.05 { " SLOWER" } else { "" };
+        let [a, d, aa] = [medians[1], medians[2], medians[3]].map(|t| t / medians[0]);
+        let row = format!(
+            "| {id} | {turns} x {CONNS} | {:.1} us | {a:.2}x{} | {d:.2}x{} | {aa:.2}x |",
+            medians[0] / 1e3,
+            mark(a),
+            mark(d)
+        );
+        eprintln!("{row}");
+        for (mode, pair) in ["always", "adaptive"].iter().zip(&pairs) {
+            let st = k.dp().stats(pair).expect("stats");
+            eprintln!(
+                "  {mode}: sockets {} redirected {} B; relinks {}; fallbacks: reader {} no_peer {} tcp_path {}",
+                st.sockets,
+                st.redirected_bytes,
+                st.relinks,
+                st.fallback_reader,
+                st.fallback_no_peer,
+                st.fallback_tcp_path
+            );
+        }
+        rows.push(row);
+    }
+    eprintln!(
+        "\nshort connections (interleaved medians; the client's time per connection, ratio to TCP's):\n\
+         | workload | turns x connections | tcp (not covered) | always / tcp | adaptive / tcp | tcp again / tcp (A/A) |\n\
+         |---|---:|---:|---:|---:|---:|\n{}\n",
+        rows.join("\n")
+    );
+}
