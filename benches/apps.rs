@@ -54,7 +54,7 @@ use meshwarp_testbed::{
 #[allow(dead_code)]
 #[path = "interleave.rs"]
 mod interleave;
-use interleave::interleaved_timed;
+use interleave::{interleaved_timed, selected};
 
 const T: Duration = Duration::from_secs(60);
 /// The contenders' names and which of a program's four ports each one uses
@@ -64,14 +64,6 @@ const PATHS: [(&str, u16); 4] = [("tcp", 0), ("always", 1), ("adaptive", 2), ("t
 
 fn lo(port: u16) -> SocketAddr {
     SocketAddr::new(IpAddr::from([127, 0, 0, 1]), port)
-}
-
-/// Cells whose id contains the free argument (`a|b`: either); all without one.
-fn selected(id: &str) -> bool {
-    match std::env::args().skip(1).find(|a| !a.starts_with('-')) {
-        Some(f) => f.split('|').any(|p| id.contains(p)),
-        None => true,
-    }
 }
 
 fn turns() -> usize {

@@ -55,3 +55,13 @@ pub fn interleaved_timed(n: usize, rounds: usize, mut turn: impl FnMut(usize) ->
         })
         .collect()
 }
+
+/// Cells whose id contains the bench's free argument (`a|b`: either); all
+/// without one. (`paths` has its own, which knows criterion's options.)
+#[allow(dead_code)]
+pub fn selected(id: &str) -> bool {
+    match std::env::args().skip(1).find(|a| !a.starts_with('-')) {
+        Some(f) => f.split('|').any(|p| id.contains(p)),
+        None => true,
+    }
+}

@@ -25,6 +25,7 @@ use meshwarp_testbed::{read_exact_ready, read_ready, set_int_opt, write_all_read
 #[allow(dead_code)]
 #[path = "interleave.rs"]
 mod interleave;
+use interleave::selected;
 
 const T: Duration = Duration::from_secs(60);
 const BASE: u16 = 9740;
@@ -36,14 +37,6 @@ const TCP_FASTOPEN_CONNECT: libc::c_int = 30;
 
 fn lo(port: u16) -> SocketAddr {
     SocketAddr::new(IpAddr::from([127, 0, 0, 1]), port)
-}
-
-/// Cells whose id contains the free argument (`a|b`: either); all without one.
-fn selected(id: &str) -> bool {
-    match std::env::args().skip(1).find(|a| !a.starts_with('-')) {
-        Some(f) => f.split('|').any(|p| id.contains(p)),
-        None => true,
-    }
 }
 
 /// Serves `l` forever, one connection after another: reads the request,

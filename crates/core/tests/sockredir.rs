@@ -554,14 +554,10 @@ fn fast_open(net: &NodeWithPods, to: SocketAddr, first: &[u8]) -> Result<TcpStre
     Ok(c)
 }
 
-/// TCP Fast Open: the server end is made at the client's SYN, its data
-/// queued, before the client end links at the SYN-ACK; it claims the link at
-/// the last ACK of the handshake and joins the SOCKMAP by a relink. Bytes
-/// the client writes while the server has not read the SYN's data come after
-/// them, and then both directions are redirected, every byte checked.
-#[test]
-fn a_fast_open_connection_is_accelerated_in_order() -> Result<()> {
-    let k = kernel_test!(1024);
+/// Two pods with TCP Fast Open on (`net.ipv4.tcp_fastopen=3`, the listener's
+/// queue), the pair registered: the pods, the listener, the pair, the
+/// server's address.
+fn fast_open_pods(k: &KernelTest) -> Result<(NodeWithPods, std::net::TcpListener, EndpointPair, SocketAddr)> {
     let (net, listener) = two_pods(false)?;
     for p in &net.pods {
         p.ns.enter(|| std::fs::write("/proc/sys/net/ipv4/tcp_fastopen", "3"))??;
@@ -570,6 +566,18 @@ fn a_fast_open_connection_is_accelerated_in_order() -> Result<()> {
     let pair = pair_for(&net, false);
     k.dp().insert(&pair, "test")?;
     let to = SocketAddr::new(net.pods[1].addr(false), SERVER_PORT);
+    Ok((net, listener, pair, to))
+}
+
+/// TCP Fast Open: the server end is made at the client's SYN, its data
+/// queued, before the client end links at the SYN-ACK; it claims the link at
+/// the last ACK of the handshake and joins the SOCKMAP by a relink. Bytes
+/// the client writes while the server has not read the SYN's data come after
+/// them, and then both directions are redirected, every byte checked.
+#[test]
+fn a_fast_open_connection_is_accelerated_in_order() -> Result<()> {
+    let k = kernel_test!(1024);
+    let (net, listener, pair, to) = fast_open_pods(&k)?;
     let mut first = vec![0u8; 1000];
     let mut later = vec![0u8; 64 << 10];
     meshwarp_testbed::Pattern::new(31).fill(&mut first);
@@ -671,14 +679,7 @@ fn a_closed_end_is_listed_with_its_port() -> Result<()> {
 #[test]
 fn a_fast_open_end_whose_client_never_links_is_listed_as_such() -> Result<()> {
     let k = kernel_test!(2);
-    let (net, listener) = two_pods(false)?;
-    for p in &net.pods {
-        p.ns.enter(|| std::fs::write("/proc/sys/net/ipv4/tcp_fastopen", "3"))??;
-    }
-    meshwarp_testbed::set_int_opt(&listener, libc::IPPROTO_TCP, libc::TCP_FASTOPEN, 16)?;
-    let pair = pair_for(&net, false);
-    k.dp().insert(&pair, "test")?;
-    let to = SocketAddr::new(net.pods[1].addr(false), SERVER_PORT);
+    let (net, listener, _pair, to) = fast_open_pods(&k)?;
     let first = [7u8; 100];
     // The cookie's connection, accelerated, holds the one slot.
     let c1 = fast_open(&net, to, &first)?;
