@@ -755,7 +755,8 @@ fn openssl_one(
         Stdio::piped(),
         Stdio::piped(),
     )?;
-    wait_for_port(&b.ns, addr.parse()?)?;
+    // Not by connecting: s_server -naccept 1 would take the probe as its one connection.
+    wait_port_listening(&b.ns, addr.parse::<SocketAddr>()?.port(), T)?;
     let mut cli = Program::spawn_with(
         &a.ns,
         &["env", &env, "openssl", "s_client", "-quiet", "-nocommands", "-no_ign_eof", "-connect", addr],
@@ -800,23 +801,6 @@ fn openssl_one(
     ensure!(c_got == (len, s_sent), "client received {} of {len} bytes (or other bytes)", c_got.0);
     ensure!(s_got == (len, c_sent), "server received {} of {len} bytes (or other bytes)", s_got.0);
     Ok(())
-}
-
-/// Waits until a server accepts on `addr` without connecting to it (openssl
-/// s_server -naccept 1 would take the probe as its one connection).
-fn wait_for_port(ns: &NetNs, addr: SocketAddr) -> Result<()> {
-    let deadline = Instant::now() + T;
-    let hex = format!(":{:04X}", addr.port());
-    loop {
-        let tcp = ns.exec(&["cat", "/proc/net/tcp"])?;
-        if tcp.lines().any(|l| {
-            l.split_whitespace().nth(1).is_some_and(|a| a.ends_with(&hex)) && l.split_whitespace().nth(3) == Some("0A")
-        }) {
-            return Ok(());
-        }
-        ensure!(Instant::now() < deadline, "nothing listens on {addr}");
-        thread::sleep(Duration::from_millis(10));
-    }
 }
 
 // ---------------------------------------------------------------------------
