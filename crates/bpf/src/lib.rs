@@ -101,6 +101,7 @@ pub mod names {
     pub const MAP_EXE_CLASS: &str = "mw_exe_class";
     pub const MAP_SERVICES: &str = "mw_services";
     pub const MAP_READERS: &str = "mw_readers";
+    pub const MAP_JOINS: &str = "mw_joins";
     pub const MAP_SRV_HINT: &str = "mw_srv_hint";
     pub const MAP_CONFIG: &str = "mw_config";
     pub const MAP_DOOMED: &str = "mw_doomed";
@@ -190,8 +191,9 @@ pub mod names {
     /// Maps of the sockredir family newer than the family itself: pinned by
     /// every load of this build, missing from instances an older build
     /// pinned until an upgrade creates them. Each holds only what the
-    /// programs learn, so starting empty loses nothing.
-    pub const SOCKREDIR_ADDED_MAPS: [&str; 1] = [MAP_READERS];
+    /// programs learn or ask for, so starting empty loses nothing (an older
+    /// build's programs ask nothing in `mw_joins`).
+    pub const SOCKREDIR_ADDED_MAPS: [&str; 2] = [MAP_READERS, MAP_JOINS];
     /// The tcredir family's programs that are pinned.
     pub const TCREDIR_PROGS: [&str; 2] = [PROG_TC_INGRESS, PROG_TC_EGRESS];
     /// The maps of a family's plugin chain (`chain.h`), which every family

@@ -49,6 +49,7 @@ pub const DIR_RELINK_REQ: u32 = 8;
 pub const DIR_UNLINKING: u32 = 16;
 pub const DIR_RD_SHARED: u32 = 32;
 pub const DIR_MOVE: u32 = 64;
+pub const DIR_QUIET: u32 = 128;
 /// `MW_EF_*` (`mw_link.end_flags`).
 pub const EF_PSOCK: u32 = 1;
 pub const EF_TARGET: u32 = 2;
@@ -441,6 +442,16 @@ pub struct ServiceKey {
     pub netns: u64,
     pub port: u32,
     pub family: u32,
+}
+
+/// `struct mw_join`: a TCP Fast Open server end to join `mw_sockmap`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct Join {
+    pub netns: u64,
+    /// The thread that asked (its namespace is tried first).
+    pub tid: u32,
+    pub pad: u32,
 }
 
 /// `struct mw_reader_key`: how one executable reads one service.
@@ -864,6 +875,7 @@ mod tests {
             ("MW_DIR_UNLINKING", DIR_UNLINKING),
             ("MW_DIR_RD_SHARED", DIR_RD_SHARED),
             ("MW_DIR_MOVE", DIR_MOVE),
+            ("MW_DIR_QUIET", DIR_QUIET),
             ("MW_EV_UNLINK", EV_UNLINK),
             ("MW_EV_RELINK", EV_RELINK),
             ("MW_EV_WAKE", EV_WAKE),
@@ -982,6 +994,7 @@ mod tests {
         same_layout!(ExeClass, types::mw_exe_class, [flags, pad]);
         same_layout!(ServiceKey, types::mw_service_key, [netns, port, family]);
         same_layout!(ReaderKey, types::mw_reader_key, [exe, netns, port, end, pad]);
+        same_layout!(Join, types::mw_join, [netns, tid, pad]);
         same_layout!(Config, types::mw_config, [flags, pad, lat_since]);
         same_layout!(
             RuleStats,

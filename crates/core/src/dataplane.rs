@@ -517,7 +517,7 @@ fn upgrade_programs(layout: &FamilyPins) -> Result<Vec<String>, UpgradeError> {
 /// The socket family's maps, by pin name: every one a load pins.
 fn sockredir_maps<'a>(
     maps: &'a meshwarp_bpf::sockredir::SockredirMaps<'a>,
-) -> [(&'static str, &'a libbpf_rs::Map<'a>); 42] {
+) -> [(&'static str, &'a libbpf_rs::Map<'a>); 43] {
     [
         (names::MAP_SOCKMAP, &maps.mw_sockmap),
         (names::MAP_TGTMAP, &maps.mw_tgtmap),
@@ -534,6 +534,7 @@ fn sockredir_maps<'a>(
         (names::MAP_EXE_CLASS, &maps.mw_exe_class),
         (names::MAP_SERVICES, &maps.mw_services),
         (names::MAP_READERS, &maps.mw_readers),
+        (names::MAP_JOINS, &maps.mw_joins),
         (names::MAP_SRV_HINT, &maps.mw_srv_hint),
         (names::MAP_CONFIG, &maps.mw_config),
         (names::MAP_DOOMED, &maps.mw_doomed),

@@ -319,6 +319,7 @@ fn run(pin_dir: &Path, stop: &AtomicBool, trusted: &BTreeSet<ExeKey>, subs: &Sub
             }
         }
         if let Some(p) = parker.as_mut() {
+            p.take_joins();
             p.run_due();
         }
         if last_retry.elapsed() > Duration::from_millis(500) {

@@ -18,6 +18,11 @@
 //! that asked FIONREAD with TCP bytes queued behind its psock, which this
 //! kernel's FIONREAD does not count (see `MW_EF_WAKE` in shared.h).
 //!
+//! Joining: a TCP Fast Open server end, which claims its link at a state
+//! change where sockops may not insert it, is relinked like an unlinked end;
+//! the programs ask in `mw_joins`, not by an event, and this thread takes the
+//! requests whenever it runs (most are for connections already closed).
+//!
 //! Moving (`MW_EV_MOVE`, `MW_DIR_MOVE`): a client end whose server end turned
 //! out to be no target leaves `mw_sockmap` (`mw_unlink`) and joins `mw_tgtmap`
 //! (`mw_park`, once its psock is gone), where no sk_msg runs on its sends.
@@ -30,7 +35,7 @@ use std::time::{Duration, Instant};
 use libbpf_rs::ProgramHandle;
 use meshwarp_bpf::names;
 use meshwarp_bpf::shared::{
-    CookieVal, Event, Link, ParkReq, Pod, UnlinkCtx, DIR_MOVE, DIR_RELINK_REQ, DIR_UNLINKED, DIR_UNLINKING,
+    CookieVal, Event, Join, Link, ParkReq, Pod, UnlinkCtx, DIR_MOVE, DIR_RELINK_REQ, DIR_UNLINKED, DIR_UNLINKING,
     DIR_UNLINK_REQ, EF_CLOSED, EF_GONE, EF_WAKE, EV_MOVE, EV_RELINK, EV_UNLINK, EV_WAKE, PARK_BUSY, PARK_DONE,
     PARK_FAILED, PARK_MOOT, PARK_PENDING, PARK_RELINK, PARK_WAKE,
 };
@@ -100,6 +105,9 @@ pub(crate) struct Parker {
     /// Open accelerated sockets: a request for a cookie not in it is moot
     /// (the socket closed) and costs no walk.
     cookies: TypedMap<u64, CookieVal>,
+    /// TCP Fast Open server ends asked to join quietly (`mw_joins`); absent
+    /// while an older build's programs run.
+    joins: Option<TypedMap<u64, Join>>,
     unlink: ProgramHandle,
     link: OwnedFd,
     /// Namespace cookie -> a path that enters it (found once, re-found when stale).
@@ -118,10 +126,20 @@ impl Parker {
             .map_err(bpf_err("opening pinned mw_unlink"))?;
         let links = TypedMap::pinned(&pin_dir.join("maps"), names::MAP_LINKS)?;
         let cookies = TypedMap::pinned(&pin_dir.join("maps"), names::MAP_COOKIES)?;
+        let joins = TypedMap::pinned(&pin_dir.join("maps"), names::MAP_JOINS).ok();
         let link = crate::sys::iter_link(&prog)
             .map_err(|source| ParkError::Io(IoError::new("creating the mw_park iterator link", source)))?;
-        let mut parker =
-            Self { req, links, cookies, unlink, link, netns: BTreeMap::new(), queue: Vec::new(), rescan_due: false };
+        let mut parker = Self {
+            req,
+            links,
+            cookies,
+            joins,
+            unlink,
+            link,
+            netns: BTreeMap::new(),
+            queue: Vec::new(),
+            rescan_due: false,
+        };
         // Requests made while no process served them (or before a restart).
         parker.rescan();
         Ok(parker)
@@ -180,6 +198,35 @@ impl Parker {
         };
         self.enqueue(op, ev.cookie, ev.netns, ev.pid);
         true
+    }
+
+    /// Queues the joins the programs asked for quietly (`mw_joins`), each
+    /// taken out of the map; one whose socket closed meanwhile (most: a
+    /// request in the SYN and its answer) is dropped without a walk.
+    pub(crate) fn take_joins(&mut self) {
+        let Some(joins) = &self.joins else { return };
+        let asked = match joins.entries() {
+            Ok(a) => a,
+            Err(e) => {
+                tracing::warn!("mw_park: reading mw_joins: {e}");
+                return;
+            }
+        };
+        let taken: Vec<(u64, Join)> = asked
+            .into_iter()
+            .filter(|(cookie, _)| match joins.delete(cookie) {
+                Ok(()) => true,
+                Err(e) => {
+                    tracing::debug!(cookie, "mw_park: taking a join: {e}");
+                    false
+                }
+            })
+            .collect();
+        for (cookie, j) in taken {
+            if !matches!(self.cookies.get(&cookie), Ok(None)) {
+                self.enqueue(PARK_RELINK, cookie, j.netns, j.tid);
+            }
+        }
     }
 
     /// Queues `op` for socket `cookie`, due now, unless one is queued: a

@@ -194,6 +194,10 @@ struct mw_dir {
  * gone (mw_park), where no sk_msg runs on its sends. Parked meanwhile: its
  * peer's bytes take TCP until it is in. */
 #define MW_DIR_MOVE 64u
+/* Its relink was asked without waking user space (a TCP Fast Open server
+ * end's first join, in mw_joins): the peer's next send, finding it still
+ * out, asks with a wake-up once. */
+#define MW_DIR_QUIET 128u
 
 /* The policy: after MW_POLICY_COALESCE messages without a reply, a direction
  * whose sender lets TCP coalesce (Nagle or cork) and whose first
@@ -421,6 +425,17 @@ struct mw_exe_class {
  * and blocking programs (every Java program is `java`) keeps its
  * non-blocking services accelerated. `port` is the service's: a server
  * end's local port, a client end's remote port; `end` is MW_END_*. */
+/* mw_joins: a TCP Fast Open server end to join mw_sockmap (mw_park), keyed
+ * by its socket cookie. Asked without a ring-buffer event, which would wake
+ * the guard thread (a CPU's wake-up) for each connection, most of them
+ * closed before it would be served: the thread takes what it finds here
+ * whenever it runs (an event, a due request, at most every 50 ms). */
+struct mw_join {
+	__u64 netns;
+	__u32 tid; /* the thread that asked: its namespace is tried first */
+	__u32 pad;
+};
+
 struct mw_reader_key {
 	struct mw_exe_key exe;
 	__u64 netns;

@@ -145,6 +145,11 @@ MW_MAP(mw_services, BPF_MAP_TYPE_LRU_HASH, struct mw_service_key, struct mw_exe_
  * own flags (decide_end). LRU: an evicted entry only falls back to them. */
 MW_MAP(mw_readers, BPF_MAP_TYPE_LRU_HASH, struct mw_reader_key, __u32, 16384, 0);
 
+/* TCP Fast Open server ends to join mw_sockmap (struct mw_join). LRU: an
+ * entry evicted before it was served leaves its end out until its client's
+ * next send asks (MW_DIR_QUIET). */
+MW_MAP(mw_joins, BPF_MAP_TYPE_LRU_HASH, __u64, struct mw_join, 16384, 0);
+
 MW_MAP(mw_config, BPF_MAP_TYPE_ARRAY, __u32, struct mw_config, 1, 0);
 
 /*
@@ -500,9 +505,34 @@ static __always_inline void ask_relink(struct mw_link *link, __u64 id, __u32 end
 {
 	end &= 1;
 	if ((link->dir[end].flags & (MW_DIR_UNLINKED | MW_DIR_RELINK_REQ)) == MW_DIR_UNLINKED &&
-	    !(__sync_fetch_and_or(&link->dir[end].flags, MW_DIR_RELINK_REQ) & MW_DIR_RELINK_REQ) &&
-	    !request_park(MW_EV_RELINK, link, id, end))
-		__sync_fetch_and_and(&link->dir[end].flags, ~MW_DIR_RELINK_REQ);
+	    !(__sync_fetch_and_or(&link->dir[end].flags, MW_DIR_RELINK_REQ) & MW_DIR_RELINK_REQ)) {
+		if (!request_park(MW_EV_RELINK, link, id, end))
+			__sync_fetch_and_and(&link->dir[end].flags, ~MW_DIR_RELINK_REQ);
+	} else if ((link->dir[end].flags & MW_DIR_QUIET) &&
+		   (__sync_fetch_and_and(&link->dir[end].flags, ~MW_DIR_QUIET) & MW_DIR_QUIET)) {
+		/* Asked quietly (mw_joins) and still out: now with a wake-up
+		 * (user space folds it into the queued request). */
+		request_park(MW_EV_RELINK, link, id, end);
+	}
+}
+
+/* A TCP Fast Open server end's first join, asked in mw_joins, not by an
+ * event (see struct mw_join). Not asked (the map refused): its client's next
+ * send asks. */
+static __always_inline void ask_join_quietly(struct mw_link *link, __u64 id, __u32 end)
+{
+	struct mw_join j = {};
+	__u64 cookie;
+
+	end &= 1;
+	if (__sync_fetch_and_or(&link->dir[end].flags, MW_DIR_RELINK_REQ) & MW_DIR_RELINK_REQ)
+		return;
+	__sync_fetch_and_or(&link->dir[end].flags, MW_DIR_QUIET);
+	cookie = link->cookie[end];
+	j.netns = link->netns[end];
+	j.tid = (__u32)bpf_get_current_pid_tgid();
+	if (bpf_map_update_elem(&mw_joins, &cookie, &j, BPF_ANY))
+		__sync_fetch_and_and(&link->dir[end].flags, ~(MW_DIR_RELINK_REQ | MW_DIR_QUIET));
 }
 
 /* A park user space could not be asked to serve (the ring buffer full) is
@@ -1613,9 +1643,8 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 	if (rs)
 		rs->sockets++;
 	watch_close(skops);
-	/* Not asked (ring buffer full): its client's next send asks again. */
 	if (fastopen)
-		ask_relink(link, id, MW_END_SERVER);
+		ask_join_quietly(link, id, MW_END_SERVER);
 	/* Not asked (ring buffer full): it stays where it is, a target. */
 	if (move && !request_park(MW_EV_MOVE, link, id, MW_END_CLIENT))
 		unpark_unserved(link, MW_END_CLIENT);
@@ -2984,7 +3013,7 @@ static __always_inline void rejoined(struct mw_link *link, __u32 end)
 {
 	end &= 1;
 	__sync_fetch_and_and(&link->dir[end].flags,
-			     ~(MW_DIR_UNLINKED | MW_DIR_RELINK_REQ | MW_DIR_UNLINK_REQ | MW_DIR_MOVE));
+			     ~(MW_DIR_UNLINKED | MW_DIR_RELINK_REQ | MW_DIR_UNLINK_REQ | MW_DIR_MOVE | MW_DIR_QUIET));
 	link->dir[end].run = 0;
 	__sync_fetch_and_and(&link->end_flags[end], ~MW_EF_PARKED);
 }
