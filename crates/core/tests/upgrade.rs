@@ -329,45 +329,55 @@ fn an_upgrade_adds_the_programs_an_older_build_lacked() -> Result<()> {
     Ok(())
 }
 
-/// An older build pinned no `mw_readers` (maps this build adds,
-/// `names::SOCKREDIR_ADDED_MAPS`): its instance is not partial, and the
-/// upgrade creates and pins the map before changing any program. Failed
-/// after that step, the upgrade unpins it again and the older programs run
-/// on as they were; upgraded, the map is there and connections are
-/// redirected.
+/// An older build pinned none of the maps this build adds
+/// (`names::SOCKREDIR_ADDED_MAPS`: `mw_readers`, `mw_joins`): its instance is
+/// not partial, and the upgrade creates and pins them before changing any
+/// program. Failed at the last of those steps, the upgrade unpins them again
+/// and the older programs run on as they were; upgraded, the maps are there
+/// and connections are redirected.
 #[test]
 fn an_upgrade_adds_the_maps_an_older_build_lacked() -> Result<()> {
     let mut k = kernel_test!(1024);
     let bed = Bed::new(k.dp())?;
     let dir = k.dp().pin_dir().to_path_buf();
-    let added = dir.join("maps").join(names::MAP_READERS);
-    ensure!(added.exists(), "a fresh load pins {}", added.display());
+    let added: Vec<_> = names::SOCKREDIR_ADDED_MAPS.iter().map(|m| dir.join("maps").join(m)).collect();
+    for m in &added {
+        ensure!(m.exists(), "a fresh load pins {}", m.display());
+    }
     let mut live = bed.connect()?;
     let mut pattern = Pattern::new(5);
     ping(&mut live, &mut pattern, 1000)?;
     let as_older_build = |k: &mut KernelTest| -> Result<()> {
         drop(k.dp.take());
-        std::fs::remove_file(&added)?;
+        for m in &added {
+            std::fs::remove_file(m)?;
+        }
         mark_other_build(&dir.join("maps"))
     };
-    let step = format!("pin map {}", names::MAP_READERS);
+    let steps_wanted: Vec<String> = names::SOCKREDIR_ADDED_MAPS.iter().map(|m| format!("pin map {m}")).collect();
+    let last = steps_wanted.last().context("added maps")?.clone();
 
-    // Failed right after the map was pinned: unpinned again.
+    // Failed right after the last one was pinned: all unpinned again.
     as_older_build(&mut k)?;
     let before = running_programs(&dir)?;
-    let reason = open_failing_at(&mut k, &step)?;
-    ensure!(reason.contains(&step), "{reason}");
-    ensure!(!added.exists(), "a failed upgrade left the new map pinned");
+    let reason = open_failing_at(&mut k, &last)?;
+    ensure!(reason.contains(&last), "{reason}");
+    ensure!(added.iter().all(|m| !m.exists()), "a failed upgrade left a new map pinned");
     ensure!(running_programs(&dir)? == before, "a failed upgrade left programs changed");
     ping(&mut live, &mut pattern, 1000)?;
     fresh_connection_is_redirected(k.dp(), &bed, 50)?;
 
-    // Upgraded: the map is pinned first, then the programs are this build's.
+    // Upgraded: the maps are pinned first, then the programs are this build's.
     drop(k.dp.take());
     k.dp = Some(Dataplane::open(&k.cfg)?);
     let Upgrade::Done { steps, .. } = k.dp().upgrade().clone() else { bail!("{:?}", k.dp().upgrade()) };
-    ensure!(steps.get(1) == Some(&step), "pinned right after marking the instance: {steps:?}");
-    ensure!(added.exists(), "{} pinned", added.display());
+    ensure!(
+        steps.get(1..=steps_wanted.len()) == Some(&steps_wanted[..]),
+        "pinned right after marking the instance: {steps:?}"
+    );
+    for m in &added {
+        ensure!(m.exists(), "{} pinned", m.display());
+    }
     ensure!(stray_pins(&dir).is_empty(), "{:?}", stray_pins(&dir));
     ping(&mut live, &mut pattern, 1000)?;
     fresh_connection_is_redirected(k.dp(), &bed, 60)?;
