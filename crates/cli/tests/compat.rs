@@ -2057,14 +2057,21 @@ fn nghttp2_downloads_uploads_and_h2load() -> Result<()> {
         );
         Ok(())
     })?;
+    let files = k.dp().stats(&pair)?;
     let url = format!("http://{server}/f3");
     let (ok, out) = run_to_end(&a.ns, &["h2load", "-n", "5000", "-c", "10", "-m", "10", &url], T)?;
     ensure!(ok && out.contains("5000 succeeded, 0 failed"), "h2load: {out}");
     let st = k.dp().stats(&pair)?;
-    report("nghttp2", &[("pair", st)]);
-    // Downloads, uploads and their echoes (~100 MB each), after nghttp's
-    // first connection; h2load's too where its connections find it known.
-    ensure!(st.redirected_bytes > (250 << 20), "HTTP/2 accelerated both ways: {st:?}");
+    report("nghttp2", &[("nghttp", files), ("with h2load", st)]);
+    // nghttp's downloads, uploads and their echoes: `total` bytes each. Server
+    // to client is at most two of them, so more than that redirected means
+    // both ways. (The connections before nghttp was classified, 10 at a
+    // time, take TCP: on a fresh machine, a cold page cache, 35 of 200 did,
+    // 8 MiB ones among them.)
+    let total: u64 = (0..CONNS).map(|i| size_of_conn(i) as u64).sum();
+    ensure!(files.redirected_bytes > 2 * total, "HTTP/2 accelerated both ways ({total} B each): {files:?}");
+    // h2load opens its 10 connections at once, before it was seen reading:
+    // they take TCP (fallback_reader), and lose nothing (0 failed).
     Ok(())
 }
 
