@@ -19,7 +19,9 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use meshwarp_core::{Endpoint, EndpointPair, FastPathMode};
-use meshwarp_testbed::{read_exact_ready, read_ready, set_int_opt, write_all_ready, KernelTest, NetNs};
+use meshwarp_testbed::{
+    read_exact_ready, read_ready, set_int_opt, write_all_ready, KernelTest, NetNs, TCP_FASTOPEN_CONNECT,
+};
 
 // interleaved_medians is not used here.
 #[allow(dead_code)]
@@ -32,8 +34,6 @@ const BASE: u16 = 9740;
 const REQUEST: usize = 1024;
 /// Connections per turn.
 const CONNS: usize = 300;
-/// Not in the uapi headers libc carries.
-const TCP_FASTOPEN_CONNECT: libc::c_int = 30;
 
 fn lo(port: u16) -> SocketAddr {
     SocketAddr::new(IpAddr::from([127, 0, 0, 1]), port)
@@ -76,7 +76,7 @@ fn main() {
     let Some(k) = KernelTest::start(4096) else { return };
     let turns = std::env::var("MESHWARP_SHORT_TURNS").ok().and_then(|v| v.parse().ok()).unwrap_or(15);
     let ns = NetNs::new("short").expect("netns");
-    ns.enter(|| std::fs::write("/proc/sys/net/ipv4/tcp_fastopen", "3")).expect("netns").expect("net.ipv4.tcp_fastopen");
+    ns.fast_open_on().expect("net.ipv4.tcp_fastopen");
     let mut rows = Vec::new();
     let mut cell_base = BASE;
     for (fast_open, answer) in [(false, 1024usize), (true, 1024), (false, 64 << 10), (true, 64 << 10)] {

@@ -523,6 +523,7 @@ fn incident(ev: &Event, kind: IncidentKind, reset: bool, detail: String) -> Inci
 
 #[cfg(test)]
 mod tests {
+    use super::*;
 
     #[test]
     fn the_poll_wait_rounds_up_to_whole_milliseconds() {
@@ -533,7 +534,6 @@ mod tests {
         assert_eq!(poll_wait(Some(Duration::from_micros(2100)), idle), Duration::from_millis(3));
         assert_eq!(poll_wait(Some(Duration::from_secs(1)), idle), idle);
     }
-    use super::*;
 
     #[test]
     fn flags_of_a_classification() {

@@ -201,8 +201,8 @@ impl Parker {
     }
 
     /// Queues the joins the programs asked for quietly (`mw_joins`), each
-    /// taken out of the map; one whose socket closed meanwhile (most: a
-    /// request in the SYN and its answer) is dropped without a walk.
+    /// taken out of the map (one whose socket closed meanwhile, most of
+    /// them, is settled moot in [`Parker::run_due`], without a walk).
     pub(crate) fn take_joins(&mut self) {
         let Some(joins) = &self.joins else { return };
         let asked = match joins.entries() {
@@ -214,18 +214,12 @@ impl Parker {
         };
         let taken: Vec<(u64, Join)> = asked
             .into_iter()
-            .filter(|(cookie, _)| match joins.delete(cookie) {
-                Ok(()) => true,
-                Err(e) => {
-                    tracing::debug!(cookie, "mw_park: taking a join: {e}");
-                    false
-                }
+            .filter(|(cookie, _)| {
+                joins.delete(cookie).map_err(|e| tracing::debug!(cookie, "mw_park: taking a join: {e}")).is_ok()
             })
             .collect();
         for (cookie, j) in taken {
-            if !matches!(self.cookies.get(&cookie), Ok(None)) {
-                self.enqueue(PARK_RELINK, cookie, j.netns, j.tid);
-            }
+            self.enqueue(PARK_RELINK, cookie, j.netns, j.tid);
         }
     }
 

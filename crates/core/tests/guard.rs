@@ -26,9 +26,9 @@ use meshwarp_core::sys::socket_cookie_of;
 use meshwarp_core::{CaptureRule, Endpoint, EndpointPair, FastPathMode, GuardMode};
 use meshwarp_testbed::{
     accept_timeout, exchange, expect_no_zerocopy_completions, expect_zerocopy_completions, fionread_reader,
-    read_exact_ready, recv_pattern, redirect_output, send_pattern, set_int_opt, set_zerocopy, wait_ready,
+    read_exact_ready, recv_pattern, redirect_output, send_pattern, set_int_opt, set_zerocopy, tcp_state, wait_ready,
     write_all_ready, zerocopy_pattern, zerocopy_transfer, CaptureProxy, HeldThread, KernelTest, NetNs, NodeWithPods,
-    SERVICE_V4,
+    SERVICE_V4, TCP_CLOSE,
 };
 
 const T: Duration = Duration::from_secs(60);
@@ -1087,28 +1087,6 @@ fn a_listener_older_than_the_data_path_is_learned() -> Result<()> {
     exchange(c, s, 29, 64 << 10, T)?;
     ensure!(got, "second connection accelerated: {:?}", k.dp().stats(&pair)?);
     Ok(())
-}
-
-/// include/net/tcp_states.h
-const TCP_CLOSE: u8 = 7;
-
-fn tcp_state(s: &impl AsRawFd) -> std::io::Result<u8> {
-    // SAFETY: tcp_info is plain data; the kernel writes at most `len` bytes.
-    let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
-    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
-    let rc = unsafe {
-        libc::getsockopt(
-            s.as_raw_fd(),
-            libc::IPPROTO_TCP,
-            libc::TCP_INFO,
-            (&mut info as *mut libc::tcp_info).cast(),
-            &mut len,
-        )
-    };
-    if rc != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(info.tcpi_state)
 }
 
 // ---------------------------------------------------------------------------

@@ -18,8 +18,8 @@ use meshwarp_core::{
     FastPathMode, PathNow, RuleError, TcpReason,
 };
 use meshwarp_testbed::{
-    accept_timeout, exchange, read_ready, redirect_output, write_all_ready, CaptureProxy, KernelTest, NodeWithPods,
-    SERVICE_V4, SERVICE_V6,
+    accept_timeout, exchange, read_ready, redirect_output, tcp_state, write_all_ready, CaptureProxy, KernelTest,
+    NodeWithPods, SERVICE_V4, SERVICE_V6, TCP_CLOSE, TCP_FASTOPEN_CONNECT,
 };
 
 const T: Duration = Duration::from_secs(60);
@@ -540,7 +540,6 @@ fn syn_data_accepted(s: &TcpStream) -> Result<bool> {
 /// A Fast Open connect from pod0 (TCP_FASTOPEN_CONNECT): blocking, its
 /// first write `first` (in the SYN once the kernel holds a cookie).
 fn fast_open(net: &NodeWithPods, to: SocketAddr, first: &[u8]) -> Result<TcpStream> {
-    const TCP_FASTOPEN_CONNECT: libc::c_int = 30;
     let mut c = net.pods[0].ns.enter(|| -> std::io::Result<TcpStream> {
         let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
         meshwarp_testbed::set_int_opt(&s, libc::IPPROTO_TCP, TCP_FASTOPEN_CONNECT, 1)?;
@@ -560,7 +559,7 @@ fn fast_open(net: &NodeWithPods, to: SocketAddr, first: &[u8]) -> Result<TcpStre
 fn fast_open_pods(k: &KernelTest) -> Result<(NodeWithPods, std::net::TcpListener, EndpointPair, SocketAddr)> {
     let (net, listener) = two_pods(false)?;
     for p in &net.pods {
-        p.ns.enter(|| std::fs::write("/proc/sys/net/ipv4/tcp_fastopen", "3"))??;
+        p.ns.fast_open_on()?;
     }
     meshwarp_testbed::set_int_opt(&listener, libc::IPPROTO_TCP, libc::TCP_FASTOPEN, 16)?;
     let pair = pair_for(&net, false);
@@ -615,19 +614,6 @@ fn a_fast_open_connection_is_accelerated_in_order() -> Result<()> {
     Ok(())
 }
 
-/// The socket's TCP state (TCP_INFO's `tcpi_state`).
-fn tcp_state(s: &TcpStream) -> Result<u8> {
-    use std::os::fd::AsRawFd;
-    // SAFETY: a zeroed tcp_info is valid; the kernel writes at most `len` bytes.
-    let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
-    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
-    let p = (&raw mut info).cast();
-    // SAFETY: `p` points at `len` writable bytes; the fd is open.
-    let rc = unsafe { libc::getsockopt(s.as_raw_fd(), libc::IPPROTO_TCP, libc::TCP_INFO, p, &mut len) };
-    ensure!(rc == 0, "TCP_INFO: {}", std::io::Error::last_os_error());
-    Ok(info.tcpi_state)
-}
-
 /// An end closed on both sides whose program still holds it (TCP_CLOSE, the
 /// kernel's own port number 0): read from the socket storage, it is listed
 /// with its local port and found by it; read by iter/tcp in each namespace,
@@ -651,7 +637,6 @@ fn a_closed_end_is_listed_with_its_port() -> Result<()> {
     ensure!(s.read(&mut got)? == 0, "the client's FIN");
     s.shutdown(std::net::Shutdown::Write)?;
     ensure!(c.read(&mut got)? == 0, "the server's FIN");
-    const TCP_CLOSE: u8 = 7;
     wait_until(Duration::from_secs(5), || Ok(tcp_state(&s)? == TCP_CLOSE))
         .context("the server end reached TCP_CLOSE")?;
     let listed = k.dp().connections(&by_cookie)?;

@@ -161,6 +161,13 @@ impl NetNs {
         run("ip", &all)
     }
 
+    /// Turns TCP Fast Open on for clients and servers in this namespace
+    /// (`net.ipv4.tcp_fastopen=3`).
+    pub fn fast_open_on(&self) -> Result<()> {
+        self.enter(|| std::fs::write("/proc/sys/net/ipv4/tcp_fastopen", "3"))?
+            .map_err(io_err(format!("net.ipv4.tcp_fastopen=3 in {}", self.name)))
+    }
+
     /// Runs a program inside the namespace (`ip netns exec`).
     pub fn exec(&self, cmd: &[&str]) -> Result<String> {
         let mut all = vec!["netns", "exec", &self.name];
@@ -1225,6 +1232,25 @@ pub const SO_ZEROCOPY: i32 = 60;
 pub const MSG_ZEROCOPY: i32 = 0x400_0000;
 /// `SO_EE_ORIGIN_ZEROCOPY` (linux/errqueue.h); the libc crate lacks it.
 const SO_EE_ORIGIN_ZEROCOPY: u8 = 5;
+
+/// `TCP_CLOSE` (include/net/tcp_states.h), as TCP_INFO's `tcpi_state` says it.
+pub const TCP_CLOSE: u8 = 7;
+/// `TCP_FASTOPEN_CONNECT` (linux/tcp.h); the libc crate lacks it.
+pub const TCP_FASTOPEN_CONNECT: libc::c_int = 30;
+
+/// The socket's TCP state (TCP_INFO's `tcpi_state`).
+pub fn tcp_state(s: &impl AsRawFd) -> io::Result<u8> {
+    // SAFETY: tcp_info is plain data; the kernel writes at most `len` bytes.
+    let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+    // SAFETY: `info` is `len` writable bytes; the fd is the caller's, open.
+    let rc =
+        unsafe { libc::getsockopt(s.as_raw_fd(), libc::IPPROTO_TCP, libc::TCP_INFO, (&raw mut info).cast(), &mut len) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(info.tcpi_state)
+}
 
 /// `setsockopt(s, level, opt, &v, sizeof(int))`.
 pub fn set_int_opt(s: &impl AsRawFd, level: libc::c_int, opt: libc::c_int, v: libc::c_int) -> io::Result<()> {

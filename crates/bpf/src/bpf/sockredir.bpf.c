@@ -519,7 +519,7 @@ static __always_inline void ask_relink(struct mw_link *link, __u64 id, __u32 end
 /* A TCP Fast Open server end's first join, asked in mw_joins, not by an
  * event (see struct mw_join). Not asked (the map refused): its client's next
  * send asks. */
-static __always_inline void ask_join_quietly(struct mw_link *link, __u64 id, __u32 end)
+static __always_inline void ask_join_quietly(struct mw_link *link, __u32 end)
 {
 	struct mw_join j = {};
 	__u64 cookie;
@@ -1644,7 +1644,7 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 		rs->sockets++;
 	watch_close(skops);
 	if (fastopen)
-		ask_join_quietly(link, id, MW_END_SERVER);
+		ask_join_quietly(link, MW_END_SERVER);
 	/* Not asked (ring buffer full): it stays where it is, a target. */
 	if (move && !request_park(MW_EV_MOVE, link, id, MW_END_CLIENT))
 		unpark_unserved(link, MW_END_CLIENT);
