@@ -8,10 +8,14 @@
 //! the guard thread serves; what it gains is a few redirected messages. Mode
 //! never shows what is left without the SOCKMAP: the covered connection's
 //! own BPF work (sockops with the close watched, socket storage, the reads'
-//! tracepoint), which the uncovered listeners do not pay. On loopback in one
-//! namespace, five listeners take turns as in the apps bench (TCP, always,
-//! adaptive, never, TCP again as the noise floor); the client's time per
-//! connection, from `socket()` to its close, medians.
+//! tracepoint), which the uncovered listeners do not pay. An uncovered
+//! connection still pays the data path's cgroup programs (sockops, connect4,
+//! setsockopt run for every TCP socket of the cgroup); a sixth listener and
+//! its clients live in a cgroup beside it without the data path (what a pod
+//! meshwarp does not watch pays: the global tracepoints only). On loopback
+//! in one namespace, the six take turns as in the apps bench (TCP, always,
+//! adaptive, never, TCP again as the noise floor, TCP in the bare cgroup);
+//! the client's time per connection, from `socket()` to its close, medians.
 //!
 //! `cargo bench -p meshwarp-benches --bench short_conns` (as root;
 //! `MESHWARP_SHORT_TURNS`, default 61; a filter selects cells by substring).
@@ -30,7 +34,7 @@ use std::time::{Duration, Instant};
 
 use meshwarp_core::{Endpoint, EndpointPair, FastPathMode};
 use meshwarp_testbed::{
-    read_exact_ready, read_ready, set_int_opt, write_all_ready, KernelTest, NetNs, TCP_FASTOPEN_CONNECT,
+    read_exact_ready, read_ready, set_int_opt, write_all_ready, BareCgroup, KernelTest, NetNs, TCP_FASTOPEN_CONNECT,
 };
 
 // interleaved_medians is not used here.
@@ -44,6 +48,8 @@ const BASE: u16 = 9740;
 const REQUEST: usize = 1024;
 /// Connections per turn.
 const CONNS: usize = 300;
+/// The listener whose sockets are in a cgroup without the data path.
+const BARE: u16 = 5;
 
 fn lo(port: u16) -> SocketAddr {
     SocketAddr::new(IpAddr::from([127, 0, 0, 1]), port)
@@ -99,6 +105,7 @@ fn main() {
         pin_to_last_cpu();
     }
     let Some(k) = KernelTest::start(4096) else { return };
+    let bare = BareCgroup::new().expect("bare cgroup");
     let turns = std::env::var("MESHWARP_SHORT_TURNS").ok().and_then(|v| v.parse().ok()).unwrap_or(61);
     let ns = NetNs::new("short").expect("netns");
     ns.fast_open_on().expect("net.ipv4.tcp_fastopen");
@@ -106,7 +113,7 @@ fn main() {
     let mut cell_base = BASE;
     for (fast_open, answer) in [(false, 1024usize), (true, 1024), (false, 64 << 10), (true, 64 << 10)] {
         let base = cell_base;
-        cell_base += 5;
+        cell_base += 6;
         let id = format!("short/{}_{}B", if fast_open { "fastopen" } else { "plain" }, answer);
         if !selected(&id) {
             continue;
@@ -118,10 +125,11 @@ fn main() {
             k.dp().insert(&pair, "short-conns-bench").expect("register pair");
             pair
         });
-        for i in 0..5u16 {
-            let l = ns
-                .listen_with(lo(base + i), |s| set_int_opt(s, libc::IPPROTO_TCP, libc::TCP_FASTOPEN, 256))
-                .expect("listen");
+        for i in 0..6u16 {
+            let listen =
+                || ns.listen_with(lo(base + i), |s| set_int_opt(s, libc::IPPROTO_TCP, libc::TCP_FASTOPEN, 256));
+            // Accepted sockets belong to their listener's cgroup.
+            let l = if i == BARE { bare.visit(&k.cgroup, listen).expect("cgroup") } else { listen() }.expect("listen");
             thread::spawn(move || serve(l, answer));
         }
         let medians = ns
@@ -130,25 +138,33 @@ fn main() {
                 let mut buf = vec![0u8; answer];
                 // The cookies, and each program seen reading (a first covered
                 // connection waits on TCP until then).
-                for i in 0..5u16 {
+                for i in 0..6u16 {
                     for _ in 0..3 {
                         one(lo(base + i), fast_open, &req, &mut buf);
                     }
                 }
-                interleave::interleaved_timed(5, turns, |i| {
+                interleave::interleaved_timed(6, turns, |i| {
                     let addr = lo(base + i as u16);
-                    let start = Instant::now();
-                    for _ in 0..CONNS {
-                        one(addr, fast_open, &req, &mut buf);
+                    let mut turn = || {
+                        let start = Instant::now();
+                        for _ in 0..CONNS {
+                            one(addr, fast_open, &req, &mut buf);
+                        }
+                        start.elapsed() / CONNS as u32
+                    };
+                    // The cgroup moves are outside the timed part.
+                    if i == usize::from(BARE) {
+                        bare.visit(&k.cgroup, turn).expect("cgroup")
+                    } else {
+                        turn()
                     }
-                    start.elapsed() / CONNS as u32
                 })
             })
             .expect("netns");
         let mark = |r: f64| if r > 1.05 { " SLOWER" } else { "" };
-        let [a, d, n, aa] = [medians[1], medians[2], medians[3], medians[4]].map(|t| t / medians[0]);
+        let [a, d, n, aa, out] = [medians[1], medians[2], medians[3], medians[4], medians[5]].map(|t| t / medians[0]);
         let row = format!(
-            "| {id} | {turns} x {CONNS} | {:.1} us | {a:.2}x{} | {d:.2}x{} | {n:.2}x{} | {aa:.2}x |",
+            "| {id} | {turns} x {CONNS} | {:.1} us | {a:.2}x{} | {d:.2}x{} | {n:.2}x{} | {aa:.2}x | {out:.2}x |",
             medians[0] / 1e3,
             mark(a),
             mark(d),
@@ -171,8 +187,8 @@ fn main() {
     }
     eprintln!(
         "\nshort connections (interleaved medians; the client's time per connection, ratio to TCP's):\n\
-         | workload | turns x connections | tcp (not covered) | always / tcp | adaptive / tcp | never / tcp | tcp again / tcp (A/A) |\n\
-         |---|---:|---:|---:|---:|---:|---:|\n{}\n",
+         | workload | turns x connections | tcp (not covered) | always / tcp | adaptive / tcp | never / tcp | tcp again / tcp (A/A) | tcp, cgroup without meshwarp / tcp |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|\n{}\n",
         rows.join("\n")
     );
 }

@@ -1644,6 +1644,41 @@ impl Drop for TestCgroup {
     }
 }
 
+/// A cgroup v2 directory beside the test's, with no data path attached: the
+/// same depth and controllers (a socket of the root cgroup is charged to no
+/// memory cgroup, one of a pod's is), for traffic meshwarp does not watch.
+/// The process visits it ([`BareCgroup::visit`]); removed on drop.
+#[derive(Debug)]
+pub struct BareCgroup {
+    pub path: PathBuf,
+}
+
+impl BareCgroup {
+    pub fn new() -> Result<Self> {
+        let root = meshwarp_core::sys::cgroup2_root().map_err(|e| TestbedError::Integrity(e.to_string()))?;
+        let path = root.join(unique_name("meshwarp-bare-"));
+        std::fs::create_dir(&path).map_err(io_err(format!("creating cgroup {}", path.display())))?;
+        Ok(Self { path })
+    }
+
+    /// Runs `f` with this process here, then back in `home`.
+    pub fn visit<T>(&self, home: &TestCgroup, f: impl FnOnce() -> T) -> Result<T> {
+        let me = std::process::id().to_string();
+        std::fs::write(self.path.join("cgroup.procs"), &me).map_err(io_err("joining the bare cgroup"))?;
+        let out = f();
+        std::fs::write(home.path.join("cgroup.procs"), &me).map_err(io_err("rejoining the test cgroup"))?;
+        Ok(out)
+    }
+}
+
+impl Drop for BareCgroup {
+    fn drop(&mut self) {
+        if let Err(e) = std::fs::remove_dir(&self.path) {
+            tracing::warn!(cgroup = %self.path.display(), "removing bare cgroup: {e}");
+        }
+    }
+}
+
 /// Crash tests run their own test again as a child process over the
 /// parent's pins (and kill it at a step): in the child,
 /// [`child_dataplane_config`] says which pins, and the test does the child's
