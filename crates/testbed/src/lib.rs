@@ -1627,8 +1627,14 @@ impl TestCgroup {
     /// Runs `f` with this process back in the parent cgroup: sockets made
     /// there are outside the data path's cgroup (sockops never sees them).
     pub fn outside<T>(&self, f: impl FnOnce() -> T) -> Result<T> {
+        self.away(&self.parent_procs, f)
+    }
+
+    /// Runs `f` with this process in the cgroup whose `cgroup.procs` is
+    /// `procs`, then back here.
+    fn away<T>(&self, procs: &Path, f: impl FnOnce() -> T) -> Result<T> {
         let me = std::process::id().to_string();
-        std::fs::write(&self.parent_procs, &me).map_err(io_err("leaving test cgroup"))?;
+        std::fs::write(procs, &me).map_err(io_err(format!("leaving test cgroup for {}", procs.display())))?;
         let out = f();
         std::fs::write(self.path.join("cgroup.procs"), &me).map_err(io_err("rejoining test cgroup"))?;
         Ok(out)
@@ -1663,11 +1669,7 @@ impl BareCgroup {
 
     /// Runs `f` with this process here, then back in `home`.
     pub fn visit<T>(&self, home: &TestCgroup, f: impl FnOnce() -> T) -> Result<T> {
-        let me = std::process::id().to_string();
-        std::fs::write(self.path.join("cgroup.procs"), &me).map_err(io_err("joining the bare cgroup"))?;
-        let out = f();
-        std::fs::write(home.path.join("cgroup.procs"), &me).map_err(io_err("rejoining the test cgroup"))?;
-        Ok(out)
+        home.away(&self.path.join("cgroup.procs"), f)
     }
 }
 

@@ -3054,12 +3054,12 @@ static __always_inline bool fionread_would_miss(struct tcp_sock *tp, const struc
  * psock takes microseconds to build; an upload does not pause for it), the
  * insert is undone (under the socket's lock nothing was redirected into it
  * nor sent by it) and the join waits for the next ask. True if undone. */
-static __always_inline bool fionread_join_undone(struct tcp_sock *tp, const struct mw_link *link, __u32 end, void *map,
+static __always_inline bool fionread_join_undone(struct tcp_sock *tp, struct mw_link *link, __u32 end, void *map,
 						 __u32 pos)
 {
 	if (!fionread_would_miss(tp, link, end) || bpf_map_delete_elem(map, &pos))
 		return false;
-	__sync_fetch_and_and((__u32 *)&link->dir[end & 1].flags, ~MW_DIR_RELINK_REQ);
+	__sync_fetch_and_and(&link->dir[end & 1].flags, ~MW_DIR_RELINK_REQ);
 	return true;
 }
 
