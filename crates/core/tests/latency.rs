@@ -16,7 +16,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::thread;
 use std::time::Duration;
 
@@ -360,9 +360,10 @@ fn sampling_measures_slow_sockets_fully_and_busy_ones_in_whole_requests() -> Res
 }
 
 /// Four clients stream checksummed bytes through an echo server, each over
-/// 8 new connections in turn, while a thread switches the monitor between
-/// off, every rule and one rule every 5 ms: every byte arrives; once off,
-/// no histogram grows.
+/// at least 8 new connections in turn and until the monitor was switched 12
+/// times (a fast machine streams 8 in under 50 ms), while a thread switches
+/// it between off, every rule and one rule every 5 ms: every byte arrives;
+/// once off, no histogram grows.
 #[test]
 fn switching_the_monitor_under_traffic_loses_nothing() -> Result<()> {
     let k = kernel_test!();
@@ -371,6 +372,7 @@ fn switching_the_monitor_under_traffic_loses_nothing() -> Result<()> {
     let to = SocketAddr::new(net.pods[1].addr(false), 8331);
     let echo = StreamEcho::start(l)?;
     let stop = AtomicBool::new(false);
+    let switched = AtomicU32::new(0);
     let switches = thread::scope(|scope| -> Result<u32> {
         let toggler = scope.spawn(|| -> Result<u32> {
             let scopes = [LatencyScope::All, LatencyScope::Off, LatencyScope::Rules(BTreeSet::from([id]))];
@@ -378,17 +380,21 @@ fn switching_the_monitor_under_traffic_loses_nothing() -> Result<()> {
             while !stop.load(Ordering::Relaxed) {
                 k.dp().latency().set(&scopes[n as usize % 3], false)?;
                 n += 1;
+                switched.store(n, Ordering::Relaxed);
                 thread::sleep(Duration::from_millis(5));
             }
             Ok(n)
         });
         let workers: Vec<_> = (0..4u64)
             .map(|i| {
-                let net = &net;
+                let (net, switched) = (&net, &switched);
                 scope.spawn(move || -> Result<()> {
-                    for round in 0..8 {
+                    // Bounded, so a stuck toggler fails the check below instead of hanging.
+                    let mut round = 0;
+                    while round < 8 || (switched.load(Ordering::Relaxed) < 12 && round < 400) {
                         let c = net.pods[0].ns.connect(to)?;
-                        echo_integrity(c, i * 100 + round, 256 * 1024, Duration::from_secs(60))?;
+                        echo_integrity(c, i * 1000 + round, 256 * 1024, Duration::from_secs(60))?;
+                        round += 1;
                     }
                     Ok(())
                 })
@@ -399,7 +405,7 @@ fn switching_the_monitor_under_traffic_loses_nothing() -> Result<()> {
         let n = toggler.join().unwrap()?;
         done.map(|()| n)
     })?;
-    ensure!(switches >= 10, "switched {switches} times");
+    ensure!(switches >= 12, "switched {switches} times");
     ensure!(!k.dp().latency().histograms(&BTreeSet::new())?.is_empty(), "recorded while on");
 
     k.dp().latency().set(&LatencyScope::Off, false)?;
