@@ -11,7 +11,7 @@
 
 #![allow(clippy::unwrap_used)]
 
-use std::io::Read;
+use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpStream};
 use std::os::fd::AsRawFd;
 use std::thread;
@@ -19,16 +19,17 @@ use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
 use meshwarp_bpf::shared::{
-    CookieVal, Link, DIR_MOVE, DIR_RELINK_REQ, DIR_UNLINKED, EF_FIONREAD, EF_TARGET, EF_TGTMAP, END_CLIENT, END_SERVER,
-    LINK_POISONED,
+    CookieVal, ExeClass, ExeKey, Link, DIR_MOVE, DIR_RELINK_REQ, DIR_UNLINKED, EF_FIONREAD, EF_TARGET, EF_TGTMAP,
+    END_CLIENT, END_SERVER, LINK_POISONED,
 };
+use meshwarp_core::maps::TypedMap;
 use meshwarp_core::sys::socket_cookie_of;
 use meshwarp_core::{CaptureRule, Endpoint, EndpointPair, FastPathMode, GuardMode};
 use meshwarp_testbed::{
     accept_timeout, exchange, expect_no_zerocopy_completions, expect_zerocopy_completions, fionread_reader,
     read_exact_ready, recv_pattern, redirect_output, send_pattern, set_int_opt, set_zerocopy, tcp_state, wait_ready,
     write_all_ready, zerocopy_pattern, zerocopy_transfer, CaptureProxy, HeldThread, KernelTest, NetNs, NodeWithPods,
-    SERVICE_V4, TCP_CLOSE,
+    ScratchDir, SERVICE_V4, TCP_CLOSE,
 };
 
 const T: Duration = Duration::from_secs(60);
@@ -339,6 +340,18 @@ fn blocked_reads_can_fail(k: &KernelTest) -> bool {
     gap
 }
 
+/// The tests that trust no reader judge this test program by its ELF, and
+/// count on it not being able to splice: std's `fs::copy` and `io::copy`
+/// import `splice`, and one call anywhere in this file made four of them
+/// fail with `fallback_splice` (2026-12-03). Said here, by name.
+#[test]
+fn this_test_program_cannot_splice() -> Result<()> {
+    let me = std::env::current_exe()?;
+    let facts = meshwarp_core::execlass::classify_file(&me)?;
+    ensure!(!facts.splice, "{} is judged able to splice ({}): drop the fs::copy/io::copy", me.display(), facts.reason);
+    Ok(())
+}
+
 /// Nothing trusted: this program's first connection runs on TCP while the
 /// guard has not seen how it reads; once it was seen reading without
 /// blocking, its connections are accelerated.
@@ -358,6 +371,51 @@ fn an_unobserved_reader_waits_one_connection() -> Result<()> {
     exchange(c, s, 15, 64 << 10, T)?;
     let second = k.dp().stats(&pair)?;
     ensure!(second.sockets == 2 && second.redirected_bytes == 2 * (64 << 10), "{second:?}");
+    Ok(())
+}
+
+/// A program first seen reading a covered socket handed to it (it made no
+/// connect() nor listen() the data path saw) is classified all the same.
+/// Its first read records how it reads (`mw_exes`) and then asks for its
+/// classification, whose insert into the same map once found that record
+/// and gave up: the program stayed unclassified, its ends on TCP, for good
+/// (curl in compat.rs's Fast Open test, 3 runs in 30). A copy of `cat`
+/// under a new inode: no running process, so the guard's start did not
+/// classify it.
+#[test]
+fn a_program_first_seen_reading_a_handed_socket_is_classified() -> Result<()> {
+    let k = kernel_test!(|c| c.trusted_readers.clear());
+    ensure!(k.dp().guard_enabled(), "the guard runs on this kernel: {:?}", k.dp().guard_gaps());
+    let dir = ScratchDir::new("mw-guard-")?;
+    let reader = dir.path("handed-reader");
+    // Not fs::copy, nor io::copy: they can splice, and this test program,
+    // judged by its ELF (nothing trusted), would be a splicer for every test.
+    std::fs::write(&reader, std::fs::read("/bin/cat")?)?;
+    std::fs::set_permissions(&reader, std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
+    let key = meshwarp_core::execlass::exe_key(&reader)?;
+    let class: TypedMap<ExeKey, ExeClass> =
+        TypedMap::pinned(&k.dp().pin_dir().join("maps"), meshwarp_bpf::names::MAP_EXE_CLASS)?;
+    ensure!(class.get(&key)?.is_none(), "the copy is new to the guard");
+    let (net, l, _pair) = pods_pair(&k, 8096)?;
+    let to = SocketAddr::new(net.pods[1].addr(false), 8096);
+    let (mut c, s) = (net.pods[0].ns.connect(to)?, accept_timeout(&l, T)?);
+    s.set_nonblocking(false)?;
+    let mut child = std::process::Command::new(&reader)
+        .stdin(std::process::Stdio::from(std::os::fd::OwnedFd::from(s)))
+        .stdout(std::process::Stdio::null())
+        .spawn()?;
+    c.write_all(b"first bytes it reads\n")?;
+    // It stays alive, blocked in its next read, until it was classified.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let mut classified = false;
+    while !classified && std::time::Instant::now() < deadline {
+        thread::sleep(Duration::from_millis(20));
+        classified = class.get(&key)?.is_some();
+    }
+    drop(c);
+    let status = child.wait()?;
+    ensure!(classified, "the program first seen reading was not classified within 10 s");
+    ensure!(status.success(), "cat read to the end: {status}");
     Ok(())
 }
 
