@@ -393,20 +393,29 @@ fn splice_once(fd: RawFd, len: usize) -> Result<i64, ProbeError> {
 
 /// A thread blocks reading `s`; the socket's own write side is shut down.
 /// Returns whether the read came back with EAGAIN (instead of waiting).
+/// Waits for the reader to be in its read, and for the read to come back
+/// after the shutdown, rather than sleeping: the probe runs while every
+/// test of a binary loads its programs, and a late reader read the unblocking
+/// byte instead (a wrong answer flips the guard's Auto mode).
 fn blocked_read_eagain(c: &TcpStream, s: TcpStream) -> Result<bool, ProbeError> {
     let fd = s.as_raw_fd();
+    let (tx, rx) = std::sync::mpsc::channel();
     let reader = thread::spawn(move || {
+        // SAFETY: gettid has no preconditions.
+        let _ = tx.send(unsafe { libc::gettid() });
         let mut b = [0u8; 16];
         // SAFETY: valid fd and buffer; blocking read (with the socket's timeout).
         let n = unsafe { libc::recv(fd, b.as_mut_ptr().cast(), b.len(), 0) };
         let e = io::Error::last_os_error();
         (n, e.raw_os_error(), s)
     });
-    thread::sleep(Duration::from_millis(50));
+    let tid = rx.recv().map_err(|_| ProbeError::NotRedirected("probe reader gone".into()))?;
+    if !crate::sys::wait_in_syscall(tid, libc::SYS_recvfrom, Duration::from_secs(5)) {
+        tracing::warn!("kernel probe: the reader was not seen blocked in recvfrom within 5 s");
+    }
     // SAFETY: shutting down our own socket's write side.
     unsafe { libc::shutdown(fd, libc::SHUT_WR) };
-    thread::sleep(Duration::from_millis(50));
-    if !reader.is_finished() {
+    if !crate::sys::wait_for(Duration::from_millis(500), || reader.is_finished()) {
         write_all(c, &[7])?;
     }
     let (n, errno, _s) = reader.join().map_err(|_| ProbeError::NotRedirected("probe reader panicked".into()))?;

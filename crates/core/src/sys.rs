@@ -419,6 +419,40 @@ fn netns_cookie_here() -> Option<u64> {
     netns_cookie_of(&s).ok()
 }
 
+/// Waits until thread `tid` of this process sleeps in system call `nr`
+/// (its /proc/self/task/<tid>/syscall, which names the call only while the
+/// thread is blocked in it); false after `timeout`. For whoever needs a
+/// thread blocked in a read before acting, instead of a sleep that a slow or
+/// busy machine can outlast.
+pub fn wait_in_syscall(tid: libc::pid_t, nr: libc::c_long, timeout: std::time::Duration) -> bool {
+    let path = format!("/proc/self/task/{tid}/syscall");
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        let now = fs::read_to_string(&path).ok();
+        if now.as_deref().and_then(|l| l.split_whitespace().next()).and_then(|f| f.parse::<libc::c_long>().ok())
+            == Some(nr)
+        {
+            return true;
+        }
+        if std::time::Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+}
+
+/// Waits up to `timeout` for `done`; whether it held.
+pub fn wait_for(timeout: std::time::Duration, done: impl Fn() -> bool) -> bool {
+    let deadline = std::time::Instant::now() + timeout;
+    while !done() {
+        if std::time::Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    true
+}
+
 /// Locks `m` even if a thread panicked while holding it: one panicking
 /// caller must not take every later call on the data path down with it.
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -428,6 +462,25 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_thread_blocked_in_a_read_is_seen_there() {
+        let (r, w) = pipe().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let t = std::thread::spawn(move || {
+            tx.send(unsafe { libc::gettid() }).unwrap();
+            let mut b = [0u8; 1];
+            // SAFETY: a blocking read of a valid pipe into a valid buffer.
+            unsafe { libc::read(r.as_raw_fd(), b.as_mut_ptr().cast(), 1) }
+        });
+        let tid = rx.recv().unwrap();
+        assert!(wait_in_syscall(tid, libc::SYS_read, std::time::Duration::from_secs(10)));
+        assert!(!wait_in_syscall(tid, libc::SYS_write, std::time::Duration::from_millis(20)));
+        // SAFETY: a one-byte write into a valid pipe.
+        assert_eq!(unsafe { libc::write(w.as_raw_fd(), [1u8].as_ptr().cast(), 1) }, 1);
+        assert_eq!(t.join().unwrap(), 1);
+        assert!(wait_for(std::time::Duration::from_secs(1), || true));
+    }
 
     #[test]
     fn proc_mounts_lists_proc() {

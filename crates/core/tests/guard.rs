@@ -538,17 +538,22 @@ fn without_the_guard_a_blocked_read_returns_eagain() -> Result<()> {
     ensure!(k.dp().socket_link(socket_cookie_of(&s)?)?.is_some());
     s.set_nonblocking(false)?;
     let fd = s.as_raw_fd();
+    let (tx, rx) = std::sync::mpsc::channel();
     let reader = thread::spawn(move || {
+        // SAFETY: gettid has no preconditions.
+        tx.send(unsafe { libc::gettid() }).unwrap();
         let mut b = [0u8; 8];
         // SAFETY: a blocking read of a valid socket.
         let n = unsafe { libc::recv(fd, b.as_mut_ptr().cast(), b.len(), 0) };
         (n, std::io::Error::last_os_error().raw_os_error())
     });
-    thread::sleep(Duration::from_millis(100));
+    // In its read, not about to be (fixed sleeps let a late reader read
+    // the byte below instead).
+    let tid = rx.recv()?;
+    ensure!(meshwarp_core::sys::wait_in_syscall(tid, libc::SYS_recvfrom, T), "the reader blocked in recvfrom");
     s.shutdown(std::net::Shutdown::Write)?;
-    thread::sleep(Duration::from_millis(100));
     let mut c = c;
-    if !reader.is_finished() {
+    if !meshwarp_core::sys::wait_for(Duration::from_secs(2), || reader.is_finished()) {
         write_all_ready(&mut c, b"z", Some(T))?;
     }
     let (n, errno) = reader.join().unwrap();
@@ -728,10 +733,9 @@ fn writer_byte(i: u64) -> u8 {
 
 /// Blocking writes into `c`: 8 MiB at once, then 64 B messages without a
 /// pause until `stop`, then half-close; the bytes written.
-fn big_then_small_writes(c: &TcpStream, stop: &std::sync::atomic::AtomicBool) -> Result<u64> {
+fn big_then_small_writes(c: &TcpStream, big: &[u8], stop: &std::sync::atomic::AtomicBool) -> Result<u64> {
     let mut w = c;
-    let big: Vec<u8> = (0..8u64 << 20).map(writer_byte).collect();
-    std::io::Write::write_all(&mut w, &big)?;
+    std::io::Write::write_all(&mut w, big)?;
     let mut at = big.len() as u64;
     while !stop.load(std::sync::atomic::Ordering::Relaxed) {
         let msg: [u8; 64] = std::array::from_fn(|i| writer_byte(at + i as u64));
@@ -740,6 +744,28 @@ fn big_then_small_writes(c: &TcpStream, stop: &std::sync::atomic::AtomicBool) ->
     }
     w.shutdown(std::net::Shutdown::Write)?;
     Ok(at)
+}
+
+/// Waits until a send on `c` is stuck: bytes in its send queue (SIOCOUTQ),
+/// the same for 50 ms (its peer does not read).
+fn send_blocked(c: &TcpStream) -> Result<()> {
+    let outq = || -> Result<libc::c_int> {
+        let mut n: libc::c_int = 0;
+        // SAFETY: SIOCOUTQ (TIOCOUTQ) writes one int.
+        ensure!(unsafe { libc::ioctl(c.as_raw_fd(), libc::TIOCOUTQ, &mut n) } == 0, "SIOCOUTQ");
+        Ok(n)
+    };
+    let deadline = std::time::Instant::now() + T;
+    let mut last = outq()?;
+    loop {
+        thread::sleep(Duration::from_millis(50));
+        let now = outq()?;
+        if now > 0 && now == last {
+            return Ok(());
+        }
+        ensure!(std::time::Instant::now() < deadline, "the send never stuck: {now} bytes queued");
+        last = now;
+    }
 }
 
 /// Reads `s` to its end, each byte checked against `writer_byte`; the count.
@@ -792,11 +818,12 @@ fn a_first_client_of_a_listener_that_is_no_target_moves_to_the_target_map() -> R
     c.set_nonblocking(false)?;
     c.set_write_timeout(Some(T))?;
     let stop = std::sync::atomic::AtomicBool::new(false);
+    let big: Vec<u8> = (0..8u64 << 20).map(writer_byte).collect();
     thread::scope(|sc| -> Result<()> {
         // From the connect on: one large write, blocked until the server
         // reads (its thread holds the client's psock across the delete, so
         // the move waits for it), then 64 B messages without a pause.
-        let writer = sc.spawn(|| big_then_small_writes(&c, &stop));
+        let writer = sc.spawn(|| big_then_small_writes(&c, &big, &stop));
         let s = accept_timeout(&l, T);
         thread::sleep(Duration::from_millis(50));
         let s = match s {
@@ -865,8 +892,12 @@ fn client_inside_a_send(port: u16, blocked: Duration) -> Result<()> {
     let s = accept_timeout(&l, T)?;
     let cv = k.dp().socket_link(socket_cookie_of(&c)?)?.context("client accelerated")?;
     let (stop, reading) = (AtomicBool::new(false), AtomicBool::new(false));
+    // Made here: made by the writer (byte by byte, a debug build), it took
+    // about as long as the wait below, and the guard was let go before the
+    // send began.
+    let big: Vec<u8> = (0..8u64 << 20).map(writer_byte).collect();
     thread::scope(|sc| -> Result<()> {
-        let writer = sc.spawn(|| big_then_small_writes(&c, &stop));
+        let writer = sc.spawn(|| big_then_small_writes(&c, &big, &stop));
         let reader = sc.spawn(|| -> Result<u64> {
             while !reading.load(Ordering::Relaxed) {
                 thread::sleep(Duration::from_millis(1));
@@ -875,7 +906,7 @@ fn client_inside_a_send(port: u16, blocked: Duration) -> Result<()> {
         });
         // The threads stop whatever happens, or the scope would wait for them.
         let checked = (|| -> Result<meshwarp_core::RuleCounters> {
-            thread::sleep(Duration::from_millis(200));
+            send_blocked(&c)?;
             ensure!(!writer.is_finished(), "the 8 MiB write returned before the server read");
             held = None;
             unlinked(&k, &cv)?;
@@ -887,8 +918,10 @@ fn client_inside_a_send(port: u16, blocked: Duration) -> Result<()> {
                 // move_in found no psock (sk_user_data) while the send was
                 // blocked: the kernel let it wait without one, so the move
                 // kept no sk_msg (checked below: none runs after it).
-                // Seen on Linux 6.18.44 in most runs since 2026-11-29, not
-                // before; not explained.
+                // Seen in most runs from 2026-11-29 to 2026-12-03: the 8 MiB
+                // buffer was then made by the writer thread itself, and the
+                // guard was let go before the send began; none in 6 runs
+                // since it waits for the send to be stuck (send_blocked).
                 eprintln!("!!! the client moved while its 8 MiB send was blocked (no psock held): {link:?}");
             } else {
                 let moving = DIR_MOVE | DIR_UNLINKED;
@@ -997,8 +1030,12 @@ fn a_fionread_first_client_moves_once_it_read_its_tcp_bytes() -> Result<()> {
     let before = k.dp().stats(&pair)?;
     let data = |seed: u64| -> Vec<u8> { (0..LEN as u64).map(|i| writer_byte(i * seed)).collect() };
     let (first, second) = (data(105), data(107));
+    // Bytes on TCP before the move is served, whenever the writer thread
+    // gets to run (a 50 ms sleep once stood for this).
+    const HEAD: usize = 4096;
+    write_all_ready(&mut &s, &first[..HEAD], Some(T))?;
     thread::scope(|sc| -> Result<()> {
-        let w = sc.spawn(|| write_all_ready(&mut &s, &first, Some(T)));
+        let w = sc.spawn(|| write_all_ready(&mut &s, &first[HEAD..], Some(T)));
         let got = (|| -> Result<Vec<u8>> {
             thread::sleep(Duration::from_millis(50));
             drop(held);

@@ -321,10 +321,21 @@ fn sampling_measures_slow_sockets_fully_and_busy_ones_in_whole_requests() -> Res
     k.dp().latency().reset(&BTreeSet::from([id]))?;
     let mut c = net.pods[0].ns.connect(to)?;
     let s = accept_timeout(&l, Duration::from_secs(10))?;
+    let started = std::time::Instant::now();
     rounds(&mut c, s.try_clone()?, BUSY as usize, 64, Duration::ZERO)?;
+    let per_round = started.elapsed() / BUSY as u32;
     let (think, resp) = (count(Metric::Think)?, count(Metric::Response)?);
-    eprintln!("busy connection: {resp} of {BUSY} requests sampled (think times: {think})");
-    ensure!((BUSY / 65..=BUSY / 2).contains(&resp), "busy: {resp} of {BUSY} requests sampled");
+    eprintln!("busy connection: {resp} of {BUSY} requests sampled (think times: {think}; {per_round:?} per round)");
+    ensure!(resp >= BUSY / 65, "busy: {resp} of {BUSY} requests sampled");
+    // Sampling thins out only while samples come under MW_LAT_GAP (1.024 ms)
+    // apart: rounds slower than about a quarter of that are "slow" sockets.
+    if per_round < Duration::from_micros(250) {
+        ensure!(resp <= BUSY / 2, "busy: {resp} of {BUSY} requests sampled at {per_round:?} per round");
+    } else {
+        eprintln!(
+            "!!! rounds of {per_round:?} are not busy on this machine: the upper bound on samples is not checked"
+        );
+    }
     ensure!(think.abs_diff(resp) <= 2, "a sampled request is measured whole: think {think}, response {resp}");
 
     // Quiet again: after a pause, within 8 sends every message counts (the
