@@ -19,6 +19,8 @@
 //!
 //! `cargo bench -p meshwarp-benches --bench short_conns` (as root;
 //! `MESHWARP_SHORT_TURNS`, default 61; a filter selects cells by substring).
+//! After the turns, each listener's connections are made once more with
+//! bpf_stats on: BPF time per connection, by program.
 //! Everything runs on the machine's last CPU (client, servers, the data
 //! path's thread): a turn's time is then the CPU work of its connections,
 //! and the A/A column stays within a few percent. Spread over two CPUs
@@ -86,6 +88,48 @@ fn one(addr: SocketAddr, fast_open: bool, req: &[u8], answer: &mut [u8]) {
     c.write_all(req).expect("request");
     c.set_nonblocking(true).expect("non-blocking");
     read_exact_ready(&mut c, answer, Some(T)).expect("answer");
+}
+
+/// Cumulative (run_time_ns, run_cnt) of every loaded program named `mw_*`.
+fn bpf_costs() -> std::collections::BTreeMap<String, (u64, u64)> {
+    libbpf_rs::query::ProgInfoIter::default()
+        .filter_map(|p| {
+            let name = p.name.to_str()?.to_string();
+            name.starts_with("mw_").then_some((name, (p.run_time_ns, p.run_cnt)))
+        })
+        .fold(std::collections::BTreeMap::new(), |mut m, (name, (t, n))| {
+            let e = m.entry(name).or_insert((0, 0));
+            *e = (e.0 + t, e.1 + n);
+            m
+        })
+}
+
+/// The BPF work of `conns` connections made by `run`, per connection and
+/// program (bpf_stats on meanwhile, off again after): "total (program runs
+/// x ns, ...)". Each run counts the stats' own two clock reads (tens of ns
+/// on this VM), and the global tracepoints count every process's calls.
+fn bpf_per_connection(conns: usize, run: impl FnOnce()) -> String {
+    const KNOB: &str = "/proc/sys/kernel/bpf_stats_enabled";
+    let was = std::fs::read_to_string(KNOB).unwrap_or_default();
+    std::fs::write(KNOB, "1").expect("enabling bpf_stats");
+    let before = bpf_costs();
+    run();
+    let after = bpf_costs();
+    let _ = std::fs::write(KNOB, if was.trim() == "1" { "1" } else { "0" });
+    let n = conns as f64;
+    let mut total = 0.0;
+    let parts: Vec<String> = after
+        .iter()
+        .filter_map(|(name, &(t, c))| {
+            let (t0, c0) = before.get(name).copied().unwrap_or((0, 0));
+            let (dt, dc) = (t.saturating_sub(t0), c.saturating_sub(c0));
+            (dc > 0).then(|| {
+                total += dt as f64 / n;
+                format!("{name} {:.1} x {:.0} ns", dc as f64 / n, dt as f64 / dc as f64)
+            })
+        })
+        .collect();
+    format!("{:.2} us ({})", total / 1e3, parts.join(", "))
 }
 
 /// Keeps this thread, and every thread it starts from now on, on the last CPU.
@@ -161,6 +205,26 @@ fn main() {
                 })
             })
             .expect("netns");
+        // Where each listener's connections spend BPF time, apart from the
+        // timed turns (bpf_stats costs clock reads of its own).
+        let costs = ns
+            .enter(|| {
+                let req = vec![0x71u8; REQUEST];
+                let mut buf = vec![0u8; answer];
+                [(0u16, "tcp"), (1, "always"), (2, "adaptive"), (3, "never"), (BARE, "tcp, cgroup without meshwarp")]
+                    .map(|(i, what)| {
+                        let mut run = || {
+                            bpf_per_connection(CONNS, || {
+                                for _ in 0..CONNS {
+                                    one(lo(base + i), fast_open, &req, &mut buf);
+                                }
+                            })
+                        };
+                        let cost = if i == BARE { bare.visit(&k.cgroup, run).expect("cgroup") } else { run() };
+                        format!("  BPF per connection, {what}: {cost}")
+                    })
+            })
+            .expect("netns");
         let mark = |r: f64| if r > 1.05 { " SLOWER" } else { "" };
         let [a, d, n, aa, out] = [medians[1], medians[2], medians[3], medians[4], medians[5]].map(|t| t / medians[0]);
         let row = format!(
@@ -182,6 +246,9 @@ fn main() {
                 st.fallback_no_peer,
                 st.fallback_tcp_path
             );
+        }
+        for c in &costs {
+            eprintln!("{c}");
         }
         rows.push(row);
     }
