@@ -68,9 +68,13 @@ fn pair(
 
 /// Request/response rounds of `len` bytes; the server waits `wait` before each reply.
 fn rounds(c: &mut TcpStream, s: TcpStream, n: usize, len: usize, wait: Duration) -> Result<()> {
+    // The first request is sent once the server thread runs: its start is
+    // no delivery time (a test bounds those at 67 ms).
+    let (ready, started) = std::sync::mpsc::channel();
     let server = thread::spawn(move || -> Result<()> {
         let mut s = s;
         let mut buf = vec![0u8; len];
+        let _ = ready.send(());
         for _ in 0..n {
             read_exact_ready(&mut s, &mut buf, T)?;
             thread::sleep(wait);
@@ -78,6 +82,7 @@ fn rounds(c: &mut TcpStream, s: TcpStream, n: usize, len: usize, wait: Duration)
         }
         Ok(())
     });
+    let _ = started.recv();
     let mut buf = vec![0u8; len];
     for i in 0..n {
         let msg = vec![(i % 251) as u8; len];
