@@ -393,6 +393,9 @@ impl Guard<'_> {
 
     fn handle(&mut self, ev: &Event) {
         match ev.kind {
+            // Every new process of an executable not classified yet asks:
+            // those queued behind the one that succeeded are not served.
+            EV_CLASSIFY if self.maps.classified(&ev.exe) => {}
             EV_CLASSIFY => {
                 if let Err(e) = self.classify(ev.tgid, Some(ev.exe)) {
                     tracing::debug!(tgid = ev.tgid, "classification deferred: {e}");

@@ -3074,16 +3074,22 @@ static __always_inline bool fionread_join_undone(struct tcp_sock *tp, struct mw_
 	return true;
 }
 
-/* What end `end` (socket `tp`, under its lock) read of its peer's TCP
- * bytes, published before it joins: its reads publish copied_seq only after
- * the call returns (mw_recv_len), and a join in between would leave its peer's
+/* What end `end` (socket `tp`, under its lock) read of its peer's TCP bytes,
+ * published before it joins: its reads publish copied_seq only after the
+ * call returns (mw_recv_len), and a join in between would leave its peer's
  * sends on TCP (mw_dir.tcp_read behind their write_seq) into a psock end,
  * where a FIONREAD reader misses them (731 wake-ups in 1 run of 31 of
- * `nginx_and_curl_with_tcp_fast_open`). Never moved back. */
+ * `nginx_and_curl_with_tcp_fast_open`; it may not have asked FIONREAD yet).
+ * Never moved back. Only for a socket in non-blocking mode: a reader asleep
+ * in a plain tcp_recvmsg (MSG_WAITALL, part of it copied) watches only the
+ * TCP queue, and the late publication is what keeps its peer on TCP until
+ * that call returns. */
 static __always_inline void tcp_read_published(struct tcp_sock *tp, struct mw_link *link, __u32 end)
 {
 	__u32 seq = tp->copied_seq, peer = (end ^ 1) & 1;
 
+	if (!(sock_file_flags(&tp->inet_conn.icsk_inet.sk) & O_NONBLOCK))
+		return;
 	if ((__s32)(seq - link->dir[peer].tcp_read) > 0)
 		link->dir[peer].tcp_read = seq;
 }
@@ -3094,13 +3100,18 @@ static __always_inline void tcp_read_published(struct tcp_sock *tp, struct mw_li
  * looked at once more. A send of the peer that saw it parked just before
  * goes to TCP, and holds the peer's socket lock from before that look until
  * its bytes are in the peer's write_seq (tcp_bpf pushes a passed message
- * under the lock its sk_msg ran under): so after the fetch-form clear, either
- * the lock shows as owned or write_seq is ahead of what this end read. Then
+ * under the lock its sk_msg ran under): so after the fetch-form clear, the
+ * lock shows as owned or write_seq is ahead of what this end read. Then
  * the end is parked again and, unless its peer claimed bytes for it
- * meanwhile (claims before PARKED shows, as with park_self: a claim that
- * went through means that send redirects, and none can be on TCP behind
- * it), taken out again; it joins at the next ask. False positives (the peer
- * holds its lock to read) only put the join off. True if undone.
+ * meanwhile (claims before PARKED shows, as with park_self), taken out
+ * again; it joins at the next ask. False positives (the peer holds its lock
+ * to read) only put the join off. What this does not close costs wake-ups,
+ * never order (a direction with TCP bytes unread stays on TCP, finish_msg):
+ * a send that waits for memory drops its lock before its bytes count; a
+ * claim seen here and then taken back (the send saw the new PARKED) keeps
+ * the end joined; and the sender's lock store is ordered before its PARKED
+ * load only by the locked instructions between them (x86), not on every
+ * architecture. True if undone.
  */
 static __always_inline bool fionread_unpark_undone(struct tcp_sock *tp, struct mw_link *link, __u32 end, void *map,
 						   __u32 pos)
