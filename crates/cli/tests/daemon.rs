@@ -746,10 +746,9 @@ impl Traffic {
     fn stop_after(self, settle: Duration, more: u64) -> Result<u64> {
         let at = self.trips();
         std::thread::sleep(settle);
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while self.trips() < at + more && !self.handle.is_finished() && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        meshwarp_core::sys::wait_for(Duration::from_secs(30), || {
+            self.trips() >= at + more || self.handle.is_finished()
+        });
         self.stop.store(true, Ordering::Relaxed);
         let n = self.handle.join().map_err(|_| anyhow::anyhow!("the traffic thread panicked"))??;
         ensure!(n >= at + more, "traffic kept flowing after the new daemon started: {at} round trips then, {n} in all");

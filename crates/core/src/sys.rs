@@ -468,6 +468,7 @@ mod tests {
         let (r, w) = pipe().unwrap();
         let (tx, rx) = std::sync::mpsc::channel();
         let t = std::thread::spawn(move || {
+            // SAFETY: gettid has no preconditions.
             tx.send(unsafe { libc::gettid() }).unwrap();
             let mut b = [0u8; 1];
             // SAFETY: a blocking read of a valid pipe into a valid buffer.

@@ -385,7 +385,12 @@ fn an_unobserved_reader_waits_one_connection() -> Result<()> {
 #[test]
 fn a_program_first_seen_reading_a_handed_socket_is_classified() -> Result<()> {
     let k = kernel_test!(|c| c.trusted_readers.clear());
-    ensure!(k.dp().guard_enabled(), "the guard runs on this kernel: {:?}", k.dp().guard_gaps());
+    if !k.dp().guard_enabled() {
+        // Auto mode and a kernel without the gaps the guard covers: no
+        // classification happens (as the kernel probe decided).
+        eprintln!("!!! the reader guard is off on this kernel (no gaps): nothing is classified");
+        return Ok(());
+    }
     let dir = ScratchDir::new("mw-guard-")?;
     let reader = dir.path("handed-reader");
     // Not fs::copy, nor io::copy: they can splice, and this test program,
@@ -406,12 +411,7 @@ fn a_program_first_seen_reading_a_handed_socket_is_classified() -> Result<()> {
         .spawn()?;
     c.write_all(b"first bytes it reads\n")?;
     // It stays alive, blocked in its next read, until it was classified.
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    let mut classified = false;
-    while !classified && std::time::Instant::now() < deadline {
-        thread::sleep(Duration::from_millis(20));
-        classified = class.get(&key)?.is_some();
-    }
+    let classified = meshwarp_core::sys::wait_for(Duration::from_secs(10), || class.get(&key).ok().flatten().is_some());
     drop(c);
     let status = child.wait()?;
     ensure!(classified, "the program first seen reading was not classified within 10 s");

@@ -3060,6 +3060,13 @@ static __always_inline bool peer_bytes_unread(struct tcp_sock *tp, const struct 
 	return peer->write_seq != tp->copied_seq;
 }
 
+/* Whether end `end` reads by FIONREAD on a kernel whose FIONREAD counts
+ * only a psock's bytes, not TCP's. */
+static __always_inline bool fionread_blind(const struct mw_link *link, __u32 end)
+{
+	return (link->end_flags[end & 1] & MW_EF_FIONREAD) && (config_flags() & MW_CFG_FIONREAD_PSOCK);
+}
+
 /* Whether end `end` (socket `tp`) reads by FIONREAD, which on a psock would
  * not count the TCP bytes it has not read yet: such an end joins a SOCKMAP
  * only once it read them (each read would otherwise wait for a wake-up),
@@ -3068,8 +3075,7 @@ static __always_inline bool peer_bytes_unread(struct tcp_sock *tp, const struct 
  * `nginx_and_curl_with_tcp_fast_open`, which then failed). */
 static __always_inline bool fionread_would_miss(struct tcp_sock *tp, const struct mw_link *link, __u32 end)
 {
-	return (link->end_flags[end & 1] & MW_EF_FIONREAD) && (config_flags() & MW_CFG_FIONREAD_PSOCK) &&
-	       (tcp_unread(tp) || peer_bytes_unread(tp, link, end));
+	return fionread_blind(link, end) && (tcp_unread(tp) || peer_bytes_unread(tp, link, end));
 }
 
 /* A FIONREAD reader just inserted into `map` at `pos`, still parked: if its
@@ -3131,7 +3137,7 @@ static __always_inline bool fionread_unpark_undone(struct tcp_sock *tp, struct m
 	__u32 peer = (end ^ 1) & 1, before, after, old;
 
 	end &= 1;
-	if (!(link->end_flags[end] & MW_EF_FIONREAD) || !(config_flags() & MW_CFG_FIONREAD_PSOCK))
+	if (!fionread_blind(link, end))
 		return false;
 	before = __sync_fetch_and_add(&link->dir[peer].redir, 0);
 	old = __sync_fetch_and_and(&link->end_flags[end], ~MW_EF_PARKED);
