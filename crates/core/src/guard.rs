@@ -313,14 +313,26 @@ fn run(pin_dir: &Path, stop: &AtomicBool, trusted: &BTreeSet<ExeKey>, subs: &Sub
             tracing::warn!("polling mw_events: {e}");
         }
         let events: Vec<Event> = queue.borrow_mut().drain(..).collect();
+        // Classifications (an ELF and its libraries read) come after the
+        // data path's requests, once per executable: each new process of
+        // an unclassified one asks, and a burst of them held moves back.
+        let mut asks = BTreeMap::new();
         for ev in events {
-            if !parker.as_mut().is_some_and(|p| p.accept(&ev)) && !sweeper.as_mut().is_some_and(|s| s.accept(&ev)) {
+            if parker.as_mut().is_some_and(|p| p.accept(&ev)) || sweeper.as_mut().is_some_and(|s| s.accept(&ev)) {
+                continue;
+            }
+            if ev.kind == EV_CLASSIFY {
+                asks.insert(ev.exe, ev);
+            } else {
                 guard.handle(&ev);
             }
         }
         if let Some(p) = parker.as_mut() {
             p.take_joins();
             p.run_due();
+        }
+        for ev in asks.values() {
+            guard.handle(ev);
         }
         if last_retry.elapsed() > Duration::from_millis(500) {
             guard.retry_pending();

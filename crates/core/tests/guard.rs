@@ -257,6 +257,10 @@ fn rcvlowat_on_the_listener_is_never_a_target() -> Result<()> {
     let c = net.pods[0].ns.connect(SocketAddr::new(net.pods[1].addr(false), 8081))?;
     let s = accept_timeout(&l, T)?;
     exchange(c, s, 5, 1 << 20, T)?;
+    // The move is served by the guard thread, maybe after the exchange.
+    meshwarp_core::sys::wait_for(Duration::from_secs(10), || {
+        k.dp().stats(&pair).is_ok_and(|st| st.tgtmap_clients == 1)
+    });
     let st = k.dp().stats(&pair)?;
     // Client -> server on TCP. The client, the first of this listener (no
     // hint at its connect), moved to mw_tgtmap; what the server sent while
