@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
 use meshwarp_bpf::shared::{DIR_UNLINKED, END_SERVER};
-use meshwarp_core::{Dataplane, EndpointPair, FastPathMode, RuleCounters};
+use meshwarp_core::{Dataplane, EndpointPair, FastPathMode, PathNow, RuleCounters, TcpReason};
 use meshwarp_testbed::{
     accept_timeout, expect_zerocopy_completions, fionread_reader, read_exact_ready, set_zerocopy, write_all_ready,
     zerocopy_pattern, zerocopy_transfer, HeldThread, KernelTest, NodeWithPods,
@@ -810,6 +810,19 @@ fn modes_always_and_never() -> Result<()> {
     stream_one_way(&c, &s, &mut Stream::new(6), &mut Stream::new(6), 256 << 10, 512)?;
     let st = k.dp().stats(&never)?;
     ensure!(st.fallback_mode_never == 1 && st.sockets == 0 && st.redirected_bytes == 0, "{st:?}");
+    // Both ends listed as kept on TCP by the mode, under one connection id:
+    // the server end found its rule by itself (the client end leaves no
+    // link for a mirror pair in mode never).
+    let mut ids = Vec::new();
+    for end in [&c, &s] {
+        let cookie = meshwarp_core::sys::socket_cookie_of(end)?;
+        let listed = k.dp().connections(&meshwarp_core::ConnFilter { cookie: Some(cookie), ..Default::default() })?;
+        ensure!(listed.len() == 1, "{listed:#?}");
+        let e = &listed[0];
+        ensure!(!e.accelerated && e.tx_path == PathNow::Tcp(TcpReason::ModeNever), "{e:?}");
+        ids.push(e.conn_id);
+    }
+    ensure!(ids[0] == ids[1] && ids[0] != 0, "connection ids {ids:?}");
     Ok(())
 }
 

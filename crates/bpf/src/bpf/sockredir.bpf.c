@@ -1316,6 +1316,14 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 		st->fb = MW_FB_MODE_NEVER;
 		if (rs)
 			rs->fb_mode_never++;
+		/* A mirror pair's server end finds its rule (and this mode) by
+		 * itself (never_server_end): no observe-only link, no close
+		 * watch, so a connection kept on TCP pays little more than an
+		 * uncovered one (the latency monitor pairs the ends' samples by
+		 * the id both compute). A captured connection's server end
+		 * knows no rule: its client still leaves the link. */
+		if (kind == MW_LINK_MIRROR)
+			return;
 	} else {
 		decide_end(skops, tp, true, rule->flags, cfg, st, &d);
 		count_reason(rs, &d);
@@ -1461,6 +1469,24 @@ static __always_inline void release_client(__u64 id, struct mw_link *link)
 static __always_inline __u32 tcp_unread(struct tcp_sock *tp);
 static __always_inline bool peer_bytes_unread(struct tcp_sock *tp, const struct mw_link *link, __u32 end);
 
+/* The server end of a mirror pair in mode never (its client end built no
+ * link): state for the connection list, its reads and the latency monitor
+ * (`id`, as the client end computed it, pairs their samples; a Fast Open
+ * child's snd_una is past its SYN already), and nothing to clean up at its
+ * close. */
+static __always_inline void never_server_end(struct bpf_sock *sk, __u32 rule_id, __u64 id, __u32 rcv_nxt)
+{
+	struct mw_sock_state *st;
+
+	if (!sk)
+		return;
+	st = bpf_sk_storage_get(&mw_sk_state, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
+	if (!st)
+		return;
+	init_state(st, rule_id, MW_END_SERVER, rcv_nxt, id);
+	st->fb = MW_FB_MODE_NEVER;
+}
+
 static __always_inline void on_passive_established(struct bpf_sock_ops *skops, struct bpf_sock *sk,
 						   const struct tuple *t, bool fastopen)
 {
@@ -1483,6 +1509,10 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 		/* Covered, but its client end is not accelerated (not covered
 		 * there, not a classified reader, on another node, ...). */
 		rule = match_pair(t, false);
+		if (rule && (rule->flags & MW_RULE_MODE_NEVER)) {
+			never_server_end(sk, rule->id, id, skops->rcv_nxt);
+			return;
+		}
 		/* Or made by Fast Open at the client's SYN: its client end links
 		 * at the SYN-ACK, and this end claims the link at the last ACK
 		 * of the handshake (its SYN_RECV -> ESTABLISHED change). */
