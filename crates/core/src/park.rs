@@ -21,7 +21,8 @@
 //! Joining: a TCP Fast Open server end, which claims its link at a state
 //! change where sockops may not insert it, is relinked like an unlinked end;
 //! the programs ask in `mw_joins`, not by an event, and this thread takes the
-//! requests whenever it runs (most are for connections already closed).
+//! requests [`JOIN_AFTER`] after it first saw them (a connection that closes
+//! before takes its request back: most of them, which then cost no walk).
 //!
 //! Moving (`MW_EV_MOVE`, `MW_DIR_MOVE`): a client end whose server end turned
 //! out to be no target leaves `mw_sockmap` (`mw_unlink`) and joins `mw_tgtmap`
@@ -51,6 +52,12 @@ pub const RETRY_EVERY: Duration = Duration::from_millis(5);
 /// [`MAX_TRIES`] (a client inside a long send, a FIONREAD client that does
 /// not read yet): it is asked again, less and less often, until served.
 pub const BACKOFF_MAX: Duration = Duration::from_secs(1);
+
+/// How long a quiet join waits in `mw_joins` before it is served. A walk
+/// visits every TCP socket of the host (TIME_WAIT ones too), and most Fast
+/// Open connections are short: one that closes meanwhile takes its request
+/// back (`MW_SOCK_JOIN_ASKED`) and costs no walk and no system call here.
+pub const JOIN_AFTER: Duration = Duration::from_millis(2);
 
 /// A walk that could not run (its namespace not entered): its requests are
 /// retried [`MAX_TRIES`] times, then given up.
@@ -108,6 +115,9 @@ pub(crate) struct Parker {
     /// TCP Fast Open server ends asked to join quietly (`mw_joins`); absent
     /// while an older build's programs run.
     joins: Option<TypedMap<u64, Join>>,
+    /// Quiet joins seen in `mw_joins`, and when first: served once
+    /// [`JOIN_AFTER`] old.
+    seen_joins: BTreeMap<u64, Instant>,
     unlink: ProgramHandle,
     link: OwnedFd,
     /// Namespace cookie -> a path that enters it (found once, re-found when stale).
@@ -134,6 +144,7 @@ impl Parker {
             links,
             cookies,
             joins,
+            seen_joins: BTreeMap::new(),
             unlink,
             link,
             netns: BTreeMap::new(),
@@ -200,9 +211,11 @@ impl Parker {
         true
     }
 
-    /// Queues the joins the programs asked for quietly (`mw_joins`), each
-    /// taken out of the map (one whose socket closed meanwhile, most of
-    /// them, is settled moot in [`Parker::run_due`], without a walk).
+    /// Queues the joins the programs asked for quietly (`mw_joins`) once
+    /// they waited [`JOIN_AFTER`] there, each taken out of the map. The
+    /// programs take back the request of a socket that closes, so what is
+    /// left is for open connections (an older build's are settled moot in
+    /// [`Parker::run_due`] once closed, without a walk).
     pub(crate) fn take_joins(&mut self) {
         let Some(joins) = &self.joins else { return };
         let asked = match joins.entries() {
@@ -212,12 +225,18 @@ impl Parker {
                 return;
             }
         };
-        let taken: Vec<(u64, Join)> = asked
-            .into_iter()
-            .filter(|(cookie, _)| {
-                joins.delete(cookie).map_err(|e| tracing::debug!(cookie, "mw_park: taking a join: {e}")).is_ok()
-            })
-            .collect();
+        let now = Instant::now();
+        let seen = std::mem::take(&mut self.seen_joins);
+        let mut taken = Vec::new();
+        for (cookie, j) in asked {
+            let first = seen.get(&cookie).copied().unwrap_or(now);
+            if now.duration_since(first) < JOIN_AFTER {
+                self.seen_joins.insert(cookie, first);
+            } else if joins.delete(&cookie).map_err(|e| tracing::debug!(cookie, "mw_park: taking a join: {e}")).is_ok()
+            {
+                taken.push((cookie, j));
+            }
+        }
         for (cookie, j) in taken {
             self.enqueue(PARK_RELINK, cookie, j.netns, j.tid);
         }
@@ -262,7 +281,8 @@ impl Parker {
     /// later); `None` with none queued.
     pub(crate) fn next_due_in(&self) -> Option<Duration> {
         let now = Instant::now();
-        self.queue.iter().map(|r| r.due.saturating_duration_since(now)).min()
+        let joins = self.seen_joins.values().map(|&seen| (seen + JOIN_AFTER).saturating_duration_since(now));
+        self.queue.iter().map(|r| r.due.saturating_duration_since(now)).chain(joins).min()
     }
 
     /// Runs every due request, one iterator per namespace.

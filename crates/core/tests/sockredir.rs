@@ -614,6 +614,45 @@ fn a_fast_open_connection_is_accelerated_in_order() -> Result<()> {
     Ok(())
 }
 
+/// A Fast Open server end asks to join quietly (`mw_joins`), and the data
+/// path's thread serves the request only once it waited there
+/// (`park::JOIN_AFTER`): a connection that closes first (most Fast Open
+/// connections are that short) takes its request back at its close, so it
+/// costs no walk of the host's TCP sockets and no system call.
+#[test]
+fn a_fast_open_connection_closed_before_its_join_takes_the_request_back() -> Result<()> {
+    let k = kernel_test!(1024);
+    let (net, listener, _pair, to) = fast_open_pods(&k)?;
+    let joins: meshwarp_core::maps::TypedMap<u64, meshwarp_bpf::shared::Join> =
+        meshwarp_core::maps::TypedMap::pinned(&k.dp().pin_dir().join("maps"), meshwarp_bpf::names::MAP_JOINS)?;
+    // The first connection fetches the cookie (its SYN carries none).
+    drop((fast_open(&net, to, b"cookie")?, accept_timeout(&listener, T)?));
+    let (conns, mut asked) = (20, 0);
+    for i in 0..conns {
+        let mut c = fast_open(&net, to, b"request")?;
+        let mut s = accept_timeout(&listener, T)?;
+        ensure!(syn_data_accepted(&c)?, "connection {i}: the SYN carried data");
+        let cookie = socket_cookie_of(&s)?;
+        // Asked at the handshake's last ACK, before accept() returned; the
+        // thread may have taken it since, if this test was slow.
+        if joins.get(&cookie)?.is_some() {
+            asked += 1;
+        }
+        // The client's FIN first, then the server's: the server end reaches
+        // CLOSE at the client's last ACK, its file still open.
+        let mut b = [0u8; 16];
+        c.shutdown(std::net::Shutdown::Write)?;
+        while s.read(&mut b)? > 0 {}
+        s.shutdown(std::net::Shutdown::Write)?;
+        while c.read(&mut b)? > 0 {}
+        wait_until(T, || Ok(meshwarp_testbed::tcp_state(&s)? == meshwarp_testbed::TCP_CLOSE))
+            .context("the server end closed")?;
+        ensure!(joins.get(&cookie)?.is_none(), "connection {i}: its close did not take its join request back");
+    }
+    ensure!(asked * 4 >= conns * 3, "the server ends asked to join: {asked} of {conns}");
+    Ok(())
+}
+
 /// An end closed on both sides whose program still holds it (TCP_CLOSE, the
 /// kernel's own port number 0): read from the socket storage, it is listed
 /// with its local port and found by it; read by iter/tcp in each namespace,

@@ -369,6 +369,10 @@ struct mw_sock_state {
  * at the SYN-ACK, so it claims the link at the handshake's last ACK
  * (on_fastopen_established). */
 #define MW_SOCK_FASTOPEN 8u
+/* A late joiner (Fast Open, or a FIONREAD reader with bytes on their way)
+ * asked in mw_joins: its close takes the request back, so user space sees
+ * only those of open connections (most close before they are served). */
+#define MW_SOCK_JOIN_ASKED 16u
 /* Plugin chain position of the message (or connection) being handled: bits 8-15
  * the next chain position, bit 16 the chain generation it started on. Only the
  * programs of one socket's hook touch them, under the socket's lock. */

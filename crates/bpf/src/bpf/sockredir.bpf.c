@@ -1696,8 +1696,10 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 	if (rs)
 		rs->sockets++;
 	watch_close(skops);
-	if (late)
+	if (late) {
+		st->flags |= MW_SOCK_JOIN_ASKED;
 		ask_join_quietly(link, MW_END_SERVER);
+	}
 	/* Not asked (ring buffer full): it stays where it is, a target. */
 	if (move && !request_park(MW_EV_MOVE, link, id, MW_END_CLIENT))
 		unpark_unserved(link, MW_END_CLIENT);
@@ -1723,6 +1725,8 @@ static __always_inline void on_state_change(struct bpf_sock_ops *skops)
 	end = st->end & 1;
 	cookie = bpf_get_socket_cookie(skops);
 	bpf_map_delete_elem(&mw_cookies, &cookie);
+	if (st->flags & MW_SOCK_JOIN_ASKED)
+		bpf_map_delete_elem(&mw_joins, &cookie);
 	if (st->slot == MW_NO_SLOT) {
 		/* An observe-only client end whose server end never came. */
 		bpf_map_delete_elem(&mw_observe, &id);
