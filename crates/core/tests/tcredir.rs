@@ -342,36 +342,67 @@ fn another_builds_tc_programs_are_replaced_under_traffic() -> Result<()> {
     let listener = net.b.pods[0].ns.listen(SocketAddr::new(net.b.pods[0].addr(false), PORT))?;
     let (mut na, mut nb) = nodes_or_skip!(net);
     net.install_fast_path(na.tc(), nb.tc(), false, OverlayEgress::Redirect)?;
-    let c = net.a.pods[0].ns.connect(SocketAddr::new(net.b.pods[0].addr(false), PORT))?;
-    let s = accept_timeout(&listener, T)?;
-    let stream = std::thread::spawn(move || exchange(c, s, 11, 64 << 20, T));
-    std::thread::sleep(Duration::from_millis(100));
-    let mut packets = Vec::new();
-    for (i, n) in [&mut na, &mut nb].into_iter().enumerate() {
-        let dir = n.tc().pin_dir().to_path_buf();
-        let old = running_programs(&dir)?;
-        ensure!(old.keys().any(|k| k.starts_with("links/if")), "tcx links attached: {old:?}");
-        TypedMap::<u32, Build>::pinned(&dir.join("maps"), meshwarp_bpf::names::MAP_BUILD)?
-            .put(&0, &Build { id: *b"0ther-build-0001" })?;
-        let routes = n.tc().routes();
-        n.readopt()?;
-        ensure!(matches!(n.tc().upgrade(), Upgrade::Done { .. }), "{:?}", n.tc().upgrade());
-        ensure!(n.tc().programs_build()? == meshwarp_bpf::BUILD_ID);
-        let now = running_programs(&dir)?;
-        ensure!(now.keys().eq(old.keys()), "pins and links changed: {now:?} against {old:?}");
-        ensure!(now.contains_key("maps/mw_ch_pkt[fin]"), "{now:?}");
-        for (k, id) in &now {
-            ensure!(old.get(k) != Some(id), "{k} still runs the old program {id}");
-        }
-        let key = |rs: &[meshwarp_core::tc::InstalledRoute]| {
-            rs.iter().map(|r| (r.attach_ifindex, r.target_ifindex, r.route.dst, r.owner.clone())).collect::<Vec<_>>()
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    // Connections of 4 MiB each way, one after the other, at least 16,
+    // until both upgrades are done: streams cross them however fast this
+    // machine is (one 64 MiB stream could end before they begin).
+    let to = SocketAddr::new(net.b.pods[0].addr(false), PORT);
+    let (upgraded, rounds) = (AtomicBool::new(false), AtomicU64::new(0));
+    let (packets, total, during) = std::thread::scope(|scope| {
+        let stream = scope.spawn(|| -> Result<u64> {
+            let mut i = 0;
+            while i < 16 || !upgraded.load(Ordering::Acquire) {
+                let c = net.a.pods[0].ns.connect(to)?;
+                let s = accept_timeout(&listener, T)?;
+                exchange(c, s, 11 + 2 * i, 4 << 20, T)?;
+                i += 1;
+                rounds.store(i, Ordering::Release);
+            }
+            Ok(i)
+        });
+        let mut upgrades = || -> Result<Vec<_>> {
+            ensure!(
+                meshwarp_core::sys::wait_for(T, || rounds.load(Ordering::Acquire) > 0 || stream.is_finished()),
+                "the first stream"
+            );
+            let mut packets = Vec::new();
+            for (i, n) in [&mut na, &mut nb].into_iter().enumerate() {
+                let dir = n.tc().pin_dir().to_path_buf();
+                let old = running_programs(&dir)?;
+                ensure!(old.keys().any(|k| k.starts_with("links/if")), "tcx links attached: {old:?}");
+                TypedMap::<u32, Build>::pinned(&dir.join("maps"), meshwarp_bpf::names::MAP_BUILD)?
+                    .put(&0, &Build { id: *b"0ther-build-0001" })?;
+                let routes = n.tc().routes();
+                n.readopt()?;
+                ensure!(matches!(n.tc().upgrade(), Upgrade::Done { .. }), "{:?}", n.tc().upgrade());
+                ensure!(n.tc().programs_build()? == meshwarp_bpf::BUILD_ID);
+                let now = running_programs(&dir)?;
+                ensure!(now.keys().eq(old.keys()), "pins and links changed: {now:?} against {old:?}");
+                ensure!(now.contains_key("maps/mw_ch_pkt[fin]"), "{now:?}");
+                for (k, id) in &now {
+                    ensure!(old.get(k) != Some(id), "{k} still runs the old program {id}");
+                }
+                let key = |rs: &[meshwarp_core::tc::InstalledRoute]| {
+                    rs.iter()
+                        .map(|r| (r.attach_ifindex, r.target_ifindex, r.route.dst, r.owner.clone()))
+                        .collect::<Vec<_>>()
+                };
+                ensure!(key(&n.tc().routes()) == key(&routes), "routes kept: {:?} against {routes:?}", n.tc().routes());
+                for r in &routes {
+                    packets.push((i, r.clone(), n.tc().route_stats(r)?.packets));
+                }
+            }
+            Ok(packets)
         };
-        ensure!(key(&n.tc().routes()) == key(&routes), "routes kept: {:?} against {routes:?}", n.tc().routes());
-        for r in &routes {
-            packets.push((i, r.clone(), n.tc().route_stats(r)?.packets));
-        }
-    }
-    stream.join().map_err(|_| anyhow::anyhow!("stream thread"))??;
+        // Whatever the upgrades did, the streams stop after them.
+        let packets = upgrades();
+        let during = rounds.load(Ordering::Acquire);
+        upgraded.store(true, Ordering::Release);
+        let total = stream.join().map_err(|_| anyhow::anyhow!("stream thread"));
+        (packets, total, during)
+    });
+    let (packets, total) = (packets?, total??);
+    eprintln!("{total} streams of 4 MiB each way, {during} of them over when the upgrades were");
     let before = bridges(&net)?;
     traffic(&net, false, 12, &listener)?;
     ensure!(bridges(&net)? - before < 256 * 1024, "after the upgrade the routes still carry the payload");

@@ -492,29 +492,38 @@ fn uninstall_under_traffic_loses_no_byte() -> Result<()> {
     }
     let len = 8 << 20;
     let mut threads = Vec::new();
+    // Readers start once the data path is gone (not after a fixed time, which
+    // a slow uninstall outlasts): redirected bytes wait unread through it.
+    let uninstalled = Arc::new(AtomicBool::new(false));
+    let after_uninstall = |go: Arc<AtomicBool>| meshwarp_core::sys::wait_for(T, || go.load(Ordering::Acquire));
     for (i, (c, s)) in conns.into_iter().enumerate() {
         let seed = i as u64 * 2;
         let (c2, s2) = (c.try_clone()?, s.try_clone()?);
         threads.push(thread::spawn(move || meshwarp_testbed::send_pattern(&c, seed, len).map(|_| ())));
         threads.push(thread::spawn(move || meshwarp_testbed::send_pattern(&s, seed + 1, len).map(|_| ())));
-        // Readers start late, so redirected bytes queue unread when the data
-        // path goes.
+        let go = Arc::clone(&uninstalled);
         threads.push(thread::spawn(move || {
-            thread::sleep(Duration::from_millis(300));
+            after_uninstall(go);
             meshwarp_testbed::recv_pattern(&s2, seed, len).map(|_| ()).map_err(std::io::Error::other)
         }));
+        let go = Arc::clone(&uninstalled);
         threads.push(thread::spawn(move || {
-            thread::sleep(Duration::from_millis(300));
+            after_uninstall(go);
             meshwarp_testbed::recv_pattern(&c2, seed + 1, len).map(|_| ()).map_err(std::io::Error::other)
         }));
     }
-    thread::sleep(Duration::from_millis(150));
-    let queued = k.dp().stats(&pair)?.redirected_bytes;
-    ensure!(queued > 0, "bytes were redirected (and wait unread) before the uninstall");
+    let redirected = || k.dp().stats(&pair).map_or(0, |st| st.redirected_bytes);
+    ensure!(
+        meshwarp_core::sys::wait_for(T, || redirected() > 0),
+        "bytes were redirected (and wait unread) before the uninstall"
+    );
+    let queued = redirected();
     let pin_root = k.cfg.pin_root.clone();
     drop(k.dp.take());
     let veths = net.veth_bytes(0)? + net.veth_bytes(1)?;
-    meshwarp_core::node::uninstall(&pin_root)?;
+    let gone = meshwarp_core::node::uninstall(&pin_root);
+    uninstalled.store(true, Ordering::Release);
+    gone?;
     for t in threads {
         t.join().map_err(|_| anyhow::anyhow!("stream thread panicked"))??;
     }
