@@ -102,6 +102,8 @@ pub mod names {
     pub const MAP_SERVICES: &str = "mw_services";
     pub const MAP_READERS: &str = "mw_readers";
     pub const MAP_JOINS: &str = "mw_joins";
+    /// The server ports some rule names, one bit each (`struct mw_ports`).
+    pub const MAP_PORTS: &str = "mw_ports";
     pub const MAP_SRV_HINT: &str = "mw_srv_hint";
     pub const MAP_CONFIG: &str = "mw_config";
     pub const MAP_DOOMED: &str = "mw_doomed";
@@ -192,8 +194,9 @@ pub mod names {
     /// every load of this build, missing from instances an older build
     /// pinned until an upgrade creates them. Each holds only what the
     /// programs learn or ask for, so starting empty loses nothing (an older
-    /// build's programs ask nothing in `mw_joins`).
-    pub const SOCKREDIR_ADDED_MAPS: [&str; 2] = [MAP_READERS, MAP_JOINS];
+    /// build's programs ask nothing in `mw_joins`); `mw_ports` empty filters
+    /// nothing until user space writes the set (its bit 0).
+    pub const SOCKREDIR_ADDED_MAPS: [&str; 3] = [MAP_READERS, MAP_JOINS, MAP_PORTS];
     /// The tcredir family's programs that are pinned.
     pub const TCREDIR_PROGS: [&str; 2] = [PROG_TC_INGRESS, PROG_TC_EGRESS];
     /// The maps of a family's plugin chain (`chain.h`), which every family

@@ -454,6 +454,40 @@ pub struct Join {
     pub pad: u32,
 }
 
+/// `MW_PORT_WORDS`: `struct mw_ports` holds one bit per port.
+pub const PORT_WORDS: usize = 1024;
+
+/// `struct mw_ports`: the server ports some rule names, one bit each (host
+/// order); bit 0 says user space keeps the set.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct Ports {
+    pub bits: [u64; PORT_WORDS],
+}
+
+impl Default for Ports {
+    fn default() -> Self {
+        bytemuck::Zeroable::zeroed()
+    }
+}
+
+impl Ports {
+    /// The set of `ports`, kept (bit 0 set).
+    pub fn of(ports: impl IntoIterator<Item = u16>) -> Self {
+        let mut p = Self::default();
+        p.bits[0] = 1;
+        for port in ports {
+            p.bits[usize::from(port >> 6)] |= 1 << (port & 63);
+        }
+        p
+    }
+
+    /// Whether `port`'s bit is set.
+    pub fn has(&self, port: u16) -> bool {
+        self.bits[usize::from(port >> 6)] >> (port & 63) & 1 == 1
+    }
+}
+
 /// `struct mw_reader_key`: how one executable reads one service.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, bytemuck::Pod, bytemuck::Zeroable)]
@@ -866,6 +900,15 @@ mod tests {
     }
 
     #[test]
+    fn port_set_matches_the_header() {
+        assert_eq!(define("MW_PORT_WORDS") as usize, PORT_WORDS);
+        let p = Ports::of([80, 15006, 65535]);
+        assert!(p.has(80) && p.has(15006) && p.has(65535) && p.has(0), "bit 0: the set is kept");
+        assert!(!p.has(81) && !p.has(8080));
+        assert_eq!(p.bits.iter().map(|w| w.count_ones()).sum::<u32>(), 4);
+    }
+
+    #[test]
     fn flags_match_the_header() {
         for (name, ours) in [
             ("MW_DIR_TCP", DIR_TCP),
@@ -995,6 +1038,7 @@ mod tests {
         same_layout!(ServiceKey, types::mw_service_key, [netns, port, family]);
         same_layout!(ReaderKey, types::mw_reader_key, [exe, netns, port, end, pad]);
         same_layout!(Join, types::mw_join, [netns, tid, pad]);
+        same_layout!(Ports, types::mw_ports, [bits]);
         same_layout!(Config, types::mw_config, [flags, pad, lat_since]);
         same_layout!(
             RuleStats,

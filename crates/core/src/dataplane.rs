@@ -234,6 +234,10 @@ impl Dataplane {
         if !matches!(upgrade, Upgrade::None) {
             RuleLatency::mark_used(&dir)?;
         }
+        // Rewritten at every open: an upgrade created it empty (which filters
+        // nothing), or an older build's process changed the rules since.
+        let mut registry = registry;
+        registry.sync_ports()?;
         let programs_build = upgrade::programs_build(&dir)?;
 
         let kernel = probe_unmarked(&dir);
@@ -517,7 +521,7 @@ fn upgrade_programs(layout: &FamilyPins) -> Result<Vec<String>, UpgradeError> {
 /// The socket family's maps, by pin name: every one a load pins.
 fn sockredir_maps<'a>(
     maps: &'a meshwarp_bpf::sockredir::SockredirMaps<'a>,
-) -> [(&'static str, &'a libbpf_rs::Map<'a>); 43] {
+) -> [(&'static str, &'a libbpf_rs::Map<'a>); 44] {
     [
         (names::MAP_SOCKMAP, &maps.mw_sockmap),
         (names::MAP_TGTMAP, &maps.mw_tgtmap),
@@ -534,6 +538,7 @@ fn sockredir_maps<'a>(
         (names::MAP_EXE_CLASS, &maps.mw_exe_class),
         (names::MAP_SERVICES, &maps.mw_services),
         (names::MAP_READERS, &maps.mw_readers),
+        (names::MAP_PORTS, &maps.mw_ports),
         (names::MAP_JOINS, &maps.mw_joins),
         (names::MAP_SRV_HINT, &maps.mw_srv_hint),
         (names::MAP_CONFIG, &maps.mw_config),

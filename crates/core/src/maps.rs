@@ -11,16 +11,16 @@
 //! id in one family (switch, indexed rows, hash), which `crate::latency`
 //! switches and reads and the registries clear when they reuse an id.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::marker::PhantomData;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use std::os::fd::{AsFd, AsRawFd};
 
 use libbpf_rs::{ErrorKind, MapCore, MapFlags, MapHandle, MapType};
 use meshwarp_bpf::names;
 use meshwarp_bpf::shared::{
-    CaptureKey, Config, GlobalStats, LatHist, LatKey, OwnerName, PairKey, Pod, Rule, RuleStats, CFG_LAT_CLEAN,
+    CaptureKey, Config, GlobalStats, LatHist, LatKey, OwnerName, PairKey, Pod, Ports, Rule, RuleStats, CFG_LAT_CLEAN,
     LAT_FAST, LAT_ROW_METRICS, LAT_RT_ROW_METRICS, LAT_TRANSIT,
 };
 
@@ -74,6 +74,77 @@ pub trait RuleMaps: SlotMaps {
     fn global_stats(&self) -> Result<GlobalStats, MapError>;
     /// Owner of every rule slot that has one.
     fn owners(&self) -> Result<Vec<(u32, OwnerName)>, MapError>;
+    /// Writes the set of server ports the rules name (`mw_ports`) from the
+    /// rule maps, and keeps it from then on; a data path without the map
+    /// (and the in-memory maps) filters nothing.
+    fn sync_ports(&mut self) -> Result<(), MapError> {
+        Ok(())
+    }
+}
+
+/// The server ports of a rule: a pair's server port; a capture rule's
+/// destination and its listener (what its server end sees).
+fn pair_ports(k: &PairKey) -> [u16; 1] {
+    [k.server_port as u16]
+}
+
+fn capture_ports(k: &CaptureKey, r: &Rule) -> [u16; 2] {
+    [k.dst_port as u16, r.listener_port as u16]
+}
+
+/// `mw_ports`, counted per rule: a port several rules name stays set until
+/// the last of them goes. A port is set before its rule is written and
+/// cleared after it is deleted, so no handshake finds a rule whose port is
+/// filtered out; a failed clear leaves it set (a lookup more, never a
+/// connection missed).
+#[derive(Debug)]
+struct PortSet {
+    map: TypedMap<u32, Ports>,
+    counts: BTreeMap<u16, u32>,
+}
+
+impl PortSet {
+    fn write(&self) -> Result<(), MapError> {
+        self.map.put(&0, &Ports::of(self.counts.keys().copied()))
+    }
+
+    fn add(&mut self, ports: &[u16]) -> Result<(), MapError> {
+        let mut new = false;
+        for &p in ports {
+            let n = self.counts.entry(p).or_insert(0);
+            *n += 1;
+            new |= *n == 1;
+        }
+        if new {
+            if let Err(e) = self.write() {
+                self.forget(ports);
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    /// Takes `ports` off the counts; whether one of them is set no more.
+    fn forget(&mut self, ports: &[u16]) -> bool {
+        let mut gone = false;
+        for p in ports {
+            if let Some(n) = self.counts.get_mut(p) {
+                *n -= 1;
+                if *n == 0 {
+                    self.counts.remove(p);
+                    gone = true;
+                }
+            }
+        }
+        gone
+    }
+
+    fn remove(&mut self, ports: &[u16]) -> Result<(), MapError> {
+        if self.forget(ports) {
+            self.write()?;
+        }
+        Ok(())
+    }
 }
 
 /// The pinned maps of a loaded data path.
@@ -87,6 +158,9 @@ pub struct KernelMaps {
     /// The latency monitor's switch and histograms, per rule id: a slot given
     /// to a new rule starts with the monitor off and no histograms.
     lat: RuleLatency,
+    /// Kept once [`RuleMaps::sync_ports`] wrote it.
+    ports: Option<PortSet>,
+    maps_dir: PathBuf,
 }
 
 fn kernel(op: &'static str, map: &'static str) -> impl FnOnce(libbpf_rs::Error) -> MapError {
@@ -210,6 +284,8 @@ impl KernelMaps {
             global: PerCpu::pinned(maps_dir, names::MAP_GLOBAL)?,
             owners: TypedMap::pinned(maps_dir, names::MAP_OWNERS)?,
             lat: RuleLatency::open(maps_dir, RowShape::SOCKETS)?,
+            ports: None,
+            maps_dir: maps_dir.to_path_buf(),
         })
     }
 }
@@ -340,19 +416,56 @@ impl RuleMaps for KernelMaps {
     }
 
     fn put_pair(&mut self, key: &PairKey, rule: &Rule) -> Result<(), MapError> {
-        self.pairs.put(key, rule)
+        let Some(ports) = self.ports.as_mut() else { return self.pairs.put(key, rule) };
+        // An update of an existing key names the same port.
+        let new = self.pairs.get(key)?.is_none();
+        if new {
+            ports.add(&pair_ports(key))?;
+        }
+        let put = self.pairs.put(key, rule);
+        if put.is_err() && new {
+            let _ = ports.remove(&pair_ports(key));
+        }
+        put
     }
 
     fn delete_pair(&mut self, key: &PairKey) -> Result<(), MapError> {
-        self.pairs.delete(key)
+        // A missing key deletes nothing (and counted nothing).
+        let existed = self.ports.is_some() && self.pairs.get(key)?.is_some();
+        self.pairs.delete(key)?;
+        match self.ports.as_mut() {
+            Some(ports) if existed => ports.remove(&pair_ports(key)),
+            _ => Ok(()),
+        }
     }
 
     fn put_capture(&mut self, key: &CaptureKey, rule: &Rule) -> Result<(), MapError> {
-        self.capture.put(key, rule)
+        let Some(ports) = self.ports.as_mut() else { return self.capture.put(key, rule) };
+        // An update may change the listener: the new ports are counted
+        // first, the old ones forgotten once it is written.
+        let old = self.capture.get(key)?;
+        let now = capture_ports(key, rule);
+        ports.add(&now)?;
+        let put = self.capture.put(key, rule);
+        let before = match (&put, old) {
+            (Err(_), _) => now,
+            (Ok(()), Some(old)) => capture_ports(key, &old),
+            (Ok(()), None) => return put,
+        };
+        let cleared = ports.remove(&before);
+        put.and(cleared)
     }
 
     fn delete_capture(&mut self, key: &CaptureKey) -> Result<(), MapError> {
-        self.capture.delete(key)
+        let old = match self.ports.as_ref() {
+            Some(_) => self.capture.get(key)?,
+            None => None,
+        };
+        self.capture.delete(key)?;
+        match (self.ports.as_mut(), old) {
+            (Some(ports), Some(old)) => ports.remove(&capture_ports(key, &old)),
+            _ => Ok(()),
+        }
     }
 
     fn rule_stats(&self, id: u32) -> Result<RuleStats, MapError> {
@@ -365,6 +478,31 @@ impl RuleMaps for KernelMaps {
 
     fn owners(&self) -> Result<Vec<(u32, OwnerName)>, MapError> {
         self.owners.entries()
+    }
+
+    fn sync_ports(&mut self) -> Result<(), MapError> {
+        let map = match TypedMap::pinned(&self.maps_dir, names::MAP_PORTS) {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::warn!("no server port filter (every port may be covered): {e}");
+                self.ports = None;
+                return Ok(());
+            }
+        };
+        let mut set = PortSet { map, counts: BTreeMap::new() };
+        for (k, _) in self.pairs.entries()? {
+            for p in pair_ports(&k) {
+                *set.counts.entry(p).or_insert(0) += 1;
+            }
+        }
+        for (k, r) in self.capture.entries()? {
+            for p in capture_ports(&k, &r) {
+                *set.counts.entry(p).or_insert(0) += 1;
+            }
+        }
+        set.write()?;
+        self.ports = Some(set);
+        Ok(())
     }
 }
 

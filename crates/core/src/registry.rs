@@ -202,6 +202,12 @@ impl<M: RuleMaps> Registry<M> {
         &self.maps
     }
 
+    /// Writes the server ports the rules name (`mw_ports`) and keeps them
+    /// from now on: once the programs that read them run (after an upgrade).
+    pub fn sync_ports(&mut self) -> Result<(), RuleError> {
+        Ok(self.maps.sync_ports()?)
+    }
+
     /// Rules of both kinds in use, and the capacity they share.
     pub fn usage(&self) -> (usize, u32) {
         (self.slots.used(), self.maps.slot_capacity())

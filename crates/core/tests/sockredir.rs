@@ -614,6 +614,74 @@ fn a_fast_open_connection_is_accelerated_in_order() -> Result<()> {
     Ok(())
 }
 
+/// The server ports the rules name (`mw_ports`): a handshake, connect() or
+/// setsockopt to any other port is judged not covered by one lookup. A port
+/// two rules name stays set until the last of them goes; a capture rule sets
+/// its destination and its listener, and an update moves the listener's
+/// bit; a reopened data path (a daemon's restart) writes the set again from
+/// the rule maps.
+#[test]
+fn the_port_filter_follows_the_rules() -> Result<()> {
+    use meshwarp_bpf::shared::Ports;
+    let mut k = kernel_test!(1024);
+    let (net, listener) = two_pods(false)?;
+    let maps = k.dp().pin_dir().join("maps");
+    let ports: meshwarp_core::maps::TypedMap<u32, Ports> =
+        meshwarp_core::maps::TypedMap::pinned(&maps, meshwarp_bpf::names::MAP_PORTS)?;
+    let set = || -> Result<Ports> { ports.get(&0)?.context("mw_ports holds its one element") };
+    ensure!(set()? == Ports::of([]), "kept (bit 0) and empty: {:?}", set()?.bits[0]);
+
+    let server = Endpoint::new(net.pods[1].addr(false), SERVER_PORT);
+    let a = pair_for(&net, false);
+    let b = EndpointPair::new("10.250.0.9".parse()?, server)?;
+    k.dp().insert(&a, "test")?;
+    k.dp().insert(&b, "test")?;
+    ensure!(set()? == Ports::of([SERVER_PORT]), "one port, two rules");
+    k.dp().remove(&b)?;
+    ensure!(set()?.has(SERVER_PORT), "the other rule still names it");
+    let (c, s) = connect_pods(&net, &listener, false)?;
+    accelerated(k.dp(), &c, END_CLIENT)?;
+    accelerated(k.dp(), &s, END_SERVER)?;
+    exchange(c, s, 7, 64 << 10, T)?;
+    k.dp().remove(&a)?;
+    ensure!(set()? == Ports::of([]), "no rule names it any more");
+    let (c, s) = connect_pods(&net, &listener, false)?;
+    for (end, what) in [(&c, "client"), (&s, "server")] {
+        ensure!(k.dp().socket_link(socket_cookie_of(end)?)?.is_none(), "the {what} end is not covered");
+    }
+    exchange(c, s, 9, 64 << 10, T)?;
+
+    // The programs go by the set: a rule whose port is not in it covers
+    // nothing; a set not kept (bit 0 clear) filters nothing.
+    k.dp().insert(&a, "test")?;
+    ports.put(&0, &Ports::of([]))?;
+    let (c, _s) = connect_pods(&net, &listener, false)?;
+    ensure!(k.dp().socket_link(socket_cookie_of(&c)?)?.is_none(), "its port filtered out: not covered");
+    ports.put(&0, &Ports::default())?;
+    let (c, s) = connect_pods(&net, &listener, false)?;
+    accelerated(k.dp(), &c, END_CLIENT)?;
+    accelerated(k.dp(), &s, END_SERVER)?;
+    ports.put(&0, &Ports::of([SERVER_PORT]))?;
+    k.dp().remove(&a)?;
+
+    let (service, lo): (IpAddr, IpAddr) = (SERVICE_V4.into(), "127.0.0.1".parse()?);
+    let capture = CaptureRule::new(None, Endpoint::new(service, 80), Endpoint::new(lo, 15001))?;
+    k.dp().insert(&capture, "test")?;
+    ensure!(set()? == Ports::of([80, 15001]), "the destination and the listener");
+    let moved = CaptureRule::new(None, Endpoint::new(service, 80), Endpoint::new(lo, 15002))?;
+    k.dp().upsert(&moved, "test")?;
+    ensure!(set()? == Ports::of([80, 15002]), "the update moved the listener's bit");
+
+    // Cleared behind the data path's back, then reopened: written again.
+    ports.put(&0, &Ports::default())?;
+    drop(k.dp.take());
+    k.dp = Some(Dataplane::open(&k.cfg)?);
+    ensure!(set()? == Ports::of([80, 15002]), "rewritten from the rule maps at open");
+    k.dp().remove(&moved)?;
+    ensure!(set()? == Ports::of([]), "nothing left");
+    Ok(())
+}
+
 /// A Fast Open server end asks to join quietly (`mw_joins`), and the data
 /// path's thread serves the request only once it waited there
 /// (`park::JOIN_AFTER`): a connection that closes first (most Fast Open

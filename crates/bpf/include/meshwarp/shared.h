@@ -432,12 +432,26 @@ struct mw_exe_class {
 /* mw_joins: a TCP Fast Open server end to join mw_sockmap (mw_park), keyed
  * by its socket cookie. Asked without a ring-buffer event, which would wake
  * the guard thread (a CPU's wake-up) for each connection, most of them
- * closed before it would be served: the thread takes what it finds here
- * whenever it runs (an event, a due request, at most every 50 ms). */
+ * closed before it would be served: the socket's close takes the request
+ * back (MW_SOCK_JOIN_ASKED), and the thread serves what is still here after
+ * JOIN_AFTER (2 ms) when it runs (an event, a due request, at most every
+ * 50 ms). */
 struct mw_join {
 	__u64 netns;
 	__u32 tid; /* the thread that asked: its namespace is tried first */
 	__u32 pad;
+};
+
+/* mw_ports (one element): the server ports some rule names, in host order
+ * (a pair's server port, a capture rule's destination and listener ports),
+ * one bit each. A handshake, connect() or setsockopt whose server port has
+ * no bit is not covered: one lookup instead of the rule maps' hashes, the
+ * link's slots and a listener lookup, for every TCP socket of the cgroup.
+ * Bit 0 (port 0, never a server's) says user space keeps the set; without
+ * it (a map an upgrade just created) every port may be covered. */
+#define MW_PORT_WORDS 1024
+struct mw_ports {
+	__u64 bits[MW_PORT_WORDS];
 };
 
 struct mw_reader_key {

@@ -149,6 +149,7 @@ MW_MAP(mw_readers, BPF_MAP_TYPE_LRU_HASH, struct mw_reader_key, __u32, 16384, 0)
  * entry evicted before it was served leaves its end out until its client's
  * next send asks (MW_DIR_QUIET). */
 MW_MAP(mw_joins, BPF_MAP_TYPE_LRU_HASH, __u64, struct mw_join, 16384, 0);
+MW_MAP(mw_ports, BPF_MAP_TYPE_ARRAY, __u32, struct mw_ports, 1, 0);
 
 MW_MAP(mw_config, BPF_MAP_TYPE_ARRAY, __u32, struct mw_config, 1, 0);
 
@@ -421,6 +422,19 @@ static __always_inline struct mw_rule *match_active(const struct tuple *t, __u32
 	}
 	*kind = MW_LINK_CAPTURE;
 	return match_capture(t);
+}
+
+/* Whether some rule may cover a connection to server port `port` (host
+ * order): its bit in mw_ports, or any port while user space keeps no set. */
+static __always_inline bool port_maybe_covered(__u32 port)
+{
+	__u32 zero = 0;
+	struct mw_ports *p = bpf_map_lookup_elem(&mw_ports, &zero);
+
+	if (!p || !(p->bits[0] & 1))
+		return true;
+	port &= 0xffff;
+	return (p->bits[port >> 6] >> (port & 63)) & 1;
 }
 
 /* ---- who reads a socket ---- */
@@ -1278,7 +1292,7 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 	bool tgtmap;
 	long err;
 
-	rule = match_active(t, &kind);
+	rule = port_maybe_covered(t->remote_port) ? match_active(t, &kind) : NULL;
 	if (!rule) {
 		gs = global_stats();
 		if (gs)
@@ -1503,6 +1517,14 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 	bool to_server, to_client, tgtmap, move, late;
 	long err;
 
+	/* No rule names this server port: no client end built a link for it
+	 * either (one removed since leaves its client end to fall back). */
+	if (!port_maybe_covered(t->local_port)) {
+		gs = global_stats();
+		if (gs)
+			gs->not_covered++;
+		return;
+	}
 	id = ((__u64)skops->rcv_nxt << 32) | skops->snd_una;
 	link = link_any(id, &slot);
 	if (!link) {
@@ -1766,6 +1788,8 @@ static __always_inline __u32 covering_rule(struct bpf_sock_ops *skops, const str
 	__u32 kind, slot;
 	__u64 id;
 
+	if (!port_maybe_covered(active ? t->remote_port : t->local_port))
+		return MW_NO_ID;
 	if (active) {
 		rule = match_active(t, &kind);
 		return rule ? rule->id : MW_NO_ID;
@@ -1843,7 +1867,7 @@ static __always_inline void on_connect(struct bpf_sock_ops *skops)
 	struct mw_rule *rule;
 	struct tuple t;
 
-	if (!(cfg & (MW_CFG_GUARD | MW_CFG_LATENCY)) || !load_tuple(skops, &t))
+	if (!(cfg & (MW_CFG_GUARD | MW_CFG_LATENCY)) || !load_tuple(skops, &t) || !port_maybe_covered(t.remote_port))
 		return;
 	rule = match_active(&t, &kind);
 	if (!rule)
@@ -2720,8 +2744,12 @@ static __always_inline void listener_hint(struct bpf_sock_addr *ctx, struct bpf_
 static __always_inline void connect_hint(struct bpf_sock_addr *ctx, struct bpf_sock_tuple *tup, __u32 len,
 					 struct mw_srv_key *k)
 {
-	struct bpf_sock *lsk = bpf_sk_lookup_tcp(ctx, tup, len, BPF_F_CURRENT_NETNS, 0);
+	struct bpf_sock *lsk;
 
+	/* No rule names the port: no hint to give (and no listener lookup). */
+	if (!port_maybe_covered(k->port))
+		return;
+	lsk = bpf_sk_lookup_tcp(ctx, tup, len, BPF_F_CURRENT_NETNS, 0);
 	if (!lsk)
 		return;
 	listener_hint(ctx, lsk, k);
