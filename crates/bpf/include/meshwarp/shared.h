@@ -444,9 +444,9 @@ struct mw_join {
 
 /* mw_ports (one element): the server ports some rule names, in host order
  * (a pair's server port, a capture rule's destination and listener ports),
- * one bit each. A handshake, connect() or setsockopt whose server port has
- * no bit is not covered: one lookup instead of the rule maps' hashes, the
- * link's slots and a listener lookup, for every TCP socket of the cgroup.
+ * one bit each. A handshake or connect() whose server port has no bit is
+ * not covered: one lookup instead of the rule maps' hashes, the link's
+ * slots and a listener lookup, for every TCP socket of the cgroup.
  * Bit 0 (port 0, never a server's) says user space keeps the set; without
  * it (a map an upgrade just created) every port may be covered. */
 #define MW_PORT_WORDS 1024
