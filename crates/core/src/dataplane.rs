@@ -226,17 +226,19 @@ impl Dataplane {
             TypedMap::pinned(&dir, names::MAP_LINKS)?,
             TypedMap::pinned(&dir, names::MAP_COOKIES)?,
         );
-        let registry = Registry::reconcile(maps)?;
+        let mut registry = Registry::reconcile(maps)?;
         if origin == Origin::Adopted {
             layout.clear_stray();
         }
+        // The server ports are written from the rule maps at every open,
+        // before the programs may change (an older build may have changed
+        // the rules since, without it) and again after (an upgrade from a
+        // build without the map creates it empty, which filters nothing).
+        registry.sync_ports()?;
         let upgrade = upgrade::apply("socket", &dir, || upgrade_programs(&layout))?;
         if !matches!(upgrade, Upgrade::None) {
             RuleLatency::mark_used(&dir)?;
         }
-        // Rewritten at every open: an upgrade created it empty (which filters
-        // nothing), or an older build's process changed the rules since.
-        let mut registry = registry;
         registry.sync_ports()?;
         let programs_build = upgrade::programs_build(&dir)?;
 

@@ -139,11 +139,15 @@ impl PortSet {
         gone
     }
 
-    fn remove(&mut self, ports: &[u16]) -> Result<(), MapError> {
+    /// Forgets `ports` after their rule was deleted or changed. A failed
+    /// write leaves the bits set and is only logged: the rule maps changed
+    /// already, and a bit too many costs a lookup, never a connection.
+    fn remove(&mut self, ports: &[u16]) {
         if self.forget(ports) {
-            self.write()?;
+            if let Err(e) = self.write() {
+                tracing::warn!(?ports, "clearing server ports in mw_ports (left set): {e}");
+            }
         }
-        Ok(())
     }
 }
 
@@ -424,7 +428,7 @@ impl RuleMaps for KernelMaps {
         }
         let put = self.pairs.put(key, rule);
         if put.is_err() && new {
-            let _ = ports.remove(&pair_ports(key));
+            ports.remove(&pair_ports(key));
         }
         put
     }
@@ -433,10 +437,10 @@ impl RuleMaps for KernelMaps {
         // A missing key deletes nothing (and counted nothing).
         let existed = self.ports.is_some() && self.pairs.get(key)?.is_some();
         self.pairs.delete(key)?;
-        match self.ports.as_mut() {
-            Some(ports) if existed => ports.remove(&pair_ports(key)),
-            _ => Ok(()),
+        if let Some(ports) = self.ports.as_mut().filter(|_| existed) {
+            ports.remove(&pair_ports(key));
         }
+        Ok(())
     }
 
     fn put_capture(&mut self, key: &CaptureKey, rule: &Rule) -> Result<(), MapError> {
@@ -447,13 +451,12 @@ impl RuleMaps for KernelMaps {
         let now = capture_ports(key, rule);
         ports.add(&now)?;
         let put = self.capture.put(key, rule);
-        let before = match (&put, old) {
-            (Err(_), _) => now,
-            (Ok(()), Some(old)) => capture_ports(key, &old),
-            (Ok(()), None) => return put,
-        };
-        let cleared = ports.remove(&before);
-        put.and(cleared)
+        match (&put, old) {
+            (Err(_), _) => ports.remove(&now),
+            (Ok(()), Some(old)) => ports.remove(&capture_ports(key, &old)),
+            (Ok(()), None) => {}
+        }
+        put
     }
 
     fn delete_capture(&mut self, key: &CaptureKey) -> Result<(), MapError> {
@@ -462,10 +465,10 @@ impl RuleMaps for KernelMaps {
             None => None,
         };
         self.capture.delete(key)?;
-        match (self.ports.as_mut(), old) {
-            (Some(ports), Some(old)) => ports.remove(&capture_ports(key, &old)),
-            _ => Ok(()),
+        if let (Some(ports), Some(old)) = (self.ports.as_mut(), old) {
+            ports.remove(&capture_ports(key, &old));
         }
+        Ok(())
     }
 
     fn rule_stats(&self, id: u32) -> Result<RuleStats, MapError> {
@@ -484,7 +487,8 @@ impl RuleMaps for KernelMaps {
         let map = match TypedMap::pinned(&self.maps_dir, names::MAP_PORTS) {
             Ok(m) => m,
             Err(e) => {
-                tracing::warn!("no server port filter (every port may be covered): {e}");
+                // An older build's pins, before the upgrade creates it.
+                tracing::debug!("no server port filter yet (every port may be covered): {e}");
                 self.ports = None;
                 return Ok(());
             }
@@ -500,6 +504,11 @@ impl RuleMaps for KernelMaps {
                 *set.counts.entry(p).or_insert(0) += 1;
             }
         }
+        // The ports first, then bit 0: the 8 KiB are copied unlocked, and a
+        // reader must not see the set kept before its ports are in.
+        let mut ports = Ports::of(set.counts.keys().copied());
+        ports.bits[0] &= !1;
+        set.map.put(&0, &ports)?;
         set.write()?;
         self.ports = Some(set);
         Ok(())

@@ -222,6 +222,8 @@ impl Parker {
             Ok(a) => a,
             Err(e) => {
                 tracing::warn!("mw_park: reading mw_joins: {e}");
+                // Their deadlines would keep the thread from waiting.
+                self.seen_joins.clear();
                 return;
             }
         };

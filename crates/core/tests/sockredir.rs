@@ -614,6 +614,37 @@ fn a_fast_open_connection_is_accelerated_in_order() -> Result<()> {
     Ok(())
 }
 
+/// A Fast Open connection of a pair in mode never: both ends are listed as
+/// kept on TCP by the mode under one connection id (the server end takes its
+/// id at the handshake's last ACK, once the SYN's data counts), and every
+/// byte arrives.
+#[test]
+fn a_fast_open_connection_in_mode_never_is_listed_whole() -> Result<()> {
+    let k = kernel_test!(1024);
+    let (net, listener, pair, to) = fast_open_pods(&k)?;
+    k.dp().upsert(&pair.with_mode(FastPathMode::Never), "test")?;
+    drop((fast_open(&net, to, b"cookie")?, accept_timeout(&listener, T)?));
+    let first = vec![7u8; 1000];
+    let c = fast_open(&net, to, &first)?;
+    let mut s = accept_timeout(&listener, T)?;
+    ensure!(syn_data_accepted(&c)?, "the SYN carried data");
+    let mut got = vec![0u8; first.len()];
+    meshwarp_testbed::read_exact_ready(&mut s, &mut got, Some(T))?;
+    ensure!(got == first, "the SYN's data");
+    let mut ids = Vec::new();
+    for end in [&c, &s] {
+        let listed =
+            k.dp().connections(&ConnFilter { cookie: Some(socket_cookie_of(end)?), ..ConnFilter::default() })?;
+        ensure!(listed.len() == 1, "{listed:#?}");
+        let e = &listed[0];
+        ensure!(!e.accelerated && e.tx_path == PathNow::Tcp(TcpReason::ModeNever), "{e:?}");
+        ids.push(e.conn_id);
+    }
+    ensure!(ids[0] == ids[1] && ids[0] != 0, "one connection id for both ends: {ids:?}");
+    exchange(c, s, 41, 256 << 10, T)?;
+    Ok(())
+}
+
 /// The server ports the rules name (`mw_ports`): a handshake, connect() or
 /// setsockopt to any other port is judged not covered by one lookup. A port
 /// two rules name stays set until the last of them goes; a capture rule sets

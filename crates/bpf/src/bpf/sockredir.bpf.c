@@ -525,7 +525,10 @@ static __always_inline void ask_relink(struct mw_link *link, __u64 id, __u32 end
 	} else if ((link->dir[end].flags & MW_DIR_QUIET) &&
 		   (__sync_fetch_and_and(&link->dir[end].flags, ~MW_DIR_QUIET) & MW_DIR_QUIET)) {
 		/* Asked quietly (mw_joins) and still out: now with a wake-up
-		 * (user space folds it into the queued request). */
+		 * (user space folds it into the queued request). The quiet
+		 * request stays, served later by a walk of its own: taking it
+		 * back here let 2 of 28 runs of the Fast Open compat test need
+		 * hundreds of wake-ups (benches/README.md, 2026-12-03). */
 		request_park(MW_EV_RELINK, link, id, end);
 	}
 }
@@ -1485,9 +1488,12 @@ static __always_inline bool peer_bytes_unread(struct tcp_sock *tp, const struct 
 
 /* The server end of a mirror pair in mode never (its client end built no
  * link): state for the connection list, its reads and the latency monitor
- * (`id`, as the client end computed it, pairs their samples; a Fast Open
- * child's snd_una is past its SYN already), and nothing to clean up at its
- * close. */
+ * (`id`, as the client end computed it, pairs their samples: a Fast Open
+ * end's only at its SYN_RECV -> ESTABLISHED change, once its SYN's data
+ * counts in rcv_nxt), and nothing to clean up at its close. Unlike an
+ * observe-only link's server end, it decides nothing about its reader (no
+ * listener learned, no hint refreshed): a rule switched from never later
+ * finds them as they were. */
 static __always_inline void never_server_end(struct bpf_sock *sk, __u32 rule_id, __u64 id, __u32 rcv_nxt)
 {
 	struct mw_sock_state *st;
@@ -1531,13 +1537,11 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 		/* Covered, but its client end is not accelerated (not covered
 		 * there, not a classified reader, on another node, ...). */
 		rule = match_pair(t, false);
-		if (rule && (rule->flags & MW_RULE_MODE_NEVER)) {
-			never_server_end(sk, rule->id, id, skops->rcv_nxt);
-			return;
-		}
 		/* Or made by Fast Open at the client's SYN: its client end links
 		 * at the SYN-ACK, and this end claims the link at the last ACK
-		 * of the handshake (its SYN_RECV -> ESTABLISHED change). */
+		 * of the handshake (its SYN_RECV -> ESTABLISHED change). In mode
+		 * never too: only then is the SYN's data in rcv_nxt, as in the
+		 * id its client end computed. */
 		tp = sk ? bpf_skc_to_tcp_sock(sk) : NULL;
 		if (rule && tp && !fastopen && tp->fastopen_rsk) {
 			st = bpf_sk_storage_get(&mw_sk_state, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
@@ -1548,6 +1552,13 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 				watch_close(skops);
 				return;
 			}
+		}
+		if (rule && (rule->flags & MW_RULE_MODE_NEVER)) {
+			/* Read up to rcv_nxt (id's upper half: no second context
+			 * load the verifier would see through a moved pointer),
+			 * a Fast Open end up to copied_seq (its SYN's data). */
+			never_server_end(sk, rule->id, id, fastopen && tp ? tp->copied_seq : (__u32)(id >> 32));
+			return;
 		}
 		/* A Fast Open end whose client end never linked: as any covered
 		 * end whose client is not accelerated. */
