@@ -108,14 +108,19 @@ impl PortSet {
         self.map.put(&0, &Ports::of(self.counts.keys().copied()))
     }
 
-    fn add(&mut self, ports: &[u16]) -> Result<(), MapError> {
+    /// Counts `ports` once more; whether one of them is new.
+    fn count(&mut self, ports: &[u16]) -> bool {
         let mut new = false;
         for &p in ports {
             let n = self.counts.entry(p).or_insert(0);
             *n += 1;
             new |= *n == 1;
         }
-        if new {
+        new
+    }
+
+    fn add(&mut self, ports: &[u16]) -> Result<(), MapError> {
+        if self.count(ports) {
             if let Err(e) = self.write() {
                 self.forget(ports);
                 return Err(e);
@@ -495,21 +500,18 @@ impl RuleMaps for KernelMaps {
         };
         let mut set = PortSet { map, counts: BTreeMap::new() };
         for (k, _) in self.pairs.entries()? {
-            for p in pair_ports(&k) {
-                *set.counts.entry(p).or_insert(0) += 1;
-            }
+            set.count(&pair_ports(&k));
         }
         for (k, r) in self.capture.entries()? {
-            for p in capture_ports(&k, &r) {
-                *set.counts.entry(p).or_insert(0) += 1;
-            }
+            set.count(&capture_ports(&k, &r));
         }
         // The ports first, then bit 0: the 8 KiB are copied unlocked, and a
         // reader must not see the set kept before its ports are in.
         let mut ports = Ports::of(set.counts.keys().copied());
         ports.bits[0] &= !1;
         set.map.put(&0, &ports)?;
-        set.write()?;
+        ports.bits[0] |= 1;
+        set.map.put(&0, &ports)?;
         self.ports = Some(set);
         Ok(())
     }

@@ -202,8 +202,9 @@ impl<M: RuleMaps> Registry<M> {
         &self.maps
     }
 
-    /// Writes the server ports the rules name (`mw_ports`) and keeps them
-    /// from now on: once the programs that read them run (after an upgrade).
+    /// Writes the server ports the rules name (`mw_ports`) from the rule
+    /// maps and keeps them from now on (at every open, around the upgrade
+    /// step: see `Dataplane::open`).
     pub fn sync_ports(&mut self) -> Result<(), RuleError> {
         Ok(self.maps.sync_ports()?)
     }
