@@ -96,7 +96,6 @@ pub mod names {
     pub const MAP_LINKS: &str = "mw_links";
     pub const MAP_OBSERVE: &str = "mw_observe";
     pub const MAP_COOKIES: &str = "mw_cookies";
-    pub const MAP_SK_OWNER: &str = "mw_sk_owner";
     pub const MAP_EXES: &str = "mw_exes";
     pub const MAP_EXE_CLASS: &str = "mw_exe_class";
     pub const MAP_SERVICES: &str = "mw_services";
@@ -220,7 +219,7 @@ pub mod names {
         MAP_LAT_ZERO,
     ];
     /// The sockredir family's own maps (besides [`PLUGIN_HOST_MAPS`]), in pin order.
-    pub const SOCKREDIR_MAPS: [&str; 35] = [
+    pub const SOCKREDIR_MAPS: [&str; 34] = [
         MAP_SOCKMAP,
         MAP_TGTMAP,
         MAP_SLOTS,
@@ -231,7 +230,6 @@ pub mod names {
         MAP_COOKIES,
         MAP_SK_STATE,
         MAP_SK_CHAIN,
-        MAP_SK_OWNER,
         MAP_EXES,
         MAP_EXE_CLASS,
         MAP_SERVICES,

@@ -17,7 +17,7 @@ pub struct Build {
 pub const BUILD_LEN: usize = 16;
 
 /// `MW_SCHEMA_VERSION`: bumped whenever a pinned map's key or value changes.
-pub const SCHEMA_VERSION: u32 = 22;
+pub const SCHEMA_VERSION: u32 = 23;
 
 pub const AF_INET: u32 = 2;
 pub const AF_INET6: u32 = 10;
@@ -349,6 +349,8 @@ pub struct SockState {
     pub lat_cap: u16,
     /// TCP-path sends: the write_seq the send last seen ends at.
     pub lat_end: u32,
+    /// Who owns the socket (kept from connect() or listen(), or its listener's).
+    pub own: SockOwner,
 }
 
 /// `struct mw_lat_key`.
@@ -989,7 +991,7 @@ mod tests {
             types::mw_sock_state,
             [
                 link, rule_id, flags, end, learn, rd_pub, rd_tgid, rd_seen, skipped, read, psock_rd, rd_pid, slot,
-                conn, tx_msgs, tx_bytes, req_ts, fb, lat_last, lat_skip, lat_cap, lat_end
+                conn, tx_msgs, tx_bytes, req_ts, fb, lat_last, lat_skip, lat_cap, lat_end, own
             ]
         );
         same_layout!(LatKey, types::mw_lat_key, [rule_id, metric, from_rule, pad]);
@@ -1107,7 +1109,7 @@ mod tests {
         assert_eq!(size_of::<Link>(), 8 + 32 + 16 + 8 + 16 + 16 + 32 + 16 + 48 + 8 + 8);
         assert_eq!(size_of::<Dir>(), 24);
         assert_eq!(size_of::<ParkReq>(), 8);
-        assert_eq!(size_of::<SockState>(), 8 + 16 + 32 + 32 + 16);
+        assert_eq!(size_of::<SockState>(), 8 + 16 + 32 + 32 + 16 + 24);
         assert_eq!(size_of::<LatKey>(), 16);
         assert_eq!(size_of::<LatHist>(), 16 + 8 * LAT_BUCKETS);
         assert_eq!(size_of::<Conn>(), 32 + 8 + 32 + 8 + 24 + 16 + 24 + 40 + 16);

@@ -523,7 +523,7 @@ fn upgrade_programs(layout: &FamilyPins) -> Result<Vec<String>, UpgradeError> {
 /// The socket family's maps, by pin name: every one a load pins.
 fn sockredir_maps<'a>(
     maps: &'a meshwarp_bpf::sockredir::SockredirMaps<'a>,
-) -> [(&'static str, &'a libbpf_rs::Map<'a>); 44] {
+) -> [(&'static str, &'a libbpf_rs::Map<'a>); 43] {
     [
         (names::MAP_SOCKMAP, &maps.mw_sockmap),
         (names::MAP_TGTMAP, &maps.mw_tgtmap),
@@ -535,7 +535,6 @@ fn sockredir_maps<'a>(
         (names::MAP_COOKIES, &maps.mw_cookies),
         (names::MAP_SK_STATE, &maps.mw_sk_state),
         (names::MAP_SK_CHAIN, &maps.mw_sk_chain),
-        (names::MAP_SK_OWNER, &maps.mw_sk_owner),
         (names::MAP_EXES, &maps.mw_exes),
         (names::MAP_EXE_CLASS, &maps.mw_exe_class),
         (names::MAP_SERVICES, &maps.mw_services),

@@ -752,6 +752,43 @@ fn a_fast_open_connection_closed_before_its_join_takes_the_request_back() -> Res
     Ok(())
 }
 
+/// A socket's owner (stamped at connect() and listen(); an accepted
+/// socket's cloned from its listener) and its end's state are one socket
+/// storage element (mw_sk_state), the owner kept when the handshake fills in
+/// the state of a covered end: both ends of a covered connection are listed
+/// with their owner. Every other socket with an element (the listener, an
+/// accepted socket of a port no rule names, a client of one) holds only its
+/// owner and is not listed.
+#[test]
+fn owner_and_state_are_one_element_per_socket() -> Result<()> {
+    let k = kernel_test!(1024);
+    let (net, listener) = two_pods(false)?;
+    let listed = |s: &dyn std::os::fd::AsRawFd| -> Result<Vec<meshwarp_core::Connection>> {
+        let by_cookie = ConnFilter { cookie: Some(socket_cookie_of(&s.as_raw_fd())?), ..ConnFilter::default() };
+        Ok(k.dp().connections(&by_cookie)?)
+    };
+    // No rule yet: the port is not covered.
+    let (c0, s0) = connect_pods(&net, &listener, false)?;
+    exchange(c0.try_clone()?, s0.try_clone()?, 51, 4096, T)?;
+    for (sock, what) in [(&c0 as &dyn std::os::fd::AsRawFd, "client"), (&s0, "accepted"), (&listener, "listener")] {
+        let l = listed(sock)?;
+        ensure!(l.is_empty(), "an uncovered {what} socket is not listed: {l:?}");
+    }
+    let pair = pair_for(&net, false);
+    k.dp().insert(&pair, "test")?;
+    let (c, s) = connect_pods(&net, &listener, false)?;
+    accelerated(k.dp(), &c, END_CLIENT)?;
+    accelerated(k.dp(), &s, END_SERVER)?;
+    for (sock, what) in [(&c, "client"), (&s, "server")] {
+        let l = listed(sock)?;
+        let [end] = &l[..] else { anyhow::bail!("the {what} end listed once: {l:?}") };
+        ensure!(end.owner_pid == Some(std::process::id()), "the {what} end's owner kept: {end:?}");
+    }
+    exchange(c, s, 52, 1 << 20, T)?;
+    ensure!(listed(&listener)?.is_empty(), "the listener is not listed");
+    Ok(())
+}
+
 /// An end closed on both sides whose program still holds it (TCP_CLOSE, the
 /// kernel's own port number 0): read from the socket storage, it is listed
 /// with its local port and found by it; read by iter/tcp in each namespace,

@@ -17,11 +17,12 @@
 #include "meshwarp/shared.h"
 #include "meshwarp/map.h"
 
-/* Socket state: the host's programs only. */
+/* Socket state: the host's programs only. BPF_F_CLONE: an accepted socket
+ * inherits its listener's owner (mw_sock_state.own). */
 #define MW_DEFINE_SK_STATE_MAP()                                 \
 	struct {                                                 \
 		__uint(type, BPF_MAP_TYPE_SK_STORAGE);           \
-		__uint(map_flags, BPF_F_NO_PREALLOC);            \
+		__uint(map_flags, BPF_F_NO_PREALLOC | BPF_F_CLONE); \
 		__type(key, int);                                \
 		__type(value, struct mw_sock_state);             \
 	} mw_sk_state SEC(".maps")

@@ -12,7 +12,7 @@
 #ifndef MESHWARP_SHARED_H
 #define MESHWARP_SHARED_H
 
-#define MW_SCHEMA_VERSION 22
+#define MW_SCHEMA_VERSION 23
 
 #define MW_AF_INET 2
 #define MW_AF_INET6 10
@@ -307,6 +307,23 @@ struct mw_sk_chain {
 	__u32 rule_id; /* the covering rule, for the plugin's context */
 };
 
+/* Who owns a socket: stamped at connect() and listen() in the caller's
+ * context (mw_sock_state.own), inherited by accepted sockets (mw_sk_state
+ * is BPF_F_CLONE). */
+struct mw_sock_owner {
+	struct mw_exe_key exe;
+	__u32 tgid;
+	__u32 flags;
+};
+
+/* mw_sock_owner.flags */
+#define MW_OWN_KNOWN 1u
+/* Set while its connect() was in progress (mw_setsockopt): the kernel
+ * applies an option after the hook, in a second section under the socket's
+ * lock, and the handshake can complete in between. */
+#define MW_OWN_ZEROCOPY 2u
+#define MW_OWN_PEEK_OFF 4u
+
 /* Per-socket state set by sockops (socket local storage), read and written
  * by the host's programs only. Also kept for covered sockets that are not
  * accelerated, so their reads can be observed. */
@@ -341,6 +358,11 @@ struct mw_sock_state {
 	 * write_seq the send it saw last will end at (write_seq + bytes left
 	 * stays the same through one send, and across a retried partial one). */
 	__u32 lat_end;
+	/* Who owns the socket, kept across init_state: one socket storage
+	 * element per socket, made at connect() or listen() (or cloned from
+	 * the listener at accept) and only filled in at the handshake, instead
+	 * of a second one (a kmalloc, a memcg charge and an RCU free each). */
+	struct mw_sock_owner own;
 };
 
 /* mw_sock_state.fb: why a covered connection stays on the TCP path. */
@@ -363,6 +385,11 @@ struct mw_sock_state {
 #define MW_LEARN 0x10000u
 
 /* mw_sock_state.flags */
+/* The state of a covered connection's end (init_state). Without it the
+ * element holds only its owner: a listener's, a client's before its
+ * handshake, or one an accepted socket cloned from its listener, which
+ * every program takes for no state at all. */
+#define MW_SOCK_END 1u
 #define MW_SOCK_DEMOTED 2u    /* the policy moved this end's sends to TCP (mirrors mw_dir) */
 #define MW_SOCK_TGTMAP 4u     /* in mw_tgtmap: no sk_msg sees its sends (MW_EF_TGTMAP) */
 /* A server end made by Fast Open, at its client's SYN: its client end links
@@ -378,22 +405,6 @@ struct mw_sock_state {
  * programs of one socket's hook touch them, under the socket's lock. */
 #define MW_SOCK_CHAIN_POS_SHIFT 8
 #define MW_SOCK_CHAIN_GEN_SHIFT 16
-
-/* Who owns a socket: stamped at connect() and listen() in the caller's
- * context, inherited by accepted sockets (the map is BPF_F_CLONE). */
-struct mw_sock_owner {
-	struct mw_exe_key exe;
-	__u32 tgid;
-	__u32 flags;
-};
-
-/* mw_sock_owner.flags */
-#define MW_OWN_KNOWN 1u
-/* Set while its connect() was in progress (mw_setsockopt): the kernel
- * applies an option after the hook, in a second section under the socket's
- * lock, and the handshake can complete in between. */
-#define MW_OWN_ZEROCOPY 2u
-#define MW_OWN_PEEK_OFF 4u
 
 /* What the programs saw an executable do (mw_exes, written by BPF only). */
 struct mw_exe {

@@ -127,13 +127,6 @@ MW_MAP(mw_observe, BPF_MAP_TYPE_LRU_HASH, __u64, struct mw_link, 65536, 0);
 MW_DEFINE_SK_STATE_MAP();
 MW_DEFINE_SK_CHAIN_MAP();
 
-struct {
-	__uint(type, BPF_MAP_TYPE_SK_STORAGE);
-	__uint(map_flags, BPF_F_NO_PREALLOC | BPF_F_CLONE);
-	__type(key, int);
-	__type(value, struct mw_sock_owner);
-} mw_sk_owner SEC(".maps");
-
 MW_MAP(mw_exes, BPF_MAP_TYPE_HASH, struct mw_exe_key, struct mw_exe, 4096, 0);
 
 MW_MAP(mw_exe_class, BPF_MAP_TYPE_HASH, struct mw_exe_key, struct mw_exe_class, 4096, BPF_F_NO_PREALLOC);
@@ -627,14 +620,16 @@ static __always_inline void exe_seen(const struct mw_exe_key *k, __u32 bit)
 static __always_inline void stamp_owner(struct bpf_sock_ops *skops)
 {
 	struct bpf_sock *sk = skops->sk;
+	struct mw_sock_state *st;
 	struct mw_sock_owner *o;
 	struct mw_exe_key k = {};
 
 	if (!sk || !current_exe(&k))
 		return;
-	o = bpf_sk_storage_get(&mw_sk_owner, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
-	if (!o)
+	st = bpf_sk_storage_get(&mw_sk_state, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
+	if (!st)
 		return;
+	o = &st->own;
 	o->exe = k;
 	o->tgid = bpf_get_current_pid_tgid() >> 32;
 	o->flags = MW_OWN_KNOWN | (o->flags & (MW_OWN_ZEROCOPY | MW_OWN_PEEK_OFF));
@@ -690,9 +685,8 @@ static __always_inline void decide_end(struct bpf_sock_ops *skops, struct tcp_so
 				       __u32 rule_flags, __u32 cfg, struct mw_sock_state *st,
 				       struct end_decision *d)
 {
-	struct bpf_sock *sk = skops->sk;
 	struct sock *s = &tp->inet_conn.icsk_inet.sk;
-	struct mw_sock_owner *o = NULL;
+	struct mw_sock_owner *o;
 	struct mw_exe_class *cls;
 	struct mw_exe *seen;
 	struct mw_exe_key *learned;
@@ -707,18 +701,18 @@ static __always_inline void decide_end(struct bpf_sock_ops *skops, struct tcp_so
 	d->nosend = 0;
 	d->zc_none = false;
 	d->chain = !no_msg_chain();
-	if (sk)
-		o = bpf_sk_storage_get(&mw_sk_owner, sk, 0, 0);
+	/* The element st is (made here, at connect(), or cloned at accept). */
+	o = &st->own;
 	/* Set before connect(), inherited from its listener, or set while
 	 * connect() was in progress (MW_OWN_ZEROCOPY). */
-	if ((s->__sk_common.skc_flags & (1UL << SOCK_ZEROCOPY)) || (active && o && (o->flags & MW_OWN_ZEROCOPY)))
+	if ((s->__sk_common.skc_flags & (1UL << SOCK_ZEROCOPY)) || (active && (o->flags & MW_OWN_ZEROCOPY)))
 		d->nosend = MW_EXE_SEEN_ZEROCOPY;
 	if (s->sk_rcvlowat > 1) {
 		target = false;
 		d->reason = MW_EF_R_LOWAT;
 	}
 	/* The same for a peek offset (see peek_off_allowed). */
-	if (s->sk_peek_off >= 0 || (active && o && (o->flags & MW_OWN_PEEK_OFF))) {
+	if (s->sk_peek_off >= 0 || (active && (o->flags & MW_OWN_PEEK_OFF))) {
 		target = false;
 		d->reason = MW_EF_R_PEEKOFF;
 	}
@@ -732,7 +726,7 @@ static __always_inline void decide_end(struct bpf_sock_ops *skops, struct tcp_so
 		return;
 	}
 
-	if (o && (o->flags & MW_OWN_KNOWN)) {
+	if (o->flags & MW_OWN_KNOWN) {
 		d->exe = o->exe;
 	} else if (!active) {
 		/* A listener that predates meshwarp: what its readers were. */
@@ -752,7 +746,7 @@ static __always_inline void decide_end(struct bpf_sock_ops *skops, struct tcp_so
 	}
 	cls = bpf_map_lookup_elem(&mw_exe_class, &d->exe);
 	if (!cls || !(cls->flags & MW_EXE_CLASSIFIED)) {
-		if (o)
+		if (o->flags & MW_OWN_KNOWN)
 			request_classify(&d->exe, o->tgid);
 		d->reader = true;
 		return;
@@ -1027,7 +1021,11 @@ static __always_inline void link_drop(struct mw_link *link, __u64 id)
 static __always_inline void init_state(struct mw_sock_state *st, __u32 rule_id, __u32 end, __u32 rcv_nxt,
 				      __u64 conn)
 {
+	struct mw_sock_owner own = st->own;
+
 	__builtin_memset(st, 0, sizeof(*st));
+	st->own = own;
+	st->flags = MW_SOCK_END;
 	st->rule_id = rule_id;
 	st->end = end;
 	st->rd_pub = rcv_nxt;
@@ -1547,7 +1545,7 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 			st = bpf_sk_storage_get(&mw_sk_state, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
 			if (st) {
 				init_state(st, rule->id, MW_END_SERVER, skops->rcv_nxt, 0);
-				st->flags = MW_SOCK_FASTOPEN;
+				st->flags |= MW_SOCK_FASTOPEN;
 				st->fb = MW_FB_SYN_DATA;
 				watch_close(skops);
 				return;
@@ -1563,7 +1561,7 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 		/* A Fast Open end whose client end never linked: as any covered
 		 * end whose client is not accelerated. */
 		st = fastopen && sk ? bpf_sk_storage_get(&mw_sk_state, sk, 0, 0) : NULL;
-		if (st)
+		if (st && (st->flags & MW_SOCK_END))
 			st->fb = MW_FB_PEER;
 		gs = global_stats();
 		if (gs) {
@@ -2365,7 +2363,7 @@ int BPF_PROG(mw_recv_len, struct sock *sk, int ret, int flags)
 	bool fast = false;
 
 	st = bpf_sk_storage_get(&mw_sk_state, sk, 0, 0);
-	if (!st)
+	if (!st || !(st->flags & MW_SOCK_END))
 		return 0;
 	id = bpf_get_current_pid_tgid();
 	if (ret < 0 && ret != -EAGAIN)
@@ -2718,7 +2716,7 @@ int BPF_PROG(mw_sys_enter, struct pt_regs *regs, long id)
 static __always_inline void listener_hint(struct bpf_sock_addr *ctx, struct bpf_sock *lsk, struct mw_srv_key *k)
 {
 	struct sock *s = bpf_core_cast(lsk, struct sock);
-	struct mw_sock_owner *o;
+	struct mw_sock_state *o;
 	struct mw_exe_class *cls;
 	struct mw_exe *seen;
 	__u32 cfg = config_flags(), reason = 0, sflags = 0;
@@ -2731,13 +2729,13 @@ static __always_inline void listener_hint(struct bpf_sock_addr *ctx, struct bpf_
 	} else if (s->sk_peek_off >= 0) {
 		reason = MW_EF_R_PEEKOFF;
 	} else if (cfg & MW_CFG_GUARD) {
-		o = bpf_sk_storage_get(&mw_sk_owner, lsk, 0, 0);
-		if (!o || !(o->flags & MW_OWN_KNOWN))
+		o = bpf_sk_storage_get(&mw_sk_state, lsk, 0, 0);
+		if (!o || !(o->own.flags & MW_OWN_KNOWN))
 			return;
-		cls = bpf_map_lookup_elem(&mw_exe_class, &o->exe);
+		cls = bpf_map_lookup_elem(&mw_exe_class, &o->own.exe);
 		if (!cls || !(cls->flags & MW_EXE_CLASSIFIED))
 			return;
-		seen = bpf_map_lookup_elem(&mw_exes, &o->exe);
+		seen = bpf_map_lookup_elem(&mw_exes, &o->own.exe);
 		if (seen)
 			sflags = seen->flags;
 		if ((cfg & MW_CFG_SPLICE_BLIND) && exe_may_splice(cls->flags, sflags))
@@ -2871,10 +2869,12 @@ static __always_inline bool zerocopy_allowed(struct bpf_sock *sk, struct mw_link
 static __always_inline void remember_opt(struct bpf_sock *sk, bool covered, struct mw_link *link, __u32 end,
 					 __u32 own, __u32 seen, bool on)
 {
+	struct mw_sock_state *st;
 	struct mw_sock_owner *o;
 	struct mw_exe_key exe;
 
-	o = bpf_sk_storage_get(&mw_sk_owner, sk, 0, on ? BPF_SK_STORAGE_GET_F_CREATE : 0);
+	st = bpf_sk_storage_get(&mw_sk_state, sk, 0, on ? BPF_SK_STORAGE_GET_F_CREATE : 0);
+	o = st ? &st->own : NULL;
 	if (o && on && !(o->flags & own))
 		__sync_fetch_and_or(&o->flags, own);
 	else if (o && !on && (o->flags & own))
@@ -3396,7 +3396,7 @@ int BPF_PROG(mw_lat_send, const struct sock *sk, const struct msghdr *msg, const
 	__u32 end;
 	__u64 since;
 
-	if (!st)
+	if (!st || !(st->flags & MW_SOCK_END))
 		return 0;
 	/* A socket in mw_sockmap: sk_msg saw the send (what it passes to TCP
 	 * comes back here once per page); in mw_tgtmap no sk_msg runs. Otherwise
@@ -3449,8 +3449,8 @@ static __always_inline void conn_write(struct seq_file *seq, struct sock *sk, st
 	c.fb = st->fb;
 	c.sock_flags = st->flags;
 	c.reader_tgid = st->rd_tgid;
-	own = bpf_sk_storage_get(&mw_sk_owner, sk, 0, 0);
-	if (own && (own->flags & MW_OWN_KNOWN)) {
+	own = &st->own;
+	if (own->flags & MW_OWN_KNOWN) {
 		c.owner_tgid = own->tgid;
 		c.exe = own->exe;
 	}
@@ -3491,7 +3491,7 @@ int mw_conns(struct bpf_iter__bpf_sk_storage_map *ctx)
 	struct mw_sock_state *st = ctx->value;
 	struct sock *sk = ctx->sk;
 
-	if (sk && st)
+	if (sk && st && (st->flags & MW_SOCK_END))
 		conn_write(ctx->meta->seq, sk, st);
 	return 0;
 }
@@ -3511,7 +3511,7 @@ int mw_conns_tcp(struct bpf_iter__tcp *ctx)
 	if (!tp)
 		return 0; /* request and time-wait sockets hold no state */
 	st = bpf_sk_storage_get(&mw_sk_state, (struct sock *)tp, 0, 0);
-	if (st)
+	if (st && (st->flags & MW_SOCK_END))
 		conn_write(ctx->meta->seq, (struct sock *)tp, st);
 	return 0;
 }
