@@ -752,30 +752,22 @@ fn a_fast_open_connection_closed_before_its_join_takes_the_request_back() -> Res
     Ok(())
 }
 
-/// A socket's owner (stamped at connect() and listen(); an accepted
-/// socket's cloned from its listener) and its end's state are one socket
-/// storage element (mw_sk_state), the owner kept when the handshake fills in
-/// the state of a covered end: both ends of a covered connection are listed
-/// with their owner. Every other socket with an element (the listener, an
-/// accepted socket of a port no rule names, a client of one) holds only its
-/// owner and is not listed.
+/// A socket's owner (stamped at connect() and at listen() on a port some
+/// rule names; an accepted socket's cloned from its listener) and its end's
+/// state are one socket storage element (mw_sk_state), the owner kept when
+/// the handshake fills in the state of a covered end: both ends of a covered
+/// connection are listed with their owner. The listener's element holds only
+/// its owner and is not listed.
 #[test]
 fn owner_and_state_are_one_element_per_socket() -> Result<()> {
     let k = kernel_test!(1024);
-    let (net, listener) = two_pods(false)?;
+    let net = NodeWithPods::new(2)?;
+    k.dp().insert(&pair_for(&net, false), "test")?;
+    let listener = net.pods[1].ns.listen(SocketAddr::new(net.pods[1].addr(false), SERVER_PORT))?;
     let listed = |s: &dyn std::os::fd::AsRawFd| -> Result<Vec<meshwarp_core::Connection>> {
         let by_cookie = ConnFilter { cookie: Some(socket_cookie_of(&s.as_raw_fd())?), ..ConnFilter::default() };
         Ok(k.dp().connections(&by_cookie)?)
     };
-    // No rule yet: the port is not covered.
-    let (c0, s0) = connect_pods(&net, &listener, false)?;
-    exchange(c0.try_clone()?, s0.try_clone()?, 51, 4096, T)?;
-    for (sock, what) in [(&c0 as &dyn std::os::fd::AsRawFd, "client"), (&s0, "accepted"), (&listener, "listener")] {
-        let l = listed(sock)?;
-        ensure!(l.is_empty(), "an uncovered {what} socket is not listed: {l:?}");
-    }
-    let pair = pair_for(&net, false);
-    k.dp().insert(&pair, "test")?;
     let (c, s) = connect_pods(&net, &listener, false)?;
     accelerated(k.dp(), &c, END_CLIENT)?;
     accelerated(k.dp(), &s, END_SERVER)?;
@@ -785,7 +777,41 @@ fn owner_and_state_are_one_element_per_socket() -> Result<()> {
         ensure!(end.owner_pid == Some(std::process::id()), "the {what} end's owner kept: {end:?}");
     }
     exchange(c, s, 52, 1 << 20, T)?;
-    ensure!(listed(&listener)?.is_empty(), "the listener is not listed");
+    let l = listed(&listener)?;
+    ensure!(l.is_empty(), "the listener is not listed: {l:?}");
+    Ok(())
+}
+
+/// A listener of a port no rule names is not stamped with a socket storage
+/// element: its accepted sockets would clone it, an allocation, a memcg
+/// charge and an RCU free on every accepted connection of every listener
+/// meshwarp does not cover. Its program is kept in `mw_services` instead,
+/// so once a rule names the port its accepted ends are judged by it (the
+/// reader guard knows them) and accelerated.
+#[test]
+fn a_listener_of_an_uncovered_port_gives_its_sockets_no_element() -> Result<()> {
+    use std::os::fd::AsRawFd;
+    let k = kernel_test!(1024);
+    ensure!(k.dp().guard_enabled(), "the reader guard is on: it stamps listeners");
+    let state: meshwarp_core::maps::TypedMap<i32, meshwarp_bpf::shared::SockState> =
+        meshwarp_core::maps::TypedMap::pinned(&k.dp().pin_dir().join("maps"), meshwarp_bpf::names::MAP_SK_STATE)?;
+    let (net, listener) = two_pods(false)?;
+    let (c0, s0) = connect_pods(&net, &listener, false)?;
+    exchange(c0.try_clone()?, s0.try_clone()?, 61, 4096, T)?;
+    ensure!(state.get(&listener.as_raw_fd())?.is_none(), "the listener of an uncovered port has no element");
+    ensure!(state.get(&s0.as_raw_fd())?.is_none(), "nor its accepted socket");
+    drop((c0, s0));
+    k.dp().insert(&pair_for(&net, false), "test")?;
+    let mut last = None;
+    wait_until(Duration::from_secs(5), || {
+        let (c, s) = connect_pods(&net, &listener, false)?;
+        let both = accelerated(k.dp(), &c, END_CLIENT).is_ok() && accelerated(k.dp(), &s, END_SERVER).is_ok();
+        last = Some((c, s));
+        Ok(both)
+    })
+    .context("a connection of the listener accelerated once a rule names its port")?;
+    let (c, s) = last.context("a connection")?;
+    exchange(c, s, 62, 1 << 20, T)?;
     Ok(())
 }
 

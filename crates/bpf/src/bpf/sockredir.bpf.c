@@ -131,6 +131,10 @@ MW_MAP(mw_exes, BPF_MAP_TYPE_HASH, struct mw_exe_key, struct mw_exe, 4096, 0);
 
 MW_MAP(mw_exe_class, BPF_MAP_TYPE_HASH, struct mw_exe_key, struct mw_exe_class, 4096, BPF_F_NO_PREALLOC);
 
+/* A listener's program by its service (network namespace, port, family):
+ * written at listen() for a port no rule names (stamp_listener), and by the
+ * reads of a server end whose listener predates meshwarp. LRU: an evicted
+ * one is learned again from the reads. */
 MW_MAP(mw_services, BPF_MAP_TYPE_LRU_HASH, struct mw_service_key, struct mw_exe_key, 4096, 0);
 
 /* MW_EXE_SEEN_BLOCKING / _NONBLOCKING per executable and service: where an
@@ -637,6 +641,32 @@ static __always_inline void stamp_owner(struct bpf_sock_ops *skops)
 		request_classify(&k, o->tgid);
 }
 
+/* listen(): a listener of a port some rule names is stamped (its accepted
+ * sockets clone its element, mw_sk_state being BPF_F_CLONE). Any other
+ * listener's program goes to mw_services, where its accepted ends find it
+ * if a rule names the port later (decide_end, listener_hint): a cloned
+ * element costs every accepted socket an allocation, a memcg charge and an
+ * RCU free (3-4% of a short connection's time, benches/README.md), and the
+ * listeners of a node are mostly of ports no rule names. */
+static __always_inline void stamp_listener(struct bpf_sock_ops *skops)
+{
+	struct mw_service_key svc = {};
+	struct mw_exe_key k = {};
+
+	if (port_maybe_covered(skops->local_port)) {
+		stamp_owner(skops);
+		return;
+	}
+	if (!current_exe(&k))
+		return;
+	svc.netns = bpf_get_netns_cookie(skops);
+	svc.port = skops->local_port;
+	svc.family = skops->family;
+	bpf_map_update_elem(&mw_services, &svc, &k, BPF_ANY);
+	if (!bpf_map_lookup_elem(&mw_exe_class, &k))
+		request_classify(&k, bpf_get_current_pid_tgid() >> 32);
+}
+
 /* Whether a reader of executable class `cls` (flags seen `sflags`) may
  * splice: seen splicing, or able to (its ELF) and not trusted. */
 static __always_inline bool exe_may_splice(__u32 cls, __u32 sflags)
@@ -729,7 +759,9 @@ static __always_inline void decide_end(struct bpf_sock_ops *skops, struct tcp_so
 	if (o->flags & MW_OWN_KNOWN) {
 		d->exe = o->exe;
 	} else if (!active) {
-		/* A listener that predates meshwarp: what its readers were. */
+		/* A listener of a port no rule named when it listened (its
+		 * program, stamp_listener), or one that predates meshwarp (what
+		 * its readers were). */
 		svc.netns = bpf_get_netns_cookie(skops);
 		svc.port = skops->local_port;
 		svc.family = skops->family;
@@ -1913,7 +1945,7 @@ int mw_sockops(struct bpf_sock_ops *skops)
 	}
 	if (op == BPF_SOCK_OPS_TCP_LISTEN_CB) {
 		if (config_flags() & MW_CFG_GUARD)
-			stamp_owner(skops);
+			stamp_listener(skops);
 		return 1;
 	}
 	if (op != BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB && op != BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB)
@@ -2716,8 +2748,10 @@ int BPF_PROG(mw_sys_enter, struct pt_regs *regs, long id)
 static __always_inline void listener_hint(struct bpf_sock_addr *ctx, struct bpf_sock *lsk, struct mw_srv_key *k)
 {
 	struct sock *s = bpf_core_cast(lsk, struct sock);
+	struct mw_service_key svc = {};
 	struct mw_sock_state *o;
 	struct mw_exe_class *cls;
+	struct mw_exe_key *exe;
 	struct mw_exe *seen;
 	__u32 cfg = config_flags(), reason = 0, sflags = 0;
 
@@ -2730,12 +2764,21 @@ static __always_inline void listener_hint(struct bpf_sock_addr *ctx, struct bpf_
 		reason = MW_EF_R_PEEKOFF;
 	} else if (cfg & MW_CFG_GUARD) {
 		o = bpf_sk_storage_get(&mw_sk_state, lsk, 0, 0);
-		if (!o || !(o->own.flags & MW_OWN_KNOWN))
-			return;
-		cls = bpf_map_lookup_elem(&mw_exe_class, &o->own.exe);
+		if (o && (o->own.flags & MW_OWN_KNOWN)) {
+			exe = &o->own.exe;
+		} else {
+			/* Listening before a rule named its port (stamp_listener). */
+			svc.netns = k->netns;
+			svc.port = lsk->src_port;
+			svc.family = lsk->family;
+			exe = bpf_map_lookup_elem(&mw_services, &svc);
+			if (!exe)
+				return;
+		}
+		cls = bpf_map_lookup_elem(&mw_exe_class, exe);
 		if (!cls || !(cls->flags & MW_EXE_CLASSIFIED))
 			return;
-		seen = bpf_map_lookup_elem(&mw_exes, &o->own.exe);
+		seen = bpf_map_lookup_elem(&mw_exes, exe);
 		if (seen)
 			sflags = seen->flags;
 		if ((cfg & MW_CFG_SPLICE_BLIND) && exe_may_splice(cls->flags, sflags))
