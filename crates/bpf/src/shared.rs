@@ -349,7 +349,8 @@ pub struct SockState {
     pub lat_cap: u16,
     /// TCP-path sends: the write_seq the send last seen ends at.
     pub lat_end: u32,
-    /// Who owns the socket (kept from connect() or listen(), or its listener's).
+    /// Who owns the socket (kept from connect(), or its listener's when that
+    /// listened on a port some rule named).
     pub own: SockOwner,
 }
 

@@ -815,6 +815,56 @@ fn a_listener_of_an_uncovered_port_gives_its_sockets_no_element() -> Result<()> 
     Ok(())
 }
 
+/// A listener of a port no rule names leaves its program in `mw_services`,
+/// keyed by namespace, port and family, not by address. Another program
+/// listening on that port (socat on 127.0.0.1, this test's listener on the
+/// pod's address) takes the entry back: which of them an accepted end
+/// belongs to is then learned from its reads, never guessed.
+#[test]
+fn another_program_on_the_port_takes_the_listeners_program_back() -> Result<()> {
+    use std::os::fd::AsRawFd;
+    let k = kernel_test!(1024);
+    ensure!(k.dp().guard_enabled(), "the reader guard is on: it records listeners");
+    if meshwarp_testbed::which("socat").is_none() {
+        meshwarp_testbed::missing_feature::<()>("socat (scripts/install-deps.sh installs it)");
+        return Ok(());
+    }
+    let services: meshwarp_core::maps::TypedMap<meshwarp_bpf::shared::ServiceKey, meshwarp_bpf::shared::ExeKey> =
+        meshwarp_core::maps::TypedMap::pinned(&k.dp().pin_dir().join("maps"), meshwarp_bpf::names::MAP_SERVICES)?;
+    let (net, listener) = two_pods(false)?;
+    let key = meshwarp_bpf::shared::ServiceKey {
+        netns: meshwarp_core::sys::netns_cookie_of(&listener.as_raw_fd())?,
+        port: u32::from(SERVER_PORT),
+        family: libc::AF_INET as u32,
+    };
+    let me = meshwarp_core::execlass::exe_key(&std::env::current_exe()?)?;
+    ensure!(services.get(&key)? == Some(me), "the listener's program is kept by its service");
+    let socat = meshwarp_testbed::Program::spawn(
+        &net.pods[1].ns,
+        &["socat", &format!("TCP4-LISTEN:{SERVER_PORT},bind=127.0.0.1,reuseaddr,fork"), "SYSTEM:cat"],
+    )?;
+    meshwarp_testbed::wait_port_listening(&net.pods[1].ns, SERVER_PORT, T)?;
+    wait_until(T, || Ok(services.get(&key)?.is_none())).context("socat's listen() took the entry back")?;
+    drop(socat);
+    // The ends are learned from their reads: once a rule names the port,
+    // this test's connections are accelerated all the same.
+    k.dp().insert(&pair_for(&net, false), "test")?;
+    let mut last = None;
+    wait_until(Duration::from_secs(5), || {
+        let (c, mut s) = connect_pods(&net, &listener, false)?;
+        let (mut c2, mut b) = (c.try_clone()?, [0u8; 1]);
+        c2.write_all(b"x")?;
+        s.read_exact(&mut b)?;
+        let both = accelerated(k.dp(), &c, END_CLIENT).is_ok() && accelerated(k.dp(), &s, END_SERVER).is_ok();
+        last = Some((c, s));
+        Ok(both)
+    })
+    .context("a connection accelerated once its program was learned")?;
+    let (c, s) = last.context("a connection")?;
+    exchange(c, s, 63, 1 << 20, T)?;
+    Ok(())
+}
+
 /// An end closed on both sides whose program still holds it (TCP_CLOSE, the
 /// kernel's own port number 0): read from the socket storage, it is listed
 /// with its local port and found by it; read by iter/tcp in each namespace,

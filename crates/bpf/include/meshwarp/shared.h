@@ -307,9 +307,10 @@ struct mw_sk_chain {
 	__u32 rule_id; /* the covering rule, for the plugin's context */
 };
 
-/* Who owns a socket: stamped at connect() and listen() in the caller's
- * context (mw_sock_state.own), inherited by accepted sockets (mw_sk_state
- * is BPF_F_CLONE). */
+/* Who owns a socket: stamped at connect() of a covered connection and at
+ * listen() on a port some rule names, in the caller's context
+ * (mw_sock_state.own), inherited by accepted sockets (mw_sk_state is
+ * BPF_F_CLONE). */
 struct mw_sock_owner {
 	struct mw_exe_key exe;
 	__u32 tgid;
@@ -386,9 +387,9 @@ struct mw_sock_state {
 
 /* mw_sock_state.flags */
 /* The state of a covered connection's end (init_state). Without it the
- * element holds only its owner: a listener's, a client's before its
- * handshake, or one an accepted socket cloned from its listener, which
- * every program takes for no state at all. */
+ * element holds only its owner (a listener's, a client's before its
+ * handshake, one an accepted socket cloned from its listener, or the marks
+ * of mw_setsockopt), which every program takes for no state at all. */
 #define MW_SOCK_END 1u
 #define MW_SOCK_DEMOTED 2u    /* the policy moved this end's sends to TCP (mirrors mw_dir) */
 #define MW_SOCK_TGTMAP 4u     /* in mw_tgtmap: no sk_msg sees its sends (MW_EF_TGTMAP) */

@@ -647,11 +647,16 @@ static __always_inline void stamp_owner(struct bpf_sock_ops *skops)
  * if a rule names the port later (decide_end, listener_hint): a cloned
  * element costs every accepted socket an allocation, a memcg charge and an
  * RCU free (3-4% of a short connection's time, benches/README.md), and the
- * listeners of a node are mostly of ports no rule names. */
+ * listeners of a node are mostly of ports no rule names. The key has no
+ * address: another program listening on the port (another address, a
+ * SO_REUSEPORT group, or a new binary after a restart) takes the entry
+ * back, and its ends are learned from their reads, as for a listener that
+ * predates meshwarp: a wrong program is never guessed. */
 static __always_inline void stamp_listener(struct bpf_sock_ops *skops)
 {
 	struct mw_service_key svc = {};
 	struct mw_exe_key k = {};
+	struct mw_exe_key *had;
 
 	if (port_maybe_covered(skops->local_port)) {
 		stamp_owner(skops);
@@ -662,9 +667,33 @@ static __always_inline void stamp_listener(struct bpf_sock_ops *skops)
 	svc.netns = bpf_get_netns_cookie(skops);
 	svc.port = skops->local_port;
 	svc.family = skops->family;
-	bpf_map_update_elem(&mw_services, &svc, &k, BPF_ANY);
+	had = bpf_map_lookup_elem(&mw_services, &svc);
+	if (had && (had->dev != k.dev || had->ino != k.ino)) {
+		bpf_map_delete_elem(&mw_services, &svc);
+		return;
+	}
+	if (!had)
+		bpf_map_update_elem(&mw_services, &svc, &k, BPF_NOEXIST);
 	if (!bpf_map_lookup_elem(&mw_exe_class, &k))
 		request_classify(&k, bpf_get_current_pid_tgid() >> 32);
+}
+
+/* listen() on a socket that was a covered connection's end (connect()
+ * with AF_UNSPEC disconnects a socket, which may then listen): its
+ * accepted sockets would clone that end's state. Only its owner stays. */
+static __always_inline void forget_end(struct bpf_sock *sk)
+{
+	struct mw_sock_state *st;
+	struct mw_sock_owner own;
+
+	if (!sk)
+		return;
+	st = bpf_sk_storage_get(&mw_sk_state, sk, 0, 0);
+	if (!st || !(st->flags & MW_SOCK_END))
+		return;
+	own = st->own;
+	__builtin_memset(st, 0, sizeof(*st));
+	st->own = own;
 }
 
 /* Whether a reader of executable class `cls` (flags seen `sflags`) may
@@ -731,7 +760,8 @@ static __always_inline void decide_end(struct bpf_sock_ops *skops, struct tcp_so
 	d->nosend = 0;
 	d->zc_none = false;
 	d->chain = !no_msg_chain();
-	/* The element st is (made here, at connect(), or cloned at accept). */
+	/* st's element: made at connect() or at the handshake, or cloned
+	 * from the listener at accept. */
 	o = &st->own;
 	/* Set before connect(), inherited from its listener, or set while
 	 * connect() was in progress (MW_OWN_ZEROCOPY). */
@@ -1900,7 +1930,8 @@ static __always_inline void run_conn_chain(struct bpf_sock_ops *skops, const str
 	*declined = mw_chain_fails_closed(gen, MW_HOOK_CONNECTION, 0);
 }
 
-/* connect() of a covered connection, or listen(): stamp the owner. */
+/* connect() of a covered connection: stamp the owner (listen(): see
+ * stamp_listener). */
 static __always_inline void on_connect(struct bpf_sock_ops *skops)
 {
 	struct bpf_sock *sk = skops->sk;
@@ -1944,6 +1975,7 @@ int mw_sockops(struct bpf_sock_ops *skops)
 		return 1;
 	}
 	if (op == BPF_SOCK_OPS_TCP_LISTEN_CB) {
+		forget_end(skops->sk);
 		if (config_flags() & MW_CFG_GUARD)
 			stamp_listener(skops);
 		return 1;
@@ -2749,7 +2781,7 @@ static __always_inline void listener_hint(struct bpf_sock_addr *ctx, struct bpf_
 {
 	struct sock *s = bpf_core_cast(lsk, struct sock);
 	struct mw_service_key svc = {};
-	struct mw_sock_state *o;
+	struct mw_sock_state *lst;
 	struct mw_exe_class *cls;
 	struct mw_exe_key *exe;
 	struct mw_exe *seen;
@@ -2763,9 +2795,9 @@ static __always_inline void listener_hint(struct bpf_sock_addr *ctx, struct bpf_
 	} else if (s->sk_peek_off >= 0) {
 		reason = MW_EF_R_PEEKOFF;
 	} else if (cfg & MW_CFG_GUARD) {
-		o = bpf_sk_storage_get(&mw_sk_state, lsk, 0, 0);
-		if (o && (o->own.flags & MW_OWN_KNOWN)) {
-			exe = &o->own.exe;
+		lst = bpf_sk_storage_get(&mw_sk_state, lsk, 0, 0);
+		if (lst && (lst->own.flags & MW_OWN_KNOWN)) {
+			exe = &lst->own.exe;
 		} else {
 			/* Listening before a rule named its port (stamp_listener). */
 			svc.netns = k->netns;
@@ -2916,7 +2948,11 @@ static __always_inline void remember_opt(struct bpf_sock *sk, bool covered, stru
 	struct mw_sock_owner *o;
 	struct mw_exe_key exe;
 
-	st = bpf_sk_storage_get(&mw_sk_state, sk, 0, on ? BPF_SK_STORAGE_GET_F_CREATE : 0);
+	/* Not made for a listener: the marks serve a client end's decision
+	 * (an accepted socket has the kernel's flags), and its accepted
+	 * sockets would all clone the element. */
+	st = bpf_sk_storage_get(&mw_sk_state, sk, 0,
+				on && sk->state != BPF_TCP_LISTEN ? BPF_SK_STORAGE_GET_F_CREATE : 0);
 	o = st ? &st->own : NULL;
 	if (o && on && !(o->flags & own))
 		__sync_fetch_and_or(&o->flags, own);
