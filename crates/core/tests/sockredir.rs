@@ -48,6 +48,30 @@ fn accelerated(dp: &Dataplane, s: &TcpStream, end: u32) -> Result<(u64, Link)> {
     Ok((cv.link, link))
 }
 
+/// Connects pod0 to `listener` until both ends of a connection are
+/// accelerated (within 5 s), and returns that connection. With `read`, the
+/// server end reads a byte of each (so that its reads are seen).
+fn connect_until_accelerated(
+    k: &KernelTest,
+    net: &NodeWithPods,
+    listener: &std::net::TcpListener,
+    read: bool,
+) -> Result<(TcpStream, TcpStream)> {
+    let mut last = None;
+    wait_until(Duration::from_secs(5), || {
+        let (mut c, mut s) = connect_pods(net, listener, false)?;
+        if read {
+            let mut b = [0u8; 1];
+            c.write_all(b"x")?;
+            s.read_exact(&mut b)?;
+        }
+        let both = accelerated(k.dp(), &c, END_CLIENT).is_ok() && accelerated(k.dp(), &s, END_SERVER).is_ok();
+        last = Some((c, s));
+        Ok(both)
+    })?;
+    last.context("a connection")
+}
+
 /// Polls `f` every 20 ms until it holds; an error after `t`.
 fn wait_until(t: Duration, mut f: impl FnMut() -> Result<bool>) -> Result<()> {
     let deadline = Instant::now() + t;
@@ -802,15 +826,8 @@ fn a_listener_of_an_uncovered_port_gives_its_sockets_no_element() -> Result<()> 
     ensure!(state.get(&s0.as_raw_fd())?.is_none(), "nor its accepted socket");
     drop((c0, s0));
     k.dp().insert(&pair_for(&net, false), "test")?;
-    let mut last = None;
-    wait_until(Duration::from_secs(5), || {
-        let (c, s) = connect_pods(&net, &listener, false)?;
-        let both = accelerated(k.dp(), &c, END_CLIENT).is_ok() && accelerated(k.dp(), &s, END_SERVER).is_ok();
-        last = Some((c, s));
-        Ok(both)
-    })
-    .context("a connection of the listener accelerated once a rule names its port")?;
-    let (c, s) = last.context("a connection")?;
+    let (c, s) = connect_until_accelerated(&k, &net, &listener, false)
+        .context("a connection of the listener accelerated once a rule names its port")?;
     exchange(c, s, 62, 1 << 20, T)?;
     Ok(())
 }
@@ -849,18 +866,8 @@ fn another_program_on_the_port_takes_the_listeners_program_back() -> Result<()> 
     // The ends are learned from their reads: once a rule names the port,
     // this test's connections are accelerated all the same.
     k.dp().insert(&pair_for(&net, false), "test")?;
-    let mut last = None;
-    wait_until(Duration::from_secs(5), || {
-        let (c, mut s) = connect_pods(&net, &listener, false)?;
-        let (mut c2, mut b) = (c.try_clone()?, [0u8; 1]);
-        c2.write_all(b"x")?;
-        s.read_exact(&mut b)?;
-        let both = accelerated(k.dp(), &c, END_CLIENT).is_ok() && accelerated(k.dp(), &s, END_SERVER).is_ok();
-        last = Some((c, s));
-        Ok(both)
-    })
-    .context("a connection accelerated once its program was learned")?;
-    let (c, s) = last.context("a connection")?;
+    let (c, s) = connect_until_accelerated(&k, &net, &listener, true)
+        .context("a connection accelerated once its program was learned")?;
     exchange(c, s, 63, 1 << 20, T)?;
     Ok(())
 }

@@ -641,6 +641,15 @@ static __always_inline void stamp_owner(struct bpf_sock_ops *skops)
 		request_classify(&k, o->tgid);
 }
 
+/* The service (mw_services key) a sockops socket listens on or was
+ * accepted on: its network namespace, local port and family. */
+static __always_inline void service_of(struct bpf_sock_ops *skops, struct mw_service_key *svc)
+{
+	svc->netns = bpf_get_netns_cookie(skops);
+	svc->port = skops->local_port;
+	svc->family = skops->family;
+}
+
 /* listen(): a listener of a port some rule names is stamped (its accepted
  * sockets clone its element, mw_sk_state being BPF_F_CLONE). Any other
  * listener's program goes to mw_services, where its accepted ends find it
@@ -664,9 +673,7 @@ static __always_inline void stamp_listener(struct bpf_sock_ops *skops)
 	}
 	if (!current_exe(&k))
 		return;
-	svc.netns = bpf_get_netns_cookie(skops);
-	svc.port = skops->local_port;
-	svc.family = skops->family;
+	service_of(skops, &svc);
 	had = bpf_map_lookup_elem(&mw_services, &svc);
 	if (had && (had->dev != k.dev || had->ino != k.ino)) {
 		bpf_map_delete_elem(&mw_services, &svc);
@@ -678,22 +685,27 @@ static __always_inline void stamp_listener(struct bpf_sock_ops *skops)
 		request_classify(&k, bpf_get_current_pid_tgid() >> 32);
 }
 
+/* Clears a socket's element down to its owner (no MW_SOCK_END). */
+static __always_inline void state_clear(struct mw_sock_state *st)
+{
+	struct mw_sock_owner own = st->own;
+
+	__builtin_memset(st, 0, sizeof(*st));
+	st->own = own;
+}
+
 /* listen() on a socket that was a covered connection's end (connect()
  * with AF_UNSPEC disconnects a socket, which may then listen): its
  * accepted sockets would clone that end's state. Only its owner stays. */
 static __always_inline void forget_end(struct bpf_sock *sk)
 {
 	struct mw_sock_state *st;
-	struct mw_sock_owner own;
 
 	if (!sk)
 		return;
 	st = bpf_sk_storage_get(&mw_sk_state, sk, 0, 0);
-	if (!st || !(st->flags & MW_SOCK_END))
-		return;
-	own = st->own;
-	__builtin_memset(st, 0, sizeof(*st));
-	st->own = own;
+	if (st && (st->flags & MW_SOCK_END))
+		state_clear(st);
 }
 
 /* Whether a reader of executable class `cls` (flags seen `sflags`) may
@@ -792,9 +804,7 @@ static __always_inline void decide_end(struct bpf_sock_ops *skops, struct tcp_so
 		/* A listener of a port no rule named when it listened (its
 		 * program, stamp_listener), or one that predates meshwarp (what
 		 * its readers were). */
-		svc.netns = bpf_get_netns_cookie(skops);
-		svc.port = skops->local_port;
-		svc.family = skops->family;
+		service_of(skops, &svc);
 		learned = bpf_map_lookup_elem(&mw_services, &svc);
 		if (!learned) {
 			st->learn = MW_LEARN | svc.port;
@@ -1083,10 +1093,7 @@ static __always_inline void link_drop(struct mw_link *link, __u64 id)
 static __always_inline void init_state(struct mw_sock_state *st, __u32 rule_id, __u32 end, __u32 rcv_nxt,
 				      __u64 conn)
 {
-	struct mw_sock_owner own = st->own;
-
-	__builtin_memset(st, 0, sizeof(*st));
-	st->own = own;
+	state_clear(st);
 	st->flags = MW_SOCK_END;
 	st->rule_id = rule_id;
 	st->end = end;
