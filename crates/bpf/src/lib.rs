@@ -109,6 +109,8 @@ pub mod names {
     pub const MAP_PARK_REQ: &str = "mw_park_req";
     pub const MAP_EVENTS: &str = "mw_events";
     pub const MAP_SCRATCH: &str = "mw_scratch";
+    /// Per rule id: whether its connections are short (`struct mw_short`).
+    pub const MAP_SHORT: &str = "mw_short";
     /// The reader guard's programs (sockredir family).
     pub const PROG_RECV_LEN: &str = "mw_recv_len";
     pub const PROG_SYS_ENTER: &str = "mw_sys_enter";
@@ -219,7 +221,7 @@ pub mod names {
         MAP_LAT_ZERO,
     ];
     /// The sockredir family's own maps (besides [`PLUGIN_HOST_MAPS`]), in pin order.
-    pub const SOCKREDIR_MAPS: [&str; 34] = [
+    pub const SOCKREDIR_MAPS: [&str; 35] = [
         MAP_SOCKMAP,
         MAP_TGTMAP,
         MAP_SLOTS,
@@ -241,6 +243,7 @@ pub mod names {
         MAP_SCRATCH,
         MAP_STATS,
         MAP_GLOBAL,
+        MAP_SHORT,
         MAP_OWNERS,
         MAP_BUILD,
         MAP_CH_CONN,

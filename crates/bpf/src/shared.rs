@@ -17,7 +17,7 @@ pub struct Build {
 pub const BUILD_LEN: usize = 16;
 
 /// `MW_SCHEMA_VERSION`: bumped whenever a pinned map's key or value changes.
-pub const SCHEMA_VERSION: u32 = 23;
+pub const SCHEMA_VERSION: u32 = 24;
 
 pub const AF_INET: u32 = 2;
 pub const AF_INET6: u32 = 10;
@@ -41,6 +41,7 @@ pub const LINK_HIT: u32 = 4;
 pub const LINK_OBSERVE: u32 = 8;
 pub const LINK_FIXED: u32 = 16;
 pub const LINK_SLOT: u32 = 32;
+pub const LINK_LONG: u32 = 64;
 /// `MW_DIR_*` (`mw_dir.flags`).
 pub const DIR_TCP: u32 = 1;
 pub const DIR_UNLINK_REQ: u32 = 2;
@@ -457,6 +458,25 @@ pub struct Join {
     pub pad: u32,
 }
 
+/// `struct mw_short` (`mw_short`, per rule id): how many of an adaptive
+/// rule's connections in a row closed short, and how many were met while
+/// that run was long enough to leave them on TCP (every
+/// [`SHORT_PROBE`]-th is covered).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct Short {
+    pub score: u32,
+    pub seen: u32,
+}
+
+/// `MW_SHORT_*`: a connection is long once an end redirected this many
+/// messages or bytes; a rule's new connections stay on TCP after this many
+/// short ones in a row, but for every `SHORT_PROBE`-th.
+pub const SHORT_MSGS: u64 = 3;
+pub const SHORT_BYTES: u64 = 256 * 1024;
+pub const SHORT_AFTER: u32 = 16;
+pub const SHORT_PROBE: u32 = 16;
+
 /// `MW_PORT_WORDS`: `struct mw_ports` holds one bit per port.
 pub const PORT_WORDS: usize = 1024;
 
@@ -574,6 +594,7 @@ pub struct RuleStats {
     pub zc_refused: u64,
     pub fb_peek_off: u64,
     pub peek_off_refused: u64,
+    pub fb_short: u64,
 }
 
 /// `MW_OWNER_LEN`: bytes of an owner name, NUL padding included.
@@ -905,6 +926,9 @@ mod tests {
     #[test]
     fn port_set_matches_the_header() {
         assert_eq!(define("MW_PORT_WORDS") as usize, PORT_WORDS);
+        assert_eq!(define("MW_SHORT_MSGS") as u64, SHORT_MSGS);
+        assert_eq!(define("MW_SHORT_AFTER"), SHORT_AFTER);
+        assert_eq!(define("MW_SHORT_PROBE"), SHORT_PROBE);
         let p = Ports::of([80, 15006, 65535]);
         assert!(p.has(80) && p.has(15006) && p.has(65535) && p.has(0), "bit 0: the set is kept");
         assert!(!p.has(81) && !p.has(8080));
@@ -1042,6 +1066,7 @@ mod tests {
         same_layout!(ReaderKey, types::mw_reader_key, [exe, netns, port, end, pad]);
         same_layout!(Join, types::mw_join, [netns, tid, pad]);
         same_layout!(Ports, types::mw_ports, [bits]);
+        same_layout!(Short, types::mw_short, [score, seen]);
         same_layout!(Config, types::mw_config, [flags, pad, lat_since]);
         same_layout!(
             RuleStats,
@@ -1077,7 +1102,8 @@ mod tests {
                 fb_zerocopy,
                 zc_refused,
                 fb_peek_off,
-                peek_off_refused
+                peek_off_refused,
+                fb_short
             ]
         );
         same_layout!(
@@ -1117,8 +1143,9 @@ mod tests {
         assert_eq!(size_of::<SockOwner>(), 16 + 8);
         assert_eq!(size_of::<Exe>(), 8 + 16);
         assert_eq!(size_of::<Event>(), 16 + 16 + 16 + 32 + 24 + 32);
-        assert_eq!(size_of::<RuleStats>(), 31 * 8);
+        assert_eq!(size_of::<RuleStats>(), 32 * 8);
         assert_eq!(size_of::<GlobalStats>(), 6 * 8);
+        assert_eq!(size_of::<Short>(), 8);
         assert_eq!(size_of::<RouteKey4>(), 16);
         assert_eq!(size_of::<RouteKey6>(), 28);
         assert_eq!(size_of::<RouteValue>(), 4 * 4 + 12 + 4 + 16 + 4 + 16);

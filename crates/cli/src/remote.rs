@@ -106,6 +106,7 @@ fn policy_line(c: &pb::RuleCounters) -> String {
         ("clients whose sends skip sk_msg (server no target)", c.tgtmap_clients),
         ("stale listener hints", c.hint_stale),
         ("connections kept on TCP (mode never)", c.fallback_mode_never),
+        ("connections kept on TCP (short ones)", c.fallback_short),
     ];
     parts.map(|(label, n)| format!("{label} {n}")).join("  ")
 }
@@ -444,6 +445,7 @@ impl Remote {
                 a.zerocopy_refused += c.zerocopy_refused;
                 a.fallback_peek_off += c.fallback_peek_off;
                 a.peek_off_refused += c.peek_off_refused;
+                a.fallback_short += c.fallback_short;
                 a
             });
             println!(

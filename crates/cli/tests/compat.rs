@@ -2020,8 +2020,12 @@ fn java_http_client_server_and_sendfile() -> Result<()> {
     ensure!(first.redirected_bytes > (100 << 20), "HttpClient <-> node accelerated both ways: {first:?}");
     ensure!(st_java.sockets >= 2 && st_java.redirected_bytes > 0, "the first HttpServer connections: {st_java:?}");
     ensure!(st_files.sockets == 0, "no psock for a new service of java once seen blocking: {st_files:?}");
+    // Every connection accelerated but those left on TCP because the
+    // rule's last ones were all short (small POSTs: a request and its
+    // answer), which is no judgement of the reader.
+    let skipped = last.fallback_short - first.fallback_short;
     ensure!(
-        last.fallback_reader == first.fallback_reader && last.sockets == first.sockets + 2 * CONNS as u64,
+        last.fallback_reader == first.fallback_reader && last.sockets == first.sockets + 2 * (CONNS as u64 - skipped),
         "java's HttpClient, seen reading that service only without blocking, accelerated: {first:?} {last:?}"
     );
     Ok(())

@@ -523,7 +523,7 @@ fn upgrade_programs(layout: &FamilyPins) -> Result<Vec<String>, UpgradeError> {
 /// The socket family's maps, by pin name: every one a load pins.
 fn sockredir_maps<'a>(
     maps: &'a meshwarp_bpf::sockredir::SockredirMaps<'a>,
-) -> [(&'static str, &'a libbpf_rs::Map<'a>); 43] {
+) -> [(&'static str, &'a libbpf_rs::Map<'a>); 44] {
     [
         (names::MAP_SOCKMAP, &maps.mw_sockmap),
         (names::MAP_TGTMAP, &maps.mw_tgtmap),
@@ -548,6 +548,7 @@ fn sockredir_maps<'a>(
         (names::MAP_EVENTS, &maps.mw_events),
         (names::MAP_SCRATCH, &maps.mw_scratch),
         (names::MAP_STATS, &maps.mw_stats),
+        (names::MAP_SHORT, &maps.mw_short),
         (names::MAP_GLOBAL, &maps.mw_global),
         (names::MAP_OWNERS, &maps.mw_owners),
         (names::MAP_BUILD, &maps.mw_build),
@@ -742,6 +743,7 @@ fn load_and_pin(cfg: &DataplaneConfig, layout: &FamilyPins) -> Result<(), Datapl
         (&mut maps.mw_pairs, cfg.max_rules),
         (&mut maps.mw_capture, cfg.max_rules),
         (&mut maps.mw_stats, cfg.max_rules),
+        (&mut maps.mw_short, cfg.max_rules),
         (&mut maps.mw_owners, cfg.max_rules),
         (&mut maps.mw_lat_rule, cfg.max_rules),
         // Room for every metric of every rule, and as many hops.

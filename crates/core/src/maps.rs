@@ -20,8 +20,8 @@ use std::os::fd::{AsFd, AsRawFd};
 use libbpf_rs::{ErrorKind, MapCore, MapFlags, MapHandle, MapType};
 use meshwarp_bpf::names;
 use meshwarp_bpf::shared::{
-    CaptureKey, Config, GlobalStats, LatHist, LatKey, OwnerName, PairKey, Pod, Ports, Rule, RuleStats, CFG_LAT_CLEAN,
-    LAT_FAST, LAT_ROW_METRICS, LAT_RT_ROW_METRICS, LAT_TRANSIT,
+    CaptureKey, Config, GlobalStats, LatHist, LatKey, OwnerName, PairKey, Pod, Ports, Rule, RuleStats, Short,
+    CFG_LAT_CLEAN, LAT_FAST, LAT_ROW_METRICS, LAT_RT_ROW_METRICS, LAT_TRANSIT,
 };
 
 /// A failed map operation.
@@ -163,6 +163,9 @@ pub struct KernelMaps {
     capture: TypedMap<CaptureKey, Rule>,
     stats: PerCpu<u32, RuleStats>,
     global: PerCpu<u32, GlobalStats>,
+    /// Whether each rule's connections are short: a slot given to a new
+    /// rule starts with none seen.
+    short: TypedMap<u32, Short>,
     owners: TypedMap<u32, OwnerName>,
     /// The latency monitor's switch and histograms, per rule id: a slot given
     /// to a new rule starts with the monitor off and no histograms.
@@ -291,6 +294,7 @@ impl KernelMaps {
             capture: TypedMap::pinned(maps_dir, names::MAP_CAPTURE)?,
             stats: PerCpu::pinned(maps_dir, names::MAP_STATS)?,
             global: PerCpu::pinned(maps_dir, names::MAP_GLOBAL)?,
+            short: TypedMap::pinned(maps_dir, names::MAP_SHORT)?,
             owners: TypedMap::pinned(maps_dir, names::MAP_OWNERS)?,
             lat: RuleLatency::open(maps_dir, RowShape::SOCKETS)?,
             ports: None,
@@ -385,6 +389,7 @@ pub fn add_rule_stats(a: &mut RuleStats, b: &RuleStats) {
     a.zc_refused = a.zc_refused.wrapping_add(b.zc_refused);
     a.fb_peek_off = a.fb_peek_off.wrapping_add(b.fb_peek_off);
     a.peek_off_refused = a.peek_off_refused.wrapping_add(b.peek_off_refused);
+    a.fb_short = a.fb_short.wrapping_add(b.fb_short);
 }
 
 fn add_global_stats(a: &mut GlobalStats, b: &GlobalStats) {
@@ -403,6 +408,7 @@ impl SlotMaps for KernelMaps {
 
     fn reset_slot(&mut self, id: u32) -> Result<(), MapError> {
         self.stats.zero(&id)?;
+        self.short.put(&id, &Short::default())?;
         self.lat.forget(id)
     }
 

@@ -99,6 +99,12 @@ pub struct RuleCounters {
     /// SO_PEEK_OFF refused (EOPNOTSUPP) on a socket with redirected bytes
     /// unread (they would be peeked at the wrong place).
     pub peek_off_refused: u64,
+    /// Adaptive policy: connections left on the TCP path, uncovered, because
+    /// the rule's last connections were all short (16 in a row closed
+    /// before an end redirected 3 messages or 256 KiB: their handshake and
+    /// close cost more than they won). Every 16th is still covered, and one
+    /// that grows long ends the run.
+    pub fallback_short: u64,
 }
 
 impl From<RuleStats> for RuleCounters {
@@ -135,6 +141,7 @@ impl From<RuleStats> for RuleCounters {
             zerocopy_refused: s.zc_refused,
             fallback_peek_off: s.fb_peek_off,
             peek_off_refused: s.peek_off_refused,
+            fallback_short: s.fb_short,
         }
     }
 }

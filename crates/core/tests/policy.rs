@@ -826,6 +826,95 @@ fn modes_always_and_never() -> Result<()> {
     Ok(())
 }
 
+/// `n` exchanges on a connection: a 1000-byte request, read whole, then a
+/// 1000-byte answer, read whole (one redirected message each way).
+fn request_answer(c: &TcpStream, s: &TcpStream, seed: u64, n: usize) -> Result<()> {
+    let (mut up, mut up_rd, mut down, mut down_rd) =
+        (Stream::new(seed), Stream::new(seed), Stream::new(seed + 1), Stream::new(seed + 1));
+    for _ in 0..n {
+        up.write(c, 1000, 1000)?;
+        up_rd.read(s, 1000)?;
+        down.write(s, 1000, 1000)?;
+        down_rd.read(c, 1000)?;
+    }
+    Ok(())
+}
+
+/// An adaptive pair whose connections each carry one request and its
+/// answer: once 16 in a row closed short, its new connections stay on TCP,
+/// uncovered (`fallback_short`), their bytes whole, but for every 16th (a
+/// probe, covered). A probe that grows long (three exchanges) ends the
+/// run: the next connection is covered again. Mode always covers every
+/// connection however short.
+#[test]
+fn a_rule_whose_connections_are_short_leaves_new_ones_on_tcp() -> Result<()> {
+    let k = kernel_test!();
+    let covered =
+        |c: &TcpStream| -> Result<bool> { Ok(k.dp().socket_link(meshwarp_core::sys::socket_cookie_of(c)?)?.is_some()) };
+    let (net, l, pair) = pods_pair(&k, 8205, FastPathMode::Adaptive)?;
+    let mut seed = 100;
+    let mut short = |want_covered: Option<bool>| -> Result<bool> {
+        let (c, s) = connections(&net, &l, 8205, 1)?.remove(0);
+        let was = covered(&c)?;
+        if let Some(w) = want_covered {
+            ensure!(was == w, "connection {seed}: covered {was}, expected {w}");
+        }
+        request_answer(&c, &s, seed, 1)?;
+        seed += 2;
+        drop((c, s));
+        Ok(was)
+    };
+    for _ in 0..16 {
+        short(Some(true))?;
+    }
+    // Their closes are judged as their ends reach CLOSE, just after.
+    let mut skipped = 0;
+    for _ in 0..40 {
+        if !short(None)? {
+            skipped += 1;
+            if skipped == 3 {
+                break;
+            }
+        }
+        thread::sleep(Duration::from_millis(5));
+    }
+    ensure!(skipped == 3, "short connections kept being covered: {:?}", k.dp().stats(&pair)?);
+    let st = k.dp().stats(&pair)?;
+    ensure!(st.fallback_short == 3, "three counted: {st:?}");
+    // A probe in every 16 is covered; the one that grows long ends the run.
+    let mut probes = 0;
+    for i in 0..20 {
+        let (c, s) = connections(&net, &l, 8205, 1)?.remove(0);
+        let was = covered(&c)?;
+        request_answer(&c, &s, 1000 + 2 * i, 3)?;
+        drop((c, s));
+        if was {
+            probes += 1;
+            break;
+        }
+    }
+    ensure!(probes == 1, "no probe covered in 20 connections: {:?}", k.dp().stats(&pair)?);
+    let st = k.dp().stats(&pair)?;
+    // The run's first connection was a probe too: every one between the
+    // two probes stayed on TCP.
+    let between = u64::from(meshwarp_bpf::shared::SHORT_PROBE) - 1;
+    ensure!(st.fallback_short == between, "the connections between the probes stayed on TCP: {st:?}");
+    short(Some(true)).context("the connection after a long probe")?;
+
+    let to = SocketAddr::new(net.pods[1].addr(false), 8206);
+    let l2 = net.pods[1].ns.listen(to)?;
+    let always = EndpointPair::new(net.pods[0].addr(false), to.into())?.with_mode(FastPathMode::Always);
+    k.dp().insert(&always, "test")?;
+    for i in 0..40 {
+        let (c, s) = (net.pods[0].ns.connect(to)?, accept_timeout(&l2, Duration::from_secs(60))?);
+        ensure!(covered(&c)?, "mode always, connection {i}: covered");
+        request_answer(&c, &s, 5000 + 2 * i, 1)?;
+    }
+    let st = k.dp().stats(&always)?;
+    ensure!(st.fallback_short == 0 && st.sockets == 80, "{st:?}");
+    Ok(())
+}
+
 /// 16 connections, both directions at once: bursts of small and large
 /// writes, replies, idle turns; directions are demoted and promoted many
 /// times, and every byte of every stream arrives once, in order.

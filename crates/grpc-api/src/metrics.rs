@@ -119,7 +119,7 @@ fn set_total(c: &Counter, v: u64) {
 }
 
 /// One rule's counters, flattened (see `Metrics::render`).
-type RuleTotals = [u64; 30];
+type RuleTotals = [u64; 31];
 
 /// Node-wide totals of per-rule counters that never go back: a rule's counts
 /// live in its slot, which a deleted rule frees and a new rule starts from
@@ -398,6 +398,7 @@ impl Metrics {
                 c.zerocopy_refused,
                 c.fallback_peek_off,
                 c.peek_off_refused,
+                c.fallback_short,
             ]
         };
         // Keyed by the rule's identity (an update keeps the key and the
@@ -451,6 +452,7 @@ impl Metrics {
             ("zerocopy_refused", fb[14]),
             ("peek_off", fb[15]),
             ("peek_off_refused", fb[16]),
+            ("short", fb[17]),
             ("not_covered", not_covered),
         ] {
             set_total(&self.fallbacks.get_or_create(&ReasonLabel { reason: reason.into() }), v);
@@ -517,7 +519,7 @@ mod tests {
     fn rules(list: &[(&str, u64)]) -> HashMap<String, RuleTotals> {
         list.iter()
             .map(|(k, v)| {
-                let mut t: RuleTotals = [0; 30];
+                let mut t: RuleTotals = [0; 31];
                 t[0] = *v;
                 (k.to_string(), t)
             })

@@ -12,7 +12,7 @@
 #ifndef MESHWARP_SHARED_H
 #define MESHWARP_SHARED_H
 
-#define MW_SCHEMA_VERSION 23
+#define MW_SCHEMA_VERSION 24
 
 #define MW_AF_INET 2
 #define MW_AF_INET6 10
@@ -101,6 +101,7 @@ struct mw_rule {
 #define MW_LINK_OBSERVE 8u  /* the client end is not accelerated: the server end only learns its reader */
 #define MW_LINK_FIXED 16u   /* the rule's mode is always: the policy never demotes */
 #define MW_LINK_SLOT 32u    /* owns mw_slots[slot] (every accelerated link; not observe-only ones) */
+#define MW_LINK_LONG 64u    /* an end redirected enough to pay for the handshake (struct mw_short) */
 
 /* mw_link.end_flags[end] */
 #define MW_EF_PSOCK 1u   /* in a SOCKMAP: its sends run sk_msg, unless MW_EF_TGTMAP */
@@ -466,6 +467,30 @@ struct mw_ports {
 	__u64 bits[MW_PORT_WORDS];
 };
 
+/*
+ * mw_short, per rule id: whether an adaptive rule's connections are short.
+ * A covered connection pays at its handshake and close (the psocks, the
+ * link, its state; benches/README.md, short connections) what a few
+ * redirected messages win back; one that closes after a request and its
+ * answer is slower than TCP. A connection is long once one end redirected
+ * MW_SHORT_MSGS messages or MW_SHORT_BYTES bytes (MW_LINK_LONG), which
+ * clears its rule's score at once; a connection whose ends both came and
+ * that closed short adds one. While the score is at least MW_SHORT_AFTER,
+ * the rule's new connections stay on TCP, uncovered (no stamp at
+ * connect(), no link, no psock), but for every MW_SHORT_PROBE-th: a probe,
+ * covered, which ends the run once connections grow long again.
+ */
+struct mw_short {
+	__u32 score; /* connections in a row that closed short (saturates at MW_SHORT_MAX) */
+	__u32 seen;  /* connections met while the score says short: picks the probes */
+};
+
+#define MW_SHORT_MSGS 3
+#define MW_SHORT_BYTES (256 * 1024)
+#define MW_SHORT_AFTER 16
+#define MW_SHORT_PROBE 16
+#define MW_SHORT_MAX 1024
+
 struct mw_reader_key {
 	struct mw_exe_key exe;
 	__u64 netns;
@@ -596,6 +621,7 @@ struct mw_rule_stats {
 	__u64 zc_refused;       /* SO_ZEROCOPY refused (EOPNOTSUPP) on a socket whose sends run sk_msg */
 	__u64 fb_peek_off;      /* ends withdrawn as targets: SO_PEEK_OFF on them, or seen from their program */
 	__u64 peek_off_refused; /* SO_PEEK_OFF refused (EOPNOTSUPP): redirected bytes were unread */
+	__u64 fb_short;         /* connections left on TCP: the rule's last ones were all short (struct mw_short) */
 };
 
 /*

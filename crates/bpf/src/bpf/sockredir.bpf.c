@@ -202,6 +202,11 @@ MW_MAP(mw_stats, BPF_MAP_TYPE_PERCPU_ARRAY, __u32, struct mw_rule_stats, 16384, 
 
 MW_MAP(mw_global, BPF_MAP_TYPE_PERCPU_ARRAY, __u32, struct mw_global_stats, 1, 0);
 
+/* Whether each rule's connections are short (struct mw_short; sized as
+ * mw_stats). One element per rule shared by every CPU: a connection's
+ * close on one CPU judges the next connect() on another. */
+MW_MAP(mw_short, BPF_MAP_TYPE_ARRAY, __u32, struct mw_short, 16384, 0);
+
 /* Room to build a link in (too large for the sockops stack with the rest). */
 MW_MAP(mw_scratch, BPF_MAP_TYPE_PERCPU_ARRAY, __u32, struct mw_link, 1, 0);
 
@@ -432,6 +437,69 @@ static __always_inline bool port_maybe_covered(__u32 port)
 		return true;
 	port &= 0xffff;
 	return (p->bits[port >> 6] >> (port & 63)) & 1;
+}
+
+/* ---- short connections (struct mw_short) ---- */
+
+/* An adaptive rule's element while its connections are judged short. */
+static __always_inline struct mw_short *rule_short(const struct mw_rule *rule)
+{
+	struct mw_short *s;
+
+	if (rule->flags & (MW_RULE_MODE_ALWAYS | MW_RULE_MODE_NEVER))
+		return NULL;
+	s = bpf_map_lookup_elem(&mw_short, &rule->id);
+	return s && s->score >= MW_SHORT_AFTER ? s : NULL;
+}
+
+/* Whether a new connection of `rule` stays on TCP because the rule's
+ * connections are short (counted); every MW_SHORT_PROBE-th is a probe and
+ * covered. Asked once per connection: at connect() when the reader guard
+ * stamps owners there (a connection left out gets no stamp, which its
+ * handshake then sees), else at the client's handshake. */
+static __always_inline bool short_skip(const struct mw_rule *rule)
+{
+	struct mw_short *s = rule_short(rule);
+	struct mw_rule_stats *rs;
+	__u32 n;
+
+	if (!s)
+		return false;
+	n = __sync_fetch_and_add(&s->seen, 1);
+	if (n % MW_SHORT_PROBE == 0)
+		return false;
+	rs = rule_stats(rule->id);
+	if (rs)
+		rs->fb_short++;
+	return true;
+}
+
+/* An end redirected enough for its connection to pay for its handshake:
+ * its rule's run of short connections ends now, not at its close (a long
+ * connection may outlive many short ones). */
+static __always_inline void conn_long(struct mw_link *link)
+{
+	struct mw_short *s;
+
+	__sync_fetch_and_or(&link->flags, MW_LINK_LONG);
+	s = bpf_map_lookup_elem(&mw_short, &link->rule_id);
+	if (s && s->score)
+		s->score = 0;
+}
+
+/* A connection closed (its link dropped, once) without being long: one
+ * more short one in a row for its rule, if both ends came (a connection
+ * whose server end never did says nothing of its length). Mode always
+ * never skips, so its connections do not count. */
+static __always_inline void conn_short(const struct mw_link *link)
+{
+	struct mw_short *s;
+
+	if ((link->flags & (MW_LINK_LONG | MW_LINK_FIXED)) || !(link->flags & MW_LINK_CLAIMED))
+		return;
+	s = bpf_map_lookup_elem(&mw_short, &link->rule_id);
+	if (s && s->score < MW_SHORT_MAX)
+		__sync_fetch_and_add(&s->score, 1);
 }
 
 /* ---- who reads a socket ---- */
@@ -1064,6 +1132,7 @@ static __always_inline void link_drop(struct mw_link *link, __u64 id)
 	/* Once: both ends may drop it at the same time. */
 	if (__sync_val_compare_and_swap(&link->id, id, 0) != id)
 		return;
+	conn_short(link);
 	if (out) {
 		slot_free(slot, id);
 		return;
@@ -1374,8 +1443,17 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 	tp = bpf_skc_to_tcp_sock(sk);
 	if (!tp)
 		return;
+	cfg = config_flags();
+	st = bpf_sk_storage_get(&mw_sk_state, sk, 0, 0);
+	/* No owner stamped at connect(): left on TCP there if the rule's
+	 * connections are short (short_skip, counted then), else decided now
+	 * when the reader guard stamps nothing. A probe was stamped. */
+	if ((!st || !(st->own.flags & MW_OWN_KNOWN)) &&
+	    ((cfg & MW_CFG_GUARD) ? rule_short(rule) != NULL : short_skip(rule)))
+		return;
 	rs = rule_stats(rule->id);
-	st = bpf_sk_storage_get(&mw_sk_state, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
+	if (!st)
+		st = bpf_sk_storage_get(&mw_sk_state, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
 	if (!st) {
 		count_insert_failure(rs, -ENOMEM);
 		return;
@@ -1394,7 +1472,6 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 	 * when it claims the link, how much of it its reader has read
 	 * (on_passive_established); until it read all, this direction stays on
 	 * TCP, as for any byte sent before the link. */
-	cfg = config_flags();
 	if (rule->flags & MW_RULE_MODE_NEVER) {
 		d.level = LV_NONE;
 		st->fb = MW_FB_MODE_NEVER;
@@ -1951,6 +2028,9 @@ static __always_inline void on_connect(struct bpf_sock_ops *skops)
 	rule = match_active(&t, &kind);
 	if (!rule)
 		return;
+	/* Left on TCP: no stamp, which its handshake sees. */
+	if ((cfg & MW_CFG_GUARD) && short_skip(rule))
+		return;
 	/* Covered connections only, and only rules the monitor runs for. */
 	if (sk && lat_since(rule->id, NULL)) {
 		__u64 *at = bpf_sk_storage_get(&mw_sk_conn, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
@@ -2311,6 +2391,8 @@ static __always_inline int finish_msg(struct sk_msg_md *msg, struct bpf_sock *sk
 	}
 	st->tx_msgs++;
 	st->tx_bytes += size;
+	if (!(link->flags & MW_LINK_LONG) && (st->tx_msgs >= MW_SHORT_MSGS || st->tx_bytes >= MW_SHORT_BYTES))
+		conn_long(link);
 	return SK_PASS;
 }
 

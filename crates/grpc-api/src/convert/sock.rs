@@ -264,6 +264,7 @@ pub fn counters_to_pb(c: &RuleCounters) -> pb::RuleCounters {
         zerocopy_refused: c.zerocopy_refused,
         fallback_peek_off: c.fallback_peek_off,
         peek_off_refused: c.peek_off_refused,
+        fallback_short: c.fallback_short,
     }
 }
 
