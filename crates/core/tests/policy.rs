@@ -845,10 +845,22 @@ fn request_answer(c: &TcpStream, s: &TcpStream, seed: u64, n: usize) -> Result<(
 /// uncovered (`fallback_short`), their bytes whole, but for every 16th (a
 /// probe, covered). A probe that grows long (three exchanges) ends the
 /// run: the next connection is covered again. Mode always covers every
-/// connection however short.
+/// connection however short. With the reader guard on, a connection is
+/// judged at `connect()` (it is stamped or not); with it off, at the
+/// client's handshake.
 #[test]
 fn a_rule_whose_connections_are_short_leaves_new_ones_on_tcp() -> Result<()> {
-    let k = kernel_test!();
+    short_connections_stay_on_tcp(meshwarp_core::GuardMode::Auto)
+}
+
+#[test]
+fn short_connections_stay_on_tcp_with_the_reader_guard_off() -> Result<()> {
+    short_connections_stay_on_tcp(meshwarp_core::GuardMode::Off)
+}
+
+fn short_connections_stay_on_tcp(guard: meshwarp_core::GuardMode) -> Result<()> {
+    let Some(k) = KernelTest::start_with(1024, 64, |c| c.guard = guard) else { return Ok(()) };
+    ensure!(k.dp().guard_enabled() == (guard == meshwarp_core::GuardMode::Auto), "reader guard {guard:?}");
     let covered =
         |c: &TcpStream| -> Result<bool> { Ok(k.dp().socket_link(meshwarp_core::sys::socket_cookie_of(c)?)?.is_some()) };
     let (net, l, pair) = pods_pair(&k, 8205, FastPathMode::Adaptive)?;

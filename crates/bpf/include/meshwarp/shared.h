@@ -474,7 +474,8 @@ struct mw_ports {
  * redirected messages win back; one that closes after a request and its
  * answer is slower than TCP. A connection is long once one end redirected
  * MW_SHORT_MSGS messages or MW_SHORT_BYTES bytes (MW_LINK_LONG), which
- * clears its rule's score at once; a connection whose ends both came and
+ * clears its rule's score at once (and again every MW_SHORT_AGAIN
+ * messages an end redirects); a connection whose ends both joined and
  * that closed short adds one. While the score is at least MW_SHORT_AFTER,
  * the rule's new connections stay on TCP, uncovered (no stamp at
  * connect(), no link, no psock), but for every MW_SHORT_PROBE-th: a probe,
@@ -490,6 +491,7 @@ struct mw_short {
 #define MW_SHORT_AFTER 16
 #define MW_SHORT_PROBE 16
 #define MW_SHORT_MAX 1024
+#define MW_SHORT_AGAIN 64
 
 struct mw_reader_key {
 	struct mw_exe_key exe;

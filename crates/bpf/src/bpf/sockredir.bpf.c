@@ -476,26 +476,31 @@ static __always_inline bool short_skip(const struct mw_rule *rule)
 
 /* An end redirected enough for its connection to pay for its handshake:
  * its rule's run of short connections ends now, not at its close (a long
- * connection may outlive many short ones). */
+ * connection may outlive many short ones), and again every
+ * MW_SHORT_AGAIN messages, so that a rule with busy long connections never
+ * leaves new ones out, whatever short ones it also has. */
 static __always_inline void conn_long(struct mw_link *link)
 {
 	struct mw_short *s;
 
-	__sync_fetch_and_or(&link->flags, MW_LINK_LONG);
+	if (!(link->flags & MW_LINK_LONG))
+		__sync_fetch_and_or(&link->flags, MW_LINK_LONG);
 	s = bpf_map_lookup_elem(&mw_short, &link->rule_id);
 	if (s && s->score)
 		s->score = 0;
 }
 
 /* A connection closed (its link dropped, once) without being long: one
- * more short one in a row for its rule, if both ends came (a connection
- * whose server end never did says nothing of its length). Mode always
- * never skips, so its connections do not count. */
+ * more short one in a row for its rule, if both ends joined (a connection
+ * whose server end never did, or that another one's id poisoned, says
+ * nothing of its length). Mode always never skips, so its connections do
+ * not count. */
 static __always_inline void conn_short(const struct mw_link *link)
 {
 	struct mw_short *s;
 
-	if ((link->flags & (MW_LINK_LONG | MW_LINK_FIXED)) || !(link->flags & MW_LINK_CLAIMED))
+	if ((link->flags & (MW_LINK_LONG | MW_LINK_FIXED | MW_LINK_POISONED)) || !(link->flags & MW_LINK_CLAIMED) ||
+	    !(link->end_flags[MW_END_SERVER] & MW_EF_PSOCK))
 		return;
 	s = bpf_map_lookup_elem(&mw_short, &link->rule_id);
 	if (s && s->score < MW_SHORT_MAX)
@@ -1445,12 +1450,19 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 		return;
 	cfg = config_flags();
 	st = bpf_sk_storage_get(&mw_sk_state, sk, 0, 0);
-	/* No owner stamped at connect(): left on TCP there if the rule's
-	 * connections are short (short_skip, counted then), else decided now
-	 * when the reader guard stamps nothing. A probe was stamped. */
+	/* No owner stamped at connect(): with the reader guard on, an
+	 * adaptive rule's client was left on TCP there (short_skip, counted
+	 * then; the score may have changed since, and an end without an owner
+	 * would not be accelerated anyway), else it is decided now. A probe
+	 * was stamped. */
 	if ((!st || !(st->own.flags & MW_OWN_KNOWN)) &&
-	    ((cfg & MW_CFG_GUARD) ? rule_short(rule) != NULL : short_skip(rule)))
+	    ((cfg & MW_CFG_GUARD) ? !(rule->flags & (MW_RULE_MODE_ALWAYS | MW_RULE_MODE_NEVER)) : short_skip(rule))) {
+		/* A reused socket's state of an earlier connection must not
+		 * stay on a connection left out. */
+		if (st && (st->flags & MW_SOCK_END))
+			state_clear(st);
 		return;
+	}
 	rs = rule_stats(rule->id);
 	if (!st)
 		st = bpf_sk_storage_get(&mw_sk_state, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
@@ -2028,9 +2040,15 @@ static __always_inline void on_connect(struct bpf_sock_ops *skops)
 	rule = match_active(&t, &kind);
 	if (!rule)
 		return;
-	/* Left on TCP: no stamp, which its handshake sees. */
-	if ((cfg & MW_CFG_GUARD) && short_skip(rule))
+	/* Left on TCP: no stamp, which its handshake sees (a reused socket's
+	 * stamp of an earlier connect() is taken back). */
+	if ((cfg & MW_CFG_GUARD) && short_skip(rule)) {
+		struct mw_sock_state *st = sk ? bpf_sk_storage_get(&mw_sk_state, sk, 0, 0) : NULL;
+
+		if (st)
+			st->own.flags &= ~MW_OWN_KNOWN;
 		return;
+	}
 	/* Covered connections only, and only rules the monitor runs for. */
 	if (sk && lat_since(rule->id, NULL)) {
 		__u64 *at = bpf_sk_storage_get(&mw_sk_conn, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
@@ -2391,7 +2409,8 @@ static __always_inline int finish_msg(struct sk_msg_md *msg, struct bpf_sock *sk
 	}
 	st->tx_msgs++;
 	st->tx_bytes += size;
-	if (!(link->flags & MW_LINK_LONG) && (st->tx_msgs >= MW_SHORT_MSGS || st->tx_bytes >= MW_SHORT_BYTES))
+	if ((!(link->flags & MW_LINK_LONG) && (st->tx_msgs >= MW_SHORT_MSGS || st->tx_bytes >= MW_SHORT_BYTES)) ||
+	    !(st->tx_msgs % MW_SHORT_AGAIN))
 		conn_long(link);
 	return SK_PASS;
 }
