@@ -448,6 +448,16 @@ pub struct ServiceKey {
     pub family: u32,
 }
 
+/// `struct mw_service` (`mw_services`' value): the program listening on a
+/// service, and the process that listened (or read).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct Service {
+    pub exe: ExeKey,
+    pub tgid: u32,
+    pub pad: u32,
+}
+
 /// `struct mw_join`: a TCP Fast Open server end to join `mw_sockmap`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, bytemuck::Pod, bytemuck::Zeroable)]
@@ -467,6 +477,8 @@ pub struct Join {
 pub struct Short {
     pub score: u32,
     pub seen: u32,
+    /// When the last short one closed (ns, `CLOCK_MONOTONIC`).
+    pub last: u64,
 }
 
 /// `MW_SHORT_*`: a connection is long once an end redirected this many
@@ -1063,10 +1075,11 @@ mod tests {
         same_layout!(Exe, types::mw_exe, [flags, tgid, comm]);
         same_layout!(ExeClass, types::mw_exe_class, [flags, pad]);
         same_layout!(ServiceKey, types::mw_service_key, [netns, port, family]);
+        same_layout!(Service, types::mw_service, [exe, tgid, pad]);
         same_layout!(ReaderKey, types::mw_reader_key, [exe, netns, port, end, pad]);
         same_layout!(Join, types::mw_join, [netns, tid, pad]);
         same_layout!(Ports, types::mw_ports, [bits]);
-        same_layout!(Short, types::mw_short, [score, seen]);
+        same_layout!(Short, types::mw_short, [score, seen, last]);
         same_layout!(Config, types::mw_config, [flags, pad, lat_since]);
         same_layout!(
             RuleStats,
@@ -1145,7 +1158,8 @@ mod tests {
         assert_eq!(size_of::<Event>(), 16 + 16 + 16 + 32 + 24 + 32);
         assert_eq!(size_of::<RuleStats>(), 32 * 8);
         assert_eq!(size_of::<GlobalStats>(), 6 * 8);
-        assert_eq!(size_of::<Short>(), 8);
+        assert_eq!(size_of::<Short>(), 16);
+        assert_eq!(size_of::<Service>(), 16 + 8);
         assert_eq!(size_of::<RouteKey4>(), 16);
         assert_eq!(size_of::<RouteKey6>(), 28);
         assert_eq!(size_of::<RouteValue>(), 4 * 4 + 12 + 4 + 16 + 4 + 16);

@@ -864,12 +864,22 @@ fn short_connections_stay_on_tcp(guard: meshwarp_core::GuardMode) -> Result<()> 
     let covered =
         |c: &TcpStream| -> Result<bool> { Ok(k.dp().socket_link(meshwarp_core::sys::socket_cookie_of(c)?)?.is_some()) };
     let (net, l, pair) = pods_pair(&k, 8205, FastPathMode::Adaptive)?;
+    // A connection left out costs its sockets no socket storage element.
+    let state: meshwarp_core::maps::TypedMap<i32, meshwarp_bpf::shared::SockState> =
+        meshwarp_core::maps::TypedMap::pinned(&k.dp().pin_dir().join("maps"), meshwarp_bpf::names::MAP_SK_STATE)?;
     let mut seed = 100;
     let mut short = |want_covered: Option<bool>| -> Result<bool> {
+        use std::os::fd::AsRawFd;
         let (c, s) = connections(&net, &l, 8205, 1)?.remove(0);
         let was = covered(&c)?;
         if let Some(w) = want_covered {
             ensure!(was == w, "connection {seed}: covered {was}, expected {w}");
+        }
+        if !was {
+            for end in [&c, &s] {
+                let st = state.get(&end.as_raw_fd())?;
+                ensure!(st.is_none(), "connection {seed} left out: no element, found {st:?}");
+            }
         }
         request_answer(&c, &s, seed, 1)?;
         seed += 2;

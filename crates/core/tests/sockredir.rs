@@ -581,12 +581,20 @@ fn fast_open(net: &NodeWithPods, to: SocketAddr, first: &[u8]) -> Result<TcpStre
 /// queue), the pair registered: the pods, the listener, the pair, the
 /// server's address.
 fn fast_open_pods(k: &KernelTest) -> Result<(NodeWithPods, std::net::TcpListener, EndpointPair, SocketAddr)> {
+    fast_open_pods_in(k, FastPathMode::Always)
+}
+
+/// As [`fast_open_pods`], the pair in `mode`.
+fn fast_open_pods_in(
+    k: &KernelTest,
+    mode: FastPathMode,
+) -> Result<(NodeWithPods, std::net::TcpListener, EndpointPair, SocketAddr)> {
     let (net, listener) = two_pods(false)?;
     for p in &net.pods {
         p.ns.fast_open_on()?;
     }
     meshwarp_testbed::set_int_opt(&listener, libc::IPPROTO_TCP, libc::TCP_FASTOPEN, 16)?;
-    let pair = pair_for(&net, false);
+    let pair = pair_for(&net, false).with_mode(mode);
     k.dp().insert(&pair, "test")?;
     let to = SocketAddr::new(net.pods[1].addr(false), SERVER_PORT);
     Ok((net, listener, pair, to))
@@ -776,6 +784,51 @@ fn a_fast_open_connection_closed_before_its_join_takes_the_request_back() -> Res
     Ok(())
 }
 
+/// Fast Open connections of an adaptive pair, each a request and its
+/// answer: once the rule leaves new ones out as short, neither end of one
+/// left out has a socket storage element (its server end's state, made at
+/// the SYN before its client's handshake, is not made while the rule's
+/// connections are short). A run whose last short connection closed
+/// `MW_SHORT_FOR` (1 s) ago is over: the next connection is covered.
+#[test]
+fn a_fast_open_connection_left_out_as_short_has_no_element() -> Result<()> {
+    use std::os::fd::AsRawFd;
+    let k = kernel_test!(1024);
+    let (net, listener, pair, to) = fast_open_pods_in(&k, FastPathMode::Adaptive)?;
+    let state: meshwarp_core::maps::TypedMap<i32, meshwarp_bpf::shared::SockState> =
+        meshwarp_core::maps::TypedMap::pinned(&k.dp().pin_dir().join("maps"), meshwarp_bpf::names::MAP_SK_STATE)?;
+    drop((fast_open(&net, to, b"cookie")?, accept_timeout(&listener, T)?));
+    let one = || -> Result<(bool, Option<meshwarp_bpf::shared::SockState>)> {
+        let mut c = fast_open(&net, to, b"request")?;
+        let mut s = accept_timeout(&listener, T)?;
+        let covered = k.dp().socket_link(socket_cookie_of(&c)?)?.is_some();
+        let server_state = state.get(&s.as_raw_fd())?;
+        ensure!(covered || state.get(&c.as_raw_fd())?.is_none(), "a client end left out has no element");
+        let mut b = [0u8; 7];
+        s.read_exact(&mut b)?;
+        ensure!(&b == b"request", "the request: {b:?}");
+        s.write_all(b"answer!")?;
+        c.read_exact(&mut b)?;
+        ensure!(&b == b"answer!", "the answer: {b:?}");
+        Ok((covered, server_state))
+    };
+    let mut left_out = None;
+    for _ in 0..60 {
+        let (covered, server_state) = one()?;
+        if !covered {
+            left_out = Some(server_state);
+            break;
+        }
+        thread::sleep(Duration::from_millis(5));
+    }
+    let server_state = left_out.with_context(|| format!("no connection left out: {:?}", k.dp().stats(&pair)))?;
+    ensure!(server_state.is_none(), "its server end has no element: {server_state:?}");
+    ensure!(k.dp().stats(&pair)?.fallback_short >= 1, "{:?}", k.dp().stats(&pair)?);
+    thread::sleep(Duration::from_millis(1200));
+    ensure!(one()?.0, "the run is over a second after its last short connection closed");
+    Ok(())
+}
+
 /// A socket's owner (stamped at connect() and at listen() on a port some
 /// rule names; an accepted socket's cloned from its listener) and its end's
 /// state are one socket storage element (mw_sk_state), the owner kept when
@@ -803,6 +856,12 @@ fn owner_and_state_are_one_element_per_socket() -> Result<()> {
     exchange(c, s, 52, 1 << 20, T)?;
     let l = listed(&listener)?;
     ensure!(l.is_empty(), "the listener is not listed: {l:?}");
+    // Nor has it an element, even of a port a rule names: every socket it
+    // accepts would clone it (its program is kept by its service).
+    use std::os::fd::AsRawFd;
+    let state: meshwarp_core::maps::TypedMap<i32, meshwarp_bpf::shared::SockState> =
+        meshwarp_core::maps::TypedMap::pinned(&k.dp().pin_dir().join("maps"), meshwarp_bpf::names::MAP_SK_STATE)?;
+    ensure!(state.get(&listener.as_raw_fd())?.is_none(), "the listener of a covered port has no element");
     Ok(())
 }
 
@@ -846,7 +905,7 @@ fn another_program_on_the_port_takes_the_listeners_program_back() -> Result<()> 
         meshwarp_testbed::missing_feature::<()>("socat (scripts/install-deps.sh installs it)");
         return Ok(());
     }
-    let services: meshwarp_core::maps::TypedMap<meshwarp_bpf::shared::ServiceKey, meshwarp_bpf::shared::ExeKey> =
+    let services: meshwarp_core::maps::TypedMap<meshwarp_bpf::shared::ServiceKey, meshwarp_bpf::shared::Service> =
         meshwarp_core::maps::TypedMap::pinned(&k.dp().pin_dir().join("maps"), meshwarp_bpf::names::MAP_SERVICES)?;
     let (net, listener) = two_pods(false)?;
     let key = meshwarp_bpf::shared::ServiceKey {
@@ -855,7 +914,8 @@ fn another_program_on_the_port_takes_the_listeners_program_back() -> Result<()> 
         family: libc::AF_INET as u32,
     };
     let me = meshwarp_core::execlass::exe_key(&std::env::current_exe()?)?;
-    ensure!(services.get(&key)? == Some(me), "the listener's program is kept by its service");
+    let kept = services.get(&key)?.context("the listener's program is kept by its service")?;
+    ensure!(kept.exe == me && kept.tgid == std::process::id(), "the listener's program and process: {kept:?}");
     let socat = meshwarp_testbed::Program::spawn(
         &net.pods[1].ns,
         &["socat", &format!("TCP4-LISTEN:{SERVER_PORT},bind=127.0.0.1,reuseaddr,fork"), "SYSTEM:cat"],

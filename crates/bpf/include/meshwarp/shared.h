@@ -479,11 +479,17 @@ struct mw_ports {
  * that closed short adds one. While the score is at least MW_SHORT_AFTER,
  * the rule's new connections stay on TCP, uncovered (no stamp at
  * connect(), no link, no psock), but for every MW_SHORT_PROBE-th: a probe,
- * covered, which ends the run once connections grow long again.
+ * covered, which ends the run once connections grow long again. A run
+ * whose last short connection closed MW_SHORT_FOR ago or more is over (the
+ * score starts again from 0): the rule's connections are all covered until
+ * they prove short again, so a rule never stays judged short on old news
+ * (a Fast Open probe cannot tell: its server end, whose state is made at
+ * the SYN before its client's decision, is left out with the others).
  */
 struct mw_short {
 	__u32 score; /* connections in a row that closed short (saturates at MW_SHORT_MAX) */
 	__u32 seen;  /* connections met while the score says short: picks the probes */
+	__u64 last;  /* when the last short one closed (ns, bpf_ktime_get_ns) */
 };
 
 #define MW_SHORT_MSGS 3
@@ -492,6 +498,7 @@ struct mw_short {
 #define MW_SHORT_PROBE 16
 #define MW_SHORT_MAX 1024
 #define MW_SHORT_AGAIN 64
+#define MW_SHORT_FOR 1000000000ULL
 
 struct mw_reader_key {
 	struct mw_exe_key exe;
@@ -501,12 +508,22 @@ struct mw_reader_key {
 	__u32 pad;
 };
 
-/* A listening service whose listener was not stamped (it predates meshwarp):
- * the reader of its first covered connection names the executable. */
+/* A listening service (mw_services): the program that listens on it,
+ * written at listen() (listeners are never stamped: every socket they
+ * accept would clone the element), or, for a listener that predates
+ * meshwarp, by the reader of its first covered connection. */
 struct mw_service_key {
 	__u64 netns;
 	__u32 port;
 	__u32 family;
+};
+
+/* What mw_services holds for a service: its program, and the process that
+ * listened (or read). */
+struct mw_service {
+	struct mw_exe_key exe;
+	__u32 tgid;
+	__u32 pad;
 };
 
 /* Node configuration written by user space (mw_config[0]). */

@@ -132,10 +132,10 @@ MW_MAP(mw_exes, BPF_MAP_TYPE_HASH, struct mw_exe_key, struct mw_exe, 4096, 0);
 MW_MAP(mw_exe_class, BPF_MAP_TYPE_HASH, struct mw_exe_key, struct mw_exe_class, 4096, BPF_F_NO_PREALLOC);
 
 /* A listener's program by its service (network namespace, port, family):
- * written at listen() for a port no rule names (stamp_listener), and by the
- * reads of a server end whose listener predates meshwarp. LRU: an evicted
- * one is learned again from the reads. */
-MW_MAP(mw_services, BPF_MAP_TYPE_LRU_HASH, struct mw_service_key, struct mw_exe_key, 4096, 0);
+ * written at listen() (stamp_listener), and by the reads of a server end
+ * whose listener predates meshwarp. LRU: an evicted one is learned again
+ * from the reads. */
+MW_MAP(mw_services, BPF_MAP_TYPE_LRU_HASH, struct mw_service_key, struct mw_service, 4096, 0);
 
 /* MW_EXE_SEEN_BLOCKING / _NONBLOCKING per executable and service: where an
  * entry exists it judges the blocking reader in place of the executable's
@@ -441,7 +441,9 @@ static __always_inline bool port_maybe_covered(__u32 port)
 
 /* ---- short connections (struct mw_short) ---- */
 
-/* An adaptive rule's element while its connections are judged short. */
+/* An adaptive rule's element while its connections are judged short: a
+ * run of MW_SHORT_AFTER or more, the last of them closed within
+ * MW_SHORT_FOR (an older run is over: its score starts again). */
 static __always_inline struct mw_short *rule_short(const struct mw_rule *rule)
 {
 	struct mw_short *s;
@@ -449,7 +451,13 @@ static __always_inline struct mw_short *rule_short(const struct mw_rule *rule)
 	if (rule->flags & (MW_RULE_MODE_ALWAYS | MW_RULE_MODE_NEVER))
 		return NULL;
 	s = bpf_map_lookup_elem(&mw_short, &rule->id);
-	return s && s->score >= MW_SHORT_AFTER ? s : NULL;
+	if (!s || s->score < MW_SHORT_AFTER)
+		return NULL;
+	if (bpf_ktime_get_ns() - s->last > MW_SHORT_FOR) {
+		s->score = 0;
+		return NULL;
+	}
+	return s;
 }
 
 /* Whether a new connection of `rule` stays on TCP because the rule's
@@ -503,7 +511,10 @@ static __always_inline void conn_short(const struct mw_link *link)
 	    !(link->end_flags[MW_END_SERVER] & MW_EF_PSOCK))
 		return;
 	s = bpf_map_lookup_elem(&mw_short, &link->rule_id);
-	if (s && s->score < MW_SHORT_MAX)
+	if (!s)
+		return;
+	s->last = bpf_ktime_get_ns();
+	if (s->score < MW_SHORT_MAX)
 		__sync_fetch_and_add(&s->score, 1);
 }
 
@@ -723,39 +734,39 @@ static __always_inline void service_of(struct bpf_sock_ops *skops, struct mw_ser
 	svc->family = skops->family;
 }
 
-/* listen(): a listener of a port some rule names is stamped (its accepted
- * sockets clone its element, mw_sk_state being BPF_F_CLONE). Any other
- * listener's program goes to mw_services, where its accepted ends find it
- * if a rule names the port later (decide_end, listener_hint): a cloned
- * element costs every accepted socket an allocation, a memcg charge and an
- * RCU free (3-4% of a short connection's time, benches/README.md), and the
- * listeners of a node are mostly of ports no rule names. The key has no
- * address: another program listening on the port (another address, a
- * SO_REUSEPORT group, or a new binary after a restart) takes the entry
- * back, and its ends are learned from their reads, as for a listener that
- * predates meshwarp: a wrong program is never guessed. */
+/* listen(): the listener's program goes to mw_services, where its
+ * accepted ends find it at their handshake (decide_end, which copies it
+ * into a covered end's element) and connect() its hint (listener_hint).
+ * A listener is not stamped with an element: mw_sk_state is BPF_F_CLONE,
+ * so every socket it accepts would clone it, an allocation, a memcg charge
+ * and an RCU free (3-4% of a short connection's time, benches/README.md),
+ * whether its connection is covered or not (a port no rule names, a
+ * connection its rule leaves out as short). The key has no address:
+ * another program listening on the port (another address, a SO_REUSEPORT
+ * group, or a new binary after a restart) takes the entry back, and its
+ * ends are learned from their reads, as for a listener that predates
+ * meshwarp: a wrong program is never guessed. */
 static __always_inline void stamp_listener(struct bpf_sock_ops *skops)
 {
 	struct mw_service_key svc = {};
-	struct mw_exe_key k = {};
-	struct mw_exe_key *had;
+	struct mw_service v = {};
+	struct mw_service *had;
 
-	if (port_maybe_covered(skops->local_port)) {
-		stamp_owner(skops);
+	if (!current_exe(&v.exe))
 		return;
-	}
-	if (!current_exe(&k))
-		return;
+	v.tgid = bpf_get_current_pid_tgid() >> 32;
 	service_of(skops, &svc);
 	had = bpf_map_lookup_elem(&mw_services, &svc);
-	if (had && (had->dev != k.dev || had->ino != k.ino)) {
+	if (had && (had->exe.dev != v.exe.dev || had->exe.ino != v.exe.ino)) {
 		bpf_map_delete_elem(&mw_services, &svc);
 		return;
 	}
-	if (!had)
-		bpf_map_update_elem(&mw_services, &svc, &k, BPF_NOEXIST);
-	if (!bpf_map_lookup_elem(&mw_exe_class, &k))
-		request_classify(&k, bpf_get_current_pid_tgid() >> 32);
+	if (had)
+		had->tgid = v.tgid;
+	else
+		bpf_map_update_elem(&mw_services, &svc, &v, BPF_NOEXIST);
+	if (!bpf_map_lookup_elem(&mw_exe_class, &v.exe))
+		request_classify(&v.exe, v.tgid);
 }
 
 /* Clears a socket's element down to its owner (no MW_SOCK_END). */
@@ -833,7 +844,7 @@ static __always_inline void decide_end(struct bpf_sock_ops *skops, struct tcp_so
 	struct mw_sock_owner *o;
 	struct mw_exe_class *cls;
 	struct mw_exe *seen;
-	struct mw_exe_key *learned;
+	struct mw_service *learned;
 	struct mw_service_key svc = {};
 	__u32 sflags = 0, eflags;
 	bool trusted, target = true;
@@ -874,9 +885,9 @@ static __always_inline void decide_end(struct bpf_sock_ops *skops, struct tcp_so
 	if (o->flags & MW_OWN_KNOWN) {
 		d->exe = o->exe;
 	} else if (!active) {
-		/* A listener of a port no rule named when it listened (its
-		 * program, stamp_listener), or one that predates meshwarp (what
-		 * its readers were). */
+		/* Its listener's program (stamp_listener), or, for one that
+		 * predates meshwarp, what its readers were: this end's owner
+		 * from now on (the connection list names it). */
 		service_of(skops, &svc);
 		learned = bpf_map_lookup_elem(&mw_services, &svc);
 		if (!learned) {
@@ -884,7 +895,10 @@ static __always_inline void decide_end(struct bpf_sock_ops *skops, struct tcp_so
 			d->reader = true;
 			return;
 		}
-		d->exe = *learned;
+		d->exe = learned->exe;
+		o->exe = learned->exe;
+		o->tgid = learned->tgid;
+		o->flags |= MW_OWN_KNOWN;
 	} else {
 		d->reader = true;
 		return;
@@ -1699,7 +1713,10 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 		 * never too: only then is the SYN's data in rcv_nxt, as in the
 		 * id its client end computed. */
 		tp = sk ? bpf_skc_to_tcp_sock(sk) : NULL;
-		if (rule && tp && !fastopen && tp->fastopen_rsk) {
+		/* Not while the rule's connections are short: its client is
+		 * left out at connect() (but for a probe, which this end cannot
+		 * tell apart: the run ends by itself, MW_SHORT_FOR). */
+		if (rule && tp && !fastopen && tp->fastopen_rsk && !rule_short(rule)) {
 			st = bpf_sk_storage_get(&mw_sk_state, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
 			if (st) {
 				init_state(st, rule->id, MW_END_SERVER, skops->rcv_nxt, 0);
@@ -2624,10 +2641,12 @@ int BPF_PROG(mw_recv_len, struct sock *sk, int ret, int flags)
 	if (!bpf_map_lookup_elem(&mw_exe_class, &exe))
 		request_classify(&exe, tgid);
 	if (st->learn) {
+		struct mw_service v = { .exe = exe, .tgid = tgid };
+
 		svc.netns = sk->__sk_common.skc_net.net->net_cookie;
 		svc.port = st->learn & 0xffff;
 		svc.family = sk->__sk_common.skc_family;
-		bpf_map_update_elem(&mw_services, &svc, &exe, BPF_ANY);
+		bpf_map_update_elem(&mw_services, &svc, &v, BPF_ANY);
 		st->learn = 0;
 	}
 	return 0;
@@ -2889,7 +2908,7 @@ static __always_inline void listener_hint(struct bpf_sock_addr *ctx, struct bpf_
 {
 	struct sock *s = bpf_core_cast(lsk, struct sock);
 	struct mw_service_key svc = {};
-	struct mw_sock_state *lst;
+	struct mw_service *listens;
 	struct mw_exe_class *cls;
 	struct mw_exe_key *exe;
 	struct mw_exe *seen;
@@ -2903,18 +2922,14 @@ static __always_inline void listener_hint(struct bpf_sock_addr *ctx, struct bpf_
 	} else if (s->sk_peek_off >= 0) {
 		reason = MW_EF_R_PEEKOFF;
 	} else if (cfg & MW_CFG_GUARD) {
-		lst = bpf_sk_storage_get(&mw_sk_state, lsk, 0, 0);
-		if (lst && (lst->own.flags & MW_OWN_KNOWN)) {
-			exe = &lst->own.exe;
-		} else {
-			/* Listening before a rule named its port (stamp_listener). */
-			svc.netns = k->netns;
-			svc.port = lsk->src_port;
-			svc.family = lsk->family;
-			exe = bpf_map_lookup_elem(&mw_services, &svc);
-			if (!exe)
-				return;
-		}
+		/* Its program (stamp_listener; listeners have no element). */
+		svc.netns = k->netns;
+		svc.port = lsk->src_port;
+		svc.family = lsk->family;
+		listens = bpf_map_lookup_elem(&mw_services, &svc);
+		if (!listens)
+			return;
+		exe = &listens->exe;
 		cls = bpf_map_lookup_elem(&mw_exe_class, exe);
 		if (!cls || !(cls->flags & MW_EXE_CLASSIFIED))
 			return;
