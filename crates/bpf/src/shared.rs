@@ -17,7 +17,7 @@ pub struct Build {
 pub const BUILD_LEN: usize = 16;
 
 /// `MW_SCHEMA_VERSION`: bumped whenever a pinned map's key or value changes.
-pub const SCHEMA_VERSION: u32 = 24;
+pub const SCHEMA_VERSION: u32 = 25;
 
 pub const AF_INET: u32 = 2;
 pub const AF_INET6: u32 = 10;
@@ -350,8 +350,8 @@ pub struct SockState {
     pub lat_cap: u16,
     /// TCP-path sends: the write_seq the send last seen ends at.
     pub lat_end: u32,
-    /// Who owns the socket (kept from connect(), or its listener's when that
-    /// listened on a port some rule named).
+    /// Who owns the socket (kept from connect(), or, for a covered server
+    /// end, its listener's, from its service).
     pub own: SockOwner,
 }
 
@@ -449,14 +449,20 @@ pub struct ServiceKey {
 }
 
 /// `struct mw_service` (`mw_services`' value): the program listening on a
-/// service, and the process that listened (or read).
+/// service, the process that listened (0 when learned from reads), and
+/// `SVC_*` flags.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct Service {
     pub exe: ExeKey,
     pub tgid: u32,
-    pub pad: u32,
+    pub flags: u32,
 }
+
+/// `MW_SVC_*` (`mw_service.flags`): learned from an end's reads; two
+/// programs listened on the service (none is known for its ends).
+pub const SVC_LEARNED: u32 = 1;
+pub const SVC_MIXED: u32 = 2;
 
 /// `struct mw_join`: a TCP Fast Open server end to join `mw_sockmap`.
 #[repr(C)]
@@ -941,6 +947,8 @@ mod tests {
         assert_eq!(define("MW_SHORT_MSGS") as u64, SHORT_MSGS);
         assert_eq!(define("MW_SHORT_AFTER"), SHORT_AFTER);
         assert_eq!(define("MW_SHORT_PROBE"), SHORT_PROBE);
+        assert_eq!(define("MW_SVC_LEARNED"), SVC_LEARNED);
+        assert_eq!(define("MW_SVC_MIXED"), SVC_MIXED);
         let p = Ports::of([80, 15006, 65535]);
         assert!(p.has(80) && p.has(15006) && p.has(65535) && p.has(0), "bit 0: the set is kept");
         assert!(!p.has(81) && !p.has(8080));
@@ -1075,7 +1083,7 @@ mod tests {
         same_layout!(Exe, types::mw_exe, [flags, tgid, comm]);
         same_layout!(ExeClass, types::mw_exe_class, [flags, pad]);
         same_layout!(ServiceKey, types::mw_service_key, [netns, port, family]);
-        same_layout!(Service, types::mw_service, [exe, tgid, pad]);
+        same_layout!(Service, types::mw_service, [exe, tgid, flags]);
         same_layout!(ReaderKey, types::mw_reader_key, [exe, netns, port, end, pad]);
         same_layout!(Join, types::mw_join, [netns, tid, pad]);
         same_layout!(Ports, types::mw_ports, [bits]);

@@ -801,6 +801,7 @@ fn a_fast_open_connection_left_out_as_short_has_no_element() -> Result<()> {
     let one = || -> Result<(bool, Option<meshwarp_bpf::shared::SockState>)> {
         let mut c = fast_open(&net, to, b"request")?;
         let mut s = accept_timeout(&listener, T)?;
+        ensure!(syn_data_accepted(&c)?, "the SYN carried data");
         let covered = k.dp().socket_link(socket_cookie_of(&c)?)?.is_some();
         let server_state = state.get(&s.as_raw_fd())?;
         ensure!(covered || state.get(&c.as_raw_fd())?.is_none(), "a client end left out has no element");
@@ -829,12 +830,11 @@ fn a_fast_open_connection_left_out_as_short_has_no_element() -> Result<()> {
     Ok(())
 }
 
-/// A socket's owner (stamped at connect() and at listen() on a port some
-/// rule names; an accepted socket's cloned from its listener) and its end's
-/// state are one socket storage element (mw_sk_state), the owner kept when
-/// the handshake fills in the state of a covered end: both ends of a covered
-/// connection are listed with their owner. The listener's element holds only
-/// its owner and is not listed.
+/// A socket's owner (stamped at connect(); a covered server end's copied
+/// from its listener's service at its handshake) and its end's state are
+/// one socket storage element (mw_sk_state), the owner kept when the
+/// handshake fills in the state of a covered end: both ends of a covered
+/// connection are listed with their owner. The listener has no element.
 #[test]
 fn owner_and_state_are_one_element_per_socket() -> Result<()> {
     let k = kernel_test!(1024);
@@ -865,17 +865,16 @@ fn owner_and_state_are_one_element_per_socket() -> Result<()> {
     Ok(())
 }
 
-/// A listener of a port no rule names is not stamped with a socket storage
-/// element: its accepted sockets would clone it, an allocation, a memcg
-/// charge and an RCU free on every accepted connection of every listener
-/// meshwarp does not cover. Its program is kept in `mw_services` instead,
-/// so once a rule names the port its accepted ends are judged by it (the
-/// reader guard knows them) and accelerated.
+/// A listener has no socket storage element: its program is kept in
+/// `mw_services`, so neither it nor the sockets it accepts carry one until
+/// a covered handshake, and once a rule names the port its accepted ends
+/// are judged by that program (the reader guard knows them) and
+/// accelerated.
 #[test]
 fn a_listener_of_an_uncovered_port_gives_its_sockets_no_element() -> Result<()> {
     use std::os::fd::AsRawFd;
     let k = kernel_test!(1024);
-    ensure!(k.dp().guard_enabled(), "the reader guard is on: it stamps listeners");
+    ensure!(k.dp().guard_enabled(), "the reader guard is on: it records listeners");
     let state: meshwarp_core::maps::TypedMap<i32, meshwarp_bpf::shared::SockState> =
         meshwarp_core::maps::TypedMap::pinned(&k.dp().pin_dir().join("maps"), meshwarp_bpf::names::MAP_SK_STATE)?;
     let (net, listener) = two_pods(false)?;
@@ -891,13 +890,16 @@ fn a_listener_of_an_uncovered_port_gives_its_sockets_no_element() -> Result<()> 
     Ok(())
 }
 
-/// A listener of a port no rule names leaves its program in `mw_services`,
-/// keyed by namespace, port and family, not by address. Another program
-/// listening on that port (socat on 127.0.0.1, this test's listener on the
-/// pod's address) takes the entry back: which of them an accepted end
-/// belongs to is then learned from its reads, never guessed.
+/// A listener leaves its program and process in `mw_services`, keyed by
+/// namespace, port and family, not by address. Another program listening
+/// on that port (socat on 127.0.0.1, this test's listener on the pod's
+/// address) marks the service mixed, for good: no program is known for its
+/// ends, which stay on TCP (`fallback_reader`) rather than be judged by the
+/// wrong one; their bytes arrive whole. Their reads do not name a program
+/// for the service either.
 #[test]
-fn another_program_on_the_port_takes_the_listeners_program_back() -> Result<()> {
+fn another_program_on_the_port_marks_the_service_mixed() -> Result<()> {
+    use meshwarp_bpf::shared::SVC_MIXED;
     use std::os::fd::AsRawFd;
     let k = kernel_test!(1024);
     ensure!(k.dp().guard_enabled(), "the reader guard is on: it records listeners");
@@ -915,20 +917,26 @@ fn another_program_on_the_port_takes_the_listeners_program_back() -> Result<()> 
     };
     let me = meshwarp_core::execlass::exe_key(&std::env::current_exe()?)?;
     let kept = services.get(&key)?.context("the listener's program is kept by its service")?;
-    ensure!(kept.exe == me && kept.tgid == std::process::id(), "the listener's program and process: {kept:?}");
+    ensure!(kept.exe == me && kept.tgid == std::process::id() && kept.flags == 0, "the listener's program: {kept:?}");
     let socat = meshwarp_testbed::Program::spawn(
         &net.pods[1].ns,
         &["socat", &format!("TCP4-LISTEN:{SERVER_PORT},bind=127.0.0.1,reuseaddr,fork"), "SYSTEM:cat"],
     )?;
     meshwarp_testbed::wait_port_listening(&net.pods[1].ns, SERVER_PORT, T)?;
-    wait_until(T, || Ok(services.get(&key)?.is_none())).context("socat's listen() took the entry back")?;
+    wait_until(T, || Ok(services.get(&key)?.is_some_and(|v| v.flags & SVC_MIXED != 0)))
+        .context("socat's listen() marked the service mixed")?;
     drop(socat);
-    // The ends are learned from their reads: once a rule names the port,
-    // this test's connections are accelerated all the same.
-    k.dp().insert(&pair_for(&net, false), "test")?;
-    let (c, s) = connect_until_accelerated(&k, &net, &listener, true)
-        .context("a connection accelerated once its program was learned")?;
-    exchange(c, s, 63, 1 << 20, T)?;
+    let pair = pair_for(&net, false);
+    k.dp().insert(&pair, "test")?;
+    for i in 0..4 {
+        let (c, s) = connect_pods(&net, &listener, false)?;
+        ensure!(k.dp().socket_link(socket_cookie_of(&c)?)?.is_none(), "connection {i}: not accelerated");
+        exchange(c, s, 63 + i, 256 << 10, T)?;
+    }
+    let st = k.dp().stats(&pair)?;
+    ensure!(st.sockets == 0 && st.fallback_reader >= 4, "{st:?}");
+    let v = services.get(&key)?.context("the entry")?;
+    ensure!(v.flags & SVC_MIXED != 0 && v.exe == me, "still mixed after the reads: {v:?}");
     Ok(())
 }
 

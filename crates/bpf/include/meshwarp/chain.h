@@ -17,12 +17,13 @@
 #include "meshwarp/shared.h"
 #include "meshwarp/map.h"
 
-/* Socket state: the host's programs only. BPF_F_CLONE: an accepted socket
- * inherits its listener's owner (mw_sock_state.own). */
+/* Socket state: the host's programs only. Not BPF_F_CLONE: listeners have
+ * no element (their program is kept by their service, mw_services), so an
+ * accepted socket starts with none. */
 #define MW_DEFINE_SK_STATE_MAP()                                 \
 	struct {                                                 \
 		__uint(type, BPF_MAP_TYPE_SK_STORAGE);           \
-		__uint(map_flags, BPF_F_NO_PREALLOC | BPF_F_CLONE); \
+		__uint(map_flags, BPF_F_NO_PREALLOC);            \
 		__type(key, int);                                \
 		__type(value, struct mw_sock_state);             \
 	} mw_sk_state SEC(".maps")

@@ -12,7 +12,7 @@
 #ifndef MESHWARP_SHARED_H
 #define MESHWARP_SHARED_H
 
-#define MW_SCHEMA_VERSION 24
+#define MW_SCHEMA_VERSION 25
 
 #define MW_AF_INET 2
 #define MW_AF_INET6 10
@@ -308,10 +308,9 @@ struct mw_sk_chain {
 	__u32 rule_id; /* the covering rule, for the plugin's context */
 };
 
-/* Who owns a socket: stamped at connect() of a covered connection and at
- * listen() on a port some rule names, in the caller's context
- * (mw_sock_state.own), inherited by accepted sockets (mw_sk_state is
- * BPF_F_CLONE). */
+/* Who owns a socket: stamped at connect() of a covered connection, in the
+ * caller's context (mw_sock_state.own); a covered server end's is copied
+ * at its handshake from its listener's service (struct mw_service). */
 struct mw_sock_owner {
 	struct mw_exe_key exe;
 	__u32 tgid;
@@ -361,9 +360,9 @@ struct mw_sock_state {
 	 * stays the same through one send, and across a retried partial one). */
 	__u32 lat_end;
 	/* Who owns the socket, kept across init_state: one socket storage
-	 * element per socket, made at connect() or listen() (or cloned from
-	 * the listener at accept) and only filled in at the handshake, instead
-	 * of a second one (a kmalloc, a memcg charge and an RCU free each). */
+	 * element per socket, made at connect() (or at a server end's
+	 * handshake) and only filled in at the handshake, instead of a second
+	 * one (a kmalloc, a memcg charge and an RCU free each). */
 	struct mw_sock_owner own;
 };
 
@@ -388,9 +387,8 @@ struct mw_sock_state {
 
 /* mw_sock_state.flags */
 /* The state of a covered connection's end (init_state). Without it the
- * element holds only its owner (a listener's, a client's before its
- * handshake, one an accepted socket cloned from its listener, or the marks
- * of mw_setsockopt), which every program takes for no state at all. */
+ * element holds only its owner (a client's before its handshake, or the
+ * marks of mw_setsockopt), which every program takes for no state at all. */
 #define MW_SOCK_END 1u
 #define MW_SOCK_DEMOTED 2u    /* the policy moved this end's sends to TCP (mirrors mw_dir) */
 #define MW_SOCK_TGTMAP 4u     /* in mw_tgtmap: no sk_msg sees its sends (MW_EF_TGTMAP) */
@@ -519,12 +517,20 @@ struct mw_service_key {
 };
 
 /* What mw_services holds for a service: its program, and the process that
- * listened (or read). */
+ * listened (MW_SVC_*). */
 struct mw_service {
 	struct mw_exe_key exe;
-	__u32 tgid;
-	__u32 pad;
+	__u32 tgid;  /* who listened; 0 when learned from reads */
+	__u32 flags;
 };
+
+/* mw_service.flags */
+/* Learned from the reads of an end (its listener predates meshwarp). */
+#define MW_SVC_LEARNED 1u
+/* Two programs listened on the service (addresses, a SO_REUSEPORT group, a
+ * new binary): no program is known for its ends, which are not accelerated.
+ * Kept until the entry is evicted (nothing overwrites it). */
+#define MW_SVC_MIXED 2u
 
 /* Node configuration written by user space (mw_config[0]). */
 struct mw_config {

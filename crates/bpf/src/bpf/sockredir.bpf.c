@@ -12,7 +12,7 @@
  * counts only it, or whose blocked reads of it return EAGAIN when woken
  * without data, redirecting into a socket is only safe if its reader is known
  * not to do those things. Which executable reads a socket is stamped at
- * connect()/listen() (accepted sockets inherit the listener's stamp); user
+ * connect(), and a listener's at listen() by its service (mw_services); user
  * space classifies executables from their ELF (mw_exe_class), and the
  * programs below record what executables are seen doing (mw_exes), and how
  * each reads each service (mw_readers: blocking or not, per executable,
@@ -447,13 +447,15 @@ static __always_inline bool port_maybe_covered(__u32 port)
 static __always_inline struct mw_short *rule_short(const struct mw_rule *rule)
 {
 	struct mw_short *s;
+	__u64 now;
 
 	if (rule->flags & (MW_RULE_MODE_ALWAYS | MW_RULE_MODE_NEVER))
 		return NULL;
 	s = bpf_map_lookup_elem(&mw_short, &rule->id);
 	if (!s || s->score < MW_SHORT_AFTER)
 		return NULL;
-	if (bpf_ktime_get_ns() - s->last > MW_SHORT_FOR) {
+	now = bpf_ktime_get_ns();
+	if (now > s->last && now - s->last > MW_SHORT_FOR) {
 		s->score = 0;
 		return NULL;
 	}
@@ -465,7 +467,7 @@ static __always_inline struct mw_short *rule_short(const struct mw_rule *rule)
  * covered. Asked once per connection: at connect() when the reader guard
  * stamps owners there (a connection left out gets no stamp, which its
  * handshake then sees), else at the client's handshake. */
-static __always_inline bool short_skip(const struct mw_rule *rule)
+static __always_inline bool short_skip(const struct mw_rule *rule, bool may_probe)
 {
 	struct mw_short *s = rule_short(rule);
 	struct mw_rule_stats *rs;
@@ -474,7 +476,7 @@ static __always_inline bool short_skip(const struct mw_rule *rule)
 	if (!s)
 		return false;
 	n = __sync_fetch_and_add(&s->seen, 1);
-	if (n % MW_SHORT_PROBE == 0)
+	if (may_probe && n % MW_SHORT_PROBE == 0)
 		return false;
 	rs = rule_stats(rule->id);
 	if (rs)
@@ -506,6 +508,7 @@ static __always_inline void conn_long(struct mw_link *link)
 static __always_inline void conn_short(const struct mw_link *link)
 {
 	struct mw_short *s;
+	__u64 now;
 
 	if ((link->flags & (MW_LINK_LONG | MW_LINK_FIXED | MW_LINK_POISONED)) || !(link->flags & MW_LINK_CLAIMED) ||
 	    !(link->end_flags[MW_END_SERVER] & MW_EF_PSOCK))
@@ -513,7 +516,12 @@ static __always_inline void conn_short(const struct mw_link *link)
 	s = bpf_map_lookup_elem(&mw_short, &link->rule_id);
 	if (!s)
 		return;
-	s->last = bpf_ktime_get_ns();
+	/* A run is of short connections closing within MW_SHORT_FOR of
+	 * each other. */
+	now = bpf_ktime_get_ns();
+	if (now > s->last && now - s->last > MW_SHORT_FOR)
+		s->score = 0;
+	s->last = now;
 	if (s->score < MW_SHORT_MAX)
 		__sync_fetch_and_add(&s->score, 1);
 }
@@ -703,8 +711,8 @@ static __always_inline void exe_seen(const struct mw_exe_key *k, __u32 bit)
 		__sync_fetch_and_or(&e->flags, bit);
 }
 
-/* Stamps the socket with the executable of the task calling connect() or
- * listen(), and asks for its classification. */
+/* Stamps the socket with the executable of the task calling connect(), and
+ * asks for its classification. */
 static __always_inline void stamp_owner(struct bpf_sock_ops *skops)
 {
 	struct bpf_sock *sk = skops->sk;
@@ -734,6 +742,24 @@ static __always_inline void service_of(struct bpf_sock_ops *skops, struct mw_ser
 	svc->family = skops->family;
 }
 
+/* Another listen() on a service (tgid), or the reads of one of its ends
+ * (tgid 0): the same program keeps the entry (a listener's process
+ * replaces a reader's), another marks it mixed, for good. */
+static __always_inline void service_heard(struct mw_service *had, const struct mw_exe_key *exe, __u32 tgid)
+{
+	if (had->flags & MW_SVC_MIXED)
+		return;
+	if (had->exe.dev != exe->dev || had->exe.ino != exe->ino) {
+		__sync_fetch_and_or(&had->flags, MW_SVC_MIXED);
+		return;
+	}
+	if (tgid) {
+		had->tgid = tgid;
+		if (had->flags & MW_SVC_LEARNED)
+			__sync_fetch_and_and(&had->flags, ~MW_SVC_LEARNED);
+	}
+}
+
 /* listen(): the listener's program goes to mw_services, where its
  * accepted ends find it at their handshake (decide_end, which copies it
  * into a covered end's element) and connect() its hint (listener_hint).
@@ -743,9 +769,8 @@ static __always_inline void service_of(struct bpf_sock_ops *skops, struct mw_ser
  * whether its connection is covered or not (a port no rule names, a
  * connection its rule leaves out as short). The key has no address:
  * another program listening on the port (another address, a SO_REUSEPORT
- * group, or a new binary after a restart) takes the entry back, and its
- * ends are learned from their reads, as for a listener that predates
- * meshwarp: a wrong program is never guessed. */
+ * group, or a new binary after a restart) marks it mixed, and no end of
+ * it is accelerated (MW_SVC_MIXED): a wrong program is never guessed. */
 static __always_inline void stamp_listener(struct bpf_sock_ops *skops)
 {
 	struct mw_service_key svc = {};
@@ -756,17 +781,15 @@ static __always_inline void stamp_listener(struct bpf_sock_ops *skops)
 		return;
 	v.tgid = bpf_get_current_pid_tgid() >> 32;
 	service_of(skops, &svc);
-	had = bpf_map_lookup_elem(&mw_services, &svc);
-	if (had && (had->exe.dev != v.exe.dev || had->exe.ino != v.exe.ino)) {
-		bpf_map_delete_elem(&mw_services, &svc);
-		return;
-	}
-	if (had)
-		had->tgid = v.tgid;
-	else
-		bpf_map_update_elem(&mw_services, &svc, &v, BPF_NOEXIST);
 	if (!bpf_map_lookup_elem(&mw_exe_class, &v.exe))
 		request_classify(&v.exe, v.tgid);
+	had = bpf_map_lookup_elem(&mw_services, &svc);
+	/* Two listen()s at once: the one that lost the insert compares. */
+	if (!had && !bpf_map_update_elem(&mw_services, &svc, &v, BPF_NOEXIST))
+		return;
+	had = had ?: bpf_map_lookup_elem(&mw_services, &svc);
+	if (had)
+		service_heard(had, &v.exe, v.tgid);
 }
 
 /* Clears a socket's element down to its owner (no MW_SOCK_END). */
@@ -778,18 +801,13 @@ static __always_inline void state_clear(struct mw_sock_state *st)
 	st->own = own;
 }
 
-/* listen() on a socket that was a covered connection's end (connect()
- * with AF_UNSPEC disconnects a socket, which may then listen): its
- * accepted sockets would clone that end's state. Only its owner stays. */
+/* listen(): listeners carry no element (their program is kept by their
+ * service), so one made before (setsockopt marks, a connect() of the
+ * socket before connect(AF_UNSPEC) disconnected it) goes. */
 static __always_inline void forget_end(struct bpf_sock *sk)
 {
-	struct mw_sock_state *st;
-
-	if (!sk)
-		return;
-	st = bpf_sk_storage_get(&mw_sk_state, sk, 0, 0);
-	if (st && (st->flags & MW_SOCK_END))
-		state_clear(st);
+	if (sk)
+		bpf_sk_storage_delete(&mw_sk_state, sk);
 }
 
 /* Whether a reader of executable class `cls` (flags seen `sflags`) may
@@ -856,10 +874,9 @@ static __always_inline void decide_end(struct bpf_sock_ops *skops, struct tcp_so
 	d->nosend = 0;
 	d->zc_none = false;
 	d->chain = !no_msg_chain();
-	/* st's element: made at connect() or at the handshake, or cloned
-	 * from the listener at accept. */
+	/* st's element: made at connect() or at the handshake. */
 	o = &st->own;
-	/* Set before connect(), inherited from its listener, or set while
+	/* Set before connect() or accept() (the listener's), or set while
 	 * connect() was in progress (MW_OWN_ZEROCOPY). */
 	if ((s->__sk_common.skc_flags & (1UL << SOCK_ZEROCOPY)) || (active && (o->flags & MW_OWN_ZEROCOPY)))
 		d->nosend = MW_EXE_SEEN_ZEROCOPY;
@@ -890,15 +907,21 @@ static __always_inline void decide_end(struct bpf_sock_ops *skops, struct tcp_so
 		 * from now on (the connection list names it). */
 		service_of(skops, &svc);
 		learned = bpf_map_lookup_elem(&mw_services, &svc);
-		if (!learned) {
-			st->learn = MW_LEARN | svc.port;
+		if (!learned || (learned->flags & MW_SVC_MIXED)) {
+			if (!learned)
+				st->learn = MW_LEARN | svc.port;
 			d->reader = true;
 			return;
 		}
 		d->exe = learned->exe;
-		o->exe = learned->exe;
-		o->tgid = learned->tgid;
-		o->flags |= MW_OWN_KNOWN;
+		/* A listener's program and process: this end's owner (the
+		 * connection list names it). One learned from reads names no
+		 * process: its reads will. */
+		if (!(learned->flags & MW_SVC_LEARNED)) {
+			o->exe = learned->exe;
+			o->tgid = learned->tgid;
+			o->flags |= MW_OWN_KNOWN;
+		}
 	} else {
 		d->reader = true;
 		return;
@@ -1470,7 +1493,7 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 	 * would not be accelerated anyway), else it is decided now. A probe
 	 * was stamped. */
 	if ((!st || !(st->own.flags & MW_OWN_KNOWN)) &&
-	    ((cfg & MW_CFG_GUARD) ? !(rule->flags & (MW_RULE_MODE_ALWAYS | MW_RULE_MODE_NEVER)) : short_skip(rule))) {
+	    ((cfg & MW_CFG_GUARD) ? !(rule->flags & (MW_RULE_MODE_ALWAYS | MW_RULE_MODE_NEVER)) : short_skip(rule, true))) {
 		/* A reused socket's state of an earlier connection must not
 		 * stay on a connection left out. */
 		if (st && (st->flags & MW_SOCK_END))
@@ -2048,6 +2071,7 @@ static __always_inline void run_conn_chain(struct bpf_sock_ops *skops, const str
 static __always_inline void on_connect(struct bpf_sock_ops *skops)
 {
 	struct bpf_sock *sk = skops->sk;
+	struct tcp_sock *tp;
 	__u32 kind, cfg = config_flags();
 	struct mw_rule *rule;
 	struct tuple t;
@@ -2058,8 +2082,12 @@ static __always_inline void on_connect(struct bpf_sock_ops *skops)
 	if (!rule)
 		return;
 	/* Left on TCP: no stamp, which its handshake sees (a reused socket's
-	 * stamp of an earlier connect() is taken back). */
-	if ((cfg & MW_CFG_GUARD) && short_skip(rule)) {
+	 * stamp of an earlier connect() is taken back). Not a probe if its SYN
+	 * carries data (Fast Open): its server end, made at the SYN, makes no
+	 * state while the rule's connections are short, so it could not be
+	 * claimed (the run ends by itself, MW_SHORT_FOR). */
+	tp = sk ? bpf_skc_to_tcp_sock(sk) : NULL;
+	if ((cfg & MW_CFG_GUARD) && short_skip(rule, !(tp && tp->fastopen_req))) {
 		struct mw_sock_state *st = sk ? bpf_sk_storage_get(&mw_sk_state, sk, 0, 0) : NULL;
 
 		if (st)
@@ -2641,12 +2669,19 @@ int BPF_PROG(mw_recv_len, struct sock *sk, int ret, int flags)
 	if (!bpf_map_lookup_elem(&mw_exe_class, &exe))
 		request_classify(&exe, tgid);
 	if (st->learn) {
-		struct mw_service v = { .exe = exe, .tgid = tgid };
+		struct mw_service v = { .exe = exe, .flags = MW_SVC_LEARNED };
+		struct mw_service *had;
 
 		svc.netns = sk->__sk_common.skc_net.net->net_cookie;
 		svc.port = st->learn & 0xffff;
 		svc.family = sk->__sk_common.skc_family;
-		bpf_map_update_elem(&mw_services, &svc, &v, BPF_ANY);
+		/* Never over another's: a program differing from the entry's
+		 * marks it mixed. */
+		if (bpf_map_update_elem(&mw_services, &svc, &v, BPF_NOEXIST)) {
+			had = bpf_map_lookup_elem(&mw_services, &svc);
+			if (had)
+				service_heard(had, &exe, 0);
+		}
 		st->learn = 0;
 	}
 	return 0;
@@ -2927,7 +2962,7 @@ static __always_inline void listener_hint(struct bpf_sock_addr *ctx, struct bpf_
 		svc.port = lsk->src_port;
 		svc.family = lsk->family;
 		listens = bpf_map_lookup_elem(&mw_services, &svc);
-		if (!listens)
+		if (!listens || (listens->flags & MW_SVC_MIXED))
 			return;
 		exe = &listens->exe;
 		cls = bpf_map_lookup_elem(&mw_exe_class, exe);
@@ -3655,6 +3690,16 @@ static __always_inline void conn_write(struct seq_file *seq, struct sock *sk, st
 	if (own->flags & MW_OWN_KNOWN) {
 		c.owner_tgid = own->tgid;
 		c.exe = own->exe;
+	} else if (end == MW_END_SERVER) {
+		/* A server end that decided nothing (mode never, a Fast Open
+		 * end whose client never linked): its listener's program. */
+		struct mw_service_key svc = { .netns = c.netns, .port = c.local_port, .family = c.family };
+		struct mw_service *listens = bpf_map_lookup_elem(&mw_services, &svc);
+
+		if (listens && !(listens->flags & (MW_SVC_MIXED | MW_SVC_LEARNED))) {
+			c.owner_tgid = listens->tgid;
+			c.exe = listens->exe;
+		}
 	}
 	if (st->link && st->slot != MW_NO_SLOT) {
 		link = link_at(st->slot, st->link);
