@@ -287,6 +287,16 @@ impl<K: Pod, V: Pod> TypedMap<K, V> {
 }
 
 impl KernelMaps {
+    /// A rule written anew (created, or its mode or target changed) starts
+    /// judging its connections' length afresh: a run of short ones seen
+    /// under its old value says nothing of the new. Best effort: a failure
+    /// only keeps the old run, which ends by itself within a second.
+    fn forget_short(&mut self, id: u32) {
+        if let Err(e) = self.short.put(&id, &Short::default()) {
+            tracing::warn!(id, "resetting the rule's short-connection run (kept): {e}");
+        }
+    }
+
     /// Opens the maps pinned in `maps_dir`.
     pub fn open(maps_dir: &Path) -> Result<Self, MapError> {
         Ok(Self {
@@ -431,6 +441,7 @@ impl RuleMaps for KernelMaps {
     }
 
     fn put_pair(&mut self, key: &PairKey, rule: &Rule) -> Result<(), MapError> {
+        self.forget_short(rule.id);
         let Some(ports) = self.ports.as_mut() else { return self.pairs.put(key, rule) };
         // An update of an existing key names the same port.
         let new = self.pairs.get(key)?.is_none();
@@ -455,6 +466,7 @@ impl RuleMaps for KernelMaps {
     }
 
     fn put_capture(&mut self, key: &CaptureKey, rule: &Rule) -> Result<(), MapError> {
+        self.forget_short(rule.id);
         let Some(ports) = self.ports.as_mut() else { return self.capture.put(key, rule) };
         // An update may change the listener: the new ports are counted
         // first, the old ones forgotten once it is written.

@@ -922,6 +922,20 @@ fn short_connections_stay_on_tcp(guard: meshwarp_core::GuardMode) -> Result<()> 
     let between = u64::from(meshwarp_bpf::shared::SHORT_PROBE) - 1;
     ensure!(st.fallback_short == between, "the connections between the probes stayed on TCP: {st:?}");
     short(Some(true)).context("the connection after a long probe")?;
+    // In a run of short ones again, an update of the rule starts afresh
+    // (mode always and back: its next connection is covered).
+    let mut again = false;
+    for _ in 0..40 {
+        if !short(None)? {
+            again = true;
+            break;
+        }
+        thread::sleep(Duration::from_millis(5));
+    }
+    ensure!(again, "short connections left out again: {:?}", k.dp().stats(&pair)?);
+    k.dp().upsert(&pair.with_mode(FastPathMode::Always), "test")?;
+    k.dp().upsert(&pair, "test")?;
+    short(Some(true)).context("the connection after the rule's update")?;
 
     let to = SocketAddr::new(net.pods[1].addr(false), 8206);
     let l2 = net.pods[1].ns.listen(to)?;
