@@ -763,11 +763,12 @@ static __always_inline void service_heard(struct mw_service *had, const struct m
 /* listen(): the listener's program goes to mw_services, where its
  * accepted ends find it at their handshake (decide_end, which copies it
  * into a covered end's element) and connect() its hint (listener_hint).
- * A listener is not stamped with an element: mw_sk_state is BPF_F_CLONE,
- * so every socket it accepts would clone it, an allocation, a memcg charge
- * and an RCU free (3-4% of a short connection's time, benches/README.md),
- * whether its connection is covered or not (a port no rule names, a
- * connection its rule leaves out as short). The key has no address:
+ * A listener carries no element (listen() deletes one, forget_end), and
+ * mw_sk_state is not BPF_F_CLONE: every socket a stamped listener accepted
+ * cloned its element, an allocation, a memcg charge and an RCU free (3-4%
+ * of a short connection's time, benches/README.md), whether its
+ * connection was covered or not (a port no rule names, a connection its
+ * rule leaves out as short). The key has no address:
  * another program listening on the port (another address, a SO_REUSEPORT
  * group, or a new binary after a restart) marks it mixed, and no end of
  * it is accelerated (MW_SVC_MIXED): a wrong program is never guessed. */
@@ -3107,8 +3108,8 @@ static __always_inline void remember_opt(struct bpf_sock *sk, bool covered, stru
 	struct mw_exe_key exe;
 
 	/* Not made for a listener: the marks serve a client end's decision
-	 * (an accepted socket has the kernel's flags), and its accepted
-	 * sockets would all clone the element. */
+	 * (an accepted socket has the kernel's flags), and listeners carry no
+	 * element. */
 	st = bpf_sk_storage_get(&mw_sk_state, sk, 0,
 				on && sk->state != BPF_TCP_LISTEN ? BPF_SK_STORAGE_GET_F_CREATE : 0);
 	o = st ? &st->own : NULL;
