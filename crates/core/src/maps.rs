@@ -163,8 +163,8 @@ pub struct KernelMaps {
     capture: TypedMap<CaptureKey, Rule>,
     stats: PerCpu<u32, RuleStats>,
     global: PerCpu<u32, GlobalStats>,
-    /// Whether each rule's connections are short: a slot given to a new
-    /// rule starts with none seen.
+    /// Whether each rule's connections are short: reset with every write
+    /// of a rule (`forget_short`), its creation included.
     short: TypedMap<u32, Short>,
     owners: TypedMap<u32, OwnerName>,
     /// The latency monitor's switch and histograms, per rule id: a slot given
@@ -418,7 +418,6 @@ impl SlotMaps for KernelMaps {
 
     fn reset_slot(&mut self, id: u32) -> Result<(), MapError> {
         self.stats.zero(&id)?;
-        self.short.put(&id, &Short::default())?;
         self.lat.forget(id)
     }
 

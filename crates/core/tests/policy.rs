@@ -866,7 +866,7 @@ fn short_connections_stay_on_tcp(guard: meshwarp_core::GuardMode) -> Result<()> 
     let (net, l, pair) = pods_pair(&k, 8205, FastPathMode::Adaptive)?;
     // A connection left out costs its sockets no socket storage element.
     let state: meshwarp_core::maps::TypedMap<i32, meshwarp_bpf::shared::SockState> =
-        meshwarp_core::maps::TypedMap::pinned(&k.dp().pin_dir().join("maps"), meshwarp_bpf::names::MAP_SK_STATE)?;
+        k.map(meshwarp_bpf::names::MAP_SK_STATE)?;
     let mut seed = 100;
     let mut short = |want_covered: Option<bool>| -> Result<bool> {
         use std::os::fd::AsRawFd;

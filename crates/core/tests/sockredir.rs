@@ -755,7 +755,7 @@ fn a_fast_open_connection_closed_before_its_join_takes_the_request_back() -> Res
     let k = kernel_test!(1024);
     let (net, listener, _pair, to) = fast_open_pods(&k)?;
     let joins: meshwarp_core::maps::TypedMap<u64, meshwarp_bpf::shared::Join> =
-        meshwarp_core::maps::TypedMap::pinned(&k.dp().pin_dir().join("maps"), meshwarp_bpf::names::MAP_JOINS)?;
+        k.map(meshwarp_bpf::names::MAP_JOINS)?;
     // The first connection fetches the cookie (its SYN carries none).
     drop((fast_open(&net, to, b"cookie")?, accept_timeout(&listener, T)?));
     let (conns, mut asked) = (20, 0);
@@ -796,7 +796,7 @@ fn a_fast_open_connection_left_out_as_short_has_no_element() -> Result<()> {
     let k = kernel_test!(1024);
     let (net, listener, pair, to) = fast_open_pods_in(&k, FastPathMode::Adaptive)?;
     let state: meshwarp_core::maps::TypedMap<i32, meshwarp_bpf::shared::SockState> =
-        meshwarp_core::maps::TypedMap::pinned(&k.dp().pin_dir().join("maps"), meshwarp_bpf::names::MAP_SK_STATE)?;
+        k.map(meshwarp_bpf::names::MAP_SK_STATE)?;
     drop((fast_open(&net, to, b"cookie")?, accept_timeout(&listener, T)?));
     let one = || -> Result<(bool, Option<meshwarp_bpf::shared::SockState>)> {
         let mut c = fast_open(&net, to, b"request")?;
@@ -860,7 +860,7 @@ fn owner_and_state_are_one_element_per_socket() -> Result<()> {
     // accepts would clone it (its program is kept by its service).
     use std::os::fd::AsRawFd;
     let state: meshwarp_core::maps::TypedMap<i32, meshwarp_bpf::shared::SockState> =
-        meshwarp_core::maps::TypedMap::pinned(&k.dp().pin_dir().join("maps"), meshwarp_bpf::names::MAP_SK_STATE)?;
+        k.map(meshwarp_bpf::names::MAP_SK_STATE)?;
     ensure!(state.get(&listener.as_raw_fd())?.is_none(), "the listener of a covered port has no element");
     Ok(())
 }
@@ -876,7 +876,7 @@ fn a_listener_of_an_uncovered_port_gives_its_sockets_no_element() -> Result<()> 
     let k = kernel_test!(1024);
     ensure!(k.dp().guard_enabled(), "the reader guard is on: it records listeners");
     let state: meshwarp_core::maps::TypedMap<i32, meshwarp_bpf::shared::SockState> =
-        meshwarp_core::maps::TypedMap::pinned(&k.dp().pin_dir().join("maps"), meshwarp_bpf::names::MAP_SK_STATE)?;
+        k.map(meshwarp_bpf::names::MAP_SK_STATE)?;
     let (net, listener) = two_pods(false)?;
     let (c0, s0) = connect_pods(&net, &listener, false)?;
     exchange(c0.try_clone()?, s0.try_clone()?, 61, 4096, T)?;
@@ -908,7 +908,7 @@ fn another_program_on_the_port_marks_the_service_mixed() -> Result<()> {
         return Ok(());
     }
     let services: meshwarp_core::maps::TypedMap<meshwarp_bpf::shared::ServiceKey, meshwarp_bpf::shared::Service> =
-        meshwarp_core::maps::TypedMap::pinned(&k.dp().pin_dir().join("maps"), meshwarp_bpf::names::MAP_SERVICES)?;
+        k.map(meshwarp_bpf::names::MAP_SERVICES)?;
     let (net, listener) = two_pods(false)?;
     let key = meshwarp_bpf::shared::ServiceKey {
         netns: meshwarp_core::sys::netns_cookie_of(&listener.as_raw_fd())?,

@@ -1769,6 +1769,15 @@ impl KernelTest {
     pub fn dp(&self) -> &Dataplane {
         self.dp.as_ref().unwrap_or_else(|| unreachable!("data path is present until drop"))
     }
+
+    /// The data path's map `name` (`meshwarp_bpf::names`), as its pins
+    /// hold it: for tests that look at what the programs wrote.
+    pub fn map<K: meshwarp_bpf::shared::Pod, V: meshwarp_bpf::shared::Pod>(
+        &self,
+        name: &'static str,
+    ) -> std::result::Result<meshwarp_core::maps::TypedMap<K, V>, meshwarp_core::maps::MapError> {
+        meshwarp_core::maps::TypedMap::pinned(&self.dp().pin_dir().join("maps"), name)
+    }
 }
 
 impl Drop for KernelTest {

@@ -441,21 +441,32 @@ static __always_inline bool port_maybe_covered(__u32 port)
 
 /* ---- short connections (struct mw_short) ---- */
 
+/* Neither mode always nor mode never: the policy decides. */
+static __always_inline bool rule_adaptive(const struct mw_rule *rule)
+{
+	return !(rule->flags & (MW_RULE_MODE_ALWAYS | MW_RULE_MODE_NEVER));
+}
+
+/* Whether a run's last short connection closed MW_SHORT_FOR before `now`
+ * (`last` may be a moment ahead, written on another CPU). */
+static __always_inline bool run_over(const struct mw_short *s, __u64 now)
+{
+	return now > s->last && now - s->last > MW_SHORT_FOR;
+}
+
 /* An adaptive rule's element while its connections are judged short: a
  * run of MW_SHORT_AFTER or more, the last of them closed within
  * MW_SHORT_FOR (an older run is over: its score starts again). */
 static __always_inline struct mw_short *rule_short(const struct mw_rule *rule)
 {
 	struct mw_short *s;
-	__u64 now;
 
-	if (rule->flags & (MW_RULE_MODE_ALWAYS | MW_RULE_MODE_NEVER))
+	if (!rule_adaptive(rule))
 		return NULL;
 	s = bpf_map_lookup_elem(&mw_short, &rule->id);
 	if (!s || s->score < MW_SHORT_AFTER)
 		return NULL;
-	now = bpf_ktime_get_ns();
-	if (now > s->last && now - s->last > MW_SHORT_FOR) {
+	if (run_over(s, bpf_ktime_get_ns())) {
 		s->score = 0;
 		return NULL;
 	}
@@ -519,7 +530,7 @@ static __always_inline void conn_short(const struct mw_link *link)
 	/* A run is of short connections closing within MW_SHORT_FOR of
 	 * each other. */
 	now = bpf_ktime_get_ns();
-	if (now > s->last && now - s->last > MW_SHORT_FOR)
+	if (run_over(s, now))
 		s->score = 0;
 	s->last = now;
 	if (s->score < MW_SHORT_MAX)
@@ -763,7 +774,7 @@ static __always_inline void service_heard(struct mw_service *had, const struct m
 /* listen(): the listener's program goes to mw_services, where its
  * accepted ends find it at their handshake (decide_end, which copies it
  * into a covered end's element) and connect() its hint (listener_hint).
- * A listener carries no element (listen() deletes one, forget_end), and
+ * A listener carries no element (listen() deletes one, drop_sock_state), and
  * mw_sk_state is not BPF_F_CLONE: every socket a stamped listener accepted
  * cloned its element, an allocation, a memcg charge and an RCU free (3-4%
  * of a short connection's time, benches/README.md), whether its
@@ -805,7 +816,7 @@ static __always_inline void state_clear(struct mw_sock_state *st)
 /* listen(): listeners carry no element (their program is kept by their
  * service), so one made before (setsockopt marks, a connect() of the
  * socket before connect(AF_UNSPEC) disconnected it) goes. */
-static __always_inline void forget_end(struct bpf_sock *sk)
+static __always_inline void drop_sock_state(struct bpf_sock *sk)
 {
 	if (sk)
 		bpf_sk_storage_delete(&mw_sk_state, sk);
@@ -1494,7 +1505,7 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 	 * would not be accelerated anyway), else it is decided now. A probe
 	 * was stamped. */
 	if ((!st || !(st->own.flags & MW_OWN_KNOWN)) &&
-	    ((cfg & MW_CFG_GUARD) ? !(rule->flags & (MW_RULE_MODE_ALWAYS | MW_RULE_MODE_NEVER)) : short_skip(rule, true))) {
+	    ((cfg & MW_CFG_GUARD) ? rule_adaptive(rule) : short_skip(rule, true))) {
 		/* A reused socket's state of an earlier connection must not
 		 * stay on a connection left out. */
 		if (st && (st->flags & MW_SOCK_END))
@@ -2126,7 +2137,7 @@ int mw_sockops(struct bpf_sock_ops *skops)
 		return 1;
 	}
 	if (op == BPF_SOCK_OPS_TCP_LISTEN_CB) {
-		forget_end(skops->sk);
+		drop_sock_state(skops->sk);
 		if (config_flags() & MW_CFG_GUARD)
 			stamp_listener(skops);
 		return 1;
