@@ -17,7 +17,7 @@ pub struct Build {
 pub const BUILD_LEN: usize = 16;
 
 /// `MW_SCHEMA_VERSION`: bumped whenever a pinned map's key or value changes.
-pub const SCHEMA_VERSION: u32 = 25;
+pub const SCHEMA_VERSION: u32 = 26;
 
 pub const AF_INET: u32 = 2;
 pub const AF_INET6: u32 = 10;
@@ -294,6 +294,8 @@ pub struct Dir {
     pub tcp_read: u32,
     pub redir: u32,
     pub psock_read: u32,
+    /// The CPU the peer's reader last read on, plus one (0: none yet).
+    pub rd_cpu: u32,
 }
 
 /// `struct mw_park_req`: one request to the mw_park iterator.
@@ -1027,7 +1029,7 @@ mod tests {
             ]
         );
         same_layout!(CookieVal, types::mw_cookie_val, [link, end, rule_id, slot, pad]);
-        same_layout!(Dir, types::mw_dir, [flags, run, run_bytes, tcp_read, redir, psock_read]);
+        same_layout!(Dir, types::mw_dir, [flags, run, run_bytes, tcp_read, redir, psock_read, rd_cpu]);
         same_layout!(ParkReq, types::mw_park_req, [op, result]);
         assert_eq!(offset_of!(UnlinkCtx, cb), offset_of!(types::__sk_buff, cb));
         assert_eq!(size_of::<[u32; 5]>(), size_of_val(&types::__sk_buff::default().cb));
@@ -1154,8 +1156,8 @@ mod tests {
         assert_eq!(size_of::<PairKey>(), 16 + 16 + 4 + 4);
         assert_eq!(size_of::<CaptureKey>(), 16 + 16 + 4 + 4);
         assert_eq!(size_of::<Rule>(), 4 + 4 + 16 + 8);
-        assert_eq!(size_of::<Link>(), 8 + 32 + 16 + 8 + 16 + 16 + 32 + 16 + 48 + 8 + 8);
-        assert_eq!(size_of::<Dir>(), 24);
+        assert_eq!(size_of::<Link>(), 8 + 32 + 16 + 8 + 16 + 16 + 32 + 16 + 56 + 8 + 8);
+        assert_eq!(size_of::<Dir>(), 28);
         assert_eq!(size_of::<ParkReq>(), 8);
         assert_eq!(size_of::<SockState>(), 8 + 16 + 32 + 32 + 16 + 24);
         assert_eq!(size_of::<LatKey>(), 16);

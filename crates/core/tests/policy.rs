@@ -446,6 +446,10 @@ fn a_large_write_stream_moves_to_tcp_once_tcp_would_have_stopped_it() -> Result<
     net.pods[0].ns.exec(&["sysctl", "-qw", "net.ipv4.tcp_wmem=4096 16384 1048576"])?;
     let (c, s) = connections(&net, &l, 8210, 1)?.remove(0);
     c.set_nodelay(true)?;
+    // Reader and writer on one CPU: a reader on another CPU with bytes
+    // unread would send the writes around it instead (see
+    // a_large_write_stream_goes_around_a_reader_on_another_cpu).
+    meshwarp_testbed::pin_thread(0)?;
     let (mut up_w, mut up_r) = (Stream::new(49), Stream::new(49));
     for _ in 0..80 {
         up_w.write(&c, CHUNK, CHUNK)?;
@@ -482,6 +486,8 @@ fn fixed_socket_buffers_bound_the_redirected_backlog() -> Result<()> {
     let ahead_max =
         (socket2::SockRef::from(&s).recv_buffer_size()? + socket2::SockRef::from(&c).send_buffer_size()?) as u64;
     ensure!(ahead_max == 768 << 10, "the kernel doubles what is asked: {ahead_max}");
+    // One CPU, as in a_large_write_stream_moves_to_tcp_once_tcp_would_have_stopped_it.
+    meshwarp_testbed::pin_thread(0)?;
     let (mut up_w, mut up_r) = (Stream::new(53), Stream::new(53));
     for _ in 0..40 {
         up_w.write(&c, CHUNK, CHUNK)?;
@@ -494,6 +500,102 @@ fn fixed_socket_buffers_bound_the_redirected_backlog() -> Result<()> {
     );
     let lockstep = st.redirected_bytes;
     writes_ahead_until_demoted(&k, &pair, (&c, &mut up_w), (&s, &mut up_r), CHUNK, lockstep, ahead_max)
+}
+
+/// Large writes (16 KiB, nodelay) into a reader that runs on another CPU
+/// and has redirected bytes still to read: a redirect would wait for the
+/// reader's socket lock while it copies them out, where TCP lets both copy
+/// at once. So past the run's first 8 messages such a message takes TCP
+/// (`fallback_reader_busy`), the next ones follow it until the reader read
+/// every TCP byte (`fallback_tcp_path`), and the stream is redirected
+/// again once it did. A reader on the writer's CPU cannot copy while the
+/// writer runs: there every message is redirected. Every byte checked, in
+/// order (the psock's queue is read before TCP's).
+#[test]
+fn a_large_write_stream_goes_around_a_reader_on_another_cpu() -> Result<()> {
+    const W: usize = 16 << 10;
+    if meshwarp_testbed::usable_cpus() < 2 {
+        return meshwarp_testbed::missing_feature::<()>("two CPUs (a reader on another CPU than its writer)")
+            .map_or(Ok(()), Ok);
+    }
+    let k = kernel_test!();
+    let (net, l, pair) = pods_pair(&k, 8217, FastPathMode::Adaptive)?;
+    meshwarp_testbed::pin_thread(0)?;
+    let mut conns = connections(&net, &l, 8217, 2)?;
+    let counters = |what: &str, redirected: u64, around: u64, tcp_path: u64| -> Result<()> {
+        let st = k.dp().stats(&pair)?;
+        ensure!(
+            st.redirected_msgs == redirected && st.fallback_reader_busy == around && st.fallback_tcp_path == tcp_path,
+            "{what}: {st:?}"
+        );
+        Ok(())
+    };
+
+    // The reader on CPU 1 (one thread: a reader of several threads
+    // publishes no psock reads, and its bytes always look unread).
+    let (c, s) = conns.remove(0);
+    c.set_nodelay(true)?;
+    let mut up_w = Stream::new(61);
+    pinned_reader(1, &s, Stream::new(61), |read| -> Result<()> {
+        // Its first read tells where it runs.
+        up_w.write(&c, W, W)?;
+        read(W)?;
+        // Messages 2..=8 are redirected whatever the reader does (a run's
+        // first messages); the 9th finds 7 unread on the other CPU.
+        up_w.write(&c, 8 * W, W)?;
+        counters("the 9th went around", 8, 1, 0)?;
+        up_w.write(&c, W, W)?;
+        counters("the 10th follows it on TCP", 8, 1, 1)?;
+        read(9 * W)?;
+        // All read, nothing unread: redirected again.
+        up_w.write(&c, W, W)?;
+        read(W)?;
+        counters("back on the fast path", 9, 1, 1)
+    })?;
+
+    // The reader on the writer's CPU: all redirected, unread or not.
+    let (c, s) = conns.remove(0);
+    c.set_nodelay(true)?;
+    let mut up_w = Stream::new(62);
+    pinned_reader(0, &s, Stream::new(62), |read| -> Result<()> {
+        up_w.write(&c, W, W)?;
+        read(W)?;
+        up_w.write(&c, 12 * W, W)?;
+        read(12 * W)?;
+        counters("a reader on the writer's CPU", 9 + 13, 1, 1)
+    })
+}
+
+/// Runs `body` with a reader of `s` on one thread pinned to `cpu`:
+/// `read(len)` has it read and check `len` bytes, and waits until it did.
+fn pinned_reader(
+    cpu: usize,
+    s: &TcpStream,
+    mut up_r: Stream,
+    body: impl FnOnce(&dyn Fn(usize) -> Result<()>) -> Result<()>,
+) -> Result<()> {
+    let (ask, asked) = std::sync::mpsc::channel::<usize>();
+    let (done, finished) = std::sync::mpsc::channel::<Result<()>>();
+    thread::scope(|scope| {
+        scope.spawn(move || {
+            if let Err(e) = meshwarp_testbed::pin_thread(cpu) {
+                done.send(Err(e.into())).ok();
+                return;
+            }
+            for len in asked {
+                if done.send(up_r.read(s, len)).is_err() {
+                    return;
+                }
+            }
+        });
+        let read = |len: usize| -> Result<()> {
+            ask.send(len)?;
+            finished.recv_timeout(Duration::from_secs(60))?
+        };
+        let r = body(&read);
+        drop(ask);
+        r
+    })
 }
 
 /// 16 MiB in `chunk` writes into a reader that waits: the direction moves to

@@ -750,19 +750,26 @@ impl Fnv {
 
 /// Sends `len` bytes each way over one connection at the same time (seeds
 /// `seed` client->server and `seed+1` back), checking both, within `timeout`.
+/// Its four threads share the CPU the caller runs on: the adaptive policy
+/// sends a large write around a reader copying out on another CPU
+/// (reader_concurrent, a choice of timing), and the callers count what was
+/// redirected. Tests of that choice place their threads themselves.
 pub fn exchange(client: TcpStream, server: TcpStream, seed: u64, len: usize, timeout: Duration) -> Result<()> {
     for s in [&client, &server] {
         s.set_read_timeout(Some(timeout)).map_err(io_err("set timeout"))?;
         s.set_write_timeout(Some(timeout)).map_err(io_err("set timeout"))?;
     }
+    // SAFETY: sched_getcpu has no preconditions.
+    let cpu = usize::try_from(unsafe { libc::sched_getcpu() }).unwrap_or(0);
     let (c, s) = (Arc::new(client), Arc::new(server));
     thread::scope(|scope| {
         let c1 = Arc::clone(&c);
         let s1 = Arc::clone(&s);
-        let tx_c = scope.spawn(move || send_pattern(&c1, seed, len));
-        let tx_s = scope.spawn(move || send_pattern(&s1, seed + 1, len));
-        let rx_s = scope.spawn(|| recv_pattern(&s, seed, len));
-        let rx_c = recv_pattern(&c, seed + 1, len);
+        let pin_io = move || pin_thread(cpu).map_err(|e| io::Error::other(e.to_string()));
+        let tx_c = scope.spawn(move || pin_io().and_then(|()| send_pattern(&c1, seed, len)));
+        let tx_s = scope.spawn(move || pin_io().and_then(|()| send_pattern(&s1, seed + 1, len)));
+        let rx_s = scope.spawn(|| pin_thread(cpu).and_then(|()| recv_pattern(&s, seed, len)));
+        let rx_c = scope.spawn(|| pin_thread(cpu).and_then(|()| recv_pattern(&c, seed + 1, len)));
         let join = |h: thread::ScopedJoinHandle<'_, io::Result<u64>>, what: &str| {
             h.join()
                 .unwrap_or_else(|p| std::panic::resume_unwind(p))
@@ -771,7 +778,7 @@ pub fn exchange(client: TcpStream, server: TcpStream, seed: u64, len: usize, tim
         let sent_c = join(tx_c, "client send")?;
         let sent_s = join(tx_s, "server send")?;
         let got_s = rx_s.join().unwrap_or_else(|p| std::panic::resume_unwind(p))?;
-        let got_c = rx_c?;
+        let got_c = rx_c.join().unwrap_or_else(|p| std::panic::resume_unwind(p))?;
         if sent_c != got_s || sent_s != got_c {
             return Err(TestbedError::Integrity(format!("stream {seed}: checksums differ")));
         }
@@ -1834,4 +1841,19 @@ pub fn missing_feature<T>(what: &str) -> Option<T> {
     }
     eprintln!("\n!!! SKIPPING kernel test: missing feature: {what} (set CI=true to make this a failure)\n");
     None
+}
+
+/// Pins the calling thread to `cpu`. The policy judges a large-write
+/// stream by where its reader reads (`mw_dir.rd_cpu`): a test that needs a
+/// reader on the writer's CPU, or on another one, places its threads.
+pub fn pin_thread(cpu: usize) -> Result<()> {
+    let mut set = nix::sched::CpuSet::new();
+    set.set(cpu).map_err(|e| TestbedError::Io { what: format!("CPU {cpu}"), source: e.into() })?;
+    nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set)
+        .map_err(|e| TestbedError::Io { what: format!("pinning a thread to CPU {cpu}"), source: e.into() })
+}
+
+/// The CPUs this process may run on (at least 1).
+pub fn usable_cpus() -> usize {
+    std::thread::available_parallelism().map_or(1, usize::from)
 }

@@ -12,7 +12,7 @@
 #ifndef MESHWARP_SHARED_H
 #define MESHWARP_SHARED_H
 
-#define MW_SCHEMA_VERSION 25
+#define MW_SCHEMA_VERSION 26
 
 #define MW_AF_INET 2
 #define MW_AF_INET6 10
@@ -176,6 +176,10 @@ struct mw_dir {
 	 * behind this direction's fast path (a stale value only overstates
 	 * it). Not published by a reader of several threads (MW_DIR_RD_SHARED). */
 	__u32 psock_read;
+	/* The CPU the peer's reader last read on, plus one (0: no read yet): a
+	 * reader on another CPU than the sender copies out while it sends
+	 * (reader_concurrent). A hint: a stale one only moves one message. */
+	__u32 rd_cpu;
 };
 
 /* mw_dir.flags */
@@ -208,8 +212,11 @@ struct mw_dir {
  * them beats TCP (benches/README.md); sk_msg sees a large write in chunks
  * (as send buffer space allows), so the bars sit well below the chunk size.
  * They move only if their reader falls as far behind as TCP's buffers could
- * hold (tcp_ahead_max), or, with Nagle, a message at a time while the reader
- * is busy copying (reader_busy). */
+ * hold (tcp_ahead_max); and a message at a time (goes_around) when writes
+ * averaging MW_POLICY_SMALL or more find their reader copying out on
+ * another CPU (reader_concurrent: TCP lets both copy at once, a redirect
+ * waits for the reader's lock), or small Nagle writes find it busy
+ * (reader_busy). */
 #define MW_POLICY_RUN 8
 #define MW_POLICY_SMALL 4096
 /* Writes under MW_POLICY_BATCH bytes (on average over the run's first

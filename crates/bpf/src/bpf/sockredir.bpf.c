@@ -2239,6 +2239,32 @@ static __always_inline bool reader_busy(struct mw_link *link, __u32 peer)
 	return sk && sk->sk_lock.owned;
 }
 
+/*
+ * Whether a stream of large writes (Nagle or not) should go around its
+ * reader for this message: the reader holds its lock (reader_busy), or it runs on
+ * another CPU than this sender and has redirected bytes still to read, so
+ * it is copying them out or about to (woken by the last redirect). A
+ * redirect then sleeps on that lock in bpf_tcp_ingress, and the wake-up
+ * after it costs more than the redirect saves: TCP lets a sender and a
+ * reader on two CPUs copy at once (the sender's segments wait in the
+ * socket's backlog meanwhile). A reader on the sender's CPU (rd_cpu) cannot
+ * copy while the sender runs: there the redirect keeps its gain. A reader
+ * of several threads publishes no psock reads: its bytes look unread, so
+ * it counts as busy (TCP is always safe).
+ */
+static __always_inline bool reader_concurrent(struct mw_link *link, __u32 end)
+{
+	const struct mw_dir *d = &link->dir[end & 1];
+	__u32 cpu = d->rd_cpu, unread = d->redir - d->psock_read;
+
+	/* Read before the untrusted cast: clang would otherwise merge these
+	 * loads with the cast's, which the verifier refuses. */
+	barrier_var(unread);
+	if (reader_busy(link, end ^ 1))
+		return true;
+	return cpu && unread && cpu != bpf_get_smp_processor_id() + 1;
+}
+
 /* sk_userlocks: a buffer size the program fixed (include/net/sock.h). */
 #define MW_SOCK_SNDBUF_LOCK 1
 #define MW_SOCK_RCVBUF_LOCK 2
@@ -2269,6 +2295,23 @@ static __always_inline __u32 tcp_ahead_max(struct tcp_sock *tp, struct mw_link *
 	if (!rmem || !wmem || rmem + wmem > ~0u)
 		return ~0u;
 	return rmem + wmem;
+}
+
+/* A stream that takes TCP for this message rather than wait for its
+ * reader's lock: one of large writes (past MW_POLICY_RUN, averaging
+ * MW_POLICY_SMALL or more) into a reader on another CPU
+ * (reader_concurrent), or one TCP would coalesce (past MW_POLICY_COALESCE,
+ * writes under a segment) into a reader busy copying out (reader_busy). */
+static __always_inline bool goes_around(struct mw_link *link, __u32 end, struct tcp_sock *tp)
+{
+	const struct mw_dir *d = &link->dir[end & 1];
+
+	if (d->run <= MW_POLICY_RUN)
+		return false;
+	if (d->run_bytes >= MW_POLICY_RUN * MW_POLICY_SMALL)
+		return reader_concurrent(link, end);
+	return coalescing(tp) && d->run > MW_POLICY_COALESCE && d->run_bytes < MW_POLICY_RUN * tp->mss_cache &&
+	       reader_busy(link, end ^ 1);
 }
 
 /* A run TCP would gather into fewer, larger segments than its writes:
@@ -2428,14 +2471,10 @@ static __always_inline int finish_msg(struct sk_msg_md *msg, struct bpf_sock *sk
 			rs->fb_tcp_path++;
 		return SK_PASS;
 	}
-	/* A stream (past MW_POLICY_COALESCE, so of writes averaging at least
-	 * MW_POLICY_BATCH or into a reader that was behind) that TCP would
-	 * coalesce (Nagle or cork, under one segment), into a reader busy
-	 * copying out: TCP for this message rather than wait for the
-	 * reader's lock (see reader_busy). */
-	if (!(link->flags & MW_LINK_FIXED) && !(link->end_flags[peer] & MW_EF_FIONREAD) &&
-	    link->dir[end].run > MW_POLICY_COALESCE && coalescing(tp) &&
-	    link->dir[end].run_bytes < MW_POLICY_RUN * tp->mss_cache && reader_busy(link, peer)) {
+	/* A stream into a reader copying out, or about to (goes_around): TCP
+	 * for this message rather than wait for the reader's lock. Mode
+	 * always, and a reader whose FIONREAD would miss TCP bytes, wait. */
+	if (!(link->flags & MW_LINK_FIXED) && !(link->end_flags[peer] & MW_EF_FIONREAD) && goes_around(link, end, tp)) {
 		if (rs)
 			rs->fb_reader_busy++;
 		return SK_PASS;
@@ -2587,7 +2626,7 @@ int BPF_PROG(mw_recv_len, struct sock *sk, int ret, int flags)
 	struct mw_exe_key exe = {};
 	struct tcp_sock *tp;
 	struct mw_link *link;
-	__u32 bit, tgid, seq, pid, old, peer_dir;
+	__u32 bit, tgid, seq, pid, old, peer_dir, cpu;
 	__u64 id;
 	bool fast = false;
 
@@ -2628,18 +2667,23 @@ int BPF_PROG(mw_recv_len, struct sock *sk, int ret, int flags)
 			seq = tp->copied_seq;
 			barrier_var(seq);
 			fast = seq == st->rd_pub && st->slot != MW_NO_SLOT;
+			/* Where this reader runs, for the peer's policy
+			 * (reader_concurrent): written only when it moved,
+			 * so a reader that stays keeps the line shared. */
+			link = link_of_sk(st, sk);
+			cpu = bpf_get_smp_processor_id() + 1;
+			if (link && link->dir[peer_dir].rd_cpu != cpu)
+				link->dir[peer_dir].rd_cpu = cpu;
 			/* tcp_bpf_recvmsg reads either the psock queue or the TCP
 			 * queue: a read that left copied_seq alone took redirected
 			 * bytes. Two concurrent readers could miscount; such a
 			 * socket (MW_RD_SHARED) never leaves the SOCKMAP. */
 			if (seq == st->rd_pub && st->rd_pid != MW_RD_SHARED) {
 				st->psock_rd += ret;
-				link = link_of_sk(st, sk);
 				if (link)
 					link->dir[peer_dir].psock_read = st->psock_rd;
 			}
 			if (seq != st->rd_pub) {
-				link = link_of_sk(st, sk);
 				if (link) {
 					link->dir[peer_dir].tcp_read = seq;
 					/* A peer whose messages never reach the policy
