@@ -59,10 +59,11 @@ pub struct RuleCounters {
     /// sizes the programs fixed with SO_RCVBUF/SO_SNDBUF, else `tcp_rmem[2]`
     /// + `tcp_wmem[2]`; TCP then stops the writer).
     pub demotions_behind: u64,
-    /// Adaptive policy: messages of a stream TCP would coalesce (Nagle or
-    /// cork, writes under a segment) sent on the TCP path because the
-    /// peer's reader held its socket, copying out: a redirect would have
-    /// waited for it.
+    /// Adaptive policy: messages of a stream sent on the TCP path around
+    /// the peer's reader: writes averaging 4 KiB or more into a reader that
+    /// held its socket or ran on another CPU with redirected bytes unread,
+    /// or a stream TCP would coalesce into a reader holding its socket. A
+    /// redirect would have waited for that reader's lock.
     pub fallback_reader_busy: u64,
     /// Readers woken because they asked FIONREAD with bytes queued that
     /// this kernel's FIONREAD does not count (TCP bytes behind a psock): an

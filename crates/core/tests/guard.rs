@@ -1041,6 +1041,8 @@ fn a_client_withdrawn_while_it_moves_stays_on_tcp() -> Result<()> {
 fn a_fionread_first_client_moves_once_it_read_its_tcp_bytes() -> Result<()> {
     const LEN: usize = 256 << 10;
     let k = kernel_test!();
+    // Reader and writer on one CPU: the bytes after the move are counted.
+    meshwarp_testbed::pin_to_one_cpu()?;
     let net = NodeWithPods::new(2)?;
     let (l, pair) = no_target_listener(&k, &net, 8100)?;
     let addr = SocketAddr::new(net.pods[1].addr(false), 8100);

@@ -1853,7 +1853,20 @@ pub fn pin_thread(cpu: usize) -> Result<()> {
         .map_err(|e| TestbedError::Io { what: format!("pinning a thread to CPU {cpu}"), source: e.into() })
 }
 
-/// The CPUs this process may run on (at least 1).
-pub fn usable_cpus() -> usize {
-    std::thread::available_parallelism().map_or(1, usize::from)
+/// Pins the calling thread (and the threads it starts after) to the first
+/// CPU it may use: a reader then never runs on another CPU than its
+/// writer, so no large write goes around it (the adaptive policy's
+/// reader_concurrent), and a test may count what was redirected exactly.
+pub fn pin_to_one_cpu() -> Result<usize> {
+    let cpu = usable_cpus().first().copied().unwrap_or(0);
+    pin_thread(cpu)?;
+    Ok(cpu)
+}
+
+/// The CPUs the calling thread may run on, by number (its affinity mask:
+/// a cpuset may hold CPUs 2 and 3 only). Empty if the mask cannot be read.
+pub fn usable_cpus() -> Vec<usize> {
+    nix::sched::sched_getaffinity(nix::unistd::Pid::from_raw(0))
+        .map(|set| (0..nix::sched::CpuSet::count()).filter(|&c| set.is_set(c).unwrap_or(false)).collect())
+        .unwrap_or_default()
 }

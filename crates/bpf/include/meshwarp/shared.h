@@ -178,7 +178,10 @@ struct mw_dir {
 	__u32 psock_read;
 	/* The CPU the peer's reader last read on, plus one (0: no read yet): a
 	 * reader on another CPU than the sender copies out while it sends
-	 * (reader_concurrent). A hint: a stale one only moves one message. */
+	 * (reader_concurrent). A hint: a stale one can send a message on TCP
+	 * (and those after it, until the reader read them) where the fast
+	 * path would not have waited, or redirect into a reader copying out
+	 * (a wait); both deliver every byte in order. */
 	__u32 rd_cpu;
 };
 
@@ -231,7 +234,8 @@ struct mw_dir {
  * (benches/README.md, 2026-11-25 night). A reader behind takes several
  * writes per read anyway: there the fast path's cheaper bytes win (8 x 16
  * KiB Nagle streams 1.45x TCP), and the writes stay while it stays
- * behind. Judged at message 64 only, a reader behind at that moment that
+ * behind (but for messages that go around a reader on another CPU,
+ * goes_around). Judged at message 64 only, a reader behind at that moment that
  * caught up later kept socat's 8 KiB writes on the fast path at 1.07x
  * TCP's time; judged at every check after it too, 0.94x (2026-11-28). */
 #define MW_POLICY_BATCH 32768
@@ -643,7 +647,7 @@ struct mw_rule_stats {
 	__u64 unlinks;          /* demoted ends taken out of the SOCKMAP (plain TCP, no tcp_bpf) */
 	__u64 relinks;          /* unlinked ends put back when their peer sent */
 	__u64 demotions_behind; /* directions moved to TCP: the reader behind (MW_POLICY_BEHIND, tcp_ahead_max) */
-	__u64 fb_reader_busy;   /* messages sent on TCP: a coalescing stream, its reader busy copying (reader_busy) */
+	__u64 fb_reader_busy;   /* messages sent on TCP around a reader copying out, or about to (goes_around) */
 	__u64 reader_wakeups;   /* FIONREAD readers woken for TCP bytes their FIONREAD missed (MW_EF_WAKE) */
 	__u64 tgtmap_clients;   /* client ends put in mw_tgtmap at connect: their server end is never a target (rule, mw_srv_hint) */
 	__u64 hint_stale;       /* server ends withdrawn as targets: their client went by a stale mw_srv_hint */

@@ -2248,7 +2248,9 @@ static __always_inline bool reader_busy(struct mw_link *link, __u32 peer)
  * after it costs more than the redirect saves: TCP lets a sender and a
  * reader on two CPUs copy at once (the sender's segments wait in the
  * socket's backlog meanwhile). A reader on the sender's CPU (rd_cpu) cannot
- * copy while the sender runs: there the redirect keeps its gain. A reader
+ * copy while the sender runs (unless preempted holding its lock, which
+ * reader_busy sees, as it sees the peer's own sender holding it): there
+ * the redirect keeps its gain. A reader
  * of several threads publishes no psock reads: its bytes look unread, so
  * it counts as busy (TCP is always safe).
  */
@@ -2668,8 +2670,7 @@ int BPF_PROG(mw_recv_len, struct sock *sk, int ret, int flags)
 			barrier_var(seq);
 			fast = seq == st->rd_pub && st->slot != MW_NO_SLOT;
 			/* Where this reader runs, for the peer's policy
-			 * (reader_concurrent): written only when it moved,
-			 * so a reader that stays keeps the line shared. */
+			 * (reader_concurrent): written only when it moved. */
 			link = link_of_sk(st, sk);
 			cpu = bpf_get_smp_processor_id() + 1;
 			if (link && link->dir[peer_dir].rd_cpu != cpu)
