@@ -759,8 +759,8 @@ pub fn exchange(client: TcpStream, server: TcpStream, seed: u64, len: usize, tim
         s.set_read_timeout(Some(timeout)).map_err(io_err("set timeout"))?;
         s.set_write_timeout(Some(timeout)).map_err(io_err("set timeout"))?;
     }
-    // SAFETY: sched_getcpu has no preconditions.
-    let cpu = usize::try_from(unsafe { libc::sched_getcpu() }).unwrap_or(0);
+    let cpu =
+        nix::sched::sched_getcpu().map_err(|e| TestbedError::Io { what: "sched_getcpu".into(), source: e.into() })?;
     let (c, s) = (Arc::new(client), Arc::new(server));
     thread::scope(|scope| {
         let c1 = Arc::clone(&c);
