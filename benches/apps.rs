@@ -72,6 +72,9 @@ fn turns() -> usize {
 
 /// One table of interleaved cells: a cell's `run(port)` is one turn's time
 /// per request (transfer, stream) on the server's `port`.
+/// The bench namespace's TCP congestion control, for the table headers.
+static CC: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
 struct Table {
     title: &'static str,
     rows: Vec<String>,
@@ -103,10 +106,11 @@ impl Table {
             return;
         }
         eprintln!(
-            "\n{} (interleaved medians; time per request, transfer or stream, ratio to TCP's):\n\
+            "\n{} (interleaved medians; time per request, transfer or stream, ratio to TCP's; congestion control {}):\n\
              | workload | turns | tcp (not covered) | always / tcp | adaptive / tcp | tcp again / tcp (A/A) |\n\
              |---|---:|---:|---:|---:|---:|\n{}\n",
             self.title,
+            CC.get().map_or("?", String::as_str),
             self.rows.join("\n")
         );
         for (mode, pair) in ["always", "adaptive"].iter().zip(pairs) {
@@ -349,6 +353,9 @@ fn main() {
     let trusted: Vec<_> = vouched.into_iter().filter_map(which).collect();
     let Some(k) = KernelTest::start_with(8192, 64, |cfg| cfg.trusted_readers.extend(trusted)) else { return };
     let ns = NetNs::new("apps").expect("netns");
+    let cc = ns.bench_congestion_control().expect("MESHWARP_BENCH_CC");
+    eprintln!("apps bench: TCP congestion control {cc} (MESHWARP_BENCH_CC sets another)");
+    CC.get_or_init(|| cc);
     let dir = ScratchDir::new("meshwarp-apps-").expect("scratch dir");
     redis(&k, &ns, &dir);
     nginx(&k, &ns, &dir);

@@ -136,7 +136,17 @@ fn bench_ns() -> NetNs {
     ns.ip(&["link", "set", "svc0", "up"]).expect("up");
     ns.ip(&["link", "set", "svc1", "up"]).expect("up");
     ns.ip(&["route", "add", "198.19.0.0/16", "dev", "svc0"]).expect("route");
+    let cc = ns.bench_congestion_control().expect("MESHWARP_BENCH_CC");
+    eprintln!("paths bench: TCP congestion control {cc} (MESHWARP_BENCH_CC sets another)");
+    CC.get_or_init(|| cc);
     ns
+}
+
+/// The bench namespace's TCP congestion control, for the table headers.
+static CC: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+fn cc() -> &'static str {
+    CC.get().map_or("?", String::as_str)
 }
 
 /// Lets a thread run on `cpus` only: one CPU to place it (its placement
@@ -494,9 +504,10 @@ fn stream_interleaved(ns: &NetNs, conns_list: &[usize], always: &EndpointPair, a
     }
     if !rows.is_empty() {
         eprintln!(
-            "stream, interleaved medians:\n\
+            "stream, interleaved medians (congestion control {}):\n\
              | connections x write, Nagle | threads | turns | tcp (not covered) | always / tcp | adaptive / tcp | tcp again / tcp (A/A) |\n\
              |---|---|---:|---:|---:|---:|---:|\n{}",
+            cc(),
             rows.join("\n")
         );
     }
@@ -596,9 +607,10 @@ fn exchanges(kt: &KernelTest, ns: &NetNs, always: &EndpointPair, adaptive: &Endp
     }
     if !rows.is_empty() {
         eprintln!(
-            "exchanges, interleaved medians (time per request or burst, ratio to TCP's):\n\
+            "exchanges, interleaved medians (time per request or burst, ratio to TCP's; congestion control {}):\n\
              | workload | turns | tcp (not covered) | always / tcp | adaptive / tcp | tcp again / tcp (A/A) |\n\
              |---|---:|---:|---:|---:|---:|\n{}",
+            cc(),
             rows.join("\n")
         );
         eprintln!("adaptive pair after the exchanges: {:?}", kt.dp().stats(adaptive).expect("stats"));

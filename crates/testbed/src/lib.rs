@@ -168,6 +168,36 @@ impl NetNs {
             .map_err(io_err(format!("net.ipv4.tcp_fastopen=3 in {}", self.name)))
     }
 
+    /// The namespace's TCP congestion control
+    /// (`net.ipv4.tcp_congestion_control`); a new namespace starts with the
+    /// host's.
+    pub fn congestion_control(&self) -> Result<String> {
+        let path = "/proc/sys/net/ipv4/tcp_congestion_control";
+        let name = self
+            .enter(|| std::fs::read_to_string(path))?
+            .map_err(io_err(format!("reading {path} in {}", self.name)))?;
+        Ok(name.trim().to_string())
+    }
+
+    /// Sets the namespace's TCP congestion control for sockets made from
+    /// now on (the kernel loads its module if it can).
+    pub fn set_congestion_control(&self, name: &str) -> Result<()> {
+        let path = "/proc/sys/net/ipv4/tcp_congestion_control";
+        self.enter(|| std::fs::write(path, name))?
+            .map_err(io_err(format!("{path}={name} in {} (see tcp_available_congestion_control)", self.name)))
+    }
+
+    /// Applies `MESHWARP_BENCH_CC` (a congestion control name) to the
+    /// namespace when it is set, and returns the one in effect, for a
+    /// bench's table header: loopback numbers differ by congestion control
+    /// (BBR paces, cubic does not), and a namespace inherits the host's.
+    pub fn bench_congestion_control(&self) -> Result<String> {
+        if let Some(name) = std::env::var("MESHWARP_BENCH_CC").ok().filter(|n| !n.is_empty()) {
+            self.set_congestion_control(&name)?;
+        }
+        self.congestion_control()
+    }
+
     /// Runs a program inside the namespace (`ip netns exec`).
     pub fn exec(&self, cmd: &[&str]) -> Result<String> {
         let mut all = vec!["netns", "exec", &self.name];
