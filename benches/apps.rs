@@ -72,17 +72,16 @@ fn turns() -> usize {
 
 /// One table of interleaved cells: a cell's `run(port)` is one turn's time
 /// per request (transfer, stream) on the server's `port`.
-/// The bench namespace's TCP congestion control, for the table headers.
-static CC: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-
 struct Table {
     title: &'static str,
+    /// The bench namespace's TCP congestion control, for the header.
+    cc: String,
     rows: Vec<String>,
 }
 
 impl Table {
-    fn new(title: &'static str) -> Self {
-        Self { title, rows: Vec::new() }
+    fn new(ns: &NetNs, title: &'static str) -> Self {
+        Self { title, cc: ns.congestion_control().expect("congestion control"), rows: Vec::new() }
     }
 
     fn cell(&mut self, id: &str, base: u16, mut run: impl FnMut(u16) -> Duration) {
@@ -110,7 +109,7 @@ impl Table {
              | workload | turns | tcp (not covered) | always / tcp | adaptive / tcp | tcp again / tcp (A/A) |\n\
              |---|---:|---:|---:|---:|---:|\n{}\n",
             self.title,
-            CC.get().map_or("?", String::as_str),
+            self.cc,
             self.rows.join("\n")
         );
         for (mode, pair) in ["always", "adaptive"].iter().zip(pairs) {
@@ -164,7 +163,7 @@ fn redis(k: &KernelTest, ns: &NetNs, dir: &ScratchDir) {
     // GETs find values of the size they ask for: every key of the keyspace
     // (-r 100) set first, per value size.
     let mut filled = Vec::new();
-    let mut table = Table::new("redis-benchmark against redis-server");
+    let mut table = Table::new(ns, "redis-benchmark against redis-server");
     // (test, connections, pipeline, value bytes)
     let cells: &[(&str, usize, usize, usize)] = &[
         ("get", 1, 1, 64),
@@ -267,7 +266,7 @@ fn nginx(k: &KernelTest, ns: &NetNs, dir: &ScratchDir) {
     for i in 0..4 {
         wait_listening(ns, lo(BASE + i), T).expect("nginx listening");
     }
-    let mut table = Table::new("curl against nginx (static files, one keep-alive connection)");
+    let mut table = Table::new(ns, "curl against nginx (static files, one keep-alive connection)");
     for (name, count) in [("1k", 200usize), ("1m", 32), ("16m", 4)] {
         for (how, prefix) in [("sendfile", ""), ("write", "w/")] {
             let id = format!("nginx/{name}_{how}");
@@ -316,7 +315,7 @@ fn socat(k: &KernelTest, ns: &NetNs, dir: &ScratchDir) {
     std::fs::write(&file, vec![0x42u8; 64 << 20]).expect("stream file");
     let file = file.display().to_string();
     let listeners: Vec<_> = (0..4).map(|i| ns.listen(lo(BASE + i)).expect("listen")).collect();
-    let mut table = Table::new("socat sending 64 MiB (Nagle on), read here in 64 KiB reads");
+    let mut table = Table::new(ns, "socat sending 64 MiB (Nagle on), read here in 64 KiB reads");
     for buffer in [1024usize, 8192, 65536] {
         let id = format!("socat/{buffer}B");
         table.cell(&id, BASE, |port| {
@@ -355,7 +354,6 @@ fn main() {
     let ns = NetNs::new("apps").expect("netns");
     let cc = ns.bench_congestion_control().expect("MESHWARP_BENCH_CC");
     eprintln!("apps bench: TCP congestion control {cc} (MESHWARP_BENCH_CC sets another)");
-    CC.get_or_init(|| cc);
     let dir = ScratchDir::new("meshwarp-apps-").expect("scratch dir");
     redis(&k, &ns, &dir);
     nginx(&k, &ns, &dir);
@@ -475,11 +473,14 @@ fn haproxy(k: &KernelTest, ns: &NetNs, dir: &ScratchDir) {
         c
     };
     let trusted = trust_haproxy();
-    let mut table = Table::new(if trusted {
-        "haproxy (TCP mode, trusted: --trust-reader) between a client and its upstream, both legs registered"
-    } else {
-        "haproxy (TCP mode) between a client and its upstream, both legs registered"
-    });
+    let mut table = Table::new(
+        ns,
+        if trusted {
+            "haproxy (TCP mode, trusted: --trust-reader) between a client and its upstream, both legs registered"
+        } else {
+            "haproxy (TCP mode) between a client and its upstream, both legs registered"
+        },
+    );
     // Trusted, only the configuration that never splices.
     for (name, off, _) in SPLICE.into_iter().filter(|(_, off, _)| !trusted || *off == 0) {
         let name = if trusted { format!("{name}_trusted") } else { name.to_string() };
@@ -613,7 +614,7 @@ fn memcached(k: &KernelTest, ns: &NetNs) {
         assert_eq!(c.line(), "STORED", "memcached set");
     };
     let connect = |port: u16| Buffered::new(ns.connect(lo(port)).expect("connect to memcached"));
-    let mut table = Table::new("this bench's client against memcached, one connection");
+    let mut table = Table::new(ns, "this bench's client against memcached, one connection");
     for (op, size, n) in [("get", 64usize, 2000u32), ("get", 16 << 10, 1000), ("set", 1 << 20, 40)] {
         let value = vec![0x6du8; size];
         let key = format!("k{size}");
@@ -714,7 +715,7 @@ fn postgres(k: &KernelTest, ns: &NetNs, dir: &ScratchDir) {
         }
         pgbench(BASE + i, &["-i", "-q", "postgres"]);
     }
-    let mut table = Table::new("pgbench against PostgreSQL (select-only, its latency average)");
+    let mut table = Table::new(ns, "pgbench against PostgreSQL (select-only, its latency average)");
     for (clients, n) in [(1usize, 3000usize), (8, 800)] {
         table.cell(&format!("postgres/select_c{clients}"), BASE, |port| {
             let (c, t) = (clients.to_string(), n.to_string());
@@ -738,7 +739,7 @@ fn node(k: &KernelTest, ns: &NetNs) {
     let _servers = four_servers(ns, BASE, "node", |i| {
         Program::spawn(ns, &["node", "-e", NODE_HTTP_ECHO, "127.0.0.1", &(BASE + i).to_string()])
     });
-    let mut table = Table::new("this bench's HTTP client against Node's http module, one keep-alive connection");
+    let mut table = Table::new(ns, "this bench's HTTP client against Node's http module, one keep-alive connection");
     for (size, n) in [(64usize, 2000u32), (16 << 10, 1000)] {
         table.cell(&format!("node/post{size}B"), BASE, |port| {
             let mut c = Buffered::new(ns.connect(lo(port)).expect("connect to node"));
@@ -785,7 +786,7 @@ fn nghttp2(k: &KernelTest, ns: &NetNs, dir: &ScratchDir) {
     });
     // h2load's first connection, before it was seen reading, is on TCP.
     h2load(ns, BASE + 2, "h2_1k", 1, 1, 10);
-    let mut table = Table::new("h2load against nghttpd (HTTP/2 GETs of a file, streams multiplexed)");
+    let mut table = Table::new(ns, "h2load against nghttpd (HTTP/2 GETs of a file, streams multiplexed)");
     for (size, name, c, m, n) in [
         (1usize << 10, "h2_1k", 1usize, 10usize, 20_000usize),
         (64 << 10, "h2_64k", 1, 1, 4000),

@@ -138,15 +138,7 @@ fn bench_ns() -> NetNs {
     ns.ip(&["route", "add", "198.19.0.0/16", "dev", "svc0"]).expect("route");
     let cc = ns.bench_congestion_control().expect("MESHWARP_BENCH_CC");
     eprintln!("paths bench: TCP congestion control {cc} (MESHWARP_BENCH_CC sets another)");
-    CC.get_or_init(|| cc);
     ns
-}
-
-/// The bench namespace's TCP congestion control, for the table headers.
-static CC: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-
-fn cc() -> &'static str {
-    CC.get().map_or("?", String::as_str)
 }
 
 /// Lets a thread run on `cpus` only: one CPU to place it (its placement
@@ -507,7 +499,7 @@ fn stream_interleaved(ns: &NetNs, conns_list: &[usize], always: &EndpointPair, a
             "stream, interleaved medians (congestion control {}):\n\
              | connections x write, Nagle | threads | turns | tcp (not covered) | always / tcp | adaptive / tcp | tcp again / tcp (A/A) |\n\
              |---|---|---:|---:|---:|---:|---:|\n{}",
-            cc(),
+            ns.congestion_control().expect("congestion control"),
             rows.join("\n")
         );
     }
@@ -610,7 +602,7 @@ fn exchanges(kt: &KernelTest, ns: &NetNs, always: &EndpointPair, adaptive: &Endp
             "exchanges, interleaved medians (time per request or burst, ratio to TCP's; congestion control {}):\n\
              | workload | turns | tcp (not covered) | always / tcp | adaptive / tcp | tcp again / tcp (A/A) |\n\
              |---|---:|---:|---:|---:|---:|\n{}",
-            cc(),
+            ns.congestion_control().expect("congestion control"),
             rows.join("\n")
         );
         eprintln!("adaptive pair after the exchanges: {:?}", kt.dp().stats(adaptive).expect("stats"));

@@ -128,6 +128,9 @@ pub fn run(cmd: &str, args: &[&str]) -> Result<String> {
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
+/// A namespace's TCP congestion control sysctl (per namespace since 4.15).
+const TCP_CONGESTION_CONTROL: &str = "/proc/sys/net/ipv4/tcp_congestion_control";
+
 /// A network namespace, deleted on drop.
 #[derive(Debug)]
 pub struct NetNs {
@@ -172,7 +175,7 @@ impl NetNs {
     /// (`net.ipv4.tcp_congestion_control`); a new namespace starts with the
     /// host's.
     pub fn congestion_control(&self) -> Result<String> {
-        let path = "/proc/sys/net/ipv4/tcp_congestion_control";
+        let path = TCP_CONGESTION_CONTROL;
         let name = self
             .enter(|| std::fs::read_to_string(path))?
             .map_err(io_err(format!("reading {path} in {}", self.name)))?;
@@ -182,7 +185,7 @@ impl NetNs {
     /// Sets the namespace's TCP congestion control for sockets made from
     /// now on (the kernel loads its module if it can).
     pub fn set_congestion_control(&self, name: &str) -> Result<()> {
-        let path = "/proc/sys/net/ipv4/tcp_congestion_control";
+        let path = TCP_CONGESTION_CONTROL;
         self.enter(|| std::fs::write(path, name))?
             .map_err(io_err(format!("{path}={name} in {} (see tcp_available_congestion_control)", self.name)))
     }
