@@ -17,7 +17,7 @@ pub struct Build {
 pub const BUILD_LEN: usize = 16;
 
 /// `MW_SCHEMA_VERSION`: bumped whenever a pinned map's key or value changes.
-pub const SCHEMA_VERSION: u32 = 26;
+pub const SCHEMA_VERSION: u32 = 27;
 
 pub const AF_INET: u32 = 2;
 pub const AF_INET6: u32 = 10;
@@ -615,6 +615,7 @@ pub struct RuleStats {
     pub fb_peek_off: u64,
     pub peek_off_refused: u64,
     pub fb_short: u64,
+    pub demotions_around: u64,
 }
 
 /// `MW_OWNER_LEN`: bytes of an owner name, NUL padding included.
@@ -1126,7 +1127,8 @@ mod tests {
                 zc_refused,
                 fb_peek_off,
                 peek_off_refused,
-                fb_short
+                fb_short,
+                demotions_around
             ]
         );
         same_layout!(
@@ -1166,7 +1168,7 @@ mod tests {
         assert_eq!(size_of::<SockOwner>(), 16 + 8);
         assert_eq!(size_of::<Exe>(), 8 + 16);
         assert_eq!(size_of::<Event>(), 16 + 16 + 16 + 32 + 24 + 32);
-        assert_eq!(size_of::<RuleStats>(), 32 * 8);
+        assert_eq!(size_of::<RuleStats>(), 33 * 8);
         assert_eq!(size_of::<GlobalStats>(), 6 * 8);
         assert_eq!(size_of::<Short>(), 16);
         assert_eq!(size_of::<Service>(), 16 + 8);

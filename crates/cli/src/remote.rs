@@ -98,6 +98,7 @@ fn policy_line(c: &pb::RuleCounters) -> String {
     let parts = [
         ("demoted (coalesce)", c.demotions_coalesce),
         ("demoted (reader behind)", c.demotions_behind),
+        ("demoted (around its reader)", c.demotions_around),
         ("promoted", c.promotions),
         ("messages on TCP", c.policy_tcp_msgs),
         ("unlinked", c.unlinks),
@@ -446,6 +447,7 @@ impl Remote {
                 a.fallback_peek_off += c.fallback_peek_off;
                 a.peek_off_refused += c.peek_off_refused;
                 a.fallback_short += c.fallback_short;
+                a.demotions_around += c.demotions_around;
                 a
             });
             println!(

@@ -400,6 +400,7 @@ pub fn add_rule_stats(a: &mut RuleStats, b: &RuleStats) {
     a.fb_peek_off = a.fb_peek_off.wrapping_add(b.fb_peek_off);
     a.peek_off_refused = a.peek_off_refused.wrapping_add(b.peek_off_refused);
     a.fb_short = a.fb_short.wrapping_add(b.fb_short);
+    a.demotions_around = a.demotions_around.wrapping_add(b.demotions_around);
 }
 
 fn add_global_stats(a: &mut GlobalStats, b: &GlobalStats) {

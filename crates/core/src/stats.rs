@@ -106,6 +106,13 @@ pub struct RuleCounters {
     /// close cost more than they won). Every 16th is still covered, and one
     /// that grows long ends the run.
     pub fallback_short: u64,
+    /// Adaptive policy: directions moved to the TCP path because a run
+    /// without a reply went on past 64 messages (MW_POLICY_COALESCE) and one
+    /// of them would have gone around its busy reader
+    /// (`fallback_reader_busy`): a stream whose reader copies at its own
+    /// pace. TCP through a psock sends smaller segments than plain TCP, so
+    /// the rest of the run leaves the SOCKMAP (`unlinks`).
+    pub demotions_around: u64,
 }
 
 impl From<RuleStats> for RuleCounters {
@@ -143,6 +150,7 @@ impl From<RuleStats> for RuleCounters {
             fallback_peek_off: s.fb_peek_off,
             peek_off_refused: s.peek_off_refused,
             fallback_short: s.fb_short,
+            demotions_around: s.demotions_around,
         }
     }
 }

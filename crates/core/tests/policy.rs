@@ -509,8 +509,9 @@ fn fixed_socket_buffers_bound_the_redirected_backlog() -> Result<()> {
 /// (`fallback_reader_busy`), the next ones follow it until the reader read
 /// every TCP byte (`fallback_tcp_path`), and the stream is redirected
 /// again once it did. A reader on the writer's CPU cannot copy while the
-/// writer runs: there every message is redirected. Every byte checked, in
-/// order (the psock's queue is read before TCP's).
+/// writer runs: there every message is redirected. Past message 64 of a
+/// run, going around moves the rest of the run to TCP (`demotions_around`).
+/// Every byte checked, in order (the psock's queue is read before TCP's).
 #[test]
 fn a_large_write_stream_goes_around_a_reader_on_another_cpu() -> Result<()> {
     const W: usize = 16 << 10;
@@ -522,7 +523,7 @@ fn a_large_write_stream_goes_around_a_reader_on_another_cpu() -> Result<()> {
     let k = kernel_test!();
     let (net, l, pair) = pods_pair(&k, 8217, FastPathMode::Adaptive)?;
     meshwarp_testbed::pin_thread(writer_cpu)?;
-    let mut conns = connections(&net, &l, 8217, 2)?;
+    let mut conns = connections(&net, &l, 8217, 3)?;
     let counters = |what: &str, redirected: u64, around: u64, tcp_path: u64| -> Result<()> {
         let st = k.dp().stats(&pair)?;
         ensure!(
@@ -564,6 +565,27 @@ fn a_large_write_stream_goes_around_a_reader_on_another_cpu() -> Result<()> {
         up_w.write(&c, 12 * W, W)?;
         read(12 * W)?;
         counters("a reader on the writer's CPU", 9 + 13, 1, 1)
+    })?;
+
+    // Past message 64 of a run, going around is a demotion: the rest of
+    // the run on TCP, read or not.
+    let (c, s) = conns.remove(0);
+    c.set_nodelay(true)?;
+    let mut up_w = Stream::new(63);
+    pinned_reader(other_cpu, &s, Stream::new(63), |read| -> Result<()> {
+        for _ in 0..66 {
+            up_w.write(&c, W, W)?;
+            read(W)?;
+        }
+        counters("66 in lockstep", 22 + 66, 1, 1)?;
+        // The 68th finds the 67th unread on the other CPU.
+        up_w.write(&c, 2 * W, W)?;
+        let st = k.dp().stats(&pair)?;
+        ensure!(st.demotions_around == 1 && st.fallback_reader_busy == 1, "demoted: {st:?}");
+        read(2 * W)?;
+        up_w.write(&c, W, W)?;
+        read(W)?;
+        counters("the run stays on TCP", 22 + 67, 1, 1)
     })
 }
 
@@ -1215,8 +1237,10 @@ fn loopback_pair(k: &KernelTest, port: u16, n: usize) -> Result<LoopbackPair> {
 /// was behind at message 64), whose reader is busy copying out (here
 /// stopped inside its copy, holding its socket lock): its next message takes
 /// the TCP path instead of waiting for that lock, so the write returns at
-/// once; the message after it stays on TCP until the reader read every TCP
-/// byte, and the next goes on the fast path again. Every byte checked.
+/// once; past message 64 of a run that is a demotion (`demotions_around`):
+/// the rest of the run stays on TCP, read or not, and the first message
+/// after a reply, every TCP byte read, is redirected again. Every byte
+/// checked, both ways.
 #[test]
 fn a_coalescing_stream_goes_around_a_busy_reader() -> Result<()> {
     use std::os::fd::AsRawFd;
@@ -1229,6 +1253,7 @@ fn a_coalescing_stream_goes_around_a_busy_reader() -> Result<()> {
     let (_ns, pair, mut conns) = loopback_pair(&k, 8212, 1)?;
     let (c, s) = conns.remove(0);
     let (mut up_w, mut up_r) = (Stream::new(47), Stream::new(47));
+    let (mut dn_w, mut dn_r) = (Stream::new(48), Stream::new(48));
 
     // A run without a reply past MW_POLICY_COALESCE (64) messages: its
     // first 64 written before the reader reads (a reader behind: the run
@@ -1277,20 +1302,29 @@ fn a_coalescing_stream_goes_around_a_busy_reader() -> Result<()> {
     up_r.at += plen as u64;
     let st = k.dp().stats(&pair)?;
     ensure!(
-        st.fallback_reader_busy == 1 && st.redirected_msgs == RUN + 1,
-        "the busy reader's message went on TCP: {st:?}"
+        st.demotions_around == 1 && st.fallback_reader_busy == 0 && st.redirected_msgs == RUN + 1,
+        "the busy reader's message went on TCP, the run demoted: {st:?}"
     );
 
-    // Not read yet: the next message follows it on TCP.
+    // The rest of the run stays on TCP, whether its reader caught up or not.
     up_w.write(&c, W, W)?;
-    let st = k.dp().stats(&pair)?;
-    ensure!(st.fallback_tcp_path == 1 && st.redirected_msgs == RUN + 1, "{st:?}");
     up_r.read(&s, (W - plen) + 2 * W)?;
-    // All read: the stream is back on the fast path.
     up_w.write(&c, W, W)?;
     up_r.read(&s, W)?;
     let st = k.dp().stats(&pair)?;
-    ensure!(st.redirected_msgs == RUN + 2 && st.fallback_reader_busy == 1 && st.demotions_coalesce == 0, "{st:?}");
+    ensure!(st.redirected_msgs == RUN + 1 && st.promotions == 0 && st.fallback_tcp_path == 0, "{st:?}");
+
+    // A reply ends the run: the next message, every TCP byte read, is
+    // redirected again.
+    dn_w.write(&s, 64, 64)?;
+    dn_r.read(&c, 64)?;
+    up_w.write(&c, W, W)?;
+    up_r.read(&s, W)?;
+    let st = k.dp().stats(&pair)?;
+    ensure!(
+        st.redirected_msgs == RUN + 3 && st.promotions == 1 && st.demotions_around == 1 && st.demotions_coalesce == 0,
+        "{st:?}"
+    );
     Ok(())
 }
 

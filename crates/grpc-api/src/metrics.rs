@@ -119,7 +119,7 @@ fn set_total(c: &Counter, v: u64) {
 }
 
 /// One rule's counters, flattened (see `Metrics::render`).
-type RuleTotals = [u64; 31];
+type RuleTotals = [u64; 32];
 
 /// Node-wide totals of per-rule counters that never go back: a rule's counts
 /// live in its slot, which a deleted rule frees and a new rule starts from
@@ -373,6 +373,7 @@ impl Metrics {
                 c.splice_hits,
                 c.demotions_coalesce,
                 c.demotions_behind,
+                c.demotions_around,
                 c.promotions,
                 c.policy_tcp_msgs,
                 c.unlinks,
@@ -423,7 +424,7 @@ impl Metrics {
         drop(reg);
         let t = totals.update(now);
         drop(totals);
-        let [msgs, bytes, hits, demoted, behind, promoted, tcp_msgs, unlinked, relinked, woken, tgt_only, stale, urgent_hits, fb @ ..] =
+        let [msgs, bytes, hits, demoted, behind, around, promoted, tcp_msgs, unlinked, relinked, woken, tgt_only, stale, urgent_hits, fb @ ..] =
             t;
         self.pairs.set(pairs.len() as i64);
         self.captures.set(captures.len() as i64);
@@ -460,6 +461,7 @@ impl Metrics {
         for (transition, reason, v) in [
             ("demotion", "coalesce", demoted),
             ("demotion", "reader_behind", behind),
+            ("demotion", "around_reader", around),
             ("promotion", "drained", promoted),
             ("unlink", "streaming", unlinked),
             ("relink", "peer_sent", relinked),
@@ -519,7 +521,7 @@ mod tests {
     fn rules(list: &[(&str, u64)]) -> HashMap<String, RuleTotals> {
         list.iter()
             .map(|(k, v)| {
-                let mut t: RuleTotals = [0; 31];
+                let mut t: RuleTotals = [0; 32];
                 t[0] = *v;
                 (k.to_string(), t)
             })

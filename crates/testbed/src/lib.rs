@@ -183,11 +183,16 @@ impl NetNs {
     }
 
     /// Sets the namespace's TCP congestion control for sockets made from
-    /// now on (the kernel loads its module if it can).
+    /// now on (the kernel loads its module if it can). A namespace other
+    /// than the host's may only choose one the host allows
+    /// (`net.ipv4.tcp_allowed_congestion_control`, EPERM otherwise).
     pub fn set_congestion_control(&self, name: &str) -> Result<()> {
         let path = TCP_CONGESTION_CONTROL;
-        self.enter(|| std::fs::write(path, name))?
-            .map_err(io_err(format!("{path}={name} in {} (see tcp_available_congestion_control)", self.name)))
+        self.enter(|| std::fs::write(path, name))?.map_err(io_err(format!(
+            "{path}={name} in {} (it must be in the host's net.ipv4.tcp_allowed_congestion_control; \
+             see tcp_available_congestion_control)",
+            self.name
+        )))
     }
 
     /// Applies `MESHWARP_BENCH_CC` (a congestion control name) to the

@@ -12,7 +12,7 @@
 #ifndef MESHWARP_SHARED_H
 #define MESHWARP_SHARED_H
 
-#define MW_SCHEMA_VERSION 26
+#define MW_SCHEMA_VERSION 27
 
 #define MW_AF_INET 2
 #define MW_AF_INET6 10
@@ -658,6 +658,7 @@ struct mw_rule_stats {
 	__u64 fb_peek_off;      /* ends withdrawn as targets: SO_PEEK_OFF on them, or seen from their program */
 	__u64 peek_off_refused; /* SO_PEEK_OFF refused (EOPNOTSUPP): redirected bytes were unread */
 	__u64 fb_short;         /* connections left on TCP: the rule's last ones were all short (struct mw_short) */
+	__u64 demotions_around; /* directions moved to TCP: a run past MW_POLICY_COALESCE going around its reader */
 };
 
 /*

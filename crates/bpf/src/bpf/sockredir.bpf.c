@@ -2477,6 +2477,23 @@ static __always_inline int finish_msg(struct sk_msg_md *msg, struct bpf_sock *sk
 	 * for this message rather than wait for the reader's lock. Mode
 	 * always, and a reader whose FIONREAD would miss TCP bytes, wait. */
 	if (!(link->flags & MW_LINK_FIXED) && !(link->end_flags[peer] & MW_EF_FIONREAD) && goes_around(link, end, tp)) {
+		/* Past MW_POLICY_COALESCE without a reply, a stream whose reader
+		 * copies at its own pace: the rest of the run on TCP, out of the
+		 * SOCKMAP (park_self at a later check). Going around now and
+		 * then while in it would be TCP through a psock, which
+		 * (tcp_bpf_push) sends each page fragment as its own segment:
+		 * half the size of plain TCP's on loopback, twice the packets,
+		 * and under BBR's pacing, segments reordered across CPUs. */
+		if (link->dir[end].run > MW_POLICY_COALESCE) {
+			__sync_fetch_and_or(&link->dir[end].flags, MW_DIR_TCP);
+			st->flags |= MW_SOCK_DEMOTED;
+			st->skipped = 0;
+			if (rs) {
+				rs->demotions_around++;
+				rs->policy_tcp_msgs++;
+			}
+			return SK_PASS;
+		}
 		if (rs)
 			rs->fb_reader_busy++;
 		return SK_PASS;

@@ -265,6 +265,7 @@ pub fn counters_to_pb(c: &RuleCounters) -> pb::RuleCounters {
         fallback_peek_off: c.fallback_peek_off,
         peek_off_refused: c.peek_off_refused,
         fallback_short: c.fallback_short,
+        demotions_around: c.demotions_around,
     }
 }
 
