@@ -38,6 +38,7 @@
 //! `cargo bench -p meshwarp-benches --bench apps [-- FILTER]` (as root; the
 //! programs from scripts/install-deps.sh); FILTER selects cells by substring
 //! (`a|b`: either). `MESHWARP_APPS_TURNS` sets the turns per cell (default 9).
+//! `MESHWARP_APPS_TIMES=1` prints every curl transfer's time (stderr).
 
 use std::io::{BufRead, Read, Write};
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
@@ -289,6 +290,12 @@ fn curl(ns: &NetNs, port: u16, path: &str, count: usize) -> Duration {
     assert!(out.status.success(), "curl {url}: {}", String::from_utf8_lossy(&out.stderr));
     let times: Vec<f64> = out.stdout.lines().map(|l| l.expect("utf-8").trim().parse().expect("time_total")).collect();
     assert_eq!(times.len(), count, "curl transfers");
+    // Every transfer's time, in order: a connection that turns slow for good
+    // shows as a run of slow transfers, a costly transition as one.
+    if std::env::var_os("MESHWARP_APPS_TIMES").is_some() {
+        let us: Vec<String> = times.iter().map(|t| format!("{:.0}", t * 1e6)).collect();
+        eprintln!("curl times (us), port {port}, /{path}: {}", us.join(" "));
+    }
     Duration::from_secs_f64(times.iter().sum::<f64>() / count as f64)
 }
 
