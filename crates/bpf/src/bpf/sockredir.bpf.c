@@ -2324,6 +2324,16 @@ static __always_inline bool batched(const struct mw_dir *d, struct tcp_sock *tp)
 	return d->run_bytes < MW_POLICY_RUN * MW_POLICY_BATCH && coalescing(tp);
 }
 
+/* Moves direction `d` (this end's) to the TCP path for the rest of its
+ * run; the caller counts the reason. Its messages then skip the link but
+ * at checks (finish_msg), where it may leave the SOCKMAP or be promoted. */
+static __always_inline void demote(struct mw_dir *d, struct mw_sock_state *st)
+{
+	__sync_fetch_and_or(&d->flags, MW_DIR_TCP);
+	st->flags |= MW_SOCK_DEMOTED;
+	st->skipped = 0;
+}
+
 /* The adaptive policy for one message of a direction that may be redirected
  * (mw_dir). Returns false when the message takes the TCP path. This end's
  * sk_msg (under its socket lock) decides its own mw_dir; the peer resets
@@ -2412,9 +2422,7 @@ static __always_inline bool policy_allows(struct sk_msg_md *msg, struct mw_link 
 	 * never a loss. */
 	if (behind || (run >= MW_POLICY_COALESCE && batched(d, tp) &&
 		       (small || (d->flags & MW_DIR_RD_SHARED) || unread <= MW_POLICY_KEEPUP))) {
-		__sync_fetch_and_or(&d->flags, MW_DIR_TCP);
-		st->flags |= MW_SOCK_DEMOTED;
-		st->skipped = 0;
+		demote(d, st);
 		if (rs) {
 			if (behind)
 				rs->demotions_behind++;
@@ -2485,9 +2493,7 @@ static __always_inline int finish_msg(struct sk_msg_md *msg, struct bpf_sock *sk
 		 * half the size of plain TCP's on loopback, twice the packets,
 		 * and under BBR's pacing, segments reordered across CPUs. */
 		if (link->dir[end].run > MW_POLICY_COALESCE) {
-			__sync_fetch_and_or(&link->dir[end].flags, MW_DIR_TCP);
-			st->flags |= MW_SOCK_DEMOTED;
-			st->skipped = 0;
+			demote(&link->dir[end], st);
 			if (rs) {
 				rs->demotions_around++;
 				rs->policy_tcp_msgs++;
