@@ -2,8 +2,9 @@
 //! the TOML file (`--config`) < `MESHWARP_*` environment variables < flags
 //! (clap reads a flag or, when absent, its variable). Every setting of the
 //! daemon has a key in the file and a flag (`--log`, the log filter, is a
-//! flag only); the switches `--cleanup` and `--no-syscall-watch` only turn
-//! their setting one way, over whatever the file says.
+//! flag only); the switches `--cleanup`, `--no-syscall-watch` and
+//! `--no-guard-realtime` only turn their setting one way, over whatever the
+//! file says.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -107,6 +108,9 @@ pub struct FileConfig {
     pub trusted_readers: Option<Vec<PathBuf>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub syscall_watch: Option<bool>,
+    /// The guard thread at SCHED_FIFO while it waits and serves unlinks.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub guard_realtime: Option<bool>,
     /// Network namespace (path) whose interfaces tc routes name.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub netns: Option<PathBuf>,
@@ -255,6 +259,12 @@ pub struct ServeArgs {
     /// can then lose bytes, and urgent data arrives in-band).
     #[arg(long, env = "MESHWARP_NO_SYSCALL_WATCH")]
     pub no_syscall_watch: bool,
+    /// Run the guard thread at normal priority (default: SCHED_FIFO 1 while
+    /// it waits for and serves unlink requests; walks and classifications
+    /// are normal priority either way). Demoted connections may then wait
+    /// for the CPU to leave the SOCKMAP on a busy node.
+    #[arg(long, env = "MESHWARP_NO_GUARD_REALTIME")]
+    pub no_guard_realtime: bool,
 }
 
 fn parse_mode(s: &str) -> Result<u32> {
@@ -296,6 +306,7 @@ impl ServeArgs {
             reader_guard: self.reader_guard,
             trusted_readers: some_vec(&self.trusted_readers),
             syscall_watch: self.no_syscall_watch.then_some(false),
+            guard_realtime: self.no_guard_realtime.then_some(false),
             netns: self.netns.clone(),
             cleanup: self.cleanup.then_some(true),
             // A file key only: access is configured once per node.
@@ -347,6 +358,7 @@ fn options(c: FileConfig) -> Result<(DaemonOptions, LogFormat)> {
         guard: c.reader_guard.map(Into::into).unwrap_or(dp_default.guard),
         trusted_readers: c.trusted_readers.unwrap_or_default(),
         syscall_watch: c.syscall_watch.unwrap_or(dp_default.syscall_watch),
+        guard_realtime: c.guard_realtime.unwrap_or(dp_default.guard_realtime),
     };
     let d = ServerConfig::default();
     o.server = ServerConfig {
@@ -480,6 +492,20 @@ mod tests {
         assert_eq!(o.netns.as_deref(), Some(Path::new("/run/netns/flag")));
         assert_eq!(o.drain_timeout, Duration::from_secs(1));
         assert_eq!(o.socket_mode, 0o600, "what the flags leave alone comes from the file");
+    }
+
+    /// The guard's real-time priority: on by default, off by the file key or
+    /// the switch (which beats a file that turns it on).
+    #[test]
+    fn the_guard_runs_real_time_unless_turned_off() {
+        let (o, _) = resolve(&serve_args(&[]), None).unwrap();
+        assert!(o.dataplane.guard_realtime);
+        let off = TempConfig::new("guard_realtime = false\n");
+        let (o, _) = resolve(&serve_args(&["--config", &off.path()]), None).unwrap();
+        assert!(!o.dataplane.guard_realtime);
+        let on = TempConfig::new("guard_realtime = true\n");
+        let (o, _) = resolve(&serve_args(&["--config", &on.path(), "--no-guard-realtime"]), None).unwrap();
+        assert!(!o.dataplane.guard_realtime);
     }
 
     #[test]

@@ -80,6 +80,13 @@ pub struct DataplaneConfig {
     /// first spliced connection can lose bytes silently, and urgent data is
     /// redirected in-band.
     pub syscall_watch: bool,
+    /// Run the guard thread at real-time priority (SCHED_FIFO 1) while it
+    /// waits for and serves the programs' unlink requests, so that a
+    /// demoted connection leaves the SOCKMAP within microseconds on a busy
+    /// node rather than after the applications' time slices; walks and
+    /// classifications still run at normal priority. Needs CAP_SYS_NICE
+    /// (without it: normal priority, with a warning).
+    pub guard_realtime: bool,
 }
 
 impl Default for DataplaneConfig {
@@ -92,6 +99,7 @@ impl Default for DataplaneConfig {
             guard: GuardMode::Auto,
             trusted_readers: Vec::new(),
             syscall_watch: true,
+            guard_realtime: true,
         }
     }
 }
@@ -260,6 +268,7 @@ impl Dataplane {
             &cfg.trusted_readers,
             Arc::clone(&subscribers),
             guard_flags & CFG_GUARD != 0,
+            cfg.guard_realtime,
         )?;
         tracing::info!(
             guard = guard_flags & CFG_GUARD != 0,
@@ -340,6 +349,12 @@ impl Dataplane {
     /// Whether this instance runs the guard thread (another process may).
     pub fn guard_running_here(&self) -> bool {
         self.guard.is_some()
+    }
+
+    /// The thread id of the guard thread this process runs (see
+    /// [`DataplaneConfig::guard_realtime`]), once it started.
+    pub fn guard_thread_id(&self) -> Option<i32> {
+        self.guard.as_ref().and_then(GuardThread::tid)
     }
 
     /// Incidents from now on (connections reset by the reader guard, programs

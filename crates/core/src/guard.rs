@@ -20,7 +20,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -182,7 +182,16 @@ fn class_flags(f: &ExeFacts, trusted: bool) -> u32 {
 pub(crate) struct GuardThread {
     stop: Arc<AtomicBool>,
     handle: Option<JoinHandle<()>>,
+    /// The thread's id (gettid), once it runs; 0 before.
+    tid: Arc<AtomicI32>,
     _lock: nix::fcntl::Flock<fs::File>,
+}
+
+impl GuardThread {
+    /// The thread's id, once it started.
+    pub(crate) fn tid(&self) -> Option<i32> {
+        Some(self.tid.load(Ordering::Acquire)).filter(|&t| t != 0)
+    }
 }
 
 impl Drop for GuardThread {
@@ -240,6 +249,7 @@ pub(crate) fn start(
     trusted: &[PathBuf],
     subscribers: Arc<Subscribers>,
     classify: bool,
+    realtime: bool,
 ) -> Result<Option<GuardThread>, GuardError> {
     let Some(lock_file) = guard_lock(pin_dir)? else {
         tracing::info!(dir = %pin_dir.display(), "another process guards this data path");
@@ -262,18 +272,87 @@ pub(crate) fn start(
     drop(maps);
     let stop = Arc::new(AtomicBool::new(false));
     let (stop2, dir) = (Arc::clone(&stop), pin_dir.to_path_buf());
+    let tid = Arc::new(AtomicI32::new(0));
+    let tid2 = Arc::clone(&tid);
     let handle = std::thread::Builder::new()
         .name("meshwarp-guard".into())
         .spawn(move || {
-            if let Err(e) = run(&dir, &stop2, &trusted_keys, &subscribers) {
+            tid2.store(nix::unistd::gettid().as_raw(), Ordering::Release);
+            if let Err(e) = run(&dir, &stop2, &trusted_keys, &subscribers, realtime) {
                 tracing::error!("reader guard stopped: {e}");
             }
         })
         .map_err(|source| GuardError::Io(IoError::new("spawning the guard thread", source)))?;
-    Ok(Some(GuardThread { stop, handle: Some(handle), _lock: lock_file }))
+    Ok(Some(GuardThread { stop, handle: Some(handle), tid, _lock: lock_file }))
 }
 
-fn run(pin_dir: &Path, stop: &AtomicBool, trusted: &BTreeSet<ExeKey>, subs: &Subscribers) -> Result<(), GuardError> {
+/// The guard thread's real-time priority (SCHED_FIFO's lowest: above every
+/// normal thread, below any real-time one the node runs).
+pub const GUARD_RT_PRIORITY: i32 = 1;
+
+/// The guard thread's two priorities. It waits for the programs' requests
+/// and serves unlinks (one BPF_PROG_TEST_RUN each) at SCHED_FIFO
+/// ([`GUARD_RT_PRIORITY`]): until its unlink is done, a demoted end sends
+/// TCP through its psock, several times a plain send's cost, and at normal
+/// priority on a busy node the thread's wake-up waited milliseconds behind
+/// the applications' threads (8 connections of 1 KiB writes: 590 such sends
+/// per connection, 67 at SCHED_FIFO; benches/README.md). Walks (relinks,
+/// wakes, resets visit every TCP socket of the host), classifications (ELF
+/// files read) and sweeps run at normal priority, never holding a CPU from
+/// the applications for their length.
+struct Sched {
+    realtime: bool,
+    fifo: bool,
+}
+
+impl Sched {
+    /// Real-time if `realtime` and the kernel allows it (CAP_SYS_NICE).
+    fn new(realtime: bool) -> Self {
+        let mut s = Self { realtime, fifo: false };
+        s.urgent();
+        s
+    }
+
+    /// SCHED_FIFO, for waiting and serving unlinks.
+    fn urgent(&mut self) {
+        if !self.realtime || self.fifo {
+            return;
+        }
+        match crate::sys::set_thread_fifo(Some(GUARD_RT_PRIORITY)) {
+            Ok(()) => self.fifo = true,
+            Err(e) => {
+                self.realtime = false;
+                tracing::warn!(
+                    "the guard thread runs at normal priority (SCHED_FIFO refused: {e}; it needs CAP_SYS_NICE): \
+                     on a busy node, demoted connections wait longer to leave the SOCKMAP"
+                );
+            }
+        }
+    }
+
+    /// SCHED_OTHER, for work whose length grows with the node.
+    fn background(&mut self) {
+        if !self.fifo {
+            return;
+        }
+        self.fifo = false;
+        if let Err(e) = crate::sys::set_thread_fifo(None) {
+            // Leaving real time is always allowed; should it fail, stay
+            // there rather than switch back and forth.
+            self.realtime = false;
+            self.fifo = true;
+            tracing::warn!("the guard thread could not leave SCHED_FIFO: {e}");
+        }
+    }
+}
+
+fn run(
+    pin_dir: &Path,
+    stop: &AtomicBool,
+    trusted: &BTreeSet<ExeKey>,
+    subs: &Subscribers,
+    realtime: bool,
+) -> Result<(), GuardError> {
     let maps = GuardMaps::open(pin_dir)?;
     let queue: Rc<RefCell<Vec<Event>>> = Rc::default();
     let q = Rc::clone(&queue);
@@ -306,7 +385,9 @@ fn run(pin_dir: &Path, stop: &AtomicBool, trusted: &BTreeSet<ExeKey>, subs: &Sub
         }
     };
     let mut last_retry = Instant::now();
+    let mut sched = Sched::new(realtime);
     while !stop.load(Ordering::Relaxed) {
+        sched.urgent();
         let idle = Duration::from_millis(50);
         let wait = poll_wait(parker.as_ref().and_then(Parker::next_due_in), idle);
         if let Err(e) = rb.poll(wait) {
@@ -324,17 +405,26 @@ fn run(pin_dir: &Path, stop: &AtomicBool, trusted: &BTreeSet<ExeKey>, subs: &Sub
             if ev.kind == EV_CLASSIFY {
                 asks.insert(ev.exe, ev);
             } else {
+                // A reset is a walk.
+                sched.background();
                 guard.handle(&ev);
             }
         }
         if let Some(p) = parker.as_mut() {
             p.take_joins();
+            if p.next_due_in() == Some(Duration::ZERO) {
+                sched.background();
+            }
             p.run_due();
+        }
+        if !asks.is_empty() {
+            sched.background();
         }
         for ev in asks.values() {
             guard.handle(ev);
         }
         if last_retry.elapsed() > Duration::from_millis(500) {
+            sched.background();
             guard.retry_pending();
             if let Some(p) = parker.as_mut().filter(|p| p.rescan_due()) {
                 p.rescan();

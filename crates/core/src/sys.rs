@@ -194,6 +194,34 @@ pub fn splice(fd_in: RawFd, fd_out: RawFd, len: usize, flags: libc::c_uint) -> i
     Ok(n as usize)
 }
 
+/// The calling thread's scheduling: `Some(priority)` for SCHED_FIFO at that
+/// priority (reset to SCHED_OTHER in any child it forks), `None` for
+/// SCHED_OTHER. Changing to SCHED_FIFO needs CAP_SYS_NICE (or an
+/// RLIMIT_RTPRIO that allows it): EPERM otherwise.
+pub fn set_thread_fifo(priority: Option<i32>) -> io::Result<()> {
+    let (policy, prio) = match priority {
+        Some(p) => (libc::SCHED_FIFO | libc::SCHED_RESET_ON_FORK, p),
+        None => (libc::SCHED_OTHER, 0),
+    };
+    let param = libc::sched_param { sched_priority: prio };
+    // SAFETY: pid 0 is the calling thread; `param` outlives the call.
+    if unsafe { libc::sched_setscheduler(0, policy, &param) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Thread `tid`'s scheduling policy (`libc::SCHED_*`, without
+/// SCHED_RESET_ON_FORK).
+pub fn thread_sched_policy(tid: i32) -> io::Result<i32> {
+    // SAFETY: a plain query by thread id.
+    let p = unsafe { libc::sched_getscheduler(tid) };
+    if p < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(p & !libc::SCHED_RESET_ON_FORK)
+}
+
 /// A pipe (read end, write end), close-on-exec.
 pub fn pipe() -> io::Result<(std::os::fd::OwnedFd, std::os::fd::OwnedFd)> {
     Ok(nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?)

@@ -714,6 +714,7 @@ fn a_streaming_end_leaves_the_sockmap_and_comes_back() -> Result<()> {
     let (c, s) = connections(&net, &l, 8206, 1)?.remove(0);
     let (mut up_w, mut up_r) = (Stream::new(11), Stream::new(11));
     let (mut down_w, mut down_r) = (Stream::new(12), Stream::new(12));
+    guard_waits_at(&k, libc::SCHED_FIFO)?;
 
     stream_one_way(&c, &s, &mut up_w, &mut up_r, 1 << 20, 512)?;
     let st = wait_counters(&k, &pair, "the streaming client end was unlinked", |c| c.unlinks == 1)?;
@@ -737,7 +738,44 @@ fn a_streaming_end_leaves_the_sockmap_and_comes_back() -> Result<()> {
     let after = k.dp().stats(&pair)?;
     ensure!(after.promotions >= 1, "promoted after the relink: {after:?}");
     ensure!(after.redirected_bytes >= st.redirected_bytes + 500, "requests and replies redirected: {after:?}");
-    Ok(())
+    // The relink was a walk, at normal priority: waiting again, real time.
+    guard_waits_at(&k, libc::SCHED_FIFO)
+}
+
+/// Waits until this data path's guard thread runs under scheduling `policy`
+/// (it waits for requests and serves unlinks at SCHED_FIFO, unless the
+/// configuration says otherwise, and walks at SCHED_OTHER).
+fn guard_waits_at(k: &KernelTest, policy: i32) -> Result<()> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    let mut seen = None;
+    loop {
+        if let Some(tid) = k.dp().guard_thread_id() {
+            let now = meshwarp_core::sys::thread_sched_policy(tid)?;
+            if now == policy {
+                return Ok(());
+            }
+            seen = Some(now);
+        }
+        ensure!(
+            std::time::Instant::now() < deadline,
+            "the guard thread's scheduling policy is {seen:?}, not {policy} (SCHED_FIFO is 1)"
+        );
+        thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// With `guard_realtime` off, the guard thread runs at normal priority, and
+/// a streaming end still leaves the SOCKMAP (later, on a busy node).
+#[test]
+fn a_guard_configured_not_real_time_runs_at_normal_priority() -> Result<()> {
+    let Some(k) = KernelTest::start_with(1024, 64, |c| c.guard_realtime = false) else { return Ok(()) };
+    guard_waits_at(&k, libc::SCHED_OTHER)?;
+    let (net, l, pair) = pods_pair(&k, 8218, FastPathMode::Adaptive)?;
+    let (c, s) = connections(&net, &l, 8218, 1)?.remove(0);
+    let (mut up_w, mut up_r) = (Stream::new(13), Stream::new(13));
+    stream_one_way(&c, &s, &mut up_w, &mut up_r, 1 << 20, 512)?;
+    wait_counters(&k, &pair, "the streaming client end was unlinked", |c| c.unlinks == 1)?;
+    guard_waits_at(&k, libc::SCHED_OTHER)
 }
 
 /// An end out of the SOCKMAP is put back only while its peer has read all
