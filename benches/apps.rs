@@ -357,7 +357,12 @@ fn main() {
         vouched.push("haproxy");
     }
     let trusted: Vec<_> = vouched.into_iter().filter_map(which).collect();
-    let Some(k) = KernelTest::start_with(8192, 64, |cfg| cfg.trusted_readers.extend(trusted)) else { return };
+    let Some(k) = KernelTest::start_with(8192, 64, |cfg| {
+        cfg.trusted_readers.extend(trusted);
+        cfg.guard_realtime = interleave::guard_realtime();
+    }) else {
+        return;
+    };
     let ns = NetNs::new("apps").expect("netns");
     let cc = ns.bench_congestion_control().expect("MESHWARP_BENCH_CC");
     eprintln!("apps bench: TCP congestion control {cc} (MESHWARP_BENCH_CC sets another)");

@@ -199,7 +199,9 @@ fn rtt<S: Read + Write + std::os::fd::AsFd>(s: &mut S, msg: &[u8], buf: &mut [u8
 }
 
 fn paths(c: &mut Criterion) {
-    let Some(k) = KernelTest::start_sized(8192, 4096) else { return };
+    let Some(k) = KernelTest::start_with(8192, 4096, |cfg| cfg.guard_realtime = interleave::guard_realtime()) else {
+        return;
+    };
     let ns = bench_ns();
     let lo = |p: u16| SocketAddr::new(IpAddr::from([127, 0, 0, 1]), p);
     // Pairs and the capture rule, registered once.
