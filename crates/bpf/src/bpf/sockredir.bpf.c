@@ -2299,28 +2299,15 @@ static __always_inline __u32 tcp_ahead_max(struct tcp_sock *tp, struct mw_link *
 	return rmem + wmem;
 }
 
-/* A message that takes TCP rather than wait for its peer's lock (a
- * redirect sleeps on it in bpf_tcp_ingress, where TCP queues the segment to
- * the peer's backlog and goes on; the messages after it then take TCP until
- * the peer read it):
- * - nodelay, a run's first message (an answer, or the next request after
- *   one) into a peer whose lock is held (reader_busy: its reader copying
- *   out, or its own sender in the middle of a write): a burst of 16 KiB
- *   uploads, each answered with 64 B, took 1.5x TCP's time redirected both
- *   ways, 1.4x with this. Not later in a run: large writes going around
- *   in a stream's first messages (before reader_concurrent may judge
- *   them) made a 64 KiB stream on two CPUs 0.3-0.5x TCP's throughput;
- * - a stream of large writes (past MW_POLICY_RUN, averaging
- *   MW_POLICY_SMALL or more) into a reader on another CPU
- *   (reader_concurrent);
- * - one TCP would coalesce (past MW_POLICY_COALESCE, writes under a
- *   segment) into a reader busy copying out (reader_busy). */
+/* A stream that takes TCP for this message rather than wait for its
+ * reader's lock: one of large writes (past MW_POLICY_RUN, averaging
+ * MW_POLICY_SMALL or more) into a reader on another CPU
+ * (reader_concurrent), or one TCP would coalesce (past MW_POLICY_COALESCE,
+ * writes under a segment) into a reader busy copying out (reader_busy). */
 static __always_inline bool goes_around(struct mw_link *link, __u32 end, struct tcp_sock *tp)
 {
 	const struct mw_dir *d = &link->dir[end & 1];
 
-	if (d->run == 1)
-		return !coalescing(tp) && reader_busy(link, end ^ 1);
 	if (d->run <= MW_POLICY_RUN)
 		return false;
 	if (d->run_bytes >= MW_POLICY_RUN * MW_POLICY_SMALL)
@@ -2494,10 +2481,9 @@ static __always_inline int finish_msg(struct sk_msg_md *msg, struct bpf_sock *sk
 			rs->fb_tcp_path++;
 		return SK_PASS;
 	}
-	/* A message into a peer holding its lock, or a stream into a reader
-	 * about to copy out (goes_around): TCP for this message rather than
-	 * wait for that lock. Mode always, and a reader whose FIONREAD would
-	 * miss TCP bytes, wait. */
+	/* A stream into a reader copying out, or about to (goes_around): TCP
+	 * for this message rather than wait for the reader's lock. Mode
+	 * always, and a reader whose FIONREAD would miss TCP bytes, wait. */
 	if (!(link->flags & MW_LINK_FIXED) && !(link->end_flags[peer] & MW_EF_FIONREAD) && goes_around(link, end, tp)) {
 		/* Past MW_POLICY_COALESCE without a reply, a stream whose reader
 		 * copies at its own pace: the rest of the run on TCP, out of the
