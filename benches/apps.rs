@@ -359,7 +359,7 @@ fn main() {
     let trusted: Vec<_> = vouched.into_iter().filter_map(which).collect();
     let Some(k) = KernelTest::start_with(8192, 64, |cfg| {
         cfg.trusted_readers.extend(trusted);
-        cfg.guard_realtime = interleave::guard_realtime();
+        cfg.guard_realtime = meshwarp_testbed::bench_guard_realtime();
     }) else {
         return;
     };

@@ -65,11 +65,3 @@ pub fn selected(id: &str) -> bool {
         None => true,
     }
 }
-
-/// Whether the data path's guard thread runs real-time (the default);
-/// `MESHWARP_BENCH_GUARD_NORMAL=1` runs it at normal priority, for an A/B of
-/// `DataplaneConfig::guard_realtime`.
-#[allow(dead_code)] // included by benches that open no data path too
-pub fn guard_realtime() -> bool {
-    std::env::var_os("MESHWARP_BENCH_GUARD_NORMAL").is_none_or(|v| v.is_empty() || v == "0")
-}

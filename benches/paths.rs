@@ -199,7 +199,9 @@ fn rtt<S: Read + Write + std::os::fd::AsFd>(s: &mut S, msg: &[u8], buf: &mut [u8
 }
 
 fn paths(c: &mut Criterion) {
-    let Some(k) = KernelTest::start_with(8192, 4096, |cfg| cfg.guard_realtime = interleave::guard_realtime()) else {
+    let Some(k) =
+        KernelTest::start_with(8192, 4096, |cfg| cfg.guard_realtime = meshwarp_testbed::bench_guard_realtime())
+    else {
         return;
     };
     let ns = bench_ns();

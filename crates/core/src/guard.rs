@@ -306,14 +306,8 @@ struct Sched {
 }
 
 impl Sched {
-    /// Real-time if `realtime` and the kernel allows it (CAP_SYS_NICE).
-    fn new(realtime: bool) -> Self {
-        let mut s = Self { realtime, fifo: false };
-        s.urgent();
-        s
-    }
-
-    /// SCHED_FIFO, for waiting and serving unlinks.
+    /// SCHED_FIFO (if `realtime` and the kernel allows it: CAP_SYS_NICE),
+    /// for waiting and serving unlinks.
     fn urgent(&mut self) {
         if !self.realtime || self.fifo {
             return;
@@ -385,7 +379,7 @@ fn run(
         }
     };
     let mut last_retry = Instant::now();
-    let mut sched = Sched::new(realtime);
+    let mut sched = Sched { realtime, fifo: false };
     while !stop.load(Ordering::Relaxed) {
         sched.urgent();
         let idle = Duration::from_millis(50);

@@ -1770,6 +1770,13 @@ pub struct KernelTest {
     _lock: MutexGuard<'static, ()>,
 }
 
+/// Whether a bench's data path runs its guard thread real-time (the
+/// default); `MESHWARP_BENCH_GUARD_NORMAL=1` runs it at normal priority, for
+/// an A/B of `DataplaneConfig::guard_realtime`.
+pub fn bench_guard_realtime() -> bool {
+    std::env::var_os("MESHWARP_BENCH_GUARD_NORMAL").is_none_or(|v| v.is_empty() || v == "0")
+}
+
 impl KernelTest {
     /// Loads a fresh data path with `max_sockets` SOCKMAP slots.
     ///
