@@ -396,7 +396,7 @@ fn a_batched_stream_moves_to_tcp_only_while_its_reader_keeps_up() -> Result<()> 
 /// Nodelay, 64-byte writes, no reply: TCP would not coalesce them, so the
 /// direction stays on the fast path while its reader keeps up (here in
 /// lockstep, hundreds of messages). Once the reader stops reading, the
-/// redirected backlog grows past `MW_POLICY_BEHIND` (256) messages and, at
+/// redirected backlog grows past `MW_POLICY_BEHIND` (32) messages and, at
 /// the next check (every 16 messages), the direction moves to TCP, which
 /// sends a backlog as a few large segments. Every byte arrives in order: the
 /// psock's queue is read before TCP's.
@@ -422,8 +422,8 @@ fn a_nodelay_stream_moves_to_tcp_when_its_reader_falls_behind() -> Result<()> {
     let st = k.dp().stats(&pair)?;
     ensure!(st.demotions_behind == 1 && st.demotions_coalesce == 0, "demoted once, reader behind: {st:?}");
     ensure!(
-        (400 + 256..=400 + 256 + 16).contains(&st.redirected_msgs),
-        "demoted at the first check 256 messages behind: {st:?}"
+        (400 + 32..=400 + 32 + 16).contains(&st.redirected_msgs),
+        "demoted at the first check 32 messages behind: {st:?}"
     );
     up_r.read(&s, 320 * 64)?;
     Ok(())

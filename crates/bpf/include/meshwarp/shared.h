@@ -269,8 +269,14 @@ struct mw_dir {
  * fast path while its reader keeps up. Once a stream of small writes finds
  * its reader MW_POLICY_BEHIND messages behind (checked every
  * MW_POLICY_CHECK messages of the run), TCP, which sends a backlog as a few
- * large segments, costs less per byte than one psock message per write. */
-#define MW_POLICY_BEHIND 256
+ * large segments, costs less per byte than one psock message per write.
+ * 32, not 256: streams of 64 connections reached 256 behind almost at once
+ * and paid the redirect's cost (0.57x TCP there) for their first ~290
+ * writes: 64 x 64 B nodelay 0.75-0.81x TCP, 0.90x at 32; a burst of 100
+ * nodelay requests 1.07-1.12x TCP's time, 1.01x at 32; one connection,
+ * whose reader falls behind now and then, loses its small gain (1.07x
+ * always) but stays at TCP's (benches/README.md, 2026-12-04, late). */
+#define MW_POLICY_BEHIND 32
 
 /* The connection both accelerated ends share (mw_links, indexed by its slot;
  * found from the id alone by probing the slots the id hashes to). */

@@ -2347,7 +2347,7 @@ static __always_inline bool policy_allows(struct sk_msg_md *msg, struct mw_link 
 	struct mw_dir *d = &link->dir[st->end & 1];
 	struct mw_dir *o = &link->dir[(st->end ^ 1) & 1];
 	__u32 run, skipped, unread = 0;
-	bool behind = false, small;
+	bool behind = false, coalesce, small;
 
 	if (o->run)
 		o->run = 0; /* this message answers the peer's */
@@ -2408,20 +2408,21 @@ static __always_inline bool policy_allows(struct sk_msg_md *msg, struct mw_link 
 		unread = d->redir - d->psock_read;
 		if (run != MW_POLICY_COALESCE && (run % MW_POLICY_CHECK))
 			return true;
-		if (!(run % MW_POLICY_CHECK) && !(d->flags & MW_DIR_RD_SHARED) &&
-		    !(run < MW_POLICY_COALESCE && batched(d, tp)))
-			behind = !small
-					 ? unread > tcp_ahead_max(tp, link, st->end ^ 1)
-					 : (__u64)unread * MW_POLICY_RUN >= (__u64)MW_POLICY_BEHIND * d->run_bytes;
 	}
 	/* A batched run of small writes moves to TCP; one of larger writes
 	 * once its reader keeps up, at MW_POLICY_COALESCE or any check after
 	 * it (a reader behind at one moment may catch up). Whether a reader
 	 * of several threads keeps up is not known (its reads are not
 	 * counted): TCP, which costs such a run at most the fast path's gain,
-	 * never a loss. */
-	if (behind || (run >= MW_POLICY_COALESCE && batched(d, tp) &&
-		       (small || (d->flags & MW_DIR_RD_SHARED) || unread <= MW_POLICY_KEEPUP))) {
+	 * never a loss. Counted as coalescing even when its reader is behind
+	 * too (the reason that would have moved it anyway). */
+	coalesce = run >= MW_POLICY_COALESCE && batched(d, tp) &&
+		   (small || (d->flags & MW_DIR_RD_SHARED) || unread <= MW_POLICY_KEEPUP);
+	if (!coalesce && run > MW_POLICY_RUN && !(run % MW_POLICY_CHECK) && !(d->flags & MW_DIR_RD_SHARED) &&
+	    !(run < MW_POLICY_COALESCE && batched(d, tp)))
+		behind = !small ? unread > tcp_ahead_max(tp, link, st->end ^ 1)
+				: (__u64)unread * MW_POLICY_RUN >= (__u64)MW_POLICY_BEHIND * d->run_bytes;
+	if (behind || coalesce) {
 		demote(d, st);
 		if (rs) {
 			if (behind)
