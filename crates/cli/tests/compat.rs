@@ -2023,7 +2023,7 @@ fn java_http_client_server_and_sendfile() -> Result<()> {
     // is classified and seen reading; none of the second run's do. How much
     // of the large full-duplex echoes stays redirected is the policy's call
     // and timing (demotions_around: a stream goes around a reader copying
-    // out on another CPU): 88-145 MB per run of ~2 x 95 MB on this machine,
+    // out on another CPU): 88-148 MB per run of ~2 x 95 MB on this machine,
     // so the rule's totals cannot tell both ways from one. The claim here:
     // the two runs redirected more than one direction of one run carries
     // (the POST bodies, as Main.java sizes them).
