@@ -62,8 +62,10 @@ pub struct RuleCounters {
     /// Adaptive policy: messages of a stream sent on the TCP path around
     /// the peer's reader: writes averaging 4 KiB or more into a reader that
     /// held its socket or ran on another CPU with redirected bytes unread,
-    /// or a stream TCP would coalesce into a reader holding its socket. A
-    /// redirect would have waited for that reader's lock.
+    /// or a stream TCP would coalesce into a reader holding its socket; or
+    /// a nodelay answer (a run's first message) or pipelined request of
+    /// 4 KiB or more (sent before the peer's answer was read) into a peer
+    /// holding its socket. A redirect would have waited for that lock.
     pub fallback_reader_busy: u64,
     /// Readers woken because they asked FIONREAD with bytes queued that
     /// this kernel's FIONREAD does not count (TCP bytes behind a psock): an

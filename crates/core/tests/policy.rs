@@ -6,7 +6,8 @@
 //! starts and every TCP byte was read; the modes `always` and `never`; and
 //! checksummed streams in both directions while directions move back and
 //! forth (nothing lost, duplicated or reordered); a Nagle stream whose
-//! reader is busy copying out sends on TCP rather than wait for its lock.
+//! reader is busy copying out, and a nodelay run's first message into a
+//! peer holding its lock, send on TCP rather than wait for that lock.
 //!
 //! Each test fails (never skips) when CI=true and BPF is refused.
 
@@ -1281,7 +1282,6 @@ fn loopback_pair(k: &KernelTest, port: u16, n: usize) -> Result<LoopbackPair> {
 /// checked, both ways.
 #[test]
 fn a_coalescing_stream_goes_around_a_busy_reader() -> Result<()> {
-    use std::os::fd::AsRawFd;
     const W: usize = 8192;
     let k = kernel_test!();
     // Writer and readers on one CPU: its 8 KiB writes average over 4 KiB,
@@ -1308,36 +1308,8 @@ fn a_coalescing_stream_goes_around_a_busy_reader() -> Result<()> {
 
     // One more, which the reader starts copying into the stalling page.
     up_w.write(&c, W, W)?;
-    let page = StallingPage::new()?;
-    let (at, plen, fd) = (page.page, page.len.min(W), s.as_raw_fd());
-    let got = thread::scope(|scope| -> Result<isize> {
-        // SAFETY: the page stays mapped until the scope ends.
-        let reader = scope.spawn(move || unsafe { libc::recv(fd, at as *mut libc::c_void, plen, 0) });
-        let waited = page.wait_fault(Duration::from_secs(10)).map(|()| {
-            let (tx, rx) = std::sync::mpsc::channel();
-            let (up, c) = (&mut up_w, &c);
-            let writer = scope.spawn(move || {
-                let r = up.write(c, W, W);
-                tx.send(()).ok();
-                r
-            });
-            (rx.recv_timeout(Duration::from_secs(10)).is_ok(), writer)
-        });
-        // Whatever happened, the reader goes on before the scope joins it.
-        let released = page.release();
-        let (returned, writer) = waited?;
-        released?;
-        ensure!(returned, "the write waited for the busy reader's lock");
-        writer.join().unwrap()?;
-        Ok(reader.join().unwrap())
-    })?;
-    ensure!(got == plen as isize, "the stopped read returned {got}");
-    // SAFETY: the page is mapped, and recv filled plen bytes of it.
-    let copied = unsafe { std::slice::from_raw_parts(at as *const u8, plen) };
-    for (i, b) in copied.iter().enumerate() {
-        ensure!(*b == pattern_byte(47, up_r.at + i as u64), "wrong byte at offset {}", up_r.at + i as u64);
-    }
-    up_r.at += plen as u64;
+    let (returned, plen) = write_while_reader_stalled((&s, &mut up_r, W), (&c, &mut up_w, W), Duration::from_secs(10))?;
+    ensure!(returned, "the write waited for the busy reader's lock");
     let st = k.dp().stats(&pair)?;
     ensure!(
         st.demotions_around == 1 && st.fallback_reader_busy == 0 && st.redirected_msgs == RUN + 1,
@@ -1363,6 +1335,138 @@ fn a_coalescing_stream_goes_around_a_busy_reader() -> Result<()> {
         st.redirected_msgs == RUN + 3 && st.promotions == 1 && st.demotions_around == 1 && st.demotions_coalesce == 0,
         "{st:?}"
     );
+    Ok(())
+}
+
+/// Starts a read of up to `read_len` bytes (of stream `r`) on `s` that
+/// stops inside its copy, holding `s`'s socket lock (a [`StallingPage`]),
+/// then writes `write_len` bytes of stream `w` on `c` in one write: whether
+/// that write returned within `patience` while the read was stopped. The
+/// read is then let go and its bytes checked; also returns how many it read.
+fn write_while_reader_stalled(
+    (s, r, read_len): (&TcpStream, &mut Stream, usize),
+    (c, w, write_len): (&TcpStream, &mut Stream, usize),
+    patience: Duration,
+) -> Result<(bool, usize)> {
+    use std::os::fd::AsRawFd;
+    let page = StallingPage::new()?;
+    let (at, plen, fd) = (page.page, page.len.min(read_len), s.as_raw_fd());
+    let (returned, got) = thread::scope(|scope| -> Result<(bool, isize)> {
+        // SAFETY: the page stays mapped until the scope ends.
+        let reader = scope.spawn(move || unsafe { libc::recv(fd, at as *mut libc::c_void, plen, 0) });
+        let waited = page.wait_fault(Duration::from_secs(10)).map(|()| {
+            let (tx, rx) = std::sync::mpsc::channel();
+            let writer = scope.spawn(move || {
+                let r = w.write(c, write_len, write_len);
+                tx.send(()).ok();
+                r
+            });
+            (rx.recv_timeout(patience).is_ok(), writer)
+        });
+        // Whatever happened, the reader goes on before the scope joins it.
+        let released = page.release();
+        let (returned, writer) = waited?;
+        released?;
+        writer.join().unwrap()?;
+        Ok((returned, reader.join().unwrap()))
+    })?;
+    ensure!(got > 0 && got <= plen as isize, "the stopped read returned {got}");
+    let got = got as usize;
+    // SAFETY: the page is mapped, and recv filled `got` bytes of it.
+    let copied = unsafe { std::slice::from_raw_parts(at as *const u8, got) };
+    for (i, b) in copied.iter().enumerate() {
+        ensure!(*b == pattern_byte(r.seed, r.at + i as u64), "wrong byte at offset {}", r.at + i as u64);
+    }
+    r.at += got as u64;
+    Ok((returned, got))
+}
+
+/// Nodelay, one CPU: the first message after the peer's (an answer, or
+/// the next request after one) into a peer whose reader is copying out,
+/// holding its lock, takes TCP rather than sleep on that lock: a 100 B
+/// answer into the client, a 16 KiB request into the server. Both writes
+/// return while the reader is stopped; a run's later messages do not look
+/// (streams are judged past MW_POLICY_RUN) unless they are pipelined
+/// requests of 4 KiB or more, sent before the peer's answer was read; the
+/// next exchange, every TCP byte read, is redirected again. Every byte
+/// checked, both ways.
+#[test]
+fn a_nodelay_runs_first_message_goes_around_a_peer_holding_its_lock() -> Result<()> {
+    const W: usize = 16 << 10;
+    let k = kernel_test!();
+    meshwarp_testbed::pin_to_one_cpu()?;
+    let (_ns, pair, mut conns) = loopback_pair(&k, 8219, 2)?;
+    let (c, s) = conns.remove(0);
+    let (c2, s2) = conns.remove(0);
+    for sock in [&c, &s, &c2, &s2] {
+        sock.set_nodelay(true)?;
+    }
+    let (mut up_w, mut up_r) = (Stream::new(61), Stream::new(61));
+    let (mut dn_w, mut dn_r) = (Stream::new(62), Stream::new(62));
+
+    // R1, A1, R2 redirected (A1 read only below).
+    up_w.write(&c, 64, 64)?;
+    up_r.read(&s, 64)?;
+    dn_w.write(&s, 64, 64)?;
+    up_w.write(&c, 64, 64)?;
+    up_r.read(&s, 64)?;
+    let st = k.dp().stats(&pair)?;
+    ensure!(st.redirected_msgs == 3 && st.fallback_reader_busy == 0, "{st:?}");
+    // The client copies A1 out (stopped there); the server's answer to R2
+    // takes TCP.
+    let (returned, got) =
+        write_while_reader_stalled((&c, &mut dn_r, 64), (&s, &mut dn_w, 100), Duration::from_secs(10))?;
+    ensure!(returned, "the answer waited for the client's lock");
+    dn_r.read(&c, 64 - got + 100)?;
+    let st = k.dp().stats(&pair)?;
+    ensure!(st.redirected_msgs == 3 && st.fallback_reader_busy == 1, "the answer took TCP: {st:?}");
+
+    // Requests of 16 KiB: R3 redirected, answered (A3, redirected, read
+    // later); the server copies R3 out (stopped there); R4, the client's
+    // first message since A3, takes TCP.
+    up_w.write(&c, W, W)?;
+    dn_w.write(&s, 64, 64)?;
+    let (returned, got) = write_while_reader_stalled((&s, &mut up_r, W), (&c, &mut up_w, W), Duration::from_secs(10))?;
+    ensure!(returned, "the request waited for the server's lock");
+    up_r.read(&s, W - got + W)?;
+    dn_r.read(&c, 64)?;
+    let st = k.dp().stats(&pair)?;
+    ensure!(st.redirected_msgs == 5 && st.fallback_reader_busy == 2, "R4 took TCP: {st:?}");
+
+    // A run's second message into a reader copying out is redirected
+    // (waits for the lock): R5 and R6, no answer between.
+    up_w.write(&c, W, W)?;
+    let (returned, got) =
+        write_while_reader_stalled((&s, &mut up_r, W), (&c, &mut up_w, W), Duration::from_millis(300))?;
+    ensure!(!returned, "R6 went around its reader");
+    up_r.read(&s, W - got + W)?;
+    let st = k.dp().stats(&pair)?;
+    ensure!(st.redirected_msgs == 7 && st.fallback_reader_busy == 2, "R5, R6 redirected: {st:?}");
+
+    // A new exchange, every TCP byte read: redirected both ways again.
+    dn_w.write(&s, 64, 64)?;
+    dn_r.read(&c, 64)?;
+    up_w.write(&c, W, W)?;
+    up_r.read(&s, W)?;
+    let st = k.dp().stats(&pair)?;
+    ensure!(st.redirected_msgs == 9 && st.fallback_reader_busy == 2 && st.fallback_tcp_path == 0, "{st:?}");
+
+    // Pipelined, on a second connection whose client reads on one thread
+    // (the first one's read on two: its psock reads are not counted): the
+    // server answers first (A, redirected, not read yet); R10 is
+    // redirected and the server copies it out (stopped there); R11, the
+    // run's second message but sent before A was read, takes TCP.
+    let (mut up2_w, mut up2_r) = (Stream::new(63), Stream::new(63));
+    let (mut dn2_w, mut dn2_r) = (Stream::new(64), Stream::new(64));
+    dn2_w.write(&s2, 64, 64)?;
+    up2_w.write(&c2, W, W)?;
+    let (returned, got) =
+        write_while_reader_stalled((&s2, &mut up2_r, W), (&c2, &mut up2_w, W), Duration::from_secs(10))?;
+    ensure!(returned, "the pipelined request waited for the server's lock");
+    up2_r.read(&s2, W - got + W)?;
+    dn2_r.read(&c2, 64)?;
+    let st = k.dp().stats(&pair)?;
+    ensure!(st.redirected_msgs == 11 && st.fallback_reader_busy == 3, "R11 took TCP: {st:?}");
     Ok(())
 }
 
