@@ -1337,9 +1337,13 @@ fn python_zero_copy_sends_complete_as_on_tcp() -> Result<()> {
     report("python zero-copy sends", &[("pair", st)]);
     ensure!(refused == 1 && st.zerocopy_refused == 1, "python was refused {refused} times: {st:?}");
     ensure!(st.fallback_zerocopy >= 1, "some connection's sends took TCP for SO_ZEROCOPY: {st:?}");
-    // Most of them: a large write into a reader copying out on another CPU
-    // takes TCP (fallback_reader_busy), a choice of timing.
-    ensure!(st.redirected_bytes >= TOTAL as u64 / 2, "the refused connection's copies redirected: {st:?}");
+    // Not all of them: a large write into a reader copying out on another
+    // CPU, and the stream's first write into a peer holding its lock, take
+    // TCP (fallback_reader_busy), and what follows until it was read: a
+    // choice of timing (5.2-7.9 of 8.7 MB in six local runs, 4.1 MB once in
+    // CI; 6.6-8.7 MB before first writes went around). A quarter shows the
+    // refused connection stays on the fast path.
+    ensure!(st.redirected_bytes >= TOTAL as u64 / 4, "the refused connection's copies redirected: {st:?}");
     Ok(())
 }
 

@@ -6,8 +6,9 @@
 //! starts and every TCP byte was read; the modes `always` and `never`; and
 //! checksummed streams in both directions while directions move back and
 //! forth (nothing lost, duplicated or reordered); a Nagle stream whose
-//! reader is busy copying out, and a nodelay run's first message into a
-//! peer holding its lock, send on TCP rather than wait for that lock.
+//! reader is busy copying out, and a nodelay run's first message or
+//! pipelined request (4 KiB or more, the peer's answer unread) into a peer
+//! holding its lock, send on TCP rather than wait for that lock.
 //!
 //! Each test fails (never skips) when CI=true and BPF is refused.
 
@@ -1433,8 +1434,10 @@ fn a_nodelay_runs_first_message_goes_around_a_peer_holding_its_lock() -> Result<
     let st = k.dp().stats(&pair)?;
     ensure!(st.redirected_msgs == 5 && st.fallback_reader_busy == 2, "R4 took TCP: {st:?}");
 
-    // A run's second message into a reader copying out is redirected
-    // (waits for the lock): R5 and R6, no answer between.
+    // A run's later message into a reader copying out is redirected
+    // (waits for the lock): R5 and R6 (R4 started the run), no answer
+    // between. (This client read on two threads: its psock reads are no
+    // longer counted, so whether it read the answers is not judged.)
     up_w.write(&c, W, W)?;
     let (returned, got) =
         write_while_reader_stalled((&s, &mut up_r, W), (&c, &mut up_w, W), Duration::from_millis(300))?;
@@ -1467,6 +1470,29 @@ fn a_nodelay_runs_first_message_goes_around_a_peer_holding_its_lock() -> Result<
     dn2_r.read(&c2, 64)?;
     let st = k.dp().stats(&pair)?;
     ensure!(st.redirected_msgs == 11 && st.fallback_reader_busy == 3, "R11 took TCP: {st:?}");
+
+    // Not pipelined, the same client: every answer read, R12 and R13 (the
+    // run's third and fourth) into the server copying R12 out: R13 waits.
+    up2_w.write(&c2, W, W)?;
+    let (returned, got) =
+        write_while_reader_stalled((&s2, &mut up2_r, W), (&c2, &mut up2_w, W), Duration::from_millis(300))?;
+    ensure!(!returned, "R13 went around its reader with no answer unread");
+    up2_r.read(&s2, W - got + W)?;
+    let st = k.dp().stats(&pair)?;
+    ensure!(st.redirected_msgs == 13 && st.fallback_reader_busy == 3, "R12, R13 redirected: {st:?}");
+
+    // An answer unread but a request under 4 KiB: A (redirected), then
+    // R14 (16 KiB, the run's first, the server not busy) and R15 (1 KiB)
+    // into the server copying R14 out: R15 waits.
+    dn2_w.write(&s2, 64, 64)?;
+    up2_w.write(&c2, W, W)?;
+    let (returned, got) =
+        write_while_reader_stalled((&s2, &mut up2_r, W), (&c2, &mut up2_w, 1024), Duration::from_millis(300))?;
+    ensure!(!returned, "a 1 KiB request went around its reader");
+    up2_r.read(&s2, W - got + 1024)?;
+    dn2_r.read(&c2, 64)?;
+    let st = k.dp().stats(&pair)?;
+    ensure!(st.redirected_msgs == 16 && st.fallback_reader_busy == 3, "A, R14, R15 redirected: {st:?}");
     Ok(())
 }
 

@@ -219,7 +219,8 @@ struct mw_dir {
  * averaging MW_POLICY_SMALL or more find their reader copying out on
  * another CPU (reader_concurrent: TCP lets both copy at once, a redirect
  * waits for the reader's lock), or small Nagle writes find it busy
- * (reader_busy). */
+ * (reader_busy); and nodelay answers and pipelined requests whose peer
+ * holds its lock (nodelay_around_lock). */
 #define MW_POLICY_RUN 8
 #define MW_POLICY_SMALL 4096
 /* Writes under MW_POLICY_BATCH bytes (on average over the run's first
@@ -653,7 +654,7 @@ struct mw_rule_stats {
 	__u64 unlinks;          /* demoted ends taken out of the SOCKMAP (plain TCP, no tcp_bpf) */
 	__u64 relinks;          /* unlinked ends put back when their peer sent */
 	__u64 demotions_behind; /* directions moved to TCP: the reader behind (MW_POLICY_BEHIND, tcp_ahead_max) */
-	__u64 fb_reader_busy;   /* messages sent on TCP around a reader copying out, or about to (goes_around) */
+	__u64 fb_reader_busy;   /* messages sent on TCP around a reader copying out, or about to (goes_around), or a nodelay answer or pipelined request around a peer holding its lock (nodelay_around_lock) */
 	__u64 reader_wakeups;   /* FIONREAD readers woken for TCP bytes their FIONREAD missed (MW_EF_WAKE) */
 	__u64 tgtmap_clients;   /* client ends put in mw_tgtmap at connect: their server end is never a target (rule, mw_srv_hint) */
 	__u64 hint_stale;       /* server ends withdrawn as targets: their client went by a stale mw_srv_hint */

@@ -2332,6 +2332,9 @@ static __always_inline bool goes_around(struct mw_link *link, __u32 end, struct 
  *   made a 64 KiB stream on two CPUs 0.3-0.5x TCP: TCP through the psock).
  * Both sides of a burst of 16 KiB uploads answered with 64 B slept there
  * (about four times per burst each): 1.6x TCP's time, 1.3x with this.
+ * Counted as fallback_reader_busy; past MW_POLICY_COALESCE, as for
+ * goes_around, the message demotes the rest of its run instead
+ * (demotions_around).
  */
 static __always_inline bool nodelay_around_lock(struct mw_link *link, __u32 end, __u32 size, struct tcp_sock *tp)
 {
