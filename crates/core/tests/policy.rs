@@ -1382,6 +1382,20 @@ fn write_while_reader_stalled(
     Ok((returned, got))
 }
 
+/// The server copies a `len`-byte request out (stopped inside that copy,
+/// holding its lock) while the client writes `next` bytes more; then the
+/// server reads the rest of both, checked. Whether the client's write
+/// returned within `patience` (see [`write_while_reader_stalled`]).
+fn write_while_request_copied(
+    (s, r, len): (&TcpStream, &mut Stream, usize),
+    (c, w, next): (&TcpStream, &mut Stream, usize),
+    patience: Duration,
+) -> Result<bool> {
+    let (returned, got) = write_while_reader_stalled((s, &mut *r, len), (c, w, next), patience)?;
+    r.read(s, len - got + next)?;
+    Ok(returned)
+}
+
 /// Nodelay, one CPU: the first message after the peer's (an answer, or
 /// the next request after one) into a peer whose reader is copying out,
 /// holding its lock, takes TCP rather than sleep on that lock: a 100 B
@@ -1427,9 +1441,8 @@ fn a_nodelay_runs_first_message_goes_around_a_peer_holding_its_lock() -> Result<
     // first message since A3, takes TCP.
     up_w.write(&c, W, W)?;
     dn_w.write(&s, 64, 64)?;
-    let (returned, got) = write_while_reader_stalled((&s, &mut up_r, W), (&c, &mut up_w, W), Duration::from_secs(10))?;
+    let returned = write_while_request_copied((&s, &mut up_r, W), (&c, &mut up_w, W), Duration::from_secs(10))?;
     ensure!(returned, "the request waited for the server's lock");
-    up_r.read(&s, W - got + W)?;
     dn_r.read(&c, 64)?;
     let st = k.dp().stats(&pair)?;
     ensure!(st.redirected_msgs == 5 && st.fallback_reader_busy == 2, "R4 took TCP: {st:?}");
@@ -1439,10 +1452,8 @@ fn a_nodelay_runs_first_message_goes_around_a_peer_holding_its_lock() -> Result<
     // between. (This client read on two threads: its psock reads are no
     // longer counted, so whether it read the answers is not judged.)
     up_w.write(&c, W, W)?;
-    let (returned, got) =
-        write_while_reader_stalled((&s, &mut up_r, W), (&c, &mut up_w, W), Duration::from_millis(300))?;
+    let returned = write_while_request_copied((&s, &mut up_r, W), (&c, &mut up_w, W), Duration::from_millis(300))?;
     ensure!(!returned, "R6 went around its reader");
-    up_r.read(&s, W - got + W)?;
     let st = k.dp().stats(&pair)?;
     ensure!(st.redirected_msgs == 7 && st.fallback_reader_busy == 2, "R5, R6 redirected: {st:?}");
 
@@ -1463,10 +1474,8 @@ fn a_nodelay_runs_first_message_goes_around_a_peer_holding_its_lock() -> Result<
     let (mut dn2_w, mut dn2_r) = (Stream::new(64), Stream::new(64));
     dn2_w.write(&s2, 64, 64)?;
     up2_w.write(&c2, W, W)?;
-    let (returned, got) =
-        write_while_reader_stalled((&s2, &mut up2_r, W), (&c2, &mut up2_w, W), Duration::from_secs(10))?;
+    let returned = write_while_request_copied((&s2, &mut up2_r, W), (&c2, &mut up2_w, W), Duration::from_secs(10))?;
     ensure!(returned, "the pipelined request waited for the server's lock");
-    up2_r.read(&s2, W - got + W)?;
     dn2_r.read(&c2, 64)?;
     let st = k.dp().stats(&pair)?;
     ensure!(st.redirected_msgs == 11 && st.fallback_reader_busy == 3, "R11 took TCP: {st:?}");
@@ -1474,10 +1483,8 @@ fn a_nodelay_runs_first_message_goes_around_a_peer_holding_its_lock() -> Result<
     // Not pipelined, the same client: every answer read, R12 and R13 (the
     // run's third and fourth) into the server copying R12 out: R13 waits.
     up2_w.write(&c2, W, W)?;
-    let (returned, got) =
-        write_while_reader_stalled((&s2, &mut up2_r, W), (&c2, &mut up2_w, W), Duration::from_millis(300))?;
+    let returned = write_while_request_copied((&s2, &mut up2_r, W), (&c2, &mut up2_w, W), Duration::from_millis(300))?;
     ensure!(!returned, "R13 went around its reader with no answer unread");
-    up2_r.read(&s2, W - got + W)?;
     let st = k.dp().stats(&pair)?;
     ensure!(st.redirected_msgs == 13 && st.fallback_reader_busy == 3, "R12, R13 redirected: {st:?}");
 
@@ -1486,10 +1493,9 @@ fn a_nodelay_runs_first_message_goes_around_a_peer_holding_its_lock() -> Result<
     // into the server copying R14 out: R15 waits.
     dn2_w.write(&s2, 64, 64)?;
     up2_w.write(&c2, W, W)?;
-    let (returned, got) =
-        write_while_reader_stalled((&s2, &mut up2_r, W), (&c2, &mut up2_w, 1024), Duration::from_millis(300))?;
+    let returned =
+        write_while_request_copied((&s2, &mut up2_r, W), (&c2, &mut up2_w, 1024), Duration::from_millis(300))?;
     ensure!(!returned, "a 1 KiB request went around its reader");
-    up2_r.read(&s2, W - got + 1024)?;
     dn2_r.read(&c2, 64)?;
     let st = k.dp().stats(&pair)?;
     ensure!(st.redirected_msgs == 16 && st.fallback_reader_busy == 3, "A, R14, R15 redirected: {st:?}");

@@ -2339,14 +2339,21 @@ static __always_inline bool goes_around(struct mw_link *link, __u32 end, struct 
 static __always_inline bool nodelay_around_lock(struct mw_link *link, __u32 end, __u32 size, struct tcp_sock *tp)
 {
 	const struct mw_dir *in = &link->dir[(end ^ 1) & 1];
-	__u32 unread = in->redir - in->psock_read;
+	__u32 unread;
 
-	/* Read before the untrusted cast (see reader_concurrent). */
-	barrier_var(unread);
 	if (coalescing(tp))
 		return false;
-	if (link->dir[end & 1].run != 1 && (size < MW_POLICY_SMALL || !unread || (in->flags & MW_DIR_RD_SHARED)))
-		return false;
+	/* Past a run's first message: only a pipelined request (its counters
+	 * read only then, on the per-message path). */
+	if (link->dir[end & 1].run != 1) {
+		if (size < MW_POLICY_SMALL || (in->flags & MW_DIR_RD_SHARED))
+			return false;
+		unread = in->redir - in->psock_read;
+		/* Read before the untrusted cast (see reader_concurrent). */
+		barrier_var(unread);
+		if (!unread)
+			return false;
+	}
 	return reader_busy(link, end ^ 1);
 }
 
