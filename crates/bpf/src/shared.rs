@@ -51,6 +51,7 @@ pub const DIR_UNLINKING: u32 = 16;
 pub const DIR_RD_SHARED: u32 = 32;
 pub const DIR_MOVE: u32 = 64;
 pub const DIR_QUIET: u32 = 128;
+pub const DIR_STREAMED: u32 = 256;
 /// `MW_EF_*` (`mw_link.end_flags`).
 pub const EF_PSOCK: u32 = 1;
 pub const EF_TARGET: u32 = 2;
@@ -969,6 +970,7 @@ mod tests {
             ("MW_DIR_RD_SHARED", DIR_RD_SHARED),
             ("MW_DIR_MOVE", DIR_MOVE),
             ("MW_DIR_QUIET", DIR_QUIET),
+            ("MW_DIR_STREAMED", DIR_STREAMED),
             ("MW_EV_UNLINK", EV_UNLINK),
             ("MW_EV_RELINK", EV_RELINK),
             ("MW_EV_WAKE", EV_WAKE),

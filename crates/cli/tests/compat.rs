@@ -1337,13 +1337,16 @@ fn python_zero_copy_sends_complete_as_on_tcp() -> Result<()> {
     report("python zero-copy sends", &[("pair", st)]);
     ensure!(refused == 1 && st.zerocopy_refused == 1, "python was refused {refused} times: {st:?}");
     ensure!(st.fallback_zerocopy >= 1, "some connection's sends took TCP for SO_ZEROCOPY: {st:?}");
-    // Not all of them: a large write into a reader copying out on another
-    // CPU, and the stream's first write into a peer holding its lock, take
-    // TCP (fallback_reader_busy), and what follows until it was read: a
-    // choice of timing (5.2-7.9 of 8.7 MB in six local runs, 4.1 MB once in
-    // CI; 6.6-8.7 MB before first writes went around). A quarter shows the
-    // refused connection stays on the fast path.
-    ensure!(st.redirected_bytes >= TOTAL as u64 / 4, "the refused connection's copies redirected: {st:?}");
+    // Not all of them: the stream's first 8 writes (1.35 MB, the 1 MiB one
+    // among them) are redirected whatever its reader does; past them a
+    // large write into the reader copying out on another CPU moves the
+    // connection to TCP for good (demotions_around: TCP lets both copy at
+    // once), and the stream's first write into a peer holding its lock
+    // takes TCP (what follows it waits until it was read): a choice of
+    // timing (1.35 MB in a local run; 4.1-8.7 MB while such writes went
+    // around one at a time and came back). The 1 MiB write shows the
+    // refused connection's sends ran the fast path.
+    ensure!(st.redirected_bytes >= 1 << 20, "the refused connection's copies redirected: {st:?}");
     Ok(())
 }
 
@@ -1840,9 +1843,12 @@ fn go_http_with_node() -> Result<()> {
         st_into.fallback_splice >= 1 && st_from.fallback_splice >= 1,
         "go ends are no targets: {st_into:?} {st_from:?}"
     );
-    // One direction of each connection after the first: 2 x ~107 MB.
+    // One direction of each connection after the first: 2 x ~107 MB. A
+    // connection whose 8 MiB body streams into node copying out on another
+    // CPU moves to TCP for good (demotions_around): 148 MiB of the posts
+    // once.
     ensure!(st_into.redirected_bytes > (150 << 20), "the go server's answers redirected: {st_into:?}");
-    ensure!(st_from.redirected_bytes > (150 << 20), "the go client's posts redirected: {st_from:?}");
+    ensure!(st_from.redirected_bytes > (100 << 20), "the go client's posts redirected: {st_from:?}");
     Ok(())
 }
 

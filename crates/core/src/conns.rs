@@ -15,9 +15,10 @@ use std::path::{Path, PathBuf};
 use libbpf_rs::{MapHandle, ProgramHandle};
 use meshwarp_bpf::names;
 use meshwarp_bpf::shared::{
-    ip_from_raw, str_of, Conn, Exe, ExeKey, Pod, DIR_TCP, DIR_UNLINKED, EF_CLOSED, EF_NOSEND, EF_PARKED, EF_PSOCK,
-    EF_R_LOWAT, EF_R_PEEKOFF, EF_R_RULE, EF_R_SPLICE, EF_R_ULP, EF_TARGET, EF_ZEROCOPY, FB_COLLISION, FB_INSERT,
-    FB_MODE_NEVER, FB_NO_SLOT, FB_NO_TARGET, FB_PEER, FB_READER, FB_SYN_DATA, FB_ZEROCOPY, LINK_HIT, LINK_POISONED,
+    ip_from_raw, str_of, Conn, Exe, ExeKey, Pod, DIR_STREAMED, DIR_TCP, DIR_UNLINKED, EF_CLOSED, EF_NOSEND, EF_PARKED,
+    EF_PSOCK, EF_R_LOWAT, EF_R_PEEKOFF, EF_R_RULE, EF_R_SPLICE, EF_R_ULP, EF_TARGET, EF_ZEROCOPY, FB_COLLISION,
+    FB_INSERT, FB_MODE_NEVER, FB_NO_SLOT, FB_NO_TARGET, FB_PEER, FB_READER, FB_SYN_DATA, FB_ZEROCOPY, LINK_HIT,
+    LINK_POISONED,
 };
 
 use crate::error::{BpfError, IoError};
@@ -83,6 +84,10 @@ pub enum TcpReason {
     /// The adaptive policy demoted the direction (a stream of writes TCP
     /// would coalesce, or one its reader fell behind on).
     Policy,
+    /// The adaptive policy moved the direction to TCP for good: large
+    /// writes into a reader copying out on another CPU, which TCP lets
+    /// copy at once with the writer.
+    Streamed,
     /// The receiving end is leaving or out of the SOCKMAP (the policy unlinked it).
     Parked,
     /// Being reset: a reader spliced, or urgent data was sent, with
@@ -112,6 +117,7 @@ impl TcpReason {
             TcpReason::PeekOff => "peek_off",
             TcpReason::Rule => "rule_no_target",
             TcpReason::Policy => "policy",
+            TcpReason::Streamed => "streamed",
             TcpReason::Parked => "unlinked",
             TcpReason::Reset => "reset",
             TcpReason::Closed => "closed",
@@ -309,6 +315,8 @@ fn paths(c: &Conn) -> (PathNow, PathNow) {
             })
         } else if recv_flags & EF_TARGET == 0 {
             PathNow::Tcp(TcpReason::of_target(recv_flags))
+        } else if dir_flags & DIR_STREAMED != 0 {
+            PathNow::Tcp(TcpReason::Streamed)
         } else if dir_flags & DIR_UNLINKED != 0 || recv_flags & EF_PARKED != 0 {
             PathNow::Tcp(TcpReason::Parked)
         } else if dir_flags & DIR_TCP != 0 {
@@ -501,6 +509,8 @@ mod tests {
         c.peer_flags = EF_PSOCK | EF_TARGET;
         c.tx_dir_flags = DIR_TCP;
         assert_eq!(paths(&c), (PathNow::Tcp(TcpReason::Policy), PathNow::Fast));
+        c.tx_dir_flags = DIR_TCP | DIR_STREAMED | DIR_UNLINKED;
+        assert_eq!(paths(&c).0, PathNow::Tcp(TcpReason::Streamed));
         let never = Conn { fb: FB_MODE_NEVER, ..Conn::default() };
         assert_eq!(paths(&never).0, PathNow::Tcp(TcpReason::ModeNever));
     }

@@ -64,7 +64,8 @@ pub struct RuleCounters {
     /// held its socket or ran on another CPU with redirected bytes unread,
     /// or a stream TCP would coalesce into a reader holding its socket; or
     /// a nodelay answer (a run's first message) or pipelined request of
-    /// 4 KiB or more (sent before the peer's answer was read) into a peer
+    /// 4 KiB or more (sent before the peer's answer was read, or by an end
+    /// that pipelined before and has not streamed since) into a peer
     /// holding its socket. A redirect would have waited for that lock.
     pub fallback_reader_busy: u64,
     /// Readers woken because they asked FIONREAD with bytes queued that

@@ -7,7 +7,8 @@
 //! checksummed streams in both directions while directions move back and
 //! forth (nothing lost, duplicated or reordered); a Nagle stream whose
 //! reader is busy copying out, and a nodelay run's first message or
-//! pipelined request (4 KiB or more, the peer's answer unread) into a peer
+//! pipelined request (4 KiB or more, the peer's answer unread, or from an
+//! end that pipelined before and has not streamed since) into a peer
 //! holding its lock, send on TCP rather than wait for that lock.
 //!
 //! Each test fails (never skips) when CI=true and BPF is refused.
@@ -450,7 +451,7 @@ fn a_large_write_stream_moves_to_tcp_once_tcp_would_have_stopped_it() -> Result<
     c.set_nodelay(true)?;
     // Reader and writer on one CPU: a reader on another CPU with bytes
     // unread would send the writes around it instead (see
-    // a_large_write_stream_goes_around_a_reader_on_another_cpu).
+    // a_large_write_stream_into_a_reader_on_another_cpu_moves_to_tcp).
     meshwarp_testbed::pin_to_one_cpu()?;
     let (mut up_w, mut up_r) = (Stream::new(49), Stream::new(49));
     for _ in 0..80 {
@@ -506,16 +507,18 @@ fn fixed_socket_buffers_bound_the_redirected_backlog() -> Result<()> {
 
 /// Large writes (16 KiB, nodelay) into a reader that runs on another CPU
 /// and has redirected bytes still to read: a redirect would wait for the
-/// reader's socket lock while it copies them out, where TCP lets both copy
-/// at once. So past the run's first 8 messages such a message takes TCP
-/// (`fallback_reader_busy`), the next ones follow it until the reader read
-/// every TCP byte (`fallback_tcp_path`), and the stream is redirected
-/// again once it did. A reader on the writer's CPU cannot copy while the
-/// writer runs: there every message is redirected. Past message 64 of a
-/// run, going around moves the rest of the run to TCP (`demotions_around`).
-/// Every byte checked, in order (the psock's queue is read before TCP's).
+/// reader's socket lock while it copies them out, and sk_msg copies a whole
+/// write in before the reader can copy any of it out, where TCP lets both
+/// copy at once. So past the run's first 8 messages such a message moves
+/// the direction to TCP (`demotions_around`) for good: no promotion at the
+/// next exchange, and once out of the SOCKMAP the end stays out (a relink
+/// would cost every later response its first messages again: nginx's 1 MiB
+/// responses 1.3x TCP's time, 1.0x with this). A reader on the writer's
+/// CPU cannot copy while the writer runs: there every message is
+/// redirected. Every byte checked, in order (the psock's queue is read
+/// before TCP's).
 #[test]
-fn a_large_write_stream_goes_around_a_reader_on_another_cpu() -> Result<()> {
+fn a_large_write_stream_into_a_reader_on_another_cpu_moves_to_tcp() -> Result<()> {
     const W: usize = 16 << 10;
     let cpus = meshwarp_testbed::usable_cpus();
     let [writer_cpu, other_cpu, ..] = cpus[..] else {
@@ -526,13 +529,17 @@ fn a_large_write_stream_goes_around_a_reader_on_another_cpu() -> Result<()> {
     let (net, l, pair) = pods_pair(&k, 8217, FastPathMode::Adaptive)?;
     meshwarp_testbed::pin_thread(writer_cpu)?;
     let mut conns = connections(&net, &l, 8217, 3)?;
-    let counters = |what: &str, redirected: u64, around: u64, tcp_path: u64| -> Result<()> {
+    let counters = |what: &str, redirected: u64, demoted: u64| -> Result<RuleCounters> {
         let st = k.dp().stats(&pair)?;
         ensure!(
-            st.redirected_msgs == redirected && st.fallback_reader_busy == around && st.fallback_tcp_path == tcp_path,
+            st.redirected_msgs == redirected
+                && st.demotions_around == demoted
+                && st.fallback_reader_busy == 0
+                && st.promotions == 0
+                && st.relinks == 0,
             "{what}: {st:?}"
         );
-        Ok(())
+        Ok(st)
     };
 
     // The reader on the other CPU (one thread: a reader of several threads
@@ -540,6 +547,7 @@ fn a_large_write_stream_goes_around_a_reader_on_another_cpu() -> Result<()> {
     let (c, s) = conns.remove(0);
     c.set_nodelay(true)?;
     let mut up_w = Stream::new(61);
+    let (mut dn_w, mut dn_r) = (Stream::new(161), Stream::new(161));
     pinned_reader(other_cpu, &s, Stream::new(61), |read| -> Result<()> {
         // Its first read tells where it runs.
         up_w.write(&c, W, W)?;
@@ -547,14 +555,38 @@ fn a_large_write_stream_goes_around_a_reader_on_another_cpu() -> Result<()> {
         // Messages 2..=8 are redirected whatever the reader does (a run's
         // first messages); the 9th finds 7 unread on the other CPU.
         up_w.write(&c, 8 * W, W)?;
-        counters("the 9th went around", 8, 1, 0)?;
+        counters("the 9th moved the stream to TCP", 8, 1)?;
         up_w.write(&c, W, W)?;
-        counters("the 10th follows it on TCP", 8, 1, 1)?;
         read(9 * W)?;
-        // All read, nothing unread: redirected again.
+        counters("the 10th follows it on TCP", 8, 1)?;
+        // A new exchange, every byte read: the server's answer redirected
+        // (the other direction), the client's next write on TCP, no
+        // promotion; the client end leaves the SOCKMAP at that look (after
+        // its read).
+        dn_w.write(&s, 64, 64)?;
+        dn_r.read(&c, 64)?;
         up_w.write(&c, W, W)?;
         read(W)?;
-        counters("back on the fast path", 9, 1, 1)
+        wait_counters(&k, &pair, "the streaming client end was unlinked", |c| c.unlinks == 1)?;
+        counters("still on TCP", 9, 1)?;
+        // And stays out: the server's answers and the client's requests on
+        // TCP, no relink asked.
+        for _ in 0..3 {
+            dn_w.write(&s, 64, 64)?;
+            dn_r.read(&c, 64)?;
+            up_w.write(&c, W, W)?;
+            read(W)?;
+        }
+        // A relink, asked by the client's read, would come within
+        // milliseconds.
+        thread::sleep(Duration::from_millis(300));
+        let st = counters("out for good", 9, 1)?;
+        ensure!(st.unlinks == 1, "{st:?}");
+        // Listed as such: the client's sends on TCP for good.
+        let cookie = meshwarp_core::sys::socket_cookie_of(&c)?;
+        let listed = k.dp().connections(&meshwarp_core::ConnFilter { cookie: Some(cookie), ..Default::default() })?;
+        ensure!(listed.len() == 1 && listed[0].tx_path == PathNow::Tcp(TcpReason::Streamed), "{listed:#?}");
+        Ok(())
     })?;
 
     // The reader on the writer's CPU: all redirected, unread or not.
@@ -566,11 +598,12 @@ fn a_large_write_stream_goes_around_a_reader_on_another_cpu() -> Result<()> {
         read(W)?;
         up_w.write(&c, 12 * W, W)?;
         read(12 * W)?;
-        counters("a reader on the writer's CPU", 9 + 13, 1, 1)
+        counters("a reader on the writer's CPU", 9 + 13, 1).map(drop)
     })?;
 
-    // Past message 64 of a run, going around is a demotion: the rest of
-    // the run on TCP, read or not.
+    // In lockstep (every message read before the next), nothing unread:
+    // redirected past message 64; the 68th finds the 67th unread on the
+    // other CPU: the rest of the run on TCP, read or not.
     let (c, s) = conns.remove(0);
     c.set_nodelay(true)?;
     let mut up_w = Stream::new(63);
@@ -579,15 +612,13 @@ fn a_large_write_stream_goes_around_a_reader_on_another_cpu() -> Result<()> {
             up_w.write(&c, W, W)?;
             read(W)?;
         }
-        counters("66 in lockstep", 22 + 66, 1, 1)?;
-        // The 68th finds the 67th unread on the other CPU.
+        counters("66 in lockstep", 22 + 66, 1)?;
         up_w.write(&c, 2 * W, W)?;
-        let st = k.dp().stats(&pair)?;
-        ensure!(st.demotions_around == 1 && st.fallback_reader_busy == 1, "demoted: {st:?}");
+        counters("demoted", 22 + 67, 2)?;
         read(2 * W)?;
         up_w.write(&c, W, W)?;
         read(W)?;
-        counters("the run stays on TCP", 22 + 67, 1, 1)
+        counters("the run stays on TCP", 22 + 67, 2).map(drop)
     })
 }
 
@@ -1402,9 +1433,10 @@ fn write_while_request_copied(
 /// answer into the client, a 16 KiB request into the server. Both writes
 /// return while the reader is stopped; a run's later messages do not look
 /// (streams are judged past MW_POLICY_RUN) unless they are pipelined
-/// requests of 4 KiB or more, sent before the peer's answer was read; the
-/// next exchange, every TCP byte read, is redirected again. Every byte
-/// checked, both ways.
+/// requests of 4 KiB or more: sent before the peer's answer was read, or
+/// by a client that did so before and has not streamed since; the next
+/// exchange, every TCP byte read, is redirected again. Every byte checked,
+/// both ways.
 #[test]
 fn a_nodelay_runs_first_message_goes_around_a_peer_holding_its_lock() -> Result<()> {
     const W: usize = 16 << 10;
@@ -1465,32 +1497,42 @@ fn a_nodelay_runs_first_message_goes_around_a_peer_holding_its_lock() -> Result<
     let st = k.dp().stats(&pair)?;
     ensure!(st.redirected_msgs == 9 && st.fallback_reader_busy == 2 && st.fallback_tcp_path == 0, "{st:?}");
 
-    // Pipelined, on a second connection whose client reads on one thread
-    // (the first one's read on two: its psock reads are not counted): the
-    // server answers first (A, redirected, not read yet); R10 is
-    // redirected and the server copies it out (stopped there); R11, the
-    // run's second message but sent before A was read, takes TCP.
+    // A second connection whose client reads on one thread (the first
+    // one's read on two: its psock reads are not counted). Never pipelined,
+    // no answer unread: R10 and R11 (the run's first and second) into the
+    // server copying R10 out: R11 waits.
     let (mut up2_w, mut up2_r) = (Stream::new(63), Stream::new(63));
     let (mut dn2_w, mut dn2_r) = (Stream::new(64), Stream::new(64));
+    up2_w.write(&c2, W, W)?;
+    let returned = write_while_request_copied((&s2, &mut up2_r, W), (&c2, &mut up2_w, W), Duration::from_millis(300))?;
+    ensure!(!returned, "R11 went around its reader with no answer unread");
+    let st = k.dp().stats(&pair)?;
+    ensure!(st.redirected_msgs == 11 && st.fallback_reader_busy == 2, "R10, R11 redirected: {st:?}");
+
+    // Pipelined: the server answers first (A, redirected, not read yet);
+    // R12 is redirected and the server copies it out (stopped there); R13,
+    // the run's second message but sent before A was read, takes TCP.
     dn2_w.write(&s2, 64, 64)?;
     up2_w.write(&c2, W, W)?;
     let returned = write_while_request_copied((&s2, &mut up2_r, W), (&c2, &mut up2_w, W), Duration::from_secs(10))?;
     ensure!(returned, "the pipelined request waited for the server's lock");
     dn2_r.read(&c2, 64)?;
     let st = k.dp().stats(&pair)?;
-    ensure!(st.redirected_msgs == 11 && st.fallback_reader_busy == 3, "R11 took TCP: {st:?}");
+    ensure!(st.redirected_msgs == 13 && st.fallback_reader_busy == 3, "R13 took TCP: {st:?}");
 
-    // Not pipelined, the same client: every answer read, R12 and R13 (the
-    // run's third and fourth) into the server copying R12 out: R13 waits.
+    // The client pipelined once: every answer read now, R14 and R15 (the
+    // run's third and fourth) into the server copying R14 out: R15 still
+    // goes around (the next burst's requests go out before its first
+    // answer is back).
     up2_w.write(&c2, W, W)?;
-    let returned = write_while_request_copied((&s2, &mut up2_r, W), (&c2, &mut up2_w, W), Duration::from_millis(300))?;
-    ensure!(!returned, "R13 went around its reader with no answer unread");
+    let returned = write_while_request_copied((&s2, &mut up2_r, W), (&c2, &mut up2_w, W), Duration::from_secs(10))?;
+    ensure!(returned, "R15 of a client that pipelined waited for the server's lock");
     let st = k.dp().stats(&pair)?;
-    ensure!(st.redirected_msgs == 13 && st.fallback_reader_busy == 3, "R12, R13 redirected: {st:?}");
+    ensure!(st.redirected_msgs == 14 && st.fallback_reader_busy == 4, "R14 redirected, R15 took TCP: {st:?}");
 
     // An answer unread but a request under 4 KiB: A (redirected), then
-    // R14 (16 KiB, the run's first, the server not busy) and R15 (1 KiB)
-    // into the server copying R14 out: R15 waits.
+    // R16 (16 KiB, the run's first, the server not busy) and R17 (1 KiB)
+    // into the server copying R16 out: R17 waits.
     dn2_w.write(&s2, 64, 64)?;
     up2_w.write(&c2, W, W)?;
     let returned =
@@ -1498,7 +1540,24 @@ fn a_nodelay_runs_first_message_goes_around_a_peer_holding_its_lock() -> Result<
     ensure!(!returned, "a 1 KiB request went around its reader");
     dn2_r.read(&c2, 64)?;
     let st = k.dp().stats(&pair)?;
-    ensure!(st.redirected_msgs == 16 && st.fallback_reader_busy == 3, "A, R14, R15 redirected: {st:?}");
+    ensure!(st.redirected_msgs == 17 && st.fallback_reader_busy == 4, "A, R16, R17 redirected: {st:?}");
+
+    // The client streams: 64 B messages, each read as it comes, until its
+    // run passes MW_POLICY_COALESCE (64) without an answer; then it no
+    // longer counts as pipelining: R18 and R19 into the server copying R18
+    // out: R19 waits.
+    for _ in 0..64 {
+        up2_w.write(&c2, 64, 64)?;
+        up2_r.read(&s2, 64)?;
+    }
+    up2_w.write(&c2, W, W)?;
+    let returned = write_while_request_copied((&s2, &mut up2_r, W), (&c2, &mut up2_w, W), Duration::from_millis(300))?;
+    ensure!(!returned, "R19 went around its reader after the client streamed");
+    let st = k.dp().stats(&pair)?;
+    ensure!(
+        st.redirected_msgs == 17 + 64 + 2 && st.fallback_reader_busy == 4 && st.demotions_around == 0,
+        "the stream, R18, R19 redirected: {st:?}"
+    );
     Ok(())
 }
 

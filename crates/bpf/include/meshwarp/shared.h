@@ -206,6 +206,11 @@ struct mw_dir {
  * end's first join, in mw_joins): the peer's next send, finding it still
  * out, asks with a wake-up once. */
 #define MW_DIR_QUIET 128u
+/* Demoted streaming large writes into a reader on another CPU: never
+ * promoted, and once out of the SOCKMAP it stays out (no relink): TCP
+ * copies in and out at once there, and every return cost the next
+ * response its first messages again (finish_msg). */
+#define MW_DIR_STREAMED 256u
 
 /* The policy: after MW_POLICY_COALESCE messages without a reply, a direction
  * whose sender lets TCP coalesce (Nagle or cork) and whose first
@@ -418,6 +423,9 @@ struct mw_sock_state {
  * asked in mw_joins: its close takes the request back, so user space sees
  * only those of open connections (most close before they are served). */
 #define MW_SOCK_JOIN_ASKED 16u
+/* This end once sent a large request before reading its peer's answer to
+ * an earlier one (nodelay_around_lock): it pipelines. */
+#define MW_SOCK_PIPELINED 32u
 /* Plugin chain position of the message (or connection) being handled: bits 8-15
  * the next chain position, bit 16 the chain generation it started on. Only the
  * programs of one socket's hook touch them, under the socket's lock. */

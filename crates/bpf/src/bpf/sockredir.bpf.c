@@ -618,6 +618,8 @@ static __always_inline bool request_park(__u32 type, const struct mw_link *link,
 static __always_inline void ask_relink(struct mw_link *link, __u64 id, __u32 end)
 {
 	end &= 1;
+	if (link->dir[end].flags & MW_DIR_STREAMED)
+		return;
 	if ((link->dir[end].flags & (MW_DIR_UNLINKED | MW_DIR_RELINK_REQ)) == MW_DIR_UNLINKED &&
 	    !(__sync_fetch_and_or(&link->dir[end].flags, MW_DIR_RELINK_REQ) & MW_DIR_RELINK_REQ)) {
 		if (!request_park(MW_EV_RELINK, link, id, end))
@@ -2326,17 +2328,22 @@ static __always_inline bool goes_around(struct mw_link *link, __u32 end, struct 
  * - a pipelined request: a later message of MW_POLICY_SMALL or more, sent
  *   before this end read what its peer answered (bytes redirected to it
  *   still unread; not known for a reader of several threads, which counts
- *   no psock reads), into a peer whose lock is held. A stream without
+ *   no psock reads), or by an end that did so before (MW_SOCK_PIPELINED,
+ *   until a run of its passes MW_POLICY_COALESCE: it streams then): a
+ *   burst's second and third requests leave before its first answer is
+ *   back. Into a peer whose lock is held. A stream without
  *   answers keeps the fast path until reader_concurrent may judge it past
  *   MW_POLICY_RUN (large writes going around in a stream's first messages
  *   made a 64 KiB stream on two CPUs 0.3-0.5x TCP: TCP through the psock).
  * Both sides of a burst of 16 KiB uploads answered with 64 B slept there
- * (about four times per burst each): 1.6x TCP's time, 1.3x with this.
+ * (about four times per burst each): 1.6x TCP's time, 1.3x with this
+ * (1.1x once an end that pipelined counts as pipelining).
  * Counted as fallback_reader_busy; past MW_POLICY_COALESCE, as for
  * goes_around, the message demotes the rest of its run instead
  * (demotions_around).
  */
-static __always_inline bool nodelay_around_lock(struct mw_link *link, __u32 end, __u32 size, struct tcp_sock *tp)
+static __always_inline bool nodelay_around_lock(struct mw_link *link, struct mw_sock_state *st, __u32 end, __u32 size,
+						struct tcp_sock *tp)
 {
 	const struct mw_dir *in = &link->dir[(end ^ 1) & 1];
 	__u32 unread;
@@ -2348,11 +2355,14 @@ static __always_inline bool nodelay_around_lock(struct mw_link *link, __u32 end,
 	if (link->dir[end & 1].run != 1) {
 		if (size < MW_POLICY_SMALL || (in->flags & MW_DIR_RD_SHARED))
 			return false;
-		unread = in->redir - in->psock_read;
-		/* Read before the untrusted cast (see reader_concurrent). */
-		barrier_var(unread);
-		if (!unread)
-			return false;
+		if (!(st->flags & MW_SOCK_PIPELINED)) {
+			unread = in->redir - in->psock_read;
+			/* Read before the untrusted cast (see reader_concurrent). */
+			barrier_var(unread);
+			if (!unread)
+				return false;
+			st->flags |= MW_SOCK_PIPELINED;
+		}
 	}
 	return reader_busy(link, end ^ 1);
 }
@@ -2394,6 +2404,8 @@ static __always_inline bool policy_allows(struct sk_msg_md *msg, struct mw_link 
 		o->run = 0; /* this message answers the peer's */
 	run = d->run + 1;
 	d->run = run;
+	if (run == MW_POLICY_COALESCE)
+		st->flags &= ~MW_SOCK_PIPELINED; /* it streams now */
 	if (d->flags & MW_DIR_TCP) {
 		/* Messages sent on TCP without a check (this one may be in the count). */
 		skipped = st->skipped % MW_POLICY_CHECK ? st->skipped : st->skipped - 1;
@@ -2401,8 +2413,9 @@ static __always_inline bool policy_allows(struct sk_msg_md *msg, struct mw_link 
 			skipped = 0;
 		st->skipped = 0;
 		/* The peer sent since the last check (a new exchange), and read
-		 * every TCP byte: promote. */
-		if (run == 1 && d->tcp_read == tp->write_seq) {
+		 * every TCP byte: promote; not a direction that streamed large
+		 * writes into a reader copying out (MW_DIR_STREAMED). */
+		if (run == 1 && d->tcp_read == tp->write_seq && !(d->flags & MW_DIR_STREAMED)) {
 			__sync_fetch_and_and(&d->flags, ~MW_DIR_TCP);
 			st->flags &= ~MW_SOCK_DEMOTED;
 			d->run_bytes = size; /* this message starts the new run */
@@ -2424,8 +2437,9 @@ static __always_inline bool policy_allows(struct sk_msg_md *msg, struct mw_link 
 		 * MW_POLICY_COALESCE, at the first one after a demotion at a
 		 * later check (a reader-behind one, or a batched run whose
 		 * reader caught up: both streamed long before). */
-		if (run >= MW_POLICY_RUN + MW_POLICY_UNLINK &&
-		    (run < MW_POLICY_COALESCE || run >= MW_POLICY_COALESCE + MW_POLICY_UNLINK) &&
+		if (((d->flags & MW_DIR_STREAMED) ||
+		     (run >= MW_POLICY_RUN + MW_POLICY_UNLINK &&
+		      (run < MW_POLICY_COALESCE || run >= MW_POLICY_COALESCE + MW_POLICY_UNLINK))) &&
 		    !(d->flags & (MW_DIR_UNLINK_REQ | MW_DIR_UNLINKED)) &&
 		    st->rd_pid != MW_RD_SHARED && !(link->end_flags[st->end & 1] & MW_EF_FIONREAD))
 			park_self(link, st, tp);
@@ -2529,16 +2543,32 @@ static __always_inline int finish_msg(struct sk_msg_md *msg, struct bpf_sock *sk
 	 * that lock. Mode always, and a reader whose FIONREAD would miss TCP
 	 * bytes, wait. */
 	if (!(link->flags & MW_LINK_FIXED) && !(link->end_flags[peer] & MW_EF_FIONREAD) &&
-	    (goes_around(link, end, tp) || nodelay_around_lock(link, end, size, tp))) {
+	    (goes_around(link, end, tp) || nodelay_around_lock(link, st, end, size, tp))) {
 		/* Past MW_POLICY_COALESCE without a reply, a stream whose reader
-		 * copies at its own pace: the rest of the run on TCP, out of the
-		 * SOCKMAP (park_self at a later check). Going around now and
-		 * then while in it would be TCP through a psock, which
+		 * copies at its own pace, or past MW_POLICY_RUN one of large
+		 * writes into a reader on another CPU (one on this CPU cannot
+		 * copy while this end writes, unless preempted holding its
+		 * lock: there only this message goes around, and the fast
+		 * path keeps its 2x): the rest of the run on TCP, out of the SOCKMAP
+		 * (park_self at a later check). Going around now and then
+		 * while in it would be TCP through a psock, which
 		 * (tcp_bpf_push) sends each page fragment as its own segment:
 		 * half the size of plain TCP's on loopback, twice the packets,
-		 * and under BBR's pacing, segments reordered across CPUs. */
-		if (link->dir[end].run > MW_POLICY_COALESCE) {
-			demote(&link->dir[end], st);
+		 * and under BBR's pacing, segments reordered across CPUs.
+		 * Large writes into a reader on another CPU stay on TCP for
+		 * good (MW_DIR_STREAMED): sk_msg copies a whole write in
+		 * before the reader may copy any of it out, where TCP lets
+		 * both copy at once; coming back at each exchange cost nginx's
+		 * 1 MiB responses (32 KiB writes) 1.3-1.4x TCP's time, 1.0x
+		 * without. */
+		struct mw_dir *d = &link->dir[end];
+		bool large = d->run > MW_POLICY_RUN && d->run_bytes >= MW_POLICY_RUN * MW_POLICY_SMALL &&
+			     d->rd_cpu && d->rd_cpu != bpf_get_smp_processor_id() + 1;
+
+		if (d->run > MW_POLICY_COALESCE || large) {
+			if (large)
+				__sync_fetch_and_or(&d->flags, MW_DIR_STREAMED);
+			demote(d, st);
 			if (rs) {
 				rs->demotions_around++;
 				rs->policy_tcp_msgs++;
