@@ -2,7 +2,9 @@
 //! the programs' request (`MW_EV_UNLINK`, `MW_EV_RELINK`; see `mw_dir` in
 //! shared.h). A psock socket pays tcp_bpf on every send and read even when its
 //! bytes take the TCP path, so an end that keeps streaming small writes leaves
-//! the map and is plain TCP again; its peer's next message brings it back.
+//! the map and is plain TCP again; its peer's next message brings it back
+//! (not a direction of large writes into a reader on another CPU,
+//! `MW_DIR_STREAMED`: the programs never ask for that end).
 //!
 //! Unlinking: the end's own sk_msg program, under the socket's lock, parks it
 //! and checks that nothing redirected into it is unread or in flight; only

@@ -64,8 +64,7 @@ pub struct RuleCounters {
     /// held its socket or ran on another CPU with redirected bytes unread,
     /// or a stream TCP would coalesce into a reader holding its socket; or
     /// a nodelay answer (a run's first message) or pipelined request of
-    /// 4 KiB or more (sent before the peer's answer was read, or by an end
-    /// that pipelined before and has not streamed since) into a peer
+    /// 4 KiB or more (sent before the peer's answer was read) into a peer
     /// holding its socket. A redirect would have waited for that lock.
     pub fallback_reader_busy: u64,
     /// Readers woken because they asked FIONREAD with bytes queued that
@@ -114,7 +113,9 @@ pub struct RuleCounters {
     /// of them would have gone around its busy reader
     /// (`fallback_reader_busy`): a stream whose reader copies at its own
     /// pace. TCP through a psock sends smaller segments than plain TCP, so
-    /// the rest of the run leaves the SOCKMAP (`unlinks`).
+    /// the rest of the run leaves the SOCKMAP (`unlinks`). Or, past 8
+    /// messages, a run of large writes into a reader on another CPU: that
+    /// direction stays on TCP for good (connection reason `streamed`).
     pub demotions_around: u64,
 }
 

@@ -264,7 +264,8 @@ struct mw_dir {
  * its demotion (about MW_POLICY_UNLINK * MW_POLICY_CHECK messages without a
  * reply) asks to leave
  * the SOCKMAP: a psock socket pays tcp_bpf on every send and read even on the
- * TCP path. Its peer's next message asks to put it back. A direction demoted
+ * TCP path. Its peer's next message asks to put it back (not a
+ * MW_DIR_STREAMED one: it asks at any check, and stays out). A direction demoted
  * because its reader fell behind had already streamed MW_POLICY_BEHIND
  * messages: it asks at its first check after the demotion (one at
  * MW_POLICY_COALESCE itself waits two checks too). Two checks (not
@@ -423,9 +424,6 @@ struct mw_sock_state {
  * asked in mw_joins: its close takes the request back, so user space sees
  * only those of open connections (most close before they are served). */
 #define MW_SOCK_JOIN_ASKED 16u
-/* This end once sent a large request before reading its peer's answer to
- * an earlier one (nodelay_around_lock): it pipelines. */
-#define MW_SOCK_PIPELINED 32u
 /* Plugin chain position of the message (or connection) being handled: bits 8-15
  * the next chain position, bit 16 the chain generation it started on. Only the
  * programs of one socket's hook touch them, under the socket's lock. */
@@ -673,7 +671,8 @@ struct mw_rule_stats {
 	__u64 fb_peek_off;      /* ends withdrawn as targets: SO_PEEK_OFF on them, or seen from their program */
 	__u64 peek_off_refused; /* SO_PEEK_OFF refused (EOPNOTSUPP): redirected bytes were unread */
 	__u64 fb_short;         /* connections left on TCP: the rule's last ones were all short (struct mw_short) */
-	__u64 demotions_around; /* directions moved to TCP: a run past MW_POLICY_COALESCE going around its reader */
+	__u64 demotions_around; /* directions moved to TCP: a run past MW_POLICY_COALESCE going around its reader,
+				 * or past MW_POLICY_RUN one of large writes into a reader on another CPU */
 };
 
 /*

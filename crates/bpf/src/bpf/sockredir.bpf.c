@@ -2328,22 +2328,17 @@ static __always_inline bool goes_around(struct mw_link *link, __u32 end, struct 
  * - a pipelined request: a later message of MW_POLICY_SMALL or more, sent
  *   before this end read what its peer answered (bytes redirected to it
  *   still unread; not known for a reader of several threads, which counts
- *   no psock reads), or by an end that did so before (MW_SOCK_PIPELINED,
- *   until a run of its passes MW_POLICY_COALESCE: it streams then): a
- *   burst's second and third requests leave before its first answer is
- *   back. Into a peer whose lock is held. A stream without
+ *   no psock reads), into a peer whose lock is held. A stream without
  *   answers keeps the fast path until reader_concurrent may judge it past
  *   MW_POLICY_RUN (large writes going around in a stream's first messages
  *   made a 64 KiB stream on two CPUs 0.3-0.5x TCP: TCP through the psock).
  * Both sides of a burst of 16 KiB uploads answered with 64 B slept there
- * (about four times per burst each): 1.6x TCP's time, 1.3x with this
- * (1.1x once an end that pipelined counts as pipelining).
+ * (about four times per burst each): 1.6x TCP's time, 1.3x with this.
  * Counted as fallback_reader_busy; past MW_POLICY_COALESCE, as for
  * goes_around, the message demotes the rest of its run instead
  * (demotions_around).
  */
-static __always_inline bool nodelay_around_lock(struct mw_link *link, struct mw_sock_state *st, __u32 end, __u32 size,
-						struct tcp_sock *tp)
+static __always_inline bool nodelay_around_lock(struct mw_link *link, __u32 end, __u32 size, struct tcp_sock *tp)
 {
 	const struct mw_dir *in = &link->dir[(end ^ 1) & 1];
 	__u32 unread;
@@ -2355,14 +2350,11 @@ static __always_inline bool nodelay_around_lock(struct mw_link *link, struct mw_
 	if (link->dir[end & 1].run != 1) {
 		if (size < MW_POLICY_SMALL || (in->flags & MW_DIR_RD_SHARED))
 			return false;
-		if (!(st->flags & MW_SOCK_PIPELINED)) {
-			unread = in->redir - in->psock_read;
-			/* Read before the untrusted cast (see reader_concurrent). */
-			barrier_var(unread);
-			if (!unread)
-				return false;
-			st->flags |= MW_SOCK_PIPELINED;
-		}
+		unread = in->redir - in->psock_read;
+		/* Read before the untrusted cast (see reader_concurrent). */
+		barrier_var(unread);
+		if (!unread)
+			return false;
 	}
 	return reader_busy(link, end ^ 1);
 }
@@ -2404,8 +2396,6 @@ static __always_inline bool policy_allows(struct sk_msg_md *msg, struct mw_link 
 		o->run = 0; /* this message answers the peer's */
 	run = d->run + 1;
 	d->run = run;
-	if (run == MW_POLICY_COALESCE)
-		st->flags &= ~MW_SOCK_PIPELINED; /* it streams now */
 	if (d->flags & MW_DIR_TCP) {
 		/* Messages sent on TCP without a check (this one may be in the count). */
 		skipped = st->skipped % MW_POLICY_CHECK ? st->skipped : st->skipped - 1;
@@ -2543,7 +2533,7 @@ static __always_inline int finish_msg(struct sk_msg_md *msg, struct bpf_sock *sk
 	 * that lock. Mode always, and a reader whose FIONREAD would miss TCP
 	 * bytes, wait. */
 	if (!(link->flags & MW_LINK_FIXED) && !(link->end_flags[peer] & MW_EF_FIONREAD) &&
-	    (goes_around(link, end, tp) || nodelay_around_lock(link, st, end, size, tp))) {
+	    (goes_around(link, end, tp) || nodelay_around_lock(link, end, size, tp))) {
 		/* Past MW_POLICY_COALESCE without a reply, a stream whose reader
 		 * copies at its own pace, or past MW_POLICY_RUN one of large
 		 * writes into a reader on another CPU (one on this CPU cannot
@@ -2566,7 +2556,9 @@ static __always_inline int finish_msg(struct sk_msg_md *msg, struct bpf_sock *sk
 			     d->rd_cpu && d->rd_cpu != bpf_get_smp_processor_id() + 1;
 
 		if (d->run > MW_POLICY_COALESCE || large) {
-			if (large)
+			/* Only an end that may leave the SOCKMAP (park_self):
+			 * one that stays in would be TCP through its psock. */
+			if (large && st->rd_pid != MW_RD_SHARED && !(link->end_flags[end] & MW_EF_FIONREAD))
 				__sync_fetch_and_or(&d->flags, MW_DIR_STREAMED);
 			demote(d, st);
 			if (rs) {
