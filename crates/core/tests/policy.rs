@@ -1447,6 +1447,12 @@ fn a_nodelay_runs_first_message_goes_around_a_peer_holding_its_lock() -> Result<
     for sock in [&c, &s, &c2, &s2] {
         sock.set_nodelay(true)?;
     }
+    // Redirected messages and those sent around the peer's lock so far.
+    let counters = |what: &str, redirected: u64, around: u64| -> Result<()> {
+        let st = k.dp().stats(&pair)?;
+        ensure!(st.redirected_msgs == redirected && st.fallback_reader_busy == around, "{what}: {st:?}");
+        Ok(())
+    };
     let (mut up_w, mut up_r) = (Stream::new(61), Stream::new(61));
     let (mut dn_w, mut dn_r) = (Stream::new(62), Stream::new(62));
 
@@ -1456,16 +1462,14 @@ fn a_nodelay_runs_first_message_goes_around_a_peer_holding_its_lock() -> Result<
     dn_w.write(&s, 64, 64)?;
     up_w.write(&c, 64, 64)?;
     up_r.read(&s, 64)?;
-    let st = k.dp().stats(&pair)?;
-    ensure!(st.redirected_msgs == 3 && st.fallback_reader_busy == 0, "{st:?}");
+    counters("R1, A1, R2 redirected", 3, 0)?;
     // The client copies A1 out (stopped there); the server's answer to R2
     // takes TCP.
     let (returned, got) =
         write_while_reader_stalled((&c, &mut dn_r, 64), (&s, &mut dn_w, 100), Duration::from_secs(10))?;
     ensure!(returned, "the answer waited for the client's lock");
     dn_r.read(&c, 64 - got + 100)?;
-    let st = k.dp().stats(&pair)?;
-    ensure!(st.redirected_msgs == 3 && st.fallback_reader_busy == 1, "the answer took TCP: {st:?}");
+    counters("the answer took TCP", 3, 1)?;
 
     // Requests of 16 KiB: R3 redirected, answered (A3, redirected, read
     // later); the server copies R3 out (stopped there); R4, the client's
@@ -1475,8 +1479,7 @@ fn a_nodelay_runs_first_message_goes_around_a_peer_holding_its_lock() -> Result<
     let returned = write_while_request_copied((&s, &mut up_r, W), (&c, &mut up_w, W), Duration::from_secs(10))?;
     ensure!(returned, "the request waited for the server's lock");
     dn_r.read(&c, 64)?;
-    let st = k.dp().stats(&pair)?;
-    ensure!(st.redirected_msgs == 5 && st.fallback_reader_busy == 2, "R4 took TCP: {st:?}");
+    counters("R4 took TCP", 5, 2)?;
 
     // A run's later message into a reader copying out is redirected
     // (waits for the lock): R5 and R6 (R4 started the run), no answer
@@ -1485,8 +1488,7 @@ fn a_nodelay_runs_first_message_goes_around_a_peer_holding_its_lock() -> Result<
     up_w.write(&c, W, W)?;
     let returned = write_while_request_copied((&s, &mut up_r, W), (&c, &mut up_w, W), Duration::from_millis(300))?;
     ensure!(!returned, "R6 went around its reader");
-    let st = k.dp().stats(&pair)?;
-    ensure!(st.redirected_msgs == 7 && st.fallback_reader_busy == 2, "R5, R6 redirected: {st:?}");
+    counters("R5, R6 redirected", 7, 2)?;
 
     // A new exchange, every TCP byte read: redirected both ways again.
     dn_w.write(&s, 64, 64)?;
@@ -1508,16 +1510,14 @@ fn a_nodelay_runs_first_message_goes_around_a_peer_holding_its_lock() -> Result<
     let returned = write_while_request_copied((&s2, &mut up2_r, W), (&c2, &mut up2_w, W), Duration::from_secs(10))?;
     ensure!(returned, "the pipelined request waited for the server's lock");
     dn2_r.read(&c2, 64)?;
-    let st = k.dp().stats(&pair)?;
-    ensure!(st.redirected_msgs == 11 && st.fallback_reader_busy == 3, "R11 took TCP: {st:?}");
+    counters("R11 took TCP", 11, 3)?;
 
     // Not pipelined, the same client: every answer read, R12 and R13 (the
     // run's third and fourth) into the server copying R12 out: R13 waits.
     up2_w.write(&c2, W, W)?;
     let returned = write_while_request_copied((&s2, &mut up2_r, W), (&c2, &mut up2_w, W), Duration::from_millis(300))?;
     ensure!(!returned, "R13 went around its reader with no answer unread");
-    let st = k.dp().stats(&pair)?;
-    ensure!(st.redirected_msgs == 13 && st.fallback_reader_busy == 3, "R12, R13 redirected: {st:?}");
+    counters("R12, R13 redirected", 13, 3)?;
 
     // An answer unread but a request under 4 KiB: A (redirected), then
     // R14 (16 KiB, the run's first, the server not busy) and R15 (1 KiB)
@@ -1528,8 +1528,7 @@ fn a_nodelay_runs_first_message_goes_around_a_peer_holding_its_lock() -> Result<
         write_while_request_copied((&s2, &mut up2_r, W), (&c2, &mut up2_w, 1024), Duration::from_millis(300))?;
     ensure!(!returned, "a 1 KiB request went around its reader");
     dn2_r.read(&c2, 64)?;
-    let st = k.dp().stats(&pair)?;
-    ensure!(st.redirected_msgs == 16 && st.fallback_reader_busy == 3, "A, R14, R15 redirected: {st:?}");
+    counters("A, R14, R15 redirected", 16, 3)?;
     Ok(())
 }
 

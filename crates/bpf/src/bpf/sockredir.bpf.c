@@ -2241,6 +2241,23 @@ static __always_inline bool reader_busy(struct mw_link *link, __u32 peer)
 	return sk && sk->sk_lock.owned;
 }
 
+/* Whether direction `d`'s reader last read on another CPU than this
+ * sender (mw_dir.rd_cpu, a hint: 0 before its first read). */
+static __always_inline bool reader_elsewhere(const struct mw_dir *d)
+{
+	__u32 cpu = d->rd_cpu;
+
+	return cpu && cpu != bpf_get_smp_processor_id() + 1;
+}
+
+/* Whether end `st` may leave the SOCKMAP (park_self): its reads are
+ * counted exactly (one reader thread) and its reader does not ask
+ * FIONREAD (which misses TCP bytes behind a psock while it leaves). */
+static __always_inline bool may_leave(const struct mw_link *link, const struct mw_sock_state *st)
+{
+	return st->rd_pid != MW_RD_SHARED && !(link->end_flags[st->end & 1] & MW_EF_FIONREAD);
+}
+
 /*
  * Whether a stream of large writes (Nagle or not) should go around its
  * reader for this message: the reader holds its lock (reader_busy), or it runs on
@@ -2259,14 +2276,14 @@ static __always_inline bool reader_busy(struct mw_link *link, __u32 peer)
 static __always_inline bool reader_concurrent(struct mw_link *link, __u32 end)
 {
 	const struct mw_dir *d = &link->dir[end & 1];
-	__u32 cpu = d->rd_cpu, unread = d->redir - d->psock_read;
+	__u32 unread = d->redir - d->psock_read;
 
 	/* Read before the untrusted cast: clang would otherwise merge these
 	 * loads with the cast's, which the verifier refuses. */
 	barrier_var(unread);
 	if (reader_busy(link, end ^ 1))
 		return true;
-	return cpu && unread && cpu != bpf_get_smp_processor_id() + 1;
+	return unread && reader_elsewhere(d);
 }
 
 /* sk_userlocks: a buffer size the program fixed (include/net/sock.h). */
@@ -2430,8 +2447,7 @@ static __always_inline bool policy_allows(struct sk_msg_md *msg, struct mw_link 
 		if (((d->flags & MW_DIR_STREAMED) ||
 		     (run >= MW_POLICY_RUN + MW_POLICY_UNLINK &&
 		      (run < MW_POLICY_COALESCE || run >= MW_POLICY_COALESCE + MW_POLICY_UNLINK))) &&
-		    !(d->flags & (MW_DIR_UNLINK_REQ | MW_DIR_UNLINKED)) &&
-		    st->rd_pid != MW_RD_SHARED && !(link->end_flags[st->end & 1] & MW_EF_FIONREAD))
+		    !(d->flags & (MW_DIR_UNLINK_REQ | MW_DIR_UNLINKED)) && may_leave(link, st))
 			park_self(link, st, tp);
 		return false;
 	}
@@ -2553,12 +2569,12 @@ static __always_inline int finish_msg(struct sk_msg_md *msg, struct bpf_sock *sk
 		 * without. */
 		struct mw_dir *d = &link->dir[end];
 		bool large = d->run > MW_POLICY_RUN && d->run_bytes >= MW_POLICY_RUN * MW_POLICY_SMALL &&
-			     d->rd_cpu && d->rd_cpu != bpf_get_smp_processor_id() + 1;
+			     reader_elsewhere(d);
 
 		if (d->run > MW_POLICY_COALESCE || large) {
-			/* Only an end that may leave the SOCKMAP (park_self):
-			 * one that stays in would be TCP through its psock. */
-			if (large && st->rd_pid != MW_RD_SHARED && !(link->end_flags[end] & MW_EF_FIONREAD))
+			/* Only an end that may leave the SOCKMAP: one that
+			 * stays in would be TCP through its psock for good. */
+			if (large && may_leave(link, st))
 				__sync_fetch_and_or(&d->flags, MW_DIR_STREAMED);
 			demote(d, st);
 			if (rs) {
