@@ -181,11 +181,15 @@ fn a_small_write_stream_is_demoted_then_promoted() -> Result<()> {
     ensure!(after.promotions == 1, "promoted once the server read every TCP byte: {after:?}");
     ensure!(after.redirected_bytes == before.redirected_bytes + 100, "the request was redirected: {after:?}");
 
-    // 79 more writes, unread until the end: small writes (100 B + 7 x 3 KiB
-    // in the new run's first 8) move to TCP whether their reader keeps up
-    // or not. Counted with the last run's 8 x 3 KiB, they would pass for
-    // larger writes into a reader behind, and stay.
+    // 79 more writes, corked, unread until the end: small writes (100 B + 7
+    // x 3 KiB in the new run's first 8) move to TCP whether their reader
+    // keeps up or not. Counted with the last run's 8 x 3 KiB, they would pass
+    // for larger writes into a reader behind, and stay. (Corked: Nagle alone,
+    // now that the server has redirected to the client, would stay up to
+    // MW_POLICY_DELACK messages; an uncork pushes a corked tail at once.)
+    set_cork(&c, true)?;
     up_w.write(&c, 79 * W, W)?;
+    set_cork(&c, false)?;
     let st = k.dp().stats(&pair)?;
     ensure!(st.demotions_coalesce == 2, "the new run was demoted too: {st:?}");
     // The request was the run's message 1: its writes 1..=62 redirected.
@@ -194,13 +198,33 @@ fn a_small_write_stream_is_demoted_then_promoted() -> Result<()> {
     Ok(())
 }
 
+/// TCP_CORK on `s` (or off: which pushes what it held).
+fn set_cork(s: &TcpStream, on: bool) -> Result<()> {
+    use std::os::fd::AsRawFd;
+    let v: libc::c_int = on.into();
+    // SAFETY: a valid socket and a c_int of the size given.
+    let rc = unsafe {
+        libc::setsockopt(
+            s.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_CORK,
+            std::ptr::addr_of!(v).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    ensure!(rc == 0, "TCP_CORK: {}", std::io::Error::last_os_error());
+    Ok(())
+}
+
 /// Pipelined bursts (a redis client's): 48 small Nagle requests written back
 /// to back, each answered as the server (one thread throughout) reads it, the
 /// answers read after the burst. A burst is no stream: it stays on the fast
 /// path both ways (split between the paths, its TCP tail would wait on
-/// delayed acknowledgments), every burst. Then runs of 100 each way (the
-/// server reads once all are written) move to TCP, and the bursts after
-/// them still arrive whole. Every byte checked.
+/// delayed acknowledgments), every burst. Runs of 100 each way (the server
+/// reads once all are written) stay too: on TCP, Nagle would hold their
+/// tails for delayed acknowledgments. Runs of 2 100 each way move to TCP at
+/// message 2 048 (`MW_POLICY_DELACK`), and the bursts after them still
+/// arrive whole. Every byte checked.
 #[test]
 fn pipelined_bursts_stay_on_the_fast_path() -> Result<()> {
     const K: usize = 48;
@@ -244,7 +268,11 @@ fn pipelined_bursts_stay_on_the_fast_path() -> Result<()> {
             ensure!(st.redirected_msgs == 2 * 20 * K as u64, "every request and answer redirected: {st:?}");
             burst(100, true)?;
             let st = k.dp().stats(&pair)?;
-            ensure!(st.demotions_coalesce == 2, "both runs of 100 (requests, then answers) moved to TCP: {st:?}");
+            ensure!(st.demotions_coalesce == 0, "runs of 100 (requests, then answers) stayed: {st:?}");
+            ensure!(st.redirected_msgs == 2 * (20 * K as u64 + 100), "every request and answer redirected: {st:?}");
+            burst(2100, true)?;
+            let st = k.dp().stats(&pair)?;
+            ensure!(st.demotions_coalesce == 2, "both runs of 2 100 (requests, then answers) moved to TCP: {st:?}");
             for _ in 0..3 {
                 burst(K, false)?;
             }
@@ -775,6 +803,97 @@ fn a_streaming_end_leaves_the_sockmap_and_comes_back() -> Result<()> {
     guard_waits_at(&k, libc::SCHED_FIFO)
 }
 
+/// Responses in small Nagle writes, each asked for by a redirected 64 B
+/// request (a download). On TCP, Nagle holds a response's tail until the
+/// client acknowledges what came before, and a client that answers soon
+/// after it received delays that (40 ms or more): so a response stays
+/// redirected up to `MW_POLICY_DELACK` (2 048) messages, 1 024 writes to its
+/// end. One past that moves to TCP there, but its end stays in the SOCKMAP
+/// (out of it, the next request would go on TCP and put the client's TCP in
+/// pingpong mode): the next request is redirected, and its answer promoted.
+/// Every byte checked.
+#[test]
+fn a_nagle_response_to_a_redirected_request_stays_redirected() -> Result<()> {
+    let k = kernel_test!();
+    let (net, l, pair) = pods_pair(&k, 8221, FastPathMode::Adaptive)?;
+    let (c, s) = connections(&net, &l, 8221, 1)?.remove(0);
+    let (mut up_w, mut up_r) = (Stream::new(31), Stream::new(31));
+    let (mut down_w, mut down_r) = (Stream::new(32), Stream::new(32));
+
+    up_w.write(&c, 64, 64)?;
+    up_r.read(&s, 64)?;
+    stream_one_way(&s, &c, &mut down_w, &mut down_r, 1 << 20, 1024)?;
+    let first = k.dp().stats(&pair)?;
+    ensure!(
+        first.demotions_coalesce == 0 && first.demotions_behind == 0 && first.demotions_around == 0,
+        "the response stayed on the fast path: {first:?}"
+    );
+    ensure!(first.redirected_msgs == 1 + 1024, "the request and all of the response redirected: {first:?}");
+
+    // In 64 B writes, 2 100 of them: redirected up to message 2 048.
+    up_w.write(&c, 64, 64)?;
+    up_r.read(&s, 64)?;
+    stream_one_way(&s, &c, &mut down_w, &mut down_r, 2100 * 64, 64)?;
+    let second = k.dp().stats(&pair)?;
+    ensure!(second.demotions_coalesce == 1, "the long response moved to TCP: {second:?}");
+    ensure!(
+        second.redirected_msgs == first.redirected_msgs + 1 + 2047,
+        "the request and the response's first 2 047 writes redirected: {second:?}"
+    );
+    // Its end stays in the SOCKMAP (a wrong unlink is served in milliseconds).
+    thread::sleep(Duration::from_millis(200));
+    let st = k.dp().stats(&pair)?;
+    ensure!(st.unlinks == 0, "the answering end stayed in the SOCKMAP: {st:?}");
+
+    up_w.write(&c, 64, 64)?;
+    up_r.read(&s, 64)?;
+    down_w.write(&s, 100, 100)?;
+    down_r.read(&c, 100)?;
+    let third = k.dp().stats(&pair)?;
+    ensure!(third.promotions == 1, "the next answer was promoted: {third:?}");
+    ensure!(third.redirected_msgs == st.redirected_msgs + 2, "request and answer redirected: {third:?}");
+    Ok(())
+}
+
+/// A server that is never a target answers a client whose requests come on
+/// TCP (it sits in mw_tgtmap). Its first response in small Nagle writes moves
+/// to TCP at message 64 and leaves the SOCKMAP; the client's next request,
+/// sent on TCP right after it received on TCP, puts its TCP in pingpong mode
+/// (it then delays its acknowledgments, and on TCP Nagle would hold the next
+/// response's tail until they come, 40 ms or more). Once the server end is
+/// back, that response, 1 024 writes, stays redirected to its end. Every byte
+/// checked.
+#[test]
+fn a_nagle_response_to_a_client_in_pingpong_mode_stays_redirected() -> Result<()> {
+    let k = kernel_test!();
+    let (net, l, pair) = pods_pair_server_no_target(&k, 8222)?;
+    let (c, s) = connections(&net, &l, 8222, 1)?.remove(0);
+    let (mut up_w, mut up_r) = (Stream::new(33), Stream::new(33));
+    let (mut down_w, mut down_r) = (Stream::new(34), Stream::new(34));
+
+    up_w.write(&c, 64, 64)?;
+    up_r.read(&s, 64)?;
+    stream_one_way(&s, &c, &mut down_w, &mut down_r, 1 << 20, 1024)?;
+    wait_counters(&k, &pair, "the first response moved to TCP, its end out of the SOCKMAP", |c| {
+        c.demotions_coalesce == 1 && c.unlinks == 1
+    })?;
+
+    up_w.write(&c, 64, 64)?;
+    up_r.read(&s, 64)?;
+    wait_counters(&k, &pair, "the server end was relinked", |c| c.relinks == 1)?;
+    let before = k.dp().stats(&pair)?;
+    stream_one_way(&s, &c, &mut down_w, &mut down_r, 1 << 20, 1024)?;
+    let after = k.dp().stats(&pair)?;
+    ensure!(after.tgtmap_clients == 1, "the client runs no sk_msg: {after:?}");
+    ensure!(after.promotions == 1, "the second response was promoted: {after:?}");
+    ensure!(
+        after.demotions_coalesce == 1 && after.demotions_behind == 0 && after.demotions_around == 0,
+        "the second response stayed on the fast path: {after:?}"
+    );
+    ensure!(after.redirected_msgs == before.redirected_msgs + 1024, "all of it redirected: {after:?}");
+    Ok(())
+}
+
 /// Waits until this data path's guard thread runs under scheduling `policy`
 /// (it waits for requests and serves unlinks at SCHED_FIFO, unless the
 /// configuration says otherwise, and walks at SCHED_OTHER).
@@ -858,10 +977,12 @@ fn an_end_is_not_put_back_in_the_middle_of_its_tcp_response() -> Result<()> {
     Ok(())
 }
 
-/// The client streams small writes for seconds while the server sends it a
-/// short message every 20 ms: the client leaves the SOCKMAP, comes back at
-/// the server's next message, leaves again, many times, with redirected and
-/// TCP bytes racing into it. Both streams arrive whole and in order.
+/// The client streams small corked writes for seconds while the server sends
+/// it a short message every 20 ms: the client leaves the SOCKMAP, comes back
+/// at the server's next message, leaves again, many times, with redirected
+/// and TCP bytes racing into it. Both streams arrive whole and in order.
+/// (Corked: with Nagle alone, an end whose peer redirects to it stays in
+/// the SOCKMAP, see `a_nagle_response_to_a_redirected_request_stays_redirected`.)
 #[test]
 fn unlink_and_relink_under_two_way_traffic_lose_nothing() -> Result<()> {
     let k = kernel_test!();
@@ -872,8 +993,13 @@ fn unlink_and_relink_under_two_way_traffic_lose_nothing() -> Result<()> {
         for (n, (c, s)) in conns.iter().enumerate() {
             let seed = 300 + 2 * n as u64;
             let (up_len, down_msgs) = (12 << 20, 120usize);
-            // Client -> server: one long stream of 256-byte writes.
-            handles.push(scope.spawn(move || Stream::new(seed).write(c, up_len, 256)));
+            // Client -> server: one long stream of 256-byte writes, corked
+            // (uncorked at its end, which pushes the tail).
+            handles.push(scope.spawn(move || -> Result<()> {
+                set_cork(c, true)?;
+                Stream::new(seed).write(c, up_len, 256)?;
+                set_cork(c, false)
+            }));
             handles.push(scope.spawn(move || Stream::new(seed).read(s, up_len)));
             // Server -> client: 37-byte messages, 20 ms apart.
             handles.push(scope.spawn(move || -> Result<()> {

@@ -256,6 +256,22 @@ struct mw_dir {
  * (benches/README.md, 2026-11-25 evening). Streams pay the redirect's
  * per-message cost for 56 messages more. */
 #define MW_POLICY_COALESCE 64
+/* A Nagle run (not corked) whose tail TCP would hold for the peer's delayed
+ * ACK (tail_waits_ack: the peer redirects to this end, or its TCP is in
+ * pingpong mode) is not moved to TCP for coalescing, nor around a busy
+ * reader, before this many messages. On TCP, Nagle sends a run's last
+ * partial segment only once the peer acknowledged what went before, and a
+ * peer whose TCP answered soon after it received (a client asking for the
+ * next response) acknowledges a small segment only when its delayed-ACK
+ * timer fires, 40 ms or more: a 1 MiB download in 1 KiB Nagle writes took
+ * 20 ms on TCP, 1.2 ms redirected, 22 ms in adaptive mode, which moved it
+ * to TCP at MW_POLICY_COALESCE (benches/README.md, 2026-12-05, night).
+ * Past this many, such a run has paid the redirect's extra cost per small
+ * write (about 1.1-1.8 us: 1 KiB Nagle streams run 0.27x TCP's throughput
+ * redirected) for a few milliseconds, a fraction of one delayed ACK, and
+ * moves at the next check. Meanwhile its reader may fall behind only as
+ * far as TCP's buffers would let it (tcp_ahead_max). */
+#define MW_POLICY_DELACK 2048
 /* A demoted direction looks at its link on its first send after it read
  * something (a new exchange may have started) and otherwise once per
  * MW_POLICY_CHECK messages; the others cost one storage lookup. */
@@ -270,7 +286,11 @@ struct mw_dir {
  * messages: it asks at its first check after the demotion (one at
  * MW_POLICY_COALESCE itself waits two checks too). Two checks (not
  * eight): 8 x 1 KiB Nagle streams went from 0.93x to 0.96x of TCP (paths
- * bench, interleaved medians of 41 turns). */
+ * bench, interleaved medians of 41 turns). A Nagle end (not corked) whose
+ * peer redirects to it never asks: out of the SOCKMAP, the peer's next
+ * request would go on TCP right after an answer came on TCP, putting the
+ * peer's TCP in pingpong mode, where the next answer's tail waits for a
+ * delayed ACK (MW_POLICY_DELACK). */
 #define MW_POLICY_UNLINK 2
 /* A direction whose writes TCP would not coalesce (nodelay) stays on the
  * fast path while its reader keeps up. Once a stream of small writes finds

@@ -2196,6 +2196,50 @@ static __always_inline bool coalescing(struct tcp_sock *tp)
 	return !(nonagle & TCP_NAGLE_OFF) || (nonagle & TCP_NAGLE_CORK);
 }
 
+/* Whether this end writes with Nagle on and uncorked: on TCP, the tail of a
+ * run of small writes leaves only once the peer acknowledged what went
+ * before it (an uncork pushes a corked tail at once). */
+static __always_inline bool nagle_only(struct tcp_sock *tp)
+{
+	__u8 nonagle = BPF_CORE_READ_BITFIELD(tp, nonagle);
+
+	return !(nonagle & (TCP_NAGLE_OFF | TCP_NAGLE_CORK));
+}
+
+/* Whether the peer has sent to this end on the fast path (its requests, in
+ * a request/response connection). While this end stays in the SOCKMAP, it
+ * goes on doing so; out of it, its next request goes on TCP. */
+static __always_inline bool peer_redirects(const struct mw_link *link, __u32 peer)
+{
+	return link->dir[peer & 1].redir;
+}
+
+/*
+ * Whether TCP would hold the tail of this end's Nagle run for the peer's
+ * delayed ACK (MW_POLICY_DELACK). On plain TCP, a peer whose TCP answers
+ * soon after it received (a request after a response) is in pingpong mode
+ * (icsk_ack.pingpong, TCP_PINGPONG_THRESH 1), and acknowledges a small
+ * segment only when its delayed-ACK timer fires, not at the read
+ * (tcp_cleanup_rbuf). A peer that redirects its requests never enters it
+ * (they pass no TCP), but TCP through this end's psock sends segments the
+ * peer's ACK logic takes for full ones: in 1 MiB downloads in 1 KiB Nagle
+ * writes, the client's delayed-ACK timer fired about every third download
+ * that way (bpftrace, 2026-12-05). The peer's address is the hint
+ * reader_busy reads, through the same untrusted cast: a wrong one could only
+ * keep one run redirected longer, or move it sooner.
+ */
+static __always_inline bool tail_waits_ack(struct mw_link *link, __u32 peer, struct tcp_sock *tp)
+{
+	struct inet_connection_sock *icsk;
+
+	if (!nagle_only(tp))
+		return false;
+	if (peer_redirects(link, peer))
+		return true;
+	icsk = bpf_core_cast((void *)link->sk[peer & 1], struct inet_connection_sock);
+	return icsk && icsk->icsk_ack.pingpong;
+}
+
 /*
  * A demoted end that keeps streaming asks to leave the SOCKMAP. Its sk_msg
  * runs under its socket's lock, as does every redirect that queues into it
@@ -2332,7 +2376,7 @@ static __always_inline bool goes_around(struct mw_link *link, __u32 end, struct 
 	if (d->run_bytes >= MW_POLICY_RUN * MW_POLICY_SMALL)
 		return reader_concurrent(link, end);
 	return coalescing(tp) && d->run > MW_POLICY_COALESCE && d->run_bytes < MW_POLICY_RUN * tp->mss_cache &&
-	       reader_busy(link, end ^ 1);
+	       reader_busy(link, end ^ 1) && !(d->run < MW_POLICY_DELACK && tail_waits_ack(link, end ^ 1, tp));
 }
 
 /*
@@ -2407,7 +2451,7 @@ static __always_inline bool policy_allows(struct sk_msg_md *msg, struct mw_link 
 	struct mw_dir *d = &link->dir[st->end & 1];
 	struct mw_dir *o = &link->dir[(st->end ^ 1) & 1];
 	__u32 run, skipped, unread = 0;
-	bool behind = false, coalesce, small;
+	bool behind = false, delack = false, coalesce, small;
 
 	if (o->run)
 		o->run = 0; /* this message answers the peer's */
@@ -2443,11 +2487,18 @@ static __always_inline bool policy_allows(struct sk_msg_md *msg, struct mw_link 
 		 * MW_POLICY_UNLINK checks after a demotion at
 		 * MW_POLICY_COALESCE, at the first one after a demotion at a
 		 * later check (a reader-behind one, or a batched run whose
-		 * reader caught up: both streamed long before). */
+		 * reader caught up: both streamed long before). Not a Nagle
+		 * end whose peer redirects to it (its answers): out of the
+		 * SOCKMAP, the peer's next request would go on TCP right
+		 * after an answer came on TCP, which puts the peer's TCP in
+		 * pingpong mode, and the next answer's tail would wait for
+		 * its delayed ACK (tail_waits_ack); TCP through the psock
+		 * keeps those requests redirected. */
 		if (((d->flags & MW_DIR_STREAMED) ||
 		     (run >= MW_POLICY_RUN + MW_POLICY_UNLINK &&
 		      (run < MW_POLICY_COALESCE || run >= MW_POLICY_COALESCE + MW_POLICY_UNLINK))) &&
-		    !(d->flags & (MW_DIR_UNLINK_REQ | MW_DIR_UNLINKED)) && may_leave(link, st))
+		    !(d->flags & (MW_DIR_UNLINK_REQ | MW_DIR_UNLINKED)) && may_leave(link, st) &&
+		    !(nagle_only(tp) && peer_redirects(link, st->end ^ 1)))
 			park_self(link, st, tp);
 		return false;
 	}
@@ -2479,10 +2530,16 @@ static __always_inline bool policy_allows(struct sk_msg_md *msg, struct mw_link 
 	 * too (the reason that would have moved it anyway). */
 	coalesce = run >= MW_POLICY_COALESCE && batched(d, tp) &&
 		   (small || (d->flags & MW_DIR_RD_SHARED) || unread <= MW_POLICY_KEEPUP);
+	/* Not while TCP would hold the run's tail for a delayed ACK: such a
+	 * run may then fall as far behind as TCP would let it, no further. */
+	if (coalesce && run < MW_POLICY_DELACK && tail_waits_ack(link, st->end ^ 1, tp)) {
+		coalesce = false;
+		delack = true;
+	}
 	if (!coalesce && run > MW_POLICY_RUN && !(run % MW_POLICY_CHECK) && !(d->flags & MW_DIR_RD_SHARED) &&
 	    !(run < MW_POLICY_COALESCE && batched(d, tp)))
-		behind = !small ? unread > tcp_ahead_max(tp, link, st->end ^ 1)
-				: (__u64)unread * MW_POLICY_RUN >= (__u64)MW_POLICY_BEHIND * d->run_bytes;
+		behind = (!small || delack) ? unread > tcp_ahead_max(tp, link, st->end ^ 1)
+					    : (__u64)unread * MW_POLICY_RUN >= (__u64)MW_POLICY_BEHIND * d->run_bytes;
 	if (behind || coalesce) {
 		demote(d, st);
 		if (rs) {
