@@ -38,7 +38,9 @@ pub struct RuleCounters {
     pub splice_hits: u64,
     /// Adaptive policy: directions moved to the TCP path because they stream
     /// writes that TCP coalesces (Nagle or cork on): small ones, or up to
-    /// 32 KiB into a reader that keeps up.
+    /// 32 KiB into a reader that keeps up; at message 64, or at 2 048 for a
+    /// Nagle run whose tail TCP would hold for the peer's delayed ACK (the
+    /// peer redirects to it, or its TCP is in pingpong mode).
     pub demotions_coalesce: u64,
     /// Adaptive policy: directions moved back to the fast path (a new
     /// exchange began and the peer had read every byte sent on TCP).
@@ -113,7 +115,10 @@ pub struct RuleCounters {
     /// of them would have gone around its busy reader
     /// (`fallback_reader_busy`): a stream whose reader copies at its own
     /// pace. TCP through a psock sends smaller segments than plain TCP, so
-    /// the rest of the run leaves the SOCKMAP (`unlinks`). Or, past 8
+    /// the rest of the run leaves the SOCKMAP (`unlinks`; not a Nagle end
+    /// whose peer redirects to it, whose next request would then go on TCP,
+    /// nor a Nagle run before 2 048 messages while TCP would hold its tail
+    /// for the peer's delayed ACK, which does not go around). Or, past 8
     /// messages, a run of large writes into a reader on another CPU: that
     /// direction stays on TCP for good (connection reason `streamed`).
     pub demotions_around: u64,

@@ -19,7 +19,7 @@ use std::thread;
 use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
-use meshwarp_bpf::shared::{DIR_UNLINKED, END_SERVER};
+use meshwarp_bpf::shared::{DIR_UNLINKED, DIR_UNLINK_REQ, EF_PARKED, END_SERVER};
 use meshwarp_core::{Dataplane, EndpointPair, FastPathMode, PathNow, RuleCounters, TcpReason};
 use meshwarp_testbed::{
     accept_timeout, expect_zerocopy_completions, fionread_reader, read_exact_ready, set_zerocopy, write_all_ready,
@@ -198,6 +198,13 @@ fn a_small_write_stream_is_demoted_then_promoted() -> Result<()> {
     Ok(())
 }
 
+/// `w.write` with TCP_CORK on, then off (which pushes what TCP held).
+fn write_corked(w: &mut Stream, to: &TcpStream, len: usize, chunk: usize) -> Result<()> {
+    set_cork(to, true)?;
+    w.write(to, len, chunk)?;
+    set_cork(to, false)
+}
+
 /// TCP_CORK on `s` (or off: which pushes what it held).
 fn set_cork(s: &TcpStream, on: bool) -> Result<()> {
     use std::os::fd::AsRawFd;
@@ -270,9 +277,11 @@ fn pipelined_bursts_stay_on_the_fast_path() -> Result<()> {
             let st = k.dp().stats(&pair)?;
             ensure!(st.demotions_coalesce == 0, "runs of 100 (requests, then answers) stayed: {st:?}");
             ensure!(st.redirected_msgs == 2 * (20 * K as u64 + 100), "every request and answer redirected: {st:?}");
+            let before = k.dp().stats(&pair)?;
             burst(2100, true)?;
             let st = k.dp().stats(&pair)?;
             ensure!(st.demotions_coalesce == 2, "both runs of 2 100 (requests, then answers) moved to TCP: {st:?}");
+            ensure!(st.redirected_msgs == before.redirected_msgs + 2 * 2047, "each moved at its message 2 048: {st:?}");
             for _ in 0..3 {
                 burst(K, false)?;
             }
@@ -811,7 +820,8 @@ fn a_streaming_end_leaves_the_sockmap_and_comes_back() -> Result<()> {
 /// end. One past that moves to TCP there, but its end stays in the SOCKMAP
 /// (out of it, the next request would go on TCP and put the client's TCP in
 /// pingpong mode): the next request is redirected, and its answer promoted.
-/// Every byte checked.
+/// One 32 768 messages past its demotion (`MW_POLICY_ANSWER`), a stream,
+/// leaves. Every byte checked.
 #[test]
 fn a_nagle_response_to_a_redirected_request_stays_redirected() -> Result<()> {
     let k = kernel_test!();
@@ -840,7 +850,15 @@ fn a_nagle_response_to_a_redirected_request_stays_redirected() -> Result<()> {
         second.redirected_msgs == first.redirected_msgs + 1 + 2047,
         "the request and the response's first 2 047 writes redirected: {second:?}"
     );
-    // Its end stays in the SOCKMAP (a wrong unlink is served in milliseconds).
+    // Its end stays in the SOCKMAP: it never asked to leave (its checks run
+    // in its sends), and no unlink was served (in milliseconds if asked).
+    let server = k.dp().socket_link(meshwarp_core::sys::socket_cookie_of(&s)?)?.context("server accelerated")?;
+    let link = k.dp().link(&server)?.context("link")?;
+    ensure!(
+        link.dir[END_SERVER as usize].flags & (DIR_UNLINK_REQ | DIR_UNLINKED) == 0
+            && link.end_flags[END_SERVER as usize] & EF_PARKED == 0,
+        "the answering end never asked to leave: {link:?}"
+    );
     thread::sleep(Duration::from_millis(200));
     let st = k.dp().stats(&pair)?;
     ensure!(st.unlinks == 0, "the answering end stayed in the SOCKMAP: {st:?}");
@@ -852,6 +870,15 @@ fn a_nagle_response_to_a_redirected_request_stays_redirected() -> Result<()> {
     let third = k.dp().stats(&pair)?;
     ensure!(third.promotions == 1, "the next answer was promoted: {third:?}");
     ensure!(third.redirected_msgs == st.redirected_msgs + 2, "request and answer redirected: {third:?}");
+
+    // A run 32 768 messages past its demotion (`MW_POLICY_ANSWER`, counted
+    // in checks of 16 from there) is a stream: it leaves.
+    up_w.write(&c, 64, 64)?;
+    up_r.read(&s, 64)?;
+    stream_one_way(&s, &c, &mut down_w, &mut down_r, 35_000 * 64, 64)?;
+    wait_counters(&k, &pair, "the end of a 35 000-message answer left the SOCKMAP", |c| {
+        c.demotions_coalesce == 2 && c.unlinks == 1
+    })?;
     Ok(())
 }
 
@@ -874,11 +901,13 @@ fn a_nagle_response_to_a_client_in_pingpong_mode_stays_redirected() -> Result<()
     up_w.write(&c, 64, 64)?;
     up_r.read(&s, 64)?;
     stream_one_way(&s, &c, &mut down_w, &mut down_r, 1 << 20, 1024)?;
+    // At once (within the client's delayed-ACK time of its last TCP read):
+    // the client runs no sk_msg, so its request takes TCP in any case.
+    up_w.write(&c, 64, 64)?;
     wait_counters(&k, &pair, "the first response moved to TCP, its end out of the SOCKMAP", |c| {
         c.demotions_coalesce == 1 && c.unlinks == 1
     })?;
-
-    up_w.write(&c, 64, 64)?;
+    // The server's read of it, out of the SOCKMAP, asks for its relink.
     up_r.read(&s, 64)?;
     wait_counters(&k, &pair, "the server end was relinked", |c| c.relinks == 1)?;
     let before = k.dp().stats(&pair)?;
@@ -995,11 +1024,7 @@ fn unlink_and_relink_under_two_way_traffic_lose_nothing() -> Result<()> {
             let (up_len, down_msgs) = (12 << 20, 120usize);
             // Client -> server: one long stream of 256-byte writes, corked
             // (uncorked at its end, which pushes the tail).
-            handles.push(scope.spawn(move || -> Result<()> {
-                set_cork(c, true)?;
-                Stream::new(seed).write(c, up_len, 256)?;
-                set_cork(c, false)
-            }));
+            handles.push(scope.spawn(move || write_corked(&mut Stream::new(seed), c, up_len, 256)));
             handles.push(scope.spawn(move || Stream::new(seed).read(s, up_len)));
             // Server -> client: 37-byte messages, 20 ms apart.
             handles.push(scope.spawn(move || -> Result<()> {
@@ -1278,7 +1303,10 @@ fn short_connections_stay_on_tcp(guard: meshwarp_core::GuardMode) -> Result<()> 
 
 /// 16 connections, both directions at once: bursts of small and large
 /// writes, replies, idle turns; directions are demoted and promoted many
-/// times, and every byte of every stream arrives once, in order.
+/// times, and every byte of every stream arrives once, in order. The bursts
+/// are corked (uncorked at their end): Nagle alone, in connections whose
+/// peers redirect, would keep runs this short on the fast path
+/// (`MW_POLICY_DELACK`).
 #[test]
 fn streams_survive_demotions_and_promotions() -> Result<()> {
     let k = kernel_test!();
@@ -1302,8 +1330,8 @@ fn streams_survive_demotions_and_promotions() -> Result<()> {
                     };
                     // Both ends send their burst at once while both read.
                     thread::scope(|inner| -> Result<()> {
-                        let up = inner.spawn(|| up_w.write(c, len, chunk));
-                        let down = inner.spawn(|| down_w.write(s, len / 2 + 1, chunk));
+                        let up = inner.spawn(|| write_corked(&mut up_w, c, len, chunk));
+                        let down = inner.spawn(|| write_corked(&mut down_w, s, len / 2 + 1, chunk));
                         up_r.read(s, len)?;
                         down_r.read(c, len / 2 + 1)?;
                         up.join().unwrap()?;

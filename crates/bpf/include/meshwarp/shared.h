@@ -270,7 +270,8 @@ struct mw_dir {
  * write (about 1.1-1.8 us: 1 KiB Nagle streams run 0.27x TCP's throughput
  * redirected) for a few milliseconds, a fraction of one delayed ACK, and
  * moves at the next check. Meanwhile its reader may fall behind only as
- * far as TCP's buffers would let it (tcp_ahead_max). */
+ * far as TCP's buffers would let it (tcp_ahead_max; a reader of several
+ * threads, whose reads are not counted, as far as these messages). */
 #define MW_POLICY_DELACK 2048
 /* A demoted direction looks at its link on its first send after it read
  * something (a new exchange may have started) and otherwise once per
@@ -281,17 +282,24 @@ struct mw_dir {
  * reply) asks to leave
  * the SOCKMAP: a psock socket pays tcp_bpf on every send and read even on the
  * TCP path. Its peer's next message asks to put it back (not a
- * MW_DIR_STREAMED one: it asks at any check, and stays out). A direction demoted
+ * MW_DIR_STREAMED one: it asks at any check, and stays out; but see the
+ * Nagle answers below). A direction demoted
  * because its reader fell behind had already streamed MW_POLICY_BEHIND
  * messages: it asks at its first check after the demotion (one at
  * MW_POLICY_COALESCE itself waits two checks too). Two checks (not
  * eight): 8 x 1 KiB Nagle streams went from 0.93x to 0.96x of TCP (paths
  * bench, interleaved medians of 41 turns). A Nagle end (not corked) whose
- * peer redirects to it never asks: out of the SOCKMAP, the peer's next
- * request would go on TCP right after an answer came on TCP, putting the
- * peer's TCP in pingpong mode, where the next answer's tail waits for a
- * delayed ACK (MW_POLICY_DELACK). */
+ * peer redirects to it does not ask (MW_DIR_STREAMED or not) while its run
+ * is under MW_POLICY_ANSWER: out of the SOCKMAP, the peer's next request
+ * would go on TCP right after an answer came on TCP, putting the peer's TCP
+ * in pingpong mode, where the next answer's tail waits for a delayed ACK
+ * (MW_POLICY_DELACK). A run counts its messages until its demotion, then
+ * its checks (one per MW_POLICY_CHECK messages): one demoted at
+ * MW_POLICY_DELACK stays in for 32 768 messages more. A run that long is a
+ * stream, not an answer waited for: a greeting that once came redirected
+ * does not keep an end streaming for good in the SOCKMAP. */
 #define MW_POLICY_UNLINK 2
+#define MW_POLICY_ANSWER 4096
 /* A direction whose writes TCP would not coalesce (nodelay) stays on the
  * fast path while its reader keeps up. Once a stream of small writes finds
  * its reader MW_POLICY_BEHIND messages behind (checked every
