@@ -392,6 +392,10 @@ fn haproxy_outbound(splice: Splice) -> Result<()> {
         let c = a.ns.connect(service)?;
         echo_integrity(c, 3000 + i as u64, size_of_conn(i), T)?;
         Ok(())
+    })
+    .with_context(|| {
+        // Which fallback or reset the data path counted, for a failure.
+        format!("counters: capture {:?}, pair {:?}", k.dp().stats(&capture).ok(), k.dp().stats(&pair).ok())
     })?;
     let (cst, pst) = (k.dp().stats(&capture)?, k.dp().stats(&pair)?);
     report(&format!("haproxy outbound {splice:?}"), &[("capture", cst), ("pair", pst)]);

@@ -1056,16 +1056,29 @@ fn pump_both(a: TcpStream, b: TcpStream) {
     thread::spawn(move || pump(b, a2));
 }
 
-/// Copies until EOF, then half-closes the other side.
+/// Copies until EOF, then half-closes the other side. An error ends it too
+/// (its close then resets the connection if bytes are unread): said on
+/// stderr, which a failing test shows.
 fn pump(mut from: TcpStream, mut to: TcpStream) {
     let mut buf = vec![0u8; 64 * 1024];
+    let mut copied = 0u64;
     loop {
         match read_ready(&mut from, &mut buf, None) {
-            Ok(0) | Err(_) => break,
+            Ok(0) => break,
+            Err(e) => {
+                eprintln!("pump {:?} -> {:?}: read failed after {copied} B: {e}", from.peer_addr(), to.peer_addr());
+                break;
+            }
             Ok(n) => {
-                if write_all_ready(&mut to, &buf[..n], None).is_err() {
+                if let Err(e) = write_all_ready(&mut to, &buf[..n], None) {
+                    eprintln!(
+                        "pump {:?} -> {:?}: write failed after {copied} B: {e}",
+                        from.peer_addr(),
+                        to.peer_addr()
+                    );
                     break;
                 }
+                copied += n as u64;
             }
         }
     }
