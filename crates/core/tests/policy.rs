@@ -187,9 +187,7 @@ fn a_small_write_stream_is_demoted_then_promoted() -> Result<()> {
     // for larger writes into a reader behind, and stay. (Corked: Nagle alone,
     // now that the server has redirected to the client, would stay up to
     // MW_POLICY_DELACK messages; an uncork pushes a corked tail at once.)
-    set_cork(&c, true)?;
-    up_w.write(&c, 79 * W, W)?;
-    set_cork(&c, false)?;
+    write_corked(&mut up_w, &c, 79 * W, W)?;
     let st = k.dp().stats(&pair)?;
     ensure!(st.demotions_coalesce == 2, "the new run was demoted too: {st:?}");
     // The request was the run's message 1: its writes 1..=62 redirected.
@@ -200,27 +198,10 @@ fn a_small_write_stream_is_demoted_then_promoted() -> Result<()> {
 
 /// `w.write` with TCP_CORK on, then off (which pushes what TCP held).
 fn write_corked(w: &mut Stream, to: &TcpStream, len: usize, chunk: usize) -> Result<()> {
-    set_cork(to, true)?;
+    let sock = socket2::SockRef::from(to);
+    sock.set_tcp_cork(true).context("TCP_CORK on")?;
     w.write(to, len, chunk)?;
-    set_cork(to, false)
-}
-
-/// TCP_CORK on `s` (or off: which pushes what it held).
-fn set_cork(s: &TcpStream, on: bool) -> Result<()> {
-    use std::os::fd::AsRawFd;
-    let v: libc::c_int = on.into();
-    // SAFETY: a valid socket and a c_int of the size given.
-    let rc = unsafe {
-        libc::setsockopt(
-            s.as_raw_fd(),
-            libc::IPPROTO_TCP,
-            libc::TCP_CORK,
-            std::ptr::addr_of!(v).cast(),
-            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-        )
-    };
-    ensure!(rc == 0, "TCP_CORK: {}", std::io::Error::last_os_error());
-    Ok(())
+    sock.set_tcp_cork(false).context("TCP_CORK off")
 }
 
 /// Pipelined bursts (a redis client's): 48 small Nagle requests written back

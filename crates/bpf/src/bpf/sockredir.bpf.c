@@ -2216,7 +2216,8 @@ static __always_inline bool peer_redirects(const struct mw_link *link, __u32 pee
 
 /*
  * Whether TCP would hold the tail of this end's Nagle run for the peer's
- * delayed ACK (MW_POLICY_DELACK). On plain TCP, a peer whose TCP answers
+ * delayed ACK, while the run (`run` messages so far) is short enough that
+ * staying redirected costs less than that wait (MW_POLICY_DELACK). On plain TCP, a peer whose TCP answers
  * soon after it received (a request after a response) is in pingpong mode
  * (icsk_ack.pingpong, TCP_PINGPONG_THRESH 1), and acknowledges a small
  * segment only when its delayed-ACK timer fires, not at the read
@@ -2228,11 +2229,11 @@ static __always_inline bool peer_redirects(const struct mw_link *link, __u32 pee
  * reader_busy reads, through the same untrusted cast: a wrong one could only
  * keep one run redirected longer, or move it sooner.
  */
-static __always_inline bool tail_waits_ack(struct mw_link *link, __u32 peer, struct tcp_sock *tp)
+static __always_inline bool tail_waits_ack(struct mw_link *link, __u32 peer, __u32 run, struct tcp_sock *tp)
 {
 	struct inet_connection_sock *icsk;
 
-	if (!nagle_only(tp))
+	if (run >= MW_POLICY_DELACK || !nagle_only(tp))
 		return false;
 	if (peer_redirects(link, peer))
 		return true;
@@ -2378,7 +2379,7 @@ static __always_inline bool goes_around(struct mw_link *link, __u32 end, struct 
 	if (d->run_bytes >= MW_POLICY_RUN * MW_POLICY_SMALL)
 		return reader_concurrent(link, end);
 	return coalescing(tp) && d->run > MW_POLICY_COALESCE && d->run_bytes < MW_POLICY_RUN * tp->mss_cache &&
-	       reader_busy(link, end ^ 1) && !(d->run < MW_POLICY_DELACK && tail_waits_ack(link, end ^ 1, tp));
+	       reader_busy(link, end ^ 1) && !tail_waits_ack(link, end ^ 1, d->run, tp);
 }
 
 /*
@@ -2543,7 +2544,7 @@ static __always_inline bool policy_allows(struct sk_msg_md *msg, struct mw_link 
 	 * the MW_POLICY_DELACK messages alone. Most programs read a socket
 	 * from more than one thread over its life (a pool, a runtime's
 	 * scheduler): without them this would reach few. */
-	if (coalesce && run < MW_POLICY_DELACK && tail_waits_ack(link, st->end ^ 1, tp)) {
+	if (coalesce && tail_waits_ack(link, st->end ^ 1, run, tp)) {
 		coalesce = false;
 		delack = true;
 	}
