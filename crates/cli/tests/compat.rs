@@ -1835,24 +1835,40 @@ fn go_http_with_node() -> Result<()> {
     wait_listening(&a.ns, go_server, T)?;
     wait_listening(&a.ns, node_server, T)?;
     let (n, host, url) = (CONNS.to_string(), b.v4.to_string(), format!("http://{node_server}/"));
+    let mut first = (RuleCounters::default(), RuleCounters::default());
     for round in 1..=2 {
         let (ok, out) = run_to_end(&a.ns, &["node", "-e", NODE_HTTP_CLIENT, &host, "7108", &n], T)?;
         ensure!(ok && out.contains("OK"), "round {round}, node client, go server: {out}");
         let (ok, out) = run_to_end(&a.ns, &[&bin, "client", &url, &n], T)?;
         ensure!(ok && out.contains("OK"), "round {round}, go client, node server: {out}");
+        if round == 1 {
+            first = (k.dp().stats(&into_go)?, k.dp().stats(&from_go)?);
+        }
     }
     let (st_into, st_from) = (k.dp().stats(&into_go)?, k.dp().stats(&from_go)?);
     report("go http", &[("node -> go server", st_into), ("go client -> node", st_from)]);
+    let second =
+        (st_into.redirected_bytes - first.0.redirected_bytes, st_from.redirected_bytes - first.1.redirected_bytes);
+    eprintln!(
+        "[compat] go http, round 2: answers {} B (demotions_around {}), posts {} B (demotions_around {})",
+        second.0,
+        st_into.demotions_around - first.0.demotions_around,
+        second.1,
+        st_from.demotions_around - first.1.demotions_around
+    );
     ensure!(
         st_into.fallback_splice >= 1 && st_from.fallback_splice >= 1,
         "go ends are no targets: {st_into:?} {st_from:?}"
     );
-    // One direction of each connection after the first: 2 x ~107 MB. A
-    // connection whose 8 MiB body streams into node copying out on another
-    // CPU moves to TCP for good (demotions_around): 148 MiB of the posts
-    // once.
-    ensure!(st_into.redirected_bytes > (150 << 20), "the go server's answers redirected: {st_into:?}");
-    ensure!(st_from.redirected_bytes > (100 << 20), "the go client's posts redirected: {st_from:?}");
+    // Judged in round 2: round 1's first connections wait on TCP until the
+    // node client is classified (33 of them on a fresh CI machine, reading
+    // all of node's ELF then), round 2's never. One direction of each
+    // connection, ~107 MB a round, less the rest of each 8 MiB body that
+    // streams into a reader copying out on another CPU (demotions_around,
+    // timing): answers 89-103 MB with 1-4 such, posts 71-96 MB with 3-10
+    // on this machine.
+    ensure!(second.0 > (64 << 20), "the go server's answers redirected in round 2: {} B, {st_into:?}", second.0);
+    ensure!(second.1 > (48 << 20), "the go client's posts redirected in round 2: {} B, {st_from:?}", second.1);
     Ok(())
 }
 
