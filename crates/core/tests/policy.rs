@@ -526,14 +526,15 @@ fn fixed_socket_buffers_bound_the_redirected_backlog() -> Result<()> {
 /// and has redirected bytes still to read: a redirect would wait for the
 /// reader's socket lock while it copies them out, and sk_msg copies a whole
 /// write in before the reader can copy any of it out, where TCP lets both
-/// copy at once. So past the run's first 8 messages such a message moves
-/// the direction to TCP (`demotions_around`) for good: no promotion at the
-/// next exchange, and once out of the SOCKMAP the end stays out (a relink
-/// would cost every later response its first messages again: nginx's 1 MiB
-/// responses 1.3x TCP's time, 1.0x with this). A reader on the writer's
-/// CPU cannot copy while the writer runs: there every message is
-/// redirected. Every byte checked, in order (the psock's queue is read
-/// before TCP's).
+/// copy at once. So such a message moves the direction to TCP
+/// (`demotions_around`) for good, anywhere in a run (MW_POLICY_LARGE; a
+/// run's first message too, as HTTP/2's multiplexed responses come): no
+/// promotion at the next exchange, and once out of the SOCKMAP the end
+/// stays out (a relink would cost every later response its first messages
+/// again: nginx's 1 MiB responses 1.3x TCP's time, 1.0x with this). A
+/// reader on the writer's CPU cannot copy while the writer runs: there
+/// every message is redirected; in lockstep nothing is unread. Every byte
+/// checked, in order (the psock's queue is read before TCP's).
 #[test]
 fn a_large_write_stream_into_a_reader_on_another_cpu_moves_to_tcp() -> Result<()> {
     const W: usize = 16 << 10;
@@ -545,7 +546,7 @@ fn a_large_write_stream_into_a_reader_on_another_cpu_moves_to_tcp() -> Result<()
     let k = kernel_test!();
     let (net, l, pair) = pods_pair(&k, 8217, FastPathMode::Adaptive)?;
     meshwarp_testbed::pin_thread(writer_cpu)?;
-    let mut conns = connections(&net, &l, 8217, 3)?;
+    let mut conns = connections(&net, &l, 8217, 4)?;
     let counters = |what: &str, redirected: u64, demoted: u64| -> Result<RuleCounters> {
         let st = k.dp().stats(&pair)?;
         ensure!(
@@ -569,13 +570,13 @@ fn a_large_write_stream_into_a_reader_on_another_cpu_moves_to_tcp() -> Result<()
         // Its first read tells where it runs.
         up_w.write(&c, W, W)?;
         read(W)?;
-        // Messages 2..=8 are redirected whatever the reader does (a run's
-        // first messages); the 9th finds 7 unread on the other CPU.
+        // The 2nd finds nothing unread; the 3rd finds the 2nd unread on
+        // the other CPU.
         up_w.write(&c, 8 * W, W)?;
-        counters("the 9th moved the stream to TCP", 8, 1)?;
+        counters("the 3rd moved the stream to TCP", 2, 1)?;
         up_w.write(&c, W, W)?;
         read(9 * W)?;
-        counters("the 10th follows it on TCP", 8, 1)?;
+        counters("the 10th follows it on TCP", 2, 1)?;
         // A new exchange, every byte read: the server's answer redirected
         // (the other direction), the client's next write on TCP, no
         // promotion; the client end leaves the SOCKMAP at that look (after
@@ -585,7 +586,7 @@ fn a_large_write_stream_into_a_reader_on_another_cpu_moves_to_tcp() -> Result<()
         up_w.write(&c, W, W)?;
         read(W)?;
         wait_counters(&k, &pair, "the streaming client end was unlinked", |c| c.unlinks == 1)?;
-        counters("still on TCP", 9, 1)?;
+        counters("still on TCP", 3, 1)?;
         // And stays out: the server's answers and the client's requests on
         // TCP, no relink asked.
         for _ in 0..3 {
@@ -597,7 +598,7 @@ fn a_large_write_stream_into_a_reader_on_another_cpu_moves_to_tcp() -> Result<()
         // A relink, asked by the client's read, would come within
         // milliseconds.
         thread::sleep(Duration::from_millis(300));
-        let st = counters("out for good", 9, 1)?;
+        let st = counters("out for good", 3, 1)?;
         ensure!(st.unlinks == 1, "{st:?}");
         // Listed as such: the client's sends on TCP for good.
         let cookie = meshwarp_core::sys::socket_cookie_of(&c)?;
@@ -615,7 +616,7 @@ fn a_large_write_stream_into_a_reader_on_another_cpu_moves_to_tcp() -> Result<()
         read(W)?;
         up_w.write(&c, 12 * W, W)?;
         read(12 * W)?;
-        counters("a reader on the writer's CPU", 9 + 13, 1).map(drop)
+        counters("a reader on the writer's CPU", 3 + 13, 1).map(drop)
     })?;
 
     // In lockstep (every message read before the next), nothing unread:
@@ -630,13 +631,39 @@ fn a_large_write_stream_into_a_reader_on_another_cpu_moves_to_tcp() -> Result<()
             up_w.write(&c, W, W)?;
             read(W)?;
         }
-        counters("66 in lockstep", 22 + 66, 1)?;
+        counters("66 in lockstep", 16 + 66, 1)?;
         up_w.write(&c, 2 * W, W)?;
-        counters("demoted", 22 + 67, 2)?;
+        counters("demoted", 16 + 67, 2)?;
         read(2 * W)?;
         up_w.write(&c, W, W)?;
         read(W)?;
-        counters("the run stays on TCP", 22 + 67, 2).map(drop)
+        counters("the run stays on TCP", 16 + 67, 2).map(drop)
+    })?;
+
+    // Runs of one write, as HTTP/2's multiplexed responses come between
+    // the client's frames (each of the peer's messages starts a new run):
+    // the first finds nothing unread, the second the first unread on the
+    // other CPU, and moves the direction to TCP for good.
+    let (c, s) = conns.remove(0);
+    c.set_nodelay(true)?;
+    s.set_nodelay(true)?;
+    let mut up_w = Stream::new(64);
+    let (mut dn_w, mut dn_r) = (Stream::new(164), Stream::new(164));
+    pinned_reader(other_cpu, &s, Stream::new(64), |read| -> Result<()> {
+        up_w.write(&c, W, W)?;
+        read(W)?;
+        for _ in 0..2 {
+            dn_w.write(&s, 64, 64)?;
+            dn_r.read(&c, 64)?;
+            up_w.write(&c, W, W)?;
+        }
+        counters("the second run's write, the first unread", 16 + 67 + 4, 3)?;
+        read(2 * W)?;
+        dn_w.write(&s, 64, 64)?;
+        dn_r.read(&c, 64)?;
+        up_w.write(&c, W, W)?;
+        read(W)?;
+        counters("on TCP for good", 16 + 67 + 5, 3).map(drop)
     })
 }
 

@@ -273,6 +273,10 @@ struct mw_dir {
  * far as TCP's buffers would let it (tcp_ahead_max; a reader of several
  * threads, whose reads are not counted, as far as these messages). */
 #define MW_POLICY_DELACK 2048
+/* A write this large in a run's first MW_POLICY_RUN messages, into a reader
+ * copying out this direction's redirected bytes on another CPU, moves the
+ * direction to TCP for good (large_into_copying_reader, MW_DIR_STREAMED). */
+#define MW_POLICY_LARGE 16384
 /* A demoted direction looks at its link on its first send after it read
  * something (a new exchange may have started) and otherwise once per
  * MW_POLICY_CHECK messages; the others cost one storage lookup. */

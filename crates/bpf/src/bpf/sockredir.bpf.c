@@ -2383,6 +2383,36 @@ static __always_inline bool goes_around(struct mw_link *link, __u32 end, struct 
 }
 
 /*
+ * A write of MW_POLICY_LARGE or more in a run's first MW_POLICY_RUN messages
+ * (goes_around judges the later ones) into a reader on another CPU that
+ * still has this direction's redirected bytes to read: it is copying them
+ * out, or about to, so the redirect waits for its lock, and sk_msg copies
+ * the whole write in before the reader may copy any of it out, where TCP
+ * lets both copy at once. Such a direction moves to TCP for good
+ * (MW_DIR_STREAMED) at once: HTTP/2 responses of 64 KiB multiplexed over
+ * 10 connections (h2load against nghttpd) come in runs of one to three
+ * writes between the client's frames, so a run rarely passed
+ * MW_POLICY_RUN, and each connection's responses stayed redirected at
+ * 1.15-1.40x TCP's time. Only an end that may leave the SOCKMAP (one that
+ * stays would send on TCP through its psock), not a reader of several
+ * threads (its reads are not counted: its bytes always look unread), not
+ * a reader that only holds its lock (nodelay_around_lock sends one
+ * message around it), and not a Nagle run whose tail TCP would hold for a
+ * delayed ACK (tail_waits_ack).
+ */
+static __always_inline bool large_into_copying_reader(struct mw_link *link, const struct mw_sock_state *st,
+						      __u32 size, struct tcp_sock *tp)
+{
+	const struct mw_dir *d = &link->dir[st->end & 1];
+	__u32 unread;
+
+	if (size < MW_POLICY_LARGE || d->run > MW_POLICY_RUN || (d->flags & MW_DIR_RD_SHARED))
+		return false;
+	unread = d->redir - d->psock_read;
+	return unread && reader_elsewhere(d) && may_leave(link, st) && !tail_waits_ack(link, st->end ^ 1, d->run, tp);
+}
+
+/*
  * A nodelay message that takes TCP rather than sleep on its peer's lock
  * (bpf_tcp_ingress takes it; TCP queues the segment to the peer's backlog
  * and goes on; the messages after it take TCP until the peer read it):
@@ -2617,6 +2647,18 @@ static __always_inline int finish_msg(struct sk_msg_md *msg, struct bpf_sock *sk
 	 * (nodelay_around_lock): TCP for this message rather than wait for
 	 * that lock. Mode always, and a reader whose FIONREAD would miss TCP
 	 * bytes, wait. */
+	/* A large write early in a run into a reader copying out on another
+	 * CPU: the rest of the direction on TCP, as past MW_POLICY_RUN. */
+	if (!(link->flags & MW_LINK_FIXED) && !(link->end_flags[peer] & MW_EF_FIONREAD) &&
+	    large_into_copying_reader(link, st, size, tp)) {
+		__sync_fetch_and_or(&link->dir[end].flags, MW_DIR_STREAMED);
+		demote(&link->dir[end], st);
+		if (rs) {
+			rs->demotions_around++;
+			rs->policy_tcp_msgs++;
+		}
+		return SK_PASS;
+	}
 	if (!(link->flags & MW_LINK_FIXED) && !(link->end_flags[peer] & MW_EF_FIONREAD) &&
 	    (goes_around(link, end, tp) || nodelay_around_lock(link, end, size, tp))) {
 		/* Past MW_POLICY_COALESCE without a reply, a stream whose reader
