@@ -39,6 +39,10 @@ pub enum ClassifyError {
     },
     #[error("{path} is not an ELF object: {reason}")]
     NotElf { path: PathBuf, reason: String },
+    /// A part of the file the headers name could not be read (the file
+    /// changed or was cut short while it was read).
+    #[error("{path}: could not read its {what}")]
+    Unreadable { path: PathBuf, what: &'static str },
     #[error("process {pid} runs {path}, inode {found}, not the inode {expected} the kernel reported")]
     Replaced { pid: u32, path: PathBuf, found: u64, expected: u64 },
 }
@@ -84,15 +88,17 @@ fn classify_elf<'a, R: ReadRef<'a>>(path: &Path, data: R) -> Result<ExeFacts, Cl
     let file = object::File::parse(data)
         .map_err(|e| ClassifyError::NotElf { path: path.to_path_buf(), reason: e.to_string() })?;
     let fact = |splice: bool, opaque: bool, reason: String| Ok(ExeFacts { splice, opaque, reason });
-    if let Ok(imports) = file.imports() {
-        for imp in &imports {
-            let name = String::from_utf8_lossy(imp.name());
-            if SPLICE_IMPORTS.contains(&name.as_ref()) {
-                return fact(true, false, format!("imports {name}"));
-            }
-            if URING_IMPORTS.contains(&name.as_ref()) {
-                return fact(true, false, format!("imports {name} (io_uring can splice without a system call)"));
-            }
+    // An import table that cannot be read is no answer (reads now come from
+    // the file as parsing goes, so a file cut short fails here).
+    let imports =
+        file.imports().map_err(|_| ClassifyError::Unreadable { path: path.to_path_buf(), what: "imports" })?;
+    for imp in &imports {
+        let name = String::from_utf8_lossy(imp.name());
+        if SPLICE_IMPORTS.contains(&name.as_ref()) {
+            return fact(true, false, format!("imports {name}"));
+        }
+        if URING_IMPORTS.contains(&name.as_ref()) {
+            return fact(true, false, format!("imports {name} (io_uring can splice without a system call)"));
         }
     }
     let pclntab = file.section_by_name(".gopclntab");
@@ -100,12 +106,13 @@ fn classify_elf<'a, R: ReadRef<'a>>(path: &Path, data: R) -> Result<ExeFacts, Cl
         // Function names survive stripping in the pclntab; a binary without
         // that section (it moved into .data.rel.ro in some builds) is read
         // whole.
-        let names = match pclntab.map(|s| s.data()) {
-            Some(Ok(names)) => names,
-            _ => data.read_bytes_at(0, data.len().unwrap_or(0)).map_err(|()| ClassifyError::Io {
-                path: path.to_path_buf(),
-                source: io::Error::new(io::ErrorKind::UnexpectedEof, "short read of a Go binary"),
-            })?,
+        let unreadable = |what| ClassifyError::Unreadable { path: path.to_path_buf(), what };
+        let names = match pclntab {
+            Some(s) => s.data().map_err(|_| unreadable(".gopclntab section"))?,
+            None => {
+                let len = data.len().map_err(|()| unreadable("length"))?;
+                data.read_bytes_at(0, len).map_err(|()| unreadable("contents"))?
+            }
         };
         for needle in GO_SPLICE {
             if memchr::memmem::find(names, needle).is_some() {
@@ -215,6 +222,14 @@ mod tests {
                 assert_eq!(f.splice, splice, "{}: {f:?}", p.display());
             }
         }
+    }
+
+    #[test]
+    fn an_elf_cut_short_is_an_error() {
+        // This test binary's headers, without the tables they point to.
+        let me = fs::read(std::env::current_exe().unwrap()).unwrap();
+        let e = classify_elf(Path::new("x"), &me[..4096]).unwrap_err();
+        assert!(matches!(e, ClassifyError::NotElf { .. } | ClassifyError::Unreadable { .. }), "{e}");
     }
 
     #[test]

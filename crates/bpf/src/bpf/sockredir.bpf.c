@@ -2409,6 +2409,8 @@ static __always_inline bool large_into_copying_reader(struct mw_link *link, cons
 	if (size < MW_POLICY_LARGE || d->run > MW_POLICY_RUN || (d->flags & MW_DIR_RD_SHARED))
 		return false;
 	unread = d->redir - d->psock_read;
+	/* Read before the untrusted cast (see reader_concurrent). */
+	barrier_var(unread);
 	return unread && reader_elsewhere(d) && may_leave(link, st) && !tail_waits_ack(link, st->end ^ 1, d->run, tp);
 }
 
@@ -2642,11 +2644,6 @@ static __always_inline int finish_msg(struct sk_msg_md *msg, struct bpf_sock *sk
 			rs->fb_tcp_path++;
 		return SK_PASS;
 	}
-	/* A stream into a reader copying out, or about to (goes_around), or a
-	 * nodelay answer or pipelined request into a peer holding its lock
-	 * (nodelay_around_lock): TCP for this message rather than wait for
-	 * that lock. Mode always, and a reader whose FIONREAD would miss TCP
-	 * bytes, wait. */
 	/* A large write early in a run into a reader copying out on another
 	 * CPU: the rest of the direction on TCP, as past MW_POLICY_RUN. */
 	if (!(link->flags & MW_LINK_FIXED) && !(link->end_flags[peer] & MW_EF_FIONREAD) &&
@@ -2659,6 +2656,11 @@ static __always_inline int finish_msg(struct sk_msg_md *msg, struct bpf_sock *sk
 		}
 		return SK_PASS;
 	}
+	/* A stream into a reader copying out, or about to (goes_around), or a
+	 * nodelay answer or pipelined request into a peer holding its lock
+	 * (nodelay_around_lock): TCP for this message rather than wait for
+	 * that lock. Mode always, and a reader whose FIONREAD would miss TCP
+	 * bytes, wait. */
 	if (!(link->flags & MW_LINK_FIXED) && !(link->end_flags[peer] & MW_EF_FIONREAD) &&
 	    (goes_around(link, end, tp) || nodelay_around_lock(link, end, size, tp))) {
 		/* Past MW_POLICY_COALESCE without a reply, a stream whose reader
