@@ -210,10 +210,7 @@ mod tests {
         // Present on every Debian machine; python3 imports splice (os.splice).
         // Go (scripts/install-deps.sh installs it) carries its splice path,
         // found in its .gopclntab section.
-        let go = std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())
-            .map(|d| d.join("go"))
-            .find(|p| p.exists())
-            .and_then(|p| fs::canonicalize(p).ok());
+        let go = meshwarp_testbed::which("go").and_then(|p| fs::canonicalize(p).ok());
         let mut cases = vec![(PathBuf::from("/usr/bin/python3"), true), (PathBuf::from("/bin/ls"), false)];
         cases.extend(go.map(|g| (g, true)));
         for (p, splice) in cases {

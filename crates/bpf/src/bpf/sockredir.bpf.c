@@ -2473,6 +2473,20 @@ static __always_inline void demote(struct mw_dir *d, struct mw_sock_state *st)
 	st->skipped = 0;
 }
 
+/* demote() for a message that would have gone around its reader
+ * (demotions_around); `streamed`: for good (MW_DIR_STREAMED). */
+static __always_inline void demote_around(struct mw_dir *d, struct mw_sock_state *st, struct mw_rule_stats *rs,
+					  bool streamed)
+{
+	if (streamed)
+		__sync_fetch_and_or(&d->flags, MW_DIR_STREAMED);
+	demote(d, st);
+	if (rs) {
+		rs->demotions_around++;
+		rs->policy_tcp_msgs++;
+	}
+}
+
 /* The adaptive policy for one message of a direction that may be redirected
  * (mw_dir). Returns false when the message takes the TCP path. This end's
  * sk_msg (under its socket lock) decides its own mw_dir; the peer resets
@@ -2606,6 +2620,7 @@ static __always_inline int finish_msg(struct sk_msg_md *msg, struct bpf_sock *sk
 	struct mw_link *link;
 	__u32 end = st->end & 1, peer = end ^ 1, size = msg->size, claimed, pos, peer_flags;
 	__u64 id = st->link;
+	bool may_go_around;
 
 	/* A demoted direction: TCP, and only now and then a look at the link. */
 	if ((st->flags & MW_SOCK_DEMOTED) && !st->read && (++st->skipped % MW_POLICY_CHECK))
@@ -2644,25 +2659,20 @@ static __always_inline int finish_msg(struct sk_msg_md *msg, struct bpf_sock *sk
 			rs->fb_tcp_path++;
 		return SK_PASS;
 	}
+	/* Mode always, and a reader whose FIONREAD would miss TCP bytes, wait
+	 * for the reader's lock: none of the below. */
+	may_go_around = !(link->flags & MW_LINK_FIXED) && !(link->end_flags[peer] & MW_EF_FIONREAD);
 	/* A large write early in a run into a reader copying out on another
 	 * CPU: the rest of the direction on TCP, as past MW_POLICY_RUN. */
-	if (!(link->flags & MW_LINK_FIXED) && !(link->end_flags[peer] & MW_EF_FIONREAD) &&
-	    large_into_copying_reader(link, st, size, tp)) {
-		__sync_fetch_and_or(&link->dir[end].flags, MW_DIR_STREAMED);
-		demote(&link->dir[end], st);
-		if (rs) {
-			rs->demotions_around++;
-			rs->policy_tcp_msgs++;
-		}
+	if (may_go_around && large_into_copying_reader(link, st, size, tp)) {
+		demote_around(&link->dir[end], st, rs, true);
 		return SK_PASS;
 	}
 	/* A stream into a reader copying out, or about to (goes_around), or a
 	 * nodelay answer or pipelined request into a peer holding its lock
 	 * (nodelay_around_lock): TCP for this message rather than wait for
-	 * that lock. Mode always, and a reader whose FIONREAD would miss TCP
-	 * bytes, wait. */
-	if (!(link->flags & MW_LINK_FIXED) && !(link->end_flags[peer] & MW_EF_FIONREAD) &&
-	    (goes_around(link, end, tp) || nodelay_around_lock(link, end, size, tp))) {
+	 * that lock. */
+	if (may_go_around && (goes_around(link, end, tp) || nodelay_around_lock(link, end, size, tp))) {
 		/* Past MW_POLICY_COALESCE without a reply, a stream whose reader
 		 * copies at its own pace, or past MW_POLICY_RUN one of large
 		 * writes into a reader on another CPU (one on this CPU cannot
@@ -2691,13 +2701,7 @@ static __always_inline int finish_msg(struct sk_msg_md *msg, struct bpf_sock *sk
 			 * (but for a Nagle end whose peer redirects to it,
 			 * which is marked and stays in by choice: its
 			 * answers then keep their peer's requests off TCP). */
-			if (large && may_leave(link, st))
-				__sync_fetch_and_or(&d->flags, MW_DIR_STREAMED);
-			demote(d, st);
-			if (rs) {
-				rs->demotions_around++;
-				rs->policy_tcp_msgs++;
-			}
+			demote_around(d, st, rs, large && may_leave(link, st));
 			return SK_PASS;
 		}
 		if (rs)
