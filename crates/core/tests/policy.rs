@@ -667,6 +667,62 @@ fn a_large_write_stream_into_a_reader_on_another_cpu_moves_to_tcp() -> Result<()
     })
 }
 
+/// A Nagle client's large first request into a server reading on another
+/// CPU stays redirected (memcached's 1 MiB sets): moved to TCP for good
+/// there, the client end would stay in the SOCKMAP once the server's answer
+/// comes on the fast path, and send every later request on TCP through its
+/// psock (1.5-1.7x TCP's time). Its later requests stay redirected too.
+#[test]
+fn a_nagle_clients_large_first_request_stays_redirected() -> Result<()> {
+    const W: usize = 16 << 10;
+    let cpus = meshwarp_testbed::usable_cpus();
+    let [writer_cpu, other_cpu, ..] = cpus[..] else {
+        return meshwarp_testbed::missing_feature::<()>("two CPUs (a reader on another CPU than its writer)")
+            .map_or(Ok(()), Ok);
+    };
+    let k = kernel_test!();
+    let (net, l, pair) = pods_pair(&k, 8233, FastPathMode::Adaptive)?;
+    meshwarp_testbed::pin_thread(writer_cpu)?;
+    let (c, s) = connections(&net, &l, 8233, 1)?.remove(0);
+    // The client keeps Nagle on; the server answers with TCP_NODELAY.
+    s.set_nodelay(true)?;
+    let mut up_w = Stream::new(71);
+    let (mut dn_w, mut dn_r) = (Stream::new(171), Stream::new(171));
+    let counters = |what: &str, redirected: u64| -> Result<RuleCounters> {
+        let st = k.dp().stats(&pair)?;
+        ensure!(
+            st.redirected_msgs == redirected
+                && st.demotions_around == 0
+                && st.policy_tcp_msgs == 0
+                && st.fallback_reader_busy == 0
+                && st.unlinks == 0,
+            "{what}: {st:?}"
+        );
+        Ok(st)
+    };
+    pinned_reader(other_cpu, &s, Stream::new(71), |read| -> Result<()> {
+        // Its first read tells where it runs; the 3rd write finds the 2nd
+        // unread on the other CPU, and the run's 8th too.
+        up_w.write(&c, W, W)?;
+        read(W)?;
+        up_w.write(&c, 7 * W, W)?;
+        counters("the first request's writes, unread on the other CPU", 8)?;
+        read(7 * W)?;
+        // The answer, then requests and answers in turn: all redirected.
+        for round in 1..=3u64 {
+            dn_w.write(&s, 64, 64)?;
+            dn_r.read(&c, 64)?;
+            up_w.write(&c, 8 * W, W)?;
+            read(8 * W)?;
+            counters(&format!("exchange {round}"), 8 + round * 9)?;
+        }
+        let cookie = meshwarp_core::sys::socket_cookie_of(&c)?;
+        let listed = k.dp().connections(&meshwarp_core::ConnFilter { cookie: Some(cookie), ..Default::default() })?;
+        ensure!(listed.len() == 1 && listed[0].tx_path == PathNow::Fast, "{listed:#?}");
+        Ok(())
+    })
+}
+
 /// Runs `body` with a reader of `s` on one thread pinned to `cpu`:
 /// `read(len)` has it read and check `len` bytes, and waits until it did.
 fn pinned_reader(

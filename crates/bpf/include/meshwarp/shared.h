@@ -275,7 +275,8 @@ struct mw_dir {
 #define MW_POLICY_DELACK 2048
 /* A write this large in a run's first MW_POLICY_RUN messages, into a reader
  * copying out this direction's redirected bytes on another CPU, moves the
- * direction to TCP for good (large_into_copying_reader, MW_DIR_STREAMED). */
+ * direction to TCP for good (large_into_copying_reader, MW_DIR_STREAMED;
+ * not from a Nagle writer). */
 #define MW_POLICY_LARGE 16384
 /* A demoted direction looks at its link on its first send after it read
  * something (a new exchange may have started) and otherwise once per
