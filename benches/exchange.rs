@@ -1,6 +1,7 @@
 //! The exchanges between a round trip and a stream (`#[path]`-included by
 //! the paths bench): a small request answered by a large streamed response
-//! (a file download), and bursts of pipelined requests. Each is one
+//! (a file download), a large streamed request answered by a small one (an
+//! upload, a cache's set), and bursts of pipelined requests. Each is one
 //! connection's exchanges, timed from its first request to its last answer.
 
 use std::net::{Shutdown, SocketAddr};
@@ -58,6 +59,46 @@ pub fn download(ns: &NetNs, addr: SocketAddr, nodelay: bool, write: usize, size:
                     Err(e) => panic!("response read: {e}"),
                 }
             }
+        }
+        let t = start.elapsed() / requests;
+        c.shutdown(Shutdown::Write).expect("shutdown");
+        t
+    })
+}
+
+/// `requests` times: a request of `size` bytes that the client writes
+/// `write` bytes at a time, answered by 64 B once the server read all of it
+/// (keep-alive: one connection). Returns the time per request.
+pub fn upload(ns: &NetNs, addr: SocketAddr, nodelay: bool, write: usize, size: usize, requests: u32) -> Duration {
+    let (mut c, mut s) = connected(ns, addr, addr, nodelay);
+    std::thread::scope(|scope| {
+        scope.spawn(move || {
+            let mut buf = vec![0u8; 64 * 1024];
+            'requests: loop {
+                let mut got = 0;
+                while got < size {
+                    let want = (size - got).min(buf.len());
+                    match read_ready(&mut s, &mut buf[..want], TIMEOUT) {
+                        Ok(0) if got == 0 => break 'requests,
+                        Ok(0) => panic!("request ended after {got} of {size} bytes"),
+                        Ok(n) => got += n,
+                        Err(e) => panic!("request read: {e}"),
+                    }
+                }
+                write_all_ready(&mut s, &[0x41; 64], TIMEOUT).expect("answer write");
+            }
+        });
+        let chunk = vec![0x51u8; write];
+        let mut answer = [0u8; 64];
+        let start = Instant::now();
+        for _ in 0..requests {
+            let mut left = size;
+            while left > 0 {
+                let n = write.min(left);
+                write_all_ready(&mut c, &chunk[..n], TIMEOUT).expect("request write");
+                left -= n;
+            }
+            read_exact_ready(&mut c, &mut answer, TIMEOUT).expect("answer read");
         }
         let t = start.elapsed() / requests;
         c.shutdown(Shutdown::Write).expect("shutdown");

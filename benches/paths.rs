@@ -14,7 +14,9 @@
 //!   medians, a table on stderr, with TCP against itself as the noise
 //!   floor), and placed threads for one connection's 16 and 64 KiB writes;
 //! - `download/<size>MiB_<write>B_<nagle>`: a 64 B request answered by 1 or
-//!   16 MiB written in 1 or 16 KiB writes, and
+//!   16 MiB written in 1 or 16 KiB writes,
+//!   `upload/<size>MiB_<write>B_<nagle>`: 1 MiB in 16 KiB writes or one,
+//!   16 MiB in 16 KiB writes, each answered with 64 B once read, and
 //!   `burst/<k>x<size>B[_ack<answer>B]_<nagle>`: pipelined requests each
 //!   answered as it is read, interleaved only (a table on stderr, with the
 //!   same noise floor);
@@ -521,6 +523,7 @@ fn turns_for(first: Duration) -> usize {
 /// One cell of [`exchanges`].
 enum Exchange {
     Download { size: usize, write: usize, nodelay: bool },
+    Upload { size: usize, write: usize, nodelay: bool },
     Burst { k: usize, size: usize, answer: usize, nodelay: bool },
 }
 
@@ -531,6 +534,7 @@ impl Exchange {
             Self::Download { size, write, nodelay } => {
                 format!("download/{}MiB_{write}B_{}", size >> 20, nagle(nodelay))
             }
+            Self::Upload { size, write, nodelay } => format!("upload/{}MiB_{write}B_{}", size >> 20, nagle(nodelay)),
             Self::Burst { k, size, answer, nodelay } if answer != size => {
                 format!("burst/{k}x{size}B_ack{answer}B_{}", nagle(nodelay))
             }
@@ -541,8 +545,8 @@ impl Exchange {
     /// Requests (bursts) per turn.
     fn per_turn(&self) -> u32 {
         match *self {
-            Self::Download { size, .. } if size > 1 << 20 => 4,
-            Self::Download { .. } => 16,
+            Self::Download { size, .. } | Self::Upload { size, .. } if size > 1 << 20 => 4,
+            Self::Download { .. } | Self::Upload { .. } => 16,
             Self::Burst { .. } => 50,
         }
     }
@@ -553,6 +557,7 @@ impl Exchange {
             Self::Download { size, write, nodelay } => {
                 exchange::download(ns, addr, nodelay, write, size, self.per_turn())
             }
+            Self::Upload { size, write, nodelay } => exchange::upload(ns, addr, nodelay, write, size, self.per_turn()),
             Self::Burst { k, size, answer, nodelay } => {
                 exchange::burst(ns, addr, nodelay, k, size, answer, self.per_turn())
             }
@@ -561,7 +566,8 @@ impl Exchange {
 }
 
 /// Downloads (a 64 B request, a 1 or 16 MiB response written in 1 or 16 KiB
-/// writes) and bursts (16 or 100 pipelined requests of 64 B or 1 KiB, each
+/// writes), uploads (a 1 MiB request in 16 KiB writes or one, a 16 MiB one in
+/// 16 KiB writes, each answered with 64 B: a cache's set, a POST) and bursts (16 or 100 pipelined requests of 64 B or 1 KiB, each
 /// answered alike; 16 of 16 KiB, each answered with 64 B), Nagle on and off: TCP, mode always and mode adaptive in
 /// alternation (a new order every round, as the streams), TCP again as the
 /// noise floor; time per request or burst,
@@ -575,6 +581,9 @@ fn exchanges(kt: &KernelTest, ns: &NetNs, always: &EndpointPair, adaptive: &Endp
         for write in [1024usize, 16 << 10] {
             cells.extend([false, true].map(|nodelay| Exchange::Download { size, write, nodelay }));
         }
+    }
+    for (size, write) in [(1usize << 20, 16usize << 10), (1 << 20, 1 << 20), (16 << 20, 16 << 10)] {
+        cells.extend([false, true].map(|nodelay| Exchange::Upload { size, write, nodelay }));
     }
     // Under and over MW_POLICY_COALESCE (64).
     for n in [16usize, 100] {

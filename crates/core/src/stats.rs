@@ -120,7 +120,7 @@ pub struct RuleCounters {
     /// nor a Nagle run before 2 048 messages while TCP would hold its tail
     /// for the peer's delayed ACK, which does not go around). Or, past 8
     /// messages, a run of large writes into a reader on another CPU, or
-    /// earlier in a run a write of 16 KiB or more (not from a Nagle writer)
+    /// earlier in a run a write of 16 KiB to 256 KiB (not from a Nagle writer)
     /// into such a reader with this direction's bytes still to read: that
     /// direction stays on TCP for good (connection reason `streamed`).
     pub demotions_around: u64,

@@ -723,6 +723,51 @@ fn a_nagle_clients_large_first_request_stays_redirected() -> Result<()> {
     })
 }
 
+/// A write so large that sk_msg passes it in chunks of 256 KiB or more
+/// (MW_POLICY_HUGE) stays redirected into a reader copying out on another
+/// CPU: the reader copies one chunk out while the writer copies the next
+/// in, as on TCP, and moving such a direction cost its first requests more
+/// than the redirect (1 MiB requests in one write). Every byte checked.
+#[test]
+fn chunks_of_256_kib_stay_redirected_into_a_copying_reader() -> Result<()> {
+    const W: usize = 16 << 10;
+    const HUGE: usize = 1 << 20;
+    let cpus = meshwarp_testbed::usable_cpus();
+    let [writer_cpu, other_cpu, ..] = cpus[..] else {
+        return meshwarp_testbed::missing_feature::<()>("two CPUs (a reader on another CPU than its writer)")
+            .map_or(Ok(()), Ok);
+    };
+    let k = kernel_test!();
+    let (net, l, pair) = pods_pair(&k, 8234, FastPathMode::Adaptive)?;
+    meshwarp_testbed::pin_thread(writer_cpu)?;
+    let (c, s) = connections(&net, &l, 8234, 1)?.remove(0);
+    c.set_nodelay(true)?;
+    // Room for sk_msg's largest chunks (17 fragments of up to 32 KiB), so
+    // that the send buffer does not cut them.
+    socket2::SockRef::from(&c).set_send_buffer_size(8 << 20)?;
+    let mut up_w = Stream::new(72);
+    pinned_reader(other_cpu, &s, Stream::new(72), |read| -> Result<()> {
+        // Its first read tells where it runs; the second write stays unread.
+        up_w.write(&c, W, W)?;
+        read(W)?;
+        up_w.write(&c, W, W)?;
+        // One write: its first chunk finds the 16 KiB unread on the other CPU.
+        up_w.write(&c, HUGE, HUGE)?;
+        read(W + HUGE)?;
+        let st = k.dp().stats(&pair)?;
+        ensure!(
+            st.demotions_around == 0
+                && st.policy_tcp_msgs == 0
+                && st.fallback_reader_busy == 0
+                && st.redirected_bytes == (2 * W + HUGE) as u64,
+            "all redirected: {st:?}"
+        );
+        // Each chunk 256 KiB or more (none smaller but the last).
+        ensure!(st.redirected_msgs <= 2 + 4, "chunks of 256 KiB or more: {st:?}");
+        Ok(())
+    })
+}
+
 /// Runs `body` with a reader of `s` on one thread pinned to `cpu`:
 /// `read(len)` has it read and check `len` bytes, and waits until it did.
 fn pinned_reader(

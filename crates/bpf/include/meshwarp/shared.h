@@ -276,8 +276,9 @@ struct mw_dir {
 /* A write this large in a run's first MW_POLICY_RUN messages, into a reader
  * copying out this direction's redirected bytes on another CPU, moves the
  * direction to TCP for good (large_into_copying_reader, MW_DIR_STREAMED;
- * not from a Nagle writer). */
+ * not from a Nagle writer), up to a message of MW_POLICY_HUGE. */
 #define MW_POLICY_LARGE 16384
+#define MW_POLICY_HUGE 262144
 /* A demoted direction looks at its link on its first send after it read
  * something (a new exchange may have started) and otherwise once per
  * MW_POLICY_CHECK messages; the others cost one storage lookup. */

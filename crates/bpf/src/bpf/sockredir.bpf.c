@@ -2403,6 +2403,12 @@ static __always_inline bool goes_around(struct mw_link *link, __u32 end, struct 
  * later one on TCP through its psock (memcached's 1 MiB sets from a Nagle
  * client took 1.5-1.7x TCP's time so, mode always 0.94-1.02x); after an
  * answer, TCP would hold its runs' tails for a delayed ACK (tail_waits_ack).
+ * Nor a message of MW_POLICY_HUGE or more (a write that large, in a few
+ * sk_msg chunks): the reader copies one chunk out while the writer copies
+ * the next in, as on TCP (the redirect holds the reader's lock only to
+ * queue); moved, its direction paid the move (TCP through its psock until
+ * it left the SOCKMAP) for nothing: 1 MiB requests in one nodelay write
+ * took 395-408 us so, 315-328 us redirected (mode always 315-359 us).
  */
 static __always_inline bool large_into_copying_reader(struct mw_link *link, const struct mw_sock_state *st,
 						      __u32 size, struct tcp_sock *tp)
@@ -2410,7 +2416,8 @@ static __always_inline bool large_into_copying_reader(struct mw_link *link, cons
 	const struct mw_dir *d = &link->dir[st->end & 1];
 	__u32 unread;
 
-	if (size < MW_POLICY_LARGE || d->run > MW_POLICY_RUN || (d->flags & MW_DIR_RD_SHARED))
+	if (size < MW_POLICY_LARGE || size >= MW_POLICY_HUGE || d->run > MW_POLICY_RUN ||
+	    (d->flags & MW_DIR_RD_SHARED))
 		return false;
 	unread = d->redir - d->psock_read;
 	/* Read before the untrusted cast (see reader_concurrent). */
