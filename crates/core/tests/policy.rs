@@ -725,13 +725,15 @@ fn a_nagle_clients_large_first_request_stays_redirected() -> Result<()> {
 
 /// A write so large that sk_msg passes it in chunks of 256 KiB or more
 /// (MW_POLICY_HUGE) stays redirected into a reader copying out on another
-/// CPU: the reader copies one chunk out while the writer copies the next
-/// in, as on TCP, and moving such a direction cost its first requests more
-/// than the redirect (1 MiB requests in one write). Every byte checked.
+/// CPU, its smaller last chunk too: the reader copies one chunk out while
+/// the writer copies the next in, as on TCP, and moving such a direction
+/// cost its first requests more than the redirect (1 MiB requests in one
+/// write). Every byte checked.
 #[test]
 fn chunks_of_256_kib_stay_redirected_into_a_copying_reader() -> Result<()> {
     const W: usize = 16 << 10;
-    const HUGE: usize = 1 << 20;
+    // Two chunks of 17 fragments (32 KiB pages) and a last one of 96 KiB.
+    const HUGE: usize = (1 << 20) + (160 << 10);
     let cpus = meshwarp_testbed::usable_cpus();
     let [writer_cpu, other_cpu, ..] = cpus[..] else {
         return meshwarp_testbed::missing_feature::<()>("two CPUs (a reader on another CPU than its writer)")
@@ -742,9 +744,6 @@ fn chunks_of_256_kib_stay_redirected_into_a_copying_reader() -> Result<()> {
     meshwarp_testbed::pin_thread(writer_cpu)?;
     let (c, s) = connections(&net, &l, 8234, 1)?.remove(0);
     c.set_nodelay(true)?;
-    // Room for sk_msg's largest chunks (17 fragments of up to 32 KiB), so
-    // that the send buffer does not cut them.
-    socket2::SockRef::from(&c).set_send_buffer_size(8 << 20)?;
     let mut up_w = Stream::new(72);
     pinned_reader(other_cpu, &s, Stream::new(72), |read| -> Result<()> {
         // Its first read tells where it runs; the second write stays unread.
@@ -762,8 +761,9 @@ fn chunks_of_256_kib_stay_redirected_into_a_copying_reader() -> Result<()> {
                 && st.redirected_bytes == (2 * W + HUGE) as u64,
             "all redirected: {st:?}"
         );
-        // Each chunk 256 KiB or more (none smaller but the last).
-        ensure!(st.redirected_msgs <= 2 + 4, "chunks of 256 KiB or more: {st:?}");
+        // sk_msg's chunks as this test expects them (page fragments of
+        // 32 KiB: of 4 KiB, memory too fragmented, they would be 68 KiB).
+        ensure!(st.redirected_msgs <= 2 + 3, "the write in three chunks: {st:?}");
         Ok(())
     })
 }

@@ -2363,9 +2363,28 @@ static __always_inline __u32 tcp_ahead_max(struct tcp_sock *tp, struct mw_link *
 	return rmem + wmem;
 }
 
+/* Whether this message (`size`, of direction `d`'s run) is one of a write
+ * so large that sk_msg passes it in chunks of MW_POLICY_HUGE or more, or
+ * continues such writes: the run's earlier messages (run_bytes holds its
+ * first MW_POLICY_RUN, this one included) averaged that much, as before
+ * the tail chunk of a 600 KiB write; past MW_POLICY_RUN (goes_around, size
+ * 0), its first MW_POLICY_RUN did. Its reader copies one chunk out while
+ * the writer copies the next in, as on TCP (the redirect holds the
+ * reader's lock only to queue it). */
+static __always_inline bool huge_chunks(const struct mw_dir *d, __u32 size)
+{
+	__u32 run = d->run;
+
+	if (size >= MW_POLICY_HUGE)
+		return true;
+	if (run > MW_POLICY_RUN)
+		return d->run_bytes >= MW_POLICY_RUN * MW_POLICY_HUGE;
+	return run > 1 && d->run_bytes - size >= (run - 1) * MW_POLICY_HUGE;
+}
+
 /* A stream that takes TCP for this message rather than wait for its
  * reader's lock: one of large writes (past MW_POLICY_RUN, averaging
- * MW_POLICY_SMALL or more) into a reader on another CPU
+ * MW_POLICY_SMALL or more, not huge_chunks) into a reader on another CPU
  * (reader_concurrent), or one TCP would coalesce (past MW_POLICY_COALESCE,
  * writes under a segment) into a reader busy copying out (reader_busy), but
  * not one whose tail TCP would hold for a delayed ACK before
@@ -2374,7 +2393,7 @@ static __always_inline bool goes_around(struct mw_link *link, __u32 end, struct 
 {
 	const struct mw_dir *d = &link->dir[end & 1];
 
-	if (d->run <= MW_POLICY_RUN)
+	if (d->run <= MW_POLICY_RUN || huge_chunks(d, 0))
 		return false;
 	if (d->run_bytes >= MW_POLICY_RUN * MW_POLICY_SMALL)
 		return reader_concurrent(link, end);
@@ -2403,12 +2422,10 @@ static __always_inline bool goes_around(struct mw_link *link, __u32 end, struct 
  * later one on TCP through its psock (memcached's 1 MiB sets from a Nagle
  * client took 1.5-1.7x TCP's time so, mode always 0.94-1.02x); after an
  * answer, TCP would hold its runs' tails for a delayed ACK (tail_waits_ack).
- * Nor a message of MW_POLICY_HUGE or more (a write that large, in a few
- * sk_msg chunks): the reader copies one chunk out while the writer copies
- * the next in, as on TCP (the redirect holds the reader's lock only to
- * queue); moved, its direction paid the move (TCP through its psock until
- * it left the SOCKMAP) for nothing: 1 MiB requests in one nodelay write
- * took 395-408 us so, 315-328 us redirected (mode always 315-359 us).
+ * Nor the chunks of a write of MW_POLICY_HUGE or more (huge_chunks):
+ * moved, such a direction paid the move (TCP through its psock until it
+ * left the SOCKMAP) for nothing: 1 MiB requests in one nodelay write took
+ * 395-410 us so, 310-361 us redirected (mode always as long).
  */
 static __always_inline bool large_into_copying_reader(struct mw_link *link, const struct mw_sock_state *st,
 						      __u32 size, struct tcp_sock *tp)
@@ -2416,11 +2433,11 @@ static __always_inline bool large_into_copying_reader(struct mw_link *link, cons
 	const struct mw_dir *d = &link->dir[st->end & 1];
 	__u32 unread;
 
-	if (size < MW_POLICY_LARGE || size >= MW_POLICY_HUGE || d->run > MW_POLICY_RUN ||
-	    (d->flags & MW_DIR_RD_SHARED))
+	if (size < MW_POLICY_LARGE || d->run > MW_POLICY_RUN || (d->flags & MW_DIR_RD_SHARED) ||
+	    huge_chunks(d, size))
 		return false;
 	unread = d->redir - d->psock_read;
-	/* Read before the untrusted cast (see reader_concurrent). */
+	/* Both counters read once, here (as in reader_concurrent). */
 	barrier_var(unread);
 	return unread && reader_elsewhere(d) && may_leave(link, st) && !nagle_only(tp);
 }
