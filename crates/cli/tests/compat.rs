@@ -1341,13 +1341,13 @@ fn python_zero_copy_sends_complete_as_on_tcp() -> Result<()> {
     report("python zero-copy sends", &[("pair", st)]);
     ensure!(refused == 1 && st.zerocopy_refused == 1, "python was refused {refused} times: {st:?}");
     ensure!(st.fallback_zerocopy >= 1, "some connection's sends took TCP for SO_ZEROCOPY: {st:?}");
-    // Not all of them: a write of 16 KiB or more into the reader copying
-    // out on another CPU moves the connection to TCP for good
-    // (demotions_around: TCP lets both copy at once; its 4th send is 32 KiB),
-    // and the stream's first write into a peer holding its lock takes TCP
-    // (what follows it waits until it was read): a choice of timing (4 200 B
-    // on the fresh CI machine: the first three sends; 0.86 MB in a local
-    // run). More than every connection's handshake ("abc", "ok", "done": 9 B)
+    // Not all of them: the adaptive policy moves some on timing (a write
+    // into a peer holding its lock takes TCP, and what follows it waits
+    // until it was read; large writes into a reader copying out on another
+    // CPU move a stream to TCP for good, demotions_around): 4 200 B on a
+    // fresh CI machine (the first three sends, at fc82969, when its 4th send
+    // of 32 KiB met the early large-write rule, which no longer applies to
+    // a Nagle writer such as this client), 0.86 MB in a local run. More than every connection's handshake ("abc", "ok", "done": 9 B)
     // shows the refused connection's sends ran the fast path (the others'
     // took TCP: SO_ZEROCOPY).
     let handshakes = 9 * N as u64;

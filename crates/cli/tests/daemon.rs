@@ -1730,9 +1730,9 @@ fn istio_pods_get_exactly_what_istio_iptables_captures() -> Result<()> {
         // Each hop on the fast path: some of what it carried redirected. How
         // much is the adaptive policy's call and timing: a nodelay message
         // goes on TCP when the peer holds its socket lock (an echo answering
-        // while the proxy writes), and a write of 16 KiB or more into a
-        // reader copying out on another CPU moves its direction to TCP for
-        // good (the echo's chunks are up to 64 KiB; CI once: 219 of 512 KiB).
+        // while the proxy writes), and large writes into a reader copying
+        // out on another CPU move a direction to TCP for good (the echo's
+        // chunks are up to 64 KiB; CI once: 219 of 512 KiB).
         for rule in
             [format!("capture {}->{vip}:9080", a.v4), format!("capture ->{svc_b}"), format!("pair 127.0.0.6->{svc_b}")]
         {

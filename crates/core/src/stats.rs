@@ -119,10 +119,11 @@ pub struct RuleCounters {
     /// whose peer redirects to it, whose next request would then go on TCP,
     /// nor a Nagle run before 2 048 messages while TCP would hold its tail
     /// for the peer's delayed ACK, which does not go around). Or, past 8
-    /// messages, a run of large writes into a reader on another CPU, or
-    /// earlier in a run a write of 16 KiB to 256 KiB (not from a Nagle writer)
-    /// into such a reader with this direction's bytes still to read: that
-    /// direction stays on TCP for good (connection reason `streamed`).
+    /// messages, a run of large writes (not of 256 KiB messages) into a
+    /// reader on another CPU, or earlier in a run a message of 16 KiB up to
+    /// 256 KiB (not from a Nagle writer, nor of a larger write) into such a
+    /// reader with this direction's bytes still to read: that direction
+    /// stays on TCP for good (connection reason `streamed`).
     pub demotions_around: u64,
 }
 
