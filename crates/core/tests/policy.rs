@@ -538,11 +538,7 @@ fn fixed_socket_buffers_bound_the_redirected_backlog() -> Result<()> {
 #[test]
 fn a_large_write_stream_into_a_reader_on_another_cpu_moves_to_tcp() -> Result<()> {
     const W: usize = 16 << 10;
-    let cpus = meshwarp_testbed::usable_cpus();
-    let [writer_cpu, other_cpu, ..] = cpus[..] else {
-        return meshwarp_testbed::missing_feature::<()>("two CPUs (a reader on another CPU than its writer)")
-            .map_or(Ok(()), Ok);
-    };
+    let Some((writer_cpu, other_cpu)) = writer_and_reader_cpus() else { return Ok(()) };
     let k = kernel_test!();
     let (net, l, pair) = pods_pair(&k, 8217, FastPathMode::Adaptive)?;
     meshwarp_testbed::pin_thread(writer_cpu)?;
@@ -675,11 +671,7 @@ fn a_large_write_stream_into_a_reader_on_another_cpu_moves_to_tcp() -> Result<()
 #[test]
 fn a_nagle_clients_large_first_request_stays_redirected() -> Result<()> {
     const W: usize = 16 << 10;
-    let cpus = meshwarp_testbed::usable_cpus();
-    let [writer_cpu, other_cpu, ..] = cpus[..] else {
-        return meshwarp_testbed::missing_feature::<()>("two CPUs (a reader on another CPU than its writer)")
-            .map_or(Ok(()), Ok);
-    };
+    let Some((writer_cpu, other_cpu)) = writer_and_reader_cpus() else { return Ok(()) };
     let k = kernel_test!();
     let (net, l, pair) = pods_pair(&k, 8233, FastPathMode::Adaptive)?;
     meshwarp_testbed::pin_thread(writer_cpu)?;
@@ -734,11 +726,7 @@ fn chunks_of_256_kib_stay_redirected_into_a_copying_reader() -> Result<()> {
     const W: usize = 16 << 10;
     // Two chunks of 17 fragments (32 KiB pages) and a last one of 96 KiB.
     const HUGE: usize = (1 << 20) + (160 << 10);
-    let cpus = meshwarp_testbed::usable_cpus();
-    let [writer_cpu, other_cpu, ..] = cpus[..] else {
-        return meshwarp_testbed::missing_feature::<()>("two CPUs (a reader on another CPU than its writer)")
-            .map_or(Ok(()), Ok);
-    };
+    let Some((writer_cpu, other_cpu)) = writer_and_reader_cpus() else { return Ok(()) };
     let k = kernel_test!();
     let (net, l, pair) = pods_pair(&k, 8234, FastPathMode::Adaptive)?;
     meshwarp_testbed::pin_thread(writer_cpu)?;
@@ -766,6 +754,15 @@ fn chunks_of_256_kib_stay_redirected_into_a_copying_reader() -> Result<()> {
         ensure!(st.redirected_msgs <= 2 + 3, "the write in three chunks: {st:?}");
         Ok(())
     })
+}
+
+/// Two CPUs this process may use, for a writer and a reader on another
+/// one; `None` (missing_feature: a failure under CI=true) with fewer.
+fn writer_and_reader_cpus() -> Option<(usize, usize)> {
+    match meshwarp_testbed::usable_cpus()[..] {
+        [writer, other, ..] => Some((writer, other)),
+        _ => meshwarp_testbed::missing_feature("two CPUs (a reader on another CPU than its writer)"),
+    }
 }
 
 /// Runs `body` with a reader of `s` on one thread pinned to `cpu`:
