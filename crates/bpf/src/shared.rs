@@ -52,6 +52,8 @@ pub const DIR_RD_SHARED: u32 = 32;
 pub const DIR_MOVE: u32 = 64;
 pub const DIR_QUIET: u32 = 128;
 pub const DIR_STREAMED: u32 = 256;
+pub const DIR_TIMED: u32 = 512;
+pub const DIR_KEEP: u32 = 1024;
 /// `MW_EF_*` (`mw_link.end_flags`).
 pub const EF_PSOCK: u32 = 1;
 pub const EF_TARGET: u32 = 2;
@@ -297,6 +299,13 @@ pub struct Dir {
     pub psock_read: u32,
     /// The CPU the peer's reader last read on, plus one (0: none yet).
     pub rd_cpu: u32,
+    /// A `DIR_TIMED` direction's timing (`judge_streamed`): the peer's last
+    /// look (ktime >> 10), its reader's reads then, each path's rate, looks.
+    pub t0: u32,
+    pub r0: u32,
+    pub rate_fast: u32,
+    pub rate_tcp: u32,
+    pub timed: u32,
 }
 
 /// `struct mw_park_req`: one request to the mw_park iterator.
@@ -488,6 +497,12 @@ pub struct Short {
     pub seen: u32,
     /// When the last short one closed (ns, `CLOCK_MONOTONIC`).
     pub last: u64,
+    /// The rule's timed directions (`DIR_TIMED`): each path's rate, averaged
+    /// over its connections, and its looks (the probes).
+    pub rate_fast: u32,
+    pub rate_tcp: u32,
+    pub looks: u32,
+    pub pad: u32,
 }
 
 /// `MW_SHORT_*`: a connection is long once an end redirected this many
@@ -971,6 +986,8 @@ mod tests {
             ("MW_DIR_MOVE", DIR_MOVE),
             ("MW_DIR_QUIET", DIR_QUIET),
             ("MW_DIR_STREAMED", DIR_STREAMED),
+            ("MW_DIR_TIMED", DIR_TIMED),
+            ("MW_DIR_KEEP", DIR_KEEP),
             ("MW_EV_UNLINK", EV_UNLINK),
             ("MW_EV_RELINK", EV_RELINK),
             ("MW_EV_WAKE", EV_WAKE),
@@ -1032,7 +1049,11 @@ mod tests {
             ]
         );
         same_layout!(CookieVal, types::mw_cookie_val, [link, end, rule_id, slot, pad]);
-        same_layout!(Dir, types::mw_dir, [flags, run, run_bytes, tcp_read, redir, psock_read, rd_cpu]);
+        same_layout!(
+            Dir,
+            types::mw_dir,
+            [flags, run, run_bytes, tcp_read, redir, psock_read, rd_cpu, t0, r0, rate_fast, rate_tcp, timed]
+        );
         same_layout!(ParkReq, types::mw_park_req, [op, result]);
         assert_eq!(offset_of!(UnlinkCtx, cb), offset_of!(types::__sk_buff, cb));
         assert_eq!(size_of::<[u32; 5]>(), size_of_val(&types::__sk_buff::default().cb));
@@ -1092,7 +1113,7 @@ mod tests {
         same_layout!(ReaderKey, types::mw_reader_key, [exe, netns, port, end, pad]);
         same_layout!(Join, types::mw_join, [netns, tid, pad]);
         same_layout!(Ports, types::mw_ports, [bits]);
-        same_layout!(Short, types::mw_short, [score, seen, last]);
+        same_layout!(Short, types::mw_short, [score, seen, last, rate_fast, rate_tcp, looks, pad]);
         same_layout!(Config, types::mw_config, [flags, pad, lat_since]);
         same_layout!(
             RuleStats,
@@ -1160,8 +1181,8 @@ mod tests {
         assert_eq!(size_of::<PairKey>(), 16 + 16 + 4 + 4);
         assert_eq!(size_of::<CaptureKey>(), 16 + 16 + 4 + 4);
         assert_eq!(size_of::<Rule>(), 4 + 4 + 16 + 8);
-        assert_eq!(size_of::<Link>(), 8 + 32 + 16 + 8 + 16 + 16 + 32 + 16 + 56 + 8 + 8);
-        assert_eq!(size_of::<Dir>(), 28);
+        assert_eq!(size_of::<Link>(), 8 + 32 + 16 + 8 + 16 + 16 + 32 + 16 + 96 + 8 + 8);
+        assert_eq!(size_of::<Dir>(), 48);
         assert_eq!(size_of::<ParkReq>(), 8);
         assert_eq!(size_of::<SockState>(), 8 + 16 + 32 + 32 + 16 + 24);
         assert_eq!(size_of::<LatKey>(), 16);
@@ -1172,7 +1193,7 @@ mod tests {
         assert_eq!(size_of::<Event>(), 16 + 16 + 16 + 32 + 24 + 32);
         assert_eq!(size_of::<RuleStats>(), 33 * 8);
         assert_eq!(size_of::<GlobalStats>(), 6 * 8);
-        assert_eq!(size_of::<Short>(), 16);
+        assert_eq!(size_of::<Short>(), 16 + 16);
         assert_eq!(size_of::<Service>(), 16 + 8);
         assert_eq!(size_of::<RouteKey4>(), 16);
         assert_eq!(size_of::<RouteKey6>(), 28);

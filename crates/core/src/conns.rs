@@ -86,7 +86,8 @@ pub enum TcpReason {
     Policy,
     /// The adaptive policy moved the direction to TCP for good: large
     /// writes into a reader copying out on another CPU, which TCP lets
-    /// copy at once with the writer.
+    /// copy at once with the writer (unless its timed exchanges show the
+    /// fast path faster: then it is tried again).
     Streamed,
     /// The receiving end is leaving or out of the SOCKMAP (the policy unlinked it).
     Parked,

@@ -19,7 +19,7 @@ use std::thread;
 use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
-use meshwarp_bpf::shared::{DIR_UNLINKED, DIR_UNLINK_REQ, EF_PARKED, END_SERVER};
+use meshwarp_bpf::shared::{Short, DIR_UNLINKED, DIR_UNLINK_REQ, EF_PARKED, END_SERVER};
 use meshwarp_core::{Dataplane, EndpointPair, FastPathMode, PathNow, RuleCounters, TcpReason};
 use meshwarp_testbed::{
     accept_timeout, expect_zerocopy_completions, fionread_reader, read_exact_ready, set_zerocopy, write_all_ready,
@@ -754,6 +754,137 @@ fn chunks_of_256_kib_stay_redirected_into_a_copying_reader() -> Result<()> {
         ensure!(st.redirected_msgs <= 2 + 3, "the write in three chunks: {st:?}");
         Ok(())
     })
+}
+
+/// A direction its large writes moved to TCP (`MW_DIR_STREAMED`) is timed
+/// since (`MW_DIR_TIMED`): which path moves its responses faster is
+/// measured, not assumed. Once its reader read 256 KiB more, the client's
+/// next request times the exchange; the fast path not timed yet, it is
+/// tried: the server end comes back into the SOCKMAP even in the middle of
+/// a response (`MW_DIR_KEEP`), and a later response (16 KiB nodelay writes
+/// into a reader copying out on another CPU) goes redirected, nothing
+/// demoting it. Every byte checked across each switch.
+#[test]
+fn a_streamed_direction_is_timed_and_tries_the_fast_path_again() -> Result<()> {
+    const W: usize = 16 << 10;
+    const RESPONSE: usize = 512 << 10;
+    let Some((writer_cpu, other_cpu)) = writer_and_reader_cpus() else { return Ok(()) };
+    let k = kernel_test!();
+    let (net, l, pair) = pods_pair(&k, 8235, FastPathMode::Adaptive)?;
+    meshwarp_testbed::pin_thread(writer_cpu)?;
+    let (c, s) = connections(&net, &l, 8235, 1)?.remove(0);
+    s.set_nodelay(true)?;
+    let (mut up_w, mut up_r) = (Stream::new(73), Stream::new(73));
+    let mut dn_w = Stream::new(173);
+    pinned_reader(other_cpu, &c, Stream::new(173), |read| -> Result<()> {
+        let request = |up_w: &mut Stream, up_r: &mut Stream| -> Result<()> {
+            up_w.write(&c, 64, 64)?;
+            up_r.read(&s, 64)
+        };
+        // The first response: its 3rd write finds the 2nd unread on the
+        // other CPU (as in a_large_write_stream_into_a_reader_on_another_cpu_moves_to_tcp).
+        request(&mut up_w, &mut up_r)?;
+        dn_w.write(&s, W, W)?;
+        read(W)?;
+        dn_w.write(&s, 8 * W, W)?;
+        read(8 * W)?;
+        let moved = k.dp().stats(&pair)?;
+        ensure!(moved.demotions_around == 1 && moved.promotions == 0, "moved to TCP: {moved:?}");
+        // The response is written while the client reads it (on TCP, a
+        // blocking write of 512 KiB would wait for the reader).
+        let response = |dn_w: &mut Stream| -> Result<()> {
+            thread::scope(|scope| {
+                let writer = scope.spawn(|| -> Result<()> {
+                    meshwarp_testbed::pin_thread(writer_cpu)?;
+                    dn_w.write(&s, RESPONSE, W)
+                });
+                let r = read(RESPONSE);
+                writer.join().map_err(|_| anyhow::anyhow!("response writer panicked"))??;
+                r
+            })
+        };
+        // 2nd request: the first look (no time yet); its response on TCP,
+        // timed by the 3rd request, which tries the fast path.
+        for _ in 0..2 {
+            request(&mut up_w, &mut up_r)?;
+            response(&mut dn_w)?;
+        }
+        // Back in the SOCKMAP (relinked during the 3rd response, or
+        // never out).
+        let st = wait_counters(&k, &pair, "the server end is back", |c| c.relinks == c.unlinks)?;
+        ensure!(st.demotions_around == 1, "{st:?}");
+        // The 4th response is the first to start in it: promoted, then
+        // redirected whole (a first message may go around a reader holding
+        // its lock, and those after it on TCP until it read that one).
+        request(&mut up_w, &mut up_r)?;
+        response(&mut dn_w)?;
+        let fast = k.dp().stats(&pair)?;
+        ensure!(
+            fast.promotions >= 1
+                && fast.redirected_bytes >= st.redirected_bytes + (RESPONSE / 2) as u64
+                && fast.demotions_around == 1,
+            "the fast path tried: before {st:?}, after {fast:?}"
+        );
+        // Whatever the times decide from here, nothing is lost.
+        for _ in 0..3 {
+            request(&mut up_w, &mut up_r)?;
+            response(&mut dn_w)?;
+        }
+        // The rule keeps both paths' rates for its next connections.
+        let rule = rule_paths(&k, &pair)?;
+        ensure!(rule.rate_fast > 0 && rule.rate_tcp > 0 && rule.looks >= 2, "{rule:?}");
+        Ok(())
+    })
+}
+
+/// The rule's share of what its timed directions measured (`mw_short`).
+fn rule_paths(k: &KernelTest, pair: &EndpointPair) -> Result<Short> {
+    let id = k.dp().rule_id(pair)?;
+    let map: meshwarp_core::maps::TypedMap<u32, Short> = k.map(meshwarp_bpf::names::MAP_SHORT)?;
+    map.get(&id)?.context("the rule's mw_short element")
+}
+
+/// A new connection of a rule whose timed directions found the fast path
+/// faster does not pay the exchanges it takes to measure both: the large
+/// write that would move its direction to TCP for good stays redirected,
+/// timed (its own looks correct the rule's verdict). Where the rule found
+/// TCP faster, the direction moves as before. The rates are written as
+/// earlier connections' looks would have left them.
+#[test]
+fn a_rules_measured_path_starts_its_new_connections() -> Result<()> {
+    const W: usize = 16 << 10;
+    let Some((writer_cpu, other_cpu)) = writer_and_reader_cpus() else { return Ok(()) };
+    let k = kernel_test!();
+    let (net, l, pair) = pods_pair(&k, 8236, FastPathMode::Adaptive)?;
+    meshwarp_testbed::pin_thread(writer_cpu)?;
+    let id = k.dp().rule_id(&pair)?;
+    let map: meshwarp_core::maps::TypedMap<u32, Short> = k.map(meshwarp_bpf::names::MAP_SHORT)?;
+    for (fast, seed) in [(true, 74u64), (false, 75)] {
+        let (rate_fast, rate_tcp) = if fast { (2000, 1000) } else { (1000, 2000) };
+        map.put(&id, &Short { rate_fast, rate_tcp, ..Short::default() })?;
+        let before = k.dp().stats(&pair)?;
+        let (c, s) = connections(&net, &l, 8236, 1)?.remove(0);
+        c.set_nodelay(true)?;
+        let mut up_w = Stream::new(seed);
+        pinned_reader(other_cpu, &s, Stream::new(seed), |read| -> Result<()> {
+            // As in a_large_write_stream_into_a_reader_on_another_cpu_moves_to_tcp:
+            // the 3rd write finds the 2nd unread on the other CPU.
+            up_w.write(&c, W, W)?;
+            read(W)?;
+            up_w.write(&c, 8 * W, W)?;
+            read(8 * W)?;
+            let st = k.dp().stats(&pair)?;
+            let (moved, redirected) =
+                (st.demotions_around - before.demotions_around, st.redirected_bytes - before.redirected_bytes);
+            if fast {
+                ensure!(moved == 0 && redirected == 9 * W as u64, "stays redirected: {st:?}");
+            } else {
+                ensure!(moved == 1 && redirected == 2 * W as u64, "moves to TCP: {st:?}");
+            }
+            Ok(())
+        })?;
+    }
+    Ok(())
 }
 
 /// Two CPUs this process may use, for a writer and a reader on another

@@ -183,6 +183,16 @@ struct mw_dir {
 	 * path would not have waited, or redirect into a reader copying out
 	 * (a wait); both deliver every byte in order. */
 	__u32 rd_cpu;
+	/* A MW_DIR_TIMED direction's exchanges, timed by the peer's sends
+	 * (judge_streamed): when the peer last looked (ktime >> 10, about
+	 * microseconds; 0: never) and how far its reader had read then
+	 * (tcp_read + psock_read); each path's rate over the exchanges since
+	 * (bytes per ~ms, averaged; 0: not measured yet); exchanges timed. */
+	__u32 t0;
+	__u32 r0;
+	__u32 rate_fast;
+	__u32 rate_tcp;
+	__u32 timed;
 };
 
 /* mw_dir.flags */
@@ -209,8 +219,19 @@ struct mw_dir {
 /* Demoted streaming large writes into a reader on another CPU: never
  * promoted, and once out of the SOCKMAP it stays out (no relink): TCP
  * copies in and out at once there, and every return cost the next
- * response its first messages again (finish_msg). */
+ * response its first messages again (finish_msg). Until its timed
+ * exchanges (MW_DIR_TIMED) show the fast path faster. */
 #define MW_DIR_STREAMED 256u
+/* A direction MW_DIR_STREAMED put on TCP, whose exchanges its peer times
+ * since (judge_streamed): which path moves its large writes faster is
+ * measured, not assumed (a host's wake-ups decide it). */
+#define MW_DIR_TIMED 512u
+/* The fast path measured faster for a MW_DIR_TIMED direction, or is being
+ * tried again: its large writes stay redirected into a reader copying out
+ * (no large_into_copying_reader, goes_around or coalescing for them). */
+#define MW_DIR_KEEP 1024u
+/* judge_streamed switched its path: the next exchange is not timed. */
+#define MW_DIR_SWITCHED 2048u
 
 /* The policy: after MW_POLICY_COALESCE messages without a reply, a direction
  * whose sender lets TCP coalesce (Nagle or cork) and whose first
@@ -279,6 +300,11 @@ struct mw_dir {
  * not from a Nagle writer), up to a message of MW_POLICY_HUGE. */
 #define MW_POLICY_LARGE 16384
 #define MW_POLICY_HUGE 262144
+/* A MW_DIR_TIMED direction is judged once its reader read MW_POLICY_HUGE
+ * bytes since the last look, and every MW_POLICY_PROBE judgements it tries
+ * the other path for one exchange: a choice measured once would hold
+ * against a host whose load changed. */
+#define MW_POLICY_PROBE 64
 /* A demoted direction looks at its link on its first send after it read
  * something (a new exchange may have started) and otherwise once per
  * MW_POLICY_CHECK messages; the others cost one storage lookup. */
@@ -546,6 +572,15 @@ struct mw_short {
 	__u32 score; /* connections in a row that closed short (saturates at MW_SHORT_MAX) */
 	__u32 seen;  /* connections met while the score says short: picks the probes */
 	__u64 last;  /* when the last short one closed (ns, bpf_ktime_get_ns) */
+	/* What the rule's MW_DIR_TIMED directions measured (judge_streamed),
+	 * averaged over its connections: a new one whose large writes would
+	 * move to TCP starts on the faster path (rule_prefers_fast) instead of
+	 * paying each exchange it takes to measure both; `looks` picks which
+	 * look tries the other path (every MW_POLICY_PROBE-th of the rule's). */
+	__u32 rate_fast;
+	__u32 rate_tcp;
+	__u32 looks;
+	__u32 pad;
 };
 
 #define MW_SHORT_MSGS 3
