@@ -17,7 +17,7 @@ pub struct Build {
 pub const BUILD_LEN: usize = 16;
 
 /// `MW_SCHEMA_VERSION`: bumped whenever a pinned map's key or value changes.
-pub const SCHEMA_VERSION: u32 = 27;
+pub const SCHEMA_VERSION: u32 = 28;
 
 pub const AF_INET: u32 = 2;
 pub const AF_INET6: u32 = 10;
@@ -54,6 +54,7 @@ pub const DIR_QUIET: u32 = 128;
 pub const DIR_STREAMED: u32 = 256;
 pub const DIR_TIMED: u32 = 512;
 pub const DIR_KEEP: u32 = 1024;
+pub const DIR_SWITCHED: u32 = 2048;
 /// `MW_EF_*` (`mw_link.end_flags`).
 pub const EF_PSOCK: u32 = 1;
 pub const EF_TARGET: u32 = 2;
@@ -988,6 +989,7 @@ mod tests {
             ("MW_DIR_STREAMED", DIR_STREAMED),
             ("MW_DIR_TIMED", DIR_TIMED),
             ("MW_DIR_KEEP", DIR_KEEP),
+            ("MW_DIR_SWITCHED", DIR_SWITCHED),
             ("MW_EV_UNLINK", EV_UNLINK),
             ("MW_EV_RELINK", EV_RELINK),
             ("MW_EV_WAKE", EV_WAKE),

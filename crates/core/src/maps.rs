@@ -289,7 +289,8 @@ impl<K: Pod, V: Pod> TypedMap<K, V> {
 impl KernelMaps {
     /// A rule written anew (created, or its mode or target changed) starts
     /// judging its connections' length afresh: a run of short ones seen
-    /// under its old value says nothing of the new. Best effort: a failure
+    /// under its old value says nothing of the new; nor do the rates its
+    /// timed directions measured (`rate_fast`, `rate_tcp`), wiped with it. Best effort: a failure
     /// only keeps the old run, which ends by itself within a second.
     fn forget_short(&mut self, id: u32) {
         if let Err(e) = self.short.put(&id, &Short::default()) {

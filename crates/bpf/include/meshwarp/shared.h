@@ -12,7 +12,7 @@
 #ifndef MESHWARP_SHARED_H
 #define MESHWARP_SHARED_H
 
-#define MW_SCHEMA_VERSION 27
+#define MW_SCHEMA_VERSION 28
 
 #define MW_AF_INET 2
 #define MW_AF_INET6 10
@@ -222,13 +222,19 @@ struct mw_dir {
  * response its first messages again (finish_msg). Until its timed
  * exchanges (MW_DIR_TIMED) show the fast path faster. */
 #define MW_DIR_STREAMED 256u
-/* A direction MW_DIR_STREAMED put on TCP, whose exchanges its peer times
- * since (judge_streamed): which path moves its large writes faster is
+/* A direction whose exchanges its peer times (judge_streamed): one
+ * MW_DIR_STREAMED put on TCP, or one its rule's rates kept redirected
+ * instead (keep_by_rule). Which path moves its large writes faster is
  * measured, not assumed (a host's wake-ups decide it). */
 #define MW_DIR_TIMED 512u
 /* The fast path measured faster for a MW_DIR_TIMED direction, or is being
  * tried again: its large writes stay redirected into a reader copying out
- * (no large_into_copying_reader, goes_around or coalescing for them). */
+ * (no large_into_copying_reader, no goes_around for large writes, no
+ * coalescing of large writes, no pipelined-request rule of
+ * nodelay_around_lock); on TCP, its end is relinked even mid-response
+ * (mw_park), does not leave the SOCKMAP, and is promoted at any look once
+ * its reader read every TCP byte. Cleared by any demotion (demote), and
+ * by a look that finds the try still on TCP. */
 #define MW_DIR_KEEP 1024u
 /* judge_streamed switched its path: the next exchange is not timed. */
 #define MW_DIR_SWITCHED 2048u
@@ -305,6 +311,9 @@ struct mw_dir {
  * the other path for one exchange: a choice measured once would hold
  * against a host whose load changed. */
 #define MW_POLICY_PROBE 64
+/* The longest span a look times (ktime >> 10 units, about 10 s): a longer
+ * one is the application's pause, or a clock past its 32 bits. */
+#define MW_POLICY_SPAN 10000000u
 /* A demoted direction looks at its link on its first send after it read
  * something (a new exchange may have started) and otherwise once per
  * MW_POLICY_CHECK messages; the others cost one storage lookup. */

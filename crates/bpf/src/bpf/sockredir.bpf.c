@@ -2500,6 +2500,11 @@ static __always_inline bool batched(const struct mw_dir *d, struct tcp_sock *tp)
  * at checks (finish_msg), where it may leave the SOCKMAP or be promoted. */
 static __always_inline void demote(struct mw_dir *d, struct mw_sock_state *st)
 {
+	/* Moved for another reason (its reader behind, coalescing, ...): the
+	 * measured verdict holds no more; the end may leave the SOCKMAP as
+	 * before, and the next look judges again. */
+	if (d->flags & MW_DIR_KEEP)
+		__sync_fetch_and_and(&d->flags, ~MW_DIR_KEEP);
 	__sync_fetch_and_or(&d->flags, MW_DIR_TCP);
 	st->flags |= MW_SOCK_DEMOTED;
 	st->skipped = 0;
@@ -2520,8 +2525,9 @@ static __always_inline void demote_around(struct mw_dir *d, struct mw_sock_state
 }
 
 /*
- * A look at direction `o` (the one this end reads), which its large writes
- * moved to TCP for good once (MW_DIR_TIMED), from this end's send: once
+ * A look at direction `o` (the one this end reads), timed (MW_DIR_TIMED:
+ * its large writes moved it to TCP for good once, or its rule's rates kept
+ * it redirected), from this end's send: once
  * this end's reader read MW_POLICY_HUGE bytes of it since the last look,
  * the rate over that span is the path's the direction took (TCP or not, at
  * this moment), and the faster path takes its next exchanges: TCP lets a
@@ -2530,7 +2536,8 @@ static __always_inline void demote_around(struct mw_dir *d, struct mw_sock_state
  * wait the fast path still wins (1 MiB downloads in 16 KiB nodelay writes:
  * 1.05x TCP's time with STREAMED alone, 0.79x in mode always, on one host;
  * nginx's 1 MiB responses 1.3-1.4x redirected on another). Every
- * MW_POLICY_PROBE looks the other path is tried for one exchange. Only
+ * MW_POLICY_PROBE looks of the connection, or of its rule, the other path
+ * is tried (a switch costs the untimed span after it, MW_DIR_SWITCHED). Only
  * this end writes the timing fields (its sends hold its socket lock);
  * the flags change by atomic operations. The fast path again means
  * clearing MW_DIR_STREAMED (the peer may promote at its next exchange and
@@ -2545,26 +2552,36 @@ static __always_inline __u32 rate_avg(__u32 avg, __u32 rate)
 
 static __always_inline void judge_streamed(struct mw_dir *o, __u32 rule_id)
 {
-	__u32 read = o->tcp_read + o->psock_read, now, dt, rate, fast_rate, tcp_rate, looks = 0;
+	__u32 read = o->tcp_read + o->psock_read, now, dt, fast_rate, tcp_rate, looks = 0;
 	struct mw_short *r;
 	bool fast, want_fast;
+	__u64 rate;
 
 	if (o->t0 && read - o->r0 < MW_POLICY_HUGE)
 		return;
 	now = (__u32)(bpf_ktime_get_ns() >> 10) | 1;
 	dt = now - o->t0;
-	/* The first exchange after a switch may have run on both paths (a
-	 * relink lands mid-response): not timed. */
+	fast = !(o->flags & MW_DIR_TCP);
 	if (o->flags & MW_DIR_SWITCHED) {
+		/* The first exchange after a switch may have run on both
+		 * paths (a relink lands mid-response): not timed. */
 		__sync_fetch_and_and(&o->flags, ~MW_DIR_SWITCHED);
-	} else if (o->t0 && dt) {
-		rate = (__u32)(((__u64)(read - o->r0) << 10) / dt);
-		fast = !(o->flags & MW_DIR_TCP);
+	} else if (!fast && (o->flags & MW_DIR_KEEP)) {
+		/* Tried, but still on TCP a whole span later (its end never
+		 * came back, or its reader never caught up): TCP for good
+		 * again, untimed; the next look tries once more. */
+		__sync_fetch_and_or(&o->flags, MW_DIR_STREAMED);
+		__sync_fetch_and_and(&o->flags, ~MW_DIR_KEEP);
+	} else if (o->t0 && dt && dt <= MW_POLICY_SPAN) {
+		/* Spans longer than MW_POLICY_SPAN (idle connections, or a
+		 * clock that wrapped its 32 bits) time the application. */
+		rate = ((__u64)(read - o->r0) << 10) / dt;
+		rate = rate > 0xffffffffULL ? 0xffffffffULL : rate ?: 1;
 		r = bpf_map_lookup_elem(&mw_short, &rule_id);
 		if (fast)
-			o->rate_fast = rate_avg(o->rate_fast, rate);
+			o->rate_fast = rate_avg(o->rate_fast, (__u32)rate);
 		else
-			o->rate_tcp = rate_avg(o->rate_tcp, rate);
+			o->rate_tcp = rate_avg(o->rate_tcp, (__u32)rate);
 		fast_rate = o->rate_fast;
 		tcp_rate = o->rate_tcp;
 		/* The rule's connections share what they measured (a hint: racy
@@ -2572,9 +2589,9 @@ static __always_inline void judge_streamed(struct mw_dir *o, __u32 rule_id)
 		 * yet is judged by the rule's rate. */
 		if (r) {
 			if (fast)
-				r->rate_fast = rate_avg(r->rate_fast, rate);
+				r->rate_fast = rate_avg(r->rate_fast, (__u32)rate);
 			else
-				r->rate_tcp = rate_avg(r->rate_tcp, rate);
+				r->rate_tcp = rate_avg(r->rate_tcp, (__u32)rate);
 			looks = ++r->looks;
 			if (!fast_rate)
 				fast_rate = r->rate_fast;
@@ -2582,7 +2599,8 @@ static __always_inline void judge_streamed(struct mw_dir *o, __u32 rule_id)
 				tcp_rate = r->rate_tcp;
 		}
 		o->timed++;
-		/* Not measured yet: tried (TCP always is, first). */
+		/* Not measured yet: tried (TCP always is, first). The rule's
+		 * looks probe too: its connections may each be short. */
 		want_fast = !fast_rate || (tcp_rate && fast_rate > tcp_rate);
 		if (!(o->timed % MW_POLICY_PROBE) || (looks && !(looks % MW_POLICY_PROBE)))
 			want_fast = !fast;
@@ -2614,9 +2632,12 @@ static __always_inline bool rule_prefers_fast(__u32 rule_id)
 /* A direction about to move to TCP for good (MW_DIR_STREAMED), never timed
  * yet, of a rule that found the fast path faster: it stays redirected,
  * timed. */
-static __always_inline bool keep_by_rule(struct mw_dir *d, __u32 rule_id)
+static __always_inline bool keep_by_rule(struct mw_link *link, struct mw_dir *d, const struct mw_sock_state *st)
 {
-	if ((d->flags & MW_DIR_TIMED) || !rule_prefers_fast(rule_id))
+	/* Only a direction judge_streamed can look at (one reader thread)
+	 * and whose end may leave the SOCKMAP, as for MW_DIR_STREAMED. */
+	if ((d->flags & (MW_DIR_TIMED | MW_DIR_RD_SHARED)) || !may_leave(link, st) ||
+	    !rule_prefers_fast(st->rule_id))
 		return false;
 	__sync_fetch_and_or(&d->flags, MW_DIR_TIMED | MW_DIR_KEEP);
 	return true;
@@ -2652,10 +2673,15 @@ static __always_inline bool policy_allows(struct sk_msg_md *msg, struct mw_link 
 		/* The peer sent since the last check (a new exchange), and read
 		 * every TCP byte: promote; not a direction that streamed large
 		 * writes into a reader copying out (MW_DIR_STREAMED). */
-		if (run == 1 && d->tcp_read == tp->write_seq && !(d->flags & MW_DIR_STREAMED)) {
+		if ((run == 1 || (d->flags & MW_DIR_KEEP)) && d->tcp_read == tp->write_seq &&
+		    !(d->flags & MW_DIR_STREAMED)) {
+			/* A direction judge_streamed wants back (MW_DIR_KEEP)
+			 * at any look once every TCP byte was read: a stream
+			 * whose reader seldom answers has few run starts. */
 			__sync_fetch_and_and(&d->flags, ~MW_DIR_TCP);
 			st->flags &= ~MW_SOCK_DEMOTED;
-			d->run_bytes = size; /* this message starts the new run */
+			if (run == 1)
+				d->run_bytes = size; /* this message starts the new run */
 			if (rs) {
 				rs->promotions++;
 				rs->policy_tcp_msgs += skipped;
@@ -2805,7 +2831,7 @@ static __always_inline int finish_msg(struct sk_msg_md *msg, struct bpf_sock *sk
 	 * where its rule measured the fast path faster, redirected, timed
 	 * (keep_by_rule). */
 	if (may_go_around && large_into_copying_reader(link, st, size, tp)) {
-		if (keep_by_rule(&link->dir[end], st->rule_id))
+		if (keep_by_rule(link, &link->dir[end], st))
 			goto redirect;
 		demote_around(&link->dir[end], st, rs, true);
 		return SK_PASS;
@@ -2839,7 +2865,7 @@ static __always_inline int finish_msg(struct sk_msg_md *msg, struct bpf_sock *sk
 		bool large = d->run > MW_POLICY_RUN && d->run_bytes >= MW_POLICY_RUN * MW_POLICY_SMALL &&
 			     !(d->flags & MW_DIR_KEEP) && reader_elsewhere(d);
 
-		if (large && keep_by_rule(d, st->rule_id))
+		if (large && keep_by_rule(link, d, st))
 			goto redirect;
 		if (d->run > MW_POLICY_COALESCE || large) {
 			/* Only an end that may leave the SOCKMAP: one that
@@ -4017,9 +4043,10 @@ int mw_park(struct bpf_iter__tcp *ctx)
 	 * (the peer's request asked, the response began before this walk), it
 	 * would run sk_msg on every send of it, only to pass it to TCP, and
 	 * leave again. The peer's next message asks again. Not a direction
-	 * judge_streamed wants redirected (MW_DIR_KEEP): it stays in, and the
-	 * next response goes redirected; refused here, the response that
-	 * follows each request always began before the walk. */
+	 * judge_streamed wants redirected (MW_DIR_KEEP): it stays in, and is
+	 * promoted once its peer read every TCP byte (policy_allows); refused
+	 * here, the response that follows each request always began before
+	 * the walk. */
 	if (link->dir[end].tcp_read != tp->write_seq && !(link->dir[end].flags & MW_DIR_KEEP)) {
 		__sync_fetch_and_and(&link->dir[end].flags, ~MW_DIR_RELINK_REQ);
 		req->result = MW_PARK_MOOT;
