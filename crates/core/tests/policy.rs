@@ -671,17 +671,14 @@ fn a_large_write_stream_into_a_reader_on_another_cpu_moves_to_tcp() -> Result<()
 #[test]
 fn a_nagle_clients_large_first_request_stays_redirected() -> Result<()> {
     const W: usize = 16 << 10;
-    let Some((writer_cpu, other_cpu)) = writer_and_reader_cpus() else { return Ok(()) };
-    let k = kernel_test!();
-    let (net, l, pair) = pods_pair(&k, 8233, FastPathMode::Adaptive)?;
-    meshwarp_testbed::pin_thread(writer_cpu)?;
-    let (c, s) = connections(&net, &l, 8233, 1)?.remove(0);
+    let Some(t) = OneConnTwoCpus::start(8233)? else { return Ok(()) };
+    let (c, s, other_cpu) = (t.c, t.s, t.other_cpu);
     // The client keeps Nagle on; the server answers with TCP_NODELAY.
     s.set_nodelay(true)?;
     let mut up_w = Stream::new(71);
     let (mut dn_w, mut dn_r) = (Stream::new(171), Stream::new(171));
     let counters = |what: &str, redirected: u64| -> Result<RuleCounters> {
-        let st = k.dp().stats(&pair)?;
+        let st = t.k.dp().stats(&t.pair)?;
         ensure!(
             st.redirected_msgs == redirected
                 && st.demotions_around == 0
@@ -709,7 +706,7 @@ fn a_nagle_clients_large_first_request_stays_redirected() -> Result<()> {
             counters(&format!("exchange {round}"), 8 + round * 9)?;
         }
         let cookie = meshwarp_core::sys::socket_cookie_of(&c)?;
-        let listed = k.dp().connections(&meshwarp_core::ConnFilter { cookie: Some(cookie), ..Default::default() })?;
+        let listed = t.k.dp().connections(&meshwarp_core::ConnFilter { cookie: Some(cookie), ..Default::default() })?;
         ensure!(listed.len() == 1 && listed[0].tx_path == PathNow::Fast, "{listed:#?}");
         Ok(())
     })
@@ -726,11 +723,8 @@ fn chunks_of_256_kib_stay_redirected_into_a_copying_reader() -> Result<()> {
     const W: usize = 16 << 10;
     // Two chunks of 17 fragments (32 KiB pages) and a last one of 96 KiB.
     const HUGE: usize = (1 << 20) + (160 << 10);
-    let Some((writer_cpu, other_cpu)) = writer_and_reader_cpus() else { return Ok(()) };
-    let k = kernel_test!();
-    let (net, l, pair) = pods_pair(&k, 8234, FastPathMode::Adaptive)?;
-    meshwarp_testbed::pin_thread(writer_cpu)?;
-    let (c, s) = connections(&net, &l, 8234, 1)?.remove(0);
+    let Some(t) = OneConnTwoCpus::start(8234)? else { return Ok(()) };
+    let (c, s, other_cpu) = (t.c, t.s, t.other_cpu);
     c.set_nodelay(true)?;
     let mut up_w = Stream::new(72);
     pinned_reader(other_cpu, &s, Stream::new(72), |read| -> Result<()> {
@@ -741,7 +735,7 @@ fn chunks_of_256_kib_stay_redirected_into_a_copying_reader() -> Result<()> {
         // One write: its first chunk finds the 16 KiB unread on the other CPU.
         up_w.write(&c, HUGE, HUGE)?;
         read(W + HUGE)?;
-        let st = k.dp().stats(&pair)?;
+        let st = t.k.dp().stats(&t.pair)?;
         ensure!(
             st.demotions_around == 0
                 && st.policy_tcp_msgs == 0
@@ -768,11 +762,8 @@ fn chunks_of_256_kib_stay_redirected_into_a_copying_reader() -> Result<()> {
 fn a_streamed_direction_is_timed_and_tries_the_fast_path_again() -> Result<()> {
     const W: usize = 16 << 10;
     const RESPONSE: usize = 512 << 10;
-    let Some((writer_cpu, other_cpu)) = writer_and_reader_cpus() else { return Ok(()) };
-    let k = kernel_test!();
-    let (net, l, pair) = pods_pair(&k, 8235, FastPathMode::Adaptive)?;
-    meshwarp_testbed::pin_thread(writer_cpu)?;
-    let (c, s) = connections(&net, &l, 8235, 1)?.remove(0);
+    let Some(t) = OneConnTwoCpus::start(8235)? else { return Ok(()) };
+    let (c, s, writer_cpu, other_cpu) = (t.c, t.s, t.writer_cpu, t.other_cpu);
     s.set_nodelay(true)?;
     let (mut up_w, mut up_r) = (Stream::new(73), Stream::new(73));
     let mut dn_w = Stream::new(173);
@@ -788,7 +779,7 @@ fn a_streamed_direction_is_timed_and_tries_the_fast_path_again() -> Result<()> {
         read(W)?;
         dn_w.write(&s, 8 * W, W)?;
         read(8 * W)?;
-        let moved = k.dp().stats(&pair)?;
+        let moved = t.k.dp().stats(&t.pair)?;
         ensure!(moved.demotions_around == 1 && moved.promotions == 0, "moved to TCP: {moved:?}");
         // The response is written while the client reads it (on TCP, a
         // blocking write of 512 KiB would wait for the reader).
@@ -811,14 +802,14 @@ fn a_streamed_direction_is_timed_and_tries_the_fast_path_again() -> Result<()> {
         }
         // Back in the SOCKMAP (relinked during the 3rd response, or
         // never out).
-        let st = wait_counters(&k, &pair, "the server end is back", |c| c.relinks == c.unlinks)?;
+        let st = wait_counters(&t.k, &t.pair, "the server end is back", |c| c.relinks == c.unlinks)?;
         ensure!(st.demotions_around == 1, "{st:?}");
         // The 4th response is the first to start in it: promoted, then
         // redirected whole (a first message may go around a reader holding
         // its lock, and those after it on TCP until it read that one).
         request(&mut up_w, &mut up_r)?;
         response(&mut dn_w)?;
-        let fast = k.dp().stats(&pair)?;
+        let fast = t.k.dp().stats(&t.pair)?;
         ensure!(
             fast.promotions >= 1
                 && fast.redirected_bytes >= st.redirected_bytes + (RESPONSE / 2) as u64
@@ -831,7 +822,7 @@ fn a_streamed_direction_is_timed_and_tries_the_fast_path_again() -> Result<()> {
             response(&mut dn_w)?;
         }
         // The rule keeps both paths' rates for its next connections.
-        let rule = rule_paths(&k, &pair)?;
+        let rule = rule_paths(&t.k, &t.pair)?;
         ensure!(rule.rate_fast > 0 && rule.rate_tcp > 0 && rule.looks >= 2, "{rule:?}");
         Ok(())
     })
@@ -885,6 +876,32 @@ fn a_rules_measured_path_starts_its_new_connections() -> Result<()> {
         })?;
     }
     Ok(())
+}
+
+/// One adaptive pair's connection between two pods, this thread pinned to
+/// the writer's CPU and the other CPU free for a pinned reader: the setup of
+/// the tests of large writes into a reader copying out on another CPU.
+/// `None` where the kernel test or two CPUs are missing (each says why).
+struct OneConnTwoCpus {
+    c: TcpStream,
+    s: TcpStream,
+    pair: EndpointPair,
+    _l: TcpListener,
+    _net: NodeWithPods,
+    k: KernelTest,
+    writer_cpu: usize,
+    other_cpu: usize,
+}
+
+impl OneConnTwoCpus {
+    fn start(port: u16) -> Result<Option<Self>> {
+        let Some((writer_cpu, other_cpu)) = writer_and_reader_cpus() else { return Ok(None) };
+        let Some(k) = KernelTest::start(1024) else { return Ok(None) };
+        let (net, l, pair) = pods_pair(&k, port, FastPathMode::Adaptive)?;
+        meshwarp_testbed::pin_thread(writer_cpu)?;
+        let (c, s) = connections(&net, &l, port, 1)?.remove(0);
+        Ok(Some(Self { c, s, pair, _l: l, _net: net, k, writer_cpu, other_cpu }))
+    }
 }
 
 /// Two CPUs this process may use, for a writer and a reader on another

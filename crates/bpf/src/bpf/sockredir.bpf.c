@@ -2524,6 +2524,13 @@ static __always_inline void demote_around(struct mw_dir *d, struct mw_sock_state
 	}
 }
 
+/* An average that moves a quarter of the way to each new sample
+ * (`avg` 0: none yet). */
+static __always_inline __u32 rate_avg(__u32 avg, __u32 rate)
+{
+	return avg ? (avg / 4) * 3 + rate / 4 : rate;
+}
+
 /*
  * A look at direction `o` (the one this end reads), timed (MW_DIR_TIMED:
  * its large writes moved it to TCP for good once, or its rule's rates kept
@@ -2544,18 +2551,12 @@ static __always_inline void demote_around(struct mw_dir *d, struct mw_sock_state
  * be asked back into the SOCKMAP, ask_relink); TCP again, clearing
  * MW_DIR_KEEP (its next large writes into a reader copying out demote it).
  */
-/* An average that moves a quarter of the way to each new sample. */
-static __always_inline __u32 rate_avg(__u32 avg, __u32 rate)
-{
-	return avg ? (avg / 4) * 3 + rate / 4 : rate;
-}
-
 static __always_inline void judge_streamed(struct mw_dir *o, __u32 rule_id)
 {
-	__u32 read = o->tcp_read + o->psock_read, now, dt, fast_rate, tcp_rate, looks = 0;
+	__u32 read = o->tcp_read + o->psock_read, now, dt, rate, fast_rate, tcp_rate, looks = 0;
 	struct mw_short *r;
 	bool fast, want_fast;
-	__u64 rate;
+	__u64 per;
 
 	if (o->t0 && read - o->r0 < MW_POLICY_HUGE)
 		return;
@@ -2575,13 +2576,13 @@ static __always_inline void judge_streamed(struct mw_dir *o, __u32 rule_id)
 	} else if (o->t0 && dt && dt <= MW_POLICY_SPAN) {
 		/* Spans longer than MW_POLICY_SPAN (idle connections, or a
 		 * clock that wrapped its 32 bits) time the application. */
-		rate = ((__u64)(read - o->r0) << 10) / dt;
-		rate = rate > 0xffffffffULL ? 0xffffffffULL : rate ?: 1;
+		per = ((__u64)(read - o->r0) << 10) / dt;
+		rate = per > 0xffffffffULL ? 0xffffffffU : (__u32)per ?: 1;
 		r = bpf_map_lookup_elem(&mw_short, &rule_id);
 		if (fast)
-			o->rate_fast = rate_avg(o->rate_fast, (__u32)rate);
+			o->rate_fast = rate_avg(o->rate_fast, rate);
 		else
-			o->rate_tcp = rate_avg(o->rate_tcp, (__u32)rate);
+			o->rate_tcp = rate_avg(o->rate_tcp, rate);
 		fast_rate = o->rate_fast;
 		tcp_rate = o->rate_tcp;
 		/* The rule's connections share what they measured (a hint: racy
@@ -2589,9 +2590,9 @@ static __always_inline void judge_streamed(struct mw_dir *o, __u32 rule_id)
 		 * yet is judged by the rule's rate. */
 		if (r) {
 			if (fast)
-				r->rate_fast = rate_avg(r->rate_fast, (__u32)rate);
+				r->rate_fast = rate_avg(r->rate_fast, rate);
 			else
-				r->rate_tcp = rate_avg(r->rate_tcp, (__u32)rate);
+				r->rate_tcp = rate_avg(r->rate_tcp, rate);
 			looks = ++r->looks;
 			if (!fast_rate)
 				fast_rate = r->rate_fast;
