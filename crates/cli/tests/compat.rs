@@ -150,6 +150,18 @@ impl Splice {
     }
 }
 
+/// haproxy in TCP mode from `listen` to `upstream`, with edge-triggered
+/// polling. haproxy 2.6's default (level-triggered epoll) ends a full-duplex
+/// stream early now and then, on a plain kernel path too: FD_POLL_HUP stays
+/// set across poll reports while FD_POLL_IN is replaced by each, so once the
+/// peer's FIN was reported, an EPOLLOUT-only report while reading is paused
+/// (buffer full) leaves HUP without IN, and haproxy's next read
+/// (`raw_sock_to_buf`, `raw_sock_to_pipe`) takes that as the end without
+/// calling recv or splice. The rest stays unread and the client gets a reset
+/// (bpftrace: no recv or splice returned 0; `tcp_send_active_reset` from
+/// haproxy's close, unread data). Measured with `haproxy_outbound_*`, 4 tests a
+/// run: no rule registered 1 truncation in 32 runs, both rules 8 in 40, and
+/// edge-triggered 0 in 40, where every report carries EPOLLIN while bytes wait.
 fn haproxy_config(
     dir: &ScratchDir,
     name: &str,
@@ -158,7 +170,7 @@ fn haproxy_config(
     splice: Splice,
 ) -> Result<String> {
     let cfg = format!(
-        "global\n maxconn 4096\ndefaults\n mode tcp\n timeout connect 5s\n timeout client 120s\n timeout server 120s\n\
+        "global\n maxconn 4096\n expose-experimental-directives\n tune.fd.edge-triggered on\ndefaults\n mode tcp\n timeout connect 5s\n timeout client 120s\n timeout server 120s\n\
          listen sidecar\n bind {listen}\n {}\n server app {upstream}\n",
         splice.option()
     );
