@@ -538,10 +538,7 @@ fn fixed_socket_buffers_bound_the_redirected_backlog() -> Result<()> {
 #[test]
 fn a_large_write_stream_into_a_reader_on_another_cpu_moves_to_tcp() -> Result<()> {
     const W: usize = 16 << 10;
-    let Some((writer_cpu, other_cpu)) = writer_and_reader_cpus() else { return Ok(()) };
-    let k = kernel_test!();
-    let (net, l, pair) = pods_pair(&k, 8217, FastPathMode::Adaptive)?;
-    meshwarp_testbed::pin_thread(writer_cpu)?;
+    let Some(TwoCpus { k, net, l, pair, writer_cpu, other_cpu, .. }) = TwoCpus::start(8217)? else { return Ok(()) };
     let mut conns = connections(&net, &l, 8217, 4)?;
     let counters = |what: &str, redirected: u64, demoted: u64| -> Result<RuleCounters> {
         let st = k.dp().stats(&pair)?;
@@ -671,8 +668,8 @@ fn a_large_write_stream_into_a_reader_on_another_cpu_moves_to_tcp() -> Result<()
 #[test]
 fn a_nagle_clients_large_first_request_stays_redirected() -> Result<()> {
     const W: usize = 16 << 10;
-    let Some(t) = OneConnTwoCpus::start(8233)? else { return Ok(()) };
-    let (c, s, other_cpu) = (t.c, t.s, t.other_cpu);
+    let Some(t) = TwoCpus::start(8233)? else { return Ok(()) };
+    let ((c, s), other_cpu) = (t.conn()?, t.other_cpu);
     // The client keeps Nagle on; the server answers with TCP_NODELAY.
     s.set_nodelay(true)?;
     let mut up_w = Stream::new(71);
@@ -723,8 +720,8 @@ fn chunks_of_256_kib_stay_redirected_into_a_copying_reader() -> Result<()> {
     const W: usize = 16 << 10;
     // Two chunks of 17 fragments (32 KiB pages) and a last one of 96 KiB.
     const HUGE: usize = (1 << 20) + (160 << 10);
-    let Some(t) = OneConnTwoCpus::start(8234)? else { return Ok(()) };
-    let (c, s, other_cpu) = (t.c, t.s, t.other_cpu);
+    let Some(t) = TwoCpus::start(8234)? else { return Ok(()) };
+    let ((c, s), other_cpu) = (t.conn()?, t.other_cpu);
     c.set_nodelay(true)?;
     let mut up_w = Stream::new(72);
     pinned_reader(other_cpu, &s, Stream::new(72), |read| -> Result<()> {
@@ -762,8 +759,8 @@ fn chunks_of_256_kib_stay_redirected_into_a_copying_reader() -> Result<()> {
 fn a_streamed_direction_is_timed_and_tries_the_fast_path_again() -> Result<()> {
     const W: usize = 16 << 10;
     const RESPONSE: usize = 512 << 10;
-    let Some(t) = OneConnTwoCpus::start(8235)? else { return Ok(()) };
-    let (c, s, writer_cpu, other_cpu) = (t.c, t.s, t.writer_cpu, t.other_cpu);
+    let Some(t) = TwoCpus::start(8235)? else { return Ok(()) };
+    let ((c, s), writer_cpu, other_cpu) = (t.conn()?, t.writer_cpu, t.other_cpu);
     s.set_nodelay(true)?;
     let (mut up_w, mut up_r) = (Stream::new(73), Stream::new(73));
     let mut dn_w = Stream::new(173);
@@ -844,10 +841,7 @@ fn rule_paths(k: &KernelTest, pair: &EndpointPair) -> Result<Short> {
 #[test]
 fn a_rules_measured_path_starts_its_new_connections() -> Result<()> {
     const W: usize = 16 << 10;
-    let Some((writer_cpu, other_cpu)) = writer_and_reader_cpus() else { return Ok(()) };
-    let k = kernel_test!();
-    let (net, l, pair) = pods_pair(&k, 8236, FastPathMode::Adaptive)?;
-    meshwarp_testbed::pin_thread(writer_cpu)?;
+    let Some(TwoCpus { k, net, l, pair, other_cpu, .. }) = TwoCpus::start(8236)? else { return Ok(()) };
     let id = k.dp().rule_id(&pair)?;
     let map: meshwarp_core::maps::TypedMap<u32, Short> = k.map(meshwarp_bpf::names::MAP_SHORT)?;
     for (fast, seed) in [(true, 74u64), (false, 75)] {
@@ -878,29 +872,32 @@ fn a_rules_measured_path_starts_its_new_connections() -> Result<()> {
     Ok(())
 }
 
-/// One adaptive pair's connection between two pods, this thread pinned to
-/// the writer's CPU and the other CPU free for a pinned reader: the setup of
-/// the tests of large writes into a reader copying out on another CPU.
-/// `None` where the kernel test or two CPUs are missing (each says why).
-struct OneConnTwoCpus {
-    c: TcpStream,
-    s: TcpStream,
-    pair: EndpointPair,
-    _l: TcpListener,
-    _net: NodeWithPods,
+/// An adaptive pair between two pods, this thread pinned to the writer's CPU
+/// and the other CPU free for a pinned reader: the setup of the tests of
+/// large writes into a reader copying out on another CPU. `None` where the
+/// kernel test or two CPUs are missing (each says why).
+struct TwoCpus {
     k: KernelTest,
+    net: NodeWithPods,
+    l: TcpListener,
+    pair: EndpointPair,
+    port: u16,
     writer_cpu: usize,
     other_cpu: usize,
 }
 
-impl OneConnTwoCpus {
+impl TwoCpus {
     fn start(port: u16) -> Result<Option<Self>> {
         let Some((writer_cpu, other_cpu)) = writer_and_reader_cpus() else { return Ok(None) };
         let Some(k) = KernelTest::start(1024) else { return Ok(None) };
         let (net, l, pair) = pods_pair(&k, port, FastPathMode::Adaptive)?;
         meshwarp_testbed::pin_thread(writer_cpu)?;
-        let (c, s) = connections(&net, &l, port, 1)?.remove(0);
-        Ok(Some(Self { c, s, pair, _l: l, _net: net, k, writer_cpu, other_cpu }))
+        Ok(Some(Self { k, net, l, pair, port, writer_cpu, other_cpu }))
+    }
+
+    /// A new connection of the pair: (client end, server end).
+    fn conn(&self) -> Result<(TcpStream, TcpStream)> {
+        Ok(connections(&self.net, &self.l, self.port, 1)?.remove(0))
     }
 }
 

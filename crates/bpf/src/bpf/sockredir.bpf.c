@@ -2534,8 +2534,8 @@ static __always_inline __u32 rate_avg(__u32 avg, __u32 rate)
 /*
  * A look at direction `o` (the one this end reads), timed (MW_DIR_TIMED:
  * its large writes moved it to TCP for good once, or its rule's rates kept
- * it redirected), from this end's send: once
- * this end's reader read MW_POLICY_HUGE bytes of it since the last look,
+ * it redirected), from this end's send: once this end's reader read
+ * MW_POLICY_HUGE bytes of it since the last look,
  * the rate over that span is the path's the direction took (TCP or not, at
  * this moment), and the faster path takes its next exchanges: TCP lets a
  * writer and a reader on two CPUs copy at once where a redirect waits for
@@ -2746,8 +2746,8 @@ static __always_inline bool policy_allows(struct sk_msg_md *msg, struct mw_link 
 	 * never a loss. Counted as coalescing even when its reader is behind
 	 * too (the reason that would have moved it anyway). */
 	coalesce = run >= MW_POLICY_COALESCE && batched(d, tp) &&
-		   (small || (d->flags & MW_DIR_RD_SHARED) || unread <= MW_POLICY_KEEPUP) &&
-		   (small || !(d->flags & MW_DIR_KEEP));
+		   (small || (((d->flags & MW_DIR_RD_SHARED) || unread <= MW_POLICY_KEEPUP) &&
+			      !(d->flags & MW_DIR_KEEP)));
 	/* Not while TCP would hold the run's tail for a delayed ACK: such a
 	 * run may then fall as far behind as TCP would let it, no further. A
 	 * reader of several threads, whose reads are not counted, is never
